@@ -1,0 +1,41 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install everything.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.baton-installed
+# CPU machines take the CPU wheel of torch that lies on disk; a machine with a GPU keeps its own torch.
+TORCH_CPU := torch==2.13.0
+DEMO_MODEL := models/demo-small
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q 'torch>=2.9'; \
+	else \
+		$(BIN)/python -m pip install -q $(TORCH_CPU); \
+	fi
+	# Pin the torch just installed so that nothing below replaces it with another build.
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(BIN)/baton make-model $(DEMO_MODEL) --preset small --seed 0
+
+demo: $(STAMP) $(DEMO_MODEL)/config.json
+	$(BIN)/baton demo --model $(DEMO_MODEL)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""The two cache pools, allocated once per engine (and, later, registered with NIXL once):
+
+- KV block pool, one tensor for all attention layers: [L_attn, num_blocks, 2, block_size, Hkv, D].
+  A block's K and V of one layer are adjacent, so a run of consecutive block ids is one contiguous region
+  per layer (what the transfer plan coalesces).
+- State pool per kind, one tensor for all Mamba layers: conv [L_mamba, slots, conv_dim, K-1] and
+  SSM [L_mamba, slots, H, P, N].
+
+`plan_cache` sizes both from a memory budget; the scheduler only ever sees the resulting counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.config import ModelConfig
+from baton.engine.engine_config import EngineConfig
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_blocks: int
+    num_slots: int
+    block_bytes: int  # one block across all attention layers (K and V)
+    slot_bytes: int   # one state slot across all Mamba layers (conv + SSM)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> CachePlan:
+    n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
+    block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * _itemsize(dtype)
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * _itemsize(ssm_dtype)
+    slot_bytes = n_mamba * (conv + ssm)
+    num_slots = ecfg.max_num_seqs
+    if ecfg.num_kv_blocks is not None:
+        num_blocks = ecfg.num_kv_blocks
+    elif block_bytes == 0:
+        # A model without attention layers still needs block ids for bookkeeping; they cost nothing.
+        num_blocks = max(1, -(-ecfg.max_num_seqs * (ecfg.max_model_len or cfg.max_position_embeddings)
+                              // ecfg.block_size))
+    else:
+        left = ecfg.cache_memory_bytes - num_slots * slot_bytes
+        num_blocks = left // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"engine field 'cache_memory_bytes': expected at least {num_slots * slot_bytes + block_bytes} "
+                f"bytes ({num_slots} state slots of {slot_bytes} B + one KV block of {block_bytes} B), "
+                f"got {ecfg.cache_memory_bytes}")
+    return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes)
+
+
+class CachePools:
+    def __init__(self, cfg: ModelConfig, plan: CachePlan, block_size: int, dtype: torch.dtype,
+                 ssm_dtype: torch.dtype, device: torch.device | str) -> None:
+        self.plan = plan
+        n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
+        self.kv = torch.zeros(n_attn, plan.num_blocks, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                              dtype=dtype, device=device)
+        self.conv = torch.zeros(n_mamba, plan.num_slots, cfg.conv_dim, cfg.conv_kernel - 1,
+                                dtype=dtype, device=device)
+        self.ssm = torch.zeros(n_mamba, plan.num_slots, cfg.mamba_num_heads, cfg.mamba_head_dim,
+                               cfg.ssm_state_size, dtype=ssm_dtype, device=device)
+
+    def kv_layers(self) -> list[torch.Tensor]:
+        return list(self.kv.unbind(0))
+
+    def conv_layers(self) -> list[torch.Tensor]:
+        return list(self.conv.unbind(0))
+
+    def ssm_layers(self) -> list[torch.Tensor]:
+        return list(self.ssm.unbind(0))

@@ -1,0 +1,59 @@
+"""Engine (serving) configuration: batch shape, cache sizes and numerics. Frozen and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"engine field '{name}': expected a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Tokens per KV block.
+    block_size: int = 16
+    # Running requests at most; also the number of Mamba state slots.
+    max_num_seqs: int = 32
+    # Token budget of one forward pass (decode rows + prefill chunks).
+    max_num_batched_tokens: int = 512
+    # Cap on one prefill chunk, so a long prompt cannot take the whole step (None = budget only).
+    long_prefill_token_threshold: int | None = None
+    # Bytes for the KV block pool plus the state pool; the block count is derived from it ...
+    cache_memory_bytes: int = 256 * 2**20
+    # ... unless given outright (tests use small pools to force preemption).
+    num_kv_blocks: int | None = None
+    # Longest sequence (prompt + output); None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Activation / weight dtype; "auto" = the checkpoint's torch_dtype.
+    dtype: str = "auto"
+    # SSM state pool dtype; None = the checkpoint's mamba_ssm_cache_dtype.
+    ssm_state_dtype: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check_pos_int("block_size", self.block_size)
+        _check_pos_int("max_num_seqs", self.max_num_seqs)
+        _check_pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_pos_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
+        _check_pos_int("cache_memory_bytes", self.cache_memory_bytes)
+        _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"engine field 'dtype': expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
+            raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
+                             f"got {self.ssm_state_dtype!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request must be able to decode in the same step.
+            raise ValueError(f"engine field 'max_num_batched_tokens': expected >= max_num_seqs="
+                             f"{self.max_num_seqs}, got {self.max_num_batched_tokens}")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens

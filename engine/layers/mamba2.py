@@ -1,0 +1,74 @@
+"""Mamba2 mixer over a varlen batch: decode rows take the state-update path, prefill rows the chunked scan.
+
+Which path a row takes is decided by the scheduler from computed tokens (`ForwardBatch.num_decodes`),
+never from its query length (R2). Prefill rows whose `has_initial_state` is False start from zeros:
+their pool slot's old contents are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.engine.config import ModelConfig
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.norms import GatedRMSNorm
+from baton.engine.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
+from baton.engine.ops.selective_state_update import selective_state_update
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, state_index: int) -> None:
+        super().__init__()
+        self.state_index = state_index  # which state-pool layer this mixer owns
+        self.num_heads = cfg.mamba_num_heads
+        self.head_dim = cfg.mamba_head_dim
+        self.n_groups = cfg.n_groups
+        self.d_state = cfg.ssm_state_size
+        self.intermediate = cfg.mamba_intermediate_size
+        self.conv_dim = cfg.conv_dim
+        self.chunk_size = cfg.chunk_size
+        self.dt_min = cfg.time_step_min
+        self.in_proj = nn.Linear(cfg.hidden_size, self.intermediate + self.conv_dim + self.num_heads,
+                                 bias=cfg.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, cfg.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        conv_state = batch.conv_states[self.state_index]  # [S, C, K-1]
+        ssm_state = batch.ssm_states[self.state_index]    # [S, H, P, N]
+        weight = self.conv1d.weight.squeeze(1)            # [C, K]
+        A = -torch.exp(self.A_log.float())                # [H]
+        nd = batch.num_decodes  # decode rows are the first nd tokens, one each
+        y = x.new_empty(t, self.num_heads, self.head_dim)  # [T, H, P]
+
+        if nd:
+            xbc_d = causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
+            xs, B, C = self._split_xbc(xbc_d)
+            y[:nd] = selective_state_update(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
+                                            batch.state_slots[:nd], self.dt_min)
+        if nd < batch.num_rows:
+            qsl = batch.query_start_loc[nd:] - batch.query_start_loc[nd]
+            slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
+            xbc_p = causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
+            xs, B, C = self._split_xbc(xbc_p)
+            y[nd:] = mamba_chunk_scan_varlen(xs, dt[nd:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
+                                             init, self.chunk_size, self.dt_min)
+
+        y = self.norm(y.view(t, self.intermediate), gate)
+        return self.out_proj(y.to(x.dtype))
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gn = self.n_groups * self.d_state
+        xs, B, C = xbc.split([self.intermediate, gn, gn], dim=-1)
+        n = xbc.shape[0]
+        return (xs.reshape(n, self.num_heads, self.head_dim), B.reshape(n, self.n_groups, self.d_state),
+                C.reshape(n, self.n_groups, self.d_state))

@@ -1,0 +1,29 @@
+"""The non-gated MLP of NemotronH: down(act(up(x))), relu2 = relu(x)^2 by default."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def activation(name: str):
+    if name == "relu2":
+        return lambda x: torch.relu(x).square()
+    if name == "silu":
+        return nn.functional.silu
+    if name == "gelu":
+        return nn.functional.gelu
+    if name == "relu":
+        return torch.relu
+    raise ValueError(f"mlp_hidden_act: expected relu2, silu, gelu or relu, got {name!r}")
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))

@@ -1,0 +1,148 @@
+"""The engine loop: `schedule() -> runner.execute(batch) -> scheduler.update()`, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from baton.engine.cache_pools import CachePools, plan_cache
+from baton.engine.config import ModelConfig
+from baton.engine.engine_config import EngineConfig
+from baton.engine.loader import load_checkpoint
+from baton.engine.model import NemotronHForCausalLM
+from baton.engine.request import Request
+from baton.engine.runner import ModelRunner
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    mixed_steps: int = 0      # steps whose batch held decode rows and prefill chunks together
+    prompt_tokens: int = 0    # prefill tokens computed (recomputes after preemption included)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    step_seconds: float = 0.0
+    max_rows: int = 0
+    row_kinds: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefills) per step
+
+
+class LLMEngine:
+    def __init__(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = model_cfg
+        dtype_name = model_cfg.torch_dtype if config.dtype == "auto" else config.dtype
+        self.dtype = DTYPES[dtype_name]
+        self.ssm_dtype = DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        device = torch.device(config.device)
+        self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
+        self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
+        self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
+        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
+        self.runner = ModelRunner(self.model, self.pools, config.block_size, device)
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
+        return cls(model_cfg, weights, config)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        cfg = self.model_config
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids: expected at least one token, got an empty prompt")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: expected ids in [0, {cfg.vocab_size}), got {bad[:5]}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: expected fewer than max_model_len={self.max_model_len} tokens, "
+                             f"got {len(prompt)}")
+        params.validate_for_vocab(cfg.vocab_size)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
+        req = Request(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                      arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len)
+        self.scheduler.add(req)
+        self.runner.add_request(request_id, params)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self.runner.remove_request(request_id)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        before = {r.request_id: len(self.scheduler.requests[r.request_id].output_token_ids) for r in out.rows}
+        result = self.runner.execute(out)
+        finished = self.scheduler.update(out, result.sampled)
+        self._record(out, time.perf_counter() - t0)
+        outputs = []
+        for row in out.rows:
+            req = self.scheduler.requests.get(row.request_id)
+            req = req or next(f for f in finished if f.request_id == row.request_id)
+            if not row.sample:
+                continue
+            outputs.append(RequestOutput(
+                request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
+                token_ids=tuple(req.output_token_ids),
+                new_token_ids=tuple(req.output_token_ids[before[req.request_id]:]),
+                finished=req.status.finished, finish_reason=req.finish_reason))
+        for req in finished:
+            self.runner.remove_request(req.request_id)
+        return outputs
+
+    def _record(self, out: SchedulerOutput, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.mixed_steps += out.is_mixed
+        s.decode_tokens += out.num_decodes
+        s.prompt_tokens += out.num_tokens - out.num_decodes
+        s.preemptions = self.scheduler.num_preemptions
+        s.step_seconds += seconds
+        s.max_rows = max(s.max_rows, len(out.rows))
+        s.row_kinds.append((out.num_decodes, out.num_prefills))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[RequestOutput]:
+        """Serve all prompts together in this engine; results in input order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: expected one per prompt ({len(prompts)}), got {len(plist)}")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return [done[i] for i in ids]

@@ -1,0 +1,85 @@
+"""The NemotronH hybrid causal LM over varlen batches. Parameter names mirror HF transformers'
+`NemotronHForCausalLM` (`model.layers.{i}.mixer.*`), so a checkpoint's state dict loads as is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.engine.config import ATTENTION, MAMBA, MOE, ModelConfig
+from baton.engine.config import MLP as MLP_SYMBOL
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.attention import Attention
+from baton.engine.layers.mamba2 import Mamba2Mixer
+from baton.engine.layers.mlp import MLP
+from baton.engine.layers.moe import MoE
+from baton.engine.layers.norms import RMSNorm
+
+
+class Block(nn.Module):
+    """Pre-norm residual block around one mixer (Mamba2, attention, MLP or MoE)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        kind = cfg.layer_types[layer_id]
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(cfg, cfg.mamba_layer_ids.index(layer_id))
+        elif kind == ATTENTION:
+            self.mixer = Attention(cfg, cfg.attention_layer_ids.index(layer_id))
+        elif kind == MLP_SYMBOL:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
+        elif kind == MOE:
+            self.mixer = MoE(cfg)
+        else:
+            raise ValueError(f"layer {layer_id}: expected one of M, *, -, E, got {kind!r}")
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return h + self.mixer(self.norm(h.to(self.norm.weight.dtype)), batch)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embeddings(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, batch)
+        return self.norm_f(h)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states of every token: [T, hidden]."""
+        return self.model(input_ids, batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
+                        dtype: torch.dtype) -> NemotronHForCausalLM:
+        with torch.device("meta"):
+            model = cls(cfg)
+        # The MoE router stays fp32 whatever the model dtype; everything else takes `dtype`.
+        keep_fp32 = ("gate.weight", "gate.e_score_correction_bias")
+        target = {k: v.to(device=device, dtype=torch.float32 if k.endswith(keep_fp32) else dtype)
+                  for k, v in state.items() if not k.startswith("mtp.")}
+        missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
+                             f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+        return model.eval()

@@ -1,0 +1,126 @@
+"""Depthwise causal conv1d + SiLU of the Mamba2 mixer, on a conv-state pool (torch reference).
+
+Per channel c, with kernel width K and the row's inputs u (oldest first):
+
+    out_t = silu(bias[c] + sum_k weight[c, k] * u[t - (K-1) + k])
+
+Inputs before the row's first token come from the pool: `conv_state[slot]` [C, K-1] holds the K-1
+inputs that precede it, oldest first (HF's `conv_state[:, :, -state_len:]` convention), or zeros for
+a row without initial state. After the call the slot holds the row's last K-1 inputs, so the next
+chunk or decode step continues exactly where this one stopped. Math in fp32; the output takes
+x.dtype and the pool keeps its own dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _check_shape(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{fn}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
+
+
+def _check_slots(fn: str, state_slots: Tensor, num_slots: int) -> list[int]:
+    slots = state_slots.tolist()
+    if any(s < 0 or s >= num_slots for s in slots):
+        raise ValueError(f"{fn}: state_slots expected values in [0, {num_slots}), got {slots}")
+    # Two rows on one slot would both read the old state and one write would be lost.
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"{fn}: state_slots expected distinct slots, got {slots}")
+    return slots
+
+
+def _check_common(fn: str, x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or conv_state.dim() != 3:
+        raise ValueError(
+            f"{fn}: expected x [T, C], weight [C, K], conv_state [S, C, K-1], got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}"
+        )
+    channels, width = x.shape[1], weight.shape[1]
+    if width < 1:
+        raise ValueError(f"{fn}: weight expected kernel width K >= 1, got {tuple(weight.shape)}")
+    _check_shape(fn, "weight", weight, "[C, K]", (channels, width))
+    _check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (conv_state.shape[0], channels, width - 1))
+    if bias is not None:
+        _check_shape(fn, "bias", bias, "[C]", (channels,))
+
+
+def causal_conv1d_varlen(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    query_start_loc: Tensor,
+    state_slots: Tensor,
+    has_initial_state: Tensor,
+) -> Tensor:
+    """silu(causal conv) of every prefill row of a varlen batch; each row's slot gets its last K-1 inputs.
+
+    x [T, C]; weight [C, K]; bias [C] or None; conv_state [S, C, K-1] pool; query_start_loc [R+1];
+    state_slots [R] distinct; has_initial_state [R] bool (False: zeros precede the row and its slot's
+    old contents are never read). A row shorter than K-1 keeps the tail of its preceding inputs in
+    the state. Returns [T, C] in x.dtype.
+    """
+    fn = "causal_conv1d_varlen"
+    _check_common(fn, x, weight, bias, conv_state)
+    T, channels = x.shape
+    width = weight.shape[1]
+    if state_slots.dim() != 1:
+        raise ValueError(f"{fn}: state_slots expected shape [R], got {tuple(state_slots.shape)}")
+    R = state_slots.shape[0]
+    _check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    _check_shape(fn, "has_initial_state", has_initial_state, "[R]", (R,))
+    bounds = query_start_loc.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"{fn}: query_start_loc expected non-decreasing from 0 to T = {T}, got {bounds}")
+    slots = _check_slots(fn, state_slots, conv_state.shape[0])
+    has_init = has_initial_state.tolist()
+
+    w = weight.float()  # [C, K]
+    x32 = x.float()  # [T, C]
+    out = torch.empty(T, channels, dtype=torch.float32, device=x.device)
+    for r in range(R):
+        lo, hi = bounds[r], bounds[r + 1]
+        if has_init[r]:
+            preceding = conv_state[slots[r]].float().T  # [K-1, C]
+        else:
+            preceding = torch.zeros(width - 1, channels, dtype=torch.float32, device=x.device)
+        inputs = torch.cat([preceding, x32[lo:hi]])  # [K-1 + L, C]
+        # Window t covers inputs t .. t+K-1, i.e. the row's token t and the K-1 inputs before it.
+        windows = inputs.unfold(0, width, 1)  # [L, C, K]
+        out[lo:hi] = (windows * w).sum(dim=-1)
+        # Slicing from an explicit start, because [-(K-1):] would keep everything when K == 1.
+        conv_state[slots[r]] = inputs[inputs.shape[0] - (width - 1) :].T.to(conv_state.dtype)
+
+    if bias is not None:
+        out += bias.float()
+    return F.silu(out).to(x.dtype)
+
+
+def causal_conv1d_update(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    state_slots: Tensor,
+) -> Tensor:
+    """One token per row: silu(conv) over the slot's K-1 stored inputs and x; shifts x into the slot.
+
+    x [B, C]; weight [C, K]; bias [C] or None; conv_state [S, C, K-1] pool; state_slots [B] distinct.
+    Returns [B, C] in x.dtype.
+    """
+    fn = "causal_conv1d_update"
+    _check_common(fn, x, weight, bias, conv_state)
+    batch = x.shape[0]
+    _check_shape(fn, "state_slots", state_slots, "[B]", (batch,))
+    _check_slots(fn, state_slots, conv_state.shape[0])
+
+    slots = state_slots.long()
+    window = torch.cat([conv_state[slots].float(), x.float()[:, :, None]], dim=-1)  # [B, C, K]
+    out = (window * weight.float()).sum(dim=-1)  # [B, C]
+    if bias is not None:
+        out += bias.float()
+    # Drop the oldest input; the new token becomes the newest.
+    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    return F.silu(out).to(x.dtype)

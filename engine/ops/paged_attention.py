@@ -1,0 +1,122 @@
+"""Causal attention over a paged KV cache, for prefill chunks and decode rows alike (torch reference).
+
+The cache of one attention layer is `kv_cache [num_blocks, 2, block_size, Hkv, D]` (index 0 = K,
+1 = V). A sequence's token at position p lives in block `block_tables[r, p // block_size]` at offset
+`p % block_size`; its flat slot is `block_id * block_size + offset`. NemotronH attention has no
+rotary embedding, so keys are stored exactly as projected.
+
+A step first writes its own tokens' K and V (`write_kv`), then attends (`paged_attention`): query i
+of row r sits at absolute position ctx + i, ctx = seq_len - q_len, and sees keys 0 .. ctx + i.
+Query head h reads KV head h // (Hq // Hkv) (grouped-query attention). Scores and softmax in fp32.
+"""
+
+import torch
+from torch import Tensor
+
+
+def _check_shape(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{fn}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
+
+
+def _check_cache(fn: str, kv_cache: Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{fn}: kv_cache expected shape [num_blocks, 2, block_size, Hkv, D], got {tuple(kv_cache.shape)}"
+        )
+
+
+def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store each token's K and V at its flat slot `block_id * block_size + offset`.
+
+    k, v [T, Hkv, D]; kv_cache [num_blocks, 2, block_size, Hkv, D], written in place at the given
+    slots only; slot_mapping [T] int.
+    """
+    fn = "write_kv"
+    _check_cache(fn, kv_cache)
+    num_blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if k.dim() != 3:
+        raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
+    T = k.shape[0]
+    _check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    _check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    _check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
+    slots = slot_mapping.long()
+    if T > 0 and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
+        raise ValueError(
+            f"{fn}: slot_mapping expected values in [0, {num_blocks * block_size}), "
+            f"got min {int(slots.min())}, max {int(slots.max())}"
+        )
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def paged_attention(
+    q: Tensor,
+    kv_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal attention of every row's queries over its sequence's cached keys and values.
+
+    q [T, Hq, D]; kv_cache [num_blocks, 2, block_size, Hkv, D], already holding this step's K/V;
+    query_start_loc [R+1]; seq_lens [R] tokens of the sequence including this step's; block_tables
+    [R, max_blocks] int, entries past a row's last block are ignored. Returns [T, Hq, D] in q.dtype.
+    """
+    fn = "paged_attention"
+    _check_cache(fn, kv_cache)
+    num_blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if q.dim() != 3 or block_tables.dim() != 2:
+        raise ValueError(
+            f"{fn}: expected q [T, Hq, D], block_tables [R, max_blocks], got q {tuple(q.shape)}, "
+            f"block_tables {tuple(block_tables.shape)}"
+        )
+    T, q_heads = q.shape[0], q.shape[1]
+    R, max_blocks = block_tables.shape
+    _check_shape(fn, "q", q, "[T, Hq, D]", (T, q_heads, head_dim))
+    _check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    _check_shape(fn, "seq_lens", seq_lens, "[R]", (R,))
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"{fn}: expected Hq a multiple of Hkv = {kv_heads}, got Hq = {q_heads}")
+    bounds = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"{fn}: query_start_loc expected non-decreasing from 0 to T = {T}, got {bounds}")
+    q_lens = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    too_short = any(n < m for n, m in zip(lens, q_lens, strict=True))
+    if too_short or any(-(-n // block_size) > max_blocks for n in lens):
+        raise ValueError(
+            f"{fn}: seq_lens expected >= each row's query length {q_lens} and <= max_blocks * block_size "
+            f"= {max_blocks * block_size}, got {lens}"
+        )
+
+    group = q_heads // kv_heads
+    out = torch.empty(T, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    for r in range(R):
+        lo, hi, seq_len = bounds[r], bounds[r + 1], lens[r]
+        q_len = hi - lo
+        if q_len == 0:
+            continue
+        block_ids = block_tables[r, : -(-seq_len // block_size)].long()
+        if int(block_ids.min()) < 0 or int(block_ids.max()) >= num_blocks:
+            raise ValueError(
+                f"{fn}: block_tables[{r}] expected block ids in [0, {num_blocks}), got {block_ids.tolist()}"
+            )
+        # Gather the row's blocks in sequence order and drop the unused tail of the last block.
+        kv = kv_cache[block_ids].transpose(0, 1).reshape(2, -1, kv_heads, head_dim)[:, :seq_len].float()
+        keys, values = kv[0], kv[1]  # [S, Hkv, D]
+
+        queries = q[lo:hi].float().view(q_len, kv_heads, group, head_dim)  # [L, Hkv, g, D]
+        scores = torch.einsum("lhgd,shd->hgls", queries, keys) * scale  # [Hkv, g, L, S]
+        # Query i is at absolute position ctx + i and may see keys at positions <= ctx + i.
+        ctx = seq_len - q_len
+        query_pos = torch.arange(ctx, seq_len, device=q.device)[:, None]  # [L, 1]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, S]
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [Hkv, g, L, S]
+        row_out = torch.einsum("hgls,shd->lhgd", probs, values)  # [L, Hkv, g, D]
+        out[lo:hi] = row_out.reshape(q_len, q_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,66 @@
+"""A request's bookkeeping as the scheduler sees it: token ids, progress and owned cache ids (ints only)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from baton.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # Admission order (FCFS); preempted requests keep theirs and go back to the front.
+    arrival: int
+    # Stop ids: the model's EOS ids (unless ignore_eos) plus the request's own stop ids.
+    stop_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose KV / state effect is in the caches.
+    num_computed_tokens: int = 0
+    # Tokens to prefill since the last (re)admission: the prompt, or prompt + outputs after preemption.
+    num_prefill_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_decode(self) -> bool:
+        """True once the (re)admitted prefill is fully computed: the request holds a state and a KV prefix.
+
+        The Mamba path is chosen by this, never by the query length (R2): a new 1-token prompt is a prefill.
+        """
+        return self.status is RequestStatus.RUNNING and self.num_computed_tokens >= self.num_prefill_tokens > 0
+
+    @property
+    def has_initial_state(self) -> bool:
+        return self.num_computed_tokens > 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

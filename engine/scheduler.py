@@ -1,0 +1,248 @@
+"""Token-budget scheduler: decode rows first, chunked prefills share the rest, FCFS admission.
+
+Works on ints only (token counts, block ids, slot ids); the runner turns its output into tensors.
+
+Per step (R5):
+1. every running request in its decode phase gets its 1 token reserved first, with the KV blocks it needs;
+   when blocks run out, the latest-arrived running request is preempted (recompute: its blocks and slot
+   are freed, it goes back to the front of the queue and later prefills prompt + outputs again);
+2. running requests still prefilling get a chunk each: min(remaining, budget left, chunk cap);
+3. waiting requests are admitted in arrival order while budget, sequence slots, state slots and KV
+   blocks last; the first that does not fit stops admission (no overtaking).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from baton.engine.allocator import FreeList
+from baton.engine.engine_config import EngineConfig
+from baton.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    request_id: str
+    token_ids: tuple[int, ...]    # the tokens fed this step (query)
+    num_computed_tokens: int      # context already in the caches before this step
+    is_decode: bool               # decode phase (state-update path); False: a prefill chunk
+    has_initial_state: bool       # False: the Mamba state starts from zeros, the slot is never read
+    state_slot: int
+    block_ids: tuple[int, ...]    # the request's whole block table after this step's allocation
+    sample: bool                  # this step completes the known tokens: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    rows: tuple[ScheduledRow, ...]  # decode rows first, then prefill rows
+    preempted: tuple[str, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(r.is_decode for r in self.rows)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.rows) - self.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_mixed(self) -> bool:
+        return 0 < self.num_decodes < len(self.rows)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = FreeList(num_blocks, "kv blocks")
+        self.slots = FreeList(num_slots, "state slots")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # ordered by arrival
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id: expected a new id, got duplicate {req.request_id!r}")
+        # A request that could not run even alone would wait (or preempt itself) forever.
+        longest = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len)
+        if -(-longest // self.block_size) > self.blocks.capacity:
+            raise ValueError(f"request length: expected at most {self.blocks.capacity * self.block_size} tokens "
+                             f"(the whole KV pool), got prompt + max_tokens = {longest}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        cap = self.config.prefill_chunk_cap
+        preempted: list[str] = []
+        planned: dict[str, int] = {}  # request id -> tokens this step
+
+        # 1. decode rows: reserved first.
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or not req.in_decode:
+                continue
+            if self._reserve(req, 1, planned, preempted):
+                planned[req.request_id] = 1
+                budget -= 1
+
+        # 2. running prefills (chunked).
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in planned:
+                continue
+            n = min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap)
+            n = self._fit(req, n)
+            if n == 0 and self._reserve(req, 1, planned, preempted):
+                n = self._fit(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
+            if n > 0:
+                self._allocate_for(req, n)
+                planned[req.request_id] = n
+                budget -= n
+
+        # 3. admission, FCFS; none in a step that had to preempt (it would only thrash). A request is
+        # admitted only if the blocks for its whole prefill are free now, not just for its first chunk.
+        free_blocks = self.blocks.num_free
+        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs
+               and self.slots.can_allocate(1)):
+            req = self.waiting[0]
+            whole = -(-req.num_tokens // self.block_size)
+            if whole > free_blocks:
+                break
+            free_blocks -= whole
+            n = min(req.num_tokens, budget, cap)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = 0
+            req.num_prefill_tokens = req.num_tokens
+            req.state_slot = self.slots.allocate(1)[0]
+            self._allocate_for(req, n)
+            self._insert_running(req)
+            planned[req.request_id] = n
+            budget -= n
+
+        rows = [self._row(req, planned[req.request_id]) for req in self.running if req.request_id in planned]
+        rows.sort(key=lambda r: not r.is_decode)  # stable: decodes first, each group in arrival order
+        return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted))
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop rules. Returns finished requests."""
+        finished = []
+        for row in out.rows:
+            req = self.requests.get(row.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += row.num_tokens
+            if not row.sample:
+                continue
+            tok = sampled[row.request_id]
+            req.output_token_ids.append(tok)
+            if tok in req.stop_ids:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= req.max_model_len:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            if req.status.finished:
+                finished.append(req)
+        return finished
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _row(self, req: Request, n: int) -> ScheduledRow:
+        start = req.num_computed_tokens
+        assert req.state_slot is not None
+        return ScheduledRow(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[start:start + n]),
+            num_computed_tokens=start,
+            is_decode=req.in_decode,
+            has_initial_state=req.has_initial_state,
+            state_slot=req.state_slot,
+            block_ids=tuple(req.block_ids),
+            sample=start + n == req.num_tokens,
+        )
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        total = -(-(req.num_computed_tokens + n) // self.block_size)
+        return max(0, total - len(req.block_ids))
+
+    def _allocate_for(self, req: Request, n: int) -> None:
+        req.block_ids.extend(self.blocks.allocate(self._blocks_needed(req, n)))
+
+    def _fit(self, req: Request, n: int) -> int:
+        """Largest m <= n whose blocks fit in the request's blocks plus the free pool."""
+        room = (len(req.block_ids) + self.blocks.num_free) * self.block_size - req.num_computed_tokens
+        return max(0, min(n, room))
+
+    def _reserve(self, req: Request, n: int, planned: dict[str, int], preempted: list[str]) -> bool:
+        """Make room for n tokens of req, preempting the latest-arrived unplanned running requests.
+
+        Returns False when req itself had to be preempted.
+        """
+        while not self.blocks.can_allocate(self._blocks_needed(req, n)):
+            # Lowest priority = latest arrival among those not yet given tokens this step (maybe req).
+            victim = [r for r in self.running if r.request_id not in planned][-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        self._allocate_for(req, n)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the front, keeping arrival order among preempted requests.
+        idx = 0
+        while idx < len(self.waiting) and self.waiting[idx].arrival < req.arrival:
+            idx += 1
+        self.waiting.insert(idx, req)
+
+    def _insert_running(self, req: Request) -> None:
+        idx = len(self.running)
+        while idx > 0 and self.running[idx - 1].arrival > req.arrival:
+            idx -= 1
+        self.running.insert(idx, req)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        if req.state_slot is not None:
+            self.slots.free([req.state_slot])
+            req.state_slot = None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        del self.requests[req.request_id]

@@ -1,0 +1,204 @@
+"""Sampler and SamplingParams: filtering semantics, sampling statistics, per-request reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baton.engine.sampling import Sampler, make_generator
+from baton.engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
+# Upper 0.1% points of chi-square by degrees of freedom (no scipy in the dev deps). The draws below
+# are seeded, so the test is deterministic; the threshold only says how far off a bug must be.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+sampler = Sampler()
+
+
+def sample_many(logits: torch.Tensor, params: SamplingParams, n: int,
+                gen: torch.Generator | None = None) -> torch.Tensor:
+    """n draws for one row of logits [V], as a batch of n copies -> [n]."""
+    return sampler.sample(logits.expand(n, -1), [params] * n, [gen] * n)
+
+
+def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic over the support of expected_p, and its degrees of freedom."""
+    counts = torch.bincount(tokens.cpu(), minlength=len(expected_p)).double()
+    support = expected_p > 0
+    assert counts[~support].sum() == 0, f"draws outside the support: {counts.tolist()}"
+    exp = expected_p[support].double() * len(tokens)
+    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_with_ties_to_lowest_id(device: str) -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)).to(device)
+    logits[3, [7, 40, 90]] = 100.0  # a three-way tie for the max
+    gens = [make_generator(i, device) for i in range(8)]
+    out = sampler.sample(logits, [SamplingParams()] * 8, gens)
+    assert out.dtype == torch.int64 and out.device.type == torch.device(device).type
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+    assert out[3].item() == 7
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 20.0])
+def test_top_k_1_is_greedy(temperature: float) -> None:
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=temperature, top_k=1)
+    out = sampler.sample(logits, [p] * 16, [make_generator(i, "cpu") for i in range(16)])
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_support_is_the_k_largest() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    allowed = set(logits.topk(5).indices.tolist())
+    torch.manual_seed(0)
+    drawn = set(sample_many(logits, SamplingParams(temperature=5.0, top_k=5), 4000).tolist())
+    assert drawn == allowed  # never outside, and at temperature 5 every one of the five shows up
+
+
+def test_top_k_ties_at_the_cut_keep_the_lowest_ids() -> None:
+    logits = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 3.0])
+    torch.manual_seed(0)
+    drawn = set(sample_many(logits, SamplingParams(temperature=1.0, top_k=2), 2000).tolist())
+    assert drawn == {1, 2}
+
+
+@pytest.mark.parametrize(("top_p", "nucleus"), [(0.4, {2}), (0.7, {2, 0}), (0.8, {2, 0, 4}), (0.95, {2, 0, 4, 1}),
+                                               (1.0, {2, 0, 4, 1, 3})])
+def test_top_p_support_is_the_nucleus(top_p: float, nucleus: set[int]) -> None:
+    # Ranked by probability: id 2 (0.5), 0 (0.25), 4 (0.15), 1 (0.07), 3 (0.03). The nucleus is the
+    # smallest prefix whose mass reaches top_p; the cut points sit away from float round-off.
+    logits = torch.tensor([0.25, 0.07, 0.5, 0.03, 0.15]).log()
+    torch.manual_seed(0)
+    drawn = set(sample_many(logits, SamplingParams(temperature=1.0, top_p=top_p), 6000).tolist())
+    assert drawn == nucleus
+
+
+def test_top_p_on_the_temperature_scaled_distribution() -> None:
+    # At T=1 the nucleus for top_p=0.6 is {0, 1} (0.5, 0.3, 0.2); at T=0.25 id 0 alone holds > 0.6.
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    torch.manual_seed(0)
+    assert set(sample_many(logits, SamplingParams(temperature=1.0, top_p=0.6), 2000).tolist()) == {0, 1}
+    assert set(sample_many(logits, SamplingParams(temperature=0.25, top_p=0.6), 2000).tolist()) == {0}
+
+
+def _expected(logits: torch.Tensor, t: float, keep: list[int]) -> torch.Tensor:
+    p = torch.zeros_like(logits)
+    p[keep] = (logits[keep] / t).softmax(dim=-1)
+    return p
+
+
+LOGITS6 = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])  # ranked by logit: 3, 0, 1, 4, 2, 5
+
+
+@pytest.mark.parametrize(("params", "keep"), [
+    (SamplingParams(temperature=1.0), [0, 1, 2, 3, 4, 5]),
+    (SamplingParams(temperature=2.5), [0, 1, 2, 3, 4, 5]),
+    (SamplingParams(temperature=0.7), [0, 1, 2, 3, 4, 5]),
+    (SamplingParams(temperature=1.5, top_k=3), [3, 0, 1]),
+    # T=1 probabilities: 3 .56, 0 .21, 1 .093, 4 .076, 2 .046, 5 .017 -> mass .56, .77, .86, .94
+    (SamplingParams(temperature=1.0, top_p=0.8), [3, 0, 1]),
+    # top-k first (keeps 3, 0, 1, 4), then top-p on that renormalised set: .60, .22 -> .82 >= .7
+    (SamplingParams(temperature=1.0, top_k=4, top_p=0.7), [3, 0]),
+])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_match_the_filtered_softmax(params: SamplingParams, keep: list[int],
+                                                          seeded: bool) -> None:
+    torch.manual_seed(1234)
+    # Seeded: every row draws from one generator in turn, which exercises the per-row path.
+    tokens = sample_many(LOGITS6, params, 20_000, make_generator(99, "cpu") if seeded else None)
+    stat, dof = chi_square(tokens, _expected(LOGITS6, params.temperature, keep))
+    assert stat < CHI2_999[dof], f"chi2={stat:.1f} with {dof} dof"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
+    steps, V = 40, 64
+    g0 = torch.Generator().manual_seed(5)
+    target_logits = (torch.randn(steps, V, generator=g0) * 2).to(device)  # [steps, V]
+    other_logits = (torch.randn(steps, 4, V, generator=g0) * 2).to(device)  # [steps, 4, V]
+    target = SamplingParams(temperature=1.2, top_k=40, top_p=0.95, seed=42)
+
+    alone_gen = make_generator(42, device)
+    alone = [sampler.sample(target_logits[s][None], [target], [alone_gen]).item() for s in range(steps)]
+
+    # The same request at row 3 of 5, next to seeded, unseeded and greedy requests.
+    others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8),
+              SamplingParams(), SamplingParams(temperature=2.0, top_p=0.5, seed=42)]
+    gens = [make_generator(7, device), None, make_generator(None, device), make_generator(42, device)]
+    batch_gen = make_generator(42, device)
+    batched = []
+    for s in range(steps):
+        rows = [other_logits[s, 0], other_logits[s, 1], other_logits[s, 2], target_logits[s], other_logits[s, 3]]
+        out = sampler.sample(torch.stack(rows), [*others[:3], target, others[3]],
+                             [*gens[:3], batch_gen, gens[3]])
+        batched.append(out[3].item())
+
+    assert batched == alone
+    assert len(set(alone)) > 10  # the test means something only if the draws actually vary
+
+    other_seed = make_generator(43, device)
+    differs = [sampler.sample(target_logits[s][None], [target], [other_seed]).item() for s in range(steps)]
+    assert differs != alone
+
+
+def test_unseeded_rows_follow_the_global_rng() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    p = [SamplingParams(temperature=1.0)] * 4
+    torch.manual_seed(11)
+    a = sampler.sample(logits, p, [None] * 4)
+    torch.manual_seed(11)
+    assert sampler.sample(logits, p, [None] * 4).tolist() == a.tolist()
+
+
+def test_make_generator() -> None:
+    a, b = make_generator(123, "cpu"), make_generator(123, "cpu")
+    assert torch.rand(4, generator=a).tolist() == torch.rand(4, generator=b).tolist()
+    assert make_generator(None, "cpu").initial_seed() != make_generator(None, "cpu").initial_seed()
+
+
+def test_tiny_temperature_is_finite_and_near_greedy() -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(4)) * 50
+    p = SamplingParams(temperature=1e-30)
+    out = sampler.sample(logits, [p] * 8, [make_generator(i, "cpu") for i in range(8)])
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_sample_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="one SamplingParams"):
+        sampler.sample(torch.zeros(2, 5), [SamplingParams()], [None, None])
+
+
+def test_params_normalise_and_hash() -> None:
+    p = SamplingParams(temperature=1, stop_token_ids=[5, 6])
+    assert p.stop_token_ids == (5, 6) and isinstance(p.temperature, float)
+    assert p == SamplingParams(temperature=1.0, stop_token_ids=(5, 6)) and hash(p) == hash(p)
+    assert SamplingParams().greedy and not p.greedy
+    p.validate_for_vocab(7)
+    with pytest.raises(ValueError, match="'stop_token_ids'.*vocab_size=6.*got 6"):
+        p.validate_for_vocab(6)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", True),
+    ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", math.nan), ("top_p", None),
+    ("top_k", -1), ("top_k", 1.5), ("top_k", False),
+    ("seed", -1), ("seed", 2**63), ("seed", 1.0), ("seed", "7"),
+    ("stop_token_ids", [1, -2]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3), ("stop_token_ids", "12"),
+    ("ignore_eos", 1), ("ignore_eos", None),
+])
+def test_invalid_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"sampling field '{field}': expected .*, got "):
+        SamplingParams(**{field: value})
+
+
+def test_top_p_error_message() -> None:
+    with pytest.raises(ValueError) as e:
+        SamplingParams(top_p=1.5)
+    assert str(e.value) == "sampling field 'top_p': expected a float in (0, 1], got 1.5"

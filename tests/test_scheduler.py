@@ -1,0 +1,157 @@
+"""Scheduler policy on ints only: budget, decode-first reservation, chunk caps, FCFS, preemption, R2, R7."""
+
+import random
+
+import pytest
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.request import Request
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler
+
+_arrival = iter(range(10**9))
+
+
+def make_req(rid, n_prompt, max_tokens=4, stop=()):
+    return Request(request_id=rid, prompt_token_ids=list(range(1, n_prompt + 1)),
+                   sampling=SamplingParams(max_tokens=max_tokens), arrival=next(_arrival), stop_ids=frozenset(stop))
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    s.update(out, {r.request_id: token for r in out.rows if r.sample})
+    return out
+
+
+def test_new_one_token_prompt_is_a_prefill_without_state():
+    # R2: a new short prompt is a prefill whatever its query length; its slot is never read.
+    s = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), num_blocks=16, num_slots=4)
+    s.add(make_req("a", 1))
+    out = s.schedule()
+    (row,) = out.rows
+    assert row.num_tokens == 1 and not row.is_decode and not row.has_initial_state and row.sample
+    s.update(out, {"a": 5})
+    (row,) = s.schedule().rows
+    assert row.is_decode and row.has_initial_state and row.token_ids == (5,)
+
+
+def test_decode_rows_reserved_first_and_prefill_chunks_capped():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=20, long_prefill_token_threshold=8)
+    s = Scheduler(cfg, num_blocks=64, num_slots=8)
+    for i in range(3):
+        s.add(make_req(f"d{i}", 2, max_tokens=10))
+    run_step(s)  # all three prefill (2 tokens each) and sample
+    s.add(make_req("long", 50))
+    s.add(make_req("long2", 50))
+    out = s.schedule()
+    kinds = [(r.request_id, r.is_decode, r.num_tokens) for r in out.rows]
+    assert kinds[:3] == [("d0", True, 1), ("d1", True, 1), ("d2", True, 1)]
+    assert kinds[3] == ("long", False, 8)  # capped by long_prefill_token_threshold
+    assert kinds[4] == ("long2", False, 8)
+    assert out.num_tokens <= cfg.max_num_batched_tokens and out.is_mixed
+    # Later chunks of a prompt have state; they neither sample nor count as decodes.
+    s.update(out, {r.request_id: 7 for r in out.rows if r.sample})
+    row = next(r for r in s.schedule().rows if r.request_id == "long")
+    assert row.has_initial_state and not row.is_decode and not row.sample and row.num_computed_tokens == 8
+
+
+def test_budget_limits_admission_fcfs_without_overtaking():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=10)
+    s = Scheduler(cfg, num_blocks=4, num_slots=8)  # 4 blocks x 16 tokens
+    s.add(make_req("big", 60))
+    s.add(make_req("small", 1))
+    out = s.schedule()
+    assert [r.request_id for r in out.rows] == ["big"] and out.rows[0].num_tokens == 10
+    s.update(out, {})
+    # "big" holds 1 block for 10 tokens; it grows into 4 blocks, "small" must wait and not overtake.
+    ids = [[r.request_id for r in run_step(s).rows] for _ in range(5)]
+    assert ids[0][0] == "big"
+    assert all("small" not in x for x in ids[:4])
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    cfg = EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    s = Scheduler(cfg, num_blocks=4, num_slots=4)
+    a, b = make_req("a", 7, max_tokens=8), make_req("b", 7, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # each: 7 tokens -> 2 blocks; pool full
+    assert s.blocks.num_free == 0
+    out = run_step(s)  # a and b decode position 7 (still in their 2nd block)
+    assert not out.preempted
+    out = run_step(s)
+    assert out.preempted == ("b",)  # latest arrival preempted when a needs a 3rd block
+    assert b.num_preemptions == 1 and out.rows[0].request_id == "a" and b.state_slot is None and not b.block_ids
+    assert b.num_computed_tokens == 0 and b.status.value == "waiting"
+    n_out = len(b.output_token_ids)
+    # b comes back when a finishes, prefilling prompt + outputs from a zero state.
+    while b.status.value != "running":
+        run_step(s)
+    assert b.num_prefill_tokens == 7 + n_out
+    assert s.blocks.num_free + s.blocks.num_used == 4
+
+
+def test_abort_frees_everything():
+    s = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), num_blocks=16, num_slots=4)
+    for i in range(3):
+        s.add(make_req(f"r{i}", 20))
+    run_step(s)
+    s.abort("r1")
+    s.abort("r2")
+    s.abort("missing")
+    assert s.abort("r0") is not None
+    assert s.blocks.num_used == 0 and s.slots.num_used == 0 and not s.has_unfinished()
+
+
+def test_stop_token_and_max_tokens():
+    s = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), num_blocks=16, num_slots=4)
+    s.add(make_req("stop", 3, max_tokens=10, stop=(9,)))
+    s.add(make_req("len", 3, max_tokens=2))
+    run_step(s, token=1)
+    out = s.schedule()
+    fin = s.update(out, {"stop": 9, "len": 1})
+    assert {r.request_id: r.finish_reason for r in fin} == {"stop": "stop", "len": "length"}
+    assert s.blocks.num_used == 0 and s.slots.num_used == 0
+
+
+def test_duplicate_or_unservable_request_rejected():
+    s = Scheduler(EngineConfig(block_size=4), num_blocks=4, num_slots=4)
+    s.add(make_req("x", 3))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add(make_req("x", 3))
+    # 10 + 7 tokens need 5 blocks of 4 > the whole pool: rejected up front instead of starving.
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        s.add(make_req("y", 10, max_tokens=7))
+    assert "y" not in s.requests
+
+
+def test_randomized_200_requests_with_aborts_and_preemptions_leak_nothing():
+    # R7 at the scheduler level: whatever happens, every block and slot ends free.
+    rng = random.Random(1234)
+    cfg = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, long_prefill_token_threshold=12)
+    s = Scheduler(cfg, num_blocks=40, num_slots=8)
+    pending = [make_req(f"r{i}", rng.randint(1, 100), max_tokens=rng.randint(1, 60), stop=(3,))
+               for i in range(200)]
+    steps = 0
+    mixed = 0
+    while pending or s.has_unfinished():
+        for _ in range(rng.randint(0, 4)):
+            if pending:
+                s.add(pending.pop(0))
+        if s.requests and rng.random() < 0.1:
+            s.abort(rng.choice(sorted(s.requests)))
+        out = s.schedule()
+        mixed += out.is_mixed
+        assert out.num_tokens <= cfg.max_num_batched_tokens
+        assert len({r.state_slot for r in out.rows}) == len(out.rows)
+        for r in out.rows:
+            assert len(r.block_ids) * cfg.block_size >= r.num_computed_tokens + r.num_tokens
+            assert r.has_initial_state == (r.num_computed_tokens > 0)
+        s.update(out, {r.request_id: rng.randrange(50) for r in out.rows if r.sample})
+        used_blocks = sum(len(r.block_ids) for r in s.running)
+        assert used_blocks == s.blocks.num_used
+        assert len(s.running) == s.slots.num_used
+        steps += 1
+        assert steps < 20000
+    assert s.num_preemptions > 0 and mixed > 0
+    assert s.blocks.num_free == 40 and s.slots.num_free == 8
