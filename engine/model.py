@@ -82,4 +82,4 @@ class NemotronHForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
                              f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
-        return model.eval()
+        return model.requires_grad_(False).eval()
