@@ -35,20 +35,24 @@ def run(a: argparse.Namespace) -> int:
           f"{engine.plan.num_slots} state slots ({time.perf_counter() - t_load:.1f} s)")
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-    # Half greedy, half seeded sampling: both paths of the sampler run.
-    ids = []
-    for i, p in enumerate(prompts):
-        sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, **(
-            {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": a.seed + i}))
-        ids.append(engine.add_request(p, sp, request_id=f"demo-{i}"))
-
+    # Half greedy, half seeded sampling; requests arrive one every other step, so prefill chunks of new
+    # prompts share forward passes with the decode rows of earlier ones (mixed batches).
+    params = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, **(
+        {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": a.seed + i}))
+        for i in range(len(prompts))]
     t0 = time.perf_counter()
+    arrived: dict[str, float] = {}
     first: dict[str, float] = {}
-    while engine.has_unfinished():
+    step = 0
+    while step < 2 * len(prompts) or engine.has_unfinished():
+        if step % 2 == 0 and step // 2 < len(prompts):
+            i = step // 2
+            arrived[engine.add_request(prompts[i], params[i], request_id=f"demo-{i}")] = time.perf_counter()
         for o in engine.step():
-            first.setdefault(o.request_id, time.perf_counter() - t0)
+            first.setdefault(o.request_id, time.perf_counter() - arrived[o.request_id])
             print(f"[{o.request_id}] +{list(o.new_token_ids)}" + (f"  <{o.finish_reason}>" if o.finished else ""))
             sys.stdout.flush()
+        step += 1
     wall = time.perf_counter() - t0
     s = engine.stats
     gen = a.max_tokens * len(prompts)

@@ -1,0 +1,77 @@
+"""The `baton` command line as a user runs it: a real subprocess of the installed console script."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.sampling_params import SamplingParams
+
+
+def baton(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "baton.cli.main", *args], capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    proc = baton("make-model", str(out), "--preset", "tiny", "--seed", "5", "--set", "vocab_size=64")
+    assert str(out) in proc.stdout
+    return out
+
+
+def test_generate_json_lines_in_input_order_match_the_engine(model_dir):
+    prompts = ["1 2 3", "9", " ".join(str(i % 60 + 3) for i in range(40)), "4 5"]
+    args = ["generate", "--model", str(model_dir), "--max-tokens", "6", "--json", "--ignore-eos",
+            "--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+    for p in prompts:
+        args += ["--prompt-ids", p]
+    lines = [json.loads(x) for x in baton(*args).stdout.splitlines()]
+    assert [x["prompt_ids"] for x in lines] == [[int(t) for t in p.split()] for p in prompts]
+    assert all(set(x) == {"prompt_ids", "token_ids", "finish_reason"} for x in lines)
+    engine = LLMEngine.from_pretrained(model_dir)
+    ref = engine.generate([x["prompt_ids"] for x in lines], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [x["token_ids"] for x in lines] == [list(o.token_ids) for o in ref]
+    assert all(x["finish_reason"] == "length" for x in lines)
+
+
+def test_generate_stops_at_eos(model_dir):
+    # The preset's EOS id is 2: with vocab 64 and a stop id list naming every token, the first token stops.
+    everything = " ".join(str(i) for i in range(64))
+    out = baton("generate", "--model", str(model_dir), "--prompt-ids", "3 4", "--json", "--max-tokens", "5",
+                "--stop-token-ids", everything).stdout
+    line = json.loads(out)
+    assert len(line["token_ids"]) == 1 and line["finish_reason"] == "stop"
+
+
+def test_generate_seeded_sampling_is_reproducible(model_dir):
+    args = ["generate", "--model", str(model_dir), "--prompt-ids", "3 4 5", "--json", "--max-tokens", "8",
+            "--temperature", "1.0", "--top-p", "0.9", "--top-k", "20", "--seed", "11", "--ignore-eos"]
+    assert baton(*args).stdout == baton(*args).stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--prompt-ids", "1 99999"], "prompt_token_ids"),
+])
+def test_generate_bad_input_is_a_clear_error(model_dir, args, needle):
+    proc = baton("generate", "--model", str(model_dir), "--prompt-ids", "1 2", *args, check=False)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_bad_model_dir_is_a_clear_error(tmp_path):
+    proc = baton("generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_runs_and_reports_throughput(model_dir):
+    out = baton("demo", "--model", str(model_dir), "--max-tokens", "4").stdout
+    assert "output tok/s" in out and "mixed" in out and "<length>" in out
