@@ -1,0 +1,53 @@
+"""KV block pool and state pool: sized from a memory budget, allocated once, laid out for coalescing."""
+
+import pytest
+import torch
+
+from baton.engine.cache_pools import CachePools, plan_cache
+from baton.engine.config import ModelConfig
+from baton.engine.engine_config import EngineConfig
+from baton.engine.make_model import build_config
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return ModelConfig.from_hf_dict(build_config("tiny"))
+
+
+def test_plan_fits_the_budget_exactly(cfg):
+    ecfg = EngineConfig(block_size=8, max_num_seqs=4, cache_memory_bytes=2 * 2**20)
+    plan = plan_cache(cfg, ecfg, torch.float32, torch.float32)
+    n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
+    assert plan.block_bytes == n_attn * 2 * 8 * cfg.num_key_value_heads * cfg.head_dim * 4
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * 4
+    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
+    assert plan.slot_bytes == n_mamba * (conv + ssm)
+    used = plan.num_blocks * plan.block_bytes + plan.num_slots * plan.slot_bytes
+    assert used <= ecfg.cache_memory_bytes < used + plan.block_bytes
+    pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
+    assert pools.kv.numel() * 4 == plan.num_blocks * plan.block_bytes
+    assert (pools.conv.numel() + pools.ssm.numel()) * 4 == plan.num_slots * plan.slot_bytes
+    assert pools.kv.shape == (n_attn, plan.num_blocks, 2, 8, cfg.num_key_value_heads, cfg.head_dim)
+    assert pools.ssm.shape == (n_mamba, 4, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
+    assert pools.conv.shape == (n_mamba, 4, cfg.conv_dim, cfg.conv_kernel - 1)
+
+
+def test_consecutive_blocks_of_a_layer_are_one_contiguous_region(cfg):
+    plan = plan_cache(cfg, EngineConfig(block_size=8, max_num_seqs=2, num_kv_blocks=10), torch.float32,
+                      torch.float32)
+    kv = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu").kv
+    layer = kv[1]
+    run = layer[3:6]  # blocks 3, 4, 5 with their K and V
+    assert run.is_contiguous()
+    assert run.data_ptr() - layer.data_ptr() == 3 * plan.block_bytes // kv.shape[0]
+
+
+def test_bf16_state_halves_ssm_bytes(cfg):
+    e = EngineConfig(max_num_seqs=4)
+    assert (plan_cache(cfg, e, torch.float32, torch.bfloat16).slot_bytes
+            < plan_cache(cfg, e, torch.float32, torch.float32).slot_bytes)
+
+
+def test_budget_too_small_names_the_field(cfg):
+    with pytest.raises(ValueError, match="cache_memory_bytes"):
+        plan_cache(cfg, EngineConfig(max_num_seqs=32, cache_memory_bytes=1024), torch.float32, torch.float32)
