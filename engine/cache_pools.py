@@ -1,12 +1,15 @@
-"""The two cache pools, allocated once per engine (and, later, registered with NIXL once):
+"""The two cache pools, allocated once per engine (and, later, registered with NIXL once).
 
-- KV block pool, one tensor for all attention layers: [L_attn, num_blocks, 2, block_size, Hkv, D].
-  A block's K and V of one layer are adjacent, so a run of consecutive block ids is one contiguous region
-  per layer (what the transfer plan coalesces).
-- State pool per kind, one tensor for all Mamba layers: conv [L_mamba, slots, conv_dim, K-1] and
-  SSM [L_mamba, slots, H, P, N].
+Both are laid out id-major, so that everything a request owns is as contiguous as it can be:
 
-`plan_cache` sizes both from a memory budget; the scheduler only ever sees the resulting counts.
+- KV block pool: [num_blocks, L_attn, 2, block_size, Hkv, D]. A block holds the K and V of every
+  attention layer, so a run of consecutive block ids is ONE contiguous region for all layers (one
+  transfer descriptor, not one per layer).
+- State pools: conv [slots, L_mamba, conv_dim, K-1] and SSM [slots, L_mamba, H, P, N]: one slot's
+  state of every Mamba layer is one contiguous region per kind.
+
+Layers see strided per-layer views (`kv[:, l]`, `ssm[:, l]`); the operators index them by block or slot.
+`plan_cache` sizes both pools from a memory budget; the scheduler only ever sees the resulting counts.
 """
 
 from __future__ import annotations
@@ -60,18 +63,19 @@ class CachePools:
                  ssm_dtype: torch.dtype, device: torch.device | str) -> None:
         self.plan = plan
         n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
-        self.kv = torch.zeros(n_attn, plan.num_blocks, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        self.kv = torch.zeros(plan.num_blocks, n_attn, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
                               dtype=dtype, device=device)
-        self.conv = torch.zeros(n_mamba, plan.num_slots, cfg.conv_dim, cfg.conv_kernel - 1,
+        self.conv = torch.zeros(plan.num_slots, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1,
                                 dtype=dtype, device=device)
-        self.ssm = torch.zeros(n_mamba, plan.num_slots, cfg.mamba_num_heads, cfg.mamba_head_dim,
+        self.ssm = torch.zeros(plan.num_slots, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim,
                                cfg.ssm_state_size, dtype=ssm_dtype, device=device)
 
+    # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D], [slots, C, K-1], [slots, H, P, N].
     def kv_layers(self) -> list[torch.Tensor]:
-        return list(self.kv.unbind(0))
+        return list(self.kv.unbind(1))
 
     def conv_layers(self) -> list[torch.Tensor]:
-        return list(self.conv.unbind(0))
+        return list(self.conv.unbind(1))
 
     def ssm_layers(self) -> list[torch.Tensor]:
-        return list(self.ssm.unbind(0))
+        return list(self.ssm.unbind(1))

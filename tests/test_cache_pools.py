@@ -27,19 +27,23 @@ def test_plan_fits_the_budget_exactly(cfg):
     pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
     assert pools.kv.numel() * 4 == plan.num_blocks * plan.block_bytes
     assert (pools.conv.numel() + pools.ssm.numel()) * 4 == plan.num_slots * plan.slot_bytes
-    assert pools.kv.shape == (n_attn, plan.num_blocks, 2, 8, cfg.num_key_value_heads, cfg.head_dim)
-    assert pools.ssm.shape == (n_mamba, 4, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
-    assert pools.conv.shape == (n_mamba, 4, cfg.conv_dim, cfg.conv_kernel - 1)
+    assert pools.kv.shape == (plan.num_blocks, n_attn, 2, 8, cfg.num_key_value_heads, cfg.head_dim)
+    assert pools.ssm.shape == (4, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
+    assert pools.conv.shape == (4, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1)
 
 
-def test_consecutive_blocks_of_a_layer_are_one_contiguous_region(cfg):
-    plan = plan_cache(cfg, EngineConfig(block_size=8, max_num_seqs=2, num_kv_blocks=10), torch.float32,
+def test_a_run_of_blocks_or_one_slot_is_one_contiguous_region_for_all_layers(cfg):
+    plan = plan_cache(cfg, EngineConfig(block_size=8, max_num_seqs=3, num_kv_blocks=10), torch.float32,
                       torch.float32)
-    kv = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu").kv
-    layer = kv[1]
-    run = layer[3:6]  # blocks 3, 4, 5 with their K and V
-    assert run.is_contiguous()
-    assert run.data_ptr() - layer.data_ptr() == 3 * plan.block_bytes // kv.shape[0]
+    pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
+    run = pools.kv[3:6]  # blocks 3, 4, 5: K and V of every attention layer
+    assert run.is_contiguous() and run.numel() * 4 == 3 * plan.block_bytes
+    assert run.data_ptr() - pools.kv.data_ptr() == 3 * plan.block_bytes
+    assert pools.ssm[1].is_contiguous() and pools.conv[1].is_contiguous()
+    assert (pools.ssm[1].numel() + pools.conv[1].numel()) * 4 == plan.slot_bytes
+    # The layers see strided views of the same storage.
+    pools.kv_layers()[1][4, 0].fill_(7.0)
+    assert pools.kv[4, 1, 0].eq(7.0).all() and pools.kv[4, 0].eq(0).all()
 
 
 def test_bf16_state_halves_ssm_bytes(cfg):

@@ -89,7 +89,7 @@ def test_prefill_logits_match_hf(checkpoint, chunk):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_greedy_batch_matches_hf_token_for_token(checkpoint):
+def test_r6_greedy_batch_matches_hf_token_for_token(checkpoint):
     path, hf = checkpoint
     cfg, weights = load_checkpoint(path)
     # A chunk budget below the longest prompts: prompts are prefilled in chunks while others decode.

@@ -23,7 +23,7 @@ def run_step(s, token=7):
     return out
 
 
-def test_new_one_token_prompt_is_a_prefill_without_state():
+def test_r2_new_one_token_prompt_is_a_prefill_without_state():
     # R2: a new short prompt is a prefill whatever its query length; its slot is never read.
     s = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), num_blocks=16, num_slots=4)
     s.add(make_req("a", 1))
@@ -35,7 +35,7 @@ def test_new_one_token_prompt_is_a_prefill_without_state():
     assert row.is_decode and row.has_initial_state and row.token_ids == (5,)
 
 
-def test_decode_rows_reserved_first_and_prefill_chunks_capped():
+def test_r5_decode_rows_reserved_first_and_prefill_chunks_capped():
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=20, long_prefill_token_threshold=8)
     s = Scheduler(cfg, num_blocks=64, num_slots=8)
     for i in range(3):
@@ -125,7 +125,7 @@ def test_duplicate_or_unservable_request_rejected():
     assert "y" not in s.requests
 
 
-def test_randomized_200_requests_with_aborts_and_preemptions_leak_nothing():
+def test_r7_randomized_200_requests_with_aborts_and_preemptions_leak_nothing():
     # R7 at the scheduler level: whatever happens, every block and slot ends free.
     rng = random.Random(1234)
     cfg = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, long_prefill_token_threshold=12)
