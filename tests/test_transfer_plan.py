@@ -1,0 +1,53 @@
+"""Descriptor plans: contiguous runs coalesce into one descriptor for all layers; scattered ids do not."""
+
+import numpy as np
+import pytest
+import torch
+
+from baton.transfer.layout import RegionLayout
+from baton.transfer.plan import Run, coalesce, plan_request
+
+
+def regions(num_blocks=32, slots=4):
+    kv = torch.zeros(num_blocks, 3, 2, 4, 2, 8)  # [blocks, L_attn, 2, bs, Hkv, D]
+    conv = torch.zeros(slots, 2, 40, 3)
+    ssm = torch.zeros(slots, 2, 4, 8, 16)
+    return {n: RegionLayout.of(n, t) for n, t in (("kv", kv), ("conv", conv), ("ssm", ssm))}, (kv, conv, ssm)
+
+
+def test_coalesce_counts():
+    assert coalesce(list(range(10)), list(range(100, 110))) == [Run(0, 100, 10)]
+    # Scattered remote ids: nothing merges.
+    assert len(coalesce([0, 1, 2, 3], [9, 4, 7, 1])) == 4
+    # Runs break where either side jumps.
+    assert coalesce([0, 1, 2, 5, 6], [3, 4, 9, 10, 11]) == [Run(0, 3, 2), Run(2, 9, 1), Run(5, 10, 2)]
+    assert len(coalesce(list(range(10)), list(range(10)), enabled=False)) == 10
+    with pytest.raises(ValueError, match="as many local as remote"):
+        coalesce([1, 2], [1])
+
+
+def test_plan_contiguous_vs_scattered_descriptor_counts():
+    local, (kv, _, _) = regions()
+    remote, (rkv, _, _) = regions()
+    # 16 contiguous blocks: ONE descriptor for the KV of all 3 layers, plus one conv and one SSM slot.
+    p = plan_request(local, remote, list(range(16)), list(range(8, 24)), 1, 3)
+    assert p.num_descriptors == 3
+    assert p.num_bytes == 16 * local["kv"].item_bytes + local["conv"].item_bytes + local["ssm"].item_bytes
+    assert p.local[0].tolist() == [kv[0].data_ptr(), 16 * local["kv"].item_bytes, 0]
+    assert p.remote[0].tolist() == [rkv[8].data_ptr(), 16 * local["kv"].item_bytes, 0]
+    # Scattered: one per block. Per-block mode on contiguous ids: one per block too.
+    rng = np.random.default_rng(0)
+    scattered = rng.permutation(32)[:16].tolist()
+    assert plan_request(local, remote, list(range(16)), scattered, 1, 3).num_descriptors == 16 + 2
+    per_block = plan_request(local, remote, list(range(16)), list(range(16)), 1, 3, coalesced=False)
+    assert per_block.num_descriptors == 18 and per_block.num_bytes == p.num_bytes
+
+
+def test_plan_rejects_out_of_range_and_mismatched_layouts():
+    local, _ = regions()
+    remote, _ = regions(num_blocks=8)
+    with pytest.raises(ValueError, match="kv item"):
+        plan_request(local, remote, [0, 1], [7, 8], 0, 0)
+    other = dict(remote, kv=RegionLayout.of("kv", torch.zeros(8, 3, 2, 4, 2, 4)))
+    with pytest.raises(ValueError, match="kv layout"):
+        plan_request(local, other, [0], [0], 0, 0)

@@ -1,0 +1,80 @@
+"""`AgentMetadata`: what a node publishes on its side channel so that a peer can READ from it.
+
+The compatibility part (`CompatInfo`) must be equal on both sides for a transfer to mean anything: same
+model, dtypes, layer layout, cache item shapes, block size, speculative-decoding config and protocol.
+A mismatch is refused with an `IncompatiblePeer` naming the first differing field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import msgspec
+
+from baton.engine.config import ModelConfig
+from baton.transfer.errors import IncompatiblePeer
+from baton.transfer.layout import RegionLayout
+
+PROTOCOL_VERSION = 1
+
+
+class CompatInfo(msgspec.Struct, frozen=True):
+    protocol_version: int
+    model_fingerprint: str       # sha256 of the model's config.json content
+    layer_pattern: str           # hybrid_override_pattern, e.g. "M*M-"
+    block_size: int
+    kv_dtype: str
+    conv_dtype: str
+    ssm_dtype: str
+    kv_item_shape: tuple[int, ...]
+    conv_item_shape: tuple[int, ...]
+    ssm_item_shape: tuple[int, ...]
+    num_speculative_tokens: int  # K of MTP decoding (the drafter's KV travels too, R8)
+    mtp_layers: int
+
+
+class AgentMetadata(msgspec.Struct, frozen=True):
+    engine_id: str
+    agent_name: str
+    nixl_metadata: bytes
+    compat: CompatInfo
+    compat_hash: str
+    regions: dict[str, RegionLayout]  # "kv", "conv", "ssm"
+
+
+def model_fingerprint(cfg: ModelConfig) -> str:
+    raw = {k: v for k, v in cfg.raw.items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_compat(cfg: ModelConfig, regions: dict[str, RegionLayout], block_size: int,
+                num_speculative_tokens: int = 0) -> CompatInfo:
+    return CompatInfo(
+        protocol_version=PROTOCOL_VERSION,
+        model_fingerprint=model_fingerprint(cfg),
+        layer_pattern=cfg.pattern,
+        block_size=block_size,
+        kv_dtype=regions["kv"].dtype,
+        conv_dtype=regions["conv"].dtype,
+        ssm_dtype=regions["ssm"].dtype,
+        kv_item_shape=regions["kv"].item_shape,
+        conv_item_shape=regions["conv"].item_shape,
+        ssm_item_shape=regions["ssm"].item_shape,
+        num_speculative_tokens=num_speculative_tokens,
+        mtp_layers=cfg.num_nextn_predict_layers,
+    )
+
+
+def compat_hash(compat: CompatInfo) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(compat)).hexdigest()[:16]
+
+
+def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
+    """Raise `IncompatiblePeer` naming the first field that differs (protocol version first)."""
+    for field in CompatInfo.__struct_fields__:
+        mine, theirs = getattr(local.compat, field), getattr(remote.compat, field)
+        if mine != theirs:
+            raise IncompatiblePeer(field, mine, theirs, peer=remote.engine_id)
+    if compat_hash(remote.compat) != remote.compat_hash:
+        raise IncompatiblePeer("compat_hash", compat_hash(remote.compat), remote.compat_hash, peer=remote.engine_id)
