@@ -29,7 +29,10 @@ class RequestOutput:
     token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None while running
+    # A prefill-only request hands its caches over: its KV block ids and state slot, still allocated.
+    held_block_ids: tuple[int, ...] = ()
+    held_state_slot: int | None = None
 
 
 @dataclass
@@ -71,7 +74,9 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        """Queue a request. `prefill_only`: compute the prompt's caches, never sample, and return the
+        still-allocated block ids and state slot in its final output (free them with `free_held`)."""
         cfg = self.model_config
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -86,7 +91,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
         req = Request(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                      arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len)
+                      arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
+                      prefill_only=prefill_only)
         self.scheduler.add(req)
         self.runner.add_request(request_id, params)
         return request_id
@@ -100,26 +106,35 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
+        self.scheduler.free_held(block_ids, state_slot)
+
     def step(self) -> list[RequestOutput]:
+        """One engine step; returns an output for every request that got a token or finished."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        before = {r.request_id: len(self.scheduler.requests[r.request_id].output_token_ids) for r in out.rows}
+        if not out.rows:
+            if self.has_unfinished():
+                raise RuntimeError("scheduler produced an empty step with requests pending (a bug)")
+            return []
+        reqs = {r.request_id: self.scheduler.requests[r.request_id] for r in out.rows}
+        before = {rid: len(req.output_token_ids) for rid, req in reqs.items()}
         result = self.runner.execute(out)
         finished = self.scheduler.update(out, result.sampled)
         self._record(out, time.perf_counter() - t0)
-        outputs = []
-        for row in out.rows:
-            req = self.scheduler.requests.get(row.request_id)
-            req = req or next(f for f in finished if f.request_id == row.request_id)
-            if not row.sample:
-                continue
-            outputs.append(RequestOutput(
-                request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
-                token_ids=tuple(req.output_token_ids),
-                new_token_ids=tuple(req.output_token_ids[before[req.request_id]:]),
-                finished=req.status.finished, finish_reason=req.finish_reason))
         for req in finished:
             self.runner.remove_request(req.request_id)
+        outputs = []
+        for rid, req in reqs.items():
+            if rid not in result.sampled and not req.status.finished:
+                continue
+            held = req.status.value == "prefilled"
+            outputs.append(RequestOutput(
+                request_id=rid, prompt_token_ids=tuple(req.prompt_token_ids),
+                token_ids=tuple(req.output_token_ids), new_token_ids=tuple(req.output_token_ids[before[rid]:]),
+                finished=req.status.finished, finish_reason=req.finish_reason,
+                held_block_ids=tuple(req.block_ids) if held else (),
+                held_state_slot=req.state_slot if held else None))
         return outputs
 
     def _record(self, out: SchedulerOutput, seconds: float) -> None:

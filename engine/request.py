@@ -14,11 +14,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # A prefill-only request whose tokens are all computed: its blocks and slot are handed to the caller
+    # (the prefill node leases them to a decode node) instead of being freed.
+    FINISHED_PREFILLED = "prefilled"
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass(eq=False)
@@ -31,6 +33,8 @@ class Request:
     # Stop ids: the model's EOS ids (unless ignore_eos) plus the request's own stop ids.
     stop_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 30
+    # Compute the prompt's KV and state, never sample, and hand the caches over when done (prefill node).
+    prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV / state effect is in the caches.

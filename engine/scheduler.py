@@ -155,6 +155,10 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += row.num_tokens
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                self._finish(req, RequestStatus.FINISHED_PREFILLED)
+                finished.append(req)
+                continue
             if not row.sample:
                 continue
             tok = sampled[row.request_id]
@@ -179,7 +183,7 @@ class Scheduler:
             has_initial_state=req.has_initial_state,
             state_slot=req.state_slot,
             block_ids=tuple(req.block_ids),
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens and not req.prefill_only,
         )
 
     def _blocks_needed(self, req: Request, n: int) -> int:
@@ -243,6 +247,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        if status is not RequestStatus.FINISHED_PREFILLED:
+            self._release(req)
         req.status = status
         del self.requests[req.request_id]
+
+    def free_held(self, block_ids: list[int] | tuple[int, ...], state_slot: int) -> None:
+        """Return the caches of a prefilled (held) request to the pools once its lease is over."""
+        self.blocks.free(list(block_ids))
+        self.slots.free([state_slot])

@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
@@ -164,3 +165,29 @@ def test_bfloat16_engine_runs_and_mostly_agrees_with_fp32(tiny):
     assert bf.pools.kv.dtype.is_floating_point and str(bf.pools.kv.dtype) == "torch.bfloat16"
     # bf16 drifts from fp32 eventually; the first tokens of a random tiny model agree.
     assert all(o.token_ids[0] == r.token_ids[0] for o, r in zip(outs, ref, strict=True))
+
+
+def test_prefill_only_requests_never_sample_and_hand_their_caches_over(tiny):
+    rng = random.Random(5)
+    engine = new_engine(tiny)
+    decoding = engine.add_request(rand_prompt(rng, 5), GREEDY)
+    prompt = rand_prompt(rng, 45)
+    rid = engine.add_request(prompt, GREEDY, prefill_only=True)
+    held = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                assert o.finished and not o.token_ids
+                held = o
+    assert held.finish_reason == "prefilled" and held.held_state_slot is not None
+    assert len(held.held_block_ids) == -(-len(prompt) // 8)
+    s = engine.scheduler
+    assert s.blocks.num_used == len(held.held_block_ids) and s.slots.num_used == 1 and decoding not in s.requests
+    # The held state is the prompt's (chunked differently here than alone, hence not bit-equal).
+    ssm_after = engine.pools.ssm[held.held_state_slot].clone()
+    engine.free_held(held.held_block_ids, held.held_state_slot)
+    assert_all_free(engine)
+    ref = new_engine(tiny)
+    ref.add_request(prompt, GREEDY, prefill_only=True)
+    (o,) = [o for _ in range(10) for o in ref.step()]
+    torch.testing.assert_close(ref.pools.ssm[o.held_state_slot], ssm_after, rtol=1e-5, atol=1e-5)
