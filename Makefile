@@ -6,6 +6,8 @@ STAMP := $(VENV)/.baton-installed
 # CPU machines take the CPU wheel of torch that lies on disk; a machine with a GPU keeps its own torch.
 TORCH_CPU := torch==2.13.0
 DEMO_MODEL := models/demo-small
+NIXL_CORE := nixl-cu13==1.5.1
+NIXL_FRONT := nixl==1.5.1
 
 .PHONY: venv demo test lint clean
 
@@ -22,6 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	# Pin the torch just installed so that nothing below replaces it with another build.
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	# NIXL: the CUDA-13 build of the core library (it also runs on CPU through UCX) plus the thin `nixl`
+	# front package without its dependency on every CUDA flavour (~460 MB).
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt $(NIXL_CORE)
+	$(BIN)/python -m pip install -q --no-deps $(NIXL_FRONT)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)

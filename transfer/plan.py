@@ -73,7 +73,8 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
             rows_l.append((lo.item_addr(run.local_start), n, lo.dev_id))
             rows_r.append((re.item_addr(run.remote_start), n, re.dev_id))
 
-    if local_blocks:
+    # A pool with no layers (no attention, or no Mamba layers) moves nothing.
+    if local_blocks and local["kv"].item_bytes:
         add("kv", coalesce(local_blocks, remote_blocks, enabled=coalesced))
     for name in ("conv", "ssm"):
         if local[name].item_bytes:

@@ -1,0 +1,165 @@
+"""NIXL transfers between two real OS processes on CPU (UCX): the prefill peer holds real engine pools,
+this process is the decode side with its own engine pools.
+
+Covers: bit-identical KV blocks and state slots for scattered block ids and several concurrent READs,
+freeing on the decode side's notification, lease expiry, a killed peer, and a compatibility mismatch.
+"""
+
+import os
+import random
+import subprocess
+import time
+
+import pytest
+import torch
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import make_model
+from baton.transfer.agent import TransferAgent
+from baton.transfer.errors import IncompatiblePeer, LeaseExpired, PeerUnreachable, TransferError
+from baton.transfer.side_channel import SideChannelClient
+from tests.transfer_peer import call, start_peer
+
+ENGINE_KW = {"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 256}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nixl") / "tiny"
+    make_model(out, preset="tiny", seed=11, progress=False)
+    return out
+
+
+@pytest.fixture
+def decode(model_dir):
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**ENGINE_KW, "num_kv_blocks": 300}))
+    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    agent = TransferAgent("decode-0", engine.model_config, pools, engine.config.block_size)
+    yield engine, agent
+    agent.close()
+
+
+@pytest.fixture
+def peer(model_dir):
+    proc, conn, address = start_peer(model_dir, ENGINE_KW, lease_seconds=30.0)
+    yield proc, conn, address
+    if proc.is_alive():
+        try:
+            call(conn, "quit", timeout=10)
+        except (TimeoutError, EOFError, BrokenPipeError):
+            pass
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def handshake(agent, address):
+    agent.connect(SideChannelClient(*address).metadata())
+
+
+def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer):
+    engine, agent = decode
+    proc, conn, address = peer
+    handshake(agent, address)
+    handshake(agent, address)  # cached: one handshake per peer
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 40, 77, 130)]
+    handles = call(conn, "prefill", prompts)
+    assert [h.num_tokens for h in handles] == [len(p) for p in prompts]
+    assert any(sorted(h.kv_block_ids) != list(range(h.kv_block_ids[0], h.kv_block_ids[0] + len(h.kv_block_ids)))
+               for h in handles), "the peer's blocks should be scattered"
+    # Local blocks scattered too: allocate from a shuffled free list.
+    sched = engine.scheduler
+    every = sched.blocks.allocate(sched.blocks.num_free)
+    rng.shuffle(every)
+    sched.blocks.free(every)
+    local = [(sched.blocks.allocate(len(h.kv_block_ids)), sched.slots.allocate(1)[0]) for h in handles]
+    pending = [agent.start_read(h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot, h.state_slot)
+               for h, (blocks, slot) in zip(handles, local, strict=True)]
+    for p in pending:
+        agent.wait(p)
+    for h, (blocks, slot) in zip(handles, local, strict=True):
+        kv, conv, ssm = call(conn, "bytes", h.kv_block_ids, h.state_slot)
+        assert torch.equal(engine.pools.kv[blocks].view(torch.int32), kv.view(torch.int32))
+        assert torch.equal(engine.pools.conv[slot].view(torch.int32), conv.view(torch.int32))
+        assert torch.equal(engine.pools.ssm[slot].view(torch.int32), ssm.view(torch.int32))
+        assert ssm.abs().sum() > 0  # a real prefilled state, not zeros
+    assert agent.stats.transfers == 5 and agent.stats.failures == 0
+    assert agent.stats.bytes == sum(p.plan.num_bytes for p in pending)
+    # The prefill side frees everything on the notifications.
+    deadline = time.monotonic() + 10
+    while (status := call(conn, "status"))["leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert status["blocks_used"] == 0 and status["slots_used"] == 0
+    assert status["stats"].leases_completed == 5
+    for blocks, slot in local:
+        engine.free_held(blocks, slot)
+
+
+def test_lease_expiry_frees_and_refuses_renewal(model_dir, decode):
+    _, agent = decode
+    proc, conn, address = start_peer(model_dir, ENGINE_KW, lease_seconds=0.5, engine_id="prefill-lease")
+    try:
+        (h,) = call(conn, "prefill", [[5, 6, 7, 8, 9]])
+        client = SideChannelClient(*address)
+        assert client.renew(h.request_id, 0.5) > 0.3  # decode may renew ...
+        time.sleep(1.0)
+        status = call(conn, "status")
+        assert status["blocks_used"] == 0 and status["slots_used"] == 0
+        assert status["stats"].lease_expiries == 1
+        with pytest.raises(LeaseExpired):  # ... but not after expiry
+            client.renew(h.request_id)
+    finally:
+        call(conn, "quit")
+        proc.join(10)
+
+
+def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leaks_nothing(model_dir):
+    # Pools of 256 MiB on both sides: one READ of all of it takes long enough to kill the peer under it.
+    big = {**ENGINE_KW, "num_kv_blocks": 32768}
+    proc, conn, address = start_peer(model_dir, big, engine_id="prefill-doomed")
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**big))
+    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    agent = TransferAgent("decode-1", engine.model_config, pools, engine.config.block_size)
+    try:
+        handshake(agent, address)
+        h = call(conn, "hold_blocks", "big", 32768)
+        sched = engine.scheduler
+        blocks, slot = sched.blocks.allocate(32768), sched.slots.allocate(1)[0]
+        remote = list(h.kv_block_ids)
+        # UCX moves host memory inside the transfer call (32768 scattered blocks: ~0.5 s of it here), so the
+        # kill comes from another process while this one is inside the READ.
+        subprocess.Popen(["sh", "-c", f"sleep 0.1; kill -9 {proc.pid}"])
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as failure:
+            agent.read("big", h.engine_id, blocks, remote, slot, h.state_slot, timeout=5.0)
+        assert time.monotonic() - t0 < 6.0
+        proc.join(10)
+        # Later READs from the dead peer fail within their deadline too; the side channel is gone.
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            agent.read("again", h.engine_id, blocks[:4], remote[:4], slot, h.state_slot, timeout=2.0)
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(PeerUnreachable):
+            SideChannelClient(*address, timeout=1.0).metadata()
+        assert agent.stats.failures == 2 and agent.stats.transfers == 0, failure.value
+        engine.free_held(blocks, slot)
+        assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
+    finally:
+        agent.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_incompatible_peer_is_refused_naming_the_field(model_dir, peer):
+    _, _, address = peer
+    other = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**ENGINE_KW, "block_size": 16}))
+    pools = {"kv": other.pools.kv, "conv": other.pools.conv, "ssm": other.pools.ssm}
+    agent = TransferAgent("decode-x", other.model_config, pools, other.config.block_size)
+    try:
+        with pytest.raises(IncompatiblePeer, match="'block_size'"):
+            handshake(agent, address)
+        assert not agent.is_connected("prefill-0")
+    finally:
+        agent.close()

@@ -1,0 +1,178 @@
+"""`TransferAgent`: a node's NIXL agent, its once-registered cache pools and its handshaken peers.
+
+The decode side pulls: `start_read` issues one NIXL READ for a request (coalesced descriptors, a
+notification naming the request id for the prefill side), `wait`/`poll` finish it within a deadline and
+always release the handle. The prefill side calls `notifications()` to learn which requests were read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.config import ModelConfig
+from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
+from baton.transfer.layout import RegionLayout
+from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
+from baton.transfer.plan import TransferPlan, plan_request
+from baton.transfer.stats import TransferStats
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def _nixl():
+    # Imported lazily so that `baton.transfer` metadata, plans and leases work without the NIXL wheels.
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+@dataclass
+class PendingRead:
+    request_id: str
+    peer: str          # the remote engine id
+    plan: TransferPlan
+    handle: object
+    started: float
+    deadline: float
+    state: str = "PROC"
+
+
+class TransferAgent:
+    def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
+                 num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",)) -> None:
+        """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here."""
+        nixl_agent, nixl_agent_config = _nixl()
+        self.engine_id = engine_id
+        self.regions = {name: RegionLayout.of(name, t) for name, t in pools.items()}
+        self._pools = pools  # registered memory must outlive the registration
+        # NIXL agent names must be unique among the peers one agent knows.
+        self.agent_name = f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(backends)))
+        self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
+        compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
+        self.metadata = AgentMetadata(engine_id=engine_id, agent_name=self.agent_name,
+                                      nixl_metadata=self._agent.get_agent_metadata(), compat=compat,
+                                      compat_hash=compat_hash(compat), regions=self.regions)
+        self._peers: dict[str, tuple[str, AgentMetadata]] = {}
+        self.stats = TransferStats()
+
+    # ---- handshake --------------------------------------------------------------------------------
+    def connect(self, remote: AgentMetadata) -> None:
+        """Load a peer's metadata once (cached by engine id); refuses an incompatible peer."""
+        cached = self._peers.get(remote.engine_id)
+        if cached is not None and cached[1].agent_name == remote.agent_name:
+            return
+        check_compatible(self.metadata, remote)
+        if cached is not None:  # the peer restarted: a new agent behind the same engine id
+            self.forget(remote.engine_id)
+        try:
+            name = self._agent.add_remote_agent(remote.nixl_metadata)
+        except Exception as e:  # nixl binding errors have no common base class
+            raise PeerUnreachable(f"loading {remote.engine_id}'s NIXL metadata: {type(e).__name__}: {e}",
+                                  peer=remote.engine_id) from e
+        self._peers[remote.engine_id] = (name, remote)
+
+    def is_connected(self, engine_id: str) -> bool:
+        return engine_id in self._peers
+
+    def forget(self, engine_id: str) -> None:
+        entry = self._peers.pop(engine_id, None)
+        if entry is not None:
+            # Already gone on the NIXL side: nothing left to clean.
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(entry[0])
+
+    # ---- decode side: READ ------------------------------------------------------------------------
+    def start_read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
+                   local_slot: int, remote_slot: int, timeout: float = DEFAULT_TIMEOUT_S,
+                   coalesced: bool = True) -> PendingRead:
+        if peer not in self._peers:
+            raise PeerUnreachable(f"no handshake with {peer!r} yet", request_id=request_id, peer=peer)
+        name, remote = self._peers[peer]
+        plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
+                            coalesced=coalesced)
+        mem = self.regions["kv"].mem_type
+        t0 = time.monotonic()
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(plan.local, mem),
+                self._agent.get_xfer_descs(plan.remote, remote.regions["kv"].mem_type), name,
+                request_id.encode())
+            state = self._agent.transfer(handle)
+        except Exception as e:
+            self.stats.failures += 1
+            raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not start: {type(e).__name__}: {e}",
+                                 request_id=request_id, peer=peer) from e
+        pending = PendingRead(request_id, peer, plan, handle, t0, t0 + timeout, state)
+        self.stats.descriptors += plan.num_descriptors
+        return pending
+
+    def poll(self, pending: PendingRead) -> bool:
+        """True once the READ is done (handle released). Raises a typed error on ERR or past the deadline."""
+        if pending.handle is None:
+            return True
+        if pending.state == "PROC":
+            try:
+                pending.state = self._agent.check_xfer_state(pending.handle)
+            except Exception as e:
+                pending.state = f"ERR ({type(e).__name__}: {e})"
+        if pending.state == "DONE":
+            self._release(pending)
+            self.stats.transfers += 1
+            self.stats.bytes += pending.plan.num_bytes
+            self.stats.seconds += time.monotonic() - pending.started
+            return True
+        if pending.state != "PROC":
+            self._fail(pending)
+            raise TransferFailed(f"READ of {pending.request_id!r} from {pending.peer!r} failed: {pending.state}",
+                                 request_id=pending.request_id, peer=pending.peer)
+        if time.monotonic() > pending.deadline:
+            self._fail(pending)
+            raise TransferTimeout(f"READ of {pending.request_id!r} from {pending.peer!r} not done after "
+                                  f"{pending.deadline - pending.started:.1f} s",
+                                  request_id=pending.request_id, peer=pending.peer)
+        return False
+
+    def wait(self, pending: PendingRead) -> None:
+        """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline."""
+        while not self.poll(pending):
+            time.sleep(0.0002)
+
+    def read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
+             local_slot: int, remote_slot: int, timeout: float = DEFAULT_TIMEOUT_S, coalesced: bool = True) -> None:
+        self.wait(self.start_read(request_id, peer, local_blocks, remote_blocks, local_slot, remote_slot,
+                                  timeout, coalesced))
+
+    def _fail(self, pending: PendingRead) -> None:
+        self.stats.failures += 1
+        self._release(pending)
+
+    def _release(self, pending: PendingRead) -> None:
+        handle, pending.handle = pending.handle, None
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:
+            # A handle NIXL refuses to release is reported, not leaked silently.
+            raise TransferError(f"releasing the READ handle of {pending.request_id!r}: {e}",
+                                request_id=pending.request_id, peer=pending.peer) from e
+
+    # ---- prefill side: notifications ----------------------------------------------------------------
+    def notifications(self) -> list[str]:
+        """Request ids whose READ a peer completed since the last call."""
+        out: list[str] = []
+        for msgs in self._agent.get_new_notifs().values():
+            out.extend(m.decode() for m in msgs)
+        return out
+
+    def close(self) -> None:
+        for engine_id in list(self._peers):
+            self.forget(engine_id)
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
