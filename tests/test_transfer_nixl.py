@@ -5,7 +5,7 @@ Covers: bit-identical KV blocks and state slots for scattered block ids and seve
 freeing on the decode side's notification, lease expiry, a killed peer, and a compatibility mismatch.
 """
 
-import os
+import contextlib
 import random
 import subprocess
 import time
@@ -45,10 +45,8 @@ def peer(model_dir):
     proc, conn, address = start_peer(model_dir, ENGINE_KW, lease_seconds=30.0)
     yield proc, conn, address
     if proc.is_alive():
-        try:
+        with contextlib.suppress(TimeoutError, EOFError, BrokenPipeError):
             call(conn, "quit", timeout=10)
-        except (TimeoutError, EOFError, BrokenPipeError):
-            pass
         proc.join(10)
     if proc.is_alive():
         proc.kill()

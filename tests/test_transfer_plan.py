@@ -41,6 +41,11 @@ def test_plan_contiguous_vs_scattered_descriptor_counts():
     assert plan_request(local, remote, list(range(16)), scattered, 1, 3).num_descriptors == 16 + 2
     per_block = plan_request(local, remote, list(range(16)), list(range(16)), 1, 3, coalesced=False)
     assert per_block.num_descriptors == 18 and per_block.num_bytes == p.num_bytes
+    # Peer-style: one per block per layer (3 attention layers here).
+    per_layer = plan_request(local, remote, list(range(16)), list(range(16)), 1, 3, coalesced=False,
+                             split_layers=True)
+    assert per_layer.num_descriptors == 16 * 3 + 2 and per_layer.num_bytes == p.num_bytes
+    assert per_layer.local[1, 0] - per_layer.local[0, 0] == local["kv"].item_bytes // 3
 
 
 def test_plan_rejects_out_of_range_and_mismatched_layouts():

@@ -91,12 +91,12 @@ class TransferAgent:
     # ---- decode side: READ ------------------------------------------------------------------------
     def start_read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
                    local_slot: int, remote_slot: int, timeout: float = DEFAULT_TIMEOUT_S,
-                   coalesced: bool = True) -> PendingRead:
+                   coalesced: bool = True, split_layers: bool = False) -> PendingRead:
         if peer not in self._peers:
             raise PeerUnreachable(f"no handshake with {peer!r} yet", request_id=request_id, peer=peer)
         name, remote = self._peers[peer]
         plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
-                            coalesced=coalesced)
+                            coalesced=coalesced, split_layers=split_layers)
         mem = self.regions["kv"].mem_type
         t0 = time.monotonic()
         try:

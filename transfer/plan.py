@@ -57,21 +57,33 @@ def _check_pair(local: RegionLayout, remote: RegionLayout) -> None:
 
 def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout],
                  local_blocks: list[int], remote_blocks: list[int], local_slot: int, remote_slot: int,
-                 coalesced: bool = True) -> TransferPlan:
-    """The READ of one request: its KV blocks, then its conv and SSM state slot."""
+                 coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
+    """The READ of one request: its KV blocks, then its conv and SSM state slot.
+
+    `coalesced=False` issues one descriptor per block; `split_layers=True` additionally one per layer of
+    each block (how peers with per-layer caches transfer; kept for the benchmark's comparison).
+    """
     rows_l: list[tuple[int, int, int]] = []
     rows_r: list[tuple[int, int, int]] = []
 
     def add(name: str, runs: list[Run]) -> None:
         lo, re = local[name], remote[name]
         _check_pair(lo, re)
+        pieces = lo.item_shape[0] if split_layers and name == "kv" else 1
+        piece = lo.item_bytes // pieces
         for run in runs:
-            n = run.count * lo.item_bytes
             # Both ends of the run must lie inside their pools.
             lo.item_addr(run.local_start + run.count - 1)
             re.item_addr(run.remote_start + run.count - 1)
-            rows_l.append((lo.item_addr(run.local_start), n, lo.dev_id))
-            rows_r.append((re.item_addr(run.remote_start), n, re.dev_id))
+            if pieces == 1:
+                n = run.count * lo.item_bytes
+                rows_l.append((lo.item_addr(run.local_start), n, lo.dev_id))
+                rows_r.append((re.item_addr(run.remote_start), n, re.dev_id))
+                continue
+            for i in range(run.count):
+                for k in range(pieces):
+                    rows_l.append((lo.item_addr(run.local_start + i) + k * piece, piece, lo.dev_id))
+                    rows_r.append((re.item_addr(run.remote_start + i) + k * piece, piece, re.dev_id))
 
     # A pool with no layers (no attention, or no Mamba layers) moves nothing.
     if local_blocks and local["kv"].item_bytes:

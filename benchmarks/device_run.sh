@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels and Baton, run the GPU tests and the benchmarks, print tables.
+# Usage (device tool, carry [".whl"]): bash benchmarks/device_run.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  python3 benchmarks/transfer_bench.py --device cuda 2>&1 | grep -v "NIXL INFO" | tee "$OUT/transfer_cuda.txt"
+fi
+python3 benchmarks/transfer_bench.py --device cpu --reps 3 2>&1 | grep -v "NIXL INFO" | tail -9 | tee "$OUT/transfer_cpu.txt"
