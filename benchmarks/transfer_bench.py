@@ -77,7 +77,7 @@ def holder(conn, args, device: str) -> None:
     agent.close()
 
 
-def peer_copy_gbps(nbytes: int, device: str, reps: int) -> float:
+def peer_copy_gbps(nbytes: int, device: str, reps: int) -> tuple[float, float]:
     """The same bytes with a plain torch copy: in-process on CPU, cuda:0 -> cuda:1 on GPUs."""
     n = nbytes // 4
     src = torch.randn(n, device="cuda:0" if device == "cuda" else "cpu")
@@ -92,7 +92,7 @@ def peer_copy_gbps(nbytes: int, device: str, reps: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize("cuda:1")
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:]) / 1e9
+    return nbytes / statistics.median(times[1:]) / 1e9, nbytes / min(times[1:]) / 1e9
 
 
 def main() -> int:
@@ -134,8 +134,8 @@ def main() -> int:
                                      timeout=120.0, coalesced=coalesced, split_layers=split)
                 agent.wait(p)
                 times.append(time.perf_counter() - t0)
-            t = statistics.median(times[1:])
-            rows.append((layout, name, p.plan.num_descriptors, p.plan.num_bytes, t))
+            rows.append((layout, name, p.plan.num_descriptors, p.plan.num_bytes, statistics.median(times[1:]),
+                         min(times[1:])))
         # Bit-exact check of the last READ against the holder's data is in tests/test_transfer_nixl.py;
         # here a cheap sanity check that bytes arrived at all.
         assert pools.ssm[0].abs().sum().item() > 0, "no bytes arrived"
@@ -143,14 +143,16 @@ def main() -> int:
         parent.send("stop")
         proc.join(60)
     nbytes = rows[0][3]
-    base = peer_copy_gbps(nbytes, args.device, args.reps)
+    base, base_best = peer_copy_gbps(nbytes, args.device, args.reps)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"\ntransfer_bench: {args.preset}, {args.tokens} tokens = {nbytes / 2**20:.1f} MiB "
-          f"(KV + conv + SSM state), device {args.device} ({card}), median of {args.reps}")
-    print(f"{'block ids':<11} {'plan':<21} {'descs':>6} {'ms':>9} {'GB/s':>8} {'vs copy':>8}")
-    for layout, name, descs, b, t in rows:
-        print(f"{layout:<11} {name:<21} {descs:>6} {1e3 * t:>9.2f} {b / t / 1e9:>8.2f} {b / t / 1e9 / base:>7.0%}")
-    print(f"{'baseline':<11} {'torch copy':<21} {'':>6} {1e3 * nbytes / base / 1e9:>9.2f} {base:>8.2f} {'100%':>8}")
+          f"(KV + conv + SSM state), device {args.device} ({card}), median (and best) of {args.reps}")
+    print(f"{'block ids':<11} {'plan':<21} {'descs':>6} {'ms':>8} {'GB/s':>7} {'best':>7} {'vs copy':>8}")
+    for layout, name, descs, b, t, best in rows:
+        print(f"{layout:<11} {name:<21} {descs:>6} {1e3 * t:>8.2f} {b / t / 1e9:>7.1f} {b / best / 1e9:>7.1f} "
+              f"{b / t / 1e9 / base:>7.0%}")
+    print(f"{'baseline':<11} {'torch copy':<21} {'':>6} {1e3 * nbytes / base / 1e9:>8.2f} {base:>7.1f} "
+          f"{base_best:>7.1f} {'100%':>8}")
     return 0
 
 

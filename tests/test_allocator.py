@@ -39,3 +39,12 @@ def test_double_free_and_foreign_id_are_bugs():
 def test_capacity_validated(bad):
     with pytest.raises(ValueError, match="capacity"):
         FreeList(bad, "x")
+
+
+def test_lowest_ids_first_keeps_runs_consecutive():
+    fl = FreeList(16, "blocks")
+    a = fl.allocate(4)
+    b = fl.allocate(4)
+    fl.free(a[::-1])
+    # Freed in any order, reused lowest first: the next request gets one consecutive run again.
+    assert fl.allocate(4) == [0, 1, 2, 3] and b == [4, 5, 6, 7]

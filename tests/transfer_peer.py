@@ -31,10 +31,11 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
 
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**engine_kw))
     sched = engine.scheduler
-    # Scatter the free lists, so that held requests own non-contiguous blocks.
+    # Fragment the pool: a random half of the blocks stays taken, so held requests own scattered blocks.
     every = sched.blocks.allocate(sched.blocks.num_free)
     random.Random(0).shuffle(every)
-    sched.blocks.free(every)
+    sched.blocks.free(every[: len(every) // 2])
+    fragment = sched.blocks.num_used
     pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
     held = HeldTransfers(agent, LeaseTable(lease_seconds), free=lambda lease: engine.free_held(lease.block_ids,
@@ -70,7 +71,7 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
                     t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32))
                 conn.send(None)
             elif cmd == "status":
-                conn.send({"blocks_used": sched.blocks.num_used, "slots_used": sched.slots.num_used,
+                conn.send({"blocks_used": sched.blocks.num_used - fragment, "slots_used": sched.slots.num_used,
                            "leases": len(held.leases), "stats": agent.stats})
         held.poll()
     server.close()

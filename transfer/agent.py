@@ -23,6 +23,7 @@ from baton.transfer.plan import TransferPlan, plan_request
 from baton.transfer.stats import TransferStats
 
 DEFAULT_TIMEOUT_S = 10.0
+SPIN_SECONDS = 0.005
 
 
 def _nixl():
@@ -140,9 +141,15 @@ class TransferAgent:
         return False
 
     def wait(self, pending: PendingRead) -> None:
-        """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline."""
+        """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline.
+
+        Spins for the first milliseconds: a 350 MiB READ over NVLink takes ~1 ms, and even a short sleep
+        between polls measurably cut its bandwidth (126 vs ~260 GB/s on H200). Then it backs off.
+        """
+        spin_until = time.monotonic() + SPIN_SECONDS
         while not self.poll(pending):
-            time.sleep(0.0002)
+            if time.monotonic() > spin_until:
+                time.sleep(0.0002)
 
     def read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
              local_slot: int, remote_slot: int, timeout: float = DEFAULT_TIMEOUT_S, coalesced: bool = True) -> None:
