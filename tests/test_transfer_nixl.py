@@ -6,7 +6,9 @@ freeing on the decode side's notification, lease expiry, a killed peer, and a co
 """
 
 import contextlib
+import os
 import random
+import signal
 import subprocess
 import time
 
@@ -17,7 +19,13 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.transfer.agent import TransferAgent
-from baton.transfer.errors import IncompatiblePeer, LeaseExpired, PeerUnreachable, TransferError
+from baton.transfer.errors import (
+    IncompatiblePeer,
+    LeaseExpired,
+    PeerUnreachable,
+    TransferError,
+    TransferTimeout,
+)
 from baton.transfer.side_channel import SideChannelClient
 from tests.transfer_peer import call, start_peer
 
@@ -167,3 +175,32 @@ def test_incompatible_peer_is_refused_naming_the_field(model_dir, peer):
         assert not agent.is_connected("prefill-0")
     finally:
         agent.close()
+
+
+def test_frozen_peer_times_out_within_the_deadline(model_dir, monkeypatch):
+    # Over UCX's tcp transport a READ needs the peer's progress: a frozen (SIGSTOPped) peer never serves
+    # it, and the decode side must give up at its deadline, release the handle and free what it allocated.
+    # (Over cma, reads of host memory need no peer CPU and may complete anyway.)
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    proc, conn, address = start_peer(model_dir, ENGINE_KW, engine_id="prefill-frozen")
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE_KW))
+    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    agent = TransferAgent("decode-2", engine.model_config, pools, engine.config.block_size)
+    try:
+        handshake(agent, address)
+        (h,) = call(conn, "prefill", [[4, 5, 6, 7, 8, 9, 10]])
+        sched = engine.scheduler
+        blocks, slot = sched.blocks.allocate(len(h.kv_block_ids)), sched.slots.allocate(1)[0]
+        agent.read("warm", h.engine_id, blocks, list(h.kv_block_ids), slot, h.state_slot)  # connection up
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            agent.read(h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot, h.state_slot, timeout=1.0)
+        assert 1.0 <= time.monotonic() - t0 < 2.0
+        assert agent.stats.failures == 1 and agent.stats.transfers == 1
+        engine.free_held(blocks, slot)
+        assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        agent.close()
+        proc.kill()
