@@ -1,0 +1,1 @@
+"""Python SDK for Baton's gRPC API. Imports no torch."""

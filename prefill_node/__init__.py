@@ -1,0 +1,1 @@
+"""The prefill node: an engine that only prefills (N-1 tokens) and leases the caches to decode nodes."""

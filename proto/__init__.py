@@ -1,0 +1,1 @@
+"""The `.proto` sources of Baton's APIs and their generated Python stubs."""

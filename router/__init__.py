@@ -1,0 +1,1 @@
+"""The router: client-facing gRPC service, worker selection, disaggregation flow. Imports no torch."""
