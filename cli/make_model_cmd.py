@@ -23,13 +23,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="override a config.json field; VALUE is JSON when it parses, else a string (repeatable)")
     p.add_argument("--shard-size-mb", type=int, default=DEFAULT_SHARD_SIZE_BYTES // 2**20,
                    help="largest safetensors file before sharding (default: %(default)s)")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="do not write tokenizer.json / tokenizer_config.json (default: a small byte-level BPE)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out = make_model(args.out, preset=args.preset, mtp_layers=args.mtp_layers, seed=args.seed,
                      overrides=parse_overrides(args.overrides), dtype=args.dtype,
-                     shard_size_bytes=args.shard_size_mb * 2**20)
+                     shard_size_bytes=args.shard_size_mb * 2**20, tokenizer=args.tokenizer)
     cfg = ModelConfig.from_hf_dict(read_hf_config(out))
     params = num_parameters(expected_weight_shapes(cfg))
     size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))

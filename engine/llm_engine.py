@@ -77,6 +77,13 @@ class LLMEngine:
                     request_id: str | None = None, prefill_only: bool = False) -> str:
         """Queue a request. `prefill_only`: compute the prompt's caches, never sample, and return the
         still-allocated block ids and state slot in its final output (free them with `free_held`)."""
+        req = self._new_request(prompt_token_ids, params, request_id, prefill_only)
+        self.scheduler.add(req)
+        self.runner.add_request(req.request_id, params)
+        return req.request_id
+
+    def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                     prefill_only: bool) -> Request:
         cfg = self.model_config
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -90,12 +97,9 @@ class LLMEngine:
         params.validate_for_vocab(cfg.vocab_size)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
-        req = Request(request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                      arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
-                      prefill_only=prefill_only)
-        self.scheduler.add(req)
-        self.runner.add_request(request_id, params)
-        return request_id
+        return Request(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                       arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
+                       prefill_only=prefill_only)
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
@@ -108,6 +112,20 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
         self.scheduler.free_held(block_ids, state_slot)
+
+    def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
+        """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
+        return self.scheduler.reserve(-(-num_tokens // self.config.block_size))
+
+    def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                             block_ids: list[int], state_slot: int, num_computed: int) -> str:
+        """Admit a request whose first `num_computed` prompt tokens' KV and state already sit in
+        `block_ids` / `state_slot` (pulled from a prefill node): its first step computes only the next
+        token from that state (R1), inside whatever mixed batch runs then."""
+        req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
+        self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
+        self.runner.add_request(req.request_id, params)
+        return req.request_id
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that got a token or finished."""

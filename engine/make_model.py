@@ -1,4 +1,4 @@
-"""Write a random NemotronH checkpoint (HF `config.json` + safetensors, no tokenizer) for tests and demos.
+"""Write a random NemotronH checkpoint (HF `config.json`, safetensors, a small tokenizer) for tests and demos.
 
 Presets: `tiny` (unit tests), `small` (~29M parameters, `make demo` on a CPU), `8b-like` (exactly the shape
 of nvidia/Nemotron-H-8B-Base-8K: 52 layers, hidden 4096, ~8.1B parameters, bf16). The weights follow the
@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from baton.engine.config import LEGACY_KEYS, ModelConfig
+from baton.engine.tokenizer_train import write_tokenizer
 from baton.engine.weights import (
     CONFIG_FILE,
     FP32_SUFFIXES,
@@ -246,11 +247,13 @@ def _plan_shards(sizes: Mapping[str, int], shard_size_bytes: int) -> list[list[s
 
 def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, seed: int = 0,
                overrides: Mapping[str, Any] | None = None, dtype: str | None = None,
-               shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, progress: bool = True) -> Path:
+               shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, progress: bool = True,
+               tokenizer: bool = True) -> Path:
     """Write `config.json` and random safetensors weights of `preset` into `out_dir`; return `out_dir`.
 
     Weights larger than `shard_size_bytes` go to `model-0000i-of-0000N.safetensors` shards plus
     `model.safetensors.index.json`, one shard in memory at a time; smaller ones to `model.safetensors`.
+    With `tokenizer`, also a small byte-level BPE `tokenizer.json` (see `tokenizer_train.write_tokenizer`).
     """
     if shard_size_bytes <= 0:
         raise ValueError(f"shard_size_bytes: expected a positive integer, got {shard_size_bytes!r}")
@@ -281,4 +284,6 @@ def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, s
                  "weight_map": {n: f for names, f in zip(shards, files, strict=True) for n in names}}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG_FILE).write_text(json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    if tokenizer:
+        write_tokenizer(out, d)
     return out

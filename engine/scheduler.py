@@ -72,6 +72,11 @@ class Scheduler:
 
     # ---- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self._check_new(req)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _check_new(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id: expected a new id, got duplicate {req.request_id!r}")
         # A request that could not run even alone would wait (or preempt itself) forever.
@@ -79,8 +84,6 @@ class Scheduler:
         if -(-longest // self.block_size) > self.blocks.capacity:
             raise ValueError(f"request length: expected at most {self.blocks.capacity * self.block_size} tokens "
                              f"(the whole KV pool), got prompt + max_tokens = {longest}")
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -251,6 +254,30 @@ class Scheduler:
             self._release(req)
         req.status = status
         del self.requests[req.request_id]
+
+    def reserve(self, num_blocks: int) -> tuple[list[int], int] | None:
+        """Blocks and a state slot for a request whose caches arrive from elsewhere (a transfer), or None
+        when they are not free now. Give them back with `free_held` if the transfer fails."""
+        if not self.slots.can_allocate(1) or not self.blocks.can_allocate(num_blocks):
+            return None
+        return self.blocks.allocate(num_blocks), self.slots.allocate(1)[0]
+
+    def add_computed(self, req: Request, block_ids: list[int], state_slot: int, num_computed: int) -> None:
+        """Admit a request whose first `num_computed` tokens are already in the given blocks and slot
+        (transferred from a prefill node). Its next step computes token num_computed + 1 from that state."""
+        self._check_new(req)
+        if not 0 < num_computed < req.num_tokens:
+            raise ValueError(f"num_computed: expected 1..{req.num_tokens - 1} (prompt length - 1 at most), "
+                             f"got {num_computed}")
+        if len(block_ids) * self.block_size < num_computed:
+            raise ValueError(f"block_ids: expected room for {num_computed} tokens, got {len(block_ids)} blocks")
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_computed
+        req.num_prefill_tokens = req.num_tokens
+        req.block_ids = list(block_ids)
+        req.state_slot = state_slot
+        self.requests[req.request_id] = req
+        self._insert_running(req)
 
     def free_held(self, block_ids: list[int] | tuple[int, ...], state_slot: int) -> None:
         """Return the caches of a prefilled (held) request to the pools once its lease is over."""

@@ -191,3 +191,38 @@ def test_prefill_only_requests_never_sample_and_hand_their_caches_over(tiny):
     ref.add_request(prompt, GREEDY, prefill_only=True)
     (o,) = [o for _ in range(10) for o in ref.step()]
     torch.testing.assert_close(ref.pools.ssm[o.held_state_slot], ssm_after, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 9, 17, 40])
+def test_r1_decode_from_transferred_n_minus_1_state_equals_one_engine(tiny, n):
+    # R1 at engine level: a "prefill" engine computes N-1 tokens and hands the caches over; a "decode"
+    # engine receives them (copied here; NIXL in the node tests), computes token N from h(N-1) and must
+    # produce exactly what one engine produces. Computing all N tokens on the prefill side would advance
+    # the recurrent state twice over token N.
+    rng = random.Random(n)
+    prompt = rand_prompt(rng, n)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = new_engine(tiny).generate([prompt], params)[0].token_ids
+    pre = new_engine(tiny)
+    pre.add_request(prompt[:-1], SamplingParams(max_tokens=1), prefill_only=True)
+    (held,) = [o for _ in range(20) for o in pre.step()]
+    dec = new_engine(tiny)
+    busy = dec.add_request(rand_prompt(rng, 12), GREEDY)  # a running request: the first step is mixed
+    dec.step()
+    blocks, slot = dec.reserve(n - 1)
+    assert len(blocks) == len(held.held_block_ids)
+    dec.pools.kv[blocks] = pre.pools.kv[list(held.held_block_ids)]
+    dec.pools.conv[slot] = pre.pools.conv[held.held_state_slot]
+    dec.pools.ssm[slot] = pre.pools.ssm[held.held_state_slot]
+    rid = dec.add_computed_request(prompt, params, "moved", blocks, slot, num_computed=n - 1)
+    out = dec.scheduler.schedule()
+    row = next(r for r in out.rows if r.request_id == rid)
+    assert row.num_tokens == 1 and row.has_initial_state and row.sample and out.is_mixed
+    dec.scheduler.update(out, dec.runner.execute(out).sampled)
+    done = {}
+    while dec.has_unfinished():
+        for o in dec.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[rid].token_ids == ref and busy in done
+    assert_all_free(dec)

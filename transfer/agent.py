@@ -85,6 +85,11 @@ class TransferAgent:
     def is_connected(self, engine_id: str) -> bool:
         return engine_id in self._peers
 
+    def peer_agent_name(self, engine_id: str) -> str | None:
+        """The NIXL agent name of a handshaken peer (changes when the peer restarts), or None."""
+        entry = self._peers.get(engine_id)
+        return entry[1].agent_name if entry is not None else None
+
     def forget(self, engine_id: str) -> None:
         entry = self._peers.pop(engine_id, None)
         if entry is not None:

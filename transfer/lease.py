@@ -7,6 +7,7 @@ hand back to its allocators.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class LeaseTable:
         self.lease_seconds = lease_seconds
         self.clock = clock
         self._leases: dict[str, Lease] = {}
+        # Renewals arrive on the side-channel thread; everything else on the engine thread.
+        self._lock = threading.Lock()
         self.num_completed = 0
         self.num_expired = 0
         self.num_released = 0
@@ -46,38 +49,44 @@ class LeaseTable:
 
     def hold(self, request_id: str, block_ids: tuple[int, ...] | list[int], state_slot: int,
              num_tokens: int) -> Lease:
-        if request_id in self._leases:
-            raise ValueError(f"request_id: expected no lease yet, got a second hold for {request_id!r}")
-        lease = Lease(request_id, tuple(block_ids), state_slot, num_tokens, self.clock() + self.lease_seconds)
-        self._leases[request_id] = lease
-        return lease
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request_id: expected no lease yet, got a second hold for {request_id!r}")
+            lease = Lease(request_id, tuple(block_ids), state_slot, num_tokens, self.clock() + self.lease_seconds)
+            self._leases[request_id] = lease
+            return lease
 
     def renew(self, request_id: str, seconds: float | None = None) -> float:
         """Extend a live lease; returns the new expiry. A lease past its expiry cannot be renewed."""
-        lease = self._leases.get(request_id)
-        if lease is None or lease.expires_at <= self.clock():
-            raise LeaseExpired(f"no live lease for {request_id!r}", request_id=request_id)
-        lease.expires_at = self.clock() + (seconds or self.lease_seconds)
-        lease.renewals += 1
-        return lease.expires_at
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.expires_at <= self.clock():
+                raise LeaseExpired(f"no live lease for {request_id!r}", request_id=request_id)
+            lease.expires_at = self.clock() + (seconds or self.lease_seconds)
+            lease.renewals += 1
+            return lease.expires_at
 
     def complete(self, request_id: str) -> Lease | None:
         """The decode side's READ finished (its notification arrived): hand the resources back."""
-        lease = self._leases.pop(request_id, None)
-        self.num_completed += lease is not None
-        return lease
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            self.num_completed += lease is not None
+            return lease
 
     def release(self, request_id: str) -> Lease | None:
         """Abort: the request is gone; hand its resources back."""
-        lease = self._leases.pop(request_id, None)
-        self.num_released += lease is not None
-        return lease
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            self.num_released += lease is not None
+            return lease
 
     def expire(self) -> list[Lease]:
         """Pop every lease past its expiry."""
-        now = self.clock()
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        for lease in gone:
-            del self._leases[lease.request_id]
-        self.num_expired += len(gone)
-        return gone
+        with self._lock:
+            now = self.clock()
+            gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+            for lease in gone:
+                del self._leases[lease.request_id]
+            self.num_expired += len(gone)
+            return gone
+

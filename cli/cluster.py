@@ -1,0 +1,183 @@
+"""A local Baton cluster: router + prefill nodes + decode nodes as separate OS processes on this machine.
+
+Used by `baton up`, `baton demo` and the end-to-end tests. Ports: router P, prefill nodes P+1.., decode
+nodes after them; each prefill node's side channel listens on its port + 1000.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+READY_TIMEOUT_S = 180.0
+
+
+def free_port_block(n: int, start: int = 20000, stop: int = 60000) -> int:
+    """A base port P such that P..P+n-1 and P+1000..P+1000+n-1 are all free right now."""
+    for base in range(start + (os.getpid() * 37) % 5000, stop, n + 3):
+        ports = [*range(base, base + n), *range(base + 1000, base + 1000 + n)]
+        if all(_is_free(p) for p in ports):
+            return base
+    raise RuntimeError("no free block of ports found")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Cluster:
+    model: str
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    port: int | None = None
+    host: str = "127.0.0.1"
+    local_prefill_threshold: int = 0
+    engine_args: tuple[str, ...] = ()
+    log_dir: str | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1:
+            raise ValueError(f"decode_workers: expected at least 1, got {self.decode_workers}")
+        if self.prefill_workers < 0:
+            raise ValueError(f"prefill_workers: expected >= 0, got {self.prefill_workers}")
+        if self.port is None:
+            self.port = free_port_block(1 + self.prefill_workers + self.decode_workers)
+
+    @property
+    def router_addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def prefill_addrs(self) -> list[str]:
+        return [f"{self.host}:{self.port + 1 + i}" for i in range(self.prefill_workers)]
+
+    @property
+    def decode_addrs(self) -> list[str]:
+        base = self.port + 1 + self.prefill_workers
+        return [f"{self.host}:{base + i}" for i in range(self.decode_workers)]
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, router: bool = True) -> Cluster:
+        """Start the nodes, wait until they answer, then (unless router=False) the router."""
+        common = ["--model", str(self.model), "--host", self.host, *self.engine_args]
+        for i, addr in enumerate(self.prefill_addrs):
+            self._spawn(f"prefill-{i}", "baton.prefill_node.server",
+                        [*common, "--port", addr.rsplit(":", 1)[1], "--engine-id", f"prefill-{i}"])
+        for i, addr in enumerate(self.decode_addrs):
+            self._spawn(f"decode-{i}", "baton.decode_node.server",
+                        [*common, "--port", addr.rsplit(":", 1)[1], "--engine-id", f"decode-{i}"])
+        self._wait_workers()
+        if router:
+            self._start_router()
+        return self
+
+    def _start_router(self) -> None:
+        router = ["--host", self.host, "--port", str(self.port),
+                  "--local-prefill-threshold", str(self.local_prefill_threshold)]
+        for a in self.prefill_addrs:
+            router += ["--prefill", a]
+        for a in self.decode_addrs:
+            router += ["--decode", a]
+        if (Path(self.model) / "tokenizer.json").exists():
+            router += ["--tokenizer", str(Path(self.model) / "tokenizer.json")]
+        self._spawn("router", "baton.router.server", router)
+        self._wait_router()
+
+    def _check_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            self.stop()
+            raise RuntimeError(f"cluster processes exited during start: {dead}"
+                               + (f" (logs in {self.log_dir})" if self.log_dir else ""))
+
+    def _wait_workers(self) -> None:
+        from baton.proto.v1 import worker_pb2 as wk
+        from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for addr in [*self.prefill_addrs, *self.decode_addrs]:
+            with grpc.insecure_channel(addr) as ch:
+                stub = wk_grpc.WorkerStub(ch)
+                while True:
+                    self._check_alive()
+                    try:
+                        stub.Load(wk.LoadRequest(), timeout=1.0)
+                        break
+                    except grpc.RpcError:
+                        if time.monotonic() > deadline:
+                            self.stop()
+                            raise TimeoutError(f"worker {addr} not ready after {READY_TIMEOUT_S} s") from None
+                        time.sleep(0.1)
+
+    def _wait_router(self) -> None:
+        from baton.proto.v1 import generation_pb2 as gen
+        from baton.proto.v1 import generation_pb2_grpc as gen_grpc
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with grpc.insecure_channel(self.router_addr) as ch:
+            stub = gen_grpc.GenerationStub(ch)
+            while True:
+                self._check_alive()
+                try:
+                    if stub.Health(gen.HealthRequest(), timeout=1.0).ok:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"router {self.router_addr} not healthy after {READY_TIMEOUT_S} s")
+                time.sleep(0.1)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (failure tests)."""
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM everything (router first, so that it stops taking requests), then SIGKILL stragglers."""
+        order = sorted(self.procs, key=lambda n: n != "router")
+        for name in order:
+            proc = self.procs[name]
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            proc = self.procs[name]
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,50 @@
+"""Typed results of the client: frozen dataclasses, never raw protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: the new tokens since the previous chunk."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    # None while the request is still generating; set on the last chunk only.
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole request, collected from its stream."""
+
+    request_id: str
+    # The prompt as sent; None for a text prompt (the server tokenizes it).
+    prompt_token_ids: tuple[int, ...] | None
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    prefill_workers: int
+    decode_workers: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    has_tokenizer: bool
+    layer_pattern: str
+    eos_token_ids: tuple[int, ...]

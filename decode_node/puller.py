@@ -1,0 +1,83 @@
+"""Pulls a prefilled request's caches into this decode node: handshake (cached per peer), local blocks
+and slot reserved on the engine thread, one coalesced NIXL READ on the transfer thread.
+
+Any failure (peer gone, lease expired, no room before the lease ends, transfer error) returns None after
+giving back what was reserved: the caller then prefills locally, so the client still gets its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+from baton.engine.engine_thread import EngineThread
+from baton.node.bridge import in_engine
+from baton.proto.v1 import worker_pb2 as wk
+from baton.transfer.agent import TransferAgent
+from baton.transfer.errors import TransferError
+from baton.transfer.side_channel import SideChannelClient
+
+log = logging.getLogger("baton.decode_node")
+RESERVE_POLL_S = 0.005
+LEASE_MARGIN_S = 1.0
+
+
+class Puller:
+    def __init__(self, agent: TransferAgent, thread: EngineThread, read_timeout_s: float = 10.0) -> None:
+        self.agent = agent
+        self.thread = thread
+        self.read_timeout_s = read_timeout_s
+        # NIXL calls of this agent stay on one thread; READs of host memory run inline in it.
+        self._nixl = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-transfer")
+        self.num_fallbacks = 0
+
+    async def _on_nixl(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._nixl, fn, *args)
+
+    async def pull(self, request_id: str, h: wk.TransferHandle) -> tuple[list[int], int] | None:
+        """Blocks and slot now holding the request's first `h.num_tokens` tokens, or None (fall back)."""
+        try:
+            await self._connect(h)
+            reserved = await self._reserve(h)
+        except TransferError as e:
+            log.warning("pull of %s from %s failed before the READ: %s", request_id, h.engine_id, e)
+            self.num_fallbacks += 1
+            return None
+        if reserved is None:
+            self.num_fallbacks += 1
+            return None
+        blocks, slot = reserved
+        try:
+            await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot,
+                                h.state_slot, self.read_timeout_s)
+        except TransferError as e:
+            log.warning("READ of %s from %s failed: %s", request_id, h.engine_id, e)
+            await in_engine(self.thread, lambda engine: engine.free_held(blocks, slot))
+            self.num_fallbacks += 1
+            return None
+        return blocks, slot
+
+    async def _connect(self, h: wk.TransferHandle) -> None:
+        def connect() -> None:
+            known = self.agent.peer_agent_name(h.engine_id)
+            if known != h.agent_name:  # first contact, or the peer restarted
+                meta = SideChannelClient(h.side_channel_host, h.side_channel_port).metadata()
+                self.agent.connect(meta)
+
+        await self._on_nixl(connect)
+
+    async def _reserve(self, h: wk.TransferHandle) -> tuple[list[int], int] | None:
+        """Wait for room, but not past the lease: reading freed (maybe reused) blocks would be wrong."""
+        deadline = time.monotonic() + (h.lease_expiry - time.time()) - LEASE_MARGIN_S
+        while time.monotonic() < deadline:
+            got = await in_engine(self.thread, lambda engine: engine.reserve(h.num_tokens))
+            if got is not None:
+                return got
+            await asyncio.sleep(RESERVE_POLL_S)
+        log.warning("no room for %s before its lease ends", h.request_id)
+        return None
+
+    def close(self) -> None:
+        self._nixl.shutdown(wait=True)

@@ -1,0 +1,54 @@
+"""`python -m baton.decode_node.server --model DIR --port P`: a decode node process.
+
+Loads the engine, registers its cache pools with NIXL once (it READs into them), and serves the Worker
+gRPC service on P.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import grpc
+
+from baton.cli.engine_args import engine_config_from_args
+from baton.decode_node.puller import Puller
+from baton.decode_node.service import DecodeService
+from baton.engine.engine_thread import EngineThread
+from baton.engine.llm_engine import LLMEngine
+from baton.node.serve import default_engine_id, node_parser, run
+from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from baton.transfer.agent import TransferAgent
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = node_parser("decode")
+    p.add_argument("--read-timeout", type=float, default=10.0, help="seconds one NIXL READ may take")
+    a = p.parse_args(argv)
+    engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
+    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
+    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
+    thread = EngineThread(engine, name="baton-decode-engine").start()
+    puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
+    has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
+    service = DecodeService(thread, puller, engine_id, str(a.model), has_tokenizer)
+
+    async def start() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        wk_grpc.add_WorkerServicer_to_server(service, server)
+        server.add_insecure_port(f"{a.host}:{a.port}")
+        await server.start()
+        print(f"decode node {engine_id} serving on {a.host}:{a.port}", flush=True)
+        return server
+
+    def shutdown() -> None:
+        thread.stop()
+        puller.close()
+        agent.close()
+
+    return run(start, shutdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

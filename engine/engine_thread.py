@@ -1,0 +1,103 @@
+"""Runs an `LLMEngine` on its own thread for a server: every engine call happens on that thread.
+
+Servers hand work in with `call(fn)` (runs `fn(engine)` between steps, returns a Future) and register
+per-request output callbacks; `step_hooks` run after every step (e.g. lease bookkeeping). Callbacks are
+invoked on the engine thread: they must only hand the output over (e.g. to an asyncio loop), never block.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from baton.engine.llm_engine import LLMEngine, RequestOutput
+
+T = TypeVar("T")
+IDLE_WAIT_S = 0.005
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, name: str = "baton-engine") -> None:
+        self.engine = engine
+        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], concurrent.futures.Future]] = (
+            queue.SimpleQueue())
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
+        self.step_hooks: list[Callable[[LLMEngine], None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` on the engine thread before its next step."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.error is not None:
+            fut.set_exception(RuntimeError(f"engine thread died: {self.error!r}"))
+            return fut
+        self._calls.put((fn, fut))
+        return fut
+
+    def on_output(self, request_id: str, callback: Callable[[RequestOutput], None]) -> None:
+        """Deliver every output of `request_id` to `callback` (dropped after the finished one).
+        Register it from an engine-thread call that adds the request, so that no output is missed."""
+        self._callbacks[request_id] = callback
+
+    def abort(self, request_id: str) -> concurrent.futures.Future[bool]:
+        """Abort a request; its callback gets a last output with finish_reason "abort" (so that a consumer
+        waiting for the finished output wakes up) and is dropped. The Future says whether it was live."""
+
+        def run(engine: LLMEngine) -> bool:
+            req = engine.scheduler.requests.get(request_id)
+            found = engine.abort(request_id)
+            cb = self._callbacks.pop(request_id, None)
+            if cb is not None:
+                tokens = tuple(req.output_token_ids) if req is not None else ()
+                cb(RequestOutput(request_id=request_id, prompt_token_ids=tuple(req.prompt_token_ids) if req else (),
+                                 token_ids=tokens, new_token_ids=(), finished=True, finish_reason="abort"))
+            return found
+
+        return self.call(run)
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            fn, fut = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # handed to the caller, the loop goes on
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._run_calls(block=not busy)
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        cb = self._callbacks.get(out.request_id)
+                        if cb is not None:
+                            if out.finished:
+                                del self._callbacks[out.request_id]
+                            cb(out)
+                for hook in self.step_hooks:
+                    hook(self.engine)
+        except BaseException as e:
+            self.error = e
+            raise

@@ -1,0 +1,36 @@
+"""Conversions between the `baton.v1` protobuf messages and the engine's types (torch-free)."""
+
+from __future__ import annotations
+
+from baton.engine.sampling_params import SamplingParams
+from baton.proto.v1 import generation_pb2 as gen
+
+FINISH_TO_PROTO = {
+    None: gen.FINISH_REASON_UNSPECIFIED,
+    "stop": gen.FINISH_REASON_STOP,
+    "length": gen.FINISH_REASON_LENGTH,
+    "abort": gen.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def sampling_from_proto(p: gen.SamplingParams) -> SamplingParams:
+    """Proto defaults follow `SamplingParams`; invalid values raise ValueError naming the field."""
+    d = SamplingParams()
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else d.max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else d.temperature,
+        top_p=p.top_p if p.HasField("top_p") else d.top_p,
+        top_k=p.top_k if p.HasField("top_k") else d.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
+    p = gen.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                           stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        p.seed = s.seed
+    return p

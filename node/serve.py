@@ -1,0 +1,47 @@
+"""Node process bootstrap: flags, engine + engine thread, the gRPC server, and a clean shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from baton.cli.engine_args import add_engine_args
+
+GRACE_S = 5.0
+
+
+def node_parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"baton-{role}", description=f"Baton {role} node")
+    p.add_argument("--model", required=True, help="HF NemotronH checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="gRPC port of the Worker service")
+    p.add_argument("--engine-id", default=None, help=f"unique id of this node (default {role}-HOST-PORT)")
+    add_engine_args(p)
+    return p
+
+
+def default_engine_id(role: str, host: str, port: int) -> str:
+    return f"{role}-{socket.gethostname()}-{host}-{port}"
+
+
+async def serve_until_signalled(start: Callable[[], Awaitable[grpc.aio.Server]],
+                                shutdown: Callable[[], None]) -> None:
+    """Start the server, then wait for SIGINT/SIGTERM; stop accepting, drain for a grace period, clean up."""
+    server = await start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(GRACE_S)
+    shutdown()
+
+
+def run(start: Callable[[], Awaitable[grpc.aio.Server]], shutdown: Callable[[], None]) -> int:
+    asyncio.run(serve_until_signalled(start, shutdown))
+    return 0

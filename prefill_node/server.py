@@ -1,0 +1,61 @@
+"""`python -m baton.prefill_node.server --model DIR --port P`: a prefill node process.
+
+Loads the engine, registers its cache pools with NIXL once, serves `AgentMetadata` and lease renewals on
+a side channel (port P+1000 unless --side-channel-port), and the Worker gRPC service on P.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import grpc
+
+from baton.cli.engine_args import engine_config_from_args
+from baton.engine.engine_thread import EngineThread
+from baton.engine.llm_engine import LLMEngine
+from baton.node.serve import default_engine_id, node_parser, run
+from baton.prefill_node.service import PrefillService
+from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from baton.transfer.agent import TransferAgent
+from baton.transfer.held_transfers import HeldTransfers
+from baton.transfer.lease import DEFAULT_LEASE_SECONDS, LeaseTable
+from baton.transfer.side_channel import SideChannelServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = node_parser("prefill")
+    p.add_argument("--side-channel-port", type=int, default=None, help="default: --port + 1000")
+    p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
+    a = p.parse_args(argv)
+    engine_id = a.engine_id or default_engine_id("prefill", a.host, a.port)
+    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
+    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
+    held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
+                         free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))
+    side = SideChannelServer(lambda: agent.metadata, held.renew, host=a.host,
+                             port=a.side_channel_port if a.side_channel_port is not None else a.port + 1000)
+    thread = EngineThread(engine, name="baton-prefill-engine").start()
+    has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
+    service = PrefillService(thread, held, side.address, str(a.model), has_tokenizer)
+
+    async def start() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        wk_grpc.add_WorkerServicer_to_server(service, server)
+        server.add_insecure_port(f"{a.host}:{a.port}")
+        await server.start()
+        print(f"prefill node {engine_id} serving on {a.host}:{a.port} (side channel {side.address[1]})",
+              flush=True)
+        return server
+
+    def shutdown() -> None:
+        thread.stop()
+        side.close()
+        agent.close()
+
+    return run(start, shutdown)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The prefill node's Worker service: Prefill computes N-1 tokens (never samples) and leases the caches.
+
+R1: for an N-token prompt the engine computes exactly the first N-1 tokens. The decode node then computes
+token N from h(N-1); computing all N here would make the decode node advance the recurrent state over
+token N a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from baton.engine.engine_thread import EngineThread
+from baton.engine.llm_engine import LLMEngine, RequestOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.node.bridge import OutputStream, in_engine
+from baton.node.load import info_response, load_response
+from baton.proto.v1 import worker_pb2 as wk
+from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from baton.transfer.handle import TransferHandle
+from baton.transfer.held_transfers import HeldTransfers
+
+ROLE = "prefill"
+
+
+class PrefillService(wk_grpc.WorkerServicer):
+    def __init__(self, thread: EngineThread, held: HeldTransfers, side_channel: tuple[str, int], model: str,
+                 has_tokenizer: bool) -> None:
+        self.thread = thread
+        self.held = held
+        self.side_channel = side_channel
+        self.model = model
+        self.has_tokenizer = has_tokenizer
+        # Lease bookkeeping (notifications, expiry) runs on the engine thread, which owns the pools.
+        thread.step_hooks.append(lambda engine: held.poll())
+
+    async def Prefill(self, request: wk.PrefillRequest, context: grpc.aio.ServicerContext) -> wk.PrefillResponse:
+        prompt = list(request.prompt_token_ids)
+        rid = request.request_id
+        if len(prompt) < 2:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt_token_ids: expected at least 2 tokens for a remote prefill, got {len(prompt)}")
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: expected a non-empty id")
+        stream = OutputStream()
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(prompt[:-1], SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
+            self.thread.on_output(rid, stream.push)
+
+        try:
+            await in_engine(self.thread, add)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        done: RequestOutput | None = None
+        try:
+            async for out in stream:
+                done = out
+        except asyncio.CancelledError:
+            # The router gave up (client cancelled): nothing may stay allocated.
+            self.thread.abort(rid)
+            raise
+        if done is None or done.finish_reason != "prefilled":
+            await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid!r} was aborted")
+
+        def hold(engine: LLMEngine) -> TransferHandle:
+            return self.held.hold(rid, done.held_block_ids, done.held_state_slot, len(prompt) - 1)
+
+        handle = await in_engine(self.thread, hold)
+        if context.cancelled():
+            await in_engine(self.thread, lambda e: self.held.release(rid))
+        return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel))
+
+    async def Decode(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill node; Decode runs on decode nodes")
+
+    async def Abort(self, request: wk.WorkerAbortRequest, context) -> wk.WorkerAbortResponse:
+        """Abort a prefill in flight, or release the lease of a finished one."""
+        rid = request.request_id
+        found = await asyncio.wrap_future(self.thread.abort(rid))
+        found = found or await in_engine(self.thread, lambda e: self.held.release(rid))
+        return wk.WorkerAbortResponse(found=found)
+
+    async def Load(self, request, context) -> wk.LoadResponse:
+        return await in_engine(self.thread, lambda e: load_response(e, ROLE, len(self.held.leases)))
+
+    async def Info(self, request, context) -> wk.InfoResponse:
+        return await in_engine(self.thread, lambda e: info_response(e, ROLE, self.held.agent.engine_id, self.model,
+                                                                    self.has_tokenizer))
+
+
+def handle_to_proto(h: TransferHandle, host: str, port: int) -> wk.TransferHandle:
+    return wk.TransferHandle(engine_id=h.engine_id, agent_name=h.agent_name, request_id=h.request_id,
+                             num_tokens=h.num_tokens, kv_block_ids=list(h.kv_block_ids), state_slot=h.state_slot,
+                             lease_expiry=h.lease_expiry, side_channel_host=host, side_channel_port=port)

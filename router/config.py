@@ -1,0 +1,62 @@
+"""Router configuration: worker addresses, conditional disaggregation, polling and deadlines."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+def _bad(field_name: str, expected: str, got: Any) -> ValueError:
+    return ValueError(f"RouterConfig.{field_name}: expected {expected}, got {got!r}")
+
+
+def _check_addrs(field_name: str, addrs: Any, at_least: int) -> tuple[str, ...]:
+    if not isinstance(addrs, list | tuple):
+        raise _bad(field_name, "a tuple of 'HOST:PORT' strings", addrs)
+    for a in addrs:
+        host, sep, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _bad(field_name, "addresses of the form 'HOST:PORT' with PORT in [1, 65535]", a)
+    if len(set(addrs)) != len(addrs):
+        raise _bad(field_name, "distinct addresses", addrs)
+    if len(addrs) < at_least:
+        raise _bad(field_name, f"at least {at_least} address(es)", addrs)
+    return tuple(addrs)
+
+
+def _check_seconds(cfg: RouterConfig, field_name: str) -> None:
+    v = getattr(cfg, field_name)
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    if not ok:
+        raise _bad(field_name, "a finite number of seconds > 0", v)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill_addrs: tuple[str, ...]
+    decode_addrs: tuple[str, ...]
+    # Prompts of length <= threshold go straight to decode, which prefills them locally: for short prompts
+    # a transfer costs more than recomputing. Length 1 always does (there are no N-1 tokens to prefill).
+    local_prefill_threshold: int = 0
+    load_poll_interval_s: float = 0.5
+    # One Prefill RPC, queueing included; past it the router retries elsewhere, then prefills locally.
+    prefill_timeout_s: float = 120.0
+    # Longest silence tolerated on a Decode stream (before the first token: pull + queueing + token N).
+    decode_idle_timeout_s: float = 120.0
+    # Load, Info and Abort: small RPCs that a healthy node answers at once.
+    control_timeout_s: float = 5.0
+    tokenizer_path: str | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise through object.__setattr__ so lists given by callers still make a hashable config.
+        object.__setattr__(self, "prefill_addrs", _check_addrs("prefill_addrs", self.prefill_addrs, 0))
+        object.__setattr__(self, "decode_addrs", _check_addrs("decode_addrs", self.decode_addrs, 1))
+        t = self.local_prefill_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise _bad("local_prefill_threshold", "an integer >= 0", t)
+        for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s"):
+            _check_seconds(self, name)
+        p = self.tokenizer_path
+        if p is not None and (not isinstance(p, str) or not p):
+            raise _bad("tokenizer_path", "None or a non-empty path", p)

@@ -1,0 +1,34 @@
+"""Book-keeping of one request in flight: which workers may hold something of it right now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.router.workers import Worker
+
+
+@dataclass(eq=False)
+class InFlight:
+    request_id: str
+    # Workers that must be told to Abort unless the request ends normally: a prefill worker while its
+    # Prefill runs and while the handle it issued is not yet consumed by a decode worker; a decode worker
+    # until its stream ends with a finish reason.
+    live: set[Worker] = field(default_factory=set)
+    # Workers whose load tracker counts this request (removed when the request ends).
+    tracked: set[Worker] = field(default_factory=set)
+    # The worker call being awaited; Generation.Abort cancels it to wake the request up.
+    call: grpc.aio.Call | None = None
+    aborted: bool = False
+    completion_tokens: int = 0
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.call is not None:
+            self.call.cancel()
+
+    def untrack(self) -> None:
+        for w in self.tracked:
+            w.tracker.remove(self.request_id)
+        self.tracked.clear()

@@ -1,0 +1,68 @@
+"""One worker's load as the router sees it: the last polled numbers plus what it sent since.
+
+Polls are periodic, so on their own every request arriving between two polls would see the same numbers
+and go to the same worker. The tracker adds the work this router has sent that the last poll could not
+have counted yet: a request is counted iff it was sent after that poll *began* (an epoch check), and
+until it is answered. Work sent before the poll began is already in the worker's own numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.router.policy import Role, WorkerLoad
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    outstanding_prefill_tokens: int = 0
+    free_state_slots: int = 0
+    free_kv_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class _Sent:
+    epoch: int
+    prompt_tokens: int
+
+
+class LoadTracker:
+    def __init__(self, role: Role) -> None:
+        self.role = role
+        # Tokens per KV block of the worker (from its Info); 0 until known, and then blocks are not estimated.
+        self.block_size = 0
+        self._epoch = 0
+        self._snapshot = LoadSnapshot()
+        self._snapshot_epoch = 0
+        self._sent: dict[str, _Sent] = {}
+
+    def begin_poll(self) -> int:
+        """Call right before sending `Load`; pass the result to `end_poll` with the answer."""
+        self._epoch += 1
+        return self._epoch
+
+    def end_poll(self, epoch: int, snapshot: LoadSnapshot) -> None:
+        # An answer older than the one we hold describes an older state: keep the newer one.
+        if epoch >= self._snapshot_epoch:
+            self._snapshot, self._snapshot_epoch = snapshot, epoch
+
+    def add(self, request_id: str, prompt_tokens: int) -> None:
+        self._sent[request_id] = _Sent(self._epoch, prompt_tokens)
+
+    def remove(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sent)
+
+    def load(self, healthy: bool) -> WorkerLoad:
+        unseen = [s for s in self._sent.values() if s.epoch >= self._snapshot_epoch]
+        snap = self._snapshot
+        if self.role is Role.PREFILL:
+            tokens = sum(s.prompt_tokens for s in unseen)
+            return WorkerLoad(healthy, outstanding_prefill_tokens=snap.outstanding_prefill_tokens + tokens)
+        bs = self.block_size
+        blocks = sum(-(-s.prompt_tokens // bs) for s in unseen) if bs > 0 else 0
+        return WorkerLoad(healthy, free_state_slots=snap.free_state_slots - len(unseen),
+                          free_kv_blocks=snap.free_kv_blocks - blocks)

@@ -1,0 +1,94 @@
+"""Prefill and decode nodes as real processes, driven over their Worker gRPC API (no router): the N-1
+rule end to end over NIXL, local prefill, and nothing left allocated afterwards."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+
+from baton.cli.cluster import Cluster
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import make_model
+from baton.engine.sampling_params import SamplingParams
+from baton.node.convert import sampling_to_proto
+from baton.proto.v1 import worker_pb2 as wk
+from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+
+ENGINE_ARGS = ("--block-size", "8", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+               "--num-kv-blocks", "256")
+LENGTHS = (2, 3, 7, 8, 9, 31, 33, 120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = tmp_path_factory.mktemp("nodes") / "tiny"
+    make_model(model, preset="tiny", seed=21, progress=False)
+    c = Cluster(str(model), prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+                log_dir=str(tmp_path_factory.mktemp("logs")))
+    c.start(router=False)
+    yield c
+    c.stop()
+
+
+def offline(model, prompts, params):
+    engine = LLMEngine.from_pretrained(model)
+    return [list(o.token_ids) for o in engine.generate(prompts, params)]
+
+
+def decode(stub, rid, prompt, params, handle=None):
+    req = wk.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params))
+    if handle is not None:
+        req.handle.CopyFrom(handle)
+    tokens, local = [], None
+    for msg in stub.Decode(req, timeout=120):
+        local = msg.prefilled_locally if local is None else local
+        tokens += list(msg.token_ids)
+    return tokens, local
+
+
+def test_r1_prefill_n_minus_1_then_decode_over_nixl_equals_one_engine(cluster):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in LENGTHS]
+    ref = offline(cluster.model, prompts, params)
+    with grpc.insecure_channel(cluster.prefill_addrs[0]) as pch, grpc.insecure_channel(cluster.decode_addrs[0]) as dch:
+        pstub, dstub = wk_grpc.WorkerStub(pch), wk_grpc.WorkerStub(dch)
+
+        def one(i_p):
+            i, p = i_p
+            handle = pstub.Prefill(wk.PrefillRequest(request_id=f"r{i}", prompt_token_ids=p), timeout=60).handle
+            assert handle.num_tokens == len(p) - 1  # R1
+            return decode(dstub, f"r{i}", p, params, handle)
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # all in flight at once
+            outs = list(pool.map(one, enumerate(prompts)))
+        assert [t for t, _ in outs] == ref
+        assert not any(local for _, local in outs)
+        ploads = pstub.Load(wk.LoadRequest())
+        dload = dstub.Load(wk.LoadRequest())
+    assert ploads.held_leases == 0 and ploads.free_kv_blocks == ploads.total_kv_blocks
+    assert ploads.free_state_slots == ploads.total_state_slots
+    assert dload.free_kv_blocks == dload.total_kv_blocks and dload.free_state_slots == dload.total_state_slots
+
+
+def test_decode_without_handle_prefills_locally(cluster):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [[5], [9, 10, 11, 12, 13]]
+    ref = offline(cluster.model, prompts, params)
+    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        stub = wk_grpc.WorkerStub(ch)
+        outs = [decode(stub, f"local{i}", p, params) for i, p in enumerate(prompts)]
+    assert [t for t, _ in outs] == ref and all(local for _, local in outs)
+
+
+def test_handle_with_all_n_tokens_is_refused(cluster):
+    # R1: a handle claiming all N prompt tokens were computed would make the decode node advance the
+    # recurrent state over token N twice; the decode node refuses it.
+    p = [4, 5, 6, 7]
+    with grpc.insecure_channel(cluster.prefill_addrs[0]) as pch, grpc.insecure_channel(cluster.decode_addrs[0]) as dch:
+        handle = wk_grpc.WorkerStub(pch).Prefill(wk.PrefillRequest(request_id="bad", prompt_token_ids=p)).handle
+        handle.num_tokens = len(p)
+        with pytest.raises(grpc.RpcError) as e:
+            decode(wk_grpc.WorkerStub(dch), "bad", p, SamplingParams(max_tokens=2), handle)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in e.value.details()
+        assert wk_grpc.WorkerStub(pch).Abort(wk.WorkerAbortRequest(request_id="bad")).found  # lease released
+        assert wk_grpc.WorkerStub(pch).Load(wk.LoadRequest()).held_leases == 0
