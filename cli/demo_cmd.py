@@ -1,64 +1,79 @@
-"""`baton demo`: serve sample prompts through the engine, streaming tokens and reporting throughput.
-
-Until the disaggregated path exists (issue #4) this runs the offline engine in this process.
-"""
+"""`baton demo`: start router + prefill + decode on this machine, stream sample prompts through the whole
+disaggregated path, and print each request's streamed output, TTFT and throughput; then shut down."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
+import statistics
 import sys
 import time
 
-from baton.cli.engine_args import add_engine_args, engine_config_from_args
+from baton.cli.cluster import Cluster
+from baton.cli.engine_args import add_engine_args, engine_flags
 
-PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 100, 250)
+TEXT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "import numpy as np\n\nclass Model:",
+    "In a hybrid Mamba model, the recurrent state",
+)
+ID_PROMPT_LENGTHS = (1, 2, 17, 100, 250)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="serve sample prompts and print streamed output and throughput")
+    p = sub.add_parser("demo", help="serve sample prompts through router -> prefill -> decode; print the streams")
     p.add_argument("--model", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--log-dir", default=None)
     add_engine_args(p)
     p.set_defaults(run=run)
 
 
 def run(a: argparse.Namespace) -> int:
-    from baton.engine.llm_engine import LLMEngine
-    from baton.engine.sampling_params import SamplingParams
-
-    t_load = time.perf_counter()
-    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
-    cfg = engine.model_config
-    print(f"loaded {a.model}: pattern {cfg.pattern}, vocab {cfg.vocab_size}, {engine.plan.num_blocks} KV blocks, "
-          f"{engine.plan.num_slots} state slots ({time.perf_counter() - t_load:.1f} s)")
-    rng = random.Random(a.seed)
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-    # Half greedy, half seeded sampling; requests arrive one every other step, so prefill chunks of new
-    # prompts share forward passes with the decode rows of earlier ones (mixed batches).
-    params = [SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, **(
-        {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": a.seed + i}))
-        for i in range(len(prompts))]
     t0 = time.perf_counter()
-    arrived: dict[str, float] = {}
-    first: dict[str, float] = {}
-    step = 0
-    while step < 2 * len(prompts) or engine.has_unfinished():
-        if step % 2 == 0 and step // 2 < len(prompts):
-            i = step // 2
-            arrived[engine.add_request(prompts[i], params[i], request_id=f"demo-{i}")] = time.perf_counter()
-        for o in engine.step():
-            first.setdefault(o.request_id, time.perf_counter() - arrived[o.request_id])
-            print(f"[{o.request_id}] +{list(o.new_token_ids)}" + (f"  <{o.finish_reason}>" if o.finished else ""))
-            sys.stdout.flush()
-        step += 1
-    wall = time.perf_counter() - t0
-    s = engine.stats
-    gen = a.max_tokens * len(prompts)
-    print(f"\n{len(prompts)} requests (prompt lengths {list(PROMPT_LENGTHS)}), {s.steps} steps "
-          f"({s.mixed_steps} mixed prefill+decode), {s.preemptions} preemptions")
-    print(f"TTFT mean {1000 * sum(first.values()) / len(first):.0f} ms; "
-          f"prefill {s.prompt_tokens} tok, generated {gen} tok in {wall:.2f} s -> "
-          f"{gen / wall:.1f} output tok/s, {(gen + s.prompt_tokens) / wall:.1f} total tok/s")
+    with Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+                 engine_args=tuple(engine_flags(a)), log_dir=a.log_dir) as cluster:
+        print(f"started router {cluster.router_addr}, prefill {cluster.prefill_addrs}, decode "
+              f"{cluster.decode_addrs} in {time.perf_counter() - t0:.1f} s", flush=True)
+        return asyncio.run(_serve(cluster.router_addr, a))
+
+
+async def _serve(addr: str, a: argparse.Namespace) -> int:
+    from baton.client import AsyncClient
+
+    async with AsyncClient(addr) as client:
+        info = await client.model_info()
+        rng = random.Random(a.seed)
+        prompts: list[list[int] | str] = list(TEXT_PROMPTS) if info.has_tokenizer else []
+        prompts += [[rng.randrange(3, info.vocab_size) for _ in range(n)] for n in ID_PROMPT_LENGTHS]
+        print(f"model {info.model} ({info.layer_pattern}, vocab {info.vocab_size}); {len(prompts)} requests "
+              f"at once, half greedy, half seeded top-p sampling\n", flush=True)
+        t_start = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, i, p, a, t_start) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t_start
+    ttfts = [r[0] for r in results]
+    n_out = sum(r[1] for r in results)
+    print(f"\n{len(prompts)} requests through router -> prefill -> NIXL -> decode: {n_out} tokens in {wall:.2f} s "
+          f"= {n_out / wall:.1f} output tok/s; TTFT p50 {1000 * statistics.median(ttfts):.0f} ms, "
+          f"max {1000 * max(ttfts):.0f} ms", flush=True)
     return 0
+
+
+async def _one(client, i: int, prompt, a: argparse.Namespace, t_start: float) -> tuple[float, int]:
+    sampling = {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": a.seed + i}
+    label = repr(prompt[:40]) if isinstance(prompt, str) else f"{len(prompt)} token ids"
+    first = None
+    n = 0
+    async for chunk in client.stream(prompt, max_tokens=a.max_tokens, ignore_eos=True, **sampling):
+        first = first if first is not None else time.perf_counter() - t_start
+        n += len(chunk.token_ids)
+        shown = repr(chunk.text) if chunk.text else list(chunk.token_ids)
+        end = f"  <{chunk.finish_reason}>" if chunk.finish_reason else ""
+        print(f"[{i} {label}] {shown}{end}", flush=True)
+    sys.stdout.flush()
+    return (first if first is not None else 0.0), n

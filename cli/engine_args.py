@@ -10,23 +10,38 @@ from baton.engine.sampling_params import SamplingParams
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="running requests at most (= state slots)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None, help="cap on one prefill chunk")
-    g.add_argument("--cache-memory-mb", type=int, default=256, help="KV + state pool budget in MiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --cache-memory-mb)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
-    g.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="auto")
-    g.add_argument("--device", default="cpu")
+    d = EngineConfig()
+    g.add_argument("--block-size", type=int, help=f"tokens per KV block ({d.block_size})")
+    g.add_argument("--max-num-seqs", type=int, help=f"running requests at most, = state slots ({d.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=int, help=f"token budget of one step ({d.max_num_batched_tokens})")
+    g.add_argument("--long-prefill-token-threshold", type=int, help="cap on one prefill chunk (none)")
+    g.add_argument("--cache-memory-mb", type=int, help=f"KV + state pool budget in MiB ({d.cache_memory_bytes >> 20})")
+    g.add_argument("--num-kv-blocks", type=int, help="KV blocks (overrides --cache-memory-mb)")
+    g.add_argument("--max-model-len", type=int, help="longest prompt + output (the model's)")
+    g.add_argument("--dtype", choices=SUPPORTED_DTYPES, help=f"({d.dtype})")
+    g.add_argument("--device", help=f"({d.device})")
+
+
+ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device")
+
+
+def engine_flags(a: argparse.Namespace) -> list[str]:
+    """The engine flags given on this command line, to pass on to node processes."""
+    out: list[str] = []
+    for name in ENGINE_FLAGS:
+        v = getattr(a, name)
+        if v is not None:
+            out += ["--" + name.replace("_", "-"), str(v)]
+    return out
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=a.block_size, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        long_prefill_token_threshold=a.long_prefill_token_threshold,
-        cache_memory_bytes=a.cache_memory_mb * 2**20, num_kv_blocks=a.num_kv_blocks,
-        max_model_len=a.max_model_len, dtype=a.dtype, device=a.device)
+    """Flags left out keep `EngineConfig`'s defaults."""
+    given = {name: getattr(a, name) for name in ENGINE_FLAGS if getattr(a, name) is not None}
+    if "cache_memory_mb" in given:
+        given["cache_memory_bytes"] = given.pop("cache_memory_mb") * 2**20
+    return EngineConfig(**given)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -87,7 +87,8 @@ class EngineThread:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished()
+                # Idle, or stalled until held blocks come back: wait for calls instead of spinning.
+                busy = self.engine.has_unfinished() and self.engine.last_step_rows > 0
                 self._run_calls(block=not busy)
                 if self.engine.has_unfinished():
                     for out in self.engine.step():

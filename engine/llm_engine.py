@@ -63,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = ModelRunner(self.model, self.pools, config.block_size, device)
         self.stats = EngineStats()
+        self.last_step_rows = 0
         self._arrivals = itertools.count()
         self._ids = itertools.count()
 
@@ -131,9 +132,10 @@ class LLMEngine:
         """One engine step; returns an output for every request that got a token or finished."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.last_step_rows = len(out.rows)
         if not out.rows:
-            if self.has_unfinished():
-                raise RuntimeError("scheduler produced an empty step with requests pending (a bug)")
+            # Waiting requests that do not fit while blocks are held outside the scheduler (leases on a
+            # prefill node, reservations for pulls on a decode node): nothing to do until those return.
             return []
         reqs = {r.request_id: self.scheduler.requests[r.request_id] for r in out.rows}
         before = {rid: len(req.output_token_ids) for rid, req in reqs.items()}
@@ -175,7 +177,10 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished():
-            for o in self.step():
+            outs = self.step()
+            if not self.last_step_rows:
+                raise RuntimeError("no request can be scheduled and nothing else will free room (a bug)")
+            for o in outs:
                 if o.finished:
                     done[o.request_id] = o
         return [done[i] for i in ids]

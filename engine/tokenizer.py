@@ -28,8 +28,8 @@ def _byte_table(tok: Tokenizer) -> list[bytes] | None:
     """`table[id]` = the bytes `id` decodes to, if the decoder is plain ByteLevel (else None).
 
     Mirrors `tokenizers`' ByteLevel decoder: a token whose characters are all in the byte alphabet maps to
-    those bytes, any other token (an added token such as "<|im_start|>") to its UTF-8 text; special tokens
-    decode to nothing (`skip_special_tokens=True`, the `tokenizers` default).
+    those bytes, any other token (only added tokens can have other characters) to its UTF-8 text; special
+    tokens decode to nothing (`skip_special_tokens=True`, the `tokenizers` default).
     """
     if not isinstance(tok.decoder, decoders.ByteLevel):
         return None

@@ -5,9 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from tokenizers import Tokenizer
-
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import TextTokenizer
 from baton.proto.v1 import generation_pb2
 
 
@@ -21,14 +20,19 @@ class ValidatedRequest:
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take SamplingParams' defaults; values are checked by its constructor."""
-    kw: dict[str, object] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-        if msg.HasField(name):
-            kw[name] = getattr(msg, name)
-    return SamplingParams(**kw, stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+    d = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else d.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else d.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else d.top_k,
+        seed=msg.seed if msg.HasField("seed") else d.seed,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
 
 
-def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: TextTokenizer | None) -> tuple[int, ...]:
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise ValueError("prompt: expected token_ids or text, got neither")
@@ -37,11 +41,12 @@ def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | 
     if tokenizer is None:
         raise ValueError("prompt.text: this router has no tokenizer (start it with --tokenizer PATH); "
                          "send token_ids instead")
-    return tuple(tokenizer.encode(request.text).ids)
+    # No BOS is added, as in `TextTokenizer.encode`: send token_ids for a prompt that needs one.
+    return tuple(tokenizer.encode(request.text))
 
 
 def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.ModelInfoResponse,
-             tokenizer: Tokenizer | None) -> ValidatedRequest:
+             tokenizer: TextTokenizer | None) -> ValidatedRequest:
     """Raises ValueError naming the field, what was expected and what came."""
     prompt = _prompt_ids(request, tokenizer)
     if not prompt:

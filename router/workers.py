@@ -55,28 +55,31 @@ class WorkerPool:
         self.poll_interval_s = poll_interval_s
         self.control_timeout_s = control_timeout_s
         self._rng = rng or random.Random()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Polls every worker once (so the first requests see real health), then keeps polling."""
         await self.poll_once()
-        self._task = asyncio.create_task(self._poll_forever(), name=f"baton-router-poll-{self.role.value}")
+        # One loop per worker: a worker that hangs until the control timeout delays only its own polls.
+        self._tasks = [asyncio.create_task(self._poll_forever(w), name=f"baton-router-poll-{w.addr}")
+                       for w in self.workers]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await t
+        self._tasks = []
         await asyncio.gather(*(w.channel.close() for w in self.workers))
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
-    async def _poll_forever(self) -> None:
+    async def _poll_forever(self, w: Worker) -> None:
         while True:
             await asyncio.sleep(self.poll_interval_s)
-            await self.poll_once()
+            await self._poll(w)
 
     async def _poll(self, w: Worker) -> None:
         epoch = w.tracker.begin_poll()

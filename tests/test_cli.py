@@ -72,6 +72,7 @@ def test_generate_bad_model_dir_is_a_clear_error(tmp_path):
     assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_demo_runs_and_reports_throughput(model_dir):
-    out = baton("demo", "--model", str(model_dir), "--max-tokens", "4").stdout
-    assert "output tok/s" in out and "mixed" in out and "<length>" in out
+def test_demo_streams_through_the_disaggregated_path(model_dir):
+    out = baton("demo", "--model", str(model_dir), "--max-tokens", "4", "--num-kv-blocks", "256").stdout
+    assert "router -> prefill -> NIXL -> decode" in out and "output tok/s" in out and "TTFT" in out
+    assert out.count("<length>") == 5  # every sample request finished

@@ -201,7 +201,8 @@ def test_sharded_write_equals_single_file(tmp_path):
     assert all(torch.equal(sd_single[k], sd_sharded[k]) for k in sd_single)
     # Rewriting a directory as one file removes the old shards.
     make_model(sharded, "tiny", progress=False)
-    assert sorted(p.name for p in sharded.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in sharded.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                         "tokenizer_config.json"]
 
 
 def test_greedy_output_is_not_degenerate(tmp_path):

@@ -1,0 +1,46 @@
+"""`baton up`: router + prefill and decode nodes on this machine, as separate processes, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from baton.cli.cluster import Cluster
+from baton.cli.engine_args import add_engine_args, engine_flags
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start router, prefill and decode nodes on this machine")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--port", type=int, default=50051, help="router gRPC port; nodes take the next ones")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts of at most this many tokens (and always 1) are prefilled on the decode node")
+    p.add_argument("--log-dir", default=None, help="write each process's output to DIR/<name>.log")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
+                      host=a.host, local_prefill_threshold=a.local_prefill_threshold,
+                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster.start()
+    print(f"baton up: router on {cluster.router_addr}; prefill {cluster.prefill_addrs}; "
+          f"decode {cluster.decode_addrs}. Ctrl-C stops.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"baton up: processes exited: {dead}; shutting down", flush=True)
+                return 1
+    finally:
+        cluster.stop()
+        print("baton up: stopped", flush=True)
+    return 0

@@ -1,0 +1,251 @@
+"""The disaggregation flow of one request: Prefill (retry, then local fallback), then a Decode stream.
+
+Every worker call is bounded (Prefill by `prefill_timeout_s`, every Decode read by
+`decode_idle_timeout_s`, both by the client's deadline), so a request always ends with tokens or a status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from baton.proto.v1 import generation_pb2, worker_pb2
+from baton.router.config import RouterConfig
+from baton.router.errors import RequestAborted, RouterError, describe
+from baton.router.inflight import InFlight
+from baton.router.policy import Role
+from baton.router.validation import ValidatedRequest
+from baton.router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
+# A decode worker that fails with these before streaming any token lost nothing the client saw.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+@dataclass
+class DecodeStream:
+    worker: Worker
+    call: grpc.aio.UnaryStreamCall
+    # The first message that carries tokens or a finish reason.
+    first: worker_pb2.DecodeResponse
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    worker: Worker
+    handle: worker_pb2.TransferHandle
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _check_aborted(state: InFlight) -> None:
+    # Generation.Abort cancels the awaited call: the failure that follows is the abort, not a reason to
+    # retry or fall back.
+    if state.aborted:
+        raise RequestAborted(state.request_id)
+
+
+def _min_timeout(a: float, b: float | None) -> float:
+    return a if b is None else max(0.0, min(a, b))
+
+
+class Flow:
+    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool) -> None:
+        self.config = config
+        self.prefill_pool = prefill
+        self.decode_pool = decode
+        # Abort RPCs run in the background (they must survive the cancellation of the request's task);
+        # keeping references stops them from being garbage-collected mid-flight.
+        self._background: set[asyncio.Task[bool]] = set()
+
+    # ---- releasing ------------------------------------------------------------------------------
+    def release(self, state: InFlight, worker: Worker) -> asyncio.Task[bool] | None:
+        """Aborts `state` on `worker` if it may still hold something of it; returns the Abort task."""
+        if worker not in state.live:
+            return None
+        state.live.discard(worker)
+        pool = self.prefill_pool if worker.role is Role.PREFILL else self.decode_pool
+        task = asyncio.create_task(pool.abort(worker, state.request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def release_all(self, state: InFlight) -> list[asyncio.Task[bool]]:
+        tasks = [self.release(state, w) for w in list(state.live)]
+        return [t for t in tasks if t is not None]
+
+    async def drain(self) -> None:
+        """Waits for the Abort RPCs still running (each bounded by the control timeout)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- prefill --------------------------------------------------------------------------------
+    def wants_prefill(self, prompt_len: int) -> bool:
+        """Conditional disaggregation: short prompts are cheaper to prefill on the decode node."""
+        if prompt_len == 1 or prompt_len <= self.config.local_prefill_threshold:
+            return False
+        return self.prefill_pool.healthy_count() > 0
+
+    async def prefill(self, state: InFlight, req: ValidatedRequest,
+                      client_timeout: float | None) -> Prefilled | None:
+        """A finished prefill (its worker holds the caches under a lease until the decode node pulls them
+        or is aborted), or None: the decode node then prefills locally."""
+        tried: list[Worker] = []
+        for _ in range(2):
+            _check_aborted(state)
+            worker = self.prefill_pool.pick(exclude=tried)
+            if worker is None:
+                break
+            tried.append(worker)
+            handle = await self._prefill_on(state, worker, req, client_timeout)
+            if handle is not None:
+                return Prefilled(worker, handle)
+        log.warning("request %s: prefill failed on %s; the decode node prefills locally",
+                    state.request_id, tried or "no healthy worker")
+        return None
+
+    async def _prefill_on(self, state: InFlight, worker: Worker, req: ValidatedRequest,
+                          client_timeout: float | None) -> worker_pb2.TransferHandle | None:
+        rid, n = state.request_id, len(req.prompt_token_ids)
+        state.live.add(worker)
+        worker.tracker.add(rid, n)
+        # A failed or timed-out prefill may still be computing or holding a lease: `release` frees it.
+        call = worker.stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids),
+                                   timeout=_min_timeout(self.config.prefill_timeout_s, client_timeout))
+        state.call = call
+        try:
+            resp = await call
+        except grpc.aio.AioRpcError as e:
+            self.release(state, worker)
+            _check_aborted(state)
+            log.warning("request %s: prefill failed on %s", rid, describe(worker, e))
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.prefill_pool.mark_unhealthy(worker, e.details() or "UNAVAILABLE")
+            return None
+        finally:
+            state.call = None
+            worker.tracker.remove(rid)
+        # R1: a handle for anything but N-1 tokens would make decode recompute or skip state updates.
+        if not resp.HasField("handle") or resp.handle.num_tokens != n - 1:
+            log.error("request %s: %r returned a handle for %d tokens, expected %d", rid, worker,
+                      resp.handle.num_tokens, n - 1)
+            self.release(state, worker)
+            return None
+        return resp.handle
+
+    # ---- decode ---------------------------------------------------------------------------------
+    async def open_decode(self, state: InFlight, req: ValidatedRequest, prefilled: Prefilled | None,
+                          client_timeout: float | None) -> DecodeStream:
+        """Starts the Decode stream and waits for its first token. A worker that fails before it is
+        replaced once; the retry prefills locally, since the failed worker may have consumed part of
+        the handle, and the handle's lease is released on the prefill worker."""
+        tried: list[Worker] = []
+        failure = ""
+        handle, prefill_worker = (prefilled.handle, prefilled.worker) if prefilled else (None, None)
+        while True:
+            _check_aborted(state)
+            worker = self.decode_pool.pick(exclude=tried)
+            if worker is None:
+                if failure:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"{failure}; no other healthy decode worker to retry on")
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+            tried.append(worker)
+            try:
+                return await self._decode_on(state, worker, req, handle, prefill_worker, client_timeout)
+            except _Retryable as e:
+                if failure:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"{failure}; the retry failed too: {e}") from None
+                failure = str(e)
+                log.warning("request %s: %s; retrying on another decode worker", state.request_id, failure)
+                if prefill_worker is not None:
+                    self.release(state, prefill_worker)
+                handle = prefill_worker = None
+
+    async def _decode_on(self, state: InFlight, worker: Worker, req: ValidatedRequest,
+                         handle: worker_pb2.TransferHandle | None, prefill_worker: Worker | None,
+                         client_timeout: float | None) -> DecodeStream:
+        rid = state.request_id
+        state.live.add(worker)
+        state.tracked.add(worker)
+        worker.tracker.add(rid, len(req.prompt_token_ids))
+        msg = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids,
+                                       sampling=req.sampling, handle=handle)
+        call = worker.stub.Decode(msg, timeout=client_timeout)
+        state.call = call
+        first_message = True
+        try:
+            while True:
+                resp = await self._read(worker, call)
+                if resp is None:
+                    raise RouterError(grpc.StatusCode.INTERNAL,
+                                      f"{worker!r} ended the stream before any token or finish reason")
+                if first_message and prefill_worker is not None:
+                    first_message = False
+                    if resp.prefilled_locally:
+                        # The pull failed and the node recomputed: the prefill lease is no longer needed.
+                        self.release(state, prefill_worker)
+                    else:
+                        state.live.discard(prefill_worker)
+                if resp.token_ids or resp.finish_reason != _UNSPECIFIED:
+                    return DecodeStream(worker, call, resp)
+        except grpc.aio.AioRpcError as e:
+            self.release(state, worker)
+            _check_aborted(state)
+            if e.code() in _RETRYABLE:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.decode_pool.mark_unhealthy(worker, e.details() or "UNAVAILABLE")
+                raise _Retryable(describe(worker, e)) from None
+            raise self._translate(worker, e, 0) from None
+        except RouterError:
+            self.release(state, worker)
+            raise
+        finally:
+            state.call = None
+
+    async def next(self, state: InFlight, stream: DecodeStream) -> worker_pb2.DecodeResponse:
+        """The next message of a stream that already sent tokens to the client."""
+        state.call = stream.call
+        try:
+            resp = await self._read(stream.worker, stream.call)
+        except grpc.aio.AioRpcError as e:
+            _check_aborted(state)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.decode_pool.mark_unhealthy(stream.worker, e.details() or "UNAVAILABLE")
+            raise self._translate(stream.worker, e, state.completion_tokens) from None
+        finally:
+            state.call = None
+        if resp is None:
+            raise RouterError(grpc.StatusCode.INTERNAL,
+                              f"{stream.worker!r} ended the stream without a finish reason")
+        return resp
+
+    async def _read(self, worker: Worker, call: grpc.aio.UnaryStreamCall) -> worker_pb2.DecodeResponse | None:
+        t = self.config.decode_idle_timeout_s
+        try:
+            async with asyncio.timeout(t):
+                resp = await call.read()
+        except TimeoutError:
+            call.cancel()
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{worker!r} sent nothing for {t:g} s") from None
+        return None if resp is grpc.aio.EOF else resp
+
+    @staticmethod
+    def _translate(worker: Worker, e: grpc.aio.AioRpcError, streamed: int) -> RouterError:
+        code = e.code()
+        if code in _RETRYABLE:
+            return RouterError(grpc.StatusCode.UNAVAILABLE,
+                               f"{describe(worker, e)} (after {streamed} tokens were streamed)")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return RouterError(code, f"out of capacity: {describe(worker, e)}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RouterError(code, f"deadline exceeded: {describe(worker, e)}")
+        return RouterError(code, describe(worker, e))

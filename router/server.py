@@ -1,0 +1,152 @@
+"""Starting the router: `serve()` in-process, or `python -m baton.router.server` as its own process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
+from baton.proto.v1 import generation_pb2_grpc
+from baton.router.config import RouterConfig
+from baton.router.flow import Flow
+from baton.router.policy import Role
+from baton.router.service import GenerationService
+from baton.router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+# Long prompts arrive as repeated uint32 (up to 5 bytes a token): lift gRPC's 4 MB default.
+SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20))
+
+
+@dataclass
+class Router:
+    """A started router: its server, the port it is bound to (useful with port 0) and its service."""
+
+    server: grpc.aio.Server
+    port: int
+    service: GenerationService
+    cleanup: asyncio.Task[None]
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stops serving (in-flight requests get `grace` seconds), then waits for the clean-up."""
+        await self.server.stop(grace)
+        await self.cleanup
+
+
+# The loop keeps only weak references to tasks: these live until the server they clean up after stops.
+_cleanup_tasks: set[asyncio.Task[None]] = set()
+
+
+def router_tokenizer(path: str) -> TextTokenizer:
+    """`path` is a model directory or its `tokenizer.json` (special ids come from the files beside it)."""
+    p = Path(path)
+    tok = load_tokenizer(p.parent if p.name == TOKENIZER_FILE else p)
+    if tok is None:
+        raise ValueError(f"tokenizer_path: expected a {TOKENIZER_FILE} or a directory holding one, got {path!r}")
+    return tok
+
+
+async def _close_when_stopped(server: grpc.aio.Server, service: GenerationService) -> None:
+    # grpc.aio.Server has no stop hook: this task waits for termination, then lets the Abort RPCs of the
+    # requests that were cancelled by the shutdown finish before the worker channels close.
+    await server.wait_for_termination()
+    # The stop cancelled the remaining Generate calls; their clean-up starts the Abort RPCs.
+    await service.wait_idle(service.flow.config.control_timeout_s)
+    await service.flow.drain()
+    await asyncio.gather(service.prefill_pool.close(), service.decode_pool.close())
+
+
+async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1") -> Router:
+    """Polls every worker once, then starts serving. The router starts even if no worker answers yet:
+    nodes may come up after it; Health says when it can serve."""
+    tokenizer = router_tokenizer(config.tokenizer_path) if config.tokenizer_path else None
+    prefill = WorkerPool(Role.PREFILL, config.prefill_addrs, poll_interval_s=config.load_poll_interval_s,
+                         control_timeout_s=config.control_timeout_s)
+    decode = WorkerPool(Role.DECODE, config.decode_addrs, poll_interval_s=config.load_poll_interval_s,
+                        control_timeout_s=config.control_timeout_s)
+    await asyncio.gather(prefill.start(), decode.start())
+    service = GenerationService(Flow(config, prefill, decode), tokenizer)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        await asyncio.gather(prefill.close(), decode.close())
+        raise OSError(f"router: cannot listen on {host}:{port}: {e}") from e
+    await server.start()
+    task = asyncio.create_task(_close_when_stopped(server, service), name="baton-router-cleanup")
+    _cleanup_tasks.add(task)
+    task.add_done_callback(_cleanup_tasks.discard)
+    log.info("router listening on %s:%d (%d prefill, %d decode workers)", host, bound,
+             len(config.prefill_addrs), len(config.decode_addrs))
+    return Router(server, bound, service, task)
+
+
+async def serve(config: RouterConfig, port: int, host: str = "127.0.0.1") -> grpc.aio.Server:
+    """Starts the router on `host:port` and returns its (started) server; `server.stop()` shuts it down,
+    worker polling and channels included."""
+    return (await start_router(config, port, host)).server
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m baton.router.server", description="Baton's router")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
+                   help="prefill workers (none: every prompt is prefilled on the decode node)")
+    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="HOST:PORT",
+                   help="decode workers (at least one)")
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts of at most this many tokens are prefilled on the decode node")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a model directory holding one")
+    p.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds between Load polls")
+    p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for one Prefill RPC")
+    p.add_argument("--decode-idle-timeout", type=float, default=120.0,
+                   help="longest silence (s) tolerated on a Decode stream")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
+    return p
+
+
+async def _run(config: RouterConfig, port: int, host: str, grace: float) -> None:
+    router = await start_router(config, port, host)
+    # Parent processes (`baton up`) wait for this line to know the router is listening.
+    print(f"baton router listening on {host}:{router.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router shutting down")
+    await router.stop(grace)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig(prefill_addrs=tuple(a.prefill), decode_addrs=tuple(a.decode),
+                              local_prefill_threshold=a.local_prefill_threshold, tokenizer_path=a.tokenizer,
+                              load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
+                              decode_idle_timeout_s=a.decode_idle_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(config, a.port, a.host, a.grace))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""End to end with real processes: client SDK -> router -> prefill node -> NIXL -> decode node -> stream.
+
+R6: greedy output through the router equals the offline engine token for token, for prompt lengths 1, 2,
+3, block_size±1, chunk±1 and 300, with 1P1D and 2P1D, all requests in flight at once.
+R7: cancelling a stream mid-way frees every block and slot on both nodes.
+Failure: killing the prefill node mid-request still gets the client a correct answer (local prefill).
+"""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from baton.cli.cluster import Cluster
+from baton.client import AsyncClient
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import make_model
+from baton.engine.sampling_params import SamplingParams
+from baton.proto.v1 import worker_pb2 as wk
+from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+
+BLOCK, CHUNK = 8, 32
+ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": CHUNK, "max_num_seqs": 8, "num_kv_blocks": 512}
+ENGINE_ARGS = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
+LENGTHS = (1, 2, 3, BLOCK - 1, BLOCK + 1, CHUNK - 1, CHUNK + 1, 300)
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "tiny"
+    make_model(out, preset="tiny", seed=31, progress=False)
+    return str(out)
+
+
+def prompts_for(lengths, salt=0):
+    return [[(11 * i + 5 * n + salt) % 500 + 3 for i in range(n)] for n in lengths]
+
+
+def offline(model, prompts, params):
+    engine = LLMEngine.from_pretrained(model, EngineConfig(**ENGINE))
+    return [list(o.token_ids) for o in engine.generate(prompts, params)]
+
+
+async def collect(client, prompt, **kw):
+    return await client.generate(prompt, **kw)
+
+
+def all_free(cluster, timeout=10.0):
+    """Every node's pools back to fully free (and no held leases), polling until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = []
+        for addr in [*cluster.prefill_addrs, *cluster.decode_addrs]:
+            with grpc.insecure_channel(addr) as ch:
+                loads.append(wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5))
+        free = all(x.free_kv_blocks == x.total_kv_blocks and x.free_state_slots == x.total_state_slots
+                   and x.held_leases == 0 and x.running == 0 and x.waiting == 0 for x in loads)
+        if free or time.monotonic() > deadline:
+            return free, loads
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("prefill_workers", [1, 2], ids=["1P1D", "2P1D"])
+def test_r6_greedy_through_the_router_equals_offline(model, tmp_path, prefill_workers):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = prompts_for(LENGTHS) + prompts_for(LENGTHS, salt=7)  # 16 requests in flight at once
+    ref = offline(model, prompts, params)
+    with Cluster(model, prefill_workers=prefill_workers, decode_workers=1, engine_args=ENGINE_ARGS,
+                 log_dir=str(tmp_path / "logs")) as cluster:
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                return await asyncio.gather(*(collect(client, p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                                              for p in prompts))
+
+        outs = asyncio.run(main())
+        assert [list(o.token_ids) for o in outs] == ref
+        assert all(o.finish_reason == "length" and o.completion_tokens == MAX_TOKENS for o in outs)
+        assert [o.prompt_tokens for o in outs] == [len(p) for p in prompts]
+        free, loads = all_free(cluster)
+        assert free, loads
+
+
+def test_r7_cancelled_stream_frees_everything_on_both_nodes(model, tmp_path):
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+                 log_dir=str(tmp_path / "logs")) as cluster:
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                seen = 0
+                stream = client.stream(prompts_for([120])[0], max_tokens=400, ignore_eos=True)
+                async for chunk in stream:
+                    seen += len(chunk.token_ids)
+                    if seen >= 5:
+                        break  # the client walks away mid-stream
+                await stream.aclose()
+                # A second request still works after the cancel.
+                return await collect(client, prompts_for([40])[0], max_tokens=4, ignore_eos=True)
+
+        again = asyncio.run(main())
+        assert len(again.token_ids) == 4
+        free, loads = all_free(cluster)
+        assert free, loads
+
+
+def test_prefill_node_killed_mid_request_falls_back_to_local_prefill(model, tmp_path):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = prompts_for([300, 250, 40])
+    ref = offline(model, prompts, params)
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+                 log_dir=str(tmp_path / "logs")) as cluster:
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                tasks = [asyncio.create_task(collect(client, p, max_tokens=MAX_TOKENS, ignore_eos=True))
+                         for p in prompts]
+                await asyncio.sleep(0.05)  # the prefills are under way
+                await asyncio.to_thread(cluster.kill, "prefill-0")
+                return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(main())
+        assert [list(o.token_ids) for o in outs] == ref
+        # Nothing stays allocated on the surviving decode node.
+        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+            load = wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)
+        assert load.free_kv_blocks == load.total_kv_blocks and load.free_state_slots == load.total_state_slots

@@ -1,0 +1,120 @@
+"""Router building blocks without servers: config validation, power of two choices, load bookkeeping."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from baton.router.config import RouterConfig
+from baton.router.load_tracker import LoadSnapshot, LoadTracker
+from baton.router.policy import Role, WorkerLoad, pick
+
+# ---- RouterConfig --------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_normalisation():
+    c = RouterConfig(["127.0.0.1:1"], ["127.0.0.1:2", "h:3"])
+    assert c.prefill_addrs == ("127.0.0.1:1",) and c.decode_addrs == ("127.0.0.1:2", "h:3")
+    assert c.local_prefill_threshold == 0 and c.tokenizer_path is None
+    assert RouterConfig((), ("h:1",)).prefill_addrs == ()
+    hash(c)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"decode_addrs": ()}, "decode_addrs: expected at least 1"),
+    ({"decode_addrs": ("nohost",)}, "decode_addrs: expected addresses of the form"),
+    ({"decode_addrs": ("h:0",)}, "PORT in"),
+    ({"decode_addrs": "h:1"}, "decode_addrs: expected a tuple"),
+    ({"prefill_addrs": ("h:1", "h:1")}, "prefill_addrs: expected distinct"),
+    ({"local_prefill_threshold": -1}, "local_prefill_threshold: expected an integer >= 0, got -1"),
+    ({"local_prefill_threshold": True}, "local_prefill_threshold"),
+    ({"prefill_timeout_s": 0}, "prefill_timeout_s: expected a finite number of seconds > 0, got 0"),
+    ({"load_poll_interval_s": float("nan")}, "load_poll_interval_s"),
+    ({"control_timeout_s": -1.0}, "control_timeout_s"),
+    ({"decode_idle_timeout_s": float("inf")}, "decode_idle_timeout_s"),
+    ({"tokenizer_path": ""}, "tokenizer_path"),
+])
+def test_config_rejects_bad_values(kw, match):
+    args = {"prefill_addrs": ("h:1",), "decode_addrs": ("h:2",), **kw}
+    with pytest.raises(ValueError, match=match):
+        RouterConfig(**args)
+
+
+# ---- pick ----------------------------------------------------------------------------------------
+
+
+def test_pick_prefers_fewer_outstanding_prefill_tokens():
+    rng = random.Random(0)
+    loads = [WorkerLoad(True, outstanding_prefill_tokens=100), WorkerLoad(True, outstanding_prefill_tokens=5)]
+    assert all(pick(loads, rng, Role.PREFILL) == 1 for _ in range(50))
+
+
+def test_pick_decode_by_free_slots_then_blocks():
+    rng = random.Random(0)
+    slots = [WorkerLoad(True, free_state_slots=1, free_kv_blocks=999), WorkerLoad(True, free_state_slots=2)]
+    assert all(pick(slots, rng, Role.DECODE) == 1 for _ in range(50))
+    blocks = [WorkerLoad(True, free_state_slots=2, free_kv_blocks=10), WorkerLoad(True, free_state_slots=2,
+                                                                                     free_kv_blocks=20)]
+    assert all(pick(blocks, rng, Role.DECODE) == 1 for _ in range(50))
+
+
+def test_pick_breaks_ties_at_random():
+    rng = random.Random(1)
+    loads = [WorkerLoad(True)] * 2
+    counts = Counter(pick(loads, rng, Role.PREFILL) for _ in range(400))
+    assert 150 < counts[0] < 250 and counts[0] + counts[1] == 400
+
+
+def test_pick_skips_unhealthy_and_excluded():
+    rng = random.Random(0)
+    loads = [WorkerLoad(False), WorkerLoad(True, outstanding_prefill_tokens=10**6), WorkerLoad(True)]
+    assert {pick(loads, rng, Role.PREFILL, exclude={2}) for _ in range(20)} == {1}
+    assert pick(loads, rng, Role.PREFILL, exclude={1, 2}) is None
+    assert pick([WorkerLoad(False)], rng, Role.DECODE) is None
+    assert pick([], rng, Role.DECODE) is None
+
+
+def test_two_choices_never_pick_the_worst_of_many():
+    # P2C samples two distinct workers: the most loaded one can only win a pair by a tie, so never here.
+    rng = random.Random(2)
+    loads = [WorkerLoad(True, outstanding_prefill_tokens=t) for t in (0, 10, 20, 30, 40)]
+    counts = Counter(pick(loads, rng, Role.PREFILL) for _ in range(2000))
+    assert counts[4] == 0 and counts[0] > counts[1] > counts[2] > counts[3] > 0
+
+
+# ---- LoadTracker ---------------------------------------------------------------------------------
+
+
+def test_tracker_counts_work_sent_since_the_poll_began():
+    t = LoadTracker(Role.PREFILL)
+    t.add("a", 100)  # before any poll: counted
+    assert t.load(True).outstanding_prefill_tokens == 100
+    epoch = t.begin_poll()
+    t.add("b", 10)  # sent after the poll began: the worker's answer may not include it
+    t.end_poll(epoch, LoadSnapshot(outstanding_prefill_tokens=100))  # includes "a"
+    assert t.load(True).outstanding_prefill_tokens == 110
+    t.remove("b")
+    assert t.load(True).outstanding_prefill_tokens == 100
+    assert t.load(False).healthy is False
+
+
+def test_tracker_ignores_an_older_poll_answer():
+    t = LoadTracker(Role.PREFILL)
+    old, new = t.begin_poll(), t.begin_poll()
+    t.end_poll(new, LoadSnapshot(outstanding_prefill_tokens=1))
+    t.end_poll(old, LoadSnapshot(outstanding_prefill_tokens=99))
+    assert t.load(True).outstanding_prefill_tokens == 1
+
+
+def test_tracker_decode_subtracts_slots_and_blocks():
+    t = LoadTracker(Role.DECODE)
+    t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=4, free_kv_blocks=50))
+    t.add("a", 33)
+    assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 50)  # block size unknown
+    t.block_size = 16
+    assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 47)
+    t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=3, free_kv_blocks=47))
+    assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 47)  # no double count
+    assert t.in_flight == 1
