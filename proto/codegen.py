@@ -45,21 +45,22 @@ def generate(out_dir: Path) -> None:
             shutil.copyfile(gen / PACKAGE_PATH / name, out_dir / name)
 
 
-def stale_stubs() -> list[str]:
-    """Names of the committed stubs that differ from (or are missing next to) a fresh generation."""
+def stale_stubs(stubs_dir: Path = V1_DIR) -> list[str]:
+    """Names of the stubs in `stubs_dir` that differ from (or are missing next to) a fresh generation."""
     with tempfile.TemporaryDirectory(prefix="baton-stubs-") as tmp:
         fresh = Path(tmp)
         generate(fresh)
         return [name for name in stub_names()
-                if not (V1_DIR / name).is_file() or (V1_DIR / name).read_bytes() != (fresh / name).read_bytes()]
+                if not (stubs_dir / name).is_file() or (stubs_dir / name).read_bytes() != (fresh / name).read_bytes()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m baton.proto.codegen", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed stub is stale")
+    p.add_argument("--stubs-dir", type=Path, default=V1_DIR, help="where the stubs to check are (--check)")
     a = p.parse_args(argv)
     if a.check:
-        stale = stale_stubs()
+        stale = stale_stubs(a.stubs_dir)
         for name in stale:
             print(f"stale: proto/v1/{name}", file=sys.stderr)
         if stale:

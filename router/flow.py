@@ -115,7 +115,8 @@ class Flow:
                           client_timeout: float | None) -> worker_pb2.TransferHandle | None:
         rid, n = state.request_id, len(req.prompt_token_ids)
         state.live.add(worker)
-        worker.tracker.add(rid, n)
+        # The node computes N-1 of the N tokens: that is what its outstanding_prefill_tokens will count.
+        worker.tracker.add(rid, n - 1)
         # A failed or timed-out prefill may still be computing or holding a lease: `release` frees it.
         call = worker.stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids),
                                    timeout=_min_timeout(self.config.prefill_timeout_s, client_timeout))

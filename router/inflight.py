@@ -12,6 +12,7 @@ from baton.router.workers import Worker
 @dataclass(eq=False)
 class InFlight:
     request_id: str
+    prompt_tokens: int
     # Workers that must be told to Abort unless the request ends normally: a prefill worker while its
     # Prefill runs and while the handle it issued is not yet consumed by a decode worker; a decode worker
     # until its stream ends with a finish reason.

@@ -52,7 +52,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if req.request_id in self._inflight:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id: {req.request_id!r} is already in flight")
-        state = InFlight(req.request_id)
+        state = InFlight(req.request_id, len(req.prompt_token_ids))
         self._inflight[req.request_id] = state
         try:
             await self._generate(state, req, context)
@@ -85,13 +85,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prefilled = await self.flow.prefill(state, req, context.time_remaining())
         stream = await self.flow.open_decode(state, req, prefilled, context.time_remaining())
         try:
-            await self._stream(state, req, stream, context)
+            await self._stream(state, stream, context)
         finally:
             # Ends our side of the stream on every path (a no-op once the worker has closed it).
             stream.call.cancel()
 
-    async def _stream(self, state: InFlight, req: ValidatedRequest, stream: DecodeStream,
-                      context: grpc.aio.ServicerContext) -> None:
+    async def _stream(self, state: InFlight, stream: DecodeStream, context: grpc.aio.ServicerContext) -> None:
         # Deltas never end inside a multi-byte character; together they equal decode(all output ids).
         detok = self.tokenizer.detokenizer() if self.tokenizer else None
         msg = stream.first
@@ -105,7 +104,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             out = generation_pb2.GenerateResponse(request_id=state.request_id, token_ids=ids, text=text)
             if final:
                 out.finish_reason = msg.finish_reason
-                out.usage.prompt_tokens = len(req.prompt_token_ids)
+                out.usage.prompt_tokens = state.prompt_tokens
                 out.usage.completion_tokens = state.completion_tokens
                 # The stream ended as the worker meant it to: nothing is left to abort there.
                 state.live.discard(stream.worker)
@@ -120,6 +119,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _write_abort(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
         out = generation_pb2.GenerateResponse(request_id=state.request_id,
                                               finish_reason=generation_pb2.FINISH_REASON_ABORT)
+        out.usage.prompt_tokens = state.prompt_tokens
         out.usage.completion_tokens = state.completion_tokens
         await context.write(out)
 

@@ -6,9 +6,7 @@ freeing on the decode side's notification, lease expiry, a killed peer, and a co
 """
 
 import contextlib
-import os
 import random
-import signal
 import subprocess
 import time
 
@@ -177,30 +175,31 @@ def test_incompatible_peer_is_refused_naming_the_field(model_dir, peer):
         agent.close()
 
 
-def test_frozen_peer_times_out_within_the_deadline(model_dir, monkeypatch):
-    # Over UCX's tcp transport a READ needs the peer's progress: a frozen (SIGSTOPped) peer never serves
-    # it, and the decode side must give up at its deadline, release the handle and free what it allocated.
-    # (Over cma, reads of host memory need no peer CPU and may complete anyway.)
+def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, monkeypatch):
+    # Over UCX's tcp transport (~1 GB/s here) a 128 MiB READ cannot finish in 50 ms: the decode side must
+    # give up at its deadline with a typed error, release the handle, and read fine afterwards.
     monkeypatch.setenv("UCX_TLS", "tcp")
-    proc, conn, address = start_peer(model_dir, ENGINE_KW, engine_id="prefill-frozen")
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE_KW))
+    big = {**ENGINE_KW, "num_kv_blocks": 32768}
+    proc, conn, address = start_peer(model_dir, big, engine_id="prefill-slow")
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**big))
     pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
     agent = TransferAgent("decode-2", engine.model_config, pools, engine.config.block_size)
     try:
         handshake(agent, address)
-        (h,) = call(conn, "prefill", [[4, 5, 6, 7, 8, 9, 10]])
+        h = call(conn, "hold_blocks", "slow", 16384)
         sched = engine.scheduler
-        blocks, slot = sched.blocks.allocate(len(h.kv_block_ids)), sched.slots.allocate(1)[0]
-        agent.read("warm", h.engine_id, blocks, list(h.kv_block_ids), slot, h.state_slot)  # connection up
-        os.kill(proc.pid, signal.SIGSTOP)
+        blocks, slot = sched.blocks.allocate(16384), sched.slots.allocate(1)[0]
+        remote = list(h.kv_block_ids)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
-            agent.read(h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot, h.state_slot, timeout=1.0)
-        assert 1.0 <= time.monotonic() - t0 < 2.0
-        assert agent.stats.failures == 1 and agent.stats.transfers == 1
+            agent.read("slow", h.engine_id, blocks, remote, slot, h.state_slot, timeout=0.05)
+        assert time.monotonic() - t0 < 1.0
+        assert agent.stats.failures == 1 and agent.stats.transfers == 0
+        agent.read("small", h.engine_id, blocks[:4], remote[:4], slot, h.state_slot, timeout=30.0)
+        assert agent.stats.transfers == 1
         engine.free_held(blocks, slot)
         assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
         agent.close()
-        proc.kill()
+        call(conn, "quit")
+        proc.join(10)
