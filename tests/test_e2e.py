@@ -18,6 +18,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import load_tokenizer
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 
@@ -26,6 +27,7 @@ ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": CHUNK, "max_num_seqs": 
 ENGINE_ARGS = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
 LENGTHS = (1, 2, 3, BLOCK - 1, BLOCK + 1, CHUNK - 1, CHUNK + 1, 300)
 MAX_TOKENS = 16
+TEXT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_r6_greedy_through_the_router_equals_offline(model, tmp_path, prefill_wo
         assert free, loads
 
 
-def test_r7_cancelled_stream_frees_everything_on_both_nodes(model, tmp_path):
+def test_r7_cancelled_stream_frees_everything_on_both_nodes_and_text_prompts_work(model, tmp_path):
     with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
                  log_dir=str(tmp_path / "logs")) as cluster:
 
@@ -97,11 +99,18 @@ def test_r7_cancelled_stream_frees_everything_on_both_nodes(model, tmp_path):
                     if seen >= 5:
                         break  # the client walks away mid-stream
                 await stream.aclose()
-                # A second request still works after the cancel.
-                return await collect(client, prompts_for([40])[0], max_tokens=4, ignore_eos=True)
+                # Requests still work after the cancel; a text prompt goes through the router's tokenizer.
+                again = await collect(client, prompts_for([40])[0], max_tokens=4, ignore_eos=True)
+                text = await collect(client, TEXT, max_tokens=MAX_TOKENS, ignore_eos=True)
+                return again, text
 
-        again = asyncio.run(main())
+        again, text = asyncio.run(main())
         assert len(again.token_ids) == 4
+        tok = load_tokenizer(model)
+        ids = tok.encode(TEXT)
+        assert text.prompt_tokens == len(ids) > 1
+        assert [list(text.token_ids)] == offline(model, [ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert text.text == tok.decode(list(text.token_ids))
         free, loads = all_free(cluster)
         assert free, loads
 
