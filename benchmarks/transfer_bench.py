@@ -34,8 +34,7 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from baton.engine.weights import TORCH_DTYPES
 
 
 def make_pools(args, device: str) -> tuple[ModelConfig, CachePools]:
@@ -43,7 +42,7 @@ def make_pools(args, device: str) -> tuple[ModelConfig, CachePools]:
     blocks = 2 * -(-args.tokens // args.block_size)  # room for two such requests
     ecfg = EngineConfig(block_size=args.block_size, max_num_seqs=4, max_num_batched_tokens=512,
                         num_kv_blocks=blocks)
-    dtype = DTYPES[cfg.torch_dtype]
+    dtype = TORCH_DTYPES[cfg.torch_dtype]
     plan = plan_cache(cfg, ecfg, dtype, torch.float32)
     return cfg, CachePools(cfg, plan, args.block_size, dtype, torch.float32, device)
 

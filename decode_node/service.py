@@ -17,8 +17,8 @@ from baton.decode_node.puller import Puller
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.bridge import OutputStream, in_engine
-from baton.node.convert import FINISH_TO_PROTO, sampling_from_proto
 from baton.node.load import info_response, load_response
+from baton.proto.convert import FINISH_TO_PROTO, sampling_from_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 

@@ -18,8 +18,7 @@ from baton.engine.request import Request
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerOutput
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from baton.engine.weights import TORCH_DTYPES
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_config = model_cfg
         dtype_name = model_cfg.torch_dtype if config.dtype == "auto" else config.dtype
-        self.dtype = DTYPES[dtype_name]
-        self.ssm_dtype = DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
+        self.dtype = TORCH_DTYPES[dtype_name]
+        self.ssm_dtype = TORCH_DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         device = torch.device(config.device)
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import TextTokenizer
+from baton.proto.convert import sampling_from_proto
 from baton.proto.v1 import generation_pb2
 
 
@@ -16,20 +16,6 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     # Forwarded to the decode node as the client sent it: the node applies the same defaults.
     sampling: generation_pb2.SamplingParams
-
-
-def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; values are checked by its constructor."""
-    d = SamplingParams()
-    return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else d.max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else d.top_p,
-        top_k=msg.top_k if msg.HasField("top_k") else d.top_k,
-        seed=msg.seed if msg.HasField("seed") else d.seed,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
 
 
 def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: TextTokenizer | None) -> tuple[int, ...]:

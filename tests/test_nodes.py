@@ -10,7 +10,7 @@ from baton.cli.cluster import Cluster
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
-from baton.node.convert import sampling_to_proto
+from baton.proto.convert import sampling_to_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 

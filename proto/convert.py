@@ -1,4 +1,5 @@
-"""Conversions between the `baton.v1` protobuf messages and the engine's types (torch-free)."""
+"""Conversions between the `baton.v1` protobuf messages and the engine's types (torch-free: the router
+uses them too)."""
 
 from __future__ import annotations
 
