@@ -66,7 +66,8 @@ def holder(conn, args, device: str) -> None:
     for t in (pools.kv, pools.conv, pools.ssm):
         t.copy_(torch.randn(t.shape, generator=g, device=device, dtype=torch.float32))
     agent = TransferAgent("bench-prefill", cfg, {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm},
-                          args.block_size, progress_thread=not args.no_progress_thread)
+                          args.block_size, progress_thread=not args.no_progress_thread,
+                          num_threads=args.nixl_threads)
     server = SideChannelServer(lambda: agent.metadata, lambda rid, s: 0.0)
     conn.send(server.address)
     while not conn.poll(0.01):
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layouts", default="contiguous,scattered")
     ap.add_argument("--no-progress-thread", action="store_true", help="NIXL progresses only when polled")
+    ap.add_argument("--nixl-threads", type=int, default=0, help="UCX backend worker threads (0: NIXL's default)")
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("transfer_bench: --device cuda needs 2 GPUs, found", torch.cuda.device_count(), file=sys.stderr)
@@ -120,7 +122,8 @@ def main() -> int:
         address = parent.recv()
         cfg, pools = make_pools(args, "cuda:1" if args.device == "cuda" else "cpu")
         agent = TransferAgent("bench-decode", cfg, {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm},
-                              args.block_size, progress_thread=not args.no_progress_thread)
+                              args.block_size, progress_thread=not args.no_progress_thread,
+                          num_threads=args.nixl_threads)
         meta = SideChannelClient(*address).metadata()
         agent.connect(meta)
         remote = request_ids(args, meta.regions["kv"].num_items)

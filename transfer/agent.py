@@ -47,9 +47,10 @@ class PendingRead:
 class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = True) -> None:
+                 progress_thread: bool = True, num_threads: int = 0) -> None:
         """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
-        `progress_thread=False` makes NIXL progress only when this agent is polled."""
+        `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
+        the UCX backend that many worker threads (large transfers are split across them)."""
         nixl_agent, nixl_agent_config = _nixl()
         self.engine_id = engine_id
         self.regions = {name: RegionLayout.of(name, t) for name, t in pools.items()}
@@ -57,6 +58,7 @@ class TransferAgent:
         # NIXL agent names must be unique among the peers one agent knows.
         self.agent_name = f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                                    num_threads=num_threads,
                                                                     backends=list(backends)))
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
         compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
