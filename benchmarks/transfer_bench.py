@@ -65,7 +65,7 @@ def holder(conn, args, device: str) -> None:
     g = torch.Generator(device=device).manual_seed(1)
     for t in (pools.kv, pools.conv, pools.ssm):
         t.copy_(torch.randn(t.shape, generator=g, device=device, dtype=torch.float32))
-    agent = TransferAgent("bench-prefill", cfg, {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm},
+    agent = TransferAgent("bench-prefill", cfg, pools.by_name(),
                           args.block_size, progress_thread=not args.no_progress_thread,
                           num_threads=args.nixl_threads)
     server = SideChannelServer(lambda: agent.metadata, lambda rid, s: 0.0)
@@ -121,7 +121,7 @@ def main() -> int:
         proc.start()
         address = parent.recv()
         cfg, pools = make_pools(args, "cuda:1" if args.device == "cuda" else "cpu")
-        agent = TransferAgent("bench-decode", cfg, {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm},
+        agent = TransferAgent("bench-decode", cfg, pools.by_name(),
                               args.block_size, progress_thread=not args.no_progress_thread,
                           num_threads=args.nixl_threads)
         meta = SideChannelClient(*address).metadata()

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
     engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
-    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout)

@@ -70,6 +70,10 @@ class CachePools:
         self.ssm = torch.zeros(plan.num_slots, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim,
                                cfg.ssm_state_size, dtype=ssm_dtype, device=device)
 
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """The three pools as `baton.transfer` registers them."""
+        return {"kv": self.kv, "conv": self.conv, "ssm": self.ssm}
+
     # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D], [slots, C, K-1], [slots, H, P, N].
     def kv_layers(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(1))

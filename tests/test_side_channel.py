@@ -23,8 +23,7 @@ def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.floa
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
     pools = CachePools(cfg, plan_cache(cfg, ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
                        ssm_dtype, "cpu")
-    regions = {"kv": RegionLayout.of("kv", pools.kv), "conv": RegionLayout.of("conv", pools.conv),
-               "ssm": RegionLayout.of("ssm", pools.ssm)}
+    regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
     compat = make_compat(cfg, regions, block_size, spec)
     return AgentMetadata(engine_id=engine_id, agent_name=f"agent-{engine_id}", nixl_metadata=b"\x00nixl",
                          compat=compat, compat_hash=compat_hash(compat), regions=regions)

@@ -37,11 +37,15 @@ def model_dir(tmp_path_factory):
     return out
 
 
+def decode_side(model_dir, engine_kw: dict, name: str) -> tuple[LLMEngine, TransferAgent]:
+    """This process's engine and its NIXL agent over the engine's pools."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**engine_kw))
+    return engine, TransferAgent(name, engine.model_config, engine.pools.by_name(), engine.config.block_size)
+
+
 @pytest.fixture
 def decode(model_dir):
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**ENGINE_KW, "num_kv_blocks": 300}))
-    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
-    agent = TransferAgent("decode-0", engine.model_config, pools, engine.config.block_size)
+    engine, agent = decode_side(model_dir, {**ENGINE_KW, "num_kv_blocks": 300}, "decode-0")
     yield engine, agent
     agent.close()
 
@@ -126,9 +130,7 @@ def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leak
     # Pools of 256 MiB on both sides; each READ moves 128 MiB in 16384 scattered blocks.
     big = {**ENGINE_KW, "num_kv_blocks": 32768}
     proc, conn, address = start_peer(model_dir, big, engine_id="prefill-doomed")
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**big))
-    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
-    agent = TransferAgent("decode-1", engine.model_config, pools, engine.config.block_size)
+    engine, agent = decode_side(model_dir, big, "decode-1")
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "big", 16384)  # scattered over the fragmented pool
@@ -164,9 +166,7 @@ def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leak
 
 def test_incompatible_peer_is_refused_naming_the_field(model_dir, peer):
     _, _, address = peer
-    other = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**ENGINE_KW, "block_size": 16}))
-    pools = {"kv": other.pools.kv, "conv": other.pools.conv, "ssm": other.pools.ssm}
-    agent = TransferAgent("decode-x", other.model_config, pools, other.config.block_size)
+    _, agent = decode_side(model_dir, {**ENGINE_KW, "block_size": 16}, "decode-x")
     try:
         with pytest.raises(IncompatiblePeer, match="'block_size'"):
             handshake(agent, address)
@@ -182,9 +182,7 @@ def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, 
     monkeypatch.setenv("UCX_TLS", "tcp")
     big = {**ENGINE_KW, "num_kv_blocks": 32768}
     proc, conn, address = start_peer(model_dir, big, engine_id="prefill-slow")
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**big))
-    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
-    agent = TransferAgent("decode-2", engine.model_config, pools, engine.config.block_size)
+    engine, agent = decode_side(model_dir, big, "decode-2")
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "slow", 16384)

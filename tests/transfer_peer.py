@@ -36,7 +36,7 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
     random.Random(0).shuffle(every)
     sched.blocks.free(every[: len(every) // 2])
     fragment = sched.blocks.num_used
-    pools = {"kv": engine.pools.kv, "conv": engine.pools.conv, "ssm": engine.pools.ssm}
+    pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
     held = HeldTransfers(agent, LeaseTable(lease_seconds), free=lambda lease: engine.free_held(lease.block_ids,
                                                                                              lease.state_slot))
