@@ -44,30 +44,34 @@ class PrefillService(wk_grpc.WorkerServicer):
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: expected a non-empty id")
         stream = OutputStream()
+        handles: dict[str, TransferHandle] = {}
+
+        def on_output(out: RequestOutput) -> None:
+            # On the engine thread, in the same call that finished the prefill: the caches go straight
+            # under a lease, so no cancellation can fall between "finished" and "held" and leak them.
+            if out.finish_reason == "prefilled":
+                handles[rid] = self.held.hold(rid, out.held_block_ids, out.held_state_slot, len(prompt) - 1)
+            stream.push(out)
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(prompt[:-1], SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
-            self.thread.on_output(rid, stream.push)
+            self.thread.on_output(rid, on_output)
 
         try:
             await in_engine(self.thread, add)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        done: RequestOutput | None = None
         try:
-            async for out in stream:
-                done = out
+            async for _ in stream:
+                pass
         except asyncio.CancelledError:
-            # The router gave up (client cancelled): nothing may stay allocated.
+            # The router gave up (client cancelled): nothing may stay allocated or leased.
             self.thread.abort(rid)
+            self.thread.call(lambda e: self.held.release(rid))
             raise
-        if done is None or done.finish_reason != "prefilled":
+        handle = handles.get(rid)
+        if handle is None:
             await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid!r} was aborted")
-
-        def hold(engine: LLMEngine) -> TransferHandle:
-            return self.held.hold(rid, done.held_block_ids, done.held_state_slot, len(prompt) - 1)
-
-        handle = await in_engine(self.thread, hold)
         if context.cancelled():
             await in_engine(self.thread, lambda e: self.held.release(rid))
         return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel))
