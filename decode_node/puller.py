@@ -52,6 +52,10 @@ class Puller:
         try:
             await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot,
                                 h.state_slot, self.read_timeout_s)
+        except asyncio.CancelledError:
+            # The READ goes on on the transfer thread: give the blocks back after it (same thread, in order).
+            self._nixl.submit(lambda: self.thread.call(lambda engine: engine.free_held(blocks, slot)))
+            raise
         except TransferError as e:
             log.warning("READ of %s from %s failed: %s", request_id, h.engine_id, e)
             await in_engine(self.thread, lambda engine: engine.free_held(blocks, slot))
@@ -72,12 +76,23 @@ class Puller:
         """Wait for room, but not past the lease: reading freed (maybe reused) blocks would be wrong."""
         deadline = time.monotonic() + (h.lease_expiry - time.time()) - LEASE_MARGIN_S
         while time.monotonic() < deadline:
-            got = await in_engine(self.thread, lambda engine: engine.reserve(h.num_tokens))
+            fut = self.thread.call(lambda engine: engine.reserve(h.num_tokens))
+            try:
+                got = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                # Cancelled while the engine thread may already have reserved: give back what it got.
+                fut.add_done_callback(self._free_if_reserved)
+                raise
             if got is not None:
                 return got
             await asyncio.sleep(RESERVE_POLL_S)
         log.warning("no room for %s before its lease ends", h.request_id)
         return None
+
+    def _free_if_reserved(self, fut: concurrent.futures.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+            blocks, slot = fut.result()
+            self.thread.call(lambda engine: engine.free_held(blocks, slot))
 
     def close(self) -> None:
         self._nixl.shutdown(wait=True)

@@ -70,6 +70,16 @@ class DecodeService(wk_grpc.WorkerServicer):
             await in_engine(self.thread, add)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            # Calls run in order on the engine thread: this runs after `add` if `add` ran, else instead of it.
+            def cleanup(engine: LLMEngine) -> None:
+                if rid in engine.scheduler.requests:
+                    self.thread.abort(rid)
+                elif pulled is not None:
+                    engine.free_held(*pulled)
+
+            self.thread.call(cleanup)
+            raise
         first, finished = True, False
         try:
             async for out in stream:

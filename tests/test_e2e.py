@@ -7,6 +7,8 @@ Failure: killing the prefill node mid-request still gets the client a correct an
 """
 
 import asyncio
+import contextlib
+import random
 import time
 
 import grpc
@@ -136,3 +138,30 @@ def test_prefill_node_killed_mid_request_falls_back_to_local_prefill(model, tmp_
         with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
             load = wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)
         assert load.free_kv_blocks == load.total_kv_blocks and load.free_state_slots == load.total_state_slots
+
+
+def test_r7_cancels_at_random_moments_leak_nothing(model, tmp_path):
+    # Cancels land during the prefill, the lease, the pull, the first token or the stream.
+    rng = random.Random(17)
+    prompts = prompts_for([rng.randint(2, 300) for _ in range(12)])
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+                 log_dir=str(tmp_path / "logs")) as cluster:
+
+        async def one(client, p, delay):
+            task = asyncio.create_task(collect(client, p, max_tokens=64, ignore_eos=True))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                await asyncio.gather(*(one(client, p, rng.uniform(0.0, 0.6)) for p in prompts))
+                # Still serving correctly afterwards.
+                return await collect(client, prompts_for([33])[0], max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        after = asyncio.run(main())
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert [list(after.token_ids)] == offline(model, [prompts_for([33])[0]], params)
+        free, loads = all_free(cluster, timeout=15.0)
+        assert free, loads
