@@ -1,11 +1,15 @@
 """The `baton` command line as a user runs it: a real subprocess of the installed console script."""
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from baton.cli.cluster import free_port_block
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
 
@@ -76,3 +80,27 @@ def test_demo_streams_through_the_disaggregated_path(model_dir):
     out = baton("demo", "--model", str(model_dir), "--max-tokens", "4", "--num-kv-blocks", "256").stdout
     assert "router -> prefill -> NIXL -> decode" in out and "output tok/s" in out and "TTFT" in out
     assert out.count("<length>") == 5  # every sample request finished
+
+
+def test_up_serves_until_interrupted_then_stops_every_process(model_dir):
+    port = free_port_block(3)
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--model", str(model_dir), "--port",
+                             str(port), "--num-kv-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and "Ctrl-C stops" not in line:
+            line = proc.stdout.readline()
+        assert f"router on 127.0.0.1:{port}" in line
+        out = json.loads(baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
+                               "--max-tokens", "3", "--ignore-eos", "--json").stdout)
+        assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "baton up: stopped" in rest
+    time.sleep(0.5)
+    # Nothing of the cluster is left listening.
+    for p in (port, port + 1, port + 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
