@@ -15,6 +15,7 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm
+from baton.engine.weights import FP32_SUFFIXES
 
 
 class Block(nn.Module):
@@ -75,8 +76,7 @@ class NemotronHForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         # The MoE router stays fp32 whatever the model dtype; everything else takes `dtype`.
-        keep_fp32 = ("gate.weight", "gate.e_score_correction_bias")
-        target = {k: v.to(device=device, dtype=torch.float32 if k.endswith(keep_fp32) else dtype)
+        target = {k: v.to(device=device, dtype=torch.float32 if k.endswith(FP32_SUFFIXES) else dtype)
                   for k, v in state.items() if not k.startswith("mtp.")}
         missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
         if missing or unexpected:
