@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def _check_shape(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{fn}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
+from baton.engine.ops.checks import check_shape
 
 
 def _check_slots(fn: str, state_slots: Tensor, num_slots: int) -> list[int]:
@@ -40,10 +37,10 @@ def _check_common(fn: str, x: Tensor, weight: Tensor, bias: Tensor | None, conv_
     channels, width = x.shape[1], weight.shape[1]
     if width < 1:
         raise ValueError(f"{fn}: weight expected kernel width K >= 1, got {tuple(weight.shape)}")
-    _check_shape(fn, "weight", weight, "[C, K]", (channels, width))
-    _check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (conv_state.shape[0], channels, width - 1))
+    check_shape(fn, "weight", weight, "[C, K]", (channels, width))
+    check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (conv_state.shape[0], channels, width - 1))
     if bias is not None:
-        _check_shape(fn, "bias", bias, "[C]", (channels,))
+        check_shape(fn, "bias", bias, "[C]", (channels,))
 
 
 def causal_conv1d_varlen(
@@ -69,8 +66,8 @@ def causal_conv1d_varlen(
     if state_slots.dim() != 1:
         raise ValueError(f"{fn}: state_slots expected shape [R], got {tuple(state_slots.shape)}")
     R = state_slots.shape[0]
-    _check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
-    _check_shape(fn, "has_initial_state", has_initial_state, "[R]", (R,))
+    check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    check_shape(fn, "has_initial_state", has_initial_state, "[R]", (R,))
     bounds = query_start_loc.tolist()
     if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:], strict=False)):
         raise ValueError(f"{fn}: query_start_loc expected non-decreasing from 0 to T = {T}, got {bounds}")
@@ -113,7 +110,7 @@ def causal_conv1d_update(
     fn = "causal_conv1d_update"
     _check_common(fn, x, weight, bias, conv_state)
     batch = x.shape[0]
-    _check_shape(fn, "state_slots", state_slots, "[B]", (batch,))
+    check_shape(fn, "state_slots", state_slots, "[B]", (batch,))
     _check_slots(fn, state_slots, conv_state.shape[0])
 
     slots = state_slots.long()

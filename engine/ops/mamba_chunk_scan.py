@@ -21,14 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from baton.engine.ops.checks import check_shape
+
 from .selective_state_update import discretize_dt
 
 _FN = "mamba_chunk_scan_varlen"
 
-
-def _check_shape(name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{_FN}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
 
 
 def _check_rows(query_start_loc: Tensor, state_slots: Tensor, num_tokens: int, num_slots: int) -> None:
@@ -137,15 +135,15 @@ def mamba_chunk_scan_varlen(
     S, N = ssm_state.shape[0], ssm_state.shape[3]
     G = B.shape[1]
     R = state_slots.shape[0]
-    _check_shape("ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
-    _check_shape("dt", dt, "[T, H]", (T, H))
-    _check_shape("A", A, "[H]", (H,))
-    _check_shape("B", B, "[T, G, N]", (T, G, N))
-    _check_shape("C", C, "[T, G, N]", (T, G, N))
-    _check_shape("D", D, "[H]", (H,))
-    _check_shape("dt_bias", dt_bias, "[H]", (H,))
-    _check_shape("query_start_loc", query_start_loc, "[R+1]", (R + 1,))
-    _check_shape("has_initial_state", has_initial_state, "[R]", (R,))
+    check_shape(_FN, "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
+    check_shape(_FN, "dt", dt, "[T, H]", (T, H))
+    check_shape(_FN, "A", A, "[H]", (H,))
+    check_shape(_FN, "B", B, "[T, G, N]", (T, G, N))
+    check_shape(_FN, "C", C, "[T, G, N]", (T, G, N))
+    check_shape(_FN, "D", D, "[H]", (H,))
+    check_shape(_FN, "dt_bias", dt_bias, "[H]", (H,))
+    check_shape(_FN, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    check_shape(_FN, "has_initial_state", has_initial_state, "[R]", (R,))
     if G == 0 or H % G != 0:
         raise ValueError(f"{_FN}: expected H ({H}) to be a multiple of G, got G = {G}")
     if chunk_size <= 0:

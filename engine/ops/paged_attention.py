@@ -13,10 +13,7 @@ Query head h reads KV head h // (Hq // Hkv) (grouped-query attention). Scores an
 import torch
 from torch import Tensor
 
-
-def _check_shape(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{fn}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
+from baton.engine.ops.checks import check_shape
 
 
 def _check_cache(fn: str, kv_cache: Tensor) -> None:
@@ -38,9 +35,9 @@ def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> No
     if k.dim() != 3:
         raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
     T = k.shape[0]
-    _check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    _check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    _check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
+    check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
     slots = slot_mapping.long()
     if T > 0 and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
         raise ValueError(
@@ -76,9 +73,9 @@ def paged_attention(
         )
     T, q_heads = q.shape[0], q.shape[1]
     R, max_blocks = block_tables.shape
-    _check_shape(fn, "q", q, "[T, Hq, D]", (T, q_heads, head_dim))
-    _check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
-    _check_shape(fn, "seq_lens", seq_lens, "[R]", (R,))
+    check_shape(fn, "q", q, "[T, Hq, D]", (T, q_heads, head_dim))
+    check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    check_shape(fn, "seq_lens", seq_lens, "[R]", (R,))
     if q_heads % kv_heads != 0:
         raise ValueError(f"{fn}: expected Hq a multiple of Hkv = {kv_heads}, got Hq = {q_heads}")
     bounds = query_start_loc.tolist()

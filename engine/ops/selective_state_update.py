@@ -15,15 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from baton.engine.ops.checks import check_shape
+
 
 def discretize_dt(dt: Tensor, dt_bias: Tensor, dt_min: float) -> Tensor:
     """fp32 step sizes `max(softplus(dt + dt_bias), dt_min)`; `dt` is [..., H], `dt_bias` is [H]."""
     return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
 
-
-def _check_shape(name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"selective_state_update: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
 
 
 def _check_slots(state_slots: Tensor, num_slots: int) -> None:
@@ -62,14 +60,14 @@ def selective_state_update(
     # The pool fixes the state size N; B fixes the group count G.
     S, N = ssm_state.shape[0], ssm_state.shape[3]
     G = B.shape[1]
-    _check_shape("ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
-    _check_shape("dt", dt, "[B, H]", (batch, H))
-    _check_shape("A", A, "[H]", (H,))
-    _check_shape("B", B, "[B, G, N]", (batch, G, N))
-    _check_shape("C", C, "[B, G, N]", (batch, G, N))
-    _check_shape("D", D, "[H]", (H,))
-    _check_shape("dt_bias", dt_bias, "[H]", (H,))
-    _check_shape("state_slots", state_slots, "[B]", (batch,))
+    check_shape("selective_state_update", "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
+    check_shape("selective_state_update", "dt", dt, "[B, H]", (batch, H))
+    check_shape("selective_state_update", "A", A, "[H]", (H,))
+    check_shape("selective_state_update", "B", B, "[B, G, N]", (batch, G, N))
+    check_shape("selective_state_update", "C", C, "[B, G, N]", (batch, G, N))
+    check_shape("selective_state_update", "D", D, "[H]", (H,))
+    check_shape("selective_state_update", "dt_bias", dt_bias, "[H]", (H,))
+    check_shape("selective_state_update", "state_slots", state_slots, "[B]", (batch,))
     if G == 0 or H % G != 0:
         raise ValueError(f"selective_state_update: expected H ({H}) to be a multiple of G, got G = {G}")
     _check_slots(state_slots, S)

@@ -24,12 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from baton.engine.ops.checks import check_shape
 from baton.engine.ops.selective_state_update import discretize_dt
-
-
-def _check_shape(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{fn}: {name} expected shape {dims} = {expected}, got {tuple(t.shape)}")
 
 
 def _check_slots(fn: str, src_slots: Tensor, dst_slots: Tensor, num_tokens: Tensor, num_slots: int) -> Tensor:
@@ -93,16 +89,16 @@ def selective_state_update_multi(
     S, N = ssm_state.shape[0], ssm_state.shape[3]
     G = B.shape[2]
     num_tokens = _default_num_tokens(num_tokens, batch, T, x.device)
-    _check_shape(fn, "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
-    _check_shape(fn, "dt", dt, "[B, T, H]", (batch, T, H))
-    _check_shape(fn, "A", A, "[H]", (H,))
-    _check_shape(fn, "B", B, "[B, T, G, N]", (batch, T, G, N))
-    _check_shape(fn, "C", C, "[B, T, G, N]", (batch, T, G, N))
-    _check_shape(fn, "D", D, "[H]", (H,))
-    _check_shape(fn, "dt_bias", dt_bias, "[H]", (H,))
-    _check_shape(fn, "src_slots", src_slots, "[B]", (batch,))
-    _check_shape(fn, "dst_slots", dst_slots, "[B, T]", (batch, T))
-    _check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
+    check_shape(fn, "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
+    check_shape(fn, "dt", dt, "[B, T, H]", (batch, T, H))
+    check_shape(fn, "A", A, "[H]", (H,))
+    check_shape(fn, "B", B, "[B, T, G, N]", (batch, T, G, N))
+    check_shape(fn, "C", C, "[B, T, G, N]", (batch, T, G, N))
+    check_shape(fn, "D", D, "[H]", (H,))
+    check_shape(fn, "dt_bias", dt_bias, "[H]", (H,))
+    check_shape(fn, "src_slots", src_slots, "[B]", (batch,))
+    check_shape(fn, "dst_slots", dst_slots, "[B, T]", (batch, T))
+    check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
     if T < 1:
         raise ValueError(f"{fn}: x expected at least one token per row (T >= 1), got {tuple(x.shape)}")
     if G == 0 or H % G != 0:
@@ -165,13 +161,13 @@ def causal_conv1d_update_multi(
     num_tokens = _default_num_tokens(num_tokens, batch, T, x.device)
     if width < 1:
         raise ValueError(f"{fn}: weight expected kernel width K >= 1, got {tuple(weight.shape)}")
-    _check_shape(fn, "weight", weight, "[C, K]", (channels, width))
-    _check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (S, channels, width - 1))
+    check_shape(fn, "weight", weight, "[C, K]", (channels, width))
+    check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (S, channels, width - 1))
     if bias is not None:
-        _check_shape(fn, "bias", bias, "[C]", (channels,))
-    _check_shape(fn, "src_slots", src_slots, "[B]", (batch,))
-    _check_shape(fn, "dst_slots", dst_slots, "[B, T]", (batch, T))
-    _check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
+        check_shape(fn, "bias", bias, "[C]", (channels,))
+    check_shape(fn, "src_slots", src_slots, "[B]", (batch,))
+    check_shape(fn, "dst_slots", dst_slots, "[B, T]", (batch, T))
+    check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
     if T < 1:
         raise ValueError(f"{fn}: x expected at least one token per row (T >= 1), got {tuple(x.shape)}")
     valid = _check_slots(fn, src_slots, dst_slots, num_tokens, S)  # [B, T]
