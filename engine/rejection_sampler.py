@@ -1,0 +1,200 @@
+"""Speculative-decoding verification: which draft tokens a batch of requests keeps, and the token after them.
+
+Each row r has K_r draft tokens x_0..x_{K_r-1} (padded to Kmax) and the target's logits at K_r + 1 positions:
+position k scores the token after x_{k-1}, position K_r is the bonus position after the last draft.
+
+- Greedy rows (temperature 0) accept x_k while it equals the target's argmax at k; the emitted tokens are the
+  accepted drafts plus the argmax at the first mismatch (or at the bonus position), exactly what
+  non-speculative greedy decoding emits.
+- Stochastic rows use speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept x_k with
+  probability min(1, p_k(x_k) / q_k(x_k)); at the first rejection emit a draw from norm(max(0, p_k - q_k));
+  when all K_r are accepted emit a draw from p_{K_r}. Each emitted token is then distributed as a plain draw
+  from p. p is the target distribution after temperature / top-k / top-p (`Sampler._probs`, so the filtering
+  is the non-speculative sampler's); q is the distribution each draft was actually drawn from, passed as
+  `draft_probs` (already filtered, as the drafter sampled it). `draft_probs=None` means deterministic drafts
+  (e.g. the MTP drafter's argmax), i.e. q is one-hot on x_k: accept with probability p_k(x_k), and on
+  rejection draw from p_k with x_k removed.
+
+Device-authoritative counts (DESIGN R3): `accepted_counts` is computed on the logits' device with no host
+sync, so the verify step can pick the state slot to resume from without a round trip. The greedy path is
+vectorised; stochastic rows draw their noise in a per-row loop (each from its own generator) and the rest is
+vectorised too.
+
+Reproducibility: a seeded row must verify the same way whatever batch it is in, and its generator must end
+in the same state, or the next step diverges. So every stochastic row consumes a fixed amount of noise per
+call, independent of the batch's Kmax and of its own K_r: V exponentials (the exponential race for the one
+non-draft token, drawn first and exactly as `Sampler` draws them) then `max_draft` uniforms (the accept
+tests). With `max_draft=0` a row therefore samples exactly as `Sampler` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .sampling import Sampler
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """All on the target logits' device, int64."""
+
+    output_token_ids: Tensor  # [R, Kmax+1]: accepted drafts, then one sampled token, then -1 padding
+    accepted_counts: Tensor  # [R]: accepted draft tokens, 0..K_r
+    num_emitted: Tensor  # [R]: accepted_counts + 1
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    """Host row list -> index tensor on device. A plain torch.tensor(..., device=cuda) copies from pageable
+    memory, which blocks until the stream drains; a pinned, non-blocking copy does not."""
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def _prefix_len(accept: Tensor) -> Tensor:
+    """accept [R, K] bool -> length of the all-True prefix of each row [R] int64 (0 when K = 0)."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+class RejectionSampler:
+    """Stateless apart from `max_draft`; per-request state lives in the params and generators passed in."""
+
+    def __init__(self, max_draft: int) -> None:
+        # The accept-test noise is sized by max_draft, not by the batch's Kmax, so a seed's stream does not
+        # depend on which other requests share the batch. Use the engine's --speculative-tokens.
+        if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 0:
+            raise ValueError(f"max_draft: expected an integer >= 0, got {max_draft!r}")
+        self.max_draft = max_draft
+
+    def verify(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+               num_draft: Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> VerifyResult:
+        """target_logits [R, Kmax+1, V], draft_token_ids [R, Kmax] (padding: any value, e.g. -1),
+        draft_probs [R, Kmax, V] or None, num_draft [R] (K_r <= Kmax; on the host or the device).
+
+        num_draft values are range-checked only when it is a CPU tensor (checking a device tensor would sync).
+        """
+        R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, generators)
+        Kmax, dev = K1 - 1, target_logits.device
+        logits = target_logits.float()
+        nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
+        valid = torch.arange(Kmax, device=dev)[None, :] < nd[:, None]  # [R, Kmax]
+        # Padding ids may be -1 or garbage; zero them so gathers stay in range (they are never accepted).
+        drafts = torch.where(valid, draft_token_ids.to(dev, torch.int64), 0)  # [R, Kmax]
+
+        # Greedy decisions for every row (cheap); stochastic rows overwrite theirs below.
+        argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; first maximum, as Sampler, so ties match
+        accepted = _prefix_len((drafts == argmax[:, :Kmax]) & valid)  # [R]
+        final = argmax.gather(1, accepted[:, None]).squeeze(1)  # [R], mismatch or bonus position
+
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = _index(rows, dev)
+            acc_s, final_s = self._stochastic(
+                logits[idx], drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
+                [params[i] for i in rows], [generators[i] for i in rows])
+            accepted[idx] = acc_s
+            final[idx] = final_s
+
+        j = torch.arange(K1, device=dev)[None, :]  # [1, Kmax+1]
+        padded = torch.cat([drafts, drafts.new_zeros(R, 1)], dim=1)  # [R, Kmax+1]
+        out = torch.where(j < accepted[:, None], padded, -1)
+        out = torch.where(j == accepted[:, None], final[:, None], out)  # [R, Kmax+1]
+        return VerifyResult(output_token_ids=out, accepted_counts=accepted, num_emitted=accepted + 1)
+
+    def _stochastic(self, logits: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None,
+                    params: Sequence[SamplingParams],
+                    generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+        """logits [r, Kmax+1, V], drafts/valid [r, Kmax], q [r, Kmax, V] | None -> (accepted [r], final [r])."""
+        r, K1, V = logits.shape
+        Kmax = K1 - 1
+        # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
+        p = Sampler._probs(logits.reshape(r * K1, V), [pp for pp in params for _ in range(K1)])
+        p = p.view(r, K1, V)
+        e, u = self._noise(r, V, logits.device, generators)  # [r, V], [r, max_draft]
+
+        p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+        if q is None:
+            ratio = p_x  # one-hot q: q(x) = 1
+        else:
+            q = q.float()
+            # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
+            ratio = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+        # u in [0, 1), so ratio >= 1 always accepts: q == p accepts every draft, as it should.
+        accepted = _prefix_len((u[:, :Kmax] < ratio) & valid)  # [r]
+
+        # p at the first rejected position, or at the bonus position when all K_r were accepted.
+        p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+        dist = p_at
+        if Kmax > 0:
+            k = accepted.clamp(max=Kmax - 1)[:, None]  # [r, 1]; clamped rows are all-accepted, masked below
+            if q is None:
+                q_at = torch.zeros_like(p_at).scatter_(1, drafts.gather(1, k), 1.0)  # [r, V]
+            else:
+                q_at = q.gather(1, k[:, :, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+            resid = (p_at - q_at).clamp_min(0)  # unnormalised; the race below is scale-invariant
+            # In exact arithmetic a rejection implies some p > q; rounding can still reject with an empty
+            # residual, and argmax over all-zero scores would pick id 0 whatever p says. Fall back to p.
+            resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_at)
+            rejected = accepted < valid.sum(dim=1)  # [r]
+            dist = torch.where(rejected[:, None], resid, p_at)
+        # Exponential race, as Sampler._draw: argmax dist_i / E_i picks i with probability dist_i / sum(dist).
+        return accepted, (dist / e).argmax(dim=-1)
+
+    def _noise(self, r: int, V: int, device: torch.device,
+               generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+        """-> Exp(1) noise [r, V] and U[0, 1) noise [r, max_draft]; a fixed amount per row (module docstring)."""
+        e = torch.empty(r, V, device=device)
+        u = torch.empty(r, self.max_draft, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            # As in Sampler: rows without a generator share one draw from the global RNG.
+            ui = _index(unseeded, device)
+            e[ui] = torch.empty(len(unseeded), V, device=device).exponential_()
+            u[ui] = torch.rand(len(unseeded), self.max_draft, device=device)
+        for i, g in enumerate(generators):
+            if g is not None:
+                if g.device.type != device.type:
+                    raise ValueError(f"generator of row {i}: expected one on {device.type}, got one on {g.device}")
+                e[i].exponential_(generator=g)  # first, and as Sampler does: max_draft=0 samples like Sampler
+                u[i].uniform_(generator=g)
+        # Exp(1) can round to 0; clamped, a zero-probability token scores 0 and loses to any kept one.
+        e.clamp_min_(torch.finfo(e.dtype).tiny)
+        return e, u
+
+    def _check(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+               num_draft: Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> tuple[int, int, int]:
+        """Shape, dtype and length checks (host metadata only, no sync) -> (R, Kmax+1, V)."""
+        if target_logits.dim() != 3 or target_logits.shape[1] < 1 or target_logits.shape[2] < 1:
+            raise ValueError(f"target_logits: expected shape [R, Kmax+1, V] with Kmax+1 >= 1 and V >= 1, "
+                             f"got {tuple(target_logits.shape)}")
+        R, K1, V = target_logits.shape
+        if tuple(draft_token_ids.shape) != (R, K1 - 1):
+            raise ValueError(f"draft_token_ids: expected shape [R, Kmax] = {(R, K1 - 1)}, "
+                             f"got {tuple(draft_token_ids.shape)}")
+        if draft_token_ids.dtype.is_floating_point or draft_token_ids.dtype == torch.bool:
+            raise ValueError(f"draft_token_ids: expected an integer dtype, got {draft_token_ids.dtype}")
+        if self.max_draft < K1 - 1:
+            raise ValueError(f"draft_token_ids: expected at most max_draft={self.max_draft} columns, "
+                             f"got {K1 - 1}")
+        if draft_probs is not None and tuple(draft_probs.shape) != (R, K1 - 1, V):
+            raise ValueError(f"draft_probs: expected shape [R, Kmax, V] = {(R, K1 - 1, V)}, "
+                             f"got {tuple(draft_probs.shape)}")
+        if tuple(num_draft.shape) != (R,):
+            raise ValueError(f"num_draft: expected shape [R] = {(R,)}, got {tuple(num_draft.shape)}")
+        if num_draft.dtype.is_floating_point or num_draft.dtype == torch.bool:
+            raise ValueError(f"num_draft: expected an integer dtype, got {num_draft.dtype}")
+        if num_draft.device.type == "cpu" and R > 0:
+            lo, hi = int(num_draft.min()), int(num_draft.max())
+            if lo < 0 or hi > K1 - 1:
+                raise ValueError(f"num_draft: expected values in [0, Kmax={K1 - 1}], got range [{lo}, {hi}]")
+        if len(params) != R or len(generators) != R:
+            raise ValueError(f"expected one SamplingParams and one generator per row ({R} rows), "
+                             f"got {len(params)} params and {len(generators)} generators")
+        return R, K1, V

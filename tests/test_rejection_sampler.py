@@ -1,0 +1,289 @@
+"""RejectionSampler: greedy argmax-chain semantics, speculative sampling's output distribution, filtering,
+per-request reproducibility, device-resident counts and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.rejection_sampler import RejectionSampler
+from baton.engine.sampling import Sampler, make_generator
+from baton.engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Upper 0.1% points of chi-square by degrees of freedom, as in test_sampling.py. The draws are seeded, so
+# the tests are deterministic; the threshold only says how far off a bug must be.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+GREEDY = SamplingParams()
+
+
+def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic over the support of expected_p, and its degrees of freedom."""
+    counts = torch.bincount(tokens.cpu(), minlength=len(expected_p)).double()
+    support = expected_p > 0
+    assert counts[~support].sum() == 0, f"draws outside the support: {counts.tolist()}"
+    exp = expected_p[support].double() * len(tokens)
+    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+
+def assert_distributed_as(tokens: torch.Tensor, p: torch.Tensor) -> None:
+    stat, dof = chi_square(tokens, p)  # also: no draw outside the support of p
+    if dof == 0:
+        return  # a one-token support (tight top-p): the support check is the whole test
+    assert stat < CHI2_999[dof], f"chi2={stat:.1f} with {dof} dof, counts {torch.bincount(tokens, minlength=len(p))}"
+
+
+def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The non-speculative sampler's distribution for logits [..., V] (the reference p)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return Sampler._probs(flat.float(), [params] * flat.shape[0]).view(logits.shape)
+
+
+def one_hot_logits(ids: list[int], V: int, seed: int = 0) -> torch.Tensor:
+    """[len(ids), V] logits whose argmax is ids, with small noise elsewhere."""
+    x = torch.randn(len(ids), V, generator=torch.Generator().manual_seed(seed)) * 0.1
+    x[torch.arange(len(ids)), ids] = 5.0
+    return x
+
+
+# ---- greedy ---------------------------------------------------------------------------------------------
+
+def test_greedy_hand_made_cases() -> None:
+    V, Kmax = 6, 3
+    # Per row: target argmax at positions 0..3, drafts (padded with -1 beyond K), K.
+    cases = [
+        ([1, 2, 3, 4], [1, 2, 3], 3),     # all accepted -> bonus token 4 from position 3
+        ([1, 2, 3, 4], [1, 5, 3], 3),     # mismatch at 1 -> 1, then the target's 2
+        ([0, 5, 4, 4], [0, -1, -1], 1),   # K=1 accepted -> bonus from position 1, not Kmax
+        ([2, 0, 0, 0], [-1, -1, -1], 0),  # K=0 -> plain greedy step
+        ([3, 1, 1, 1], [4, 1, 1], 2),     # mismatch at 0 -> nothing accepted
+        ([1, 2, 3, 0], [1, 2, 3], 2),     # the padding draft matches position 2 but is beyond K: not taken
+    ]
+    logits = torch.stack([one_hot_logits(a, V, seed=i) for i, (a, _, _) in enumerate(cases)])  # [R, 4, V]
+    drafts = torch.tensor([d for _, d, _ in cases])
+    nd = torch.tensor([k for _, _, k in cases])
+    R = len(cases)
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, nd, [GREEDY] * R,
+                                                 [make_generator(i, "cpu") for i in range(R)])
+    assert res.accepted_counts.tolist() == [3, 1, 1, 0, 0, 2]
+    assert res.num_emitted.tolist() == [4, 2, 2, 1, 1, 3]
+    assert res.output_token_ids.tolist() == [
+        [1, 2, 3, 4], [1, 2, -1, -1], [0, 5, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1], [1, 2, 3, -1]]
+
+
+def test_greedy_matches_the_argmax_chain_on_random_batches() -> None:
+    g = torch.Generator().manual_seed(3)
+    R, Kmax, V = 64, 4, 7
+    logits = torch.randn(R, Kmax + 1, V, generator=g)
+    argmax = logits.argmax(dim=-1)
+    corrupt = torch.rand(R, Kmax, generator=g) < 0.25
+    drafts = torch.where(corrupt, torch.randint(V, (R, Kmax), generator=g), argmax[:, :Kmax])
+    nd = torch.randint(Kmax + 1, (R,), generator=g)
+    q = torch.rand(R, Kmax, V, generator=g).softmax(-1)  # greedy rows ignore q
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, q, nd, [GREEDY] * R, [None] * R)
+    for r in range(R):
+        # Reference: non-speculative greedy emits argmax[k] at each step; drafts only say how far we get.
+        emitted = []
+        for k in range(nd[r] + 1):
+            emitted.append(argmax[r, k].item())
+            if k == nd[r] or drafts[r, k] != argmax[r, k]:
+                break
+        assert res.num_emitted[r].item() == len(emitted)
+        assert res.accepted_counts[r].item() == len(emitted) - 1
+        assert res.output_token_ids[r].tolist() == emitted + [-1] * (Kmax + 1 - len(emitted))
+    assert 0 < res.accepted_counts.sum() < nd.sum()  # both outcomes occur
+
+
+# ---- stochastic: the output distribution is the target's ------------------------------------------------
+
+V5 = 5
+N = 20_000
+P_LOGITS0 = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0])
+P_LOGITS1 = torch.randn(V5, V5, generator=torch.Generator().manual_seed(10)) * 1.2  # row = previous token
+P_LOGITS2 = torch.randn(V5, V5, generator=torch.Generator().manual_seed(11)) * 1.2
+Q0 = torch.tensor([0.05, 0.40, 0.25, 0.10, 0.20])  # deliberately unlike p0
+Q1 = torch.rand(V5, V5, generator=torch.Generator().manual_seed(12)) ** 3 + 0.02
+Q1 = Q1 / Q1.sum(-1, keepdim=True)  # q1 given the previous draft
+
+
+def spec_batch(deterministic_drafts: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """N rows with K=2: drafts drawn from q (or fixed argmax drafts) and target logits conditioned on them,
+    as a real target would be: position 1 scores the token after x0, position 2 the token after x1."""
+    gd = torch.Generator().manual_seed(2024)
+    if deterministic_drafts:
+        # A greedy drafter that agrees with the target's mode (else acceptance would be too rare to test).
+        x0 = torch.full((N,), int(P_LOGITS0.argmax()))
+        x1 = P_LOGITS1[x0].argmax(-1)
+        q = None
+    else:
+        x0 = torch.multinomial(Q0, N, replacement=True, generator=gd)
+        x1 = torch.multinomial(Q1[x0], 1, generator=gd).squeeze(1)
+        q = torch.stack([Q0.expand(N, V5), Q1[x0]], dim=1)  # [N, 2, V]
+    logits = torch.stack([P_LOGITS0.expand(N, V5), P_LOGITS1[x0], P_LOGITS2[x1]], dim=1)  # [N, 3, V]
+    return logits, torch.stack([x0, x1], dim=1), q
+
+
+STOCHASTIC = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),  # q puts mass on tokens top-k removes from p
+    SamplingParams(temperature=1.3, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("params", STOCHASTIC)
+@pytest.mark.parametrize(("deterministic_drafts", "seeded"), [(False, False), (False, True), (True, False)])
+def test_emitted_tokens_are_distributed_as_the_target(params: SamplingParams, deterministic_drafts: bool,
+                                                      seeded: bool) -> None:
+    logits, drafts, q = spec_batch(deterministic_drafts)
+    torch.manual_seed(77)
+    # Seeded: every row draws from one generator in turn, which exercises the per-row path.
+    gens = [make_generator(99, "cpu")] * N if seeded else [None] * N
+    res = RejectionSampler(max_draft=2).verify(logits, drafts, q, torch.full((N,), 2), [params] * N, gens)
+    out, emitted = res.output_token_ids, res.num_emitted
+    assert ((res.accepted_counts == 0) | (out[:, 0] == drafts[:, 0])).all()
+    assert ((res.accepted_counts < 2) | (out[:, 1] == drafts[:, 1])).all()
+    assert 0.1 < (emitted > 1).float().mean() < 0.9  # drafts are sometimes accepted, sometimes not
+
+    # First token: a plain draw from p0, whatever q was.
+    assert_distributed_as(out[:, 0], filtered(P_LOGITS0, params))
+    # Second token, given the first (emitted in this step when x0 was accepted): a draw from p1(. | t0).
+    # Third (bonus) token, given the second: a draw from p2(. | t1).
+    tested = 0
+    for pos, table in ((1, P_LOGITS1), (2, P_LOGITS2)):
+        for prev in range(V5):
+            sel = (emitted > pos) & (out[:, pos - 1] == prev)
+            if sel.sum() >= 1000:  # enough draws for the chi-square approximation to be sound
+                assert_distributed_as(out[sel, pos], filtered(table[prev], params))
+                tested += 1
+    assert tested >= 2
+
+
+def test_q_equal_to_p_accepts_every_draft() -> None:
+    R, V = 256, 9
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.9)
+    logits = torch.randn(R, 4, V, generator=g)
+    q = filtered(logits[:, :3], params)  # the drafter is the target: q == p exactly
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(R, 3)
+    nd = torch.randint(4, (R,), generator=g)
+    res = RejectionSampler(max_draft=3).verify(logits, drafts, q, nd, [params] * R, [None] * R)
+    assert res.accepted_counts.tolist() == nd.tolist()
+
+
+def test_drafts_outside_the_target_filter_are_never_accepted_or_emitted() -> None:
+    R, V = 2000, 6
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0]).expand(R, 2, V).contiguous()
+    params = SamplingParams(temperature=2.0, top_k=3)  # keeps ids 0, 1, 2
+    drafts = torch.arange(R)[:, None] % V  # [R, 1]: half of the drafts are filtered out by top-k
+    torch.manual_seed(0)
+    res = RejectionSampler(max_draft=1).verify(logits, drafts, None, torch.ones(R, dtype=torch.long),
+                                               [params] * R, [None] * R)
+    assert (res.accepted_counts[drafts[:, 0] >= 3] == 0).all()
+    assert set(res.output_token_ids[:, 0].tolist()) == {0, 1, 2}
+    kept_bonus = res.output_token_ids[res.accepted_counts == 1, 1]
+    assert kept_bonus.numel() > 0 and set(kept_bonus.tolist()) <= {0, 1, 2}
+
+
+# ---- reproducibility ------------------------------------------------------------------------------------
+
+def test_max_draft_0_samples_exactly_like_the_sampler() -> None:
+    g = torch.Generator().manual_seed(8)
+    params = SamplingParams(temperature=1.1, top_k=20, top_p=0.9)
+    spec, plain = make_generator(42, "cpu"), make_generator(42, "cpu")
+    rs, sampler = RejectionSampler(max_draft=0), Sampler()
+    for _ in range(20):
+        logits = torch.randn(1, 50, generator=g) * 2
+        res = rs.verify(logits[:, None], torch.zeros(1, 0, dtype=torch.long), None,
+                        torch.zeros(1, dtype=torch.long), [params], [spec])
+        assert res.output_token_ids[0, 0].item() == sampler.sample(logits, [params], [plain]).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
+    steps, V, K, max_draft = 30, 16, 2, 4
+    g = torch.Generator().manual_seed(6)
+    target = SamplingParams(temperature=1.2, top_k=12, top_p=0.95, seed=42)
+    others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8), GREEDY,
+              SamplingParams(temperature=2.0, seed=42)]
+    other_gens = [make_generator(7, device), None, make_generator(None, device), make_generator(42, device)]
+    rs = RejectionSampler(max_draft=max_draft)
+    alone_gen, batch_gen, other_seed = (make_generator(s, device) for s in (42, 42, 43))
+    alone, batched, differs = [], [], []
+    for _ in range(steps):
+        logits = (torch.randn(K + 1, V, generator=g) * 2).to(device)
+        q_host = torch.rand(K, V, generator=g).softmax(-1)
+        q = q_host.to(device)
+        x = torch.multinomial(q_host, 1, generator=g).squeeze(1).to(device)
+        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], [alone_gen])
+        alone.append(res.output_token_ids[0, :res.num_emitted[0]].tolist())
+        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], [other_seed])
+        differs.append(res.output_token_ids[0, :res.num_emitted[0]].tolist())
+
+        # The same request at row 2 of 5, in a batch with Kmax = 4 and rows of other K.
+        big_logits = (torch.randn(5, max_draft + 1, V, generator=g) * 2).to(device)
+        big_q = torch.rand(5, max_draft, V, generator=g).softmax(-1).to(device)
+        big_x = torch.randint(V, (5, max_draft), generator=g).to(device)
+        big_logits[2, :K + 1], big_q[2, :K], big_x[2, :K] = logits, q, x
+        big_x[2, K:] = -1
+        nd = torch.tensor([4, 0, K, 3, 1], device=device)  # num_draft may also live on the device
+        res = rs.verify(big_logits, big_x, big_q, nd, [*others[:2], target, *others[2:]],
+                        [*other_gens[:2], batch_gen, *other_gens[2:]])
+        batched.append(res.output_token_ids[2, :res.num_emitted[2]].tolist())
+    assert batched == alone
+    assert differs != alone
+    assert len({len(t) for t in alone}) > 1  # the test means something only if acceptance varies
+
+
+# ---- outputs and arguments ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_are_int64_on_the_logits_device(device: str) -> None:
+    R, Kmax, V = 3, 2, 10
+    logits = torch.randn(R, Kmax + 1, V, device=device, dtype=torch.bfloat16)
+    drafts = torch.randint(V, (R, Kmax), device=device, dtype=torch.int32)
+    params = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, seed=1)]
+    gens = [None, None, make_generator(1, device)]
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, torch.tensor([2, 1, 0]), params, gens)
+    for t, shape in ((res.accepted_counts, (R,)), (res.num_emitted, (R,)), (res.output_token_ids, (R, Kmax + 1))):
+        assert t.dtype == torch.int64 and t.device.type == torch.device(device).type and tuple(t.shape) == shape
+    assert (res.num_emitted == res.accepted_counts + 1).all()
+
+
+def test_empty_batch() -> None:
+    res = RejectionSampler(max_draft=2).verify(torch.zeros(0, 3, 4), torch.zeros(0, 2, dtype=torch.long), None,
+                                               torch.zeros(0, dtype=torch.long), [], [])
+    assert res.output_token_ids.shape == (0, 3) and res.accepted_counts.shape == (0,)
+
+
+def _args(**over: object) -> dict[str, object]:
+    R, Kmax, V = 2, 3, 5
+    args: dict[str, object] = dict(target_logits=torch.zeros(R, Kmax + 1, V),
+                                   draft_token_ids=torch.zeros(R, Kmax, dtype=torch.long),
+                                   draft_probs=torch.full((R, Kmax, V), 0.2), num_draft=torch.tensor([3, 1]),
+                                   params=[GREEDY] * R, generators=[None] * R)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(("over", "match"), [
+    ({"target_logits": torch.zeros(2, 5)}, r"target_logits: expected shape \[R, Kmax\+1, V\].*got \(2, 5\)"),
+    ({"target_logits": torch.zeros(2, 0, 5)}, r"target_logits: expected .*got \(2, 0, 5\)"),
+    ({"draft_token_ids": torch.zeros(2, 2, dtype=torch.long)}, r"draft_token_ids: expected shape .*\(2, 3\), got \(2, 2\)"),
+    ({"draft_token_ids": torch.zeros(2, 3)}, r"draft_token_ids: expected an integer dtype, got torch.float32"),
+    ({"draft_probs": torch.zeros(2, 3, 4)}, r"draft_probs: expected shape .*\(2, 3, 5\), got \(2, 3, 4\)"),
+    ({"num_draft": torch.tensor([3])}, r"num_draft: expected shape \[R\] = \(2,\), got \(1,\)"),
+    ({"num_draft": torch.tensor([3.0, 1.0])}, r"num_draft: expected an integer dtype, got torch.float32"),
+    ({"num_draft": torch.tensor([4, 1])}, r"num_draft: expected values in \[0, Kmax=3\], got range \[1, 4\]"),
+    ({"num_draft": torch.tensor([-1, 1])}, r"num_draft: expected values in \[0, Kmax=3\], got range \[-1, 1\]"),
+    ({"params": [GREEDY]}, r"one SamplingParams and one generator per row \(2 rows\), got 1 params"),
+])
+def test_invalid_arguments_name_the_argument(over: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RejectionSampler(max_draft=4).verify(**_args(**over))
+
+
+def test_more_drafts_than_max_draft_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"draft_token_ids: expected at most max_draft=2 columns, got 3"):
+        RejectionSampler(max_draft=2).verify(**_args())
+    with pytest.raises(ValueError, match=r"max_draft: expected an integer >= 0, got -1"):
+        RejectionSampler(max_draft=-1)
