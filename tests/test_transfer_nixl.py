@@ -144,9 +144,11 @@ def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leak
         with pytest.raises(TransferError) as failure:
             for i in range(10_000):
                 agent.read(f"big-{i}", h.engine_id, blocks, remote, slot, h.state_slot, timeout=5.0)
+        t_fail = time.monotonic() - t_start
         killer.wait()
-        assert agent.stats.transfers >= 1, "the peer died before any READ ran"
-        assert time.monotonic() - t_start < 0.3 + 6.0
+        # The kill comes 0.3 s in, while READs run back to back (one may still be setting up its 16384
+        # descriptors); the failure follows it within the deadline.
+        assert 0.3 <= t_fail < 0.3 + 6.0
         proc.join(10)
         # Later READs from the dead peer fail within their deadline too; the side channel is gone.
         t0 = time.monotonic()
