@@ -15,7 +15,7 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm
-from baton.engine.weights import FP32_SUFFIXES
+from baton.engine.weights import MTP_PREFIX, place
 
 
 class Block(nn.Module):
@@ -75,9 +75,7 @@ class NemotronHForCausalLM(nn.Module):
                         dtype: torch.dtype) -> NemotronHForCausalLM:
         with torch.device("meta"):
             model = cls(cfg)
-        # The MoE router stays fp32 whatever the model dtype; everything else takes `dtype`.
-        target = {k: v.to(device=device, dtype=torch.float32 if k.endswith(FP32_SUFFIXES) else dtype)
-                  for k, v in state.items() if not k.startswith("mtp.")}
+        target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
         missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "

@@ -52,7 +52,7 @@ from baton.engine.layers.attention import Attention
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm
-from baton.engine.weights import FP32_SUFFIXES, MTP_PREFIX, mtp_layout
+from baton.engine.weights import MTP_PREFIX, mtp_layout, place
 
 
 class MTPLayer(nn.Module):
@@ -152,8 +152,7 @@ class MTPModule(nn.Module):
         """Build from the `mtp.*` entries of a (canonical) checkpoint state dict; other entries are ignored."""
         with torch.device("meta"):
             module = cls(cfg)
-        own = {k: v.to(device=device, dtype=torch.float32 if k.endswith(FP32_SUFFIXES) else dtype)
-               for k, v in cls.mtp_entries(state).items()}
+        own = place(cls.mtp_entries(state), device, dtype)
         module._check_keys(own)
         module.load_state_dict(own, strict=True, assign=True)
         return module.requires_grad_(False).eval()

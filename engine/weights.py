@@ -170,3 +170,10 @@ def canonicalize_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
             raise ValueError(f"checkpoint: tensor '{name}' appears both fused and per expert")
         out[name] = torch.stack([by_index[j] for j in range(n)], dim=0)  # [E, out, in]
     return out
+
+
+def place(state: Mapping[str, torch.Tensor], device: str | torch.device,
+          dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Move weights to `device` in `dtype`, except the MoE router, which stays fp32 (as the reference keeps it)."""
+    return {k: v.to(device=device, dtype=torch.float32 if k.endswith(FP32_SUFFIXES) else dtype)
+            for k, v in state.items()}

@@ -9,21 +9,10 @@ import torch
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.sampling import Sampler, make_generator
 from baton.engine.sampling_params import SamplingParams
+from tests.test_sampling import CHI2_999, chi_square
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-# Upper 0.1% points of chi-square by degrees of freedom, as in test_sampling.py. The draws are seeded, so
-# the tests are deterministic; the threshold only says how far off a bug must be.
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
 GREEDY = SamplingParams()
-
-
-def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic over the support of expected_p, and its degrees of freedom."""
-    counts = torch.bincount(tokens.cpu(), minlength=len(expected_p)).double()
-    support = expected_p > 0
-    assert counts[~support].sum() == 0, f"draws outside the support: {counts.tolist()}"
-    exp = expected_p[support].double() * len(tokens)
-    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
 
 
 def assert_distributed_as(tokens: torch.Tensor, p: torch.Tensor) -> None:
