@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:
@@ -35,6 +36,12 @@ class EngineConfig:
     # SSM state pool dtype; None = the checkpoint's mamba_ssm_cache_dtype.
     ssm_state_dtype: str | None = None
     device: str = "cpu"
+    # MTP speculative decoding: K draft tokens per decode step (0 = off). Needs a checkpoint with `mtp.*`
+    # weights. Each running request then owns 1+K state slots (R4) and K blocks of lookahead room.
+    num_speculative_tokens: int = 0
+    # A prefill node's engine: it never samples, so one state slot per request even with K > 0; the MTP
+    # module still runs over the prompt so that its KV travels with the target's (R8).
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -49,10 +56,20 @@ class EngineConfig:
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
                              f"got {self.ssm_state_dtype!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Every running request must be able to decode in the same step.
-            raise ValueError(f"engine field 'max_num_batched_tokens': expected >= max_num_seqs="
-                             f"{self.max_num_seqs}, got {self.max_num_batched_tokens}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "
+                             f"0..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs * (1 + k):
+            # Every running request must be able to decode (verify 1+K tokens) in the same step.
+            raise ValueError(f"engine field 'max_num_batched_tokens': expected >= max_num_seqs * (1 + "
+                             f"num_speculative_tokens) = {self.max_num_seqs * (1 + k)}, got "
+                             f"{self.max_num_batched_tokens}")
+
+    @property
+    def slots_per_request(self) -> int:
+        """State slots one running request owns: 1+K while verifying drafts (R4), else 1."""
+        return 1 if self.prefill_only else 1 + self.num_speculative_tokens
 
     @property
     def prefill_chunk_cap(self) -> int:

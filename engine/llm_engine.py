@@ -14,10 +14,12 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.mtp import MTPModule
 from baton.engine.request import Request
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerOutput
+from baton.engine.spec_runner import SpecRunner
 from baton.engine.weights import TORCH_DTYPES
 
 
@@ -32,6 +34,9 @@ class RequestOutput:
     # A prefill-only request hands its caches over: its KV block ids and state slot, still allocated.
     held_block_ids: tuple[int, ...] = ()
     held_state_slot: int | None = None
+    # Speculative decoding totals so far: draft tokens verified, and how many of them were accepted.
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 @dataclass
@@ -39,11 +44,19 @@ class EngineStats:
     steps: int = 0
     mixed_steps: int = 0      # steps whose batch held decode rows and prefill chunks together
     prompt_tokens: int = 0    # prefill tokens computed (recomputes after preemption included)
-    decode_tokens: int = 0
+    decode_tokens: int = 0    # tokens fed by decode rows (the last token + drafts to verify)
     preemptions: int = 0
     step_seconds: float = 0.0
     max_rows: int = 0
     row_kinds: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefills) per step
+    spec_drafted: int = 0       # draft tokens verified
+    spec_accepted: int = 0      # of those, accepted
+    spec_verify_rows: int = 0   # verify rows that carried drafts
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify row (accepted drafts + 1); 0 without speculative decoding."""
+        return (self.spec_accepted + self.spec_verify_rows) / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
 
 class LLMEngine:
@@ -59,12 +72,34 @@ class LLMEngine:
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
         self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
-        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
-        self.runner = ModelRunner(self.model, self.pools, config.block_size, device)
+        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_groups)
+        self.runner = self._make_runner(weights, device)
         self.stats = EngineStats()
         self.last_step_rows = 0
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+
+    def _make_runner(self, weights: dict[str, torch.Tensor], device: torch.device) -> ModelRunner:
+        k = self.config.num_speculative_tokens
+        if not k:
+            return ModelRunner(self.model, self.pools, self.config.block_size, device)
+        if self.model_config.num_nextn_predict_layers < 1:
+            raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
+                             f"weights (num_nextn_predict_layers = 0), got {k}")
+        mtp = MTPModule.from_state_dict(self.model_config, weights, device, self.dtype)
+        return SpecRunner(self.model, mtp, self.pools, self.config.block_size, device, k,
+                          draft=not self.config.prefill_only)
+
+    # Transfers name a request's state by the pool slot holding it: the first of its group (a transferred
+    # or prefill-only request has never verified drafts, so its committed state is there).
+    def _slot_of(self, group: int) -> int:
+        return group * self.plan.slots_per_request
+
+    def _group_of(self, slot: int) -> int:
+        if slot % self.plan.slots_per_request:
+            raise ValueError(f"state_slot: expected the first slot of a group (a multiple of "
+                             f"{self.plan.slots_per_request}), got {slot}")
+        return slot // self.plan.slots_per_request
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -111,11 +146,12 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
-        self.scheduler.free_held(block_ids, state_slot)
+        self.scheduler.free_held(block_ids, self._group_of(state_slot))
 
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
-        return self.scheduler.reserve(-(-num_tokens // self.config.block_size))
+        got = self.scheduler.reserve(-(-num_tokens // self.config.block_size))
+        return None if got is None else (got[0], self._slot_of(got[1]))
 
     def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                              block_ids: list[int], state_slot: int, num_computed: int) -> str:
@@ -123,7 +159,9 @@ class LLMEngine:
         `block_ids` / `state_slot` (pulled from a prefill node): its first step computes only the next
         token from that state (R1), inside whatever mixed batch runs then."""
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
-        self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
+        group = self._group_of(state_slot)
+        self.scheduler.add_computed(req, block_ids, group, num_computed)
+        self.runner.reset_group(group)
         self.runner.add_request(req.request_id, params)
         return req.request_id
 
@@ -139,8 +177,8 @@ class LLMEngine:
         reqs = {r.request_id: self.scheduler.requests[r.request_id] for r in out.rows}
         before = {rid: len(req.output_token_ids) for rid, req in reqs.items()}
         result = self.runner.execute(out)
-        finished = self.scheduler.update(out, result.sampled)
-        self._record(out, time.perf_counter() - t0)
+        finished = self.scheduler.update(out, result.sampled, result.drafts)
+        self._record(out, time.perf_counter() - t0, result.sampled)
         for req in finished:
             self.runner.remove_request(req.request_id)
         outputs = []
@@ -153,15 +191,23 @@ class LLMEngine:
                 token_ids=tuple(req.output_token_ids), new_token_ids=tuple(req.output_token_ids[before[rid]:]),
                 finished=req.status.finished, finish_reason=req.finish_reason,
                 held_block_ids=tuple(req.block_ids) if held else (),
-                held_state_slot=req.state_slot if held else None))
+                held_state_slot=self._slot_of(req.state_slot) if held else None,
+                num_drafted=req.num_drafted, num_accepted=req.num_accepted))
         return outputs
 
-    def _record(self, out: SchedulerOutput, seconds: float) -> None:
+    def _record(self, out: SchedulerOutput, seconds: float, sampled: dict) -> None:
         s = self.stats
+        for r in out.rows:
+            if r.is_decode and r.num_draft:
+                emitted = sampled.get(r.request_id, ())
+                s.spec_verify_rows += 1
+                s.spec_drafted += r.num_draft
+                s.spec_accepted += len(emitted) - 1
         s.steps += 1
         s.mixed_steps += out.is_mixed
-        s.decode_tokens += out.num_decodes
-        s.prompt_tokens += out.num_tokens - out.num_decodes
+        decode_tokens = sum(r.num_tokens for r in out.rows if r.is_decode)
+        s.decode_tokens += decode_tokens
+        s.prompt_tokens += out.num_tokens - decode_tokens
         s.preemptions = self.scheduler.num_preemptions
         s.step_seconds += seconds
         s.max_rows = max(s.max_rows, len(out.rows))

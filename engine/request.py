@@ -42,8 +42,14 @@ class Request:
     # Tokens to prefill since the last (re)admission: the prompt, or prompt + outputs after preemption.
     num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The scheduler's slot group (1+K consecutive pool slots while verifying drafts, R4).
     state_slot: int | None = None
     num_preemptions: int = 0
+    # Speculative decoding: the drafts proposed for the next step (verified then), and totals.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0    # draft tokens verified
+    num_accepted: int = 0   # of those, accepted
+    num_verify_steps: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,11 +2,14 @@
 
 `execute(out)` builds the varlen `ForwardBatch`, runs the model once over all rows (decode rows and prefill
 chunks together), gathers the last token of every row that samples, and samples one token per such row.
+
+With speculative decoding (K > 0, `spec_runner.SpecRunner` does the rest) decode rows are verify rows; the
+state slot a row resumes from is picked on the device from `committed` (R3), never from a host copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +23,11 @@ from baton.engine.scheduler import SchedulerOutput
 
 @dataclass
 class StepOutput:
-    sampled: dict[str, int]                      # request id -> next token
+    # request id -> its next token, or with speculative decoding the tokens it emitted (accepted drafts,
+    # then one sampled token)
+    sampled: dict[str, int] | dict[str, list[int]]
     logits: dict[str, torch.Tensor] | None = None  # request id -> [V] float32, when asked for
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> the next step's drafts
 
 
 class ModelRunner:
@@ -34,6 +40,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator]] = {}
         self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
+        self.slots_per_request = pools.plan.slots_per_request
+        # Per slot group: which of its slots holds the committed state (the accepted count of its last
+        # verify). Written only by steps on the device (R3); 0 for a fresh or transferred request.
+        self.committed = torch.zeros(pools.plan.num_groups, dtype=torch.int64, device=self.device)
 
     # ---- per-request sampling state -------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -42,8 +52,15 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
 
+    def reset_group(self, group: int) -> None:
+        """A transferred state arrives in the group's first slot: resume from there."""
+        self.committed[group] = 0
+
     # ---- one step ---------------------------------------------------------------------------------
-    def build_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
+    def _t(self, x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=self.device)
+
+    def build_batch(self, out: SchedulerOutput, spec: bool = False) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.block_size
         input_ids: list[int] = []
         qsl = [0]
@@ -57,22 +74,39 @@ class ModelRunner:
                 slot_mapping.append(row.block_ids[pos // bs] * bs + pos % bs)
             block_tables.append(list(row.block_ids) + [0] * (max_blocks - len(row.block_ids)))
 
-        def t(x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
+        t = self._t
+        groups = t([r.state_slot for r in out.rows])
+        has_init = t([r.has_initial_state for r in out.rows], torch.bool)
+        # A row without a state starts its group afresh (R2/R3): set on the device, no host copy involved.
+        cur = torch.where(has_init, self.committed[groups], 0)
+        self.committed[groups] = cur
         batch = ForwardBatch(
             num_decodes=out.num_decodes,
             query_start_loc=t(qsl),
             seq_lens=t([r.num_computed_tokens + r.num_tokens for r in out.rows]),
             block_tables=t(block_tables),
             slot_mapping=t(slot_mapping),
-            state_slots=t([r.state_slot for r in out.rows]),
-            has_initial_state=t([r.has_initial_state for r in out.rows], torch.bool),
+            state_slots=groups * self.slots_per_request + cur,
+            has_initial_state=has_init,
             kv_caches=self._kv,
             conv_states=self._conv,
             ssm_states=self._ssm,
         )
+        if spec and out.num_decodes:
+            self._add_verify_layout(out, batch, groups, qsl)
         return t(input_ids), batch
+
+    def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, groups: torch.Tensor,
+                           qsl: list[int]) -> None:
+        """Verify rows as [Rd, T]: token (b, t) is flat token qsl[b] + t; its state goes to slot t of b's group."""
+        nd = out.num_decodes
+        lens = [r.num_tokens for r in out.rows[:nd]]
+        T = max(lens)
+        batch.num_decode_tokens = qsl[nd]
+        batch.spec_num_tokens = self._t(lens)
+        batch.spec_token_index = self._t([[qsl[b] + min(j, n - 1) for j in range(T)] for b, n in enumerate(lens)])
+        batch.spec_dst_slots = groups[:nd, None] * self.slots_per_request + torch.arange(T, device=self.device)
+        batch.spec_flat_index = self._t([b * T + j for b, n in enumerate(lens) for j in range(n)])
 
     @torch.inference_mode()
     def forward_hidden(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -91,10 +125,17 @@ class ModelRunner:
         last = batch.query_start_loc[1:][sample_rows] - 1
         logits = self.model.logits(hidden[last])  # [R_s, V] float32
         ids = [out.rows[i].request_id for i in sample_rows]
-        params = [self._sampling[r][0] for r in ids]
-        gens = [self._sampling[r][1] for r in ids]
-        tokens = self.sampler.sample(logits, params, gens).tolist()
+        tokens = self.sample(logits, ids).tolist()
         return StepOutput(
             sampled=dict(zip(ids, tokens, strict=True)),
             logits={r: logits[i] for i, r in enumerate(ids)} if return_logits else None,
         )
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
+        """logits [R, V] of the given requests -> one token each [R], on the device."""
+        params = [self._sampling[r][0] for r in request_ids]
+        gens = [self._sampling[r][1] for r in request_ids]
+        return self.sampler.sample(logits, params, gens)
+
+    def sampling_of(self, request_ids: list[str]) -> tuple[list[SamplingParams], list[torch.Generator]]:
+        return [self._sampling[r][0] for r in request_ids], [self._sampling[r][1] for r in request_ids]

@@ -3,7 +3,8 @@
 Works on ints only (token counts, block ids, slot ids); the runner turns its output into tensors.
 
 Per step (R5):
-1. every running request in its decode phase gets its 1 token reserved first, with the KV blocks it needs;
+1. every running request in its decode phase gets its 1+k tokens reserved first (its last token and the k
+   drafts to verify, k <= K with speculative decoding), with the KV blocks it needs;
    when blocks run out, the latest-arrived running request is preempted (recompute: its blocks and slot
    are freed, it goes back to the front of the queue and later prefills prompt + outputs again);
 2. running requests still prefilling get a chunk each: min(remaining, budget left, chunk cap);
@@ -14,6 +15,7 @@ Per step (R5):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton.engine.allocator import FreeList
@@ -27,10 +29,15 @@ class ScheduledRow:
     token_ids: tuple[int, ...]    # the tokens fed this step (query)
     num_computed_tokens: int      # context already in the caches before this step
     is_decode: bool               # decode phase (state-update path); False: a prefill chunk
+    # Decode rows: drafts among token_ids (the last token, then num_draft drafts to verify).
     has_initial_state: bool       # False: the Mamba state starts from zeros, the slot is never read
     state_slot: int
     block_ids: tuple[int, ...]    # the request's whole block table after this step's allocation
     sample: bool                  # this step completes the known tokens: sample the next one
+    num_draft: int = 0
+    # The known token after this row's last one (a chunk's successor in the prompt), else -1: the MTP
+    # drafter reads (h_i, t_{i+1}) at every position.
+    next_token: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -61,8 +68,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int) -> None:
+        """num_slots: state slot groups (one per request that holds a state)."""
         self.config = config
         self.block_size = config.block_size
+        self.num_spec = 0 if config.prefill_only else config.num_speculative_tokens
+        # A row that samples then drafts K tokens, writing the drafter's KV up to K-1 positions ahead.
+        self.lookahead = max(0, self.num_spec - 1)
         self.blocks = FreeList(num_blocks, "kv blocks")
         self.slots = FreeList(num_slots, "state slots")
         self.waiting: deque[Request] = deque()
@@ -80,7 +91,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id: expected a new id, got duplicate {req.request_id!r}")
         # A request that could not run even alone would wait (or preempt itself) forever.
-        longest = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len)
+        longest = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len) + self.num_spec
         if -(-longest // self.block_size) > self.blocks.capacity:
             raise ValueError(f"request length: expected at most {self.blocks.capacity * self.block_size} tokens "
                              f"(the whole KV pool), got prompt + max_tokens = {longest}")
@@ -102,13 +113,14 @@ class Scheduler:
         preempted: list[str] = []
         planned: dict[str, int] = {}  # request id -> tokens this step
 
-        # 1. decode rows: reserved first.
+        # 1. decode rows: reserved first, 1 + k tokens each (k drafts to verify).
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or not req.in_decode:
                 continue
-            if self._reserve(req, 1, planned, preempted):
-                planned[req.request_id] = 1
-                budget -= 1
+            n = 1 + self._num_draft(req)
+            if self._reserve(req, n, planned, preempted, self.lookahead):
+                planned[req.request_id] = n
+                budget -= n
 
         # 2. running prefills (chunked).
         for req in list(self.running):
@@ -120,6 +132,10 @@ class Scheduler:
             n = self._fit(req, n)
             if n == 0 and self._reserve(req, 1, planned, preempted):
                 n = self._fit(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
+            if n > 0 and self._last_chunk(req, n) and self.lookahead:
+                # The last chunk samples and drafts: it needs the lookahead room too, else a shorter chunk.
+                if not self._reserve(req, n, planned, preempted, self.lookahead):
+                    continue
             if n > 0:
                 self._allocate_for(req, n)
                 planned[req.request_id] = n
@@ -131,7 +147,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs
                and self.slots.can_allocate(1)):
             req = self.waiting[0]
-            whole = -(-req.num_tokens // self.block_size)
+            whole = -(-(req.num_tokens + self.lookahead) // self.block_size)
             if whole > free_blocks:
                 break
             free_blocks -= whole
@@ -141,7 +157,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.num_prefill_tokens = req.num_tokens
             req.state_slot = self.slots.allocate(1)[0]
-            self._allocate_for(req, n)
+            self._allocate_for(req, n, self.lookahead if self._last_chunk(req, n) else 0)
             self._insert_running(req)
             planned[req.request_id] = n
             budget -= n
@@ -150,70 +166,106 @@ class Scheduler:
         rows.sort(key=lambda r: not r.is_decode)  # stable: decodes first, each group in arrival order
         return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply stop rules. Returns finished requests."""
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]],
+               drafts: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop rules. Returns finished requests.
+
+        sampled: per sampling row, its token, or with speculative decoding the tokens it emitted (the
+        accepted drafts, then one sampled token); drafts: the next step's drafts per row that drafted.
+        """
         finished = []
         for row in out.rows:
             req = self.requests.get(row.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += row.num_tokens
+            emitted = sampled.get(row.request_id, ())
+            emitted = [emitted] if isinstance(emitted, int) else list(emitted)
+            if row.is_decode:
+                # The last token and the accepted drafts are now in the caches; the emitted token after
+                # them is the next step's input.
+                accepted = len(emitted) - 1
+                req.num_computed_tokens += 1 + accepted
+                if row.num_draft:
+                    req.num_verify_steps += 1
+                    req.num_drafted += row.num_draft
+                    req.num_accepted += accepted
+            else:
+                req.num_computed_tokens += row.num_tokens
+            req.draft_token_ids = list(drafts.get(row.request_id, ())) if drafts else []
             if req.prefill_only and req.num_computed_tokens == req.num_tokens:
                 self._finish(req, RequestStatus.FINISHED_PREFILLED)
                 finished.append(req)
                 continue
             if not row.sample:
                 continue
-            tok = sampled[row.request_id]
-            req.output_token_ids.append(tok)
-            if tok in req.stop_ids:
-                self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= req.max_model_len:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
-            if req.status.finished:
-                finished.append(req)
+            for tok in emitted:
+                req.output_token_ids.append(tok)
+                if tok in req.stop_ids:
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)
+                elif len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= req.max_model_len:
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                if req.status.finished:
+                    # Tokens emitted past a stop are dropped, as non-speculative decoding never made them.
+                    finished.append(req)
+                    break
         return finished
 
     # ---- helpers ----------------------------------------------------------------------------------
+    def _num_draft(self, req: Request) -> int:
+        """Drafts to verify this step: at most K, and none past max_tokens or max_model_len."""
+        room = min(req.sampling.max_tokens - len(req.output_token_ids), req.max_model_len - req.num_tokens) - 1
+        return max(0, min(len(req.draft_token_ids), self.num_spec, room))
+
+    def _last_chunk(self, req: Request, n: int) -> bool:
+        return req.num_computed_tokens + n == req.num_tokens and not req.prefill_only
+
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed_tokens
         assert req.state_slot is not None
+        if req.in_decode:
+            k = n - 1
+            tokens = (req.all_token_ids[-1], *req.draft_token_ids[:k])
+        else:
+            k = 0
+            tokens = tuple(req.all_token_ids[start:start + n])
         return ScheduledRow(
             request_id=req.request_id,
-            token_ids=tuple(req.all_token_ids[start:start + n]),
+            token_ids=tokens,
             num_computed_tokens=start,
             is_decode=req.in_decode,
             has_initial_state=req.has_initial_state,
             state_slot=req.state_slot,
             block_ids=tuple(req.block_ids),
-            sample=start + n == req.num_tokens and not req.prefill_only,
+            sample=req.in_decode or (start + n == req.num_tokens and not req.prefill_only),
+            num_draft=k,
+            next_token=req.all_token_ids[start + n] if not req.in_decode and start + n < req.num_tokens else -1,
         )
 
-    def _blocks_needed(self, req: Request, n: int) -> int:
-        total = -(-(req.num_computed_tokens + n) // self.block_size)
+    def _blocks_needed(self, req: Request, n: int, lookahead: int = 0) -> int:
+        total = -(-(req.num_computed_tokens + n + lookahead) // self.block_size)
         return max(0, total - len(req.block_ids))
 
-    def _allocate_for(self, req: Request, n: int) -> None:
-        req.block_ids.extend(self.blocks.allocate(self._blocks_needed(req, n)))
+    def _allocate_for(self, req: Request, n: int, lookahead: int = 0) -> None:
+        req.block_ids.extend(self.blocks.allocate(self._blocks_needed(req, n, lookahead)))
 
     def _fit(self, req: Request, n: int) -> int:
         """Largest m <= n whose blocks fit in the request's blocks plus the free pool."""
         room = (len(req.block_ids) + self.blocks.num_free) * self.block_size - req.num_computed_tokens
         return max(0, min(n, room))
 
-    def _reserve(self, req: Request, n: int, planned: dict[str, int], preempted: list[str]) -> bool:
-        """Make room for n tokens of req, preempting the latest-arrived unplanned running requests.
-
-        Returns False when req itself had to be preempted.
+    def _reserve(self, req: Request, n: int, planned: dict[str, int], preempted: list[str],
+                 lookahead: int = 0) -> bool:
+        """Make room for n tokens of req (plus lookahead positions), preempting the latest-arrived unplanned
+        running requests. Returns False when req itself had to be preempted.
         """
-        while not self.blocks.can_allocate(self._blocks_needed(req, n)):
+        while not self.blocks.can_allocate(self._blocks_needed(req, n, lookahead)):
             # Lowest priority = latest arrival among those not yet given tokens this step (maybe req).
             victim = [r for r in self.running if r.request_id not in planned][-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
                 return False
-        self._allocate_for(req, n)
+        self._allocate_for(req, n, lookahead)
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -221,6 +273,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front, keeping arrival order among preempted requests.

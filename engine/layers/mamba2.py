@@ -16,6 +16,7 @@ from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
 from baton.engine.ops.selective_state_update import selective_state_update
+from baton.engine.ops.spec_state_update import causal_conv1d_update_multi, selective_state_update_multi
 
 
 class Mamba2Mixer(nn.Module):
@@ -47,10 +48,13 @@ class Mamba2Mixer(nn.Module):
         ssm_state = batch.ssm_states[self.state_index]    # [S, H, P, N]
         weight = self.conv1d.weight.squeeze(1)            # [C, K]
         A = -torch.exp(self.A_log.float())                # [H]
-        nd = batch.num_decodes  # decode rows are the first nd tokens, one each
+        nd = batch.num_decodes  # decode rows come first: their tokens are the first ndt
+        ndt = batch.num_decode_tokens
         y = x.new_empty(t, self.num_heads, self.head_dim)  # [T, H, P]
 
-        if nd:
+        if nd and batch.is_spec:
+            y[:ndt] = self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch)
+        elif nd:
             xbc_d = causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
             xs, B, C = self._split_xbc(xbc_d)
             y[:nd] = selective_state_update(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
@@ -58,13 +62,29 @@ class Mamba2Mixer(nn.Module):
         if nd < batch.num_rows:
             qsl = batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
-            xbc_p = causal_conv1d_varlen(xbc[nd:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
+            xbc_p = causal_conv1d_varlen(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
             xs, B, C = self._split_xbc(xbc_p)
-            y[nd:] = mamba_chunk_scan_varlen(xs, dt[nd:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
-                                             init, self.chunk_size, self.dt_min)
+            y[ndt:] = mamba_chunk_scan_varlen(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
+                                              init, self.chunk_size, self.dt_min)
 
         y = self.norm(y.view(t, self.intermediate), gate)
         return self.out_proj(y.to(x.dtype))
+
+    def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Verify rows: from each row's committed slot over its 1+k tokens, the state after every position
+        into its own slot of the row's group (R4). Returns y of the decode tokens [ndt, H, P]."""
+        nd = batch.num_decodes
+        idx = batch.spec_token_index  # [Rd, T]
+        rows_t = idx.shape[1]
+        src, dst, ntok = batch.state_slots[:nd], batch.spec_dst_slots, batch.spec_num_tokens
+        xbc_v = causal_conv1d_update_multi(xbc[idx], weight, self.conv1d.bias, conv_state, src, dst, ntok)
+        xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
+        y = selective_state_update_multi(
+            ssm_state, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt[idx], A,
+            B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
+            self.D, self.dt_bias, src, dst, self.dt_min, ntok)  # [Rd, T, H, P]
+        return y.reshape(nd * rows_t, self.num_heads, self.head_dim)[batch.spec_flat_index]
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.n_groups * self.d_state

@@ -1,0 +1,162 @@
+"""The model runner with MTP speculative decoding: verify K drafts per decode row, draft K more.
+
+One step, all on the device until the single host read of its tokens at the end:
+
+1. Target forward over the mixed batch. Verify rows (last token + k drafts) run the multi-token state ops,
+   which store the state after each of their 1+k positions in the row's slot group (R4); prefill chunks and
+   first-token recomputes run the chunked scan from the row's committed slot.
+2. Logits: the last token of each prefill row that samples, every token of each verify row (R5). Prefill rows
+   sample as usual; verify rows go through the rejection sampler (greedy: accept while the target's argmax
+   matches), whose accepted counts are written straight into `committed[group]` on the device (R3): the next
+   step resumes each row from slot `accepted` of its group, whatever order its rows come in.
+3. Drafter catch-up: the MTP module runs once over every token of the batch with (h_i, t_{i+1}), writing its
+   own KV at every position (R8: a prefill chunk's successor token is known from the prompt; a sampling row's
+   last one is the token just sampled; a verify row's are the tokens it emitted). Its output at each drafting
+   row's last committed position gives draft 1.
+4. Drafts 2..K: the drafter on its own output, one position further each time (its KV there is rewritten
+   by step 3 of a later step once the real tokens are known).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from baton.engine.cache_pools import CachePools
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.model import NemotronHForCausalLM
+from baton.engine.mtp import MTPModule
+from baton.engine.rejection_sampler import RejectionSampler
+from baton.engine.runner import ModelRunner, StepOutput
+from baton.engine.scheduler import SchedulerOutput
+
+
+class SpecRunner(ModelRunner):
+    def __init__(self, model: NemotronHForCausalLM, mtp: MTPModule, pools: CachePools, block_size: int,
+                 device: torch.device | str, num_speculative_tokens: int, draft: bool = True) -> None:
+        """draft=False (a prefill node): only the drafter's KV is filled, nothing is sampled or drafted."""
+        super().__init__(model, pools, block_size, device)
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: expected >= 1 for a SpecRunner, got {num_speculative_tokens}")
+        self.mtp = mtp
+        self.num_spec = num_speculative_tokens
+        self.draft = draft
+        self._mtp_kv = pools.mtp_kv_layers()
+        if len(self._mtp_kv) != mtp.num_kv_layers:
+            raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
+        self.rejection = RejectionSampler(num_speculative_tokens)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
+        if return_logits:
+            raise ValueError("return_logits: not available with speculative decoding")
+        if not out.rows:
+            return StepOutput(sampled={})
+        input_ids, batch = self.build_batch(out, spec=True)
+        hidden = self.model(input_ids, batch)  # [T, hidden]
+        dev, rows, nd = self.device, out.rows, out.num_decodes
+        qsl = batch.query_start_loc
+        emb = self.model.model.embeddings
+
+        # Successor token of every position, for the drafter: host-known ones first.
+        nxt_host: list[int] = []
+        for r in rows:
+            nxt_host.extend(r.token_ids[1:])
+            nxt_host.append(max(r.next_token, 0))
+        next_ids = self._t(nxt_host)  # [T]
+
+        # -- verify rows ---------------------------------------------------------------------------------
+        pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
+        anchors, anchor_pos, anchor_rows = [], [], []
+        if nd:
+            idx = batch.spec_token_index  # [Rd, Tv]
+            Tv = idx.shape[1]
+            logits = self.model.logits(hidden[idx.reshape(-1)]).view(nd, Tv, -1)  # [Rd, Tv, V]
+            drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
+            num_draft = torch.tensor([r.num_draft for r in rows[:nd]], dtype=torch.int64)
+            ids = [r.request_id for r in rows[:nd]]
+            params, gens = self.sampling_of(ids)
+            res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
+            groups = batch.state_slots[:nd] // self.slots_per_request
+            self.committed[groups] = res.accepted_counts  # R3: the device decides where each row resumes
+            emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
+            # The drafter sees the emitted tokens as successors at the positions they follow.
+            flat = emitted.clamp_min(0).reshape(-1)[batch.spec_flat_index]  # [decode tokens]
+            next_ids[:batch.num_decode_tokens] = flat
+            pieces += [res.num_emitted, emitted.reshape(-1)]
+            anchors.append(qsl[:nd] + res.accepted_counts)
+            base = torch.tensor([r.num_computed_tokens for r in rows[:nd]], dtype=torch.int64, device=dev)
+            anchor_pos.append(base + res.accepted_counts)
+            anchor_rows.append(torch.arange(nd, device=dev))
+
+        # -- prefill rows that sample ----------------------------------------------------------------------
+        prefill_sampling = [i for i in range(nd, len(rows)) if rows[i].sample]
+        if prefill_sampling:
+            last = qsl[1:][prefill_sampling] - 1
+            ids = [rows[i].request_id for i in prefill_sampling]
+            tokens = self.sample(self.model.logits(hidden[last]), ids)  # [P]
+            next_ids[last] = tokens
+            pieces.append(tokens)
+            anchors.append(last)
+            anchor_pos.append(self._t([rows[i].num_computed_tokens + rows[i].num_tokens - 1
+                                       for i in prefill_sampling]))
+            anchor_rows.append(self._t(prefill_sampling))
+
+        # -- the drafter: catch up over every position (fills its KV, R8), then K drafts per sampling row ---
+        mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
+        h = self.mtp(hidden, next_ids, emb, mtp_batch, step=0)  # [T, hidden]
+        drafts_out = None
+        if self.draft and anchors:
+            anchor = torch.cat(anchors)  # [D] flat token of each drafting row's last committed position
+            pos = torch.cat(anchor_pos)  # [D] its position
+            tables = batch.block_tables[torch.cat(anchor_rows)]  # [D, max_blocks]
+            h = h[anchor]
+            tok = self.model.logits(h).argmax(dim=-1)  # [D] draft 1
+            chain = [tok]
+            for k in range(1, self.num_spec):
+                h = self.mtp(h, tok, emb, self._draft_batch(mtp_batch, tables, pos + k), step=k)
+                tok = self.model.logits(h).argmax(dim=-1)
+                chain.append(tok)
+            drafts_out = torch.stack(chain, dim=1)  # [D, K]
+            pieces.append(drafts_out.reshape(-1))
+
+        if not pieces:
+            return StepOutput(sampled={})
+        host = torch.cat(pieces).tolist()  # the one device -> host read of the step
+        return self._unpack(host, out, prefill_sampling, drafts_out is not None)
+
+    def _draft_batch(self, batch: ForwardBatch, tables: torch.Tensor, pos: torch.Tensor) -> ForwardBatch:
+        """One drafter token per drafting row at positions `pos` [D] (computed on the device)."""
+        bs, d = self.block_size, pos.shape[0]
+        slot = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs  # [D]
+        return dataclasses.replace(
+            batch, num_decodes=0, num_decode_tokens=0,
+            query_start_loc=torch.arange(d + 1, device=self.device), seq_lens=pos + 1, block_tables=tables,
+            slot_mapping=slot, spec_num_tokens=None, spec_dst_slots=None, spec_token_index=None,
+            spec_flat_index=None)
+
+    def _unpack(self, host: list[int], out: SchedulerOutput, prefill_sampling: list[int],
+                drafted: bool) -> StepOutput:
+        rows, nd = out.rows, out.num_decodes
+        sampled: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
+        at = 0
+        order: list[str] = []
+        if nd:
+            Tv = max(r.num_tokens for r in rows[:nd])
+            counts = host[:nd]
+            emitted = host[nd:nd + nd * Tv]
+            at = nd + nd * Tv
+            for b, r in enumerate(rows[:nd]):
+                sampled[r.request_id] = emitted[b * Tv:b * Tv + counts[b]]
+                order.append(r.request_id)
+        for i in prefill_sampling:
+            sampled[rows[i].request_id] = [host[at]]
+            order.append(rows[i].request_id)
+            at += 1
+        if drafted:
+            K = self.num_spec
+            for j, rid in enumerate(order):
+                drafts[rid] = host[at + j * K:at + (j + 1) * K]
+        return StepOutput(sampled=sampled, drafts=drafts)
