@@ -132,10 +132,11 @@ class Scheduler:
             n = self._fit(req, n)
             if n == 0 and self._reserve(req, 1, planned, preempted):
                 n = self._fit(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
-            if n > 0 and self._last_chunk(req, n) and self.lookahead:
-                # The last chunk samples and drafts: it needs the lookahead room too, else a shorter chunk.
-                if not self._reserve(req, n, planned, preempted, self.lookahead):
-                    continue
+            # The last chunk samples and drafts, writing the drafter's KV up to K-1 positions ahead: it needs
+            # that room too (preempting later arrivals, or itself, as a decode row would).
+            if (n > 0 and self._last_chunk(req, n) and self.lookahead
+                    and not self._reserve(req, n, planned, preempted, self.lookahead)):
+                continue
             if n > 0:
                 self._allocate_for(req, n)
                 planned[req.request_id] = n
