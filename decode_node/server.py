@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
     engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
     pools = engine.pools.by_name()
-    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
+    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
+                          num_speculative_tokens=engine.config.num_speculative_tokens)
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()

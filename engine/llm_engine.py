@@ -110,8 +110,9 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prefill_only: bool = False) -> str:
-        """Queue a request. `prefill_only`: compute the prompt's caches, never sample, and return the
-        still-allocated block ids and state slot in its final output (free them with `free_held`)."""
+        """Queue a request. `prefill_only`: compute the caches of all prompt tokens but the last (R1: the
+        decode side computes token N from h(N-1)), never sample, and return the still-allocated block ids
+        and state slot in its final output (free them with `free_held`)."""
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only)
         self.scheduler.add(req)
         self.runner.add_request(req.request_id, params)
@@ -126,6 +127,9 @@ class LLMEngine:
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: expected ids in [0, {cfg.vocab_size}), got {bad[:5]}")
+        if prefill_only and len(prompt) < 2:
+            raise ValueError(f"prompt_token_ids: expected at least 2 tokens for a prefill-only request (it computes "
+                             f"all but the last), got {len(prompt)}")
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids: expected fewer than max_model_len={self.max_model_len} tokens, "
                              f"got {len(prompt)}")

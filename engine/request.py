@@ -33,7 +33,8 @@ class Request:
     # Stop ids: the model's EOS ids (unless ignore_eos) plus the request's own stop ids.
     stop_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 30
-    # Compute the prompt's KV and state, never sample, and hand the caches over when done (prefill node).
+    # Compute the KV and state of all prompt tokens but the last (R1), never sample, and hand the caches
+    # over when done (prefill node). The last token is kept as the successor the MTP drafter reads (R8).
     prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -152,11 +152,12 @@ class Scheduler:
             if whole > free_blocks:
                 break
             free_blocks -= whole
-            n = min(req.num_tokens, budget, cap)
+            # A prefill-only request computes all but its last prompt token (R1: decode computes token N).
+            req.num_prefill_tokens = req.num_tokens - 1 if req.prefill_only else req.num_tokens
+            n = min(req.num_prefill_tokens, budget, cap)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = 0
-            req.num_prefill_tokens = req.num_tokens
             req.state_slot = self.slots.allocate(1)[0]
             self._allocate_for(req, n, self.lookahead if self._last_chunk(req, n) else 0)
             self._insert_running(req)
@@ -193,7 +194,7 @@ class Scheduler:
             else:
                 req.num_computed_tokens += row.num_tokens
             req.draft_token_ids = list(drafts.get(row.request_id, ())) if drafts else []
-            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+            if req.prefill_only and req.num_computed_tokens == req.num_prefill_tokens:
                 self._finish(req, RequestStatus.FINISHED_PREFILLED)
                 finished.append(req)
                 continue

@@ -6,6 +6,7 @@ a side channel (port P+1000 unless --side-channel-port), and the Worker gRPC ser
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
     a = p.parse_args(argv)
     engine_id = a.engine_id or default_engine_id("prefill", a.host, a.port)
-    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
+    # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
+    # drafter over the prompt so that the drafter's KV travels with the target's (R8).
+    engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
     pools = engine.pools.by_name()
-    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
+    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
+                          num_speculative_tokens=engine.config.num_speculative_tokens)
     held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
                          free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))
     side = SideChannelServer(lambda: agent.metadata, held.renew, host=a.host,

@@ -54,7 +54,8 @@ class PrefillService(wk_grpc.WorkerServicer):
             stream.push(out)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt[:-1], SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
+            # Computes tokens 0..N-2 (R1); token N-1 stays the successor the MTP drafter reads at N-2 (R8).
+            engine.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
             self.thread.on_output(rid, on_output)
 
         try:

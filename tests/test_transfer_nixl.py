@@ -72,9 +72,9 @@ def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer)
     handshake(agent, address)
     handshake(agent, address)  # cached: one handshake per peer
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 40, 77, 130)]
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (2, 9, 40, 77, 130)]
     handles = call(conn, "prefill", prompts)
-    assert [h.num_tokens for h in handles] == [len(p) for p in prompts]
+    assert [h.num_tokens for h in handles] == [len(p) - 1 for p in prompts]  # R1: N-1 computed
     assert any(sorted(h.kv_block_ids) != list(range(h.kv_block_ids[0], h.kv_block_ids[0] + len(h.kv_block_ids)))
                for h in handles), "the peer's blocks should be scattered"
     # Local blocks scattered too: a random half of the pool stays taken.

@@ -56,7 +56,7 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
                         if o.finished:
                             done[o.request_id] = o
                 conn.send([held.hold(r, done[r].held_block_ids, done[r].held_state_slot,
-                                     len(done[r].prompt_token_ids)) for r in ids])
+                                     len(done[r].prompt_token_ids) - 1) for r in ids])
             elif cmd == "hold_blocks":
                 request_id, n = args
                 blocks, slot = sched.blocks.allocate(n), sched.slots.allocate(1)[0]
