@@ -54,17 +54,30 @@ class SpecRunner(ModelRunner):
         if not out.rows:
             return StepOutput(sampled={})
         input_ids, batch = self.build_batch(out, spec=True)
-        hidden = self.model(input_ids, batch)  # [T, hidden]
         dev, rows, nd = self.device, out.rows, out.num_decodes
         qsl = batch.query_start_loc
         emb = self.model.model.embeddings
-
-        # Successor token of every position, for the drafter: host-known ones first.
-        nxt_host: list[int] = []
+        # Every host-derived tensor is built before the forward: a host -> device copy from pageable memory
+        # waits for the stream, so building one later in the step would be a hidden sync.
+        nxt_host: list[int] = []  # successor token of every position, for the drafter: host-known ones
         for r in rows:
             nxt_host.extend(r.token_ids[1:])
             nxt_host.append(max(r.next_token, 0))
         next_ids = self._t(nxt_host)  # [T]
+        prefill_sampling = [i for i in range(nd, len(rows)) if rows[i].sample]
+        ends = [r.num_computed_tokens + r.num_tokens for r in rows]
+        if nd:
+            num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
+            verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
+        if prefill_sampling:
+            starts = [0]
+            for r in rows:
+                starts.append(starts[-1] + r.num_tokens)
+            last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
+            last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
+            prefill_rows = self._t(prefill_sampling)
+
+        hidden = self.model(input_ids, batch)  # [T, hidden]
 
         # -- verify rows ---------------------------------------------------------------------------------
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
@@ -74,9 +87,7 @@ class SpecRunner(ModelRunner):
             Tv = idx.shape[1]
             logits = self.model.logits(hidden[idx.reshape(-1)]).view(nd, Tv, -1)  # [Rd, Tv, V]
             drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
-            num_draft = torch.tensor([r.num_draft for r in rows[:nd]], dtype=torch.int64)
-            ids = [r.request_id for r in rows[:nd]]
-            params, gens = self.sampling_of(ids)
+            params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
             res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
             groups = batch.state_slots[:nd] // self.slots_per_request
             self.committed[groups] = res.accepted_counts  # R3: the device decides where each row resumes
@@ -86,22 +97,17 @@ class SpecRunner(ModelRunner):
             next_ids[:batch.num_decode_tokens] = flat
             pieces += [res.num_emitted, emitted.reshape(-1)]
             anchors.append(qsl[:nd] + res.accepted_counts)
-            base = torch.tensor([r.num_computed_tokens for r in rows[:nd]], dtype=torch.int64, device=dev)
-            anchor_pos.append(base + res.accepted_counts)
+            anchor_pos.append(verify_base + res.accepted_counts)
             anchor_rows.append(torch.arange(nd, device=dev))
 
         # -- prefill rows that sample ----------------------------------------------------------------------
-        prefill_sampling = [i for i in range(nd, len(rows)) if rows[i].sample]
         if prefill_sampling:
-            last = qsl[1:][prefill_sampling] - 1
-            ids = [rows[i].request_id for i in prefill_sampling]
-            tokens = self.sample(self.model.logits(hidden[last]), ids)  # [P]
+            tokens = self.sample(self.model.logits(hidden[last]), [rows[i].request_id for i in prefill_sampling])
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
-            anchor_pos.append(self._t([rows[i].num_computed_tokens + rows[i].num_tokens - 1
-                                       for i in prefill_sampling]))
-            anchor_rows.append(self._t(prefill_sampling))
+            anchor_pos.append(last_pos)
+            anchor_rows.append(prefill_rows)
 
         # -- the drafter: catch up over every position (fills its KV, R8), then K drafts per sampling row ---
         mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)

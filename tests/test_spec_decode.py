@@ -9,6 +9,7 @@ is tested between processes in test_transfer_nixl.py and end to end in test_e2e.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 
 import pytest
@@ -291,3 +292,38 @@ def test_spec_engine_config_errors(spec_model, tmp_path):
     cfg, weights = load_checkpoint(plain)
     with pytest.raises(ValueError, match="num_speculative_tokens.*without MTP"):
         LLMEngine(cfg, weights, EngineConfig(num_speculative_tokens=2, max_num_batched_tokens=128))
+
+
+ORCHESTRATION = {"llm_engine.py", "scheduler.py", "runner.py", "spec_runner.py", "rejection_sampler.py",
+                 "sampling.py", "mtp.py", "model.py", "mamba2.py", "attention.py"}
+
+
+def test_r3_a_spec_step_reads_the_device_once(spec_model, monkeypatch):
+    """Accepted counts, committed slots and drafts stay on the device: the only device -> host read that the
+    step's orchestration makes is the final one of its tokens. (The torch reference kernels' own index reads,
+    in engine/ops and the MoE expert loop, are for issue #7's GPU kernels to remove.)"""
+    engine = new_engine(spec_model, 3)
+    for n in (9, 2, 5, 1):
+        engine.add_request(prompt_of(n), GREEDY, request_id=f"r{n}")
+    reads: list[tuple[str, str, int]] = []
+
+    def counting(name: str):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            path = frame.f_code.co_filename.replace("\\", "/")
+            if path.rsplit("/", 1)[-1] in ORCHESTRATION and "/engine/" in path and frame.f_code.co_name != "_check":
+                reads.append((name, path.rsplit("/", 1)[-1], frame.f_lineno))
+            return orig(self, *args, **kwargs)
+        return read
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    steps = 0
+    while engine.has_unfinished():
+        reads.clear()
+        engine.step()
+        steps += 1
+        assert [(n, f) for n, f, _ in reads] == [("tolist", "spec_runner.py")], reads
+    assert steps > 3 and engine.stats.spec_verify_rows > 0
