@@ -72,10 +72,12 @@ async def _generate_all(a: argparse.Namespace, roots: bytes | None) -> list[Comp
 
 
 def _json_line(prompt: list[int] | str, o: Completion) -> str:
+    spec = {"drafted": o.num_drafted_tokens, "accepted": o.num_accepted_tokens}
     if isinstance(prompt, str):
         return json.dumps({"prompt": prompt, "token_ids": list(o.token_ids), "text": o.text,
-                           "finish_reason": o.finish_reason})
-    return json.dumps({"prompt_ids": list(prompt), "token_ids": list(o.token_ids), "finish_reason": o.finish_reason})
+                           "finish_reason": o.finish_reason, "spec": spec})
+    return json.dumps({"prompt_ids": list(prompt), "token_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+                       "spec": spec})
 
 
 def _text_line(prompt: list[int] | str, o: Completion) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.engine.engine_config import SUPPORTED_DTYPES, EngineConfig
+from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -20,19 +20,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (the model's)")
     g.add_argument("--dtype", choices=SUPPORTED_DTYPES, help=f"({d.dtype})")
     g.add_argument("--device", help=f"({d.device})")
+    g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
+                   help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
+                        "checkpoint with MTP weights")
 
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device")
+                "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device", "num_speculative_tokens")
+# Flags whose option is not the dest name with dashes.
+_OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 
 
 def engine_flags(a: argparse.Namespace) -> list[str]:
-    """The engine flags given on this command line, to pass on to node processes."""
+    """The engine flags given on this command line, to pass on to node processes. Raises ValueError for
+    values the engine would refuse, so that a bad flag ends the command before any process starts."""
+    engine_config_from_args(a)
     out: list[str] = []
     for name in ENGINE_FLAGS:
         v = getattr(a, name)
         if v is not None:
-            out += ["--" + name.replace("_", "-"), str(v)]
+            out += [_OPTIONS.get(name, "--" + name.replace("_", "-")), str(v)]
     return out
 
 

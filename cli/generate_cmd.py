@@ -38,10 +38,16 @@ def run(a: argparse.Namespace) -> int:
     for o in outs:
         if a.json:
             print(json.dumps({"prompt_ids": list(o.prompt_token_ids), "token_ids": list(o.token_ids),
-                              "finish_reason": o.finish_reason}))
+                              "finish_reason": o.finish_reason,
+                              "spec": {"drafted": o.num_drafted, "accepted": o.num_accepted}}))
         else:
             print(f"{list(o.prompt_token_ids)} -> {list(o.token_ids)} ({o.finish_reason})")
     n = sum(len(o.token_ids) for o in outs)
-    print(f"{len(outs)} prompts, {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), {engine.stats.steps} steps, "
-          f"{engine.stats.mixed_steps} mixed", file=sys.stderr)
+    s = engine.stats
+    spec = ""
+    if engine.config.num_speculative_tokens:
+        spec = (f"; MTP: {s.spec_drafted} drafted, {s.spec_accepted} accepted, "
+                f"mean acceptance length {s.mean_acceptance_length:.2f}")
+    print(f"{len(outs)} prompts, {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s), {s.steps} steps, "
+          f"{s.mixed_steps} mixed{spec}", file=sys.stderr)
     return 0

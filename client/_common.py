@@ -106,7 +106,8 @@ class CompletionBuilder:
         usage = self._last.usage
         return Completion(request_id=self._request_id, prompt_token_ids=self._prompt_ids,
                           token_ids=tuple(self._token_ids), text="".join(self._text), finish_reason=reason,
-                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                          num_drafted_tokens=usage.num_drafted_tokens, num_accepted_tokens=usage.num_accepted_tokens)
 
 
 def to_health(resp: pb.HealthResponse) -> Health:

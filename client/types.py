@@ -31,6 +31,10 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    # MTP speculative decoding: draft tokens verified for this request, and how many of them were accepted
+    # (both 0 when the decode node runs without it).
+    num_drafted_tokens: int
+    num_accepted_tokens: int
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,8 @@ class DecodeService(wk_grpc.WorkerServicer):
                 finished = out.finished
                 yield wk.DecodeResponse(token_ids=list(out.new_token_ids),
                                         finish_reason=FINISH_TO_PROTO[out.finish_reason],
-                                        prompt_tokens=len(prompt), prefilled_locally=first and pulled is None)
+                                        prompt_tokens=len(prompt), prefilled_locally=first and pulled is None,
+                                        num_drafted_tokens=out.num_drafted, num_accepted_tokens=out.num_accepted)
                 first = False
         finally:
             if not finished:  # the router cancelled the stream: free everything now

@@ -23,6 +23,9 @@ class InFlight:
     call: grpc.aio.Call | None = None
     aborted: bool = False
     completion_tokens: int = 0
+    # MTP totals as the decode worker last reported them (each DecodeResponse carries the totals so far).
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def abort(self) -> None:
         self.aborted = True

@@ -97,6 +97,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         while True:
             ids = list(msg.token_ids)
             state.completion_tokens += len(ids)
+            state.num_drafted_tokens = msg.num_drafted_tokens
+            state.num_accepted_tokens = msg.num_accepted_tokens
             final = msg.finish_reason != _UNSPECIFIED
             text = detok.push(ids) if detok else ""
             if final and detok:
@@ -104,8 +106,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             out = generation_pb2.GenerateResponse(request_id=state.request_id, token_ids=ids, text=text)
             if final:
                 out.finish_reason = msg.finish_reason
-                out.usage.prompt_tokens = state.prompt_tokens
-                out.usage.completion_tokens = state.completion_tokens
+                self._set_usage(out.usage, state)
                 # The stream ended as the worker meant it to: nothing is left to abort there.
                 state.live.discard(stream.worker)
             if ids or text or final:
@@ -119,9 +120,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _write_abort(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
         out = generation_pb2.GenerateResponse(request_id=state.request_id,
                                               finish_reason=generation_pb2.FINISH_REASON_ABORT)
-        out.usage.prompt_tokens = state.prompt_tokens
-        out.usage.completion_tokens = state.completion_tokens
+        self._set_usage(out.usage, state)
         await context.write(out)
+
+    @staticmethod
+    def _set_usage(usage: generation_pb2.Usage, state: InFlight) -> None:
+        usage.prompt_tokens = state.prompt_tokens
+        usage.completion_tokens = state.completion_tokens
+        usage.num_drafted_tokens = state.num_drafted_tokens
+        usage.num_accepted_tokens = state.num_accepted_tokens
 
     async def wait_idle(self, timeout: float) -> None:
         """Waits (at most `timeout` s) until every Generate call has run its clean-up."""

@@ -10,6 +10,9 @@ import time
 import pytest
 
 from baton.cli.cluster import free_port_block
+from baton.cli.engine_args import engine_config_from_args, engine_flags
+from baton.cli.main import build_parser
+from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
 
@@ -30,19 +33,80 @@ def model_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def mtp_model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-mtp"
+    # A vocabulary of 8 makes the random drafter right often enough that drafts get accepted.
+    baton("make-model", str(out), "--preset", "tiny", "--seed", "3", "--mtp-layers", "1", "--set", "vocab_size=8")
+    return out
+
+
 def test_generate_json_lines_in_input_order_match_the_engine(model_dir):
     prompts = ["1 2 3", "9", " ".join(str(i % 60 + 3) for i in range(40)), "4 5"]
     args = ["generate", "--model", str(model_dir), "--max-tokens", "6", "--json", "--ignore-eos",
-            "--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+            "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--speculative-tokens", "0"]
     for p in prompts:
         args += ["--prompt-ids", p]
-    lines = [json.loads(x) for x in baton(*args).stdout.splitlines()]
+    proc = baton(*args)
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [x["prompt_ids"] for x in lines] == [[int(t) for t in p.split()] for p in prompts]
-    assert all(set(x) == {"prompt_ids", "token_ids", "finish_reason"} for x in lines)
+    assert all(list(x) == ["prompt_ids", "token_ids", "finish_reason", "spec"] for x in lines)
+    # Speculative decoding off: the spec field is there, with zeros; the summary says nothing of MTP.
+    assert all(x["spec"] == {"drafted": 0, "accepted": 0} for x in lines)
+    assert "MTP" not in proc.stderr
     engine = LLMEngine.from_pretrained(model_dir)
     ref = engine.generate([x["prompt_ids"] for x in lines], SamplingParams(max_tokens=6, ignore_eos=True))
     assert [x["token_ids"] for x in lines] == [list(o.token_ids) for o in ref]
     assert all(x["finish_reason"] == "length" for x in lines)
+
+
+def test_generate_speculative_tokens_report_drafts_and_keep_greedy_output(mtp_model_dir):
+    prompts = ["1 2 3", "4", " ".join(str(i % 8) for i in range(21)), "5 6"]
+    args = ["generate", "--model", str(mtp_model_dir), "--max-tokens", "12", "--json", "--ignore-eos",
+            "--speculative-tokens", "2"]
+    for p in prompts:
+        args += ["--prompt-ids", p]
+    proc = baton(*args)
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [x["prompt_ids"] for x in lines] == [[int(t) for t in p.split()] for p in prompts]
+    for x in lines:
+        drafted, accepted = x["spec"]["drafted"], x["spec"]["accepted"]
+        assert 0 < drafted <= 2 * len(x["token_ids"]) and 0 <= accepted <= drafted, x
+    assert sum(x["spec"]["accepted"] for x in lines) > 0
+    assert "drafted" in proc.stderr and "mean acceptance length" in proc.stderr
+    # Greedy verification keeps the output of the engine without speculative decoding, token for token.
+    ref = LLMEngine.from_pretrained(mtp_model_dir, EngineConfig(num_speculative_tokens=0)).generate(
+        [x["prompt_ids"] for x in lines], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [x["token_ids"] for x in lines] == [list(o.token_ids) for o in ref]
+
+
+@pytest.mark.parametrize("k,needle", [("3", "without MTP weights"), ("9", "0..8, got 9")])
+def test_generate_bad_speculative_tokens_is_a_one_line_error(model_dir, k, needle):
+    # model_dir has no MTP weights: K > 0 is refused when the engine is built, K = 9 by the config.
+    proc = baton("generate", "--model", str(model_dir), "--prompt-ids", "1 2", "--speculative-tokens", k, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("baton generate: error: engine field 'num_speculative_tokens'")
+    assert needle in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_speculative_tokens_reach_the_node_processes():
+    # `baton up` / `baton demo` pass engine flags on to the nodes, whose parser must read them back.
+    from baton.node.serve import node_parser
+
+    a = build_parser().parse_args(["up", "--model", "m", "--speculative-tokens", "2", "--block-size", "8"])
+    flags = engine_flags(a)
+    assert flags == ["--block-size", "8", "--speculative-tokens", "2"]
+    for role in ("prefill", "decode"):
+        node = node_parser(role).parse_args(["--model", "m", "--port", "1", *flags])
+        assert engine_config_from_args(node) == EngineConfig(block_size=8, num_speculative_tokens=2)
+    assert engine_config_from_args(build_parser().parse_args(["up", "--model", "m"])).num_speculative_tokens == 0
+
+
+def test_up_refuses_bad_speculative_tokens_before_starting_anything():
+    proc = baton("up", "--model", "m", "--speculative-tokens", "9", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("baton up: error: engine field 'num_speculative_tokens': expected an integer in "
+                                   "0..8, got 9")
 
 
 def test_generate_stops_at_eos(model_dir):

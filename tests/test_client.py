@@ -35,6 +35,11 @@ def fake_tokens(prompt: list[int], n: int) -> list[int]:
     return [(sum(prompt) + 7 * i) % 1000 + 1 for i in range(n)]
 
 
+def fake_spec(n_messages: int, n_tokens: int) -> dict[str, int]:
+    """MTP totals as the fake reports them: 2 drafts per message, each message 1 + accepted tokens."""
+    return {"drafted": 2 * n_messages, "accepted": n_tokens - n_messages}
+
+
 def _prompt_ids(req: pb.GenerateRequest) -> list[int]:
     if req.WhichOneof("prompt") == "text":
         return [ord(c) for c in req.text]
@@ -130,6 +135,8 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
                                       finish_reason=reason)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
                 msg.usage.prompt_tokens, msg.usage.completion_tokens = len(prompt), len(out)
+                spec = fake_spec(sent + 1, len(out))
+                msg.usage.num_drafted_tokens, msg.usage.num_accepted_tokens = spec["drafted"], spec["accepted"]
                 yield msg
                 return
             yield msg
@@ -187,6 +194,8 @@ def test_generate_equals_collected_stream(router):
     assert [ch.finish_reason for ch in chunks] == [None, None, "length"]
     assert (done.request_id, done.finish_reason, done.prompt_token_ids) == ("r1", "length", (1, 2, 3))
     assert (done.prompt_tokens, done.completion_tokens) == (3, 5)
+    # The final Usage's MTP totals: 3 messages (2 + 2 + 1 tokens), 2 drafts each.
+    assert (done.num_drafted_tokens, done.num_accepted_tokens) == (6, 2)
     assert {ch.request_id for ch in chunks} == {"r2"}
 
 
@@ -321,6 +330,7 @@ def test_async_generate_stream_and_unary(router):
             chunks = [ch async for ch in c.stream([1, 2, 3], max_tokens=5)]
             assert done.token_ids == tuple(t for ch in chunks for t in ch.token_ids) == tuple(fake_tokens([1, 2, 3], 5))
             assert (done.finish_reason, chunks[-1].finish_reason, done.completion_tokens) == ("length", "length", 5)
+            assert (done.num_drafted_tokens, done.num_accepted_tokens) == (6, 2)
             assert (await c.health()).decode_workers == 1
             assert (await c.model_info()).layer_pattern == "M*M-"
             assert await c.abort("never-seen") is False
@@ -383,10 +393,13 @@ def test_cli_prints_json_lines_in_input_order(router, capsys):
     assert router.finished_order == [[104, 105], [4], [9, 8, 7]]
     assert router.peak_inflight == 3
     hi = fake_tokens([104, 105], 3)
+    spec = fake_spec(2, 3)  # 2 + 1 tokens in 2 messages
+    assert spec == {"drafted": 4, "accepted": 1}
     assert [json.loads(line) for line in out] == [
-        {"prompt_ids": [9, 8, 7], "token_ids": fake_tokens([9, 8, 7], 3), "finish_reason": "length"},
-        {"prompt": "hi", "token_ids": hi, "text": "".join(f"<{t}>" for t in hi), "finish_reason": "length"},
-        {"prompt_ids": [4], "token_ids": fake_tokens([4], 3), "finish_reason": "length"},
+        {"prompt_ids": [9, 8, 7], "token_ids": fake_tokens([9, 8, 7], 3), "finish_reason": "length", "spec": spec},
+        {"prompt": "hi", "token_ids": hi, "text": "".join(f"<{t}>" for t in hi), "finish_reason": "length",
+         "spec": spec},
+        {"prompt_ids": [4], "token_ids": fake_tokens([4], 3), "finish_reason": "length", "spec": spec},
     ]
     # Exactly the keys and order `baton generate --json` prints.
     assert out[0].startswith('{"prompt_ids": [9, 8, 7], "token_ids": [')

@@ -4,11 +4,16 @@ R6: greedy output through the router equals the offline engine token for token, 
 3, block_size±1, chunk±1 and 300, with 1P1D and 2P1D, all requests in flight at once.
 R7: cancelling a stream mid-way frees every block and slot on both nodes.
 Failure: killing the prefill node mid-request still gets the client a correct answer (local prefill).
+MTP: a cluster started with --speculative-tokens serves `baton client generate` the same greedy tokens, and
+the same draft / acceptance counts as the aggregated engine (R8).
 """
 
 import asyncio
 import contextlib
+import json
 import random
+import subprocess
+import sys
 import time
 
 import grpc
@@ -138,6 +143,34 @@ def test_prefill_node_killed_mid_request_falls_back_to_local_prefill(model, tmp_
         with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
             load = wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)
         assert load.free_kv_blocks == load.total_kv_blocks and load.free_state_slots == load.total_state_slots
+
+
+def test_speculative_decoding_through_the_cli_client_equals_offline(tmp_path):
+    # A vocabulary of 8 makes the random drafter right often enough that drafts get accepted.
+    model = str(make_model(tmp_path / "tiny-mtp", preset="tiny", mtp_layers=1, seed=3,
+                           overrides={"vocab_size": 8}, progress=False, tokenizer=False))
+    prompts = [[(3 * i + n) % 8 for i in range(n)] for n in (1, 2, 3, 4, BLOCK + 1, CHUNK + 1, 70)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=(*ENGINE_ARGS, "--speculative-tokens", "2"),
+                 log_dir=str(tmp_path / "logs")) as cluster:
+        cmd = [sys.executable, "-m", "baton.cli.main", "client", "generate", "--addr", cluster.router_addr, "--json",
+               "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--timeout", "60"]
+        for p in prompts:
+            cmd += ["--prompt-ids", " ".join(map(str, p))]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        free, loads = all_free(cluster)
+        assert free, loads
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [x["prompt_ids"] for x in lines] == prompts
+    # Greedy verification: the tokens of the engine without speculative decoding.
+    assert [x["token_ids"] for x in lines] == offline(model, prompts, params)
+    spec = [(x["spec"]["drafted"], x["spec"]["accepted"]) for x in lines]
+    assert all(d > 0 and 0 <= a <= d for d, a in spec) and sum(a for _, a in spec) > 0
+    # R8: the drafter's KV travelled with the target's, so drafts (and what was accepted) are those of the
+    # aggregated engine.
+    agg = LLMEngine.from_pretrained(model, EngineConfig(**ENGINE, num_speculative_tokens=2)).generate(prompts, params)
+    assert spec == [(o.num_drafted, o.num_accepted) for o in agg]
 
 
 def test_r7_cancels_at_random_moments_leak_nothing(model, tmp_path):

@@ -31,6 +31,11 @@ def expected_tokens(prompt: Sequence[int], n: int = DEFAULT_MAX_TOKENS) -> list[
     return [(sum(prompt) + 7 * i + 3) % VOCAB for i in range(n)]
 
 
+def spec_totals(k: int, n: int) -> tuple[int, int]:
+    """(drafted, accepted) a fake decode worker with `spec_k = k` reports after streaming n tokens."""
+    return k * n, n // 2
+
+
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT_S))
 
@@ -58,6 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.pull_fails = False  # with a handle: answer prefilled_locally=True
         self.load_fails = False
         self.script: list[int] | None = None  # output tokens instead of `expected_tokens`
+        self.spec_k = 0  # > 0: every token message carries MTP totals `spec_totals(spec_k, tokens so far)`
         # What Load reports.
         self.free_state_slots = 8
         self.free_kv_blocks = 100
@@ -120,8 +126,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await context.write(worker_pb2.DecodeResponse(finish_reason=generation_pb2.FINISH_REASON_ABORT))
                     return
                 last = i == len(tokens) - 1
+                drafted, accepted = spec_totals(self.spec_k, i + 1) if self.spec_k else (0, 0)
                 await context.write(worker_pb2.DecodeResponse(
-                    token_ids=[t], finish_reason=generation_pb2.FINISH_REASON_LENGTH if last else 0))
+                    token_ids=[t], finish_reason=generation_pb2.FINISH_REASON_LENGTH if last else 0,
+                    num_drafted_tokens=drafted, num_accepted_tokens=accepted))
         finally:
             self.active.discard(rid)
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from baton.proto.v1 import generation_pb2
-from tests.test_router_fakes import cluster, eventually, expected_tokens, run, tokens_of
+from tests.test_router_fakes import cluster, eventually, expected_tokens, run, spec_totals, tokens_of
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 
@@ -17,6 +17,7 @@ def _check_answer(msgs, prompt, n=16):
     last = msgs[-1]
     assert last.finish_reason == LENGTH and all(m.finish_reason == 0 for m in msgs[:-1])
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), n)
+    assert all(not m.HasField("usage") for m in msgs[:-1])
     assert len({m.request_id for m in msgs}) == 1 and msgs[0].request_id
 
 
@@ -51,6 +52,42 @@ def test_default_threshold_disaggregates_from_two_tokens_and_no_prefill_workers_
         async with cluster(0, 1) as c:
             _check_answer(await c.generate(list(range(30))), list(range(30)))
             assert not c.decode[0].decodes[0].HasField("handle")
+    run(go())
+
+
+async def _read_all(call):
+    while (m := await call.read()) is not grpc.aio.EOF:
+        yield m
+
+
+def test_mtp_totals_of_the_last_decode_message_go_into_usage():
+    async def go():
+        async with cluster(1, 1) as c:
+            prompt = list(range(20, 30))
+            msgs = await c.generate(prompt, max_tokens=7)
+            _check_answer(msgs, prompt, 7)
+            # A decode node without speculative decoding reports zeros.
+            assert (msgs[-1].usage.num_drafted_tokens, msgs[-1].usage.num_accepted_tokens) == (0, 0)
+            c.decode[0].spec_k = 2
+            for p in (prompt, [5]):  # disaggregated, and prefilled on the decode node
+                msgs = await c.generate(p, max_tokens=7)
+                _check_answer(msgs, p, 7)
+                usage = msgs[-1].usage
+                assert (usage.num_drafted_tokens, usage.num_accepted_tokens) == spec_totals(2, 7) == (14, 3)
+            # Aborted mid-stream: the last message's Usage holds the totals of what was streamed.
+            c.decode[0].token_delay_s = 0.05
+            req = generation_pb2.GenerateRequest(request_id="ab", token_ids=generation_pb2.TokenIds(ids=prompt),
+                                                 sampling=generation_pb2.SamplingParams(max_tokens=50))
+            call = c.stub.Generate(req, timeout=10)
+            got = []
+            while len(got) < 3:
+                got += (await call.read()).token_ids
+            assert (await c.stub.Abort(generation_pb2.AbortRequest(request_id="ab"))).found
+            rest = [m async for m in _read_all(call)]
+            n = len(got) + sum(len(m.token_ids) for m in rest)
+            usage = rest[-1].usage
+            assert rest[-1].finish_reason == generation_pb2.FINISH_REASON_ABORT and usage.completion_tokens == n < 50
+            assert (usage.num_drafted_tokens, usage.num_accepted_tokens) == spec_totals(2, n)
     run(go())
 
 

@@ -327,3 +327,48 @@ def test_r3_a_spec_step_reads_the_device_once(spec_model, monkeypatch):
         steps += 1
         assert [(n, f) for n, f, _ in reads] == [("tolist", "spec_runner.py")], reads
     assert steps > 3 and engine.stats.spec_verify_rows > 0
+
+
+def test_r6_seeded_stochastic_spec_decoding_is_the_same_alone_batched_and_disaggregated(spec_model):
+    k = 3
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=6, seed=7, ignore_eos=True)
+    plens = [2, 5, 9, 23]
+    batched = run(new_engine(spec_model, k), [[("local", f"s{n}", prompt_of(n))] for n in plens], params)
+    moved = [[("moved", f"s{n}", prompt_of(n), prefill_elsewhere(spec_model, k, prompt_of(n)))] for n in plens]
+    disagg = run(new_engine(spec_model, k), [[("local", "busy", prompt_of(17, 1))]] + moved, params)
+    for n in plens:
+        alone = run(new_engine(spec_model, k), [[("local", f"s{n}", prompt_of(n))]], params)[f"s{n}"]
+        assert batched[f"s{n}"].token_ids == alone.token_ids == disagg[f"s{n}"].token_ids
+        assert (batched[f"s{n}"].num_drafted, batched[f"s{n}"].num_accepted) == \
+            (disagg[f"s{n}"].num_drafted, disagg[f"s{n}"].num_accepted)
+    assert sum(o.num_accepted for o in batched.values()) > 0
+
+
+@pytest.mark.slow
+def test_stochastic_spec_decoding_samples_the_target_distribution(spec_model):
+    """Temperature 1 with K = 2: the second token (drawn by verifying the MTP drafts, with the residual
+    resample on rejection) follows p(t2 | prompt) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1) exactly."""
+    from tests.test_sampling import CHI2_999, chi_square
+
+    prompt = [1, 2, 3, 4]
+    ref = new_engine(spec_model, 0)
+
+    def next_probs(tokens: list[int]) -> torch.Tensor:
+        rid = ref.add_request(tokens, SamplingParams(max_tokens=1))
+        out = ref.scheduler.schedule()
+        res = ref.runner.execute(out, return_logits=True)
+        ref.scheduler.update(out, res.sampled)
+        ref.runner.remove_request(rid)
+        return res.logits[rid].double().softmax(-1)
+
+    p1 = next_probs(prompt)
+    p2 = sum(p1[a] * next_probs(prompt + [a]) for a in range(8))
+    n = 1000
+    engine = new_engine(spec_model, 2, max_num_seqs=250, max_num_batched_tokens=750, num_kv_blocks=1024)
+    # max_tokens=3: the second token is verified against drafts (none are drafted for the last one).
+    outs = engine.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+                                          for s in range(n)])
+    t2 = torch.tensor([o.token_ids[1] for o in outs])
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted  # both branches of the test were taken
+    stat, dof = chi_square(t2, p2.float())
+    assert stat < CHI2_999[dof], f"chi2={stat:.1f} with {dof} dof, counts {torch.bincount(t2, minlength=8)}"
