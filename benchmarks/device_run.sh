@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels and Baton, run the GPU tests and the benchmarks, print tables.
 # Usage (device tool, carry [".whl"]): bash benchmarks/device_run.sh
+# MTP benchmark only: MTP_ONLY=1 bash benchmarks/device_run.sh, carry [".whl-mtp"], filled here with
+#   pip download safetensors tokenizers tqdm --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 -d .whl-mtp
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+for w in .whl/*.whl .whl-mtp/*.whl; do
+  [ -e "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
+done
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+if [ -n "${MTP_ONLY:-}" ]; then
+  python3 benchmarks/mtp_bench.py --device cuda --out /tmp/mtp-bench --seconds 120 --prompts 8 --max-tokens 64 \
+    --k-max 4 --no-progress 2>&1 | tee "$OUT/mtp.txt" | tail -25
+  exit 0
+fi
 # Only the files with gpu tests: the machine's grpcio may be older than the committed stubs need.
 python3 -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

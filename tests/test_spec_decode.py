@@ -344,7 +344,6 @@ def test_r6_seeded_stochastic_spec_decoding_is_the_same_alone_batched_and_disagg
     assert sum(o.num_accepted for o in batched.values()) > 0
 
 
-@pytest.mark.slow
 def test_stochastic_spec_decoding_samples_the_target_distribution(spec_model):
     """Temperature 1 with K = 2: the second token (drawn by verifying the MTP drafts, with the residual
     resample on rejection) follows p(t2 | prompt) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1) exactly."""
