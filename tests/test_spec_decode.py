@@ -154,7 +154,7 @@ def test_r6_greedy_output_with_k_drafts_equals_k0_with_every_row_type_in_one_bat
         assert out.num_tokens <= 96 and all(r.num_tokens <= CHUNK for r in out.rows if not r.is_decode)
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_r6_r8_disaggregated_drafts_and_accepted_counts_equal_aggregated(spec_model, k):
     """R8: the drafter's KV at 0..N-2 comes from the prefill node. Greedy output alone cannot show a missing
     drafter cache; the drafts and accepted counts of every request can, so they must be identical."""
@@ -183,7 +183,10 @@ def test_r6_r8_disaggregated_drafts_and_accepted_counts_equal_aggregated(spec_mo
         first = dec_log.rows[f"m{n}"][0]
         assert first[:3] == (False, n - 1, (prompt_of(n)[-1],)) and len(first[4]) == k
 
-    # Negative control: without the drafter's KV the drafts change (so the comparison above has power).
+    # Negative control: without the drafter's KV the drafts change (so the comparison above has power). With
+    # K = 1 on this model the single draft happens to survive the missing cache, so check K >= 2.
+    if k < 2:
+        return
     blind = new_engine(spec_model, k)
     blind_log = Log(blind)
     n = max(plens)
