@@ -29,11 +29,11 @@ class ScheduledRow:
     token_ids: tuple[int, ...]    # the tokens fed this step (query)
     num_computed_tokens: int      # context already in the caches before this step
     is_decode: bool               # decode phase (state-update path); False: a prefill chunk
-    # Decode rows: drafts among token_ids (the last token, then num_draft drafts to verify).
     has_initial_state: bool       # False: the Mamba state starts from zeros, the slot is never read
     state_slot: int
     block_ids: tuple[int, ...]    # the request's whole block table after this step's allocation
     sample: bool                  # this step completes the known tokens: sample the next one
+    # Decode rows: token_ids = the last token, then num_draft drafts to verify.
     num_draft: int = 0
     # The known token after this row's last one (a chunk's successor in the prompt), else -1: the MTP
     # drafter reads (h_i, t_{i+1}) at every position.
@@ -94,7 +94,7 @@ class Scheduler:
         longest = min(req.num_tokens + req.sampling.max_tokens, req.max_model_len) + self.num_spec
         if -(-longest // self.block_size) > self.blocks.capacity:
             raise ValueError(f"request length: expected at most {self.blocks.capacity * self.block_size} tokens "
-                             f"(the whole KV pool), got prompt + max_tokens = {longest}")
+                             f"(the whole KV pool), got prompt + max_tokens (+ K drafts) = {longest}")
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
