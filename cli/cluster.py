@@ -1,7 +1,9 @@
 """A local Baton cluster: router + prefill nodes + decode nodes as separate OS processes on this machine.
 
-Used by `baton up`, `baton demo` and the end-to-end tests. Ports: router P, prefill nodes P+1.., decode
-nodes after them; each prefill node's side channel listens on its port + 1000.
+Used by `baton up`, `baton demo` and the end-to-end tests. Ports: router gRPC P and HTTP P+1 (`/metrics`,
+`/health`, `/v1/workers`; another port with `http_port`), prefill nodes P+2.., decode nodes after them;
+each node's HTTP endpoints (`/metrics`, `/health`) listen on its port + 2000 and each prefill node's side
+channel on its port + 1000.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import grpc
 READY_TIMEOUT_S = 180.0
 
 
-def free_port_block(n: int, start: int = 20000, stop: int = 60000) -> int:
-    """A base port P such that P..P+n-1 and P+1000..P+1000+n-1 are all free right now."""
+NODE_SIDE_CHANNEL_OFFSET = 1000
+NODE_HTTP_OFFSET = 2000
+
+
+def free_port_block(n: int, start: int = 20000, stop: int = 57000) -> int:
+    """A base port P such that P..P+n-1, P+1000..P+1000+n-1 and P+2000..P+2000+n-1 are all free right now."""
     for base in range(start + (os.getpid() * 37) % 5000, stop, n + 3):
-        ports = [*range(base, base + n), *range(base + 1000, base + 1000 + n)]
+        ports = [p + off for off in (0, NODE_SIDE_CHANNEL_OFFSET, NODE_HTTP_OFFSET) for p in range(base, base + n)]
         if all(_is_free(p) for p in ports):
             return base
     raise RuntimeError("no free block of ports found")
@@ -45,6 +51,8 @@ class Cluster:
     prefill_workers: int = 1
     decode_workers: int = 1
     port: int | None = None
+    # The router's HTTP port (default port + 1, which no node uses).
+    http_port: int | None = None
     host: str = "127.0.0.1"
     local_prefill_threshold: int = 0
     engine_args: tuple[str, ...] = ()
@@ -57,20 +65,40 @@ class Cluster:
         if self.prefill_workers < 0:
             raise ValueError(f"prefill_workers: expected >= 0, got {self.prefill_workers}")
         if self.port is None:
-            self.port = free_port_block(1 + self.prefill_workers + self.decode_workers)
+            self.port = free_port_block(2 + self.prefill_workers + self.decode_workers)
+        if self.http_port is None:
+            self.http_port = self.port + 1
+        taken = {self.port, *(p + off for p in self.node_ports
+                              for off in (0, NODE_SIDE_CHANNEL_OFFSET, NODE_HTTP_OFFSET))}
+        if self.http_port in taken:
+            raise ValueError(f"http_port: expected a port no process of the cluster uses (router {self.port}, "
+                             f"nodes {self.node_ports} + 0/1000/2000), got {self.http_port}")
 
     @property
     def router_addr(self) -> str:
         return f"{self.host}:{self.port}"
 
     @property
+    def router_http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def node_ports(self) -> list[int]:
+        """gRPC ports of the prefill nodes, then of the decode nodes."""
+        return [self.port + 2 + i for i in range(self.prefill_workers + self.decode_workers)]
+
+    @property
     def prefill_addrs(self) -> list[str]:
-        return [f"{self.host}:{self.port + 1 + i}" for i in range(self.prefill_workers)]
+        return [f"{self.host}:{p}" for p in self.node_ports[:self.prefill_workers]]
 
     @property
     def decode_addrs(self) -> list[str]:
-        base = self.port + 1 + self.prefill_workers
-        return [f"{self.host}:{base + i}" for i in range(self.decode_workers)]
+        return [f"{self.host}:{p}" for p in self.node_ports[self.prefill_workers:]]
+
+    def node_http_url(self, addr: str) -> str:
+        """The HTTP endpoints of the node serving gRPC on `addr`."""
+        host, _, port = addr.rpartition(":")
+        return f"http://{host}:{int(port) + NODE_HTTP_OFFSET}"
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
         out = subprocess.DEVNULL
@@ -83,19 +111,19 @@ class Cluster:
     def start(self, router: bool = True) -> Cluster:
         """Start the nodes, wait until they answer, then (unless router=False) the router."""
         common = ["--model", str(self.model), "--host", self.host, *self.engine_args]
-        for i, addr in enumerate(self.prefill_addrs):
-            self._spawn(f"prefill-{i}", "baton.prefill_node.server",
-                        [*common, "--port", addr.rsplit(":", 1)[1], "--engine-id", f"prefill-{i}"])
-        for i, addr in enumerate(self.decode_addrs):
-            self._spawn(f"decode-{i}", "baton.decode_node.server",
-                        [*common, "--port", addr.rsplit(":", 1)[1], "--engine-id", f"decode-{i}"])
+        for role, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
+            for i, addr in enumerate(addrs):
+                port = int(addr.rsplit(":", 1)[1])
+                self._spawn(f"{role}-{i}", f"baton.{role}_node.server",
+                            [*common, "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET),
+                             "--engine-id", f"{role}-{i}"])
         self._wait_workers()
         if router:
             self._start_router()
         return self
 
     def _start_router(self) -> None:
-        router = ["--host", self.host, "--port", str(self.port),
+        router = ["--host", self.host, "--port", str(self.port), "--http-port", str(self.http_port),
                   "--local-prefill-threshold", str(self.local_prefill_threshold)]
         for a in self.prefill_addrs:
             router += ["--prefill", a]

@@ -15,7 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--port", type=int, default=50051, help="router gRPC port; nodes take the next ones")
+    p.add_argument("--port", type=int, default=50051,
+                   help="router gRPC port P; nodes take P+2.. (their HTTP endpoints port + 2000)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="router HTTP port (/metrics, /health, /v1/workers; default P+1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens (and always 1) are prefilled on the decode node")
@@ -26,14 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
-                      host=a.host, local_prefill_threshold=a.local_prefill_threshold,
+                      http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                       engine_args=tuple(engine_flags(a)), log_dir=a.log_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     cluster.start()
-    print(f"baton up: router on {cluster.router_addr}; prefill {cluster.prefill_addrs}; "
-          f"decode {cluster.decode_addrs}. Ctrl-C stops.", flush=True)
+    print(f"baton up: router on {cluster.router_addr} (metrics {cluster.router_http_url}/metrics); "
+          f"prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}. Ctrl-C stops.", flush=True)
     try:
         while not stop.wait(0.5):
             dead = [n for n, p in cluster.procs.items() if p.poll() is not None]

@@ -1,7 +1,7 @@
 """`python -m baton.decode_node.server --model DIR --port P`: a decode node process.
 
 Loads the engine, registers its cache pools with NIXL once (it READs into them), and serves the Worker
-gRPC service on P.
+gRPC service on P, and /metrics and /health over HTTP (port P+2000 unless --http-port).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from baton.decode_node.puller import Puller
 from baton.decode_node.service import DecodeService
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
-from baton.node.serve import default_engine_id, node_parser, run
+from baton.node.metrics import NodeMetrics, start_node_http
+from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import TransferAgent
 
@@ -34,16 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
     service = DecodeService(thread, puller, engine_id, str(a.model), has_tokenizer)
+    metrics = NodeMetrics("decode", engine_id, agent.stats, fallbacks=lambda: puller.num_fallbacks)
+    thread.step_hooks.append(metrics.on_step)
+    http = start_node_http(metrics, thread, a.host, http_port_of(a))
+    service.http_port = http.port
 
     async def start() -> grpc.aio.Server:
         server = grpc.aio.server()
         wk_grpc.add_WorkerServicer_to_server(service, server)
         server.add_insecure_port(f"{a.host}:{a.port}")
         await server.start()
-        print(f"decode node {engine_id} serving on {a.host}:{a.port}", flush=True)
+        metrics.ready = True
+        print(f"decode node {engine_id} serving on {a.host}:{a.port} (http {http.port})", flush=True)
         return server
 
     def shutdown() -> None:
+        metrics.ready = False
+        http.close()
         thread.stop()
         puller.close()
         agent.close()

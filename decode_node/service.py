@@ -32,6 +32,8 @@ class DecodeService(wk_grpc.WorkerServicer):
         self.engine_id = engine_id
         self.model = model
         self.has_tokenizer = has_tokenizer
+        # Reported in Info, so that the router can list this node's metrics URL (0: no HTTP endpoints).
+        self.http_port = 0
 
     async def Decode(self, request: wk.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[wk.DecodeResponse]:
@@ -104,4 +106,4 @@ class DecodeService(wk_grpc.WorkerServicer):
 
     async def Info(self, request, context) -> wk.InfoResponse:
         return await in_engine(self.thread, lambda e: info_response(e, ROLE, self.engine_id, self.model,
-                                                                    self.has_tokenizer))
+                                                                    self.has_tokenizer, self.http_port))

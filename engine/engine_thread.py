@@ -38,6 +38,10 @@ class EngineThread:
         self._stop.set()
         self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        """Started, not stopped, and its loop has not died."""
+        return self._thread.is_alive() and self.error is None
+
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread before its next step."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()

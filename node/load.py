@@ -24,7 +24,8 @@ def model_info(engine: LLMEngine, model: str, has_tokenizer: bool) -> gen.ModelI
                                  eos_token_ids=list(cfg.eos_token_ids))
 
 
-def info_response(engine: LLMEngine, role: str, engine_id: str, model: str, has_tokenizer: bool) -> wk.InfoResponse:
+def info_response(engine: LLMEngine, role: str, engine_id: str, model: str, has_tokenizer: bool,
+                  http_port: int = 0) -> wk.InfoResponse:
     return wk.InfoResponse(role=role, engine_id=engine_id, model=model_info(engine, model, has_tokenizer),
                            block_size=engine.config.block_size,
-                           max_num_batched_tokens=engine.config.max_num_batched_tokens)
+                           max_num_batched_tokens=engine.config.max_num_batched_tokens, http_port=http_port)

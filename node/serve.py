@@ -13,6 +13,8 @@ import grpc
 from baton.cli.engine_args import add_engine_args
 
 GRACE_S = 5.0
+# A node's default HTTP port is its gRPC port + this; side channels use + 1000 (cli/cluster.py lays them out).
+HTTP_PORT_OFFSET = 2000
 
 
 def node_parser(role: str) -> argparse.ArgumentParser:
@@ -20,9 +22,18 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF NemotronH checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="gRPC port of the Worker service")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="port of /metrics and /health (default: --port + 2000; 0: any free port)")
     p.add_argument("--engine-id", default=None, help=f"unique id of this node (default {role}-HOST-PORT)")
     add_engine_args(p)
     return p
+
+
+def http_port_of(a: argparse.Namespace) -> int:
+    """--http-port, else the gRPC port + 2000 (any free port when that is past 65535 or --port is 0)."""
+    if a.http_port is not None:
+        return a.http_port
+    return a.port + HTTP_PORT_OFFSET if 0 < a.port + HTTP_PORT_OFFSET <= 65535 and a.port else 0
 
 
 def default_engine_id(role: str, host: str, port: int) -> str:

@@ -1,7 +1,8 @@
 """`python -m baton.prefill_node.server --model DIR --port P`: a prefill node process.
 
 Loads the engine, registers its cache pools with NIXL once, serves `AgentMetadata` and lease renewals on
-a side channel (port P+1000 unless --side-channel-port), and the Worker gRPC service on P.
+a side channel (port P+1000 unless --side-channel-port), the Worker gRPC service on P, and /metrics and
+/health over HTTP (port P+2000 unless --http-port).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import grpc
 from baton.cli.engine_args import engine_config_from_args
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
-from baton.node.serve import default_engine_id, node_parser, run
+from baton.node.metrics import NodeMetrics, start_node_http
+from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.prefill_node.service import PrefillService
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import TransferAgent
@@ -43,17 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     thread = EngineThread(engine, name="baton-prefill-engine").start()
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
     service = PrefillService(thread, held, side.address, str(a.model), has_tokenizer)
+    metrics = NodeMetrics("prefill", engine_id, agent.stats, held_leases=lambda: len(held.leases))
+    thread.step_hooks.append(metrics.on_step)
+    http = start_node_http(metrics, thread, a.host, http_port_of(a))
+    service.http_port = http.port
 
     async def start() -> grpc.aio.Server:
         server = grpc.aio.server()
         wk_grpc.add_WorkerServicer_to_server(service, server)
         server.add_insecure_port(f"{a.host}:{a.port}")
         await server.start()
-        print(f"prefill node {engine_id} serving on {a.host}:{a.port} (side channel {side.address[1]})",
-              flush=True)
+        metrics.ready = True
+        print(f"prefill node {engine_id} serving on {a.host}:{a.port} (side channel {side.address[1]}, "
+              f"http {http.port})", flush=True)
         return server
 
     def shutdown() -> None:
+        metrics.ready = False
+        http.close()
         thread.stop()
         side.close()
         agent.close()

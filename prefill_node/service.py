@@ -32,6 +32,8 @@ class PrefillService(wk_grpc.WorkerServicer):
         self.side_channel = side_channel
         self.model = model
         self.has_tokenizer = has_tokenizer
+        # Reported in Info, so that the router can list this node's metrics URL (0: no HTTP endpoints).
+        self.http_port = 0
         # Lease bookkeeping (notifications, expiry) runs on the engine thread, which owns the pools.
         thread.step_hooks.append(lambda engine: held.poll())
 
@@ -92,7 +94,7 @@ class PrefillService(wk_grpc.WorkerServicer):
 
     async def Info(self, request, context) -> wk.InfoResponse:
         return await in_engine(self.thread, lambda e: info_response(e, ROLE, self.held.agent.engine_id, self.model,
-                                                                    self.has_tokenizer))
+                                                                    self.has_tokenizer, self.http_port))
 
 
 def handle_to_proto(h: TransferHandle, host: str, port: int) -> wk.TransferHandle:

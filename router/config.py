@@ -1,4 +1,4 @@
-"""Router configuration: worker addresses, conditional disaggregation, polling and deadlines."""
+"""Router configuration: worker addresses and discovery, conditional disaggregation, polling and deadlines."""
 
 from __future__ import annotations
 
@@ -11,18 +11,27 @@ def _bad(field_name: str, expected: str, got: Any) -> ValueError:
     return ValueError(f"RouterConfig.{field_name}: expected {expected}, got {got!r}")
 
 
-def _check_addrs(field_name: str, addrs: Any, at_least: int) -> tuple[str, ...]:
+def _is_host_port(a: Any) -> bool:
+    host, sep, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _check_addrs(field_name: str, addrs: Any, at_least: int, alternative: str = "") -> tuple[str, ...]:
     if not isinstance(addrs, list | tuple):
         raise _bad(field_name, "a tuple of 'HOST:PORT' strings", addrs)
     for a in addrs:
-        host, sep, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not _is_host_port(a):
             raise _bad(field_name, "addresses of the form 'HOST:PORT' with PORT in [1, 65535]", a)
     if len(set(addrs)) != len(addrs):
         raise _bad(field_name, "distinct addresses", addrs)
     if len(addrs) < at_least:
-        raise _bad(field_name, f"at least {at_least} address(es)", addrs)
+        raise _bad(field_name, f"at least {at_least} address(es){alternative}", addrs)
     return tuple(addrs)
+
+
+def _check_dns(field_name: str, target: Any) -> None:
+    if target is not None and not _is_host_port(target):
+        raise _bad(field_name, "None or 'NAME:PORT' with PORT in [1, 65535]", target)
 
 
 def _check_seconds(cfg: RouterConfig, field_name: str) -> None:
@@ -34,8 +43,9 @@ def _check_seconds(cfg: RouterConfig, field_name: str) -> None:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    prefill_addrs: tuple[str, ...]
-    decode_addrs: tuple[str, ...]
+    # Static workers. Either role may also (or only) be discovered through DNS, below.
+    prefill_addrs: tuple[str, ...] = ()
+    decode_addrs: tuple[str, ...] = ()
     # Prompts of length <= threshold go straight to decode, which prefills them locally: for short prompts
     # a transfer costs more than recomputing. Length 1 always does (there are no N-1 tokens to prefill).
     local_prefill_threshold: int = 0
@@ -47,16 +57,31 @@ class RouterConfig:
     # Load, Info and Abort: small RPCs that a healthy node answers at once.
     control_timeout_s: float = 5.0
     tokenizer_path: str | None = None
+    # 'NAME:PORT' of a headless Service: every A/AAAA record of NAME is one worker listening on PORT. The
+    # name is resolved again every `dns_refresh_s`, so workers joining or leaving are picked up while running.
+    prefill_dns: str | None = None
+    decode_dns: str | None = None
+    dns_refresh_s: float = 5.0
+    # Consecutive failed Load polls that take a worker out of rotation (one successful poll puts it back).
+    # A request that finds a worker UNAVAILABLE takes it out at once.
+    unhealthy_after: int = 2
 
     def __post_init__(self) -> None:
         # Normalise through object.__setattr__ so lists given by callers still make a hashable config.
         object.__setattr__(self, "prefill_addrs", _check_addrs("prefill_addrs", self.prefill_addrs, 0))
-        object.__setattr__(self, "decode_addrs", _check_addrs("decode_addrs", self.decode_addrs, 1))
+        _check_dns("prefill_dns", self.prefill_dns)
+        _check_dns("decode_dns", self.decode_dns)
+        object.__setattr__(self, "decode_addrs", _check_addrs("decode_addrs", self.decode_addrs,
+                                                              0 if self.decode_dns else 1, " or decode_dns"))
         t = self.local_prefill_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise _bad("local_prefill_threshold", "an integer >= 0", t)
-        for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s"):
+        for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s",
+                     "dns_refresh_s"):
             _check_seconds(self, name)
+        n = self.unhealthy_after
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _bad("unhealthy_after", "an integer >= 1", n)
         p = self.tokenizer_path
         if p is not None and (not isinstance(p, str) or not p):
             raise _bad("tokenizer_path", "None or a non-empty path", p)

@@ -103,6 +103,7 @@ class Flow:
             worker = self.prefill_pool.pick(exclude=tried)
             if worker is None:
                 break
+            state.prefill_retries += bool(tried)
             tried.append(worker)
             handle = await self._prefill_on(state, worker, req, client_timeout)
             if handle is not None:
@@ -167,8 +168,10 @@ class Flow:
                                       f"{failure}; the retry failed too: {e}") from None
                 failure = str(e)
                 log.warning("request %s: %s; retrying on another decode worker", state.request_id, failure)
+                state.decode_retries += 1
                 if prefill_worker is not None:
                     self.release(state, prefill_worker)
+                    state.route = "fallback"
                 handle = prefill_worker = None
 
     async def _decode_on(self, state: InFlight, worker: Worker, req: ValidatedRequest,
@@ -194,6 +197,7 @@ class Flow:
                     if resp.prefilled_locally:
                         # The pull failed and the node recomputed: the prefill lease is no longer needed.
                         self.release(state, prefill_worker)
+                        state.route = "fallback"
                     else:
                         state.live.discard(prefill_worker)
                 if resp.token_ids or resp.finish_reason != _UNSPECIFIED:

@@ -26,6 +26,11 @@ class InFlight:
     # MTP totals as the decode worker last reported them (each DecodeResponse carries the totals so far).
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
+    # For metrics: how the prompt was prefilled (router/metrics.py DECISIONS; "" until decided) and how
+    # many worker calls were retried on another worker.
+    route: str = ""
+    prefill_retries: int = 0
+    decode_retries: int = 0
 
     def abort(self) -> None:
         self.aborted = True

@@ -16,7 +16,9 @@ import grpc
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from baton.proto.v1 import generation_pb2_grpc
 from baton.router.config import RouterConfig
+from baton.router.discovery import add_discovery_args, discovery_from_args
 from baton.router.flow import Flow
+from baton.router.http import HttpServer, health_route, json_response, metrics_route
 from baton.router.policy import Role
 from baton.router.service import GenerationService
 from baton.router.workers import WorkerPool
@@ -35,6 +37,8 @@ class Router:
     port: int
     service: GenerationService
     cleanup: asyncio.Task[None]
+    # /metrics, /health, /v1/workers (None when started without an HTTP port); closed by the clean-up.
+    http: HttpServer | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stops serving (in-flight requests get `grace` seconds), then waits for the clean-up."""
@@ -55,24 +59,36 @@ def router_tokenizer(path: str) -> TextTokenizer:
     return tok
 
 
-async def _close_when_stopped(server: grpc.aio.Server, service: GenerationService) -> None:
+async def _close_when_stopped(server: grpc.aio.Server, service: GenerationService,
+                              http: HttpServer | None = None) -> None:
     # grpc.aio.Server has no stop hook: this task waits for termination, then lets the Abort RPCs of the
     # requests that were cancelled by the shutdown finish before the worker channels close.
     await server.wait_for_termination()
+    if http is not None:
+        await asyncio.to_thread(http.close)
     # The stop cancelled the remaining Generate calls; their clean-up starts the Abort RPCs.
     await service.wait_idle(service.flow.config.control_timeout_s)
     await service.flow.drain()
     await asyncio.gather(service.prefill_pool.close(), service.decode_pool.close())
 
 
-async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1") -> Router:
+def http_routes(service: GenerationService) -> dict:
+    def detail() -> dict:
+        h = service.health()
+        return {"prefill_workers": h.prefill_workers, "decode_workers": h.decode_workers}
+
+    return {"/metrics": metrics_route(service.metrics.registry),
+            "/health": health_route(lambda: service.health().ok, detail),
+            "/v1/workers": lambda: json_response(service.workers())}
+
+
+async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1",
+                       http_port: int | None = None) -> Router:
     """Polls every worker once, then starts serving. The router starts even if no worker answers yet:
-    nodes may come up after it; Health says when it can serve."""
+    nodes may come up after it; Health says when it can serve. With `http_port` (0: any free port) it also
+    serves /metrics, /health and /v1/workers over HTTP."""
     tokenizer = router_tokenizer(config.tokenizer_path) if config.tokenizer_path else None
-    prefill = WorkerPool(Role.PREFILL, config.prefill_addrs, poll_interval_s=config.load_poll_interval_s,
-                         control_timeout_s=config.control_timeout_s)
-    decode = WorkerPool(Role.DECODE, config.decode_addrs, poll_interval_s=config.load_poll_interval_s,
-                        control_timeout_s=config.control_timeout_s)
+    prefill, decode = WorkerPool.from_config(config, Role.PREFILL), WorkerPool.from_config(config, Role.DECODE)
     await asyncio.gather(prefill.start(), decode.start())
     service = GenerationService(Flow(config, prefill, decode), tokenizer)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -82,13 +98,20 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     except RuntimeError as e:
         await asyncio.gather(prefill.close(), decode.close())
         raise OSError(f"router: cannot listen on {host}:{port}: {e}") from e
+    http = None
+    if http_port is not None:
+        try:
+            http = HttpServer(http_routes(service), host, http_port, name="baton-router-http")
+        except OSError:
+            await asyncio.gather(prefill.close(), decode.close())
+            raise
     await server.start()
-    task = asyncio.create_task(_close_when_stopped(server, service), name="baton-router-cleanup")
+    task = asyncio.create_task(_close_when_stopped(server, service, http), name="baton-router-cleanup")
     _cleanup_tasks.add(task)
     task.add_done_callback(_cleanup_tasks.discard)
     log.info("router listening on %s:%d (%d prefill, %d decode workers)", host, bound,
-             len(config.prefill_addrs), len(config.decode_addrs))
-    return Router(server, bound, service, task)
+             len(prefill.workers), len(decode.workers))
+    return Router(server, bound, service, task, http)
 
 
 async def serve(config: RouterConfig, port: int, host: str = "127.0.0.1") -> grpc.aio.Server:
@@ -101,10 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m baton.router.server", description="Baton's router")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="port of /metrics, /health and /v1/workers (default: --port + 1; 0: any free port)")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                    help="prefill workers (none: every prompt is prefilled on the decode node)")
-    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="HOST:PORT",
-                   help="decode workers (at least one)")
+    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="HOST:PORT",
+                   help="decode workers (at least one, unless --decode-dns is given)")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens are prefilled on the decode node")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a model directory holding one")
@@ -113,13 +138,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-idle-timeout", type=float, default=120.0,
                    help="longest silence (s) tolerated on a Decode stream")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
+    add_discovery_args(p)
     return p
 
 
-async def _run(config: RouterConfig, port: int, host: str, grace: float) -> None:
-    router = await start_router(config, port, host)
+async def _run(config: RouterConfig, port: int, host: str, grace: float, http_port: int | None) -> None:
+    # --port 0 (any free port) has no "next" port: then HTTP takes any free port too.
+    if http_port is None:
+        http_port = port + 1 if port else 0
+    router = await start_router(config, port, host, http_port)
     # Parent processes (`baton up`) wait for this line to know the router is listening.
-    print(f"baton router listening on {host}:{router.port}", flush=True)
+    print(f"baton router listening on {host}:{router.port} (http {router.http.port})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,12 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = RouterConfig(prefill_addrs=tuple(a.prefill), decode_addrs=tuple(a.decode),
                               local_prefill_threshold=a.local_prefill_threshold, tokenizer_path=a.tokenizer,
                               load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
-                              decode_idle_timeout_s=a.decode_idle_timeout)
+                              decode_idle_timeout_s=a.decode_idle_timeout,
+                              **discovery_from_args(a))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run(config, a.port, a.host, a.grace))
+        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

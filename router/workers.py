@@ -1,4 +1,4 @@
-"""A pool of workers of one role: channels, stubs, health from periodic `Load` polls, load tracking."""
+"""A pool of workers of one role: discovery, channels, stubs, health from periodic `Load` polls, load tracking."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import contextlib
 import logging
 import random
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import grpc
 
 from baton.proto.v1 import worker_pb2, worker_pb2_grpc
+from baton.router.config import RouterConfig
+from baton.router.discovery import Discovery, StaticDiscovery, UnionDiscovery, discovery_for
 from baton.router.load_tracker import LoadSnapshot, LoadTracker
 from baton.router.policy import Role, pick
 
@@ -42,41 +45,151 @@ class Worker:
         self.tracker = LoadTracker(role)
         self.healthy = False
         self.info: worker_pb2.InfoResponse | None = None
+        # Load polls that failed in a row (reset by a successful one).
+        self.failed_polls = 0
+        # No longer discovered: gets no new requests; its channel closes once its requests have ended.
+        self.retired = False
+        self.closed = False
 
     def __repr__(self) -> str:
         return f"{self.role.value} worker {self.addr}"
 
 
 class WorkerPool:
-    def __init__(self, role: Role, addrs: Sequence[str], *, poll_interval_s: float = 0.5,
-                 control_timeout_s: float = 5.0, rng: random.Random | None = None) -> None:
+    """The workers of one role. Which addresses it holds comes from its `Discovery` (static addresses by
+    default), asked at start and then every `discovery.refresh_s` seconds; the policy only ever sees the
+    workers currently discovered, and of those only the healthy ones."""
+
+    def __init__(self, role: Role, addrs: Sequence[str] = (), *, discovery: Discovery | None = None,
+                 poll_interval_s: float = 0.5, control_timeout_s: float = 5.0, unhealthy_after: int = 1,
+                 rng: random.Random | None = None) -> None:
         self.role = role
-        self.workers = tuple(Worker(i, a, role) for i, a in enumerate(addrs))
+        if discovery is None:
+            discovery = StaticDiscovery(addrs)
+        elif addrs:
+            discovery = UnionDiscovery((StaticDiscovery(addrs), discovery))
+        self.discovery = discovery
         self.poll_interval_s = poll_interval_s
         self.control_timeout_s = control_timeout_s
+        self.unhealthy_after = unhealthy_after
         self._rng = rng or random.Random()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._active: dict[str, Worker] = {}
+        # A fresh tuple on every change, never mutated: threads (the HTTP front) may read it while it changes.
+        self._workers: tuple[Worker, ...] = ()
+        self._retiring: dict[Worker, asyncio.Task[None]] = {}
+        self._polls: dict[Worker, asyncio.Task[None]] = {}
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._started = False
+        self._next_index = 0
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, role: Role, **kw: Any) -> WorkerPool:
+        return cls(role, discovery=discovery_for(config, role), poll_interval_s=config.load_poll_interval_s,
+                   control_timeout_s=config.control_timeout_s, unhealthy_after=config.unhealthy_after, **kw)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        """The workers currently discovered (healthy or not); retiring ones are not among them."""
+        return self._workers
 
     async def start(self) -> None:
-        """Polls every worker once (so the first requests see real health), then keeps polling."""
+        """Discovers and polls every worker once (so the first requests see real health), then keeps
+        polling and, for a discovery that changes, discovering."""
+        await self.refresh()
         await self.poll_once()
+        self._started = True
         # One loop per worker: a worker that hangs until the control timeout delays only its own polls.
-        self._tasks = [asyncio.create_task(self._poll_forever(w), name=f"baton-router-poll-{w.addr}")
-                       for w in self.workers]
+        for w in self._active.values():
+            self._start_polling(w, first_poll=False)
+        if self.discovery.refresh_s is not None:
+            self._refresh_task = asyncio.create_task(self._refresh_forever(), name=f"baton-router-discovery-{self.role}")
 
     async def close(self) -> None:
-        for t in self._tasks:
+        # Snapshot first: a cancelled retire task drops its worker from `_retiring` when it ends.
+        to_close = [*self._active.values(), *self._retiring]
+        tasks = [*self._polls.values(), *self._retiring.values()]
+        if self._refresh_task is not None:
+            tasks.append(self._refresh_task)
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        self._tasks = []
-        await asyncio.gather(*(w.channel.close() for w in self.workers))
+        self._active, self._workers = {}, ()
+        self._polls, self._retiring, self._refresh_task, self._started = {}, {}, None, False
+        for w in to_close:
+            w.closed = True
+        # Closing twice is harmless: a retiring worker's own close may have been cancelled above.
+        await asyncio.gather(*(w.channel.close() for w in to_close))
+
+    # ---- discovery ------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Asks the discovery once and applies its answer; a failed lookup keeps the current workers."""
+        try:
+            addrs = await self.discovery.addresses()
+        except Exception as e:  # noqa: BLE001 - any failure of a lookup must leave the pool as it is
+            log.warning("%s worker discovery (%s) failed, keeping %d worker(s): %s: %s", self.role.value,
+                        self.discovery.describe(), len(self._active), type(e).__name__, e)
+            return
+        self.set_addresses(addrs)
+
+    async def _refresh_forever(self) -> None:
+        assert self.discovery.refresh_s is not None
+        while True:
+            await asyncio.sleep(self.discovery.refresh_s)
+            await self.refresh()
+
+    def set_addresses(self, addrs: Collection[str]) -> None:
+        """Makes the pool hold exactly `addrs`: new ones get a channel and are polled at once (they take
+        requests after their first successful poll); gone ones get no new request, and their channels close
+        once the requests they serve have ended."""
+        for addr in [a for a in self._active if a not in addrs]:
+            self._retire(self._active.pop(addr))
+        for addr in sorted(a for a in addrs if a not in self._active):
+            revived = next((w for w in self._retiring if w.addr == addr and not w.closed), None)
+            if revived is not None:
+                self._retiring.pop(revived).cancel()
+                revived.retired = False
+                w = revived
+                log.info("%r is discovered again", w)
+            else:
+                w = Worker(self._next_index, addr, self.role)
+                self._next_index += 1
+                log.info("%r discovered", w)
+            self._active[addr] = w
+            if self._started:
+                self._start_polling(w, first_poll=True)
+        self._workers = tuple(self._active.values())
+
+    def _retire(self, w: Worker) -> None:
+        w.retired = True
+        task = self._polls.pop(w, None)
+        if task is not None:
+            task.cancel()
+        log.info("%r is no longer discovered: out of rotation; %d request(s) in flight there finish first",
+                 w, w.tracker.in_flight)
+        task = asyncio.create_task(self._close_when_idle(w), name=f"baton-router-retire-{w.addr}")
+        self._retiring[w] = task
+        task.add_done_callback(lambda t: self._retiring.pop(w) if self._retiring.get(w) is t else None)
+
+    async def _close_when_idle(self, w: Worker) -> None:
+        while w.tracker.in_flight:
+            await asyncio.sleep(min(self.poll_interval_s, 0.1))
+        # From here on, Aborts for it are skipped (pool.abort); RPCs already running get the grace period.
+        w.closed = True
+        log.info("%r closed", w)
+        await w.channel.close(grace=self.control_timeout_s)
+
+    # ---- health ---------------------------------------------------------------------------------
+    def _start_polling(self, w: Worker, first_poll: bool) -> None:
+        self._polls[w] = asyncio.create_task(self._poll_forever(w, first_poll), name=f"baton-router-poll-{w.addr}")
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
-    async def _poll_forever(self, w: Worker) -> None:
+    async def _poll_forever(self, w: Worker, first_poll: bool) -> None:
+        if first_poll:
+            await self._poll(w)
         while True:
             await asyncio.sleep(self.poll_interval_s)
             await self._poll(w)
@@ -90,17 +203,26 @@ class WorkerPool:
                 w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.control_timeout_s)
                 w.tracker.block_size = w.info.block_size
         except grpc.aio.AioRpcError as e:
-            self.mark_unhealthy(w, f"{e.code().name}: {e.details()}")
+            self._poll_failed(w, f"{e.code().name}: {e.details()}")
             return
         # A node started with the wrong role would fail every request sent to it: keep it out.
         if load.role and load.role != self.role.value:
             self.mark_unhealthy(w, f"it reports role {load.role!r}")
             return
+        w.failed_polls = 0
         w.tracker.end_poll(epoch, LoadSnapshot(load.outstanding_prefill_tokens, load.free_state_slots,
                                                load.free_kv_blocks))
         if not w.healthy:
             log.info("%r is healthy", w)
             w.healthy = True
+
+    def _poll_failed(self, w: Worker, reason: str) -> None:
+        w.failed_polls += 1
+        if w.failed_polls >= self.unhealthy_after:
+            self.mark_unhealthy(w, f"{reason} ({w.failed_polls} failed Load poll(s) in a row)")
+        elif w.healthy:
+            log.info("%r: Load poll failed (%d of %d before it leaves rotation): %s", w, w.failed_polls,
+                     self.unhealthy_after, reason)
 
     def mark_unhealthy(self, w: Worker, reason: str) -> None:
         """Takes `w` out of rotation until it answers a poll again."""
@@ -109,12 +231,13 @@ class WorkerPool:
         w.healthy = False
 
     def healthy_count(self) -> int:
-        return sum(w.healthy for w in self.workers)
+        return sum(w.healthy for w in self._workers)
 
     def pick(self, exclude: Collection[Worker] = ()) -> Worker | None:
-        loads = [w.tracker.load(w.healthy) for w in self.workers]
-        i = pick(loads, self._rng, self.role, exclude={w.index for w in exclude})
-        return None if i is None else self.workers[i]
+        workers = self.workers
+        loads = [w.tracker.load(w.healthy) for w in workers]
+        i = pick(loads, self._rng, self.role, exclude={j for j, w in enumerate(workers) if w in exclude})
+        return None if i is None else workers[i]
 
     def model_info(self) -> worker_pb2.InfoResponse | None:
         """The Info of a healthy worker, else the last one any worker gave, else None."""
@@ -126,6 +249,9 @@ class WorkerPool:
 
     async def abort(self, w: Worker, request_id: str) -> bool:
         """Best effort: a worker that cannot be reached holds nothing we can free from here."""
+        if w.closed:
+            log.info("abort of %s on %r skipped: it is no longer discovered", request_id, w)
+            return False
         try:
             resp = await w.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id),
                                       timeout=self.control_timeout_s)

@@ -147,7 +147,7 @@ def test_demo_streams_through_the_disaggregated_path(model_dir):
 
 
 def test_up_serves_until_interrupted_then_stops_every_process(model_dir):
-    port = free_port_block(3)
+    port = free_port_block(4)  # router gRPC + HTTP, one prefill and one decode node
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--model", str(model_dir), "--port",
                              str(port), "--num-kv-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -155,7 +155,7 @@ def test_up_serves_until_interrupted_then_stops_every_process(model_dir):
         line = proc.stdout.readline()
         while line and "Ctrl-C stops" not in line:
             line = proc.stdout.readline()
-        assert f"router on 127.0.0.1:{port}" in line
+        assert f"router on 127.0.0.1:{port} (metrics http://127.0.0.1:{port + 1}/metrics)" in line
         out = json.loads(baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
                                "--max-tokens", "3", "--ignore-eos", "--json").stdout)
         assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
@@ -165,6 +165,7 @@ def test_up_serves_until_interrupted_then_stops_every_process(model_dir):
     assert proc.returncode == 0 and "baton up: stopped" in rest
     time.sleep(0.5)
     # Nothing of the cluster is left listening (a connect is refused; TIME_WAIT pairs may linger).
-    for p in (port, port + 1, port + 2):
+    # Router gRPC and HTTP, the nodes' gRPC, and the nodes' HTTP endpoints (port + 2000).
+    for p in (port, port + 1, port + 2, port + 3, port + 2002, port + 2003):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", p), timeout=2).close()

@@ -114,15 +114,17 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("role", "engine_id", "model", "block_size", "max_num_batched_tokens")
+    __slots__ = ("role", "engine_id", "model", "block_size", "max_num_batched_tokens", "http_port")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     role: str
     engine_id: str
     model: _generation_pb2.ModelInfoResponse
     block_size: int
     max_num_batched_tokens: int
-    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[_Union[_generation_pb2.ModelInfoResponse, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    http_port: int
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., model: _Optional[_Union[_generation_pb2.ModelInfoResponse, _Mapping]] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., http_port: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""The router's Prometheus metrics (names `baton_router_*`), on a registry of its own per router, so that
+several routers in one process (tests) never share or collide. README.md "Metrics" lists them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Outcomes of a Generate call.
+OK, ERROR, ABORTED, CANCELLED, INVALID = "ok", "error", "aborted", "cancelled", "invalid"
+OUTCOMES = (OK, ERROR, ABORTED, CANCELLED, INVALID)
+# How a request's prompt was prefilled.
+DISAGGREGATED, LOCAL_PREFILL, FALLBACK = "disaggregated", "local_prefill", "fallback"
+DECISIONS = (DISAGGREGATED, LOCAL_PREFILL, FALLBACK)
+STAGES = ("prefill", "decode")
+
+# Seconds: from sub-millisecond (small models, ITL) to minutes (long prompts queued behind others).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("baton_router_requests", "Generate calls by outcome: ok (finished), error, "
+                                "aborted (Generation.Abort), cancelled (client gone / deadline / shutdown), "
+                                "invalid (rejected by validation)", ["outcome"], registry=r)
+        self.in_flight = Gauge("baton_router_in_flight_requests", "Generate calls in flight", registry=r)
+        self.ttft = Histogram("baton_router_time_to_first_token_seconds",
+                              "From the Generate call to its first token sent", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton_router_inter_token_latency_seconds",
+                             "Time between output tokens (a message of k tokens counts its gap / k, k times)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("baton_router_e2e_request_latency_seconds",
+                             "From the Generate call to its last message, requests that finished (outcome ok)",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("baton_router_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("baton_router_generation_tokens", "Output tokens sent to clients",
+                                         registry=r)
+        self.decisions = Counter("baton_router_routing_decisions", "How prompts were prefilled: disaggregated "
+                                 "(prefill node + transfer), local_prefill (short prompt, on the decode node), "
+                                 "fallback (prefill or pull failed; the decode node prefilled)", ["decision"],
+                                 registry=r)
+        self.retries = Counter("baton_router_retries", "Worker calls retried on another worker, by stage",
+                               ["stage"], registry=r)
+        self.spec_drafted = Counter("baton_router_spec_drafted_tokens",
+                                    "MTP draft tokens verified for requests that ended (final Usage)", registry=r)
+        self.spec_accepted = Counter("baton_router_spec_accepted_tokens",
+                                     "MTP draft tokens accepted for requests that ended (final Usage)", registry=r)
+        self.healthy_workers = Gauge("baton_router_healthy_workers", "Workers in rotation, by role", ["role"],
+                                     registry=r)
+        # Every label value is exported from the start (at 0), so that rates and dashboards need no traffic.
+        for o in OUTCOMES:
+            self.requests.labels(outcome=o)
+        for d in DECISIONS:
+            self.decisions.labels(decision=d)
+        for s in STAGES:
+            self.retries.labels(stage=s)
+
+    def watch_workers(self, role: str, healthy_count: Callable[[], int]) -> None:
+        """Read `healthy_count()` at every scrape."""
+        self.healthy_workers.labels(role=role).set_function(healthy_count)
+
+    def tokens_sent(self, n: int, gap_s: float | None) -> None:
+        """`n` tokens went out in one message, `gap_s` after the previous one (None: the first)."""
+        if n and gap_s is not None:
+            per_token = gap_s / n
+            for _ in range(n):
+                self.itl.observe(per_token)
