@@ -8,6 +8,9 @@ TORCH_CPU := torch==2.13.0
 DEMO_MODEL := models/demo-small
 NIXL_CORE := nixl-cu13==1.5.1
 NIXL_FRONT := nixl==1.5.1
+# npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
+GRAFANA := deploy/grafana
+GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
 
 .PHONY: venv demo test lint clean
 
@@ -36,12 +39,17 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 demo: $(STAMP) $(DEMO_MODEL)/config.json
 	$(BIN)/baton demo --model $(DEMO_MODEL)
 
+$(GRAFANA_STAMP): $(GRAFANA)/package.json $(GRAFANA)/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm not found: tests/test_grafana.py needs Node.js >= 18 and npm" >&2; exit 1; }
+	npm ci --prefix $(GRAFANA) --no-audit --no-fund
+	touch $(GRAFANA_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) $(GRAFANA_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) models .pytest_cache .ruff_cache $(GRAFANA)/node_modules

@@ -62,6 +62,11 @@ class RouterConfig:
     prefill_dns: str | None = None
     decode_dns: str | None = None
     dns_refresh_s: float = 5.0
+    # A Ray namespace whose named actors `prefill-*` / `decode-*` are workers (`baton ray up` starts them):
+    # each is asked for its gRPC 'HOST:PORT' every `ray_refresh_s`. `ray_address`: the cluster (None: auto).
+    ray_namespace: str | None = None
+    ray_address: str | None = None
+    ray_refresh_s: float = 2.0
     # Consecutive failed Load polls that take a worker out of rotation (one successful poll puts it back).
     # A request that finds a worker UNAVAILABLE takes it out at once.
     unhealthy_after: int = 2
@@ -72,12 +77,17 @@ class RouterConfig:
         _check_dns("prefill_dns", self.prefill_dns)
         _check_dns("decode_dns", self.decode_dns)
         object.__setattr__(self, "decode_addrs", _check_addrs("decode_addrs", self.decode_addrs,
-                                                              0 if self.decode_dns else 1, " or decode_dns"))
+                                                              0 if self.decode_dns or self.ray_namespace else 1,
+                                                              " or decode_dns or ray_namespace"))
+        for name in ("ray_namespace", "ray_address"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise _bad(name, "None or a non-empty string", v)
         t = self.local_prefill_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise _bad("local_prefill_threshold", "an integer >= 0", t)
         for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s",
-                     "dns_refresh_s"):
+                     "dns_refresh_s", "ray_refresh_s"):
             _check_seconds(self, name)
         n = self.unhealthy_after
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -5,16 +5,14 @@
   Every record is one worker on PORT; the name is resolved again every `refresh_s`, so pods that join or
   leave are picked up without restarting the router. A failed lookup keeps the current set (a DNS hiccup
   must not empty the pool; workers that are really gone fail their Load polls and leave rotation anyway).
-- `UnionDiscovery`: static addresses and a DNS name together.
+- `RayDiscovery`: the named actors `prefill-*` / `decode-*` of a Ray namespace (`baton ray up` starts them,
+  cli/ray_cmd.py), each asked for the gRPC `HOST:PORT` of the server process it runs (None until that
+  server answers). Ray is imported only when this discovery is used (`pip install baton-serve[ray]`).
+- `UnionDiscovery`: static addresses, a DNS name and Ray actors together.
 
 `WorkerPool` (router/workers.py) asks its discovery at start and then every `refresh_s` seconds; new
 addresses get a channel and are polled, vanished ones stop getting new requests and their channels close
 once their in-flight requests have ended.
-
-Extension point (Ray): Ray is not a dependency here, so there is no Ray discovery yet. One is a subclass of
-`Discovery` whose `addresses()` lists the live prefill or decode actors (e.g. named actors in one namespace,
-through `ray.util.list_named_actors(all_namespaces=True)` and an actor method returning its gRPC
-`HOST:PORT`) and whose `refresh_s` says how often to ask; `discovery_for` would build it from a config field.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -108,14 +107,82 @@ class UnionDiscovery(Discovery):
         return " + ".join(p.describe() for p in self.parts)
 
 
-def discovery_for(config: RouterConfig, role: Role, resolve: Resolver | None = None) -> Discovery:
-    """The discovery of one role's workers: its static addresses, its DNS name, or both."""
+# The named actors of one namespace -> [(name, 'HOST:PORT' or None)] for those whose name starts with prefix.
+RayLookup = Callable[[str, str, float], list[tuple[str, str | None]]]
+
+_ray_init_lock = threading.Lock()
+
+
+def ray_actor_lookup(address: str | None) -> RayLookup:
+    """Lists the named actors of a namespace through Ray and calls `address()` on those of one role."""
+
+    def lookup(namespace: str, prefix: str, timeout_s: float) -> list[tuple[str, str | None]]:
+        import ray  # optional dependency: only a router started with --ray-namespace needs it
+
+        with _ray_init_lock:
+            if not ray.is_initialized():
+                ray.init(address=address or "auto", namespace=namespace, log_to_driver=False,
+                         logging_level=logging.WARNING)
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == namespace and a["name"].startswith(prefix))
+        refs = {}
+        for name in names:
+            try:
+                refs[name] = ray.get_actor(name, namespace=namespace).address.remote()
+            except ValueError:  # gone between the listing and the lookup
+                continue
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: list[tuple[str, str | None]] = []
+        for name, ref in refs.items():
+            addr = None
+            if ref in ready:
+                try:
+                    addr = ray.get(ref)
+                except ray.exceptions.RayError:  # the actor died: no longer a worker
+                    addr = None
+            out.append((name, addr))
+        return out
+
+    return lookup
+
+
+class RayDiscovery(Discovery):
+    """Workers are the named actors `<role>-*` of a Ray namespace that report a server address."""
+
+    def __init__(self, namespace: str, role: Role, refresh_s: float, *, address: str | None = None,
+                 lookup: RayLookup | None = None, timeout_s: float = 5.0) -> None:
+        self.namespace, self.prefix = namespace, f"{role.value}-"
+        self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+        self._lookup = lookup or ray_actor_lookup(address)
+
+    async def addresses(self) -> frozenset[str]:
+        # Ray's client calls block: run them in a thread. A hung cluster raises TimeoutError (an OSError).
+        # The first call also connects to the cluster (several seconds), hence the generous deadline.
+        async with asyncio.timeout(self.timeout_s * 6):
+            found = await asyncio.to_thread(self._lookup, self.namespace, self.prefix, self.timeout_s)
+        return frozenset(addr for _, addr in found if addr)
+
+    def describe(self) -> str:
+        return f"Ray actors {self.namespace}/{self.prefix}* (every {self.refresh_s:g} s)"
+
+
+def discovery_for(config: RouterConfig, role: Role, resolve: Resolver | None = None,
+                  ray_lookup: RayLookup | None = None) -> Discovery:
+    """The discovery of one role's workers: its static addresses, its DNS name, Ray actors, or several."""
     static = config.prefill_addrs if role is Role.PREFILL else config.decode_addrs
     dns = config.prefill_dns if role is Role.PREFILL else config.decode_dns
-    if dns is None:
+    parts: list[Discovery] = []
+    if dns is not None:
+        parts.append(DnsDiscovery(dns, config.dns_refresh_s, resolve=resolve, timeout_s=config.control_timeout_s))
+    if config.ray_namespace is not None:
+        parts.append(RayDiscovery(config.ray_namespace, role, config.ray_refresh_s, address=config.ray_address,
+                                  lookup=ray_lookup, timeout_s=config.control_timeout_s))
+    if not parts:
         return StaticDiscovery(static)
-    d = DnsDiscovery(dns, config.dns_refresh_s, resolve=resolve, timeout_s=config.control_timeout_s)
-    return UnionDiscovery((StaticDiscovery(static), d)) if static else d
+    if static:
+        parts.insert(0, StaticDiscovery(static))
+    return UnionDiscovery(parts) if len(parts) > 1 else parts[0]
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -135,9 +202,16 @@ def add_discovery_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds between DNS lookups: workers joining or leaving are picked up this fast")
     g.add_argument("--unhealthy-after", type=int, default=_default("unhealthy_after"), metavar="N",
                    help="failed Load polls in a row that take a worker out of rotation (one success puts it back)")
+    g.add_argument("--ray-namespace", default=None, metavar="NS",
+                   help="workers are the named Ray actors prefill-* / decode-* of this namespace (baton ray up)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster of --ray-namespace (default: auto)")
+    g.add_argument("--ray-refresh-s", type=float, default=_default("ray_refresh_s"),
+                   help="seconds between Ray actor lookups")
 
 
 def discovery_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags `add_discovery_args` added."""
     return {"prefill_dns": args.prefill_dns, "decode_dns": args.decode_dns, "dns_refresh_s": args.dns_refresh_s,
-            "unhealthy_after": args.unhealthy_after}
+            "unhealthy_after": args.unhealthy_after, "ray_namespace": args.ray_namespace,
+            "ray_address": args.ray_address, "ray_refresh_s": args.ray_refresh_s}

@@ -2,7 +2,8 @@
 
 Router and nodes both use it (it imports neither torch nor the engine). Handlers run on the server's
 threads: they must only read state that is safe to read from there (ints, bools, objects replaced whole)
-and never call into an asyncio loop or the engine.
+and never call into an asyncio loop or the engine. An `App` (the router's OpenAI front) takes the requests
+it claims itself, POST and streaming included, and hands work to the loop thread-safely.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -37,15 +39,31 @@ def health_route(ok: Callable[[], bool], detail: Callable[[], dict] = dict) -> R
     return route
 
 
+class App(Protocol):
+    def handle(self, request: BaseHTTPRequestHandler) -> bool:
+        """Answers `request` (any method) and returns True if its path is the app's; else returns False."""
+
+    def close(self) -> None:
+        """Ends what the app still has in flight (called when the server closes)."""
+
+
 class HttpServer:
-    """Serves GET `routes` on `host:port` (0: any free port; `.port` is the bound one) until `close()`."""
+    """Serves GET `routes` (and whatever `app` claims) on `host:port` (0: any free port; `.port` is the bound
+    one) until `close()`."""
 
     def __init__(self, routes: Mapping[str, Route], host: str = "127.0.0.1", port: int = 0,
-                 name: str = "baton-http") -> None:
+                 name: str = "baton-http", app: App | None = None) -> None:
         table = dict(routes)
+        self.app = app
 
         class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                if app is None or not app.handle(self):
+                    self._send(*json_response({"error": f"no such path: {self.path}"}, 404))
+
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                if app is not None and app.handle(self):
+                    return
                 route = table.get(self.path.split("?", 1)[0])
                 if route is None:
                     status, ctype, body = json_response({"error": f"no such path: {self.path}"}, 404)
@@ -54,6 +72,9 @@ class HttpServer:
                         status, ctype, body = route()
                     except Exception as e:  # a broken route answers 500, the server goes on
                         status, ctype, body = json_response({"error": repr(e)}, 500)
+                self._send(status, ctype, body)
+
+            def _send(self, status: int, ctype: str, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
@@ -76,6 +97,8 @@ class HttpServer:
 
     def close(self) -> None:
         """Stops serving and closes the socket (blocks up to one poll interval)."""
+        if self.app is not None:
+            self.app.close()
         if self._thread.is_alive():
             self._server.shutdown()
             self._thread.join()

@@ -19,7 +19,9 @@ from baton.router.config import RouterConfig
 from baton.router.discovery import add_discovery_args, discovery_from_args
 from baton.router.flow import Flow
 from baton.router.http import HttpServer, health_route, json_response, metrics_route
+from baton.router.openai_http import OpenAIFront, load_chat_template
 from baton.router.policy import Role
+from baton.router.security import API_KEYS_ENV, RouterSecurity
 from baton.router.service import GenerationService
 from baton.router.workers import WorkerPool
 
@@ -37,7 +39,8 @@ class Router:
     port: int
     service: GenerationService
     cleanup: asyncio.Task[None]
-    # /metrics, /health, /v1/workers (None when started without an HTTP port); closed by the clean-up.
+    # /metrics, /health, /v1/workers and the OpenAI API (None when started without an HTTP port); closed by
+    # the clean-up.
     http: HttpServer | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
@@ -83,26 +86,33 @@ def http_routes(service: GenerationService) -> dict:
 
 
 async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1",
-                       http_port: int | None = None) -> Router:
+                       http_port: int | None = None, served_model_name: str | None = None,
+                       security: RouterSecurity | None = None) -> Router:
     """Polls every worker once, then starts serving. The router starts even if no worker answers yet:
     nodes may come up after it; Health says when it can serve. With `http_port` (0: any free port) it also
-    serves /metrics, /health and /v1/workers over HTTP."""
+    serves /metrics, /health, /v1/workers and the OpenAI-compatible API (`openai_http.py`; the model is
+    `served_model_name`, default the name of the workers' model directory) over HTTP."""
     tokenizer = router_tokenizer(config.tokenizer_path) if config.tokenizer_path else None
     prefill, decode = WorkerPool.from_config(config, Role.PREFILL), WorkerPool.from_config(config, Role.DECODE)
     await asyncio.gather(prefill.start(), decode.start())
     service = GenerationService(Flow(config, prefill, decode), tokenizer)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or RouterSecurity()
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    creds = security.server_credentials()
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(f"{host}:{port}", creds) if creds is not None
+                 else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError as e:
         await asyncio.gather(prefill.close(), decode.close())
         raise OSError(f"router: cannot listen on {host}:{port}: {e}") from e
     http = None
     if http_port is not None:
         try:
-            http = HttpServer(http_routes(service), host, http_port, name="baton-router-http")
-        except OSError:
+            front = OpenAIFront(service, asyncio.get_running_loop(), served_model_name,
+                                load_chat_template(config.tokenizer_path), security)
+            http = HttpServer(http_routes(service), host, http_port, name="baton-router-http", app=front)
+        except (OSError, ValueError):
             await asyncio.gather(prefill.close(), decode.close())
             raise
     await server.start()
@@ -125,7 +135,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=None,
-                   help="port of /metrics, /health and /v1/workers (default: --port + 1; 0: any free port)")
+                   help="port of /metrics, /health, /v1/workers and the OpenAI-compatible API "
+                        "(default: --port + 1; 0: any free port)")
+    p.add_argument("--api-keys-file", default=None,
+                   help=f"clients must send 'authorization: Bearer <key>' with a key from this file (one per "
+                        f"line) or from ${API_KEYS_ENV} (comma-separated); Health, /health, /metrics stay open")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS only")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id of the OpenAI-compatible API (default: the workers' model directory name)")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                    help="prefill workers (none: every prompt is prefilled on the decode node)")
     p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="HOST:PORT",
@@ -142,11 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(config: RouterConfig, port: int, host: str, grace: float, http_port: int | None) -> None:
+async def _run(config: RouterConfig, port: int, host: str, grace: float, http_port: int | None,
+               served_model_name: str | None = None, security: RouterSecurity | None = None) -> None:
     # --port 0 (any free port) has no "next" port: then HTTP takes any free port too.
     if http_port is None:
         http_port = port + 1 if port else 0
-    router = await start_router(config, port, host, http_port)
+    router = await start_router(config, port, host, http_port, served_model_name, security)
     # Parent processes (`baton up`) wait for this line to know the router is listening.
     print(f"baton router listening on {host}:{router.port} (http {router.http.port})", flush=True)
     stop = asyncio.Event()
@@ -167,11 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                               load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
                               decode_idle_timeout_s=a.decode_idle_timeout,
                               **discovery_from_args(a))
+        security = RouterSecurity.from_sources(a.api_keys_file, a.tls_cert, a.tls_key)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port))
+        if not security.requires_key:
+            log.warning("no API keys configured: any client that reaches the router may use it")
+        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.flow = flow
         self.tokenizer = tokenizer
         self._inflight: dict[str, InFlight] = {}
+        # Requests that `finish` ended early (an OpenAI stop string matched): they end as ok, not aborted.
+        self._finished: set[str] = set()
         self.metrics = metrics if metrics is not None else rm.RouterMetrics()
         self.metrics.watch_workers("prefill", lambda: self.prefill_pool.healthy_count())
         self.metrics.watch_workers("decode", lambda: self.decode_pool.healthy_count())
@@ -76,20 +78,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not state.aborted or (task is not None and task.cancelling()):
                 outcome = rm.CANCELLED
                 raise
-            outcome = rm.ABORTED
-            await self._write_abort(state, context)
+            outcome = await self._end_aborted(state, context)
         except RouterError as e:
             if state.aborted:
-                outcome = rm.ABORTED
-                await self._write_abort(state, context)
+                outcome = await self._end_aborted(state, context)
             else:
                 log.warning("request %s failed: %s: %s", state.request_id, e.code.name, e.message)
                 await context.abort(e.code, e.message)
         except RequestAborted:
-            outcome = rm.ABORTED
-            await self._write_abort(state, context)
+            outcome = await self._end_aborted(state, context)
         finally:
             del self._inflight[req.request_id]
+            self._finished.discard(req.request_id)
             state.untrack()
             self.flow.release_all(state)
             self._record(state, outcome, started)
@@ -167,6 +167,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise RequestAborted(state.request_id)
             msg = await self.flow.next(state, stream)
 
+    async def _end_aborted(self, state: InFlight, context: grpc.aio.ServicerContext) -> str:
+        """The outcome of an aborted request: ok, writing nothing, if `finish` ended it; else aborted."""
+        if state.request_id in self._finished:
+            return rm.OK
+        await self._write_abort(state, context)
+        return rm.ABORTED
+
     async def _write_abort(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
         out = generation_pb2.GenerateResponse(request_id=state.request_id,
                                               finish_reason=generation_pb2.FINISH_REASON_ABORT)
@@ -198,6 +205,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if tasks:
             await asyncio.gather(*tasks)
         return generation_pb2.AbortResponse(found=True)
+
+    def finish(self, request_id: str) -> bool:
+        """Ends a request early as finished (the HTTP front saw a stop string): its workers are aborted as
+        by `Abort`, but it counts as ok and its stream ends without an abort message. Runs on the loop."""
+        state = self._inflight.get(request_id)
+        if state is None:
+            return False
+        self._finished.add(request_id)
+        state.abort()
+        self.flow.release_all(state)
+        return True
 
     async def Health(self, request: generation_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> generation_pb2.HealthResponse:

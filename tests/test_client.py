@@ -419,3 +419,10 @@ def test_cli_errors(router, capsys):
     assert "at least one" in capsys.readouterr().err
     assert _cli("--addr", f"127.0.0.1:{_free_port()}", "--prompt-ids", "1", "--timeout", "5") == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_sdk_ships_its_type_hints():
+    # PEP 561: type checkers read the SDK's annotations only if the installed package carries py.typed.
+    import importlib.resources
+
+    assert importlib.resources.files("baton.client").joinpath("py.typed").is_file()

@@ -1,0 +1,148 @@
+"""`baton ray up` on a two-node local Ray cluster (CPU only, both nodes on this machine): the router and the
+nodes run as Ray actors spread over both Ray nodes, the router finds the workers through Ray, a long prompt
+is served disaggregated with the offline engine's greedy tokens, and Ctrl-C tears everything down.
+Also: `RayDiscovery` against a fake lookup, and its flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from baton.router.config import RouterConfig
+from baton.router.discovery import (
+    RayDiscovery,
+    StaticDiscovery,
+    UnionDiscovery,
+    add_discovery_args,
+    discovery_for,
+    discovery_from_args,
+)
+from baton.router.policy import Role
+
+ENGINE = {"block_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_kv_blocks": 128}
+ENGINE_ARGS = [x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v))]
+THRESHOLD, MAX_TOKENS = 4, 8
+
+
+def test_ray_discovery_lists_the_ready_actors_of_its_role():
+    calls = []
+
+    def lookup(namespace, prefix, timeout_s):
+        calls.append((namespace, prefix))
+        return [(f"{prefix}0", "10.0.0.1:5000"), (f"{prefix}1", None)]  # the second is still starting
+
+    d = RayDiscovery("ns", Role.DECODE, 0.5, lookup=lookup)
+    assert asyncio.run(d.addresses()) == frozenset({"10.0.0.1:5000"})
+    assert calls == [("ns", "decode-")] and d.refresh_s == 0.5 and "ns/decode-*" in d.describe()
+
+    p = argparse.ArgumentParser()
+    add_discovery_args(p)
+    c = RouterConfig(**discovery_from_args(p.parse_args(["--ray-namespace", "ns", "--ray-refresh-s", "3"])))
+    assert (c.ray_namespace, c.ray_address, c.ray_refresh_s, c.decode_addrs) == ("ns", None, 3.0, ())
+    d = discovery_for(c, Role.PREFILL, ray_lookup=lookup)
+    assert isinstance(d, RayDiscovery) and d.prefix == "prefill-"
+    u = discovery_for(RouterConfig(decode_addrs=("h:1",), ray_namespace="ns"), Role.DECODE, ray_lookup=lookup)
+    assert isinstance(u, UnionDiscovery) and isinstance(u.parts[0], StaticDiscovery)
+    assert asyncio.run(u.addresses()) == frozenset({"h:1", "10.0.0.1:5000"})
+    with pytest.raises(ValueError, match="ray_namespace"):
+        RouterConfig(decode_addrs=("h:1",), ray_namespace="")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (not yet reaped by its dead parent) is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from baton.client import Client
+    from baton.engine.engine_config import EngineConfig
+    from baton.engine.llm_engine import LLMEngine
+    from baton.engine.make_model import make_model
+    from baton.engine.sampling_params import SamplingParams
+
+    t0 = time.monotonic()
+    model = tmp_path / "tiny"
+    make_model(model, preset="tiny", seed=31, progress=False)
+    prompt = [(11 * i + 5) % 500 + 3 for i in range(40)]  # > THRESHOLD: prefill node + KV transfer
+    ref = LLMEngine.from_pretrained(str(model), EngineConfig(**ENGINE)).generate(
+        [prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
+
+    # A Ray temp dir of our own (sessions, the current-cluster file), inherited by `baton ray up`; short,
+    # since Unix socket paths live under it.
+    temp = tempfile.mkdtemp(prefix="bray", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    # Both Ray nodes on this machine's IP (Ray turns a loopback --address into it anyway).
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    proc = None
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli.main", "ray", "up", "--address", cluster.address,
+             "--model", str(model), "--prefill-workers", "1", "--decode-workers", "1", "--port", "0",
+             "--local-prefill-threshold", str(THRESHOLD), *ENGINE_ARGS],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        placement, lines = None, []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.match(r"baton ray up: placement (.*)$", line):
+                placement = json.loads(m.group(1))
+            if "Ctrl-C stops" in line:
+                break
+        assert placement is not None, "".join(lines[-60:])
+        assert set(placement) == {"router", "prefill-0", "decode-0"}
+        # SPREAD over two Ray nodes with room for everything: the three actors use both.
+        assert len({p["node_id"] for p in placement.values()}) == 2, placement
+        router = placement["router"]["addr"]
+
+        with Client(router) as c:
+            out = c.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert list(out.token_ids) == list(ref)
+        http = f"http://{placement['router']['ip']}:{placement['router']['http_port']}"
+        metrics = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+        assert 'baton_router_routing_decisions_total{decision="disaggregated"} 1.0' in metrics
+
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest[-3000:]
+        assert "baton ray up: stopped" in rest
+        deadline = time.monotonic() + 20
+        while any(_alive(p["pid"]) for p in placement.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p["pid"]) for p in placement.values())
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    print(f"baton ray up end to end: {time.monotonic() - t0:.1f} s")
