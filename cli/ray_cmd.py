@@ -173,7 +173,9 @@ def actor_class() -> Any:
 
 
 # ---- the launcher -------------------------------------------------------------------------------------
-def _router_health(addr: str, timeout_s: float) -> bool:
+def _router_sees_all(addr: str, prefill: int, decode: int, timeout_s: float) -> bool:
+    """Does the router report every worker healthy? (Its Health turns ok with one decode worker; a request
+    sent before the prefill workers are found would be prefilled locally.)"""
     import grpc
 
     from baton.proto.v1 import generation_pb2 as gen
@@ -181,9 +183,10 @@ def _router_health(addr: str, timeout_s: float) -> bool:
 
     with grpc.insecure_channel(addr) as ch:
         try:
-            return gen_grpc.GenerationStub(ch).Health(gen.HealthRequest(), timeout=timeout_s).ok
+            h = gen_grpc.GenerationStub(ch).Health(gen.HealthRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return False
+    return h.ok and h.prefill_workers >= prefill and h.decode_workers >= decode
 
 
 class RayCluster:
@@ -254,10 +257,11 @@ class RayCluster:
             for name, ref in starts.items():
                 self.info[name] = ray.get(ref, timeout=ready_timeout_s)
             deadline = time.monotonic() + ready_timeout_s
-            while not _router_health(self.router_addr, 2.0):
+            while not _router_sees_all(self.router_addr, self.prefill_workers, self.decode_workers, 2.0):
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"router {self.router_addr} found no workers in {ready_timeout_s} s")
+                    raise TimeoutError(f"router {self.router_addr} did not find all {self.prefill_workers} prefill "
+                                       f"and {self.decode_workers} decode workers in {ready_timeout_s} s")
                 time.sleep(0.5)
         except BaseException:
             self.stop()
