@@ -56,6 +56,8 @@ class Cluster:
     host: str = "127.0.0.1"
     local_prefill_threshold: int = 0
     engine_args: tuple[str, ...] = ()
+    # Extra arguments of the prefill nodes only (e.g. `--lease-seconds`).
+    prefill_args: tuple[str, ...] = ()
     log_dir: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -116,7 +118,7 @@ class Cluster:
                 port = int(addr.rsplit(":", 1)[1])
                 self._spawn(f"{role}-{i}", f"baton.{role}_node.server",
                             [*common, "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET),
-                             "--engine-id", f"{role}-{i}"])
+                             "--engine-id", f"{role}-{i}", *(self.prefill_args if role == "prefill" else ())])
         self._wait_workers()
         if router:
             self._start_router()
