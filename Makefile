@@ -8,6 +8,7 @@ TORCH_CPU := torch==2.13.0
 DEMO_MODEL := models/demo-small
 NIXL_CORE := nixl-cu13==1.5.1
 NIXL_FRONT := nixl==1.5.1
+TRITON_CPU := triton==3.9.0
 # npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
 GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
@@ -31,6 +32,8 @@ $(STAMP): pyproject.toml Makefile
 	# front package without its dependency on every CUDA flavour (~460 MB).
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt $(NIXL_CORE)
 	$(BIN)/python -m pip install -q --no-deps $(NIXL_FRONT)
+	# Triton: CUDA builds of torch bring their own; on CPU the kernels' tests run in Triton's interpreter.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q --no-deps $(TRITON_CPU)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)

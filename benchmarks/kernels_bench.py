@@ -1,0 +1,53 @@
+"""Mamba2 decode/verify kernels on the GPU: the Triton state update and conv update at the 8b-like layer size,
+as achieved GB/s of the bytes each must move, against a device-to-device copy measured in the same run.
+
+  python benchmarks/kernels_bench.py            # one CUDA GPU
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tests.test_ops_triton_conv import bench_conv
+from tests.test_ops_triton_ssu import bench_ssu
+
+
+def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    # A copy reads and writes every byte.
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("kernels_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    copy = copy_gbps()
+    rows = []
+    for name, fn in [("state update (fp32 state)", lambda b, t: bench_ssu(b, T=t)),
+                     ("conv update (bf16)", lambda b, t: bench_conv(b, T=t))]:
+        for t in (1, 5):
+            for batch in (1, 32, 256):
+                ms, gbps = fn(batch, t)
+                rows.append((name, "decode" if t == 1 else f"verify T={t}", batch, ms, gbps))
+    print(f"\nkernels_bench: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+          f"device copy {copy:.0f} GB/s (read + write)")
+    print(f"{'kernel':<27} {'step':<11} {'batch':>5} {'us':>8} {'GB/s':>7} {'vs copy':>8}")
+    for name, step, batch, ms, gbps in rows:
+        print(f"{name:<27} {step:<11} {batch:>5} {1e3 * ms:>8.1f} {gbps:>7.0f} {gbps / copy:>8.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
