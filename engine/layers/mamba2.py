@@ -13,10 +13,9 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
-from baton.engine.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.engine.ops import dispatch
+from baton.engine.ops.causal_conv1d import causal_conv1d_varlen
 from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
-from baton.engine.ops.selective_state_update import selective_state_update
-from baton.engine.ops.spec_state_update import causal_conv1d_update_multi, selective_state_update_multi
 
 
 class Mamba2Mixer(nn.Module):
@@ -55,10 +54,10 @@ class Mamba2Mixer(nn.Module):
         if nd and batch.is_spec:
             y[:ndt] = self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch)
         elif nd:
-            xbc_d = causal_conv1d_update(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
+            xbc_d = dispatch.conv_update(x)(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
             xs, B, C = self._split_xbc(xbc_d)
-            y[:nd] = selective_state_update(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
-                                            batch.state_slots[:nd], self.dt_min)
+            y[:nd] = dispatch.state_update(x)(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
+                                              batch.state_slots[:nd], self.dt_min)
         if nd < batch.num_rows:
             qsl = batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
@@ -78,9 +77,9 @@ class Mamba2Mixer(nn.Module):
         idx = batch.spec_token_index  # [Rd, T]
         rows_t = idx.shape[1]
         src, dst, ntok = batch.state_slots[:nd], batch.spec_dst_slots, batch.spec_num_tokens
-        xbc_v = causal_conv1d_update_multi(xbc[idx], weight, self.conv1d.bias, conv_state, src, dst, ntok)
+        xbc_v = dispatch.conv_update_multi(xbc)(xbc[idx], weight, self.conv1d.bias, conv_state, src, dst, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
-        y = selective_state_update_multi(
+        y = dispatch.state_update_multi(xbc)(
             ssm_state, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt[idx], A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
             self.D, self.dt_bias, src, dst, self.dt_min, ntok)  # [Rd, T, H, P]

@@ -1,0 +1,66 @@
+"""Which implementation the decode and verify state ops run: the Triton kernels on CUDA tensors (when
+`triton` imports), the torch references elsewhere. Chunked prefill, attention and MoE still run the torch
+references everywhere (issue #7).
+
+`BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
+kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
+The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
+slot groups satisfy their contract by construction, and the references check it on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+MODES = ("auto", "torch", "triton")
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    mode = os.environ.get("BATON_KERNELS", "auto")
+    if mode not in MODES:
+        raise ValueError(f"BATON_KERNELS: expected one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto":
+        return t.is_cuda and _triton_available()
+    return mode == "triton"
+
+
+def conv_update(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_conv import causal_conv1d_update_triton
+        return causal_conv1d_update_triton
+    from baton.engine.ops.causal_conv1d import causal_conv1d_update
+    return causal_conv1d_update
+
+
+def state_update(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_ssu import selective_state_update_triton
+        return selective_state_update_triton
+    from baton.engine.ops.selective_state_update import selective_state_update
+    return selective_state_update
+
+
+def conv_update_multi(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_conv import causal_conv1d_update_multi_triton
+        return causal_conv1d_update_multi_triton
+    from baton.engine.ops.spec_state_update import causal_conv1d_update_multi
+    return causal_conv1d_update_multi
+
+
+def state_update_multi(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_ssu import selective_state_update_multi_triton
+        return selective_state_update_multi_triton
+    from baton.engine.ops.spec_state_update import selective_state_update_multi
+    return selective_state_update_multi

@@ -1,0 +1,48 @@
+"""The engine's decode and verify steps on the Triton kernels (`BATON_KERNELS=triton`; on CPU they run in
+Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile installs it on CPU machines)")
+
+from baton.engine.ops import dispatch  # noqa: E402
+from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, spec_model  # noqa: E402, F401
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypatch):  # noqa: F811
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    ref_engine = new_engine(spec_model, k)
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, arrivals)
+
+    calls = []
+    for name in ("conv_update", "state_update", "conv_update_multi", "state_update_multi"):
+        orig = getattr(dispatch, name)
+
+        def spy(t, orig=orig, name=name):
+            fn = orig(t)
+            calls.append((name, fn.__name__))
+            return fn
+        monkeypatch.setattr(dispatch, name, spy)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    engine = new_engine(spec_model, k)
+    log = Log(engine)
+    got = run(engine, arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
+        {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
+    assert calls and all(fn.endswith("_triton") for _, fn in calls)
+    assert {n for n, _ in calls} == ({"conv_update_multi", "state_update_multi"} if k else
+                                     {"conv_update", "state_update"})
+
+
+def test_bad_kernel_mode_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("BATON_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="BATON_KERNELS"):
+        dispatch.use_triton(torch.zeros(1))
