@@ -1,0 +1,362 @@
+"""Triton causal attention over a paged KV cache, for prefill chunks, verify rows and decode rows alike.
+
+Same signature, semantics and return value as `paged_attention` (paged_attention.py); see that for the
+cache layout and the math. Query i of row r sits at absolute position ctx + i (ctx = seq_len - q_len) and
+sees keys 0 .. ctx + i; query head h reads KV head h // (Hq // Hkv). Scores, softmax and the P @ V sum
+accumulate in fp32; the output is in q.dtype.
+
+One program per (query block, KV head) (and per split, below). A query block is up to BLOCK_Q consecutive queries of
+one row; the program stacks them with the KV head's `group = Hq // Hkv` query heads into one tile of
+BLOCK_M >= BLOCK_Q * group rows (row m = query m // group, head m % group), so every key and value of
+the KV head is read once per query block, not once per query head. The program then walks the row's
+keys 0 .. (its last query's position) in tiles of BLOCK_N tokens, each token's block id read from
+`block_tables`, with an online (flash-attention) softmax: scores by `tl.dot`, the causal mask per row of
+the tile, running max and sum in fp32. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so a decode
+row is one program per KV head holding its `group` query heads.
+
+The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
+query-block counts and a searchsorted over it), from a grid whose size depends on shapes only
+(min(T, cdiv(T, BLOCK_Q) + R) programs per KV head, an upper bound; spare programs do nothing). So the
+wrapper never reads device tensors on the host, and is CUDA-graph friendly for fixed T and R.
+
+No host reads of device tensors means the metadata are the caller's contract, unchecked (the reference
+checks them with host reads; run it when in doubt): `query_start_loc` non-decreasing from 0 to T;
+`seq_lens[r] >= q_len[r]`; `block_tables[r, :cdiv(seq_len, block_size)]` valid block ids (an out-of-range
+id is an out-of-bounds access on the GPU). Entries past a row's last block are never read.
+
+`max_query_len` (optional, an upper bound on any row's query length known to the caller) only picks the
+tile sizes; the result does not depend on it. Without it, a batch with T <= R is taken for decode.
+
+Few, long decode rows (B * Hkv programs would leave most SMs idle) split each row's keys into
+NUM_SPLITS parts (flash-decoding's split-K): grid (programs, Hkv, NUM_SPLITS), each part's running max,
+sum and unnormalized fp32 accumulator go to scratch, and a second kernel merges them. The split count
+comes from shapes and the SM count only (see `_auto_splits`); `num_splits` overrides it.
+
+Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs the kernel on CPU
+tensors; there bf16 casts truncate instead of rounding (the output is rounded by hand), so compare bf16
+with tolerances. For fp32 inputs both dots run in IEEE fp32 (no TF32). For bf16 and fp16 on the GPU,
+Q @ K^T runs on the half inputs (exact products, fp32 accumulation) and P is rounded to the value dtype
+before P @ V, as flash attention does; the interpreter's `tl.dot` mishandles bf16 (numpy has no bf16),
+so there both dots run in fp32 on the upcast inputs instead (the GPU-only path is covered by the `gpu`
+tests).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.checks import check_shape
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 `v` cast to `dtype`, round to nearest even (the interpreter's `.to(bf16)` truncates; on the GPU
+    this is what the cast does anyway)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    return v.to(dtype)
+
+
+@triton.jit
+def _query_tile(
+    pid, kvh, prog_row_ptr, prog_qblock_ptr, qsl_ptr, seq_lens_ptr, group, head_dim,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The program's query tile: row, per tile row its token, query head and absolute position, the
+    [BLOCK_M, BLOCK_D] validity mask, and kv_end (keys 0 .. kv_end - 1 are visible to some tile row)."""
+    row = tl.load(prog_row_ptr + pid).to(tl.int32)
+    qblock = tl.load(prog_qblock_ptr + pid).to(tl.int32)
+    q_start = tl.load(qsl_ptr + row).to(tl.int32)
+    q_len = tl.load(qsl_ptr + row + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
+    ctx = seq_len - q_len
+    i0 = qblock * BLOCK_Q
+    # Keys 0 .. the block's last query position; none for a spare program (i0 >= q_len).
+    kv_end = tl.where(i0 < q_len, tl.minimum(ctx + i0 + BLOCK_Q, seq_len), 0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qi = offs_m // group  # query within the block
+    i = i0 + qi  # query within the row
+    m_valid = (qi < BLOCK_Q) & (i < q_len)
+    md_mask = m_valid[:, None] & (offs_d < head_dim)[None, :]
+    tok = (q_start + i).to(tl.int64)
+    head = kvh * group + offs_m % group
+    q_pos = ctx + i
+    return row, tok, head, q_pos, md_mask, kv_end
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, prog_row_ptr, prog_qblock_ptr,
+    m_part_ptr, l_part_ptr, acc_part_ptr,
+    scale, group, block_size, head_dim,
+    s_q_t, s_q_h, s_q_d,
+    s_kv_blk, s_kv_kv, s_kv_tok, s_kv_h, s_kv_d,
+    s_o_t, s_o_h, s_o_d,
+    s_bt_r, s_bt_b,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row, tok, head, q_pos, md_mask, kv_end = _query_tile(
+        pid,
+        kvh,
+        prog_row_ptr,
+        prog_qblock_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        group,
+        head_dim,
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_D,
+    )
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_rows = q_ptr + tok * s_q_t + head * s_q_h  # [BLOCK_M]
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * s_q_d, mask=md_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # This split's share of the keys: whole BLOCK_N tiles, the last split may get fewer (or none).
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    bt_row = bt_ptr + row.to(tl.int64) * s_bt_r
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_hi
+        block_id = tl.load(bt_row + (offs_n // block_size) * s_bt_b, mask=n_mask, other=0).to(tl.int64)
+        kv_rows = kv_ptr + block_id * s_kv_blk + (offs_n % block_size) * s_kv_tok + kvh * s_kv_h  # [BLOCK_N]
+        nd_mask = n_mask[:, None] & d_mask[None, :]
+        kv_tile = kv_rows[:, None] + offs_d[None, :] * s_kv_d  # [BLOCK_N, BLOCK_D]
+        k = tl.load(kv_tile, mask=nd_mask, other=0.0)
+        v = tl.load(kv_tile + s_kv_kv, mask=nd_mask, other=0.0)
+
+        if NATIVE_DOT:
+            s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = s * scale  # [BLOCK_M, BLOCK_N] fp32
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet (or never will: padding) keeps -inf; shift it by 0, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if NATIVE_DOT:  # noqa: SIM108 (a compile-time branch: the other one is never built)
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
+        tl.store(o_tile, _round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
+    else:
+        # Partial results, unnormalized, into [programs, Hkv, NUM_SPLITS, BLOCK_M(, BLOCK_D)] fp32 scratch.
+        offs_m = tl.arange(0, BLOCK_M)
+        part = ((pid.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * BLOCK_M + offs_m
+        tl.store(m_part_ptr + part, m_i)
+        tl.store(l_part_ptr + part, l_i)
+        tl.store(acc_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, qsl_ptr, seq_lens_ptr, prog_row_ptr, prog_qblock_ptr,
+    m_part_ptr, l_part_ptr, acc_part_ptr,
+    group, head_dim,
+    s_o_t, s_o_h, s_o_d,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Merge one program's NUM_SPLITS partial softmax results (flash-decoding's second pass)."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row, tok, head, q_pos, md_mask, kv_end = _query_tile(
+        pid,
+        kvh,
+        prog_row_ptr,
+        prog_qblock_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        group,
+        head_dim,
+        BLOCK_Q,
+        BLOCK_M,
+        BLOCK_D,
+    )
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS
+    for split in range(NUM_SPLITS):
+        part = (base + split) * BLOCK_M + offs_m
+        m_s = tl.load(m_part_ptr + part)
+        l_s = tl.load(l_part_ptr + part)
+        acc_s = tl.load(acc_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        beta = tl.exp(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
+    tl.store(o_tile, _round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
+
+
+def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int, R: int) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps).
+
+    Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
+    decode row's KV head; otherwise about 64 query rows (queries x group heads) per program, fewer when
+    max_query_len says the rows are short. `tl.dot` needs every tile side >= 16.
+    """
+    decode = max_query_len == 1 or (max_query_len is None and T <= R)
+    if decode:
+        block_q = 1
+    else:
+        block_q = max(1, 64 // group)
+        if max_query_len is not None:
+            block_q = max(1, min(block_q, max_query_len))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    return block_q, block_m, block_n, block_d, 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(device: torch.device, programs: int, block_q: int, max_keys: int, block_n: int) -> int:
+    """Split-K only for decode tiles (BLOCK_Q 1) too few to fill the GPU: about two programs per SM, each
+    split at least 8 key tiles of the longest possible row (max_blocks * block_size keys), at most 32."""
+    if device.type != "cuda" or block_q != 1:
+        return 1
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_keys, 8 * block_n), 32))
+
+
+def paged_attention_triton(
+    q: Tensor,
+    kv_cache: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Causal attention of every row's queries over its sequence's cached keys and values (`paged_attention`).
+
+    q [T, Hq, D]; kv_cache [num_blocks, 2, block_size, Hkv, D], already holding this step's K/V;
+    query_start_loc [R+1]; seq_lens [R] tokens of the sequence including this step's; block_tables
+    [R, max_blocks] int, entries past a row's last block are never read; max_query_len an optional upper
+    bound on the rows' query lengths (tiling only); num_splits how many parts each row's keys are split
+    into (None: chosen from the shapes and the GPU's SM count; 1 on the CPU). Metadata values are
+    unchecked (module docstring).
+    Returns [T, Hq, D] in q.dtype.
+    """
+    fn = "paged_attention_triton"
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{fn}: kv_cache expected shape [num_blocks, 2, block_size, Hkv, D], got {tuple(kv_cache.shape)}"
+        )
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if q.dim() != 3 or block_tables.dim() != 2:
+        raise ValueError(
+            f"{fn}: expected q [T, Hq, D], block_tables [R, max_blocks], got q {tuple(q.shape)}, "
+            f"block_tables {tuple(block_tables.shape)}"
+        )
+    T, q_heads = q.shape[0], q.shape[1]
+    R = block_tables.shape[0]
+    check_shape(fn, "q", q, "[T, Hq, D]", (T, q_heads, head_dim))
+    check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    check_shape(fn, "seq_lens", seq_lens, "[R]", (R,))
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"{fn}: expected Hq a multiple of Hkv = {kv_heads}, got Hq = {q_heads}")
+    if max_query_len is not None and max_query_len < 1:
+        raise ValueError(f"{fn}: max_query_len expected >= 1 or None, got {max_query_len}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"{fn}: num_splits expected >= 1 or None, got {num_splits}")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"{fn}: expected kv_cache in q's dtype {q.dtype}, got {kv_cache.dtype}")
+
+    out = torch.empty(T, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if T == 0 or R == 0:
+        return out
+    group = q_heads // kv_heads
+    block_q, block_m, block_n, block_d, num_warps = _launch_config(group, head_dim, max_query_len, T, R)
+
+    # Program -> (row, query block) on the device. Each query block holds >= 1 query, so there are at most
+    # T blocks, and sum(cdiv(q_len, BLOCK_Q)) <= cdiv(T, BLOCK_Q) + R: a grid sized from shapes alone.
+    grid_m = min(T, triton.cdiv(T, block_q) + R)
+    qsl = query_start_loc.to(device=q.device, dtype=torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    blocks_per_row = (q_lens + block_q - 1) // block_q  # [R]
+    cum = torch.cumsum(blocks_per_row, 0)  # [R] inclusive
+    pids = torch.arange(grid_m, device=q.device, dtype=torch.int64)
+    prog_row = torch.searchsorted(cum, pids, right=True).clamp_(max=R - 1)  # spare programs -> last row
+    # A spare program's query block lies past its (last) row's queries, so it reads and writes nothing.
+    prog_qblock = pids - (cum - blocks_per_row)[prog_row]
+    prog_row = prog_row.to(torch.int32)
+    prog_qblock = prog_qblock.to(torch.int32)
+
+    if num_splits is None:
+        num_splits = _auto_splits(
+            q.device, grid_m * kv_heads, block_q, block_tables.shape[1] * block_size, block_n
+        )
+    if num_splits > 1:
+        m_part = torch.empty(grid_m, kv_heads, num_splits, block_m, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(*m_part.shape, block_d, dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = out  # never touched
+    _paged_attention_kernel[(grid_m, kv_heads, num_splits)](
+        q, kv_cache, out, qsl, seq_lens, block_tables, prog_row, prog_qblock, m_part, l_part, acc_part,
+        float(scale), group, block_size, head_dim,
+        *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(grid_m, kv_heads)](
+            out, qsl, seq_lens, prog_row, prog_qblock, m_part, l_part, acc_part,
+            group, head_dim, *out.stride(),
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=num_warps,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,273 @@
+"""Triton paged attention kernel against its torch reference (`paged_attention`).
+
+Without CUDA the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET must be set before
+`baton.engine.ops.triton_attention` is imported (its `@triton.jit` reads it at decoration time), so it is
+set at the very top of this module. The `gpu` tests run the compiled kernel at the full model size
+(Hq=32, Hkv=8, D=128, block 16), and `bench_attention` times it (a benchmark script may call it).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
+
+from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
+from baton.engine.ops.triton_attention import paged_attention_triton  # noqa: E402
+
+# (context tokens already cached, query tokens this step) per row: a whole-sequence prefill, a decode step
+# with a long context, a prefill chunk after a prefix, a one-token prompt, a decode step right after a
+# block boundary, verify-like rows (2..5 queries after a prefix), an empty row (no queries this step), a
+# chunk ending exactly on a block boundary.
+MIXED_ROWS = [(0, 9), (50, 1), (6, 5), (0, 1), (8, 1), (20, 2), (7, 0), (13, 3), (31, 4), (3, 5), (0, 16)]
+DECODE_ROWS = [(0, 1), (3, 1), (40, 1), (7, 1), (16, 1)]
+# With rows long enough for several 64-key tiles, so that more than one split holds keys.
+SPLIT_MIXED_ROWS = [(300, 1), *MIXED_ROWS, (150, 4), (0, 140)]
+SPLIT_DECODE_ROWS = [(400, 1), *DECODE_ROWS, (130, 1)]
+
+# (Hq, Hkv, D, block_size): GQA groups of 2 and 3 (not a power of two) and plain multi-head attention.
+CONFIGS = [
+    pytest.param(4, 2, 16, 4, id="gqa2-d16-b4"),
+    pytest.param(4, 4, 32, 8, id="mha-d32-b8"),
+    pytest.param(6, 2, 16, 8, id="gqa3-d16-b8"),
+]
+
+# The kernel rounds P to bf16/fp16 before P @ V (the reference keeps it in fp32), and in the interpreter
+# that cast truncates: a bf16 output may land an ulp or two apart.
+DTYPES = [
+    pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
+    pytest.param(torch.bfloat16, 2e-2, 2e-2, id="bf16"),
+    pytest.param(torch.float16, 3e-3, 3e-3, id="fp16"),
+]
+
+
+def make_case(rows, hq, hkv, d, block_size, dtype, seed=0, device="cpu", num_blocks=None):
+    """A NaN-filled cache holding every row's tokens on scattered blocks, plus queries and metadata.
+
+    Returns (q, kv_cache, query_start_loc, seq_lens, block_tables) on `device`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(ctx + n) // block_size) for ctx, n in rows]
+    num_blocks = num_blocks or sum(need) + 7
+    # Blocks handed out in a shuffled order, so no row's blocks are contiguous or ascending.
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(need) + 2
+    # Padding past a row's blocks alternates between -1 and an out-of-range id: neither may be read.
+    block_tables = torch.tensor([[-1 if r % 2 else 10**6] * max_blocks for r in range(len(rows))])
+    for r, nb in enumerate(need):
+        for i in range(nb):
+            block_tables[r, i] = free.pop()
+    # NaN everywhere no token was written: reading any stray block or slot poisons the output.
+    kv_cache = torch.full((num_blocks, 2, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    slots = []
+    for r, (ctx, n) in enumerate(rows):
+        pos = torch.arange(ctx + n)
+        slots.append(block_tables[r, pos // block_size] * block_size + pos % block_size)
+    slots = torch.cat(slots)
+    S = slots.numel()
+    # Values drawn where they live: the full-size cases hold gigabytes of keys.
+    gd = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(S, hkv, d, generator=gd, device=device).to(dtype)
+    v = torch.randn(S, hkv, d, generator=gd, device=device).to(dtype)
+    write_kv(k, v, kv_cache, slots.to(device))
+
+    T = sum(n for _, n in rows)
+    q = torch.randn(T, hq, d, generator=gd, device=device).to(dtype)
+    lens = torch.tensor([n for _, n in rows])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(
+        device=device, dtype=torch.int32
+    )
+    seq_lens = torch.tensor([ctx + n for ctx, n in rows], dtype=torch.int32, device=device)
+    return q, kv_cache, query_start_loc, seq_lens, block_tables.to(device=device, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,block_size", CONFIGS)
+def test_mixed_batch_matches_reference(hq, hkv, d, block_size, dtype, atol, rtol):
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(MIXED_ROWS, hq, hkv, d, block_size, dtype)
+    scale = d**-0.5
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, scale)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1, 3, 16])
+def test_tiling_does_not_change_the_result(max_query_len):
+    """max_query_len only picks the query block; any value (even one below the truth) gives the same output."""
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(MIXED_ROWS, 4, 2, 16, 4, torch.float32, seed=1)
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.3)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.3, max_query_len=max_query_len)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("max_query_len", [None, 1])
+def test_decode_batch_matches_reference(max_query_len, dtype, atol, rtol):
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(DECODE_ROWS, 4, 2, 32, 8, dtype, seed=2)
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.2)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.2, max_query_len=max_query_len)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize(
+    "rows,max_query_len", [(SPLIT_MIXED_ROWS, None), (SPLIT_DECODE_ROWS, 1)], ids=["mixed", "decode"]
+)
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_matches_reference(num_splits, rows, max_query_len, dtype, atol, rtol):
+    """Keys split into parts merged by the second kernel. Splits are whole 64-key tiles: the long rows fill
+    several, the short ones leave some empty."""
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(rows, 4, 2, 16, 4, dtype, seed=4)
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
+    out = paged_attention_triton(
+        q, kv_cache, qsl, seq_lens, block_tables, 0.25, max_query_len=max_query_len, num_splits=num_splits
+    )
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_prefill_chunks_equal_whole_prefill():
+    """Attending chunk by chunk over the cached prefix equals attending to the whole prompt at once."""
+    total = 37
+    q, kv_cache, _, _, block_tables = make_case([(0, total)], 4, 2, 16, 4, torch.float32, seed=3)
+
+    def run(lo, hi):
+        return paged_attention_triton(
+            q[lo:hi], kv_cache, torch.tensor([0, hi - lo]), torch.tensor([hi]), block_tables, 0.25
+        )
+
+    whole = run(0, total)
+    chunks = torch.cat([run(lo, hi) for lo, hi in [(0, 7), (7, 8), (8, 30), (30, total)]])
+    torch.testing.assert_close(chunks, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_empty_batch_and_non_contiguous_q():
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(DECODE_ROWS, 4, 2, 16, 4, torch.float32)
+    out = paged_attention_triton(q[:0], kv_cache, qsl[:1], seq_lens[:0], block_tables[:0], 0.25)
+    assert out.shape == (0, 4, 16)
+    # q as a strided view (heads sliced out of a wider projection).
+    wide = torch.cat([q, torch.full_like(q, float("nan"))], dim=1)[:, :4]
+    assert not wide.is_contiguous()
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
+    torch.testing.assert_close(paged_attention_triton(wide, kv_cache, qsl, seq_lens, block_tables, 0.25), ref)
+
+
+def test_shape_errors():
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(DECODE_ROWS, 4, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="kv_cache expected shape"):
+        paged_attention_triton(q, kv_cache[:, :1], qsl, seq_lens, block_tables, 1.0)
+    with pytest.raises(ValueError, match=r"expected Hq a multiple of Hkv"):
+        paged_attention_triton(q[:, :3], kv_cache, qsl, seq_lens, block_tables, 1.0)
+    with pytest.raises(ValueError, match=r"query_start_loc expected shape \[R\+1\]"):
+        paged_attention_triton(q, kv_cache, qsl[:-1], seq_lens, block_tables, 1.0)
+    with pytest.raises(ValueError, match=r"q expected shape \[T, Hq, D\]"):
+        paged_attention_triton(q[..., :8], kv_cache, qsl, seq_lens, block_tables, 1.0)
+    with pytest.raises(ValueError, match="kv_cache in q's dtype"):
+        paged_attention_triton(q, kv_cache.double(), qsl, seq_lens, block_tables, 1.0)
+    with pytest.raises(ValueError, match="max_query_len expected"):
+        paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 1.0, max_query_len=0)
+    with pytest.raises(ValueError, match="num_splits expected"):
+        paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 1.0, num_splits=0)
+
+
+# --- full model size on CUDA -------------------------------------------------------------------------------
+
+FULL = dict(hq=32, hkv=8, d=128, block_size=16)
+GPU_DTYPES = [
+    pytest.param(torch.bfloat16, 2e-2, 2e-2, id="bf16"),
+    pytest.param(torch.float16, 3e-3, 3e-3, id="fp16"),
+    pytest.param(torch.float32, 1e-4, 1e-4, id="fp32"),
+]
+
+
+def _decode_rows(batch: int, max_ctx: int, seed: int) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx, (batch,), generator=g).tolist()
+    ctx[0] = max_ctx - 1  # always one row at the longest context
+    return [(c, 1) for c in ctx]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
+@pytest.mark.parametrize("batch,max_ctx", [(1, 16384), (32, 16384), (256, 16384)])
+def test_gpu_decode_full_size(batch, max_ctx, dtype, atol, rtol):
+    rows = _decode_rows(batch, max_ctx, seed=batch)
+    case = make_case(
+        rows, FULL["hq"], FULL["hkv"], FULL["d"], FULL["block_size"], dtype, seed=batch, device="cuda"
+    )
+    ref = paged_attention(*case, 128**-0.5)
+    for num_splits in (None, 1, 7):
+        out = paged_attention_triton(*case, 128**-0.5, max_query_len=1, num_splits=num_splits)
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol,rtol", GPU_DTYPES)
+def test_gpu_mixed_full_size(dtype, atol, rtol):
+    """Prefill chunks with and without a prefix, verify rows and decode rows in one batch."""
+    rows = [(0, 512), (3000, 512), (16383, 1), (100, 4), (8191, 5), (0, 1), (777, 300)] + [(2048, 1)] * 16
+    case = make_case(
+        rows, FULL["hq"], FULL["hkv"], FULL["d"], FULL["block_size"], dtype, seed=5, device="cuda"
+    )
+    ref = paged_attention(*case, 128**-0.5)
+    for max_query_len in (None, 512):
+        out = paged_attention_triton(*case, 128**-0.5, max_query_len=max_query_len)
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def bench_attention(batch: int, ctx: int, q_len: int = 1, dtype: torch.dtype = torch.bfloat16,
+                    num_splits: int | None = None, warmup: int = 10, iters: int = 100) -> tuple[float, float]:  # fmt: skip
+    """Time one launch of the Triton kernel at the full model size (Hq=32, Hkv=8, D=128, block 16) on CUDA:
+    `batch` rows of `q_len` queries (1: decode) each at context `ctx` (ctx + q_len keys per row), on
+    shuffled blocks of a random cache.
+
+    Returns (ms per call, GB/s of the KV bytes the rows must read: batch * (ctx + q_len) * 2 * Hkv * D *
+    itemsize) from CUDA events.
+    """
+    hq, hkv, d, bs = FULL["hq"], FULL["hkv"], FULL["d"], FULL["block_size"]
+    seq_len = ctx + q_len
+    blocks_per_row = -(-seq_len // bs)
+    num_blocks = batch * blocks_per_row
+    kv_cache = torch.randn(num_blocks, 2, bs, hkv, d, device="cuda", dtype=dtype)
+    block_tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_row)
+    q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=dtype)
+    query_start_loc = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q_len
+    seq_lens = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
+
+    def run():
+        return paged_attention_triton(
+            q,
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            d**-0.5,
+            max_query_len=q_len,
+            num_splits=num_splits,
+        )
+
+    for _ in range(warmup):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    kv_bytes = batch * seq_len * 2 * hkv * d * kv_cache.element_size()
+    return ms, kv_bytes / (ms * 1e-3) / 1e9
+
+
+@pytest.mark.gpu
+def test_gpu_bench_attention_runs():
+    ms, gbps = bench_attention(8, 1024, warmup=1, iters=3)
+    assert ms > 0 and gbps > 0
+    ms, gbps = bench_attention(2, 512, q_len=64, num_splits=1, warmup=1, iters=3)
+    assert ms > 0 and gbps > 0
