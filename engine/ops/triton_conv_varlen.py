@@ -93,7 +93,7 @@ def _conv_varlen_out_kernel(
     acc = tl.full([BLOCK_T, BLOCK_C], 0.0, tl.float32)
     # Tap k (oldest first) reads the input d = K-1-k tokens back: out_t = sum_k w[k] * u[t - (K-1) + k].
     for k in tl.static_range(KW):
-        d: tl.constexpr = KW - 1 - k
+        d = KW - 1 - k  # a constexpr: KW and the static_range index are
         w = tl.load(w_ptr + cols * stride_wc + k * stride_wk, mask=cmask, other=0.0).to(tl.float32)
         in_row = pos >= d
         u = tl.load(x_rows - d * stride_xt, mask=mask & in_row[:, None], other=0.0).to(tl.float32)
