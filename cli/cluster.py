@@ -58,6 +58,8 @@ class Cluster:
     engine_args: tuple[str, ...] = ()
     # Extra arguments of the prefill nodes only (e.g. `--lease-seconds`).
     prefill_args: tuple[str, ...] = ()
+    # Extra flags of the router process only (e.g. --api-keys-file).
+    router_args: tuple[str, ...] = ()
     log_dir: str | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -133,7 +135,7 @@ class Cluster:
             router += ["--decode", a]
         if (Path(self.model) / "tokenizer.json").exists():
             router += ["--tokenizer", str(Path(self.model) / "tokenizer.json")]
-        self._spawn("router", "baton.router.server", router)
+        self._spawn("router", "baton.router.server", [*router, *self.router_args])
         self._wait_router()
 
     def _check_alive(self) -> None:

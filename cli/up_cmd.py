@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens (and always 1) are prefilled on the decode node")
+    p.add_argument("--api-keys-file", default=None,
+                   help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line); "
+                        "BATON_API_KEYS (comma-separated) works too")
     p.add_argument("--log-dir", default=None, help="write each process's output to DIR/<name>.log")
     add_engine_args(p)
     p.set_defaults(run=run)
@@ -30,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
                       http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
-                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir)
+                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir,
+                      router_args=("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -146,19 +146,25 @@ def test_demo_streams_through_the_disaggregated_path(model_dir):
     assert out.count("<length>") == 5  # every sample request finished
 
 
-def test_up_serves_until_interrupted_then_stops_every_process(model_dir):
+def test_up_serves_until_interrupted_then_stops_every_process(model_dir, tmp_path):
     port = free_port_block(4)  # router gRPC + HTTP, one prefill and one decode node
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--model", str(model_dir), "--port",
-                             str(port), "--num-kv-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             str(port), "--num-kv-blocks", "128", "--api-keys-file", str(keys)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
         while line and "Ctrl-C stops" not in line:
             line = proc.stdout.readline()
         assert f"router on 127.0.0.1:{port} (metrics http://127.0.0.1:{port + 1}/metrics)" in line
         out = json.loads(baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
-                               "--max-tokens", "3", "--ignore-eos", "--json").stdout)
+                               "--max-tokens", "3", "--ignore-eos", "--json", "--api-key", "k1").stdout)
         assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
+        # The router got the key file: without a key the call is refused.
+        refused = baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
+                        "--max-tokens", "3", check=False)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
     finally:
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
