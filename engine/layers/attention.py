@@ -7,7 +7,8 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.ops.paged_attention import paged_attention, write_kv
+from baton.engine.ops import dispatch
+from baton.engine.ops.paged_attention import write_kv
 
 
 class Attention(nn.Module):
@@ -30,5 +31,6 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         kv_cache = batch.kv_caches[self.kv_index]
         write_kv(k, v, kv_cache, batch.slot_mapping)
-        out = paged_attention(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, self.scale)
+        out = dispatch.paged_attention(q)(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                          self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -14,7 +14,6 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.ops import dispatch
-from baton.engine.ops.causal_conv1d import causal_conv1d_varlen
 from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
 
 
@@ -61,7 +60,7 @@ class Mamba2Mixer(nn.Module):
         if nd < batch.num_rows:
             qsl = batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
-            xbc_p = causal_conv1d_varlen(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
+            xbc_p = dispatch.conv_varlen(x)(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
             xs, B, C = self._split_xbc(xbc_p)
             y[ndt:] = mamba_chunk_scan_varlen(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
                                               init, self.chunk_size, self.dt_min)

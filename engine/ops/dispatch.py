@@ -1,6 +1,6 @@
-"""Which implementation the decode and verify state ops run: the Triton kernels on CUDA tensors (when
-`triton` imports), the torch references elsewhere. Chunked prefill, attention and MoE still run the torch
-references everywhere (issue #7).
+"""Which implementation an op runs: the Triton kernels on CUDA tensors (when `triton` imports), the torch
+references elsewhere. Kernels exist for the decode / verify state updates, paged attention and the prefill
+conv; the chunked scan and MoE still run the torch references everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
 kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
@@ -64,3 +64,19 @@ def state_update_multi(t: torch.Tensor) -> Callable:
         return selective_state_update_multi_triton
     from baton.engine.ops.spec_state_update import selective_state_update_multi
     return selective_state_update_multi
+
+
+def paged_attention(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_attention import paged_attention_triton
+        return paged_attention_triton
+    from baton.engine.ops.paged_attention import paged_attention as reference
+    return reference
+
+
+def conv_varlen(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton
+        return causal_conv1d_varlen_triton
+    from baton.engine.ops.causal_conv1d import causal_conv1d_varlen
+    return causal_conv1d_varlen
