@@ -20,38 +20,13 @@ from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.make_model import build_config  # noqa: E402
 from baton.engine.ops.causal_conv1d import causal_conv1d_varlen  # noqa: E402
 from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton  # noqa: E402
+from tests.test_ops_triton_conv import DTYPES, WIDTHS, make_layer, make_x  # noqa: E402, F401
+from tests.test_ops_triton_conv import make_pool as make_pool_of  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHANNELS, NUM_SLOTS = 24, 12
-WIDTHS = [2, 3, 4]
-
-# (x and weight dtype, pool dtype, atol, rtol). The pool holds raw inputs rounded to its dtype, so it is
-# compared bit for bit; the output may differ from the reference by the fp32 summation order (FMA on
-# GPU), i.e. by one rounding of the output dtype.
-DTYPES = [
-    pytest.param(torch.float32, torch.float32, 1e-5, 1e-5, id="fp32"),
-    pytest.param(torch.bfloat16, torch.bfloat16, 1e-2, 1e-2, id="bf16"),
-    pytest.param(torch.float16, torch.float16, 2e-3, 2e-3, id="fp16"),
-    pytest.param(torch.bfloat16, torch.float32, 1e-2, 1e-2, id="bf16-fp32pool"),
-    pytest.param(torch.float32, torch.bfloat16, 1e-5, 1e-5, id="fp32-bf16pool"),
-]
-
-
-def make_layer(width, dtype, with_bias=True, channels=CHANNELS, seed=0, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(channels, width, generator=g) / width**0.5).to(device, dtype)  # [C, K]
-    bias = torch.randn(channels, generator=g).to(device, dtype) if with_bias else None  # [C]
-    return weight, bias
-
-
-def make_pool(width, dtype, num_slots=NUM_SLOTS, channels=CHANNELS, seed=1, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_slots, channels, width - 1, generator=g).to(device, dtype)  # [S, C, K-1]
-
-
-def make_x(shape, dtype, seed=2, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(device, dtype)
+def make_pool(width, dtype, num_slots=NUM_SLOTS, **kwargs):
+    return make_pool_of(width, dtype, num_slots=num_slots, **kwargs)
 
 
 def idx(values, dtype=torch.int64, device=DEVICE):
