@@ -1,17 +1,28 @@
 """Mamba2 decode/verify kernels on the GPU: the Triton state update and conv update at the 8b-like layer size,
 as achieved GB/s of the bytes each must move, against a device-to-device copy measured in the same run.
 
+"decode" rows time the single-token kernels (each row's state read and written once). "verify T=5" rows
+time the speculative-verify kernels by replay in their worst steady state: every row first replays T = 5
+recorded positions of its last verify (replay = T), stores that state once, then runs its T new tokens in
+registers. Their bytes are the state read once and written once, the T replayed inputs read and the T new
+inputs recorded, plus x, dt, B, C and y (see `bench_ssu` / `bench_conv` in tests/).
+
   python benchmarks/kernels_bench.py            # one CUDA GPU
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from tests.test_ops_triton_conv import bench_conv
-from tests.test_ops_triton_ssu import bench_ssu
+# The timing helpers live in the tests package at the repo root; `python benchmarks/kernels_bench.py` only
+# puts benchmarks/ on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.test_ops_triton_conv import bench_conv  # noqa: E402
+from tests.test_ops_triton_ssu import bench_ssu  # noqa: E402
 
 
 def copy_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:

@@ -7,8 +7,14 @@ Both are laid out id-major, so that everything a request owns is as contiguous a
   transfer descriptor, not one per layer). With speculative decoding the MTP drafter's attention layers
   (L_mtp) sit after the target's in the same blocks: its KV travels with the target's (R8).
 - State pools: conv [slots, L_mamba, conv_dim, K-1] and SSM [slots, L_mamba, H, P, N]: one slot's
-  state of every Mamba layer is one contiguous region per kind. A request owns a group of
-  `slots_per_request` consecutive slots (1+K while verifying drafts, R4): group g = slots g*(1+K) ...
+  state of every Mamba layer is one contiguous region per kind. A request owns one slot.
+- Verify inputs (only while verifying drafts): per slot and Mamba layer, the inputs of the slot's last
+  1+K verified positions (conv inputs; the SSM's x, B and raw dt), replayed into the state by the next
+  step once the accepted count is known (R3/R4; `ops/spec_state_update.py`). They never travel: a
+  transferred request has none pending.
+
+Each pool has one spare entry past the plan's: a scratch KV block and a scratch state slot that no request
+ever owns, where the padding rows of a CUDA-graph decode step write (`cuda_graphs.py`).
 
 Layers see strided per-layer views (`kv[:, l]`, `ssm[:, l]`); the operators index them by block or slot.
 `plan_cache` sizes both pools from a memory budget; the scheduler only ever sees the resulting counts.
@@ -31,12 +37,7 @@ class CachePlan:
     block_bytes: int  # one block across all attention layers (K and V), the drafter's included
     slot_bytes: int   # one state slot across all Mamba layers (conv + SSM)
     num_mtp_kv_layers: int = 0  # the drafter's attention layers, after the target's in every block
-    slots_per_request: int = 1  # a request's slot group: 1+K while verifying drafts
-
-    @property
-    def num_groups(self) -> int:
-        """Slot groups = requests that can hold a state at once."""
-        return self.num_slots // self.slots_per_request
+    verify_len: int = 0  # positions of verify inputs per slot (1+K while verifying drafts)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -49,8 +50,10 @@ def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dty
     block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
     conv = cfg.conv_dim * (cfg.conv_kernel - 1) * _itemsize(dtype)
     ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * _itemsize(ssm_dtype)
-    slot_bytes = n_mamba * (conv + ssm)
-    num_slots = ecfg.max_num_seqs * ecfg.slots_per_request
+    verify = ecfg.verify_len * (cfg.conv_dim + cfg.mamba_num_heads * (cfg.mamba_head_dim + 1)
+                                + cfg.n_groups * cfg.ssm_state_size) * _itemsize(dtype)
+    slot_bytes = n_mamba * (conv + ssm + verify)
+    num_slots = ecfg.max_num_seqs
     if ecfg.num_kv_blocks is not None:
         num_blocks = ecfg.num_kv_blocks
     elif block_bytes == 0:
@@ -58,15 +61,17 @@ def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dty
         num_blocks = max(1, -(-ecfg.max_num_seqs * (ecfg.max_model_len or cfg.max_position_embeddings)
                               // ecfg.block_size))
     else:
-        left = ecfg.cache_memory_bytes - num_slots * slot_bytes
-        num_blocks = left // block_bytes
+        # The budget holds the scratch block and slot too.
+        left = ecfg.cache_memory_bytes - (num_slots + 1) * slot_bytes
+        num_blocks = left // block_bytes - 1
         if num_blocks < 1:
+            need = (num_slots + 1) * slot_bytes + 2 * block_bytes
             raise ValueError(
-                f"engine field 'cache_memory_bytes': expected at least {num_slots * slot_bytes + block_bytes} "
-                f"bytes ({num_slots} state slots of {slot_bytes} B + one KV block of {block_bytes} B), "
+                f"engine field 'cache_memory_bytes': expected at least {need} bytes ({num_slots} state slots of "
+                f"{slot_bytes} B + one KV block of {block_bytes} B, and one scratch slot and block), "
                 f"got {ecfg.cache_memory_bytes}")
     return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes,
-                     num_mtp_kv_layers=n_mtp, slots_per_request=ecfg.slots_per_request)
+                     num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len)
 
 
 def mtp_kv_layers(cfg: ModelConfig) -> int:
@@ -80,12 +85,21 @@ class CachePools:
         self.plan = plan
         self.num_target_kv_layers = len(cfg.attention_layer_ids)
         n_attn, n_mamba = self.num_target_kv_layers + plan.num_mtp_kv_layers, len(cfg.mamba_layer_ids)
-        self.kv = torch.zeros(plan.num_blocks, n_attn, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        # The scratch block and slot: one past the plan's (never allocated by the scheduler).
+        self.scratch_block, self.scratch_slot = plan.num_blocks, plan.num_slots
+        self.kv = torch.zeros(plan.num_blocks + 1, n_attn, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
                               dtype=dtype, device=device)
-        self.conv = torch.zeros(plan.num_slots, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1,
+        self.conv = torch.zeros(plan.num_slots + 1, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1,
                                 dtype=dtype, device=device)
-        self.ssm = torch.zeros(plan.num_slots, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim,
+        self.ssm = torch.zeros(plan.num_slots + 1, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim,
                                cfg.ssm_state_size, dtype=ssm_dtype, device=device)
+        # Verify inputs, [slots, L_mamba, 1+K, ...]: conv inputs, then the SSM's x, B and raw dt.
+        L, S = plan.verify_len, plan.num_slots + 1
+        self.verify_conv = torch.zeros(S, n_mamba, L, cfg.conv_dim, dtype=dtype, device=device)
+        self.verify_x = torch.zeros(S, n_mamba, L, cfg.mamba_num_heads, cfg.mamba_head_dim, dtype=dtype,
+                                    device=device)
+        self.verify_B = torch.zeros(S, n_mamba, L, cfg.n_groups, cfg.ssm_state_size, dtype=dtype, device=device)
+        self.verify_dt = torch.zeros(S, n_mamba, L, cfg.mamba_num_heads, dtype=dtype, device=device)
 
     def by_name(self) -> dict[str, torch.Tensor]:
         """The three pools as `baton.transfer` registers them."""
@@ -104,3 +118,11 @@ class CachePools:
 
     def ssm_layers(self) -> list[torch.Tensor]:
         return list(self.ssm.unbind(1))
+
+    def verify_layers(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per Mamba layer: the verify inputs (conv [S, 1+K, C], x [S, 1+K, H, P], B [S, 1+K, G, N],
+        dt [S, 1+K, H]); empty without speculative decoding."""
+        if not self.plan.verify_len:
+            return []
+        return list(zip(self.verify_conv.unbind(1), self.verify_x.unbind(1), self.verify_B.unbind(1),
+                        self.verify_dt.unbind(1), strict=True))

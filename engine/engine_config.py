@@ -37,11 +37,16 @@ class EngineConfig:
     ssm_state_dtype: str | None = None
     device: str = "cpu"
     # MTP speculative decoding: K draft tokens per decode step (0 = off). Needs a checkpoint with `mtp.*`
-    # weights. Each running request then owns 1+K state slots (R4) and K blocks of lookahead room.
+    # weights. Each running request's state slot then also records the inputs of its last 1+K verified
+    # positions (replayed into the state once the accepted count is known, R3/R4), and it reserves K blocks
+    # of lookahead room.
     num_speculative_tokens: int = 0
-    # A prefill node's engine: it never samples, so one state slot per request even with K > 0; the MTP
-    # module still runs over the prompt so that its KV travels with the target's (R8).
+    # A prefill node's engine: it never samples or verifies, so it records no verify inputs even with K > 0;
+    # the MTP module still runs over the prompt so that its KV travels with the target's (R8).
     prefill_only: bool = False
+    # Replay pure decode steps (K = 0) as CUDA graphs, one per padded batch size, on CUDA devices; False runs
+    # every step eagerly (for debugging, or a model whose layers cannot be captured).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -56,6 +61,8 @@ class EngineConfig:
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
                              f"got {self.ssm_state_dtype!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"engine field 'cuda_graphs': expected True or False, got {self.cuda_graphs!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "
@@ -67,9 +74,9 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens}")
 
     @property
-    def slots_per_request(self) -> int:
-        """State slots one running request owns: 1+K while verifying drafts (R4), else 1."""
-        return 1 if self.prefill_only else 1 + self.num_speculative_tokens
+    def verify_len(self) -> int:
+        """Positions of verify inputs recorded per state slot: 1+K while verifying drafts, else 0."""
+        return 0 if self.prefill_only or not self.num_speculative_tokens else 1 + self.num_speculative_tokens
 
     @property
     def prefill_chunk_cap(self) -> int:

@@ -4,9 +4,10 @@ Rows are ordered decode rows first, then prefill rows; tokens of all rows are co
 Built only by the runner; all index tensors live on the model's device.
 
 With speculative decoding a decode row is a verify row of 1+k tokens (its last token, k drafts). The
-`spec_*` fields then lay the decode tokens out as [Rd, T] (T = 1 + the batch's largest k) for the
-multi-token state ops, which write the state after each position into its own slot of the row's group
-(R4) and read the row's committed slot (`state_slots`, chosen on the device, R3).
+`spec_*` fields then lay the decode tokens out as [Rd, T] (T = 1 + the batch's largest k) for the verify
+state ops, which first replay `spec_replay[b]` recorded positions of the row's last verify into its slot's
+state (that count was decided on the device by the last verify, R3) and record this step's inputs in
+`verify_inputs` (R4: nothing past the accepted positions ever reaches the state).
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ class ForwardBatch:
     ssm_states: list[torch.Tensor]    # per Mamba layer: [slots, H, P, N]
     num_decode_tokens: int = -1       # tokens of the decode rows (-1: one per row)
     spec_num_tokens: torch.Tensor | None = None    # [Rd] int64: 1 + k per verify row
-    spec_dst_slots: torch.Tensor | None = None     # [Rd, T] int64: the slot for the state after position t
+    spec_replay: torch.Tensor | None = None        # [Rd] int64: recorded positions to replay first
     spec_token_index: torch.Tensor | None = None   # [Rd, T] int64: flat token of (row, t), clamped to the row
     spec_flat_index: torch.Tensor | None = None    # [decode tokens] int64: (row, t) -> row * T + t
+    # per Mamba layer: recorded verify inputs (conv, x, B, dt), each [slots, 1+K, ...] (cache_pools.py)
+    verify_inputs: list[tuple[torch.Tensor, ...]] | None = None
+    # The prefill rows' chunk layout for the Triton chunked scan (`ops.triton_ssd.ChunkMeta`), built from host
+    # ints by the runner so that the scan never reads query_start_loc back; None on the reference path.
+    prefill_chunk_meta: object | None = None
 
     def __post_init__(self) -> None:
         if self.num_decode_tokens < 0:
@@ -40,7 +46,7 @@ class ForwardBatch:
 
     @property
     def is_spec(self) -> bool:
-        return self.spec_dst_slots is not None
+        return self.spec_replay is not None
 
     @property
     def num_rows(self) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from baton.engine.cache_pools import CachePools, plan_cache
-from baton.engine.config import ModelConfig
+from baton.engine.config import MOE, ModelConfig
+from baton.engine.cuda_graphs import DecodeGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.model import NemotronHForCausalLM
@@ -72,7 +73,7 @@ class LLMEngine:
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
         self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
-        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_groups)
+        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = self._make_runner(weights, device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -82,7 +83,7 @@ class LLMEngine:
     def _make_runner(self, weights: dict[str, torch.Tensor], device: torch.device) -> ModelRunner:
         k = self.config.num_speculative_tokens
         if not k:
-            return ModelRunner(self.model, self.pools, self.config.block_size, device)
+            return ModelRunner(self.model, self.pools, self.config.block_size, device, self._decode_graphs(device))
         if self.model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
                              f"weights (num_nextn_predict_layers = 0), got {k}")
@@ -90,16 +91,14 @@ class LLMEngine:
         return SpecRunner(self.model, mtp, self.pools, self.config.block_size, device, k,
                           draft=not self.config.prefill_only)
 
-    # Transfers name a request's state by the pool slot holding it: the first of its group (a transferred
-    # or prefill-only request has never verified drafts, so its committed state is there).
-    def _slot_of(self, group: int) -> int:
-        return group * self.plan.slots_per_request
-
-    def _group_of(self, slot: int) -> int:
-        if slot % self.plan.slots_per_request:
-            raise ValueError(f"state_slot: expected the first slot of a group (a multiple of "
-                             f"{self.plan.slots_per_request}), got {slot}")
-        return slot // self.plan.slots_per_request
+    def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
+        """CUDA graphs for pure decode steps, where they can run: on CUDA, and without MoE layers (whose
+        expert loop reads routing decisions on the host)."""
+        if not self.config.cuda_graphs or device.type != "cuda" or MOE in self.model_config.layer_types:
+            return None
+        max_blocks = -(-self.max_model_len // self.config.block_size) + 1
+        return DecodeGraphs(self.model, self.pools, self.config.block_size, self.config.max_num_seqs, max_blocks,
+                            device)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -136,7 +135,7 @@ class LLMEngine:
         params.validate_for_vocab(cfg.vocab_size)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
-        return Request(request_id=request_id, prompt_token_ids=prompt, sampling=params,
+        return Request(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params,
                        arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
                        prefill_only=prefill_only)
 
@@ -150,12 +149,12 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
-        self.scheduler.free_held(block_ids, self._group_of(state_slot))
+        self.scheduler.free_held(block_ids, state_slot)
 
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
         got = self.scheduler.reserve(-(-num_tokens // self.config.block_size))
-        return None if got is None else (got[0], self._slot_of(got[1]))
+        return got
 
     def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                              block_ids: list[int], state_slot: int, num_computed: int) -> str:
@@ -163,9 +162,8 @@ class LLMEngine:
         `block_ids` / `state_slot` (pulled from a prefill node): its first step computes only the next
         token from that state (R1), inside whatever mixed batch runs then."""
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
-        group = self._group_of(state_slot)
-        self.scheduler.add_computed(req, block_ids, group, num_computed)
-        self.runner.reset_group(group)
+        self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
+        self.runner.reset_slot(state_slot)
         self.runner.add_request(req.request_id, params)
         return req.request_id
 
@@ -195,7 +193,7 @@ class LLMEngine:
                 token_ids=tuple(req.output_token_ids), new_token_ids=tuple(req.output_token_ids[before[rid]:]),
                 finished=req.status.finished, finish_reason=req.finish_reason,
                 held_block_ids=tuple(req.block_ids) if held else (),
-                held_state_slot=self._slot_of(req.state_slot) if held else None,
+                held_state_slot=req.state_slot if held else None,
                 num_drafted=req.num_drafted, num_accepted=req.num_accepted))
         return outputs
 

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...] | list[int]  # the engine keeps a tuple: outputs share it without a copy
     sampling: SamplingParams
     # Admission order (FCFS); preempted requests keep theirs and go back to the front.
     arrival: int
@@ -43,7 +43,7 @@ class Request:
     # Tokens to prefill since the last (re)admission: the prompt, or prompt + outputs after preemption.
     num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # The scheduler's slot group (1+K consecutive pool slots while verifying drafts, R4).
+    # The request's state slot in the pools (conv + SSM state, and its recorded verify inputs).
     state_slot: int | None = None
     num_preemptions: int = 0
     # Speculative decoding: the drafts proposed for the next step (verified then), and totals.
@@ -54,7 +54,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (O(1): a decode step of a long request must not copy its whole sequence)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + outputs, copying only those."""
+        p = len(self.prompt_token_ids)
+        return [*self.prompt_token_ids[start:end], *self.output_token_ids[max(start - p, 0):max(end - p, 0)]]
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,9 @@
 `execute(out)` builds the varlen `ForwardBatch`, runs the model once over all rows (decode rows and prefill
 chunks together), gathers the last token of every row that samples, and samples one token per such row.
 
-With speculative decoding (K > 0, `spec_runner.SpecRunner` does the rest) decode rows are verify rows; the
-state slot a row resumes from is picked on the device from `committed` (R3), never from a host copy.
+With speculative decoding (K > 0, `spec_runner.SpecRunner` does the rest) decode rows are verify rows; how
+many recorded positions a row replays into its state first is read on the device from `replay` (R3), never
+from a host copy.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.cuda_graphs import DecodeGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.ops import dispatch
 from baton.engine.sampling import Sampler, make_generator
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
@@ -32,18 +35,22 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, graphs: DecodeGraphs | None = None) -> None:
+        """graphs: CUDA graphs for pure decode steps (None: every step runs eagerly)."""
         self.model = model
+        self.graphs = graphs
         self.pools = pools
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator]] = {}
         self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
-        self.slots_per_request = pools.plan.slots_per_request
-        # Per slot group: which of its slots holds the committed state (the accepted count of its last
-        # verify). Written only by steps on the device (R3); 0 for a fresh or transferred request.
-        self.committed = torch.zeros(pools.plan.num_groups, dtype=torch.int64, device=self.device)
+        self._verify = pools.verify_layers()
+        self._mamba = bool(self._ssm)
+        # Per state slot: how many recorded positions of its last verify were accepted (1 + accepted drafts),
+        # to be replayed into the state by the next step. Written only by steps on the device (R3); 0 for a
+        # fresh, prefilled or transferred request.
+        self.replay = torch.zeros(pools.plan.num_slots, dtype=torch.int64, device=self.device)
 
     # ---- per-request sampling state -------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -52,9 +59,9 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
 
-    def reset_group(self, group: int) -> None:
-        """A transferred state arrives in the group's first slot: resume from there."""
-        self.committed[group] = 0
+    def reset_slot(self, slot: int) -> None:
+        """A transferred state arrives whole in its slot: nothing to replay."""
+        self.replay[slot] = 0
 
     # ---- one step ---------------------------------------------------------------------------------
     def _t(self, x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -75,37 +82,44 @@ class ModelRunner:
             block_tables.append(list(row.block_ids) + [0] * (max_blocks - len(row.block_ids)))
 
         t = self._t
-        groups = t([r.state_slot for r in out.rows])
+        slots = t([r.state_slot for r in out.rows])
         has_init = t([r.has_initial_state for r in out.rows], torch.bool)
-        # A row without a state starts its group afresh (R2/R3): set on the device, no host copy involved.
-        cur = torch.where(has_init, self.committed[groups], 0)
-        self.committed[groups] = cur
+        # A row without a state starts afresh (R2/R3): nothing to replay. Set on the device, no host copy.
+        replay = torch.where(has_init, self.replay[slots], 0)
+        self.replay[slots] = replay
         batch = ForwardBatch(
             num_decodes=out.num_decodes,
             query_start_loc=t(qsl),
             seq_lens=t([r.num_computed_tokens + r.num_tokens for r in out.rows]),
             block_tables=t(block_tables),
             slot_mapping=t(slot_mapping),
-            state_slots=groups * self.slots_per_request + cur,
+            state_slots=slots,
             has_initial_state=has_init,
             kv_caches=self._kv,
             conv_states=self._conv,
             ssm_states=self._ssm,
         )
         if spec and out.num_decodes:
-            self._add_verify_layout(out, batch, groups, qsl)
+            self._add_verify_layout(out, batch, replay, qsl)
+        nd = out.num_decodes
+        if nd < len(out.rows) and self._mamba and dispatch.use_triton(self.pools.ssm):
+            from baton.engine.ops.triton_ssd import build_chunk_meta
+            base = qsl[nd]
+            batch.prefill_chunk_meta = build_chunk_meta([q - base for q in qsl[nd:]], self.model.cfg.chunk_size,
+                                                        self.device)
         return t(input_ids), batch
 
-    def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, groups: torch.Tensor,
+    def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, replay: torch.Tensor,
                            qsl: list[int]) -> None:
-        """Verify rows as [Rd, T]: token (b, t) is flat token qsl[b] + t; its state goes to slot t of b's group."""
+        """Verify rows as [Rd, T]: token (b, t) is flat token qsl[b] + t."""
         nd = out.num_decodes
         lens = [r.num_tokens for r in out.rows[:nd]]
         T = max(lens)
         batch.num_decode_tokens = qsl[nd]
         batch.spec_num_tokens = self._t(lens)
         batch.spec_token_index = self._t([[qsl[b] + min(j, n - 1) for j in range(T)] for b, n in enumerate(lens)])
-        batch.spec_dst_slots = groups[:nd, None] * self.slots_per_request + torch.arange(T, device=self.device)
+        batch.spec_replay = replay[:nd]
+        batch.verify_inputs = self._verify
         batch.spec_flat_index = self._t([b * T + j for b, n in enumerate(lens) for j in range(n)])
 
     @torch.inference_mode()
@@ -117,18 +131,39 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
         if not out.rows:
             return StepOutput(sampled={})
-        hidden, batch = self.forward_hidden(out)
         sample_rows = [i for i, r in enumerate(out.rows) if r.sample]
-        if not sample_rows:
-            return StepOutput(sampled={}, logits={} if return_logits else None)
-        # The logits gather: the last token of every row that samples (R5).
-        last = batch.query_start_loc[1:][sample_rows] - 1
-        logits = self.model.logits(hidden[last])  # [R_s, V] float32
+        if self._graphable(out) and len(sample_rows) == len(out.rows):
+            logits = self._decode_graph(out)
+        else:
+            hidden, batch = self.forward_hidden(out)
+            if not sample_rows:
+                return StepOutput(sampled={}, logits={} if return_logits else None)
+            # The logits gather: the last token of every row that samples (R5).
+            last = batch.query_start_loc[1:][sample_rows] - 1
+            logits = self.model.logits(hidden[last])  # [R_s, V] float32
         ids = [out.rows[i].request_id for i in sample_rows]
         tokens = self.sample(logits, ids).tolist()
         return StepOutput(
             sampled=dict(zip(ids, tokens, strict=True)),
             logits={r: logits[i] for i, r in enumerate(ids)} if return_logits else None,
+        )
+
+    def _graphable(self, out: SchedulerOutput) -> bool:
+        """A pure decode step (one token per row, every row resuming its state) that a graph can run."""
+        return (self.graphs is not None and out.num_decodes == len(out.rows)
+                and self.graphs.size_for(len(out.rows)) is not None)
+
+    def _decode_graph(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [R, V] of a pure decode step, by CUDA graph replay."""
+        bs = self.block_size
+        rows = out.rows
+        pos = [r.num_computed_tokens for r in rows]
+        return self.graphs.run(
+            input_ids=[r.token_ids[0] for r in rows],
+            seq_lens=[p + 1 for p in pos],
+            slot_mapping=[r.block_ids[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)],
+            state_slots=[r.state_slot for r in rows],
+            block_tables=[list(r.block_ids) for r in rows],
         )
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:

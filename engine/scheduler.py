@@ -68,7 +68,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int) -> None:
-        """num_slots: state slot groups (one per request that holds a state)."""
+        """num_slots: state slots (one per request that holds a state)."""
         self.config = config
         self.block_size = config.block_size
         self.num_spec = 0 if config.prefill_only else config.num_speculative_tokens
@@ -226,10 +226,10 @@ class Scheduler:
         assert req.state_slot is not None
         if req.in_decode:
             k = n - 1
-            tokens = (req.all_token_ids[-1], *req.draft_token_ids[:k])
+            tokens = (req.last_token_id, *req.draft_token_ids[:k])
         else:
             k = 0
-            tokens = tuple(req.all_token_ids[start:start + n])
+            tokens = tuple(req.token_ids_between(start, start + n))
         return ScheduledRow(
             request_id=req.request_id,
             token_ids=tokens,
@@ -240,7 +240,8 @@ class Scheduler:
             block_ids=tuple(req.block_ids),
             sample=req.in_decode or (start + n == req.num_tokens and not req.prefill_only),
             num_draft=k,
-            next_token=req.all_token_ids[start + n] if not req.in_decode and start + n < req.num_tokens else -1,
+            next_token=(req.token_ids_between(start + n, start + n + 1)[0]
+                        if not req.in_decode and start + n < req.num_tokens else -1),
         )
 
     def _blocks_needed(self, req: Request, n: int, lookahead: int = 0) -> int:

@@ -2,13 +2,14 @@
 
 One step, all on the device until the single host read of its tokens at the end:
 
-1. Target forward over the mixed batch. Verify rows (last token + k drafts) run the multi-token state ops,
-   which store the state after each of their 1+k positions in the row's slot group (R4); prefill chunks and
-   first-token recomputes run the chunked scan from the row's committed slot.
+1. Target forward over the mixed batch. Verify rows (last token + k drafts) run the verify state ops, which
+   first replay the accepted positions of the row's last verify into its state, then record the inputs of
+   this step's 1+k positions (R4: no unaccepted position ever reaches the state); prefill chunks and
+   first-token recomputes run the chunked scan from the row's state.
 2. Logits: the last token of each prefill row that samples, every token of each verify row (R5). Prefill rows
    sample as usual; verify rows go through the rejection sampler (greedy: accept while the target's argmax
-   matches), whose accepted counts are written straight into `committed[group]` on the device (R3): the next
-   step resumes each row from slot `accepted` of its group, whatever order its rows come in.
+   matches), whose accepted counts + 1 are written straight into `replay[slot]` on the device (R3): the next
+   step replays that many recorded positions, whatever order its rows come in.
 3. Drafter catch-up: the MTP module runs once over every token of the batch with (h_i, t_{i+1}), writing its
    own KV at every position (R8: a prefill chunk's successor token is known from the prompt; a sampling row's
    last one is the token just sampled; a verify row's are the tokens it emitted). Its output at each drafting
@@ -89,8 +90,8 @@ class SpecRunner(ModelRunner):
             drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
             params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
             res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
-            groups = batch.state_slots[:nd] // self.slots_per_request
-            self.committed[groups] = res.accepted_counts  # R3: the device decides where each row resumes
+            # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
+            self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
             emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
             # The drafter sees the emitted tokens as successors at the positions they follow.
             flat = emitted.clamp_min(0).reshape(-1)[batch.spec_flat_index]  # [decode tokens]
@@ -139,8 +140,8 @@ class SpecRunner(ModelRunner):
         return dataclasses.replace(
             batch, num_decodes=0, num_decode_tokens=0,
             query_start_loc=torch.arange(d + 1, device=self.device), seq_lens=pos + 1, block_tables=tables,
-            slot_mapping=slot, spec_num_tokens=None, spec_dst_slots=None, spec_token_index=None,
-            spec_flat_index=None)
+            slot_mapping=slot, spec_num_tokens=None, spec_replay=None, spec_token_index=None,
+            spec_flat_index=None, verify_inputs=None)
 
     def _unpack(self, host: list[int], out: SchedulerOutput, prefill_sampling: list[int],
                 drafted: bool) -> StepOutput:

@@ -1,5 +1,5 @@
-"""The engine's steps on the Triton kernels (decode / verify state updates, paged attention, prefill conv) (`BATON_KERNELS=triton`; on CPU they run in
-Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
+"""The engine's steps on the Triton kernels (decode / verify state updates, paged attention, prefill conv and
+chunked scan) (`BATON_KERNELS=triton`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypat
     ref = run(ref_engine, arrivals)
 
     calls = []
-    for name in ("conv_update", "state_update", "conv_update_multi", "state_update_multi", "paged_attention",
-                 "conv_varlen"):
+    for name in ("conv_update", "state_update", "conv_update_verify", "state_update_verify", "paged_attention",
+                 "conv_varlen", "chunk_scan"):
         orig = getattr(dispatch, name)
 
         def spy(t, orig=orig, name=name):
@@ -37,8 +37,8 @@ def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypat
     assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
         {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
     assert calls and all(fn.endswith("_triton") for _, fn in calls)
-    decode = {"conv_update_multi", "state_update_multi"} if k else {"conv_update", "state_update"}
-    assert {n for n, _ in calls} == decode | {"paged_attention", "conv_varlen"}
+    decode = {"conv_update_verify", "state_update_verify"} if k else {"conv_update", "state_update"}
+    assert {n for n, _ in calls} == decode | {"paged_attention", "conv_varlen", "chunk_scan"}
 
 
 def test_bad_kernel_mode_is_refused(monkeypatch):

@@ -1,4 +1,11 @@
-"""Speculative-verify state ops against T calls of the single-token ops (R4: one state slot per position)."""
+"""Speculative-verify state ops (by replay) against the single-token decode ops (R3/R4).
+
+A verify step first replays `replay[b]` recorded positions of the slot's last verify into its state
+(stored once), then runs its T tokens from there without storing any per-position state, and records its
+own inputs as the slot's pending ones. Every comparison here is bit for bit on CPU: each replayed or
+verified position runs the single-token op's computation on the same batch and reads the state rounded
+as the pool holds it.
+"""
 
 import math
 
@@ -8,27 +15,39 @@ from torch import Tensor
 
 from baton.engine.ops.causal_conv1d import causal_conv1d_update
 from baton.engine.ops.selective_state_update import selective_state_update
-from baton.engine.ops.spec_state_update import causal_conv1d_update_multi, selective_state_update_multi
+from baton.engine.ops.spec_state_update import causal_conv1d_update_verify, selective_state_update_verify
 
 H, P, N, G = 4, 8, 16, 2
 CHANNELS, WIDTH = 24, 4
 NUM_SLOTS = 24
+PENDING = 6  # L: recorded positions per slot (>= the largest T used here)
 DT_MIN = 1e-3
 BATCH = 3
-SCRATCH = [16, 17, 18]  # slots a reference run may scribble on
+SLOTS = [5, 0, 11]  # the verify rows' slots
+PLAIN = [20, 21, 22]  # a non-speculative run's slots
+SCRATCH = [16, 17, 18]  # slots a reference decode may scribble on (rows with nothing left to feed)
 
-# (input dtype, pool dtype). Every comparison is bit for bit, bf16 included: each verify position runs
-# the single-token op's computation on the same batch and reads the state rounded as the pool holds it.
+# (input dtype, pool dtype); the pending inputs are kept in the input dtype, as the engine's pools are.
 SSM_DTYPES = [
     pytest.param(torch.float32, torch.float32, id="fp32"),
     pytest.param(torch.bfloat16, torch.float32, id="bf16-fp32state"),
     pytest.param(torch.bfloat16, torch.bfloat16, id="bf16-bf16state"),
+    pytest.param(torch.float16, torch.float32, id="fp16-fp32state"),
+    pytest.param(torch.float32, torch.bfloat16, id="fp32-bf16state"),
 ]
-CONV_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+CONV_DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16"),
+]
 
 
 def assert_same(actual: Tensor, expected: Tensor) -> None:
     assert actual.dtype == expected.dtype and torch.equal(actual, expected), (actual - expected).abs().max()
+
+
+def t64(values) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 # ---- SSM -----------------------------------------------------------------------------------------
@@ -59,140 +78,168 @@ def ssm_pool(dtype: torch.dtype, seed: int = 2) -> Tensor:
     return torch.randn(NUM_SLOTS, H, P, N, generator=g).to(dtype)  # [S, H, P, N]
 
 
-def ssm_multi(pool, tok, params, src, dst, num_tokens=None) -> Tensor:
-    return selective_state_update_multi(
-        pool, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"], params["D"], params["dt_bias"],
-        torch.tensor(src), torch.tensor(dst), DT_MIN,
-        None if num_tokens is None else torch.tensor(num_tokens),
+def ssm_pending(dtype: torch.dtype, length: int = PENDING, seed: int = 3) -> dict[str, Tensor]:
+    """Recorded inputs of each slot's last verify: x [S, L, H, P], B [S, L, G, N], raw dt [S, L, H]."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(NUM_SLOTS, length, H, P, generator=g).to(dtype),
+        B=torch.randn(NUM_SLOTS, length, G, N, generator=g).to(dtype),
+        dt=torch.randn(NUM_SLOTS, length, H, generator=g).to(dtype),
+    )
+
+
+def ssm_case(T: int, dtype: torch.dtype, state_dtype: torch.dtype, seed: int = 1):
+    """Params, tokens [B, T, ...], a pool and recorded inputs (in the input dtype)."""
+    return ssm_params(), ssm_tokens(BATCH, T, dtype, seed=seed), ssm_pool(state_dtype), ssm_pending(dtype)
+
+
+def clone_all(d: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def ssm_verify(pool, pend, tok, params, slots, replay, num_tokens=None) -> Tensor:
+    return selective_state_update_verify(
+        pool, pend["x"], pend["B"], pend["dt"], tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
+        params["D"], params["dt_bias"], t64(slots), t64(replay), DT_MIN,
+        None if num_tokens is None else t64(num_tokens),
     )  # fmt: skip
 
 
-def ssm_reference(pool: Tensor, tok, params, src: list[int], num_tokens: list[int]):
-    """Single-token op once per position on a copy of the pool; returns y [B, T, H, P] (zero past
-    num_tokens) and the state after each valid step. All rows step every time, as in the op: on CPU an
-    elementwise exp may round differently with the batch size, and the claim is equality per batch."""
-    pool = pool.clone()
-    batch, T = tok["x"].shape[:2]
-    y = torch.zeros_like(tok["x"])
-    states: dict[tuple[int, int], Tensor] = {}
-    for t in range(T):
-        y[:, t] = selective_state_update(
-            pool, tok["x"][:, t], tok["dt"][:, t], params["A"], tok["B"][:, t], tok["C"][:, t],
-            params["D"], params["dt_bias"], torch.tensor(src), DT_MIN,
-        )  # fmt: skip
-        for b in range(batch):
-            if t < num_tokens[b]:
-                states[b, t] = pool[src[b]].clone()
-            else:
-                y[b, t] = 0
-    return y, states
+def ssm_decode(pool, x, dt, B, C, params, slots) -> Tensor:
+    A, D, dt_bias = params["A"], params["D"], params["dt_bias"]
+    return selective_state_update(pool, x, dt, A, B, C, D, dt_bias, t64(slots), DT_MIN)
+
+
+def ssm_replay_by_decode(pool, pend, params, slots, replay) -> None:
+    """Feed each row's first replay[b] recorded positions through the decode op, the whole batch per step;
+    a row with nothing left steps into a scratch slot (ignored)."""
+    for j in range(max(replay)):
+        rows = [s if j < r else SCRATCH[b] for b, (s, r) in enumerate(zip(slots, replay, strict=True))]
+        idx = t64(slots)
+        C = torch.zeros(len(slots), G, N)
+        ssm_decode(pool, pend["x"][idx, j], pend["dt"][idx, j], pend["B"][idx, j], C, params, rows)
+
+
+def ssm_decode_tokens(pool, tok, params, slots) -> Tensor:
+    """T decode steps of every row from pool[slots]: y [B, T, H, P]."""
+    return torch.stack([ssm_decode(pool, tok["x"][:, t], tok["dt"][:, t], tok["B"][:, t], tok["C"][:, t],
+                                   params, slots) for t in range(tok["x"].shape[1])], dim=1)  # fmt: skip
+
+
+def assert_ssm_recorded(pend, before, tok, slots, T) -> None:
+    """pending[slots, :T] holds this step's inputs; all else in the pending tensors is unchanged."""
+    expected = clone_all(before)
+    for k in ("x", "B", "dt"):
+        expected[k][t64(slots), :T] = tok[k].to(expected[k].dtype)
+        assert_same(pend[k], expected[k])
 
 
 @pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
-def test_ssm_single_token_equals_existing_op(dtype, state_dtype):
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, 1, dtype), ssm_pool(state_dtype)
-    src, dst = [5, 0, 11], [[7], [0], [3]]  # row 1 writes its own source slot
-    ref_pool = pool.clone()
-    y_ref = selective_state_update(
-        ref_pool, tok["x"][:, 0], tok["dt"][:, 0], params["A"], tok["B"][:, 0], tok["C"][:, 0],
-        params["D"], params["dt_bias"], torch.tensor(src), DT_MIN,
-    )  # fmt: skip
-    y = ssm_multi(pool, tok, params, src, dst)
+def test_ssm_single_token_equals_decode(dtype, state_dtype):
+    """replay 0, T = 1: the decode op's y, nothing stored; the next step's replay of 1 commits exactly the
+    decode op's state."""
+    params, tok, pool, pend = ssm_case(1, dtype, state_dtype)
+    before, pend_before, ref_pool = pool.clone(), clone_all(pend), pool.clone()
+    y_ref = ssm_decode_tokens(ref_pool, tok, params, SLOTS)[:, 0]
+    y = ssm_verify(pool, pend, tok, params, SLOTS, [0] * BATCH)
     assert y.shape == (BATCH, 1, H, P) and y.dtype == dtype
     assert_same(y[:, 0], y_ref)
-    for b in range(BATCH):
-        assert_same(pool[dst[b][0]], ref_pool[src[b]])
+    assert_same(pool, before)
+    assert_ssm_recorded(pend, pend_before, tok, SLOTS, 1)
+    ssm_verify(pool, pend, ssm_tokens(BATCH, 1, dtype, seed=9), params, SLOTS, [1] * BATCH)
+    assert_same(pool, ref_pool)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
 def test_ssm_equals_repeated_single_token(T, dtype, state_dtype):
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, T, dtype, seed=T), ssm_pool(state_dtype)
-    src = [20, 21, 22]
-    dst = [[b * T + t for t in range(T)] for b in range(BATCH)]
-    y_ref, states = ssm_reference(pool, tok, params, src, [T] * BATCH)
-    y = ssm_multi(pool, tok, params, src, dst)
+    params, tok, pool, pend = ssm_case(T, dtype, state_dtype, seed=T)
+    before, pend_before = pool.clone(), clone_all(pend)
+    y_ref = ssm_decode_tokens(pool.clone(), tok, params, SLOTS)
+    y = ssm_verify(pool, pend, tok, params, SLOTS, [0] * BATCH)
     assert_same(y, y_ref)
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
+    assert_same(pool, before)  # no per-position state is stored
+    assert_ssm_recorded(pend, pend_before, tok, SLOTS, T)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
-def test_ssm_src_slot_among_dst_slots(dtype, state_dtype):
-    T = 4
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, T, dtype), ssm_pool(state_dtype)
-    # The source is overwritten by position 0, a middle position and the last position respectively.
-    src = [2, 9, 15]
-    dst = [[2, 3, 4, 5], [8, 9, 10, 11], [12, 13, 14, 15]]
-    y_ref, states = ssm_reference(pool, tok, params, src, [T] * BATCH)
-    y = ssm_multi(pool, tok, params, src, dst)
+@pytest.mark.parametrize("replay", [[1, 1, 1], [2, 0, 3], [PENDING, 1, 0]], ids=["r1", "r203", "rL10"])
+def test_ssm_replay_equals_decode_then_continues(replay, dtype, state_dtype):
+    T = 3
+    params, tok, pool, pend = ssm_case(T, dtype, state_dtype)
+    before, pend_before, ref_pool = pool.clone(), clone_all(pend), pool.clone()
+    ssm_replay_by_decode(ref_pool, pend, params, SLOTS, replay)
+    committed = ref_pool.clone()
+    y_ref = ssm_decode_tokens(ref_pool, tok, params, SLOTS)
+    y = ssm_verify(pool, pend, tok, params, SLOTS, replay)
     assert_same(y, y_ref)
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
+    assert_same(pool[SLOTS], committed[SLOTS])  # the replayed state, stored once
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS]
+    assert_same(pool[others], before[others])
+    assert_ssm_recorded(pend, pend_before, tok, SLOTS, T)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
+def test_ssm_chain_equals_decode_of_accepted_tokens(dtype, state_dtype):
+    """R4 over verify rounds: step n+1 replays the a+1 positions step n accepted and commits bit for bit
+    the state of a non-speculative decode over those tokens, for every a in 0..K (row b accepts (n+b) % T
+    at step n)."""
+    K = 3
+    T = 1 + K
+    params, pool, pend = ssm_params(), ssm_pool(state_dtype), ssm_pending(dtype, length=T)
+    pool[PLAIN] = pool[SLOTS]
+    replay = [0] * BATCH
+    for n in range(T + 1):
+        tok = ssm_tokens(BATCH, T, dtype, seed=100 + n)
+        y = ssm_verify(pool, pend, tok, params, SLOTS, replay)
+        for b in range(BATCH):
+            assert_same(pool[SLOTS[b]], pool[PLAIN[b]])
+        accepted = [(n + b) % T for b in range(BATCH)]
+        for t in range(T):
+            rows = [PLAIN[b] if t <= accepted[b] else SCRATCH[b] for b in range(BATCH)]
+            step = {k: v[:, t : t + 1] for k, v in tok.items()}
+            y_plain = ssm_decode_tokens(pool, step, params, rows)[:, 0]
+            for b in range(BATCH):
+                if t <= accepted[b]:
+                    assert_same(y[b, t], y_plain[b])
+        replay = [a + 1 for a in accepted]
+
+
+@pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
+def test_ssm_short_rows(dtype, state_dtype):
+    """num_tokens < T: y is zero past it and equals the full row's y before it; the state and the
+    recorded inputs (all T positions) are those of the full rows."""
+    T = 4
+    params, tok, pool, pend = ssm_case(T, dtype, state_dtype)
+    replay, num_tokens = [2, 0, 1], [1, 4, 2]
+    full_pool, full_pend = pool.clone(), clone_all(pend)
+    y_full = ssm_verify(full_pool, full_pend, tok, params, SLOTS, replay)
+    y = ssm_verify(pool, pend, tok, params, SLOTS, replay, num_tokens)
+    for b, n in enumerate(num_tokens):
+        assert_same(y[b, :n], y_full[b, :n])
+        assert (y[b, n:] == 0).all()
+    assert_same(pool, full_pool)
+    for k in pend:
+        assert_same(pend[k], full_pend[k])
 
 
 def test_ssm_unnamed_slots_untouched():
     T = 3
     params, tok = ssm_params(), ssm_tokens(BATCH, T, torch.float32)
-    src = [1, 6, 12]
-    dst = [[1, 2, 3], [7, 8, 9], [13, 14, 15]]
-    pool = torch.full((NUM_SLOTS, H, P, N), float("nan"))
-    pool[src] = ssm_pool(torch.float32)[src]
-    y = ssm_multi(pool, tok, params, src, dst)
-    named = {s for row in dst for s in row} | set(src)
+    real_pool, real_pend = ssm_pool(torch.float32), ssm_pending(torch.float32)
+    pool = torch.full_like(real_pool, float("nan"))
+    pend = {k: torch.full_like(v, float("nan")) for k, v in real_pend.items()}
+    pool[SLOTS] = real_pool[SLOTS]
+    for k in pend:
+        pend[k][SLOTS] = real_pend[k][SLOTS]
+    y = ssm_verify(pool, pend, tok, params, SLOTS, [3, 0, PENDING], [2, 3, 1])
     assert torch.isfinite(y).all()
     for s in range(NUM_SLOTS):
-        assert torch.isfinite(pool[s]).all() if s in named else torch.isnan(pool[s]).all(), s
+        tensors = [pool[s]] + [v[s] for v in pend.values()]
+        assert all(torch.isfinite(v).all() if s in SLOTS else torch.isnan(v).all() for v in tensors), s
 
 
-@pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
-def test_ssm_short_rows_leave_later_slots_untouched(dtype, state_dtype):
-    T = 4
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, T, dtype), ssm_pool(state_dtype)
-    src, num_tokens = [20, 21, 22], [1, 4, 2]
-    # Padding past num_tokens: -1 (never read) or real slots that must keep their contents.
-    dst = [[0, -1, -1, -1], [4, 5, 6, 7], [8, 9, 10, 11]]
-    before = pool.clone()
-    y_ref, states = ssm_reference(pool, tok, params, src, num_tokens)
-    y = ssm_multi(pool, tok, params, src, dst, num_tokens)
-    assert_same(y, y_ref)
-    assert (y[0, 1:] == 0).all() and (y[2, 2:] == 0).all()
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
-    assert torch.equal(pool[[10, 11]], before[[10, 11]])
-    assert torch.equal(pool[12:], before[12:])
-
-
-@pytest.mark.parametrize("dtype,state_dtype", SSM_DTYPES)
-def test_ssm_resume_from_last_accepted_slot(dtype, state_dtype):
-    """R4 over several verify rounds: each request owns 1+K slots, resumes from the slot of its last
-    accepted position, and ends bit-identical to a non-speculative decode over the accepted tokens."""
-    K, rounds = 3, 4
-    T = 1 + K
-    params, pool = ssm_params(), ssm_pool(state_dtype)
-    owned = [[b * T + t for t in range(T)] for b in range(BATCH)]  # 1+K slots per request
-    plain_slots = [20, 21, 22]  # the non-speculative run's slots
-    pool[plain_slots] = pool[[owned[b][0] for b in range(BATCH)]]
-    src = [owned[b][0] for b in range(BATCH)]
-    g = torch.Generator().manual_seed(7)
-    for r in range(rounds):
-        tok = ssm_tokens(BATCH, T, dtype, seed=100 + r)
-        y = ssm_multi(pool, tok, params, src, owned)
-        accepted = torch.randint(0, T, (BATCH,), generator=g).tolist()  # drafts accepted, 0..K
-        # The plain decode feeds each request its accepted tokens one step at a time, the whole batch
-        # per step; a request with nothing left steps into a scratch slot (ignored).
-        for t in range(T):
-            slots = [plain_slots[b] if t <= accepted[b] else SCRATCH[b] for b in range(BATCH)]
-            y_plain = selective_state_update(
-                pool, tok["x"][:, t], tok["dt"][:, t], params["A"], tok["B"][:, t], tok["C"][:, t],
-                params["D"], params["dt_bias"], torch.tensor(slots), DT_MIN,
-            )  # fmt: skip
-            for b in range(BATCH):
-                if t <= accepted[b]:
-                    assert_same(y[b, t], y_plain[b])
-        for b in range(BATCH):
-            src[b] = owned[b][accepted[b]]
-            assert_same(pool[src[b]], pool[plain_slots[b]])
+FN_SSM = "selective_state_update_verify"
 
 
 @pytest.mark.parametrize(
@@ -205,45 +252,53 @@ def test_ssm_resume_from_last_accepted_slot(dtype, state_dtype):
         ("A", (H + 1,), "A"),
         ("D", (H, 1), "D"),
         ("dt_bias", (H - 1,), "dt_bias"),
-        ("src", (BATCH + 1,), "src_slots"),
-        ("dst", (BATCH, 3), "dst_slots"),
+        ("slots", (BATCH + 1,), "slots"),
+        ("replay", (BATCH, 1), "replay"),
         ("num_tokens", (BATCH, 1), "num_tokens"),
-        ("pool", (NUM_SLOTS, H, P), "expected x"),
+        ("pending_x", (NUM_SLOTS, PENDING, H, P + 1), "pending_x"),
+        ("pending_B", (NUM_SLOTS, PENDING - 1, G, N), "pending_B"),
+        ("pending_dt", (NUM_SLOTS + 1, PENDING, H), "pending_dt"),
+        ("pending_x", (NUM_SLOTS, 1, H, P), "pending_x"),  # L = 1 < T = 2
+        ("ssm_state", (NUM_SLOTS, H, P), "expected x"),
     ],
 )
 def test_ssm_bad_shapes_raise(name, shape, match):
     T = 2
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, T, torch.float32), ssm_pool(torch.float32)
+    params, tok, pool, pend = ssm_case(T, torch.float32, torch.float32)
     args = dict(
-        ssm_state=pool, x=tok["x"], dt=tok["dt"], A=params["A"], B=tok["B"], C=tok["C"], D=params["D"],
-        dt_bias=params["dt_bias"], src_slots=torch.tensor([20, 21, 22]),
-        dst_slots=torch.arange(BATCH * T).view(BATCH, T), dt_min=DT_MIN, num_tokens=torch.full((BATCH,), T),
+        ssm_state=pool, pending_x=pend["x"], pending_B=pend["B"], pending_dt=pend["dt"], x=tok["x"],
+        dt=tok["dt"], A=params["A"], B=tok["B"], C=tok["C"], D=params["D"], dt_bias=params["dt_bias"],
+        slots=t64([20, 21, 22]), replay=t64([0, 1, 2]), dt_min=DT_MIN, num_tokens=torch.full((BATCH,), T),
     )  # fmt: skip
-    key = {"src": "src_slots", "dst": "dst_slots", "pool": "ssm_state"}.get(name, name)
-    args[key] = torch.zeros(shape, dtype=args[key].dtype)
-    with pytest.raises(ValueError, match=rf"selective_state_update_multi: .*\b{match}\b"):
-        selective_state_update_multi(**args)
+    if name == "pending_x" and shape[1] < T:  # a pending length below T, every pending tensor alike
+        args["pending_B"], args["pending_dt"] = pend["B"][:, :1], pend["dt"][:, :1]
+    args[name] = torch.zeros(shape, dtype=args[name].dtype)
+    with pytest.raises(ValueError, match=rf"{FN_SSM}: .*\b{match}\b.*got"):
+        selective_state_update_verify(**args)
 
 
-@pytest.mark.parametrize(
-    "src,dst,num_tokens,match",
-    [
-        ([20, 21, 22], [[0, 1], [1, 2], [3, 4]], [2, 2, 2], "distinct"),
-        ([20, 21, 22], [[0, 1], [2, 3], [4, 4]], [2, 2, 1], None),  # duplicate only in padding: fine
-        ([20, 21, 22], [[0, 21], [2, 3], [4, 5]], [2, 2, 2], "overlap"),
-        ([20, 21, NUM_SLOTS], [[0, 1], [2, 3], [4, 5]], [2, 2, 2], "src_slots"),
-        ([20, 21, 22], [[0, 1], [2, -1], [4, 5]], [2, 2, 2], "dst_slots"),
-        ([20, 21, 22], [[0, 1], [2, 3], [4, 5]], [2, 0, 2], "num_tokens"),
-        ([20, 21, 22], [[0, 1], [2, 3], [4, 5]], [2, 3, 2], "num_tokens"),
-    ],
-)
-def test_ssm_bad_slots_raise(src, dst, num_tokens, match):
-    params, tok, pool = ssm_params(), ssm_tokens(BATCH, 2, torch.float32), ssm_pool(torch.float32)
+INDEX_CASES = [
+    ([20, 21, 22], [0, 1, 2], [2, 0, 2], "num_tokens expected values in \\[1, 2\\], got \\[2, 0, 2\\]"),
+    ([20, 21, 22], [0, 1, 2], [2, 3, 2], "num_tokens expected values in \\[1, 2\\]"),
+    ([20, 21, NUM_SLOTS], [0, 1, 2], [2, 2, 2], f"slots expected values in \\[0, {NUM_SLOTS}\\), got"),
+    ([20, -1, 22], [0, 1, 2], [2, 2, 2], "slots expected values in"),
+    ([20, 21, 20], [0, 1, 2], [2, 2, 2], "slots expected distinct slots, got \\[20, 21, 20\\]"),
+    ([20, 21, 22], [0, -1, 2], [2, 2, 2], f"replay expected values in \\[0, {PENDING}\\], got"),
+    ([20, 21, 22], [0, PENDING + 1, 2], [2, 2, 2], "replay expected values in"),
+    ([20, 21, 22], [0, PENDING, 2], [2, 1, 2], None),  # replay = L and a short row: fine
+]
+
+
+@pytest.mark.parametrize("slots,replay,num_tokens,match", INDEX_CASES)
+def test_ssm_bad_indices_raise(slots, replay, num_tokens, match):
+    params, tok, pool, pend = ssm_case(2, torch.float32, torch.float32)
+    before = pool.clone()
     if match is None:
-        ssm_multi(pool, tok, params, src, dst, num_tokens)
+        ssm_verify(pool, pend, tok, params, slots, replay, num_tokens)
         return
-    with pytest.raises(ValueError, match=match):
-        ssm_multi(pool, tok, params, src, dst, num_tokens)
+    with pytest.raises(ValueError, match=f"{FN_SSM}: {match}"):
+        ssm_verify(pool, pend, tok, params, slots, replay, num_tokens)
+    assert_same(pool, before)  # checked before anything is written
 
 
 # ---- conv ----------------------------------------------------------------------------------------
@@ -257,132 +312,139 @@ def conv_layer(dtype: torch.dtype, width: int = WIDTH, with_bias: bool = True, s
 
 
 def conv_inputs(batch: int, T: int, dtype: torch.dtype, width: int = WIDTH, seed: int = 1):
+    """x [B, T, C], a pool [S, C, K-1] and recorded inputs [S, L, C], all in `dtype`."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, T, CHANNELS, generator=g).to(dtype)  # [B, T, C]
     pool = torch.randn(NUM_SLOTS, CHANNELS, width - 1, generator=g).to(dtype)  # [S, C, K-1]
-    return x, pool
+    pending = torch.randn(NUM_SLOTS, PENDING, CHANNELS, generator=g).to(dtype)  # [S, L, C]
+    return x, pool, pending
 
 
-def conv_multi(x, weight, bias, pool, src, dst, num_tokens=None) -> Tensor:
-    nt = None if num_tokens is None else torch.tensor(num_tokens)
-    return causal_conv1d_update_multi(x, weight, bias, pool, torch.tensor(src), torch.tensor(dst), nt)
+def conv_verify(x, weight, bias, pool, pending, slots, replay, num_tokens=None) -> Tensor:
+    nt = None if num_tokens is None else t64(num_tokens)
+    return causal_conv1d_update_verify(x, weight, bias, pool, pending, t64(slots), t64(replay), nt)
 
 
-def conv_reference(x, weight, bias, pool, src: list[int], num_tokens: list[int]):
-    pool = pool.clone()
-    batch, T = x.shape[:2]
-    y = torch.zeros_like(x)
-    states: dict[tuple[int, int], Tensor] = {}
-    for t in range(T):
-        y[:, t] = causal_conv1d_update(x[:, t], weight, bias, pool, torch.tensor(src))
-        for b in range(batch):
-            if t < num_tokens[b]:
-                states[b, t] = pool[src[b]].clone()
-            else:
-                y[b, t] = 0
-    return y, states
+def conv_replay_by_decode(weight, bias, pool, pending, slots, replay) -> None:
+    for j in range(max(replay)):
+        rows = [s if j < r else SCRATCH[b] for b, (s, r) in enumerate(zip(slots, replay, strict=True))]
+        causal_conv1d_update(pending[t64(slots), j], weight, bias, pool, t64(rows))
+
+
+def conv_decode_tokens(x, weight, bias, pool, slots) -> Tensor:
+    ys = [causal_conv1d_update(x[:, t], weight, bias, pool, t64(slots)) for t in range(x.shape[1])]
+    return torch.stack(ys, dim=1)
+
+
+def assert_conv_recorded(pending, before, x, slots, T) -> None:
+    expected = before.clone()
+    expected[t64(slots), :T] = x.to(expected.dtype)
+    assert_same(pending, expected)
 
 
 @pytest.mark.parametrize("dtype", CONV_DTYPES)
 @pytest.mark.parametrize("width,with_bias", [(WIDTH, True), (WIDTH, False), (2, True), (1, True)])
-def test_conv_single_token_equals_existing_op(dtype, width, with_bias):
+def test_conv_single_token_equals_decode(dtype, width, with_bias):
     weight, bias = conv_layer(dtype, width, with_bias)
-    x, pool = conv_inputs(BATCH, 1, dtype, width)
-    src, dst = [5, 0, 11], [[7], [0], [3]]
-    ref_pool = pool.clone()
-    y_ref = causal_conv1d_update(x[:, 0], weight, bias, ref_pool, torch.tensor(src))
-    y = conv_multi(x, weight, bias, pool, src, dst)
+    x, pool, pending = conv_inputs(BATCH, 1, dtype, width)
+    before, pend_before, ref_pool = pool.clone(), pending.clone(), pool.clone()
+    y_ref = causal_conv1d_update(x[:, 0], weight, bias, ref_pool, t64(SLOTS))
+    y = conv_verify(x, weight, bias, pool, pending, SLOTS, [0] * BATCH)
     assert y.shape == (BATCH, 1, CHANNELS) and y.dtype == dtype
     assert_same(y[:, 0], y_ref)
-    for b in range(BATCH):
-        assert_same(pool[dst[b][0]], ref_pool[src[b]])
+    assert_same(pool, before)
+    assert_conv_recorded(pending, pend_before, x, SLOTS, 1)
+    x_next = conv_inputs(BATCH, 1, dtype, width, seed=9)[0]
+    conv_verify(x_next, weight, bias, pool, pending, SLOTS, [1] * BATCH)
+    assert_same(pool, ref_pool)
 
 
 @pytest.mark.parametrize("dtype", CONV_DTYPES)
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
 def test_conv_equals_repeated_single_token(T, dtype):
     weight, bias = conv_layer(dtype)
-    x, pool = conv_inputs(BATCH, T, dtype, seed=T)
-    src = [20, 21, 22]
-    dst = [[b * T + t for t in range(T)] for b in range(BATCH)]
-    y_ref, states = conv_reference(x, weight, bias, pool, src, [T] * BATCH)
-    y = conv_multi(x, weight, bias, pool, src, dst)
+    x, pool, pending = conv_inputs(BATCH, T, dtype, seed=T)
+    before, pend_before = pool.clone(), pending.clone()
+    y_ref = conv_decode_tokens(x, weight, bias, pool.clone(), SLOTS)
+    y = conv_verify(x, weight, bias, pool, pending, SLOTS, [0] * BATCH)
     assert_same(y, y_ref)
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
+    assert_same(pool, before)
+    assert_conv_recorded(pending, pend_before, x, SLOTS, T)
 
 
 @pytest.mark.parametrize("dtype", CONV_DTYPES)
-def test_conv_src_slot_among_dst_slots(dtype):
+@pytest.mark.parametrize("width", [WIDTH, 2])
+@pytest.mark.parametrize("replay", [[1, 1, 1], [2, 0, 3], [PENDING, 1, 0]], ids=["r1", "r203", "rL10"])
+def test_conv_replay_equals_decode_then_continues(replay, width, dtype):
+    T = 3
+    weight, bias = conv_layer(dtype, width)
+    x, pool, pending = conv_inputs(BATCH, T, dtype, width)
+    before, pend_before, ref_pool = pool.clone(), pending.clone(), pool.clone()
+    conv_replay_by_decode(weight, bias, ref_pool, pending, SLOTS, replay)
+    committed = ref_pool.clone()
+    y_ref = conv_decode_tokens(x, weight, bias, ref_pool, SLOTS)
+    y = conv_verify(x, weight, bias, pool, pending, SLOTS, replay)
+    assert_same(y, y_ref)
+    assert_same(pool[SLOTS], committed[SLOTS])
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS]
+    assert_same(pool[others], before[others])
+    assert_conv_recorded(pending, pend_before, x, SLOTS, T)
+
+
+@pytest.mark.parametrize("dtype", CONV_DTYPES)
+def test_conv_chain_equals_decode_of_accepted_tokens(dtype):
+    K = 3
+    T = 1 + K
+    weight, bias = conv_layer(dtype)
+    _, pool, pending = conv_inputs(BATCH, T, dtype)
+    pending = pending[:, :T].clone()
+    pool[PLAIN] = pool[SLOTS]
+    replay = [0] * BATCH
+    for n in range(T + 1):
+        x = conv_inputs(BATCH, T, dtype, seed=100 + n)[0]
+        y = conv_verify(x, weight, bias, pool, pending, SLOTS, replay)
+        for b in range(BATCH):
+            assert_same(pool[SLOTS[b]], pool[PLAIN[b]])
+        accepted = [(n + b) % T for b in range(BATCH)]
+        for t in range(T):
+            rows = [PLAIN[b] if t <= accepted[b] else SCRATCH[b] for b in range(BATCH)]
+            y_plain = causal_conv1d_update(x[:, t], weight, bias, pool, t64(rows))
+            for b in range(BATCH):
+                if t <= accepted[b]:
+                    assert_same(y[b, t], y_plain[b])
+        replay = [a + 1 for a in accepted]
+
+
+@pytest.mark.parametrize("dtype", CONV_DTYPES)
+def test_conv_short_rows(dtype):
     T = 4
     weight, bias = conv_layer(dtype)
-    x, pool = conv_inputs(BATCH, T, dtype)
-    src = [2, 9, 15]
-    dst = [[2, 3, 4, 5], [8, 9, 10, 11], [12, 13, 14, 15]]
-    y_ref, states = conv_reference(x, weight, bias, pool, src, [T] * BATCH)
-    y = conv_multi(x, weight, bias, pool, src, dst)
-    assert_same(y, y_ref)
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
+    x, pool, pending = conv_inputs(BATCH, T, dtype)
+    replay, num_tokens = [2, 0, 1], [1, 4, 2]
+    full_pool, full_pending = pool.clone(), pending.clone()
+    y_full = conv_verify(x, weight, bias, full_pool, full_pending, SLOTS, replay)
+    y = conv_verify(x, weight, bias, pool, pending, SLOTS, replay, num_tokens)
+    for b, n in enumerate(num_tokens):
+        assert_same(y[b, :n], y_full[b, :n])
+        assert (y[b, n:] == 0).all()
+    assert_same(pool, full_pool)
+    assert_same(pending, full_pending)
 
 
 def test_conv_unnamed_slots_untouched():
     T = 3
     weight, bias = conv_layer(torch.float32)
-    x, real = conv_inputs(BATCH, T, torch.float32)
-    src = [1, 6, 12]
-    dst = [[1, 2, 3], [7, 8, 9], [13, 14, 15]]
-    pool = torch.full_like(real, float("nan"))
-    pool[src] = real[src]
-    y = conv_multi(x, weight, bias, pool, src, dst)
-    named = {s for row in dst for s in row} | set(src)
+    x, real_pool, real_pending = conv_inputs(BATCH, T, torch.float32)
+    pool, pending = torch.full_like(real_pool, float("nan")), torch.full_like(real_pending, float("nan"))
+    pool[SLOTS], pending[SLOTS] = real_pool[SLOTS], real_pending[SLOTS]
+    y = conv_verify(x, weight, bias, pool, pending, SLOTS, [3, 0, PENDING], [2, 3, 1])
     assert torch.isfinite(y).all()
     for s in range(NUM_SLOTS):
-        assert torch.isfinite(pool[s]).all() if s in named else torch.isnan(pool[s]).all(), s
+        for v in (pool[s], pending[s]):
+            assert torch.isfinite(v).all() if s in SLOTS else torch.isnan(v).all(), s
 
 
-@pytest.mark.parametrize("dtype", CONV_DTYPES)
-def test_conv_short_rows_leave_later_slots_untouched(dtype):
-    T = 4
-    weight, bias = conv_layer(dtype)
-    x, pool = conv_inputs(BATCH, T, dtype)
-    src, num_tokens = [20, 21, 22], [1, 4, 2]
-    dst = [[0, -1, -1, -1], [4, 5, 6, 7], [8, 9, 10, 11]]
-    before = pool.clone()
-    y_ref, states = conv_reference(x, weight, bias, pool, src, num_tokens)
-    y = conv_multi(x, weight, bias, pool, src, dst, num_tokens)
-    assert_same(y, y_ref)
-    assert (y[0, 1:] == 0).all() and (y[2, 2:] == 0).all()
-    for (b, t), state in states.items():
-        assert_same(pool[dst[b][t]], state)
-    assert torch.equal(pool[[10, 11]], before[[10, 11]])
-    assert torch.equal(pool[12:], before[12:])
-
-
-@pytest.mark.parametrize("dtype", CONV_DTYPES)
-def test_conv_resume_from_last_accepted_slot(dtype):
-    K, rounds = 3, 4
-    T = 1 + K
-    weight, bias = conv_layer(dtype)
-    _, pool = conv_inputs(BATCH, T, dtype)
-    owned = [[b * T + t for t in range(T)] for b in range(BATCH)]
-    plain_slots = [20, 21, 22]
-    pool[plain_slots] = pool[[owned[b][0] for b in range(BATCH)]]
-    src = [owned[b][0] for b in range(BATCH)]
-    g = torch.Generator().manual_seed(7)
-    for r in range(rounds):
-        x, _ = conv_inputs(BATCH, T, dtype, seed=100 + r)
-        y = conv_multi(x, weight, bias, pool, src, owned)
-        accepted = torch.randint(0, T, (BATCH,), generator=g).tolist()
-        for t in range(T):
-            slots = [plain_slots[b] if t <= accepted[b] else SCRATCH[b] for b in range(BATCH)]
-            y_plain = causal_conv1d_update(x[:, t], weight, bias, pool, torch.tensor(slots))
-            for b in range(BATCH):
-                if t <= accepted[b]:
-                    assert_same(y[b, t], y_plain[b])
-        for b in range(BATCH):
-            src[b] = owned[b][accepted[b]]
-            assert_same(pool[src[b]], pool[plain_slots[b]])
+FN_CONV = "causal_conv1d_update_verify"
 
 
 @pytest.mark.parametrize(
@@ -392,28 +454,35 @@ def test_conv_resume_from_last_accepted_slot(dtype):
         ("weight", (CHANNELS + 1, WIDTH), "weight"),
         ("bias", (CHANNELS + 1,), "bias"),
         ("conv_state", (NUM_SLOTS, CHANNELS, WIDTH), "conv_state"),
-        ("src_slots", (BATCH, 1), "src_slots"),
-        ("dst_slots", (BATCH, 3), "dst_slots"),
+        ("pending", (NUM_SLOTS, PENDING, CHANNELS + 1), "pending"),
+        ("pending", (NUM_SLOTS + 1, PENDING, CHANNELS), "pending"),
+        ("pending", (NUM_SLOTS, 1, CHANNELS), "pending"),  # L = 1 < T = 2
+        ("slots", (BATCH, 1), "slots"),
+        ("replay", (BATCH + 1,), "replay"),
         ("num_tokens", (BATCH - 1,), "num_tokens"),
     ],
 )
 def test_conv_bad_shapes_raise(name, shape, match):
     T = 2
     weight, bias = conv_layer(torch.float32)
-    x, pool = conv_inputs(BATCH, T, torch.float32)
+    x, pool, pending = conv_inputs(BATCH, T, torch.float32)
     args = dict(
-        x=x, weight=weight, bias=bias, conv_state=pool, src_slots=torch.tensor([20, 21, 22]),
-        dst_slots=torch.arange(BATCH * T).view(BATCH, T), num_tokens=torch.full((BATCH,), T),
+        x=x, weight=weight, bias=bias, conv_state=pool, pending=pending, slots=t64([20, 21, 22]),
+        replay=t64([0, 1, 2]), num_tokens=torch.full((BATCH,), T),
     )  # fmt: skip
     args[name] = torch.zeros(shape, dtype=args[name].dtype)
-    with pytest.raises(ValueError, match=rf"causal_conv1d_update_multi: .*\b{match}\b"):
-        causal_conv1d_update_multi(**args)
+    with pytest.raises(ValueError, match=rf"{FN_CONV}: .*\b{match}\b.*got"):
+        causal_conv1d_update_verify(**args)
 
 
-def test_conv_bad_slots_raise():
+@pytest.mark.parametrize("slots,replay,num_tokens,match", INDEX_CASES)
+def test_conv_bad_indices_raise(slots, replay, num_tokens, match):
     weight, bias = conv_layer(torch.float32)
-    x, pool = conv_inputs(BATCH, 2, torch.float32)
-    with pytest.raises(ValueError, match="distinct"):
-        conv_multi(x, weight, bias, pool, [20, 21, 22], [[0, 1], [1, 2], [3, 4]])
-    with pytest.raises(ValueError, match="overlap"):
-        conv_multi(x, weight, bias, pool, [20, 21, 22], [[0, 22], [2, 3], [4, 5]])
+    x, pool, pending = conv_inputs(BATCH, 2, torch.float32)
+    before = pool.clone()
+    if match is None:
+        conv_verify(x, weight, bias, pool, pending, slots, replay, num_tokens)
+        return
+    with pytest.raises(ValueError, match=f"{FN_CONV}: {match}"):
+        conv_verify(x, weight, bias, pool, pending, slots, replay, num_tokens)
+    assert_same(pool, before)

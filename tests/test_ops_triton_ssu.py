@@ -21,14 +21,15 @@ from torch import Tensor  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 
 from baton.engine.ops.selective_state_update import selective_state_update  # noqa: E402
-from baton.engine.ops.spec_state_update import selective_state_update_multi  # noqa: E402
+from baton.engine.ops.spec_state_update import selective_state_update_verify  # noqa: E402
 from baton.engine.ops.triton_ssu import (  # noqa: E402
-    selective_state_update_multi_triton,
     selective_state_update_triton,
+    selective_state_update_verify_triton,
 )
 
 H, P, N, G = 4, 8, 16, 2
 NUM_SLOTS = 24
+PENDING = 5  # L: recorded positions per slot (>= the largest T here)
 DT_MIN = 1e-3
 BATCH = 3
 
@@ -77,9 +78,9 @@ def call_single(fn, pool, tok, params, slots, dt_min=DT_MIN) -> Tensor:
               slots, dt_min)  # fmt: skip
 
 
-def call_multi(fn, pool, tok, params, src, dst, num_tokens=None, dt_min=DT_MIN) -> Tensor:
-    return fn(pool, tok["x"], tok["dt"], params["A"], tok["B"], tok["C"], params["D"], params["dt_bias"],
-              src, dst, dt_min, num_tokens)  # fmt: skip
+def call_verify(fn, pool, pend, tok, params, slots, replay, num_tokens=None, dt_min=DT_MIN) -> Tensor:
+    return fn(pool, pend["x"], pend["B"], pend["dt"], tok["x"], tok["dt"], params["A"], tok["B"], tok["C"],
+              params["D"], params["dt_bias"], slots, replay, dt_min, num_tokens)  # fmt: skip
 
 
 def close(actual: Tensor, expected: Tensor, atol: float, rtol: float) -> None:
@@ -157,99 +158,202 @@ def test_single_empty_batch():
     assert torch.equal(pool, before)
 
 
-# ---- verify: T = 1+K tokens per row ---------------------------------------------------------------
+# ---- verify: replay the accepted positions, then T = 1+K tokens per row -------------------------
+
+
+TRITON_VERIFY, REF_VERIFY = selective_state_update_verify_triton, selective_state_update_verify
+# (input dtype, pool dtype) where the kernels are compared with each other bit for bit.
+BIT_EXACT_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float16, torch.float32),
+]
+
+
+def make_pending(dtype: torch.dtype, slots: int = NUM_SLOTS, length: int = PENDING, heads: int = H,
+                 head_dim: int = P, state: int = N, groups: int = G, seed: int = 3,
+                 device: str = "cpu") -> dict[str, Tensor]:  # fmt: skip
+    """Each slot's recorded inputs: x [S, L, H, P], B [S, L, G, N], raw dt [S, L, H], in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(
+        x=torch.randn(slots, length, heads, head_dim, generator=g),
+        B=torch.randn(slots, length, groups, state, generator=g),
+        dt=torch.randn(slots, length, heads, generator=g),
+    )
+    return {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
+
+
+def clone_all(d: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in d.items()}
+
+
+def assert_same(actual: Tensor, expected: Tensor) -> None:
+    diff = (actual.float() - expected.float()).abs().max()
+    assert actual.dtype == expected.dtype and torch.equal(actual, expected), diff
 
 
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", DTYPES)
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
-def test_multi_matches_reference(T, dtype, state_dtype, atol, rtol):
-    """Scattered slots, row 0's src among its own dst slots, short rows with -1 padding."""
+def test_verify_matches_reference(T, dtype, state_dtype, atol, rtol):
+    """Scattered slots, replays of 0 .. L positions, short rows."""
     params, tok = make_params(), make_tokens((BATCH, T), dtype, seed=T)
-    pool = make_pool(state_dtype)
-    before, ref_pool = pool.clone(), pool.clone()
-    dst = [[2 + 3 * t for t in range(T)], [19 - t for t in range(T)], [7 + 3 * t for t in range(T)]]
-    src = [2, 21, 1]  # row 0 starts from its own first dst slot
-    num_tokens = [T, max(1, T - 1), max(1, T - 2)]
-    for b, n in enumerate(num_tokens):
-        dst[b][n:] = [-1] * (T - n)
-    src_t, dst_t, nt = torch.tensor(src), torch.tensor(dst), torch.tensor(num_tokens)
+    pool, pend = make_pool(state_dtype), make_pending(dtype)
+    before, ref_pool, ref_pend = pool.clone(), pool.clone(), clone_all(pend)
+    slots = torch.tensor([17, 2, 9])
+    replay = torch.tensor([T, 0, PENDING])
+    num_tokens = torch.tensor([T, max(1, T - 1), max(1, T - 2)])
 
-    y = call_multi(selective_state_update_multi_triton, pool, tok, params, src_t, dst_t, nt)
-    y_ref = call_multi(selective_state_update_multi, ref_pool, tok, params, src_t, dst_t, nt)
+    y = call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, replay, num_tokens)
+    y_ref = call_verify(REF_VERIFY, ref_pool, ref_pend, tok, params, slots, replay, num_tokens)
 
     close(y, y_ref, atol, rtol)
-    for b, n in enumerate(num_tokens):
+    for b, n in enumerate(num_tokens.tolist()):
         assert (y[b, n:] == 0).all()
     close(pool, ref_pool, atol, rtol)
-    written = {s for row, n in zip(dst, num_tokens, strict=True) for s in row[:n]}
-    untouched = [s for s in range(NUM_SLOTS) if s not in written]
+    # Row 1 replays nothing: its slot is not written; nor is any slot outside `slots`.
+    untouched = [s for s in range(NUM_SLOTS) if s not in (17, 9)]
     assert torch.equal(pool[untouched], before[untouched])
+    for k in pend:
+        assert_same(pend[k], ref_pend[k])
 
 
-@pytest.mark.parametrize("dtype,state_dtype,atol,rtol", DTYPES[:2])
-def test_multi_all_tokens_by_default(dtype, state_dtype, atol, rtol):
+@pytest.mark.parametrize("dtype,state_dtype,atol,rtol", DTYPES[:3])
+def test_verify_all_tokens_by_default(dtype, state_dtype, atol, rtol):
     T = 3
     params, tok = make_params(), make_tokens((BATCH, T), dtype)
-    pool = make_pool(state_dtype)
-    ref_pool = pool.clone()
-    src, dst = torch.tensor([20, 21, 22]), torch.arange(BATCH * T).view(BATCH, T)
-    y = call_multi(selective_state_update_multi_triton, pool, tok, params, src, dst)
-    y_ref = call_multi(selective_state_update_multi, ref_pool, tok, params, src, dst)
+    pool, pend = make_pool(state_dtype), make_pending(dtype)
+    ref_pool, ref_pend = pool.clone(), clone_all(pend)
+    slots, replay = torch.tensor([20, 21, 22]), torch.tensor([1, 3, 2])
+    y = call_verify(selective_state_update_verify_triton, pool, pend, tok, params, slots, replay)
+    y_ref = call_verify(selective_state_update_verify, ref_pool, ref_pend, tok, params, slots, replay)
     close(y, y_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
+    for k in pend:
+        assert_same(pend[k], ref_pend[k])
 
 
-def test_multi_softplus_and_dt_min_clamp():
+def test_verify_softplus_and_dt_min_clamp():
     T = 3
     params, tok = make_params(), make_tokens((BATCH, T), torch.bfloat16)
     params["dt_bias"] = torch.tensor([-20.0, 25.0, 0.0, -3.0])
-    pool = make_pool(torch.float32)
-    ref_pool = pool.clone()
-    src, dst = torch.tensor([20, 21, 22]), torch.arange(BATCH * T).view(BATCH, T)
-    y = call_multi(selective_state_update_multi_triton, pool, tok, params, src, dst, dt_min=0.05)
-    y_ref = call_multi(selective_state_update_multi, ref_pool, tok, params, src, dst, dt_min=0.05)
+    pool, pend = make_pool(torch.float32), make_pending(torch.bfloat16)
+    ref_pool, ref_pend = pool.clone(), clone_all(pend)
+    slots, replay = torch.tensor([20, 21, 22]), torch.tensor([2, 2, 2])
+    y = call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, replay, dt_min=0.05)
+    y_ref = call_verify(REF_VERIFY, ref_pool, ref_pend, tok, params, slots, replay, dt_min=0.05)
     close(y, y_ref, 2e-2, 1e-2)
     close(pool, ref_pool, 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.float16)])  # fmt: skip
-def test_multi_resume_equals_single_kernel_decode(dtype, state_dtype):
-    """R4 on the kernels themselves: resuming from the dst slot of the last accepted position is bit for
-    bit the Triton decode kernel run over the same tokens (both read the pool-rounded state)."""
-    K, rounds = 3, 3
+def test_verify_odd_sizes_strided_inputs_and_pending_views():
+    """P and N not powers of two; x, B, C views with non-unit strides; pending tensors that are per-layer
+    views of one [S, layers, L, ...] allocation, as the engine's pools hand them out."""
+    heads, head_dim, state, groups, T = 6, 5, 12, 3, 3
+    params = make_params(heads)
+    wide = make_tokens((BATCH, T), torch.float32, heads=heads, head_dim=2 * head_dim, state=2 * state,
+                       groups=groups)  # fmt: skip
+    tok = dict(x=wide["x"][..., ::2], dt=wide["dt"], B=wide["B"][..., ::2], C=wide["C"][..., state:])
+    pool = make_pool(torch.float32, heads=heads, head_dim=head_dim, state=state)
+    g = torch.Generator().manual_seed(5)
+    layers = dict(
+        x=torch.randn(NUM_SLOTS, 2, PENDING, heads, head_dim, generator=g),
+        B=torch.randn(NUM_SLOTS, 2, PENDING, groups, state, generator=g),
+        dt=torch.randn(NUM_SLOTS, 2, PENDING, heads, generator=g),
+    )
+    pend = {k: v[:, 1] for k, v in layers.items()}
+    ref_pool, ref_pend = pool.clone(), {k: v.clone() for k, v in pend.items()}
+    slots, replay = torch.tensor([4, 11, 0]), torch.tensor([2, 0, 5])
+    y = call_verify(selective_state_update_verify_triton, pool, pend, tok, params, slots, replay)
+    y_ref = call_verify(selective_state_update_verify, ref_pool, ref_pend, tok, params, slots, replay)
+    close(y, y_ref, 1e-5, 1e-5)
+    close(pool, ref_pool, 1e-5, 1e-5)
+    for k in pend:
+        assert_same(pend[k], ref_pend[k])
+
+
+@pytest.mark.parametrize("dtype,state_dtype", BIT_EXACT_DTYPES[:3])
+def test_verify_single_token_equals_decode_kernel(dtype, state_dtype):
+    """replay 0, T = 1: the decode kernel's y bit for bit, nothing stored; a replay of 1 next step commits
+    the decode kernel's state bit for bit."""
+    params, tok = make_params(), make_tokens((BATCH, 1), dtype)
+    pool, pend = make_pool(state_dtype), make_pending(dtype)
+    before, dec_pool = pool.clone(), pool.clone()
+    slots = torch.tensor([6, 0, 12])
+    y = call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, torch.zeros(3, dtype=torch.int64))
+    step = {k: v[:, 0] for k, v in tok.items()}
+    y_dec = call_single(selective_state_update_triton, dec_pool, step, params, slots)
+    assert torch.equal(y[:, 0], y_dec)
+    assert torch.equal(pool, before)
+    tok_next = make_tokens((BATCH, 1), dtype, seed=9)
+    call_verify(TRITON_VERIFY, pool, pend, tok_next, params, slots, torch.ones(3, dtype=torch.int64))
+    assert torch.equal(pool, dec_pool)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", BIT_EXACT_DTYPES)
+def test_verify_chain_equals_single_kernel_decode(dtype, state_dtype):
+    """R4 on the kernels themselves: step n+1 replays the a+1 positions step n accepted, for every a in
+    0..K, and commits bit for bit the Triton decode kernel's state over the same tokens (both read the
+    pool-rounded state); each accepted position's y is the decode kernel's, bit for bit."""
+    K = 3
     T = 1 + K
-    params, pool = make_params(), make_pool(state_dtype)
-    owned = [[b * T + t for t in range(T)] for b in range(BATCH)]
-    plain, scratch = [20, 21, 22], [16, 17, 18]
-    pool[plain] = pool[[row[0] for row in owned]]
-    src = [row[0] for row in owned]
-    g = torch.Generator().manual_seed(7)
-    for r in range(rounds):
-        tok = make_tokens((BATCH, T), dtype, seed=100 + r)
-        y = call_multi(selective_state_update_multi_triton, pool, tok, params, torch.tensor(src),
-                       torch.tensor(owned))  # fmt: skip
-        accepted = torch.randint(0, T, (BATCH,), generator=g).tolist()
+    params, pool, pend = make_params(), make_pool(state_dtype), make_pending(dtype, length=T)
+    slots, plain, scratch = [6, 0, 12], [20, 21, 22], [16, 17, 18]
+    pool[plain] = pool[slots]
+    replay = [0] * BATCH
+    for n in range(T + 1):
+        tok = make_tokens((BATCH, T), dtype, seed=100 + n)
+        y = call_verify(selective_state_update_verify_triton, pool, pend, tok, params, torch.tensor(slots),
+                        torch.tensor(replay))  # fmt: skip
+        for b in range(BATCH):
+            assert torch.equal(pool[slots[b]], pool[plain[b]]), (n, b)
+        accepted = [(n + b) % T for b in range(BATCH)]
         for t in range(T):
-            slots = torch.tensor([plain[b] if t <= accepted[b] else scratch[b] for b in range(BATCH)])
+            rows = torch.tensor([plain[b] if t <= accepted[b] else scratch[b] for b in range(BATCH)])
             step = {k: v[:, t] for k, v in tok.items()}
-            y_plain = call_single(selective_state_update_triton, pool, step, params, slots)
+            y_plain = call_single(selective_state_update_triton, pool, step, params, rows)
             for b in range(BATCH):
                 if t <= accepted[b]:
                     assert torch.equal(y[b, t], y_plain[b])
-        for b in range(BATCH):
-            src[b] = owned[b][accepted[b]]
-            assert torch.equal(pool[src[b]], pool[plain[b]])
+        replay = [a + 1 for a in accepted]
+
+
+def test_verify_unnamed_slots_untouched():
+    T = 3
+    params, tok = make_params(), make_tokens((BATCH, T), torch.float32)
+    real_pool, real_pend = make_pool(torch.float32), make_pending(torch.float32)
+    slots = [1, 6, 12]
+    pool = torch.full_like(real_pool, float("nan"))
+    pend = {k: torch.full_like(v, float("nan")) for k, v in real_pend.items()}
+    pool[slots] = real_pool[slots]
+    for k in pend:
+        pend[k][slots] = real_pend[k][slots]
+    y = call_verify(selective_state_update_verify_triton, pool, pend, tok, params, torch.tensor(slots),
+                    torch.tensor([3, 0, PENDING]), torch.tensor([2, 3, 1]))  # fmt: skip
+    assert torch.isfinite(y).all()
+    for s in range(NUM_SLOTS):
+        tensors = [pool[s]] + [v[s] for v in pend.values()]
+        assert all(torch.isfinite(v).all() if s in slots else torch.isnan(v).all() for v in tensors), s
+
+
+def test_verify_empty_batch():
+    params, tok = make_params(), make_tokens((0, 2), torch.float32)
+    pool, pend = make_pool(torch.float32), make_pending(torch.float32)
+    before, pend_before = pool.clone(), clone_all(pend)
+    none = torch.zeros(0, dtype=torch.int64)
+    y = call_verify(selective_state_update_verify_triton, pool, pend, tok, params, none, none)
+    assert y.shape == (0, 2, H, P)
+    assert torch.equal(pool, before) and all(torch.equal(pend[k], pend_before[k]) for k in pend)
 
 
 # ---- argument checks (shapes only; slot values are the caller's contract) ------------------------
 
 
-def test_bad_shapes_raise():
+def test_single_bad_shapes_raise():
     params = make_params()
-    tok1, tok2 = make_tokens((BATCH,), torch.float32), make_tokens((BATCH, 2), torch.float32)
+    tok1 = make_tokens((BATCH,), torch.float32)
     pool = make_pool(torch.float32)
-    slots, dst = torch.tensor([0, 1, 2]), torch.arange(6).view(BATCH, 2)
+    slots = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match=r"selective_state_update_triton: B expected shape \[B, G, N\]"):
         call_single(selective_state_update_triton, pool, dict(tok1, B=tok1["B"][..., :3]), params, slots)
     with pytest.raises(ValueError, match=r"selective_state_update_triton: ssm_state expected"):
@@ -261,16 +365,41 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="multiple of G"):
         call_single(selective_state_update_triton, pool, make_tokens((BATCH,), torch.float32, groups=3),
                     params, slots)  # fmt: skip
-    with pytest.raises(ValueError, match=r"selective_state_update_multi_triton: dst_slots expected shape"):
-        call_multi(selective_state_update_multi_triton, pool, tok2, params, slots, dst[:, :1])
-    with pytest.raises(ValueError, match=r"selective_state_update_multi_triton: num_tokens expected shape"):
-        call_multi(selective_state_update_multi_triton, pool, tok2, params, slots, dst, torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match=r"selective_state_update_multi_triton: C expected shape"):
-        call_multi(
-            selective_state_update_multi_triton, pool, dict(tok2, C=tok2["C"][:, :1]), params, slots, dst
-        )
-    with pytest.raises(ValueError, match=r"selective_state_update_multi_triton: expected x \[B, T, H, P\]"):
-        call_multi(selective_state_update_multi_triton, pool, tok1, params, slots, dst)
+
+
+VERIFY_FN = "selective_state_update_verify_triton"
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(replay=torch.tensor([0, 1])), r"replay expected shape \[B\] = \(3,\), got \(2,\)"),
+        (dict(num_tokens=torch.tensor([1, 2])), r"num_tokens expected shape \[B\] = \(3,\), got \(2,\)"),
+        (dict(slots=torch.tensor([[0], [1], [2]])), r"slots expected shape \[B\] = \(3,\), got \(3, 1\)"),
+        (dict(C=(BATCH, 1, G, N)), r"C expected shape \[B, T, G, N\] = \(3, 2, 2, 16\), got \(3, 1, 2, 16\)"),
+        (dict(x=(BATCH, H, P)), r"expected x \[B, T, H, P\].*got x \(3, 4, 8\)"),
+        (dict(px=(NUM_SLOTS, PENDING, H, P + 1)), r"pending_x expected shape \[S, L, H, P\]"),
+        (dict(pB=(NUM_SLOTS, PENDING, G + 1, N)), r"pending_B expected shape \[S, L, G, N\]"),
+        (dict(pdt=(NUM_SLOTS - 1, PENDING, H)), r"pending_dt expected shape \[S, L, H\]"),
+        (dict(L=1), r"pending_x expected a pending length L >= T = 2, got L = 1"),
+    ],
+)
+def test_verify_bad_shapes_raise(change, match):
+    params, tok = make_params(), make_tokens((BATCH, 2), torch.float32)
+    pool, pend = make_pool(torch.float32), make_pending(torch.float32)
+    slots, replay, num_tokens = torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2]), None
+    for key, value in change.items():
+        if key == "L":
+            pend = {k: v[:, :value] for k, v in pend.items()}
+        elif key in ("px", "pB", "pdt"):
+            pend = dict(pend, **{key[1:]: torch.zeros(value)})
+        elif key in ("C", "x"):
+            tok = dict(tok, **{key: torch.zeros(value)})
+        else:
+            slots, replay = change.get("slots", slots), change.get("replay", replay)
+            num_tokens = change.get("num_tokens")
+    with pytest.raises(ValueError, match=rf"{VERIFY_FN}: .*{match}"):
+        call_verify(selective_state_update_verify_triton, pool, pend, tok, params, slots, replay, num_tokens)
 
 
 # ---- GPU: full model size, compiled kernels --------------------------------------------------------
@@ -309,41 +438,57 @@ def test_gpu_single_full_size(batch, dtype, state_dtype, atol, rtol):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def _full_pending(batch: int, T: int, dtype: torch.dtype, slots_per_row: int) -> dict[str, Tensor]:
+    dims = dict(heads=FULL["heads"], head_dim=FULL["head_dim"], state=FULL["state"], groups=FULL["groups"])
+    return make_pending(dtype, slots=batch * slots_per_row, length=T, device="cuda", **dims)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
 @pytest.mark.parametrize("batch", [1, 32, 256])
-def test_gpu_multi_full_size(batch, dtype, state_dtype, atol, rtol):
-    T = 4
-    params, tok, pool = _full_case(batch, T, dtype, state_dtype, 1 + T)
-    ref_pool = pool.clone()
-    src = torch.arange(batch, device="cuda")
-    dst = (
-        (batch + torch.randperm(batch * T, generator=torch.Generator().manual_seed(batch)))
-        .view(batch, T)
-        .cuda()
-    )
+def test_gpu_verify_full_size(batch, dtype, state_dtype, atol, rtol):
+    """T = 5 verify rows on random distinct slots of a 2 * batch pool, replays of 0..T, short rows."""
+    T = 5
+    params, tok, pool = _full_case(batch, T, dtype, state_dtype, 2)
+    pend = _full_pending(batch, T, dtype, 2)
+    ref_pool, ref_pend, before = pool.clone(), clone_all(pend), pool.clone()
+    g = torch.Generator().manual_seed(batch)
+    slots = torch.randperm(2 * batch, generator=g)[:batch].cuda()
+    replay = torch.randint(0, T + 1, (batch,), generator=g).cuda()
     num_tokens = (torch.arange(batch, device="cuda") % T) + 1
-    y = call_multi(selective_state_update_multi_triton, pool, tok, params, src, dst, num_tokens)
-    y_ref = call_multi(selective_state_update_multi, ref_pool, tok, params, src, dst, num_tokens)
+    y = call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, replay, num_tokens)
+    y_ref = call_verify(REF_VERIFY, ref_pool, ref_pend, tok, params, slots, replay, num_tokens)
     close(y, y_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
+    for k in pend:
+        assert_same(pend[k], ref_pend[k])
+    untouched = torch.ones(2 * batch, dtype=torch.bool, device="cuda")
+    untouched[slots[replay > 0]] = False
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
               state_dtype: torch.dtype = torch.float32, warmup: int = 10, iters: int = 100) -> tuple[float, float]:  # fmt: skip
     """Time one launch of the Triton kernel at the full model size (H=128, P=64, N=128, G=8) on CUDA.
 
-    T=1 times `selective_state_update_triton` (read + write of each row's state), T>1 times
-    `selective_state_update_multi_triton` with all T tokens valid (one read, T writes per row).
-    Returns (ms per call, GB/s of the bytes it must move: state, x, dt, B, C, y, slots) from CUDA events.
+    T=1 times `selective_state_update_triton` (read + write of each row's state). T>1 times
+    `selective_state_update_verify_triton` in its worst steady state: every row replays replay = T recorded
+    positions (pending length L = T) then runs its T tokens, all valid. Returns (ms per call, GB/s of the
+    bytes it must move) from CUDA events. Bytes: each row's state read once and written once, x, dt, B, C
+    in and y out, slots (and for verify: replay, the T replayed positions' recorded x, B, dt read and this
+    step's T positions written back).
     """
-    params, tok, pool = _full_case(batch, None if T == 1 else T, dtype, state_dtype, 1 + T)
-    src = torch.arange(batch, device="cuda")
+    params, tok, pool = _full_case(batch, None if T == 1 else T, dtype, state_dtype, 2)
+    slots = torch.arange(batch, device="cuda")
     if T == 1:
-        run = lambda: call_single(selective_state_update_triton, pool, tok, params, src)  # noqa: E731
+        run = lambda: call_single(selective_state_update_triton, pool, tok, params, slots)  # noqa: E731
+        pending_bytes = 0
     else:
-        dst = batch + torch.arange(batch * T, device="cuda").view(batch, T)
-        run = lambda: call_multi(selective_state_update_multi_triton, pool, tok, params, src, dst)  # noqa: E731
+        pend = _full_pending(batch, T, dtype, 2)
+        replay = torch.full((batch,), T, dtype=torch.int64, device="cuda")
+        run = lambda: call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, replay)  # noqa: E731
+        per_position = sum(v[0, 0].numel() * v.element_size() for v in pend.values())  # x, B, dt
+        pending_bytes = 2 * batch * T * per_position  # T read for the replay, T written
     for _ in range(warmup):
         run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -356,8 +501,9 @@ def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
     state_bytes = FULL["heads"] * FULL["head_dim"] * FULL["state"] * pool.element_size()
     token_bytes = (
         sum(t.numel() * t.element_size() for t in tok.values()) + tok["x"].numel() * tok["x"].element_size()
-    )
-    moved = batch * (1 + T) * state_bytes + token_bytes + batch * (1 + T) * 8
+    )  # x, dt, B, C in; y out
+    index_bytes = batch * 8 * (1 if T == 1 else 2)  # slots (and replay)
+    moved = 2 * batch * state_bytes + token_bytes + pending_bytes + index_bytes
     return ms, moved / (ms * 1e-3) / 1e9
 
 
@@ -365,5 +511,5 @@ def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
 def test_gpu_bench_ssu_runs():
     ms, gbps = bench_ssu(8, T=1, warmup=1, iters=3)
     assert ms > 0 and gbps > 0
-    ms, gbps = bench_ssu(8, T=4, warmup=1, iters=3)
+    ms, gbps = bench_ssu(8, T=5, warmup=1, iters=3)
     assert ms > 0 and gbps > 0

@@ -199,57 +199,80 @@ def test_r6_r8_disaggregated_drafts_and_accepted_counts_equal_aggregated(spec_mo
     assert blind_drafts != agg_drafts
 
 
-def test_r4_only_the_committed_slot_of_a_group_is_ever_read(spec_model):
-    """After every step, poison every slot of every group except the one `committed` names: a verify step
-    that resumed from a wrong slot, or a prefill reading a stale one, would turn its row into NaN."""
+def test_r4_only_the_accepted_positions_ever_reach_the_state(spec_model):
+    """After every step, poison every recorded verify input past the count `replay` names, and every state and
+    input of every free slot: a verify step that replayed an unaccepted position, or a new request reading a
+    stale state (R2), would turn its row into NaN."""
     k = 3
     ref = run(new_engine(spec_model, 0), staggered(k))
 
     def poison(engine: LLMEngine) -> None:
-        spr = engine.plan.slots_per_request
-        committed = engine.runner.committed.tolist()
-        for req in engine.scheduler.running:
-            g = req.state_slot
-            stale = [g * spr + j for j in range(spr) if j != committed[g]]
-            engine.pools.conv[stale] = math.nan
-            engine.pools.ssm[stale] = math.nan
-        free = [g for g in range(engine.plan.num_groups) if g not in {r.state_slot for r in engine.scheduler.running}]
-        for g in free:  # free groups too: a new request must start from zeros (R2)
-            engine.pools.conv[g * spr:(g + 1) * spr] = math.nan
-            engine.pools.ssm[g * spr:(g + 1) * spr] = math.nan
+        replay = engine.runner.replay.tolist()
+        pools = engine.pools
+        rec = (pools.verify_conv, pools.verify_x, pools.verify_B, pools.verify_dt)
+        running = {r.state_slot for r in engine.scheduler.running}
+        for slot in running:
+            for t in rec:
+                t[slot, :, replay[slot]:] = math.nan
+        for slot in set(range(engine.plan.num_slots)) - running:
+            for t in (pools.conv, pools.ssm, *rec):
+                t[slot] = math.nan
 
     engine = new_engine(spec_model, k)
+    log = Log(engine)
     got = run(engine, staggered(k), after_step=poison)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
-    assert engine.stats.spec_accepted > 0
+    # Drafts were rejected too, so unaccepted positions were recorded (and poisoned) and never replayed.
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+    assert any(len(r[3]) < len(r[2]) for rows in log.rows.values() for r in rows if r[0])
 
 
-def test_r3_committed_counts_are_written_on_the_device_by_the_verify_step(spec_model):
+def test_r4_verify_state_traffic_does_not_grow_with_k(spec_model):
+    """A verify step writes each row's state once (its slot) whatever K is: the pools' state bytes are one slot
+    per request, and a verify step leaves every slot but its rows' own untouched."""
+    sizes = {}
+    for k in (1, 4):
+        engine = new_engine(spec_model, k)
+        log = Log(engine)
+        sizes[k] = engine.plan.num_slots
+        for n in (9, 5):
+            engine.add_request(prompt_of(n), GREEDY, request_id=f"r{n}")
+        while engine.has_unfinished():
+            before = engine.pools.ssm.clone()
+            engine.step()
+            rows = {r.state_slot for r in log.steps[-1].rows}
+            others = [s for s in range(engine.plan.num_slots) if s not in rows]
+            assert torch.equal(engine.pools.ssm[others], before[others])
+    assert sizes[1] == sizes[4] == 12  # max_num_seqs slots, not (1+K) per request
+    assert engine.pools.ssm.shape[0] == 12 + 1  # and the scratch slot
+
+
+def test_r3_replay_counts_are_written_on_the_device_by_the_verify_step(spec_model):
     k = 3
     engine = new_engine(spec_model, k)
     log = Log(engine)
-    seen_nonzero = False
+    seen_drafts_accepted = False
     for n in (9, 5, 13):
         engine.add_request(prompt_of(n), GREEDY, request_id=f"r{n}")
     while engine.has_unfinished():
         before = {r.request_id: r.state_slot for r in engine.scheduler.running}
         engine.step()
         out = log.steps[-1]
-        committed = engine.runner.committed
-        assert committed.device == engine.runner.device and committed.dtype == torch.int64
+        replay = engine.runner.replay
+        assert replay.device == engine.runner.device and replay.dtype == torch.int64
         for row in out.rows:
             if row.is_decode and row.request_id in before:
                 emitted = log.rows[row.request_id][-1][3]
-                # The slot to resume from = the accepted count (emitted - 1), whatever the row's batch position.
-                assert committed[before[row.request_id]].item() == len(emitted) - 1
-                seen_nonzero |= len(emitted) > 1
-    assert seen_nonzero
-    # A new request in a group whose last verify accepted drafts starts from slot 0 (R3: "starts at 1").
-    g = 0
-    engine.runner.committed[g] = 2
+                # Positions to replay = the last token + the accepted drafts = emitted, whatever the row order.
+                assert replay[before[row.request_id]].item() == len(emitted)
+                seen_drafts_accepted |= len(emitted) > 1
+    assert seen_drafts_accepted
+    # A new request in a slot whose last verify accepted drafts replays nothing (R3: "starts at 1").
+    slot = 0
+    engine.runner.replay[slot] = 3
     engine.add_request([1, 2, 3], GREEDY, request_id="fresh")
     engine.step()
-    assert engine.scheduler.requests["fresh"].state_slot == g and engine.runner.committed[g].item() == 0
+    assert engine.scheduler.requests["fresh"].state_slot == slot and engine.runner.replay[slot].item() == 0
     while engine.has_unfinished():
         engine.step()
 
@@ -302,7 +325,7 @@ ORCHESTRATION = {"llm_engine.py", "scheduler.py", "runner.py", "spec_runner.py",
 
 
 def test_r3_a_spec_step_reads_the_device_once(spec_model, monkeypatch):
-    """Accepted counts, committed slots and drafts stay on the device: the only device -> host read that the
+    """Accepted counts, replay counts and drafts stay on the device: the only device -> host read that the
     step's orchestration makes is the final one of its tokens. (The torch reference kernels' own index reads,
     in engine/ops and the MoE expert loop, are for issue #7's GPU kernels to remove.)"""
     engine = new_engine(spec_model, 3)

@@ -14,7 +14,6 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.ops import dispatch
-from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
 
 
 class Mamba2Mixer(nn.Module):
@@ -62,26 +61,29 @@ class Mamba2Mixer(nn.Module):
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
             xbc_p = dispatch.conv_varlen(x)(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
             xs, B, C = self._split_xbc(xbc_p)
-            y[ndt:] = mamba_chunk_scan_varlen(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
-                                              init, self.chunk_size, self.dt_min)
+            meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
+            y[ndt:] = dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
+                                             init, self.chunk_size, self.dt_min, **meta)
 
         y = self.norm(y.view(t, self.intermediate), gate)
         return self.out_proj(y.to(x.dtype))
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Verify rows: from each row's committed slot over its 1+k tokens, the state after every position
-        into its own slot of the row's group (R4). Returns y of the decode tokens [ndt, H, P]."""
+        """Verify rows: replay each row's accepted positions of its last verify into its state, run its 1+k
+        tokens from there and record their inputs (R3/R4). Returns y of the decode tokens [ndt, H, P]."""
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, T]
         rows_t = idx.shape[1]
-        src, dst, ntok = batch.state_slots[:nd], batch.spec_dst_slots, batch.spec_num_tokens
-        xbc_v = dispatch.conv_update_multi(xbc)(xbc[idx], weight, self.conv1d.bias, conv_state, src, dst, ntok)
+        slots, replay, ntok = batch.state_slots[:nd], batch.spec_replay, batch.spec_num_tokens
+        rec_conv, rec_x, rec_B, rec_dt = batch.verify_inputs[self.state_index]
+        xbc_v = dispatch.conv_update_verify(xbc)(xbc[idx], weight, self.conv1d.bias, conv_state, rec_conv, slots,
+                                                 replay, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
-        y = dispatch.state_update_multi(xbc)(
-            ssm_state, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt[idx], A,
+        y = dispatch.state_update_verify(xbc)(
+            ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt[idx], A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
-            self.D, self.dt_bias, src, dst, self.dt_min, ntok)  # [Rd, T, H, P]
+            self.D, self.dt_bias, slots, replay, self.dt_min, ntok)  # [Rd, T, H, P]
         return y.reshape(nd * rows_t, self.num_heads, self.head_dim)[batch.spec_flat_index]
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,11 +1,11 @@
 """Which implementation an op runs: the Triton kernels on CUDA tensors (when `triton` imports), the torch
-references elsewhere. Kernels exist for the decode / verify state updates, paged attention and the prefill
-conv; the chunked scan and MoE still run the torch references everywhere (issue #7).
+references elsewhere. Kernels exist for the decode / verify state updates, paged attention, the prefill
+conv and the prefill chunked scan; MoE still runs the torch reference everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
 kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
-slot groups satisfy their contract by construction, and the references check it on CPU.
+one slot per request satisfies their contract by construction, and the references check it on CPU.
 """
 
 from __future__ import annotations
@@ -50,20 +50,20 @@ def state_update(t: torch.Tensor) -> Callable:
     return selective_state_update
 
 
-def conv_update_multi(t: torch.Tensor) -> Callable:
+def conv_update_verify(t: torch.Tensor) -> Callable:
     if use_triton(t):
-        from baton.engine.ops.triton_conv import causal_conv1d_update_multi_triton
-        return causal_conv1d_update_multi_triton
-    from baton.engine.ops.spec_state_update import causal_conv1d_update_multi
-    return causal_conv1d_update_multi
+        from baton.engine.ops.triton_conv import causal_conv1d_update_verify_triton
+        return causal_conv1d_update_verify_triton
+    from baton.engine.ops.spec_state_update import causal_conv1d_update_verify
+    return causal_conv1d_update_verify
 
 
-def state_update_multi(t: torch.Tensor) -> Callable:
+def state_update_verify(t: torch.Tensor) -> Callable:
     if use_triton(t):
-        from baton.engine.ops.triton_ssu import selective_state_update_multi_triton
-        return selective_state_update_multi_triton
-    from baton.engine.ops.spec_state_update import selective_state_update_multi
-    return selective_state_update_multi
+        from baton.engine.ops.triton_ssu import selective_state_update_verify_triton
+        return selective_state_update_verify_triton
+    from baton.engine.ops.spec_state_update import selective_state_update_verify
+    return selective_state_update_verify
 
 
 def paged_attention(t: torch.Tensor) -> Callable:
@@ -80,3 +80,11 @@ def conv_varlen(t: torch.Tensor) -> Callable:
         return causal_conv1d_varlen_triton
     from baton.engine.ops.causal_conv1d import causal_conv1d_varlen
     return causal_conv1d_varlen
+
+
+def chunk_scan(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_ssd import mamba_chunk_scan_varlen_triton
+        return mamba_chunk_scan_varlen_triton
+    from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
+    return mamba_chunk_scan_varlen

@@ -1,24 +1,21 @@
 """Triton kernels of the Mamba2 causal conv1d update: decode (one token per row) and speculative verify.
 
 Same semantics and returns as the torch references `causal_conv1d.causal_conv1d_update` and
-`spec_state_update.causal_conv1d_update_multi` (see those for the math and the pool layout): fp32
-accumulation, silu, output in x.dtype, the K-1 input window stored in the pool's dtype, and in the
-verify op each position continuing from the window as the pool would hold it (rounded to its dtype).
+`spec_state_update.causal_conv1d_update_verify` (see those for the math, the pool layout and the replay):
+fp32 accumulation, silu, output in x.dtype, the K-1 input window stored in the pool's dtype, each
+position continuing from the window as the pool would hold it (rounded to its dtype).
 
 Kernel: one program per (row, block of BLOCK_C channels). The K-1 stored inputs of the block are loaded
-once into registers (one vector per window column; K is a `tl.constexpr`, 2..4), then for each of the
-T positions the new input is shifted in, the output computed, and the window stored to that position's
-dst slot. Weight and bias are loaded once per program. All tensors are addressed through their strides,
-so views (e.g. x sliced out of an in_proj output) need no copy.
+once into registers (one vector per window column; K is a `tl.constexpr`, 2..4). Decode shifts the
+token in and stores the window back. Verify first shifts in the slot's `replay[b]` pending inputs and
+stores that committed window once, then runs the T positions in registers only (no per-position
+window is stored) and records their inputs as the slot's new pending ones; the same program reads and
+then writes those pending entries, so no other program races with it. Weight and bias are loaded once
+per program. Inputs are addressed through their strides, so views need no copy.
 
-No host reads of device tensors: the wrappers check shapes and dtypes only. Slot validity is the
-caller's contract and is NOT checked (the references check it, on the host):
-  - every slot index used is in [0, S) (an out-of-range index reads/writes out of bounds);
-  - decode: state_slots are distinct;
-  - verify: num_tokens[b] is in 1..T; dst slots of valid positions (t < num_tokens[b]) are distinct,
-    and no row's dst slot is another row's src slot. A row's src slot may be one of its own dst slots
-    (it is read before any write). dst entries at positions >= num_tokens[b] are never read or written
-    (padding such as -1 is fine), and y there is zero.
+No host reads of device tensors: the wrappers check shapes and dtypes only. Index validity is the
+caller's contract and is NOT checked (the references check it, on the host): slots are distinct and in
+[0, S); verify: num_tokens[b] in 1..T and replay[b] in 0..L.
 """
 
 import torch
@@ -46,13 +43,25 @@ def _cast(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _shift_in(s0, s1, s2, u, KW: tl.constexpr):
+    """The window (oldest first) after input `u` enters and the oldest input drops out."""
+    if KW == 2:
+        return u, s1, s2
+    elif KW == 3:
+        return s1, u, s2
+    else:
+        return s1, s2, u
+
+
+@triton.jit
 def _conv_update_kernel(
     x_ptr,  # [B, T, C]
     w_ptr,  # [C, K]
     bias_ptr,  # [C] (unused without HAS_BIAS)
     state_ptr,  # [S, C, K-1]
-    src_ptr,  # [B]
-    dst_ptr,  # [B, T]
+    slot_ptr,  # [B]
+    pend_ptr,  # [S, L, C] (VERIFY only)
+    replay_ptr,  # [B] (VERIFY only)
     ntok_ptr,  # [B] (unused without HAS_NUM_TOKENS)
     y_ptr,  # [B, T, C]
     T,
@@ -66,16 +75,13 @@ def _conv_update_kernel(
     stride_ss,
     stride_sc,
     stride_sk,
-    stride_src,
-    stride_db,
-    stride_dt,
-    stride_ntok,
-    stride_yb,
-    stride_yt,
-    stride_yc,
+    stride_ps,
+    stride_pt,
+    stride_pc,
     KW: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_NUM_TOKENS: tl.constexpr,
+    VERIFY: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -86,6 +92,8 @@ def _conv_update_kernel(
     w_row = w_ptr + cols * stride_wc
     w0 = tl.load(w_row, mask=cmask, other=0.0).to(tl.float32)
     w1 = tl.load(w_row + stride_wk, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.full([BLOCK_C], 0.0, tl.float32)
+    w3 = tl.full([BLOCK_C], 0.0, tl.float32)
     if KW >= 3:
         w2 = tl.load(w_row + 2 * stride_wk, mask=cmask, other=0.0).to(tl.float32)
     if KW >= 4:
@@ -96,9 +104,9 @@ def _conv_update_kernel(
         acc0 = tl.full([BLOCK_C], 0.0, tl.float32)
 
     # The window (the K-1 inputs before the next token, oldest first), in fp32 registers; columns past
-    # K-1 stay zero and unused. Everything is read before the first write (src may be a dst slot).
-    src = tl.load(src_ptr + row * stride_src).to(tl.int64)
-    s_row = state_ptr + src * stride_ss + cols * stride_sc
+    # K-1 stay zero and unused.
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    s_row = state_ptr + slot * stride_ss + cols * stride_sc
     s0 = tl.load(s_row, mask=cmask, other=0.0).to(tl.float32)
     s1 = tl.full([BLOCK_C], 0.0, tl.float32)
     s2 = tl.full([BLOCK_C], 0.0, tl.float32)
@@ -107,8 +115,23 @@ def _conv_update_kernel(
     if KW >= 4:
         s2 = tl.load(s_row + 2 * stride_sk, mask=cmask, other=0.0).to(tl.float32)
 
+    if VERIFY:
+        # Replay the accepted inputs of the slot's last verify, then store the committed window once.
+        p_row = pend_ptr + slot * stride_ps + cols * stride_pc
+        n_rep = tl.load(replay_ptr + row).to(tl.int32)
+        for j in range(n_rep):
+            u = tl.load(p_row + j * stride_pt, mask=cmask, other=0.0).to(tl.float32)
+            u = _cast(u, state_ptr.dtype.element_ty).to(tl.float32)
+            s0, s1, s2 = _shift_in(s0, s1, s2, u, KW)
+        rep_mask = cmask & ((tl.full([BLOCK_C], 0, tl.int32) + n_rep) > 0)
+        tl.store(s_row, s0.to(state_ptr.dtype.element_ty), mask=rep_mask)
+        if KW >= 3:
+            tl.store(s_row + stride_sk, s1.to(state_ptr.dtype.element_ty), mask=rep_mask)
+        if KW >= 4:
+            tl.store(s_row + 2 * stride_sk, s2.to(state_ptr.dtype.element_ty), mask=rep_mask)
+
     if HAS_NUM_TOKENS:  # noqa: SIM108 (a constexpr branch)
-        n = tl.load(ntok_ptr + row * stride_ntok)
+        n = tl.load(ntok_ptr + row)
     else:
         n = T
     for t in range(T):
@@ -116,6 +139,7 @@ def _conv_update_kernel(
         valid = (tl.full([BLOCK_C], 0, tl.int32) + t) < n
         xt = tl.load(x_ptr + row * stride_xb + t * stride_xt + cols * stride_xc, mask=cmask, other=0.0)
         u = xt.to(tl.float32)
+        u_in = u
         acc = acc0
         if KW == 2:
             acc += w0 * s0
@@ -130,31 +154,23 @@ def _conv_update_kernel(
             acc += w2 * s2
             acc += w3 * u
         out = acc / (1.0 + tl.exp(-acc))  # silu
-        y_off = y_ptr + row * stride_yb + t * stride_yt + cols * stride_yc
+        y_off = y_ptr + (row * T + t) * C + cols  # y is a fresh contiguous [B, T, C]
         tl.store(y_off, _cast(tl.where(valid, out, 0.0), y_ptr.dtype.element_ty), mask=cmask)
-
-        # Shift: drop the oldest input; the new one enters rounded to the pool dtype, as the next
-        # position (and whoever resumes from this slot) reads it.
+        # Shift: the new input enters rounded to the pool dtype, as the pool (and a replay) holds it.
         u = _cast(u, state_ptr.dtype.element_ty).to(tl.float32)
-        if KW == 2:
-            s0 = u
-        elif KW == 3:
-            s0 = s1
-            s1 = u
-        else:
-            s0 = s1
-            s1 = s2
-            s2 = u
-        # dst_slots is [B, T], so the load is in bounds; an invalid position's entry (padding) only
-        # forms addresses that the masked stores below never touch.
-        dst = tl.load(dst_ptr + row * stride_db + t * stride_dt).to(tl.int64)
-        d_row = state_ptr + dst * stride_ss + cols * stride_sc
-        smask = cmask & valid
-        tl.store(d_row, s0.to(state_ptr.dtype.element_ty), mask=smask)
+        s0, s1, s2 = _shift_in(s0, s1, s2, u, KW)
+        if VERIFY:
+            # This step's inputs become the slot's pending ones (read above by this same program).
+            tl.store(pend_ptr + slot * stride_ps + t * stride_pt + cols * stride_pc,
+                     _cast(u_in, pend_ptr.dtype.element_ty), mask=cmask)
+
+    if not VERIFY:
+        # Decode (T = 1): the window after the token goes back to the row's slot.
+        tl.store(s_row, s0.to(state_ptr.dtype.element_ty), mask=cmask)
         if KW >= 3:
-            tl.store(d_row + stride_sk, s1.to(state_ptr.dtype.element_ty), mask=smask)
+            tl.store(s_row + stride_sk, s1.to(state_ptr.dtype.element_ty), mask=cmask)
         if KW >= 4:
-            tl.store(d_row + 2 * stride_sk, s2.to(state_ptr.dtype.element_ty), mask=smask)
+            tl.store(s_row + 2 * stride_sk, s2.to(state_ptr.dtype.element_ty), mask=cmask)
 
 
 def _check_args(fn: str, x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor) -> int:
@@ -196,30 +212,27 @@ def _default_block_c(batch: int, channels: int) -> int:
     return max(16, min(block, triton.next_power_of_2(channels)))
 
 
-def _launch(x3, weight, bias, conv_state, src, dst, num_tokens, y3, width, block_c):
+def _launch(x3, weight, bias, conv_state, slots, pending, replay, num_tokens, y3, width, block_c):
     batch, T, channels = x3.shape
     block_c = block_c or _default_block_c(batch, channels)
     if block_c & (block_c - 1):
         raise ValueError(f"block_c expected a power of two, got {block_c}")
-    has_bias = bias is not None
-    has_ntok = num_tokens is not None
-    bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
-    ntok_arg = num_tokens if has_ntok else src  # never read without HAS_NUM_TOKENS
     if batch == 0:
         return
+    verify = pending is not None
+    has_bias = bias is not None
+    has_ntok = num_tokens is not None
     grid = (batch, triton.cdiv(channels, block_c))
     _conv_update_kernel[grid](
-        x3, weight, bias_arg, conv_state, src, dst, ntok_arg, y3,
+        x3, weight, bias if has_bias else weight, conv_state, slots,
+        pending if verify else conv_state, replay if verify else slots, num_tokens if has_ntok else slots, y3,
         T, channels,
         x3.stride(0), x3.stride(1), x3.stride(2),
         weight.stride(0), weight.stride(1),
         bias.stride(0) if has_bias else 0,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        src.stride(0),
-        dst.stride(0), dst.stride(1),
-        num_tokens.stride(0) if has_ntok else 0,
-        y3.stride(0), y3.stride(1), y3.stride(2),
-        KW=width, HAS_BIAS=has_bias, HAS_NUM_TOKENS=has_ntok, BLOCK_C=block_c,
+        *(pending.stride() if verify else (0, 0, 0)),
+        KW=width, HAS_BIAS=has_bias, HAS_NUM_TOKENS=has_ntok, VERIFY=verify, BLOCK_C=block_c,
         num_warps=max(1, min(4, block_c // 64)),
     )  # fmt: skip
 
@@ -245,40 +258,43 @@ def causal_conv1d_update_triton(
     width = _check_args(fn, x[:, None], weight, bias, conv_state)
     _check_index(fn, "state_slots", state_slots, "[B]", (x.shape[0],), x.device)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    # The slot is both source and destination: the kernel reads the window before writing it.
-    _launch(x[:, None], weight, bias, conv_state, state_slots, state_slots[:, None], None, y[:, None],
-            width, block_c)
+    _launch(x[:, None], weight, bias, conv_state, state_slots, None, None, None, y[:, None], width, block_c)
     return y
 
 
-def causal_conv1d_update_multi_triton(
+def causal_conv1d_update_verify_triton(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
     conv_state: Tensor,
-    src_slots: Tensor,
-    dst_slots: Tensor,
+    pending: Tensor,
+    slots: Tensor,
+    replay: Tensor,
     num_tokens: Tensor | None = None,
     *,
     block_c: int | None = None,
 ) -> Tensor:
-    """Triton `causal_conv1d_update_multi`: T verify tokens per row, the window after each position
-    stored in its dst slot.
+    """Triton `causal_conv1d_update_verify`: replay each row's `replay[b]` pending inputs into its window
+    (stored once), then its T verify tokens; this step's inputs become the slot's pending ones.
 
-    x [B, T, C]; weight [C, K] (K in 2..4); bias [C] or None; conv_state [S, C, K-1] pool, written only
-    at the valid dst slots; src_slots [B]; dst_slots [B, T]; num_tokens [B] in 1..T (None: all T).
-    Slot validity is the caller's contract (module docstring). Returns [B, T, C] in x.dtype, zero past
-    num_tokens.
+    x [B, T, C]; weight [C, K] (K in 2..4); bias [C] or None; conv_state [S, C, K-1] pool; pending [S, L, C]
+    with L >= T; slots [B]; replay [B] in 0..L; num_tokens [B] in 1..T (None: all T). Index validity is the
+    caller's contract (module docstring). Returns [B, T, C] in x.dtype, zero past num_tokens.
     """
-    fn = "causal_conv1d_update_multi_triton"
+    fn = "causal_conv1d_update_verify_triton"
     if x.dim() != 3:
         raise ValueError(f"{fn}: expected x [B, T, C], got {tuple(x.shape)}")
     width = _check_args(fn, x, weight, bias, conv_state)
-    batch, T, _ = x.shape
-    _check_index(fn, "src_slots", src_slots, "[B]", (batch,), x.device)
-    _check_index(fn, "dst_slots", dst_slots, "[B, T]", (batch, T), x.device)
+    batch, T, channels = x.shape
+    if pending.dim() != 3 or pending.shape[0] != conv_state.shape[0] or pending.shape[2] != channels:
+        raise ValueError(f"{fn}: pending expected shape [S, L, C] = ({conv_state.shape[0]}, L, {channels}), "
+                         f"got {tuple(pending.shape)}")
+    if pending.shape[1] < T:
+        raise ValueError(f"{fn}: pending expected a pending length L >= T = {T}, got L = {pending.shape[1]}")
+    _check_index(fn, "slots", slots, "[B]", (batch,), x.device)
+    _check_index(fn, "replay", replay, "[B]", (batch,), x.device)
     if num_tokens is not None:
         _check_index(fn, "num_tokens", num_tokens, "[B]", (batch,), x.device)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, weight, bias, conv_state, src_slots, dst_slots, num_tokens, y, width, block_c)
+    _launch(x, weight, bias, conv_state, slots, pending, replay, num_tokens, y, width, block_c)
     return y

@@ -1,25 +1,19 @@
 """Triton kernels for the Mamba2 selective state update: decode (one token per row) and speculative verify
-(T = 1+K tokens per row), beside their torch references.
+(T = 1+K tokens per row, by replay), beside their torch references.
 
 Same signatures, semantics and return values as `selective_state_update` (selective_state_update.py) and
-`selective_state_update_multi` (spec_state_update.py); see those for the math. Both wrappers launch one
-kernel: one program per (row, head, block of BLOCK_P head-dim rows), which holds its [BLOCK_P, N] state
-tile in fp32 registers, reads it from `src` once, steps over the row's T positions (T = 1 for decode) and
-stores it after each valid position into that position's dst slot, rounded to the pool dtype. The next
-position continues from the rounded value, as the reference does, so resuming from any dst slot is what a
-plain decode over the same tokens would hold. Each position's output y reads the fp32 state before that
-rounding, as the references do. Head h reads the B/C group h // (H // G).
+`selective_state_update_verify` (spec_state_update.py); see those for the math and the replay. One program
+per (row, head, block of BLOCK_P head-dim rows) holds its [BLOCK_P, N] state tile in fp32 registers and
+reads it from the row's slot once. Decode advances it by the token and stores it back. Verify first replays
+the slot's `replay[b]` pending positions (each rounded to the pool dtype, as a decode step stores it) and
+stores that committed state once, then steps over the row's T positions in registers only: a verify step
+moves one state read and one state write per row, whatever K is. Each position's output y reads the fp32
+state before rounding, as the references do. Head h reads the B/C group h // (H // G).
 
-No host reads of device tensors: only shapes are checked here; the slot values are the caller's contract,
-unchecked (an out-of-range slot is an out-of-bounds access on the GPU):
-
-- decode: `state_slots` are distinct values in [0, S) (two rows on one slot race);
-- verify: `num_tokens[b]` in 1..T; `src_slots` in [0, S); the dst slots of all valid positions
-  (t < num_tokens[b]) are distinct values in [0, S) and none is another row's src slot. A row's src slot
-  may be one of its own dst slots (its program reads the state before it writes). dst entries of padding
-  positions are never used for addressing (-1 is fine).
-
-The references check all of this with host reads; run them when in doubt.
+No host reads of device tensors: only shapes are checked here; index values are the caller's contract,
+unchecked (an out-of-range slot is an out-of-bounds access on the GPU): slots are distinct values in
+[0, S); verify: num_tokens[b] in 1..T, replay[b] in 0..L. The references check all of this with host
+reads; run them when in doubt.
 
 Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs both on CPU tensors.
 On the GPU, `tl.exp` lowers to the fast ex2.approx path, so results agree with the torch reference to
@@ -32,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.spec_state_update import check_verify_shapes
 
 
 @triton.jit
@@ -59,16 +54,69 @@ def _round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _ssu_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
-    src_ptr, dst_ptr, num_tokens_ptr, y_ptr,
+def _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min):
+    """One recurrence step of an fp32 [BLOCK_P, BLOCK_N] state tile: (new fp32 state, discretized dt)."""
+    dt = tl.maximum(_softplus(dt_raw + dt_bias), dt_min)
+    decay = tl.exp(dt * A)
+    return decay * s + (dt * x)[:, None] * Bv[None, :], dt
+
+
+@triton.jit
+def _ssu_decode_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, y_ptr,
+    P, N, heads_per_group, dt_min,
+    s_state_slot, s_state_h, s_state_p, s_state_n,
+    s_x_b, s_x_h, s_x_p,
+    s_dt_b, s_dt_h,
+    s_B_b, s_B_g, s_B_n,
+    s_C_b, s_C_g, s_C_n,
+    s_y_b, s_y_h, s_y_p,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    tile = offs_p[:, None] * s_state_p + offs_n[None, :] * s_state_n  # [BLOCK_P, BLOCK_N]
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    D = tl.load(D_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    # 64-bit slot offsets: a pool can hold more than 2**31 elements.
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    state_at = state_ptr + h.to(tl.int64) * s_state_h + slot * s_state_slot + tile
+    s = tl.load(state_at, mask=mask_pn, other=0.0).to(tl.float32)
+
+    bb = b.to(tl.int64)
+    x = tl.load(x_ptr + bb * s_x_b + h * s_x_h + offs_p * s_x_p, mask=mask_p, other=0.0).to(tl.float32)
+    Bv = tl.load(B_ptr + bb * s_B_b + g * s_B_g + offs_n * s_B_n, mask=mask_n, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + bb * s_C_b + g * s_C_g + offs_n * s_C_n, mask=mask_n, other=0.0).to(tl.float32)
+    dt_raw = tl.load(dt_ptr + bb * s_dt_b + h * s_dt_h).to(tl.float32)
+    s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
+    y = tl.sum(s * Cv[None, :], axis=1) + D * x  # [BLOCK_P], from the fp32 state
+    tl.store(state_at, _round_to(s, state_ptr.dtype.element_ty), mask=mask_pn)
+    tl.store(y_ptr + bb * s_y_b + h * s_y_h + offs_p * s_y_p, _round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
+
+
+@triton.jit
+def _ssu_verify_kernel(
+    state_ptr, px_ptr, pB_ptr, pdt_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
+    slot_ptr, replay_ptr, num_tokens_ptr, y_ptr,
     T, P, N, heads_per_group, dt_min,
     s_state_slot, s_state_h, s_state_p, s_state_n,
+    s_px_slot, s_px_t, s_px_h, s_px_p,
+    s_pB_slot, s_pB_t, s_pB_g, s_pB_n,
+    s_pdt_slot, s_pdt_t, s_pdt_h,
     s_x_b, s_x_t, s_x_h, s_x_p,
     s_dt_b, s_dt_t, s_dt_h,
     s_B_b, s_B_t, s_B_g, s_B_n,
     s_C_b, s_C_t, s_C_g, s_C_n,
-    s_dst_b, s_dst_t,
     s_y_b, s_y_t, s_y_h, s_y_p,
     HAS_NUM_TOKENS: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -90,16 +138,31 @@ def _ssu_kernel(
         n_valid = tl.load(num_tokens_ptr + b).to(tl.int32)
     else:
         n_valid = T
-
     A = tl.load(A_ptr + h).to(tl.float32)
     D = tl.load(D_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
-    # 64-bit slot offsets: a pool can hold more than 2**31 elements.
-    src = tl.load(src_ptr + b).to(tl.int64)
-    head_base = state_ptr + h.to(tl.int64) * s_state_h
-    s = tl.load(head_base + src * s_state_slot + tile, mask=mask_pn, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    state_at = state_ptr + h.to(tl.int64) * s_state_h + slot * s_state_slot + tile
+    s = tl.load(state_at, mask=mask_pn, other=0.0).to(tl.float32)
 
+    # Replay the accepted positions of the slot's last verify from their recorded inputs, each rounded to
+    # the pool dtype as a decode step stores it; then store the committed state, once.
+    n_rep = tl.load(replay_ptr + b).to(tl.int32)
+    px_row = px_ptr + slot * s_px_slot + h * s_px_h
+    pB_row = pB_ptr + slot * s_pB_slot + g * s_pB_g
+    pdt_row = pdt_ptr + slot * s_pdt_slot + h * s_pdt_h
+    for j in range(n_rep):
+        x = tl.load(px_row + j * s_px_t + offs_p * s_px_p, mask=mask_p, other=0.0).to(tl.float32)
+        Bv = tl.load(pB_row + j * s_pB_t + offs_n * s_pB_n, mask=mask_n, other=0.0).to(tl.float32)
+        dt_raw = tl.load(pdt_row + j * s_pdt_t).to(tl.float32)
+        s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
+        s = _round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
+    p_limit = tl.where(n_rep > 0, P, 0)
+    tl.store(state_at, _round_to(s, state_ptr.dtype.element_ty),
+             mask=(offs_p < p_limit)[:, None] & mask_n[None, :])
+
+    # This step's T positions, in registers only: no per-position state is stored.
     x_row = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
     dt_row = dt_ptr + b.to(tl.int64) * s_dt_b + h * s_dt_h
     B_row = B_ptr + b.to(tl.int64) * s_B_b + g * s_B_g
@@ -109,24 +172,12 @@ def _ssu_kernel(
         x = tl.load(x_row + t * s_x_t + offs_p * s_x_p, mask=mask_p, other=0.0).to(tl.float32)  # [BLOCK_P]
         Bv = tl.load(B_row + t * s_B_t + offs_n * s_B_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         Cv = tl.load(C_row + t * s_C_t + offs_n * s_C_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        dt = tl.load(dt_row + t * s_dt_t).to(tl.float32) + dt_bias
-        dt = tl.maximum(_softplus(dt), dt_min)
-        decay = tl.exp(dt * A)
-        s = decay * s + (dt * x)[:, None] * Bv[None, :]  # fp32 [BLOCK_P, BLOCK_N]
+        dt_raw = tl.load(dt_row + t * s_dt_t).to(tl.float32)
+        s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
         y = tl.sum(s * Cv[None, :], axis=1) + D * x  # [BLOCK_P], from the fp32 state
-        valid = t < n_valid
-        # The pool's rounded copy is what the next position reads, as in the reference.
-        stored = _round_to(s, state_ptr.dtype.element_ty)
-        # Padding positions may name slot -1: never address through it.
-        dst = tl.load(dst_ptr + b * s_dst_b + t * s_dst_t)
-        dst = tl.where(valid, dst, 0).to(tl.int64)
-        # (The interpreter promotes `bool tensor & bool scalar` to int32, which a store mask rejects, so
-        # the position's validity enters the mask through a comparison.)
-        p_limit = tl.where(valid, P, 0)
-        store_mask = (offs_p < p_limit)[:, None] & mask_n[None, :]
-        tl.store(head_base + dst * s_state_slot + tile, stored, mask=store_mask)
-        s = stored.to(tl.float32)
-        y = tl.where(valid, y, 0.0)
+        # The next position reads what the pool would hold, as a decode step (and a later replay) does.
+        s = _round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.where(t < n_valid, y, 0.0)
         tl.store(y_row + t * s_y_t + offs_p * s_y_p, _round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
 
 
@@ -135,26 +186,6 @@ def _launch_config(P: int, N: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, 2048 // block_n))
     return block_p, block_n, 4
-
-
-def _launch(
-    ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
-    src_slots: Tensor, dst_slots: Tensor, num_tokens: Tensor | None, y: Tensor, dt_min: float,
-    batch: int, T: int, H: int, P: int, N: int, G: int,
-    x_strides: tuple[int, ...], dt_strides: tuple[int, ...], B_strides: tuple[int, ...],
-    C_strides: tuple[int, ...], dst_strides: tuple[int, ...], y_strides: tuple[int, ...],
-) -> None:  # fmt: skip
-    if batch == 0:
-        return
-    block_p, block_n, num_warps = _launch_config(P, N)
-    grid = (triton.cdiv(P, block_p), batch, H)
-    _ssu_kernel[grid](
-        ssm_state, x, dt, A, B, C, D, dt_bias,
-        src_slots, dst_slots, src_slots if num_tokens is None else num_tokens, y,
-        T, P, N, H // G, float(dt_min),
-        *ssm_state.stride(), *x_strides, *dt_strides, *B_strides, *C_strides, *dst_strides, *y_strides,
-        HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
 
 
 def _check_param_shapes(fn: str, A: Tensor, D: Tensor, dt_bias: Tensor, H: int, G: int) -> None:
@@ -200,19 +231,22 @@ def selective_state_update_triton(
     _check_param_shapes(fn, A, D, dt_bias, H, G)
 
     y = torch.empty_like(x)
-    # One position (T = 1) whose dst slot is its src slot; a stride of 0 over the missing T axis.
-    _launch(
-        ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, state_slots, None, y, dt_min,
-        batch, 1, H, P, N, G,
-        (x.stride(0), 0, x.stride(1), x.stride(2)), (dt.stride(0), 0, dt.stride(1)),
-        (B.stride(0), 0, B.stride(1), B.stride(2)), (C.stride(0), 0, C.stride(1), C.stride(2)),
-        (state_slots.stride(0), 0), (y.stride(0), 0, y.stride(1), y.stride(2)),
-    )  # fmt: skip
+    if batch:
+        block_p, block_n, num_warps = _launch_config(P, N)
+        _ssu_decode_kernel[(triton.cdiv(P, block_p), batch, H)](
+            ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
+            P, N, H // G, float(dt_min),
+            *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
     return y
 
 
-def selective_state_update_multi_triton(
+def selective_state_update_verify_triton(
     ssm_state: Tensor,
+    pending_x: Tensor,
+    pending_B: Tensor,
+    pending_dt: Tensor,
     x: Tensor,
     dt: Tensor,
     A: Tensor,
@@ -220,44 +254,45 @@ def selective_state_update_multi_triton(
     C: Tensor,
     D: Tensor,
     dt_bias: Tensor,
-    src_slots: Tensor,
-    dst_slots: Tensor,
+    slots: Tensor,
+    replay: Tensor,
     dt_min: float,
     num_tokens: Tensor | None = None,
 ) -> Tensor:
-    """Advance each row's SSM state over its T verify tokens, storing the state after each position
-    (`selective_state_update_multi`).
+    """Replay each row's `replay[b]` pending positions into its state (stored once), then its T verify
+    tokens; this step's inputs become the slot's pending ones (`selective_state_update_verify`).
 
-    ssm_state [S, H, P, N] pool, written only at the valid dst slots; x [B, T, H, P]; dt [B, T, H] raw
-    (before dt_bias and softplus); A, D, dt_bias [H]; B, C [B, T, G, N]; src_slots [B]; dst_slots [B, T];
-    num_tokens [B] in 1..T (None: all T). Slot values are unchecked (see the module docstring).
+    ssm_state [S, H, P, N]; pending_x [S, L, H, P], pending_B [S, L, G, N], pending_dt [S, L, H] with L >= T;
+    x [B, T, H, P]; dt [B, T, H] raw; A, D, dt_bias [H]; B, C [B, T, G, N]; slots [B]; replay [B] in 0..L;
+    num_tokens [B] in 1..T (None: all T). Index values are unchecked (see the module docstring).
     Returns y [B, T, H, P] in x.dtype, zero past num_tokens.
     """
-    fn = "selective_state_update_multi_triton"
-    if x.dim() != 4 or ssm_state.dim() != 4 or B.dim() != 4:
+    fn = "selective_state_update_verify_triton"
+    if x.dim() != 4 or ssm_state.dim() != 4 or B.dim() != 4 or pending_x.dim() != 4:
         raise ValueError(
-            f"{fn}: expected x [B, T, H, P], ssm_state [S, H, P, N], B [B, T, G, N], "
-            f"got x {tuple(x.shape)}, ssm_state {tuple(ssm_state.shape)}, B {tuple(B.shape)}"
+            f"{fn}: expected x [B, T, H, P], ssm_state [S, H, P, N], B [B, T, G, N], pending_x [S, L, H, P], "
+            f"got x {tuple(x.shape)}, ssm_state {tuple(ssm_state.shape)}, B {tuple(B.shape)}, "
+            f"pending_x {tuple(pending_x.shape)}"
         )
+    check_verify_shapes(fn, ssm_state, pending_x, pending_B, pending_dt, x, dt, A, B, C, D, dt_bias, slots,
+                        replay, num_tokens)
     batch, T, H, P = x.shape
-    S, N = ssm_state.shape[0], ssm_state.shape[3]
-    G = B.shape[2]
-    check_shape(fn, "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
-    check_shape(fn, "dt", dt, "[B, T, H]", (batch, T, H))
-    check_shape(fn, "B", B, "[B, T, G, N]", (batch, T, G, N))
-    check_shape(fn, "C", C, "[B, T, G, N]", (batch, T, G, N))
-    check_shape(fn, "src_slots", src_slots, "[B]", (batch,))
-    check_shape(fn, "dst_slots", dst_slots, "[B, T]", (batch, T))
-    if num_tokens is not None:
-        check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
-    if T < 1:
-        raise ValueError(f"{fn}: x expected at least one token per row (T >= 1), got {tuple(x.shape)}")
-    _check_param_shapes(fn, A, D, dt_bias, H, G)
-
+    N, G = ssm_state.shape[3], B.shape[2]
     y = torch.empty_like(x)
-    _launch(
-        ssm_state, x, dt, A, B, C, D, dt_bias, src_slots, dst_slots, num_tokens, y, dt_min,
-        batch, T, H, P, N, G,
-        x.stride(), dt.stride(), B.stride(), C.stride(), dst_slots.stride(), y.stride(),
-    )  # fmt: skip
+    if batch:
+        block_p, block_n, num_warps = _launch_config(P, N)
+        _ssu_verify_kernel[(triton.cdiv(P, block_p), batch, H)](
+            ssm_state, pending_x, pending_B, pending_dt, x, dt, A, B, C, D, dt_bias,
+            slots, replay, slots if num_tokens is None else num_tokens, y,
+            T, P, N, H // G, float(dt_min),
+            *ssm_state.stride(), *pending_x.stride(), *pending_B.stride(), *pending_dt.stride(),
+            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+            HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    # This step's inputs are the next step's pending ones. Written after the kernel (stream order): every
+    # head's programs read the group's pending B, so an in-kernel write would race with their replay.
+    idx = slots.long()
+    pending_x[idx, :T] = x.to(pending_x.dtype)
+    pending_B[idx, :T] = B.to(pending_B.dtype)
+    pending_dt[idx, :T] = dt.to(pending_dt.dtype)
     return y

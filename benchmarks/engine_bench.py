@@ -1,0 +1,786 @@
+"""Engine benchmarks (a) and (c) of issue #7, each against a limit measured in the same run.
+
+(a) Decode step time at batch 1, 32, 256 against the traffic roofline. Bytes one decode step must move:
+
+    weights    every parameter once (model dtype), lm_head included; of the embedding table only the B rows
+               gathered (with tied embeddings the whole table, which the lm_head reads)
+    SSM state  read + write, B x L_mamba x H x P x N x (pool dtype size)
+    conv state read + write, B x L_mamba x conv_dim x (d_conv - 1) x (dtype size)
+    KV read    every request's context (computed tokens) in every attention layer: ctx x L_attn x 2 x Hkv x D x size
+    KV write   the new token's K and V: B x L_attn x 2 x Hkv x D x size
+
+    roofline ms = bytes / (device-to-device copy bandwidth, bytes read + written, measured in the run).
+    Activations and the [B, V] fp32 logits are not counted. MoE layers (none in `8b-like`) count all experts.
+
+    Per batch size B: B prefill-only requests of `--context` tokens (untimed, R1: all but the last token),
+    then the same B requests re-admitted with those caches (`add_computed_request`), so that every request
+    enters decode with the same context; `--steps` untimed warm-up decode steps (Triton JIT per shape), then
+    `--steps` timed engine steps (schedule -> execute -> update, synchronised around each step) and, for the
+    same batch, the model forward + lm_head alone (`forward`, repeated on one built batch).
+
+(c) Prefill tokens/s at `--prefill-tokens` tokens in one engine step (one prompt, and also N prompts of
+    tokens/N with `--prefill-splits`), after a warm-up of the same shape, against the bf16 matmul rate
+    measured in the run (n x n x n `torch.matmul`, best of several). FLOPs of a step with rows of L_i tokens
+    (T = sum L_i, R rows):
+
+    2 x T x (matmul parameters of all layers; MoE experts x top_k / E)      linear layers
+    + 2 x R x V x hidden                                                    lm_head on each row's last token
+    + sum_attn_layers sum_i 4 x Hq x D x L_i (L_i + 1) / 2                  causal QK^T and PV
+    + L_mamba x T x (4 H P N + (Q + 1)(G N + H P))                          SSD scan, chunk size Q, G groups:
+      chunk states (B^T x) and their read-out (C s): 2 H P N each; the causal in-chunk C B^T (G N (Q+1)) and
+      its product with dt x (H P (Q+1)), counting the causal half of each Q x Q chunk.
+    Element-wise work (norms, conv1d, gating, softmax) is not counted. MFU = FLOP/s / measured matmul FLOP/s.
+
+  python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
+  python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
+  python benchmarks/engine_bench.py --plot /tmp/engine/engine_bench.json     # PNG: step time vs batch + roofline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from baton.engine.cache_pools import CachePlan, plan_cache
+from baton.engine.config import ModelConfig
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
+
+JSON_NAME = "engine_bench.json"
+DECODE_GOALS = {1: 1.2, 256: 1.3}  # batch -> step / roofline goal (issue #7)
+MFU_GOAL = 0.5
+# Linear layers: drawn on the device (an 8B model is too slow to draw on the CPU); the rest via make_model.
+_MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                  "o_proj.weight", "up_proj.weight", "down_proj.weight", "experts.up_proj", "experts.down_proj",
+                  "fc1_latent_proj.weight", "fc2_latent_proj.weight", "gate.weight", "eh_proj.weight")
+_RESIDUAL_OUT = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj",
+                 "fc2_latent_proj.weight")
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchConfig:
+    device: str = "cuda"
+    preset: str = "8b-like"
+    batches: tuple[int, ...] = (1, 32, 256)
+    context: int = 1024           # prompt tokens per request before decode
+    steps: int = 20               # timed decode steps (and as many warm-up steps)
+    prefill_tokens: int = 8192    # tokens of the one prefill step of (c)
+    prefill_splits: tuple[int, ...] = (1, 4)  # prompts sharing those tokens
+    reps: int = 3                 # timed prefill steps per shape
+    copy_mib: int = 1024          # device-to-device copy size for the bandwidth
+    matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
+    ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
+    block_size: int = 16
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+        for name in ("batches", "prefill_splits"):
+            v = getattr(self, name)
+            if not v or any(not isinstance(b, int) or b < 1 for b in v):
+                raise ValueError(f"--{name.replace('_', '-')}: expected positive integers, got {v!r}")
+        for name in ("steps", "prefill_tokens", "reps", "copy_mib", "matmul_n", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
+        # A prefill-only request computes all but its last token: it needs two at least.
+        if self.context < 2:
+            raise ValueError(f"--context: expected at least 2 tokens, got {self.context}")
+        bad = [s for s in self.prefill_splits if self.prefill_tokens % s or self.prefill_tokens // s < 2]
+        if bad:
+            raise ValueError(f"--prefill-splits: expected divisors of --prefill-tokens={self.prefill_tokens} "
+                             f"leaving >= 2 tokens per prompt, got {bad}")
+        if self.ssm_state_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"--ssm-state-dtype: expected float32, bfloat16 or float16, got {self.ssm_state_dtype!r}")
+
+
+DEFAULTS = {
+    "cuda": {"preset": "8b-like", "batches": "1,32,256", "context": 1024, "steps": 20, "prefill_tokens": 8192,
+             "prefill_splits": "1,4", "reps": 3, "copy_mib": 1024, "matmul_n": 8192},
+    "smoke": {"preset": "tiny", "batches": "1,4", "context": 24, "steps": 3, "prefill_tokens": 64,
+              "prefill_splits": "1,4", "reps": 2, "copy_mib": 8, "matmul_n": 128},
+}
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+# ---- measured limits ----------------------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Mean milliseconds per call of `fn` over `iters` back-to-back calls (CUDA events on the GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def copy_gbps(nbytes: int, device: torch.device, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, GB/s of bytes read + written (as `kernels_bench.copy_gbps`)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ms = time_ms(lambda: b.copy_(a), iters, device)
+    return 2 * nbytes / (ms / 1e3) / 1e9
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, iters: int = 10, reps: int = 5) -> float:
+    """Best of `reps` runs of `iters` n x n x n matmuls: TFLOP/s (2 n^3 per matmul)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    best = min(time_ms(lambda: torch.matmul(a, b, out=c), iters, device) for _ in range(reps))
+    return 2 * n**3 / (best / 1e3) / 1e12
+
+
+# ---- the model, in memory ------------------------------------------------------------------------------------
+
+def _matrix_std(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> float:
+    """make_model's scale (`init_tensor`): std 1/sqrt(fan_in), residual outputs / sqrt(layers)."""
+    if name == "model.embeddings.weight":
+        return 1.0
+    if name == "lm_head.weight":
+        return 2.0 / math.sqrt(shape[-1])
+    std = 1.0 / math.sqrt(shape[-1])
+    return std / math.sqrt(cfg.num_layers) if name.endswith(_RESIDUAL_OUT) else std
+
+
+def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype,
+                   seed: int = 0, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Random weights of `cfg` (no MTP) made directly on `device`: matrices drawn there at make_model's scale,
+    the small tensors (norms, A_log, dt_bias, D, conv1d, biases) exactly as make_model makes them."""
+    shapes = expected_weight_shapes(cfg, include_mtp=False)
+    g = torch.Generator(device=device).manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(shapes.items(), desc="weights", unit="tensor", disable=not progress):
+        want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        if name in ("model.embeddings.weight", "lm_head.weight") or name.endswith(_MATMUL_LEAVES):
+            out[name] = torch.empty(shape, device=device, dtype=want).normal_(0.0, _matrix_std(name, shape, cfg),
+                                                                               generator=g)
+        else:
+            out[name] = init_tensor(name, shape, cfg, hf, seed).to(device=device, dtype=want)
+    return out
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How big the engine is made: enough pools for the largest decode batch and for the prefill step."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_kv_blocks: int
+    plan: CachePlan
+
+    # Each pool holds one scratch entry past the plan's (CUDA-graph padding rows write there).
+    @property
+    def kv_bytes(self) -> int:
+        return (self.plan.num_blocks + 1) * self.plan.block_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return (self.plan.num_slots + 1) * self.plan.slot_bytes
+
+
+def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> Setup:
+    bs = bc.block_size
+    # Each decode request: its context, the first sampled token, warm-up + timed + forward-only steps.
+    seq_len = bc.context + 2 * bc.steps + 4
+    blocks_decode = max(bc.batches) * (-(-seq_len // bs) + 1)
+    blocks_prefill = sum(-(-(bc.prefill_tokens // s) // bs) + 1 for s in bc.prefill_splits)
+    seqs = max(*bc.batches, *bc.prefill_splits)
+    budget = max(bc.prefill_tokens, seqs)
+    max_len = max(seq_len, bc.prefill_tokens) + bs
+    probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                         num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
+    plan = plan_cache(cfg, probe, dtype, ssm_dtype)
+    return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                 num_kv_blocks=plan.num_blocks, plan=plan)
+
+
+def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
+    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it.
+    return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs,
+                        max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
+                        cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
+                        device=bc.device)
+
+
+def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()  # the copy and matmul buffers
+    weights = sum(math.prod(s) for s in expected_weight_shapes(cfg, include_mtp=False).values()) * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    need = weights + setup.kv_bytes + setup.state_bytes
+    # Leave room for the prefill step's activations and the copy / matmul buffers.
+    if need > free - 8 * 2**30:
+        raise ValueError(f"GPU memory: expected weights + pools ({need / 2**30:.1f} GiB) to fit the free "
+                         f"{free / 2**30:.1f} GiB minus 8 GiB for activations; lower --batches or --context")
+
+
+def build_engine(bc: BenchConfig) -> LLMEngine:
+    """The real LLMEngine over an in-memory random model of the preset (no checkpoint on disk)."""
+    device = torch.device(bc.device)
+    hf = build_config(bc.preset)
+    cfg = ModelConfig.from_hf_dict(hf)
+    dtype = TORCH_DTYPES[cfg.torch_dtype]
+    ssm_dtype = TORCH_DTYPES[bc.ssm_state_dtype or cfg.mamba_ssm_cache_dtype]
+    setup = engine_setup(cfg, bc, dtype, ssm_dtype)
+    check_fits(cfg, setup, dtype, device)
+    weights = random_weights(cfg, hf, device, dtype, bc.seed, bc.progress)
+    engine = LLMEngine(cfg, weights, engine_config(setup, bc))
+    if engine.plan != setup.plan:
+        raise ValueError(f"cache plan: expected {setup.plan}, got {engine.plan}")
+    return engine
+
+
+# ---- (a) decode: traffic ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one decode step moves (KV read: mean over the timed steps)."""
+    weights: int
+    embedding_rows: int
+    ssm_state: int
+    conv_state: int
+    kv_read: float
+    kv_write: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.embedding_rows + self.ssm_state + self.conv_state + self.kv_read + self.kv_write
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """All parameters once, minus the embedding table unless the lm_head reads it (tied)."""
+    total = 0
+    for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
+        if name == "model.embeddings.weight" and not cfg.tie_word_embeddings:
+            continue
+        total += math.prod(shape) * (4 if name.endswith(FP32_SUFFIXES) else dtype.itemsize)
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in all attention layers."""
+    return len(cfg.attention_layer_ids) * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def decode_traffic(cfg: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype, batch: int,
+                   context_tokens: float) -> Traffic:
+    """context_tokens: the sum over the batch's requests of their computed tokens (KV read this step)."""
+    n_mamba = len(cfg.mamba_layer_ids)
+    ssm = n_mamba * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ssm_dtype.itemsize
+    conv = n_mamba * cfg.conv_dim * (cfg.conv_kernel - 1) * dtype.itemsize
+    return Traffic(
+        weights=weight_bytes(cfg, dtype),
+        embedding_rows=0 if cfg.tie_word_embeddings else batch * cfg.hidden_size * dtype.itemsize,
+        ssm_state=2 * batch * ssm,
+        conv_state=2 * batch * conv,
+        kv_read=context_tokens * kv_bytes_per_token(cfg, dtype),
+        kv_write=batch * kv_bytes_per_token(cfg, dtype),
+    )
+
+
+def traffic_from_tensors(engine: LLMEngine, batch: int, context_tokens: float) -> Traffic:
+    """The same bytes counted from the engine's real parameter and pool tensors (a check of the formula)."""
+    model, pools, bs = engine.model, engine.pools, engine.config.block_size
+    emb = model.model.embeddings.weight
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.lm_head is None
+    kv_token = pools.kv[0, :pools.num_target_kv_layers].numel() * pools.kv.element_size() // bs
+    return Traffic(
+        weights=params - (0 if tied else emb.numel() * emb.element_size()),
+        embedding_rows=0 if tied else batch * emb[0].numel() * emb.element_size(),
+        ssm_state=2 * batch * pools.ssm[0].numel() * pools.ssm.element_size(),
+        conv_state=2 * batch * pools.conv[0].numel() * pools.conv.element_size(),
+        kv_read=context_tokens * kv_token,
+        kv_write=batch * kv_token,
+    )
+
+
+# ---- (a) decode: timing -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeResult:
+    batch: int
+    context: int                  # prompt tokens per request
+    steps: int
+    mean_context_tokens: float    # per request, over the timed steps (computed tokens = KV read)
+    step_ms_median: float
+    step_ms_mean: float
+    step_ms_min: float
+    forward_ms: float             # model forward + lm_head on one decode batch, repeated
+    copy_gbps: float
+    traffic: Traffic
+    traffic_from_tensors: Traffic
+
+    @property
+    def roofline_ms(self) -> float:
+        return self.traffic.total / (self.copy_gbps * 1e9) * 1e3
+
+    @property
+    def ratio(self) -> float:
+        return self.step_ms_median / self.roofline_ms
+
+    @property
+    def forward_ratio(self) -> float:
+        return self.forward_ms / self.roofline_ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.step_ms_median / 1e3)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ids from 3 up: never pad / bos / eos.
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def _step(engine: LLMEngine, device: torch.device) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    outs = engine.step()
+    sync(device)
+    if not engine.last_step_rows:
+        raise RuntimeError("engine: no request could be scheduled (pools too small?)")
+    return outs, (time.perf_counter() - t0) * 1e3
+
+
+def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, seed: int, device: torch.device,
+                 progress: bool) -> list[str]:
+    """B requests of `context` prompt tokens, all in decode with the same context: prefill-only first (no
+    decode rows run meanwhile), then re-admitted on their caches; their first step computes the last prompt
+    token from h(N-1) (R1) and samples. Returns the request ids."""
+    cfg = engine.model_config
+    prompts = _prompts(batch, context, cfg.vocab_size, seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"b{batch}-p{i}", prefill_only=True)
+    held: dict[str, tuple[tuple[int, ...], int]] = {}
+    start = engine.stats.prompt_tokens
+    with tqdm(total=batch * (context - 1), desc=f"prefill B={batch}", unit="tok", disable=not progress) as bar:
+        while engine.has_unfinished():
+            outs, _ = _step(engine, device)
+            bar.update(engine.stats.prompt_tokens - start - bar.n)
+            for o in outs:
+                if o.finished:
+                    held[o.request_id] = (o.held_block_ids, o.held_state_slot)
+    ids = []
+    for i, p in enumerate(prompts):
+        blocks, slot = held[f"b{batch}-p{i}"]
+        ids.append(engine.add_computed_request(p, params, f"b{batch}-d{i}", list(blocks), slot, context - 1))
+    outs, _ = _step(engine, device)
+    if len(outs) != batch or any(not o.new_token_ids for o in outs):
+        raise RuntimeError(f"first decode token: expected one for each of {batch} requests, got {len(outs)}")
+    return ids
+
+
+def _running_context(engine: LLMEngine) -> int:
+    return sum(r.num_computed_tokens for r in engine.scheduler.running)
+
+
+def forward_only_ms(engine: LLMEngine, iters: int, device: torch.device) -> float:
+    """Model forward + lm_head of the batch the scheduler makes next, built once and run `iters` times.
+    Prefill rows without an initial state recompute the same caches; decode rows advance their state
+    again each time (the values do not matter here)."""
+    out = engine.scheduler.schedule()
+    runner = engine.runner
+    with torch.inference_mode():
+        input_ids, batch = runner.build_batch(out)
+        last = batch.query_start_loc[1:] - 1
+
+        def fwd() -> torch.Tensor:
+            return engine.model.logits(engine.model(input_ids, batch)[last])
+
+        for _ in range(2):
+            fwd()
+        sync(device)
+        return time_ms(fwd, iters, device)
+
+
+def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) -> DecodeResult:
+    device = torch.device(bc.device)
+    ids = enter_decode(engine, batch, bc.context, max_tokens=2 * bc.steps + 8, seed=bc.seed + batch,
+                       device=device, progress=bc.progress)
+    for _ in tqdm(range(bc.steps), desc=f"warm-up B={batch}", disable=not bc.progress):
+        _step(engine, device)
+    times, contexts = [], []
+    for _ in tqdm(range(bc.steps), desc=f"decode B={batch}", disable=not bc.progress):
+        contexts.append(_running_context(engine))
+        _, ms = _step(engine, device)
+        if engine.stats.row_kinds[-1] != (batch, 0):
+            raise RuntimeError(f"decode step: expected {batch} decode rows and no prefill, "
+                               f"got (decodes, prefills) = {engine.stats.row_kinds[-1]}")
+        times.append(ms)
+    fwd = forward_only_ms(engine, bc.steps, device)
+    for rid in ids:
+        engine.abort(rid)
+    ctx = statistics.fmean(contexts)
+    dtype, ssm_dtype = engine.dtype, engine.ssm_dtype
+    return DecodeResult(
+        batch=batch, context=bc.context, steps=bc.steps, mean_context_tokens=ctx / batch,
+        step_ms_median=statistics.median(times), step_ms_mean=statistics.fmean(times), step_ms_min=min(times),
+        forward_ms=fwd, copy_gbps=copy,
+        traffic=decode_traffic(engine.model_config, dtype, ssm_dtype, batch, ctx),
+        traffic_from_tensors=traffic_from_tensors(engine, batch, ctx))
+
+
+# ---- (c) prefill ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Flops:
+    linear: int
+    lm_head: int
+    attention: int
+    ssd: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.lm_head + self.attention + self.ssd
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights a token multiplies in the layers (lm_head and embeddings apart; routed experts: top_k of E)."""
+    total = 0
+    for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
+        if not name.startswith("model.layers.") or not name.endswith(_MATMUL_LEAVES):
+            continue
+        n = math.prod(shape)
+        if ".mixer.experts." in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n
+    return total
+
+
+def prefill_flops(cfg: ModelConfig, lengths: Sequence[int]) -> Flops:
+    """FLOPs of one prefill step over fresh rows of these lengths, each sampling its last token."""
+    t = sum(lengths)
+    h, p, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size
+    q, g = cfg.chunk_size, cfg.n_groups
+    per_layer_attn = sum(4 * cfg.num_attention_heads * cfg.head_dim * L * (L + 1) // 2 for L in lengths)
+    return Flops(
+        linear=2 * t * matmul_params_per_token(cfg),
+        lm_head=2 * len(lengths) * cfg.vocab_size * cfg.hidden_size,
+        attention=len(cfg.attention_layer_ids) * per_layer_attn,
+        ssd=len(cfg.mamba_layer_ids) * t * (4 * h * p * n + (q + 1) * (g * n + h * p)),
+    )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    prompts: int
+    tokens: int
+    reps: int
+    step_ms_median: float
+    step_ms_min: float
+    forward_ms: float
+    matmul_tflops: float
+    flops: Flops
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.step_ms_median / 1e3)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops.total / (self.step_ms_median / 1e3) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops / self.matmul_tflops
+
+    @property
+    def forward_mfu(self) -> float:
+        return self.flops.total / (self.forward_ms / 1e3) / 1e12 / self.matmul_tflops
+
+
+def _prefill_step(engine: LLMEngine, prompts: list[list[int]], tag: str, device: torch.device) -> float:
+    """All prompts in one engine step (each samples one token and finishes): its milliseconds."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"{tag}-{i}")
+    outs, ms = _step(engine, device)
+    if engine.has_unfinished() or len(outs) != len(prompts):
+        raise RuntimeError(f"prefill: expected {len(prompts)} prompts done in one step, "
+                           f"got {len(outs)} (raise max_num_batched_tokens?)")
+    return ms
+
+
+def bench_prefill(engine: LLMEngine, bc: BenchConfig, splits: int, matmul: float) -> PrefillResult:
+    device = torch.device(bc.device)
+    length = bc.prefill_tokens // splits
+    prompts = _prompts(splits, length, engine.model_config.vocab_size, bc.seed + 7919 * splits)
+    _prefill_step(engine, prompts, f"warm{splits}", device)
+    times = [_prefill_step(engine, prompts, f"p{splits}-{r}", device)
+             for r in tqdm(range(bc.reps), desc=f"prefill {splits}x{length}", disable=not bc.progress)]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    ids = [engine.add_request(p, params, request_id=f"f{splits}-{i}") for i, p in enumerate(prompts)]
+    fwd = forward_only_ms(engine, bc.reps, device)
+    for rid in ids:
+        engine.abort(rid)
+    return PrefillResult(prompts=splits, tokens=bc.prefill_tokens, reps=bc.reps,
+                         step_ms_median=statistics.median(times), step_ms_min=min(times), forward_ms=fwd,
+                         matmul_tflops=matmul, flops=prefill_flops(engine.model_config, [length] * splits))
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Report:
+    meta: dict
+    copy_gbps: float
+    matmul_tflops: float
+    matmul_dtype: str
+    cache: dict
+    decode: list[DecodeResult] = field(default_factory=list)
+    prefill: list[PrefillResult] = field(default_factory=list)
+
+
+def _with_props(obj: object) -> dict:
+    """asdict plus the derived properties, for the JSON."""
+    d = asdict(obj)
+    for name in dir(type(obj)):
+        if isinstance(getattr(type(obj), name), property):
+            d[name] = getattr(obj, name)
+    for key, value in d.items():
+        sub = getattr(obj, key, None)
+        if isinstance(value, dict) and hasattr(type(sub), "__dataclass_fields__"):
+            d[key] = _with_props(sub)
+    return d
+
+
+def report_dict(r: Report) -> dict:
+    return {"meta": r.meta, "copy_gbps": r.copy_gbps, "matmul_tflops": r.matmul_tflops,
+            "matmul_dtype": r.matmul_dtype, "cache": r.cache,
+            "decode": [_with_props(d) for d in r.decode], "prefill": [_with_props(p) for p in r.prefill]}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def table(r: Report) -> str:
+    m = r.meta
+    lines = [f"## Engine: decode vs traffic roofline, prefill vs matmul rate — {m['device_name']}, "
+             f"commit {m['commit']}, torch {m['torch']}", "",
+             f"`{m['command']}`", "",
+             f"Preset `{m['preset']}` ({m['params'] / 1e9:.2f} B params, {m['dtype']}, SSM state {m['ssm_dtype']}); "
+             f"copy {r.copy_gbps:.0f} GB/s (read + write); {r.matmul_dtype} matmul {r.matmul_tflops:.1f} TFLOP/s "
+             f"(n = {m['matmul_n']}); pools {r.cache['kv_bytes'] / 2**30:.2f} GiB KV ({r.cache['num_blocks']} "
+             f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots).", "",
+             "| batch | mean context | step ms | forward ms | roofline ms | step / roofline | goal | forward / roofline "
+             "| tok/s | GB: weights / SSM / conv / KV |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for d in r.decode:
+        t = d.traffic
+        g = DECODE_GOALS.get(d.batch)
+        goal = "–" if g is None else f"≤ {g}× {'met' if d.ratio <= g else 'missed'}"
+        lines.append(f"| {d.batch} | {d.mean_context_tokens:.0f} | {d.step_ms_median:.3f} | {d.forward_ms:.3f} "
+                     f"| {d.roofline_ms:.3f} | {d.ratio:.2f}× | {goal} | {d.forward_ratio:.2f}× "
+                     f"| {d.tokens_per_s:,.0f} | {_gb(t.weights + t.embedding_rows)} / {_gb(t.ssm_state)} / "
+                     f"{_gb(t.conv_state)} / {_gb(t.kv_read + t.kv_write)} |")
+    lines += ["", "| prompts × tokens | step ms | tok/s | TFLOP | TFLOP/s | MFU (step) | MFU (forward) | goal |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in r.prefill:
+        lines.append(f"| {p.prompts} × {p.tokens // p.prompts} | {p.step_ms_median:.1f} | {p.tokens_per_s:,.0f} "
+                     f"| {p.flops.total / 1e12:.2f} | {p.tflops:.1f} | {p.mfu:.1%} | {p.forward_mfu:.1%} "
+                     f"| ≥ {MFU_GOAL:.0%} {'met' if p.mfu >= MFU_GOAL else 'missed'} |")
+    return "\n".join(lines)
+
+
+def plot_decode_roofline(results_json_path: str | Path, png_path: str | Path) -> Path:
+    """PNG of decode step time (and model forward) against batch, the traffic roofline drawn, from the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(results_json_path).read_text())
+    rows = sorted(data["decode"], key=lambda d: d["batch"])
+    if not rows:
+        raise ValueError(f"{results_json_path}: expected decode results, got none")
+    b = [d["batch"] for d in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(b, [d["step_ms_median"] for d in rows], "o-", label="engine step (median)")
+    ax.plot(b, [d["forward_ms"] for d in rows], "s--", label="model forward + lm_head")
+    ax.plot(b, [d["roofline_ms"] for d in rows], "k-", lw=2, label=f"roofline (copy {data['copy_gbps']:.0f} GB/s)")
+    for batch, goal in DECODE_GOALS.items():
+        hit = [d for d in rows if d["batch"] == batch]
+        if hit:
+            ax.plot([batch], [goal * hit[0]["roofline_ms"]], "kv", mfc="none", ms=9)
+    ax.plot([], [], "kv", mfc="none", label="goal (1.2× at 1, 1.3× at 256)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(b, [str(x) for x in b])
+    ax.set_xlabel("decode batch (requests)")
+    ax.set_ylabel("ms per decode step")
+    m = data["meta"]
+    ax.set_title(f"{m['preset']} decode, context {rows[0]['context']} — {m['device_name']} ({m['commit']})",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = Path(png_path)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig | None]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--preset", help="make_model preset (default 8b-like; tiny with --smoke)")
+    ap.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,32,256)")
+    ap.add_argument("--context", type=int, help="prompt tokens per decode request (default 1024)")
+    ap.add_argument("--steps", type=int, help="timed decode steps per batch, after as many warm-up steps")
+    ap.add_argument("--prefill-tokens", type=int, help="tokens of the prefill step (default 8192)")
+    ap.add_argument("--prefill-splits", help="prompts sharing those tokens, comma-separated (default 1,4)")
+    ap.add_argument("--reps", type=int, help="timed prefill steps per shape")
+    ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
+    ap.add_argument("--matmul-n", type=int, help="n of the n^3 matmul for the peak rate (default 8192)")
+    ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, small numbers (seconds)")
+    ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME} (or a .json file path)")
+    ap.add_argument("--plot", type=Path, metavar="RESULTS_JSON", help="only write the PNG from a results JSON")
+    ap.add_argument("--png", type=Path, help="PNG path for --plot (default: next to the JSON)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.plot is not None:
+        return args, None
+    if args.smoke and args.device == "cuda":
+        raise ValueError("--smoke: expected --device cpu (or none), got cuda")
+    device = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = DEFAULTS["smoke" if args.smoke or device == "cpu" else "cuda"]
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return d[name] if v is None else v
+
+    bc = BenchConfig(device=device, preset=pick("preset"), batches=_int_list("--batches", str(pick("batches"))),
+                     context=pick("context"), steps=pick("steps"), prefill_tokens=pick("prefill_tokens"),
+                     prefill_splits=_int_list("--prefill-splits", str(pick("prefill_splits"))), reps=pick("reps"),
+                     copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
+                     seed=args.seed, progress=not args.no_progress)
+    return args, bc
+
+
+def run(bc: BenchConfig, command: str) -> Report:
+    device = torch.device(bc.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: expected a CUDA device, found none")
+    torch.manual_seed(bc.seed)
+    copy = copy_gbps(bc.copy_mib * 2**20, device)
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mm = matmul_tflops(bc.matmul_n, mm_dtype, device)
+    print(f"copy {copy:.0f} GB/s, {mm_dtype} matmul n={bc.matmul_n}: {mm:.2f} TFLOP/s", flush=True)
+    engine = build_engine(bc)
+    plan = engine.plan
+    cache = {"num_blocks": plan.num_blocks, "block_bytes": plan.block_bytes, "num_slots": plan.num_slots,
+             "slot_bytes": plan.slot_bytes, "kv_bytes": plan.num_blocks * plan.block_bytes,
+             "state_bytes": plan.num_slots * plan.slot_bytes,
+             "cache_memory_bytes": engine.config.cache_memory_bytes}
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    print(f"engine: {bc.preset} {n_params / 1e9:.3f} B params; pools: KV {plan.num_blocks} blocks x "
+          f"{plan.block_bytes} B = {cache['kv_bytes'] / 2**30:.2f} GiB, state {plan.num_slots} slots x "
+          f"{plan.slot_bytes} B = {cache['state_bytes'] / 2**30:.2f} GiB", flush=True)
+    meta = {"device_name": device_name(device), "commit": git_commit(), "torch": torch.__version__,
+            "command": command, "preset": bc.preset, "params": n_params, "dtype": str(engine.dtype).split(".")[-1],
+            "ssm_dtype": str(engine.ssm_dtype).split(".")[-1], "matmul_n": bc.matmul_n,
+            "bench_config": asdict(bc)}
+    decode = [bench_decode(engine, bc, b, copy) for b in bc.batches]
+    prefill = [bench_prefill(engine, bc, s, mm) for s in bc.prefill_splits]
+    for d in decode:
+        if d.traffic != d.traffic_from_tensors:
+            raise RuntimeError(f"decode traffic B={d.batch}: formula {d.traffic} != tensors {d.traffic_from_tensors}")
+    return Report(meta=meta, copy_gbps=copy, matmul_tflops=mm, matmul_dtype=str(mm_dtype).split(".")[-1],
+                  cache=cache, decode=decode, prefill=prefill)
+
+
+def _json_path(out: Path) -> Path:
+    return out if out.suffix == ".json" else out / JSON_NAME
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, bc = parse_args(argv)
+    if bc is None:
+        png = plot_decode_roofline(args.plot, args.png or args.plot.with_suffix(".png"))
+        print(f"wrote {png}")
+        return 0
+    command = " ".join(["python benchmarks/engine_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    report = run(bc, command)
+    if args.out is not None:
+        path = _json_path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report_dict(report), indent=2) + "\n")
+        print(f"wrote {path}")
+    print()
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""Triton kernels of the Mamba2 chunked selective scan ("SSD") over a varlen batch of prefill rows.
+
+Same signature, semantics and return value as the torch reference `mamba_chunk_scan_varlen`
+(mamba_chunk_scan.py; see it for the math): dt is raw (discretized here exactly as `discretize_dt`),
+each row is cut into chunks of `chunk_size` tokens counted from its own first token, a row starts from
+its slot's state when has_initial_state (from zeros otherwise, and the slot is then never read), y comes
+back in x.dtype with the D * x skip, and the row's final state goes into its slot in the pool's dtype.
+An empty row writes its initial state (or zeros) back, as the reference does. Head h uses the B/C group
+h // (H // G).
+
+Two launches, stream-ordered (fp32 math, fp32 accumulators; `tl.dot` takes 16-bit operands when the
+activations are bf16/fp16, and fp32 with IEEE precision when they are fp32):
+
+1. `_ssd_state_kernel`, one program per (row, head, block of P, block of N), sequential over the row's
+   chunks. It holds its [BLOCK_P, BLOCK_N] state tile in fp32 registers, starting from the slot (or
+   zeros). Per chunk it discretizes dt, takes the running sum of a = dt * A in registers, stores the
+   tile as the chunk's START state (in the dot dtype: what phase 3 multiplies with), then advances it:
+       s = exp(sum a) * s + (x * dt * exp(decay to chunk end))^T @ B          (one tl.dot)
+   After the row's last chunk it stores the tile into the row's slot, rounded to the pool dtype. The
+   programs of the first (P, N) block also store the discretized dt and the running sums [H, T] in fp32
+   for launch 2. A program reads the slot tile it later overwrites, and no other program touches it.
+   Fusing the chunk-state and state-passing phases means the per-chunk contributions never go through
+   memory (they would be an fp32 [chunks, H, P, N] buffer written once and read once).
+2. `_ssd_output_kernel`, one program per (chunk, block of BLOCK_M chunk positions x block of P, head):
+       y_m = (C_m @ S^T) * exp(cs_m) + sum over source blocks k <= m of
+             ((C_m @ B_k^T) * exp(cs_m - cs_k) * dt_k, causal) @ x_k  + D * x_m
+   with S the chunk's start state. Only source blocks up to the diagonal are visited.
+
+No host reads of device tensors when `chunk_meta` is given: the grid of launch 2 needs the number of
+chunks over all rows, which `build_chunk_meta` computes from host ints (the runner has them). Without
+it, the op reads query_start_loc back (`.tolist()`, a sync) and builds the metadata itself. Only shapes
+and dtypes are checked; slot values are the caller's contract, unchecked (distinct, in [0, S): an
+out-of-range slot is an out-of-bounds access, two rows on one slot race). The reference checks them.
+
+All tensors are addressed through their strides, so x, B, C and dt may be views into the in_proj / conv
+output. Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs both
+launches on CPU tensors; its tl.dot mishandles bf16 (numpy has none), so there the 16-bit operands are
+rounded as on the GPU and multiplied in fp32 (`_operand`). On the GPU, `tl.exp` is the fast ex2.approx
+path and the in-chunk decays come from differences of running sums (the reference sums the masked
+terms), so results agree with the reference to a few fp32 ulps of the state (plus the 16-bit rounding of
+dot operands and of the chunk-start states), not bit for bit.
+
+Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 1 reads x once per N block and writes the
+bf16 chunk-start states (~134 MB); launch 2 reads x, the start states and writes y (~400 MB in all) and
+recomputes C·B per head (not per group). Untuned: block_p / block_n / block_m / block_k are exposed for
+that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_ssu import _round_to, _softplus
+
+_FN = "mamba_chunk_scan_varlen_triton"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MIN_BLOCK = 16  # tl.dot's smallest tile side
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- chunk metadata (host ints -> one small device tensor) --------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Where the chunks of a varlen batch lie, as device int32 tensors; build it with `build_chunk_meta`.
+
+    Chunk c (counted over all rows, row by row) covers tokens chunk_start[c] : chunk_start[c] +
+    chunk_len[c]; row r owns chunks row_chunk[r] : row_chunk[r+1] (none for an empty row), so a row's
+    first chunk is row_chunk[r] and its last row_chunk[r+1] - 1. The host ints say what it was built for.
+    """
+
+    num_tokens: int
+    num_rows: int
+    chunk_size: int
+    num_chunks: int
+    chunk_start: Tensor  # [num_chunks] int32
+    chunk_len: Tensor  # [num_chunks] int32
+    row_chunk: Tensor  # [num_rows + 1] int32
+
+
+def _check_bounds(fn: str, starts: list[int], num_tokens: int | None) -> None:
+    """Host ints: non-decreasing from 0 (to num_tokens, when given)."""
+    if (
+        not starts
+        or starts[0] != 0
+        or (num_tokens is not None and starts[-1] != num_tokens)
+        or any(a > b for a, b in zip(starts, starts[1:], strict=False))
+    ):
+        to = "" if num_tokens is None else f" to T = {num_tokens}"
+        raise ValueError(f"{fn}: query_start_loc expected non-decreasing from 0{to}, got {starts}")
+
+
+def build_chunk_meta(query_start_loc_host: list[int], chunk_size: int, device) -> ChunkMeta:
+    """ChunkMeta of the rows query_start_loc_host[r] : query_start_loc_host[r+1] (host ints, non-decreasing
+    from 0). One host-to-device copy, from pinned memory and non-blocking on CUDA (a pageable copy would
+    wait for the stream); no device reads. The caching host allocator keeps the pinned block until the
+    copy is done."""
+    starts = [int(s) for s in query_start_loc_host]
+    _check_bounds("build_chunk_meta", starts, None)
+    if chunk_size <= 0:
+        raise ValueError(f"build_chunk_meta: expected chunk_size > 0, got {chunk_size}")
+    chunk_start: list[int] = []
+    chunk_len: list[int] = []
+    row_chunk = [0]
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        for s in range(lo, hi, chunk_size):
+            chunk_start.append(s)
+            chunk_len.append(min(chunk_size, hi - s))
+        row_chunk.append(len(chunk_start))
+    n = len(chunk_start)
+    packed = torch.tensor(chunk_start + chunk_len + row_chunk, dtype=torch.int32)
+    device = torch.device(device)
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)  # (on the CPU, just the tensor itself)
+    return ChunkMeta(
+        num_tokens=starts[-1], num_rows=len(starts) - 1, chunk_size=chunk_size, num_chunks=n,
+        chunk_start=packed[:n], chunk_len=packed[n : 2 * n], row_chunk=packed[2 * n :],
+    )  # fmt: skip
+
+
+# ---- kernels ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _operand(v, dtype: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """`v` as a tl.dot operand of `dtype` (rounded to nearest even). The interpreter's tl.dot mishandles
+    bf16 (numpy has none), so without NATIVE_DOT the rounded value is handed over in fp32: the same
+    products, an fp32 dot."""
+    if NATIVE_DOT:
+        return v.to(dtype)
+    else:
+        return _round_to(v.to(tl.float32), dtype).to(tl.float32)
+
+
+@triton.jit
+def _mma(a, b, NATIVE_DOT: tl.constexpr):
+    """a @ b with an fp32 accumulator; fp32 operands in full (IEEE) precision rather than TF32."""
+    if NATIVE_DOT:
+        return tl.dot(a, b)
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _discretized_dt(dt_ptr, dt_bias, dt_min, offs, mask, s_dt_t):
+    """fp32 max(softplus(dt + dt_bias), dt_min) of one head at `offs` tokens past dt_ptr, 0 where masked
+    (padding)."""
+    dt = tl.load(dt_ptr + offs * s_dt_t, mask=mask, other=0.0).to(tl.float32) + dt_bias
+    return tl.where(mask, tl.maximum(_softplus(dt), dt_min), 0.0)
+
+
+@triton.jit
+def _ssd_state_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr,
+    pool_ptr, slots_ptr, init_ptr,
+    chunk_start_ptr, chunk_len_ptr, row_chunk_ptr,
+    states_ptr, dt_out_ptr, cs_out_ptr,
+    P, N, heads_per_group, dt_min,
+    s_x_t, s_x_h, s_x_p,
+    s_dt_t, s_dt_h,
+    s_B_t, s_B_g, s_B_n,
+    s_pool_slot, s_pool_h, s_pool_p, s_pool_n,
+    s_st_c, s_st_h, s_st_p, s_st_n,
+    s_buf_h, s_buf_t,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    n_pblocks = tl.cdiv(P, BLOCK_P)
+    pid_p = pid_pn % n_pblocks
+    pid_n = pid_pn // n_pblocks
+    g = h // heads_per_group
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    dot_dtype = states_ptr.dtype.element_ty
+
+    # The initial state; without has_initial_state the slot is masked off entirely (never read).
+    # Addressing: 64-bit scalar base pointers (per row, head, chunk), 32-bit offsets within a tile; 64-bit
+    # pointer arithmetic per tile element would cost registers.
+    slot = tl.load(slots_ptr + r).to(tl.int64)
+    pool_head = pool_ptr + slot * s_pool_slot + h.to(tl.int64) * s_pool_h
+    pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n  # [BLOCK_P, BLOCK_N]
+    # The initial state; without has_initial_state the slot is masked off entirely (never read).
+    init = tl.load(init_ptr + r).to(tl.int32)
+    p_init = tl.where(init != 0, P, 0)
+    init_mask = (offs_p < p_init)[:, None] & mask_n[None, :]
+    s = tl.load(pool_head + pn_pool, mask=init_mask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+
+    # Only the first (P, N) block's programs store dt and the running sums for the output kernel. (A
+    # comparison rather than `mask & scalar`: the interpreter promotes the latter to int32.)
+    buf_limit = tl.where(pid_pn == 0, BLOCK_L, 0)
+    x_head = x_ptr + h.to(tl.int64) * s_x_h
+    dt_head = dt_ptr + h.to(tl.int64) * s_dt_h
+    B_group = B_ptr + g.to(tl.int64) * s_B_g
+    st_head = states_ptr + h.to(tl.int64) * s_st_h
+    dt_out_head = dt_out_ptr + h.to(tl.int64) * s_buf_h
+    cs_out_head = cs_out_ptr + h.to(tl.int64) * s_buf_h
+
+    # int64 bounds make the chunk index (and the offsets from it) 64-bit on the GPU; the interpreter hands
+    # the loop a Python int, so no `.to()` on it.
+    c_lo = tl.load(row_chunk_ptr + r).to(tl.int64)
+    c_hi = tl.load(row_chunk_ptr + r + 1).to(tl.int64)
+    for c in range(c_lo, c_hi):
+        start = tl.load(chunk_start_ptr + c).to(tl.int64)
+        length = tl.load(chunk_len_ptr + c)
+        mask_l = offs_l < length
+
+        dt = _discretized_dt(dt_head + start * s_dt_t, dt_bias, dt_min, offs_l, mask_l, s_dt_t)  # [BLOCK_L]
+        cs = tl.cumsum(dt * A, axis=0)  # decay exponent from the chunk's start to l, inclusive
+        # ... to the chunk's end: the last running sum itself (a separate tl.sum could round differently,
+        # and the last token's decay to the end must be exactly exp(0) = 1).
+        total = tl.sum(tl.where(offs_l == length - 1, cs, 0.0), axis=0)
+        buf_mask = offs_l < tl.minimum(length, buf_limit)
+        tl.store(dt_out_head + start * s_buf_t + offs_l * s_buf_t, dt, mask=buf_mask)
+        tl.store(cs_out_head + start * s_buf_t + offs_l * s_buf_t, cs, mask=buf_mask)
+
+        # The state at the chunk's start, for the output kernel.
+        st_tile = offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+        tl.store(st_head + c * s_st_c + st_tile, _round_to(s, dot_dtype), mask=mask_pn)
+
+        # The chunk's own contribution: token l's input, decayed to the chunk's end.
+        x = tl.load(
+            x_head + start * s_x_t + offs_l[:, None] * s_x_t + offs_p[None, :] * s_x_p,
+            mask=mask_l[:, None] & mask_p[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_L, BLOCK_P]
+        Bm = tl.load(
+            B_group + start * s_B_t + offs_l[:, None] * s_B_t + offs_n[None, :] * s_B_n,
+            mask=mask_l[:, None] & mask_n[None, :],
+            other=0.0,
+        )  # [BLOCK_L, BLOCK_N]
+        w = x * (dt * tl.exp(total - cs))[:, None]
+        contrib = _mma(
+            tl.trans(_operand(w, dot_dtype, NATIVE_DOT)), _operand(Bm, dot_dtype, NATIVE_DOT), NATIVE_DOT
+        )  # [BLOCK_P, BLOCK_N]
+        s = tl.exp(total) * s + contrib
+
+    pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n
+    tl.store(pool_head + pn_pool, _round_to(s, pool_ptr.dtype.element_ty), mask=mask_pn)
+
+
+@triton.jit
+def _ssd_output_kernel(
+    x_ptr, B_ptr, C_ptr, D_ptr,
+    chunk_start_ptr, chunk_len_ptr,
+    states_ptr, dt_buf_ptr, cs_buf_ptr, y_ptr,
+    P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p,
+    s_B_t, s_B_g, s_B_n,
+    s_C_t, s_C_g, s_C_n,
+    s_st_c, s_st_h, s_st_p, s_st_n,
+    s_buf_h, s_buf_t,
+    s_y_t, s_y_h, s_y_p,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0)
+    pid_mp = tl.program_id(1)
+    h = tl.program_id(2)
+    n_pblocks = tl.cdiv(P, BLOCK_P)
+    pid_p = pid_mp % n_pblocks
+    m0 = (pid_mp // n_pblocks) * BLOCK_M
+    g = h // heads_per_group
+    dot_dtype = states_ptr.dtype.element_ty
+
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # positions within the chunk
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < length
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+
+    # 64-bit scalar base pointers at the chunk's first token, 32-bit offsets within the tiles.
+    x_chunk = x_ptr + h.to(tl.int64) * s_x_h + start * s_x_t
+    B_chunk = B_ptr + g.to(tl.int64) * s_B_g + start * s_B_t
+    C_chunk = C_ptr + g.to(tl.int64) * s_C_g + start * s_C_t
+    cs_chunk = cs_buf_ptr + h.to(tl.int64) * s_buf_h + start * s_buf_t
+    dt_chunk = dt_buf_ptr + h.to(tl.int64) * s_buf_h + start * s_buf_t
+    cs_m = tl.load(cs_chunk + offs_m * s_buf_t, mask=mask_m, other=0.0)  # [BLOCK_M]
+    C_m = tl.load(
+        C_chunk + offs_m[:, None] * s_C_t + offs_n[None, :] * s_C_n,
+        mask=mask_m[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    C_m = _operand(C_m, dot_dtype, NATIVE_DOT)  # [BLOCK_M, BLOCK_N]
+
+    # From the chunk's start state S [P, N], loaded transposed: (C_m @ S^T) * exp(cs_m).
+    S_t = tl.load(
+        states_ptr + c.to(tl.int64) * s_st_c + h.to(tl.int64) * s_st_h
+        + offs_n[:, None] * s_st_n + offs_p[None, :] * s_st_p,
+        mask=mask_n[:, None] & mask_p[None, :], other=0.0,
+    )  # [BLOCK_N, BLOCK_P]  # fmt: skip
+    S_t = _operand(S_t, dot_dtype, NATIVE_DOT)
+    acc = _mma(C_m, S_t, NATIVE_DOT) * tl.exp(cs_m)[:, None]  # [BLOCK_M, BLOCK_P] fp32
+
+    # Within the chunk: causal, decay-weighted C·B over the source blocks up to the diagonal.
+    # (None for a block past the end of a short last chunk: its rows are all masked off.)
+    k_hi = tl.where(m0 < length, tl.minimum(m0 + BLOCK_M, length), 0)
+    for k0 in range(0, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        Bt_k = tl.load(
+            B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+        cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+        dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
+        # -inf above the diagonal: exp() is 0 there and never overflows.
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        w = cb * decay * dt_k[None, :]
+        x_k = tl.load(
+            x_chunk + offs_k[:, None] * s_x_t + offs_p[None, :] * s_x_p,
+            mask=mask_k[:, None] & mask_p[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_P]
+        acc += _mma(_operand(w, dot_dtype, NATIVE_DOT), _operand(x_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)
+
+    # The skip connection, in fp32 from x as given.
+    mask_mp = mask_m[:, None] & mask_p[None, :]
+    x_m = tl.load(x_chunk + offs_m[:, None] * s_x_t + offs_p[None, :] * s_x_p, mask=mask_mp, other=0.0)
+    acc += tl.load(D_ptr + h).to(tl.float32) * x_m.to(tl.float32)
+    y_chunk = y_ptr + h.to(tl.int64) * s_y_h + start * s_y_t
+    y_tile = y_chunk + offs_m[:, None] * s_y_t + offs_p[None, :] * s_y_p
+    tl.store(y_tile, _round_to(acc, y_ptr.dtype.element_ty), mask=mask_mp)
+
+
+# ---- host side ---------------------------------------------------------------------------------------
+
+
+def _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_slots, has_initial_state,
+                chunk_size, chunk_meta) -> None:  # fmt: skip
+    """The reference's shape checks plus dtype/device ones; never reads a device tensor."""
+    if x.dim() != 3 or B.dim() != 3 or ssm_state.dim() != 4 or state_slots.dim() != 1:
+        raise ValueError(
+            f"{_FN}: expected x [T, H, P], B [T, G, N], ssm_state [S, H, P, N], state_slots [R], got "
+            f"x {tuple(x.shape)}, B {tuple(B.shape)}, ssm_state {tuple(ssm_state.shape)}, "
+            f"state_slots {tuple(state_slots.shape)}"
+        )
+    T, H, P = x.shape
+    S, N = ssm_state.shape[0], ssm_state.shape[3]
+    G, R = B.shape[1], state_slots.shape[0]
+    check_shape(_FN, "ssm_state", ssm_state, "[S, H, P, N]", (S, H, P, N))
+    check_shape(_FN, "dt", dt, "[T, H]", (T, H))
+    check_shape(_FN, "A", A, "[H]", (H,))
+    check_shape(_FN, "B", B, "[T, G, N]", (T, G, N))
+    check_shape(_FN, "C", C, "[T, G, N]", (T, G, N))
+    check_shape(_FN, "D", D, "[H]", (H,))
+    check_shape(_FN, "dt_bias", dt_bias, "[H]", (H,))
+    check_shape(_FN, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
+    check_shape(_FN, "has_initial_state", has_initial_state, "[R]", (R,))
+    if G == 0 or H % G != 0:
+        raise ValueError(f"{_FN}: expected H ({H}) to be a multiple of G, got G = {G}")
+    if chunk_size <= 0:
+        raise ValueError(f"{_FN}: expected chunk_size > 0, got {chunk_size}")
+    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias),
+                    ("ssm_state", ssm_state)):  # fmt: skip
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{_FN}: {name} expected float32, float16 or bfloat16, got {t.dtype}")
+    for name, t in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{_FN}: {name} expected an integer tensor, got {t.dtype}")
+    if has_initial_state.dtype.is_floating_point or has_initial_state.dtype.is_complex:
+        raise ValueError(
+            f"{_FN}: has_initial_state expected a bool or integer tensor, got {has_initial_state.dtype}"
+        )
+    others = dict(dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state,
+                  query_start_loc=query_start_loc, state_slots=state_slots,
+                  has_initial_state=has_initial_state)  # fmt: skip
+    for name, t in others.items():
+        if t.device != x.device:
+            raise ValueError(f"{_FN}: {name} expected on {x.device}, got {t.device}")
+    if chunk_meta is not None:
+        built = (chunk_meta.num_tokens, chunk_meta.num_rows, chunk_meta.chunk_size)
+        if built != (T, R, chunk_size):
+            raise ValueError(
+                f"{_FN}: chunk_meta expected (num_tokens, num_rows, chunk_size) = {(T, R, chunk_size)}, "
+                f"got {built}"
+            )
+        if chunk_meta.row_chunk.device != x.device:
+            raise ValueError(f"{_FN}: chunk_meta expected on {x.device}, got {chunk_meta.row_chunk.device}")
+
+
+def _pow2_block(requested: int | None, default: int, size: int, name: str) -> int:
+    """A requested tile side (checked), else `default` capped at `size` rounded up to a power of two."""
+    if requested is not None:
+        if requested < _MIN_BLOCK or requested & (requested - 1):
+            raise ValueError(f"{_FN}: {name} expected a power of two >= {_MIN_BLOCK}, got {requested}")
+        return requested
+    return max(_MIN_BLOCK, min(default, triton.next_power_of_2(size)))
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_l: int  # a whole chunk (state kernel)
+    block_p: int
+    block_n: int  # state kernel's block of N (the output kernel contracts over all of N)
+    block_m: int
+    block_k: int
+
+
+def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k) -> _Tiles:
+    """Default tiles, from offline sm_90 compiles (Triton 3.9) of both kernels with the 8B-like layer's
+    unit strides: no register spills for chunks of 128 or 256 tokens. fp32 dots (IEEE) need smaller tiles.
+    """
+    return _Tiles(
+        block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
+        block_p=_pow2_block(block_p, 32 if fp32 else 64, P, "block_p"),
+        block_n=_pow2_block(block_n, 32 if fp32 else 64, N, "block_n"),
+        block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
+        block_k=_pow2_block(block_k, 32 if fp32 else 64, chunk_size, "block_k"),
+    )
+
+
+def mamba_chunk_scan_varlen_triton(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    dt_bias: Tensor,
+    query_start_loc: Tensor,
+    ssm_state: Tensor,
+    state_slots: Tensor,
+    has_initial_state: Tensor,
+    chunk_size: int,
+    dt_min: float,
+    chunk_meta: ChunkMeta | None = None,
+    *,
+    block_p: int | None = None,
+    block_n: int | None = None,
+    block_m: int | None = None,
+    block_k: int | None = None,
+) -> Tensor:
+    """Triton `mamba_chunk_scan_varlen`: scan every prefill row; write each row's final state into its slot.
+
+    x [T, H, P]; dt [T, H] raw (before dt_bias and softplus); A, D, dt_bias [H]; B, C [T, G, N];
+    query_start_loc [R+1] integer, non-decreasing from 0 to T; ssm_state [S, H, P, N] pool, written only
+    at the rows' slots; state_slots [R] integer, distinct and in [0, S) (unchecked); has_initial_state
+    [R] bool (False: the row starts from zeros and its slot is never read). chunk_meta: from
+    `build_chunk_meta(query_start_loc as host ints, chunk_size, device)`, and then the kernels read the
+    rows from it alone (query_start_loc is only shape-checked); None builds it from
+    `query_start_loc.tolist()` (a host sync). block_p / block_n tile the state kernel's [P, N] state
+    (block_p also the output kernel's P), block_m / block_k the output kernel's chunk positions; powers of
+    two >= 16. Returns y [T, H, P] in x.dtype.
+    """
+    _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_slots, has_initial_state,
+                chunk_size, chunk_meta)  # fmt: skip
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    R = state_slots.shape[0]
+    t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k)
+    if chunk_meta is None:
+        bounds = query_start_loc.tolist()  # the documented sync
+        _check_bounds(_FN, bounds, T)
+        chunk_meta = build_chunk_meta(bounds, chunk_size, x.device)
+
+    y = torch.empty((T, H, P), dtype=x.dtype, device=x.device)
+    if R == 0:
+        return y
+    # 16-bit activations: 16-bit dot operands on the GPU. fp32 ones (and the interpreter): fp32 IEEE dots.
+    native_dot = x.dtype != torch.float32 and not _interpreted()
+    # Chunk-start states in the dtype phase 3's tl.dot takes them in: x's for 16-bit activations.
+    # (At least one element each: no null data pointers reach the launcher.)
+    states = torch.empty((max(chunk_meta.num_chunks, 1), H, P, N), dtype=x.dtype, device=x.device)
+    dt_buf = torch.empty((H, max(T, 1)), dtype=torch.float32, device=x.device)
+    cs_buf = torch.empty_like(dt_buf)
+    # Only empty rows (T == 0): x, dt and B are never read; stand-ins keep null pointers out.
+    x_in, dt_in, B_in = (x, dt, B) if T else (dt_buf, dt_buf, dt_buf)
+
+    meta = (chunk_meta.chunk_start, chunk_meta.chunk_len)
+    _ssd_state_kernel[(R, H, triton.cdiv(P, t.block_p) * triton.cdiv(N, t.block_n))](
+        x_in, dt_in, A, B_in, dt_bias,
+        ssm_state, state_slots, has_initial_state,
+        *meta, chunk_meta.row_chunk,
+        states, dt_buf, cs_buf,
+        P, N, H // G, float(dt_min),
+        *x.stride(), *dt.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
+        NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.block_p, BLOCK_N=t.block_n,
+        num_warps=8, num_stages=2,
+    )  # fmt: skip
+    if chunk_meta.num_chunks == 0:
+        return y  # only empty rows: their slots are written, there is no output
+
+    block_n_out = max(_MIN_BLOCK, triton.next_power_of_2(N))  # C·B and C·S contract over the whole state
+    grid = (chunk_meta.num_chunks, triton.cdiv(chunk_size, t.block_m) * triton.cdiv(P, t.block_p), H)
+    _ssd_output_kernel[grid](
+        x, B, C, D,
+        *meta,
+        states, dt_buf, cs_buf, y,
+        P, N, H // G,
+        *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(),
+        NATIVE_DOT=native_dot, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p, BLOCK_N=block_n_out,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return y

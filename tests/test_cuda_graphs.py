@@ -1,0 +1,56 @@
+"""CUDA graphs of the decode step (engine/cuda_graphs.py): the same tokens as eager steps, padding rows that
+touch nothing but the scratch caches, and one graph per padded size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.cuda_graphs import graph_sizes
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.sampling_params import SamplingParams
+from tests.test_spec_decode import prompt_of, run, spec_model  # noqa: F401
+
+
+def test_graph_sizes_cover_every_batch_up_to_the_max():
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_cuda_graphs_flag_is_validated():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        EngineConfig(cuda_graphs="yes")
+
+
+def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
+    cfg, weights = spec_model
+    engine = LLMEngine(cfg, weights, EngineConfig(dtype="float32", num_kv_blocks=64))
+    assert engine.runner.graphs is None
+
+
+def _engine(model, graphs: bool, dtype: str = "float32") -> LLMEngine:
+    cfg, weights = model
+    return LLMEngine(cfg, weights, EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96,
+                                                long_prefill_token_threshold=8, dtype=dtype, num_kv_blocks=256,
+                                                device="cuda", cuda_graphs=graphs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_decode_equals_eager_decode(spec_model, dtype):  # noqa: F811
+    """Staggered arrivals give decode steps of 1..9 rows (padded to 1, 2, 4, 8, 12), mixed with prefill steps
+    that run eagerly; greedy tokens must equal the eager engine's, and the scratch caches take the padding."""
+    arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    eager = run(_engine(spec_model, False, dtype), arrivals, params)
+    engine = _engine(spec_model, True, dtype)
+    assert engine.runner.graphs is not None
+    got = run(engine, arrivals, params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
+    assert set(engine.runner.graphs.graphs) >= {1, 2, 4, 8}
+    # Padding rows ran, and wrote the scratch slot (past the scheduler's slots), not a request's.
+    assert engine.pools.ssm[engine.pools.scratch_slot].abs().sum() > 0

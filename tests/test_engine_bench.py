@@ -1,0 +1,138 @@
+"""benchmarks/engine_bench.py in its smoke mode (tiny preset, CPU): the JSON's roofline bytes equal a count
+of the engine's real parameter and pool tensors, its ratios and MFU follow from its own numbers, and bad
+flags fail with a ValueError."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.engine.config import ModelConfig
+from baton.engine.make_model import build_config
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_bench.py"
+_spec = importlib.util.spec_from_file_location("engine_bench", _PATH)
+eb = importlib.util.module_from_spec(_spec)
+sys.modules["engine_bench"] = eb  # dataclasses look their module up
+_spec.loader.exec_module(eb)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("engine_bench")
+    assert eb.main(["--smoke", "--out", str(out), "--no-progress"]) == 0
+    return json.loads((out / eb.JSON_NAME).read_text())
+
+
+@pytest.fixture(scope="module")
+def engine(smoke):
+    """The engine the smoke run measured, rebuilt from the recorded configuration."""
+    cfg = dict(smoke["meta"]["bench_config"])
+    cfg["batches"], cfg["prefill_splits"] = tuple(cfg["batches"]), tuple(cfg["prefill_splits"])
+    return eb.build_engine(eb.BenchConfig(**{**cfg, "progress": False}))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_decode_bytes_match_the_real_tensors(smoke, engine):
+    model, pools = engine.model, engine.pools
+    emb = model.model.embeddings.weight
+    assert model.lm_head is not None  # the tiny preset has an untied head: only B embedding rows are read
+    weights = sum(tensor_bytes(p) for p in model.parameters()) - tensor_bytes(emb)
+    n_slots = pools.ssm.shape[0]
+    ssm_slot, conv_slot = tensor_bytes(pools.ssm) // n_slots, tensor_bytes(pools.conv) // n_slots
+    kv_layers = pools.kv_layers()  # [blocks, 2, block_size, Hkv, D] each
+    kv_token = sum(tensor_bytes(kv) // (kv.shape[0] * kv.shape[2]) for kv in kv_layers)
+    assert smoke["decode"], "no decode results"
+    for d in smoke["decode"]:
+        b, t = d["batch"], d["traffic"]
+        ctx_tokens = b * d["mean_context_tokens"]
+        expected = {"weights": weights, "embedding_rows": b * tensor_bytes(emb[0]), "ssm_state": 2 * b * ssm_slot,
+                    "conv_state": 2 * b * conv_slot, "kv_read": ctx_tokens * kv_token, "kv_write": b * kv_token}
+        for key, value in expected.items():
+            assert t[key] == pytest.approx(value, rel=1e-12), key
+        assert t["total"] == pytest.approx(sum(expected.values()), rel=1e-12)
+        assert d["traffic_from_tensors"] == t
+
+
+def test_decode_ratios_follow_from_the_measurements(smoke):
+    bc = smoke["meta"]["bench_config"]
+    assert [d["batch"] for d in smoke["decode"]] == list(bc["batches"])
+    for d in smoke["decode"]:
+        # Decode step j (warm-up included) reads the prompt plus j tokens; the timed steps follow the warm-up.
+        assert d["mean_context_tokens"] == bc["context"] + bc["steps"] + (bc["steps"] - 1) / 2
+        roof = d["traffic"]["total"] / (smoke["copy_gbps"] * 1e9) * 1e3
+        assert d["roofline_ms"] == pytest.approx(roof)
+        assert d["ratio"] == pytest.approx(d["step_ms_median"] / roof)
+        assert d["forward_ratio"] == pytest.approx(d["forward_ms"] / roof)
+        assert d["tokens_per_s"] == pytest.approx(d["batch"] / (d["step_ms_median"] / 1e3))
+        assert 0 < d["step_ms_min"] <= d["step_ms_median"] and d["forward_ms"] > 0
+
+
+def test_prefill_flops_and_mfu(smoke, engine):
+    cfg = engine.model_config
+    # Linear weights a token multiplies, counted from the modules (the tiny preset has no MoE layer).
+    linear_params = sum(m.weight.numel() for m in engine.model.model.layers.modules()
+                        if isinstance(m, torch.nn.Linear))
+    bc = smoke["meta"]["bench_config"]
+    assert [p["prompts"] for p in smoke["prefill"]] == list(bc["prefill_splits"])
+    for p in smoke["prefill"]:
+        n, T = p["prompts"], p["tokens"]
+        L = T // n
+        f = p["flops"]
+        assert f["linear"] == 2 * T * linear_params
+        assert f["lm_head"] == 2 * n * tensor_bytes(engine.model.lm_head.weight) // engine.dtype.itemsize
+        assert f["attention"] == len(cfg.attention_layer_ids) * n * 2 * cfg.num_attention_heads * cfg.head_dim \
+            * L * (L + 1)
+        H, P, N, Q, G = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.chunk_size, cfg.n_groups)
+        assert f["ssd"] == len(cfg.mamba_layer_ids) * T * (4 * H * P * N + (Q + 1) * (G * N + H * P))
+        assert f["total"] == f["linear"] + f["lm_head"] + f["attention"] + f["ssd"]
+        tflops = f["total"] / (p["step_ms_median"] / 1e3) / 1e12
+        assert p["tflops"] == pytest.approx(tflops)
+        assert p["mfu"] == pytest.approx(tflops / p["matmul_tflops"])
+        assert p["matmul_tflops"] == smoke["matmul_tflops"] > 0
+        assert p["tokens_per_s"] == pytest.approx(T / (p["step_ms_median"] / 1e3))
+        assert p["mfu"] > 0 and p["forward_mfu"] > 0  # no bound above: CPU timings on a shared machine are noisy
+
+
+def test_8b_like_traffic_is_the_known_size():
+    cfg = ModelConfig.from_hf_dict(build_config("8b-like"))
+    t = eb.decode_traffic(cfg, torch.bfloat16, torch.float32, batch=256, context_tokens=256 * 1024)
+    # 8.10 B parameters, the 131072 x 4096 embedding table left out, in bf16.
+    assert t.weights == (8_100_852_736 - 131072 * 4096) * 2
+    # 24 Mamba layers of 128 heads x 64 x 128 fp32 state, read and written.
+    assert t.ssm_state == 2 * 256 * 24 * 128 * 64 * 128 * 4
+    assert t.kv_read == 256 * 1024 * 4 * 2 * 8 * 128 * 2
+    flops = eb.prefill_flops(cfg, [8192])
+    assert flops.linear == 2 * 8192 * eb.matmul_params_per_token(cfg)
+    assert math.isclose(flops.total / (2 * 8192 * 8.1e9), 1.0, rel_tol=0.15)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--smoke", "--batches", "0"],
+    ["--smoke", "--batches", "1,x"],
+    ["--smoke", "--prefill-splits", "3"],   # 64 tokens do not split in 3
+    ["--smoke", "--context", "1"],
+    ["--smoke", "--steps", "0"],
+    ["--smoke", "--preset", "huge"],
+    ["--smoke", "--device", "cuda"],
+])
+def test_bad_flags(argv):
+    with pytest.raises(ValueError, match="expected"):
+        eb.main(argv)
+
+
+def test_plot(smoke, tmp_path):
+    pytest.importorskip("matplotlib")
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(smoke))
+    assert eb.main(["--plot", str(src), "--png", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

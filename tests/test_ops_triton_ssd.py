@@ -1,0 +1,409 @@
+"""Triton chunked selective scan ("SSD") over varlen prefill rows against its torch reference
+`mamba_chunk_scan_varlen`.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET must be set before
+`baton.engine.ops.triton_ssd` is imported, so it is set at the very top of this module. The `gpu` tests run
+the compiled kernels at the size of an 8B-like layer, and `bench_ssd` times them (a benchmark script
+calls it).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
+
+from baton.engine.ops import dispatch, triton_ssd  # noqa: E402
+from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen  # noqa: E402
+from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
+
+H, P, N, G = 4, 8, 16, 2
+CHUNK = 16
+NUM_SLOTS = 12
+DT_MIN = 1e-3
+
+# Rows of length < chunk, == chunk, chunk+1, 0, several chunks with a partial last one, and 1.
+LENGTHS = [5, CHUNK, CHUNK + 1, 0, 2 * CHUNK + 7, 1]
+SLOTS = [9, 2, 11, 5, 0, 7]
+HAS_INIT = [True, False, True, False, True, True]
+
+# (activation dtype, pool dtype, atol, rtol). fp32 differs from the reference by a few ulps (the in-chunk
+# decays are differences of running sums here); 16-bit activations also round the dot operands.
+DTYPES = [
+    pytest.param(torch.float32, torch.float32, 1e-4, 1e-4, id="fp32"),
+    pytest.param(torch.bfloat16, torch.float32, 5e-2, 2e-2, id="bf16-fp32pool"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 5e-2, 2e-2, id="bf16-bf16pool"),
+    pytest.param(torch.float16, torch.float32, 1e-2, 5e-3, id="fp16-fp32pool"),
+    pytest.param(torch.float32, torch.bfloat16, 2e-2, 1e-2, id="fp32-bf16pool"),
+    pytest.param(torch.float16, torch.float16, 1e-2, 5e-3, id="fp16-fp16pool"),
+]
+
+
+def make_params(heads: int = H, seed: int = 0, device: str = "cpu") -> dict[str, Tensor]:
+    """Like a trained Mamba2 layer: dt around 1e-3 .. 1e-1 after softplus, A in [-16, -1]."""
+    g = torch.Generator().manual_seed(seed)
+    A = -torch.exp(torch.rand(heads, generator=g) * math.log(16.0))  # [H]
+    dt0 = torch.exp(torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+    dt_bias = dt0 + torch.log(-torch.expm1(-dt0))  # [H], inverse softplus of dt0
+    D = torch.randn(heads, generator=g)  # [H]
+    return {k: v.to(device) for k, v in dict(A=A, D=D, dt_bias=dt_bias).items()}
+
+
+def make_tokens(T: int, dtype: torch.dtype, heads: int = H, head_dim: int = P, state: int = N,
+                groups: int = G, seed: int = 1, device: str = "cpu") -> dict[str, Tensor]:  # fmt: skip
+    """x [T, H, P], dt [T, H] raw, B and C [T, G, N]."""
+    g = torch.Generator().manual_seed(seed)
+    out = dict(
+        x=torch.randn(T, heads, head_dim, generator=g),
+        dt=torch.randn(T, heads, generator=g),
+        B=torch.randn(T, groups, state, generator=g),
+        C=torch.randn(T, groups, state, generator=g),
+    )
+    return {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
+
+
+def make_pool(dtype: torch.dtype, slots: int = NUM_SLOTS, heads: int = H, head_dim: int = P, state: int = N,
+              seed: int = 2, device: str = "cpu") -> Tensor:  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, heads, head_dim, state, generator=g).to(device=device, dtype=dtype)
+
+
+def make_rows(lengths, slots, has_init, device="cpu") -> dict[str, Tensor]:
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return dict(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        state_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=device),
+    )
+
+
+def call(fn, tok, params, pool, meta, chunk_size=CHUNK, dt_min=DT_MIN, **kwargs) -> Tensor:
+    return fn(tok["x"], tok["dt"], params["A"], tok["B"], tok["C"], params["D"], params["dt_bias"],
+              meta["query_start_loc"], pool, meta["state_slots"], meta["has_initial_state"], chunk_size,
+              dt_min, **kwargs)  # fmt: skip
+
+
+def run_both(tok, params, pool, meta, chunk_size=CHUNK, dt_min=DT_MIN, **kwargs):
+    """Reference on a copy of the pool, kernel on the pool itself; returns (y, y_ref, ref_pool)."""
+    ref_pool = pool.clone()
+    y_ref = call(mamba_chunk_scan_varlen, tok, params, ref_pool, meta, chunk_size, dt_min)
+    y = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, chunk_size, dt_min, **kwargs)
+    return y, y_ref, ref_pool
+
+
+def close(actual: Tensor, expected: Tensor, atol: float, rtol: float) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def assert_untouched(pool: Tensor, before: Tensor, slots) -> None:
+    untouched = [s for s in range(pool.shape[0]) if s not in set(slots)]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+# ---- against the reference ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", DTYPES)
+def test_matches_reference_and_leaves_other_slots(dtype, pool_dtype, atol, rtol):
+    params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
+    pool = make_pool(pool_dtype)
+    # Rows without initial state never read their slot: garbage there must not leak into y or the state.
+    pool[[s for s, init in zip(SLOTS, HAS_INIT, strict=True) if not init]] = float("nan")
+    before = pool.clone()
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta)
+    assert not pool.isnan().any()
+
+    assert y.dtype == dtype
+    close(y, y_ref, atol, rtol)
+    close(pool, ref_pool, atol, rtol)
+    assert_untouched(pool, before, SLOTS)
+
+
+def test_empty_row_writes_its_initial_state_or_zeros():
+    """As the reference: an empty row's slot ends up holding its initial state (or zeros without one)."""
+    params, tok = make_params(), make_tokens(3, torch.float32)
+    pool = make_pool(torch.bfloat16)
+    before = pool.clone()
+    meta = make_rows([0, 3, 0], [4, 1, 8], [True, False, False])
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta)
+    close(y, y_ref, 1e-4, 1e-4)
+    assert torch.equal(pool[4], before[4]) and torch.equal(ref_pool[4], before[4])
+    assert (pool[8] == 0).all() and (ref_pool[8] == 0).all()
+    assert_untouched(pool, before, [4, 1, 8])
+
+
+def test_only_empty_rows_and_no_rows():
+    params, pool = make_params(), make_pool(torch.float32)
+    before = pool.clone()
+    tok = make_tokens(0, torch.float32)
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows([0, 0], [3, 6], [True, False]))
+    assert y.shape == (0, H, P)
+    assert torch.equal(pool, ref_pool)
+    assert torch.equal(pool[3], before[3]) and (pool[6] == 0).all()
+
+    pool = before.clone()
+    y = call(mamba_chunk_scan_varlen_triton, tok, params, pool, make_rows([], [], []))
+    assert y.shape == (0, H, P)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("num_groups", [1, 4])
+def test_group_counts(num_groups):
+    params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float32, groups=num_groups)
+    pool = make_pool(torch.float32)
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT))
+    close(y, y_ref, 1e-4, 1e-4)
+    close(pool, ref_pool, 1e-4, 1e-4)
+
+
+def test_chunk_meta_given_equals_built_and_does_not_sync(monkeypatch):
+    params, tok = make_params(), make_tokens(sum(LENGTHS), torch.bfloat16)
+    pool = make_pool(torch.float32)
+    pool_given = pool.clone()
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+    y_built = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta)
+
+    chunk_meta = build_chunk_meta(meta["query_start_loc"].tolist(), CHUNK, "cpu")
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a device read on the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    monkeypatch.setattr(torch.Tensor, "nonzero", no_sync)
+    y_given = call(mamba_chunk_scan_varlen_triton, tok, params, pool_given, meta, chunk_meta=chunk_meta)
+    monkeypatch.undo()
+
+    assert torch.equal(y_given, y_built)
+    assert torch.equal(pool_given, pool)
+
+
+def test_build_chunk_meta_layout():
+    m = build_chunk_meta([0, 5, 5, 25], 8, "cpu")
+    assert (m.num_tokens, m.num_rows, m.chunk_size, m.num_chunks) == (25, 3, 8, 4)
+    assert m.chunk_start.tolist() == [0, 5, 13, 21]
+    assert m.chunk_len.tolist() == [5, 8, 8, 4]
+    assert m.row_chunk.tolist() == [0, 1, 1, 4]
+    assert m.chunk_start.dtype == torch.int32
+    with pytest.raises(ValueError, match="non-decreasing from 0"):
+        build_chunk_meta([0, 5, 3], 8, "cpu")
+    with pytest.raises(ValueError, match="chunk_size > 0"):
+        build_chunk_meta([0, 5], 0, "cpu")
+
+
+def test_small_tiles_odd_sizes_and_strided_inputs():
+    """P and N not powers of two and split over several blocks; chunk positions over several m/k blocks;
+    x, dt, B, C as views with non-unit strides (as sliced out of the in_proj / conv outputs)."""
+    heads, head_dim, state, groups, chunk = 6, 20, 24, 3, 40
+    lengths, slots, has_init = [39, 40, 41, 95], [3, 0, 10, 6], [True, False, True, False]
+    T = sum(lengths)
+    params = make_params(heads)
+    wide = make_tokens(T, torch.float32, heads=heads, head_dim=2 * head_dim, state=2 * state, groups=groups)
+    dt_wide = torch.randn(T, 2 * heads, generator=torch.Generator().manual_seed(3))
+    tok = dict(x=wide["x"][..., ::2], dt=dt_wide[:, heads:], B=wide["B"][..., ::2], C=wide["C"][..., state:])
+    pool = make_pool(torch.float32, heads=heads, head_dim=head_dim, state=state)
+    before = pool.clone()
+    meta = make_rows(lengths, slots, has_init)
+    y, y_ref, ref_pool = run_both(
+        tok, params, pool, meta, chunk, block_p=16, block_n=16, block_m=16, block_k=16
+    )
+    close(y, y_ref, 1e-4, 1e-4)
+    close(pool, ref_pool, 1e-4, 1e-4)
+    assert_untouched(pool, before, slots)
+
+
+def test_native_dot_path_with_fp16(monkeypatch):
+    """The GPU's code path (16-bit tl.dot operands, no fp32 emulation) under the interpreter, where numpy
+    has fp16 (not bf16): same results within fp16 tolerances."""
+    monkeypatch.setattr(triton_ssd, "_interpreted", lambda: False)
+    params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float16)
+    pool = make_pool(torch.float32)
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT))
+    close(y, y_ref, 1e-2, 5e-3)
+    close(pool, ref_pool, 1e-2, 5e-3)
+
+
+@pytest.mark.parametrize("dt_bias,dt_min", [(-20.0, 0.05), (25.0, DT_MIN), (0.0, 0.0)])
+def test_softplus_and_dt_min_clamp(dt_bias, dt_min):
+    """dt_bias -20: every step is the clamped dt_min; 25: past softplus's threshold; 0: no clamp."""
+    params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float32)
+    params["dt_bias"] = torch.full((H,), dt_bias)
+    pool = make_pool(torch.float32)
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT), dt_min=dt_min)
+    close(y, y_ref, 1e-4, 1e-4)
+    close(pool, ref_pool, 1e-4, 1e-4)
+
+
+def test_dispatch_picks_the_kernel_when_forced(monkeypatch):
+    x = torch.zeros(1)
+    monkeypatch.setenv("BATON_KERNELS", "auto")
+    assert dispatch.chunk_scan(x) is mamba_chunk_scan_varlen  # CPU tensor: the reference
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    assert dispatch.chunk_scan(x) is mamba_chunk_scan_varlen_triton
+
+
+# ---- argument checks (shapes only; no device reads when chunk_meta is given) ---------------------------
+
+
+def test_bad_args_raise():
+    fn = "mamba_chunk_scan_varlen_triton"
+    params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float32)
+    pool, meta = make_pool(torch.float32), make_rows(LENGTHS, SLOTS, HAS_INIT)
+    kernel = mamba_chunk_scan_varlen_triton
+    with pytest.raises(ValueError, match=rf"{fn}: B expected shape \[T, G, N\] = \(\d+, 2, 16\), got"):
+        call(kernel, dict(tok, B=tok["B"][..., :3]), params, pool, meta)
+    with pytest.raises(ValueError, match=rf"{fn}: dt expected shape \[T, H\]"):
+        call(kernel, dict(tok, dt=tok["dt"][:-1]), params, pool, meta)
+    with pytest.raises(ValueError, match=rf"{fn}: ssm_state expected shape"):
+        call(kernel, tok, params, pool[:, :, :4], meta)
+    with pytest.raises(ValueError, match=rf"{fn}: A expected shape \[H\] = \(4,\), got \(2,\)"):
+        call(kernel, tok, dict(params, A=params["A"][:2]), pool, meta)
+    with pytest.raises(ValueError, match=rf"{fn}: has_initial_state expected shape \[R\]"):
+        call(kernel, tok, params, pool, dict(meta, has_initial_state=meta["has_initial_state"][:2]))
+    with pytest.raises(ValueError, match=rf"{fn}: query_start_loc expected shape \[R\+1\]"):
+        call(kernel, tok, params, pool, dict(meta, query_start_loc=meta["query_start_loc"][:-1]))
+    with pytest.raises(ValueError, match="multiple of G"):
+        call(kernel, make_tokens(sum(LENGTHS), torch.float32, groups=3), params, pool, meta)
+    with pytest.raises(ValueError, match=rf"{fn}: expected chunk_size > 0, got 0"):
+        call(kernel, tok, params, pool, meta, chunk_size=0)
+    with pytest.raises(ValueError, match=rf"{fn}: state_slots expected an integer tensor"):
+        call(kernel, tok, params, pool, dict(meta, state_slots=meta["state_slots"].float()))
+    with pytest.raises(ValueError, match=rf"{fn}: query_start_loc expected non-decreasing from 0 to T"):
+        call(kernel, tok, params, pool, dict(meta, query_start_loc=meta["query_start_loc"] // 2))
+    with pytest.raises(ValueError, match=rf"{fn}: query_start_loc expected non-decreasing from 0 to T"):
+        call(kernel, tok, params, pool, dict(meta, query_start_loc=meta["query_start_loc"].flip(0)))
+    with pytest.raises(ValueError, match=rf"{fn}: block_m expected a power of two >= 16, got 24"):
+        call(kernel, tok, params, pool, meta, block_m=24)
+    wrong = build_chunk_meta(meta["query_start_loc"].tolist(), 2 * CHUNK, "cpu")
+    expected = rf"\(num_tokens, num_rows, chunk_size\) = \({sum(LENGTHS)}, 6, {CHUNK}\), got .*{2 * CHUNK}\)"
+    with pytest.raises(ValueError, match=rf"{fn}: chunk_meta expected {expected}"):
+        call(kernel, tok, params, pool, meta, chunk_meta=wrong)
+
+
+# ---- GPU: 8B-like layer size, compiled kernels -----------------------------------------------------------
+
+FULL = dict(heads=128, head_dim=64, state=128, groups=8)
+FULL_CHUNK = 128  # the 8b-like preset's chunk_size (engine/make_model.py)
+GPU_DTYPES = [
+    pytest.param(torch.float32, torch.float32, 1e-3, 1e-3, id="fp32"),
+    pytest.param(torch.bfloat16, torch.float32, 1e-1, 5e-2, id="bf16-fp32pool"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 1e-1, 5e-2, id="bf16-bf16pool"),
+]
+
+
+def _full_case(lengths, dtype, pool_dtype, seed=0):
+    """Params, tokens, a pool of 2R slots and row metadata (every other row with initial state) on CUDA."""
+    R = len(lengths)
+    dims = dict(heads=FULL["heads"], head_dim=FULL["head_dim"], state=FULL["state"])
+    params = make_params(FULL["heads"], seed=seed, device="cuda")
+    tok = make_tokens(sum(lengths), dtype, groups=FULL["groups"], seed=seed + 1, device="cuda", **dims)
+    pool = make_pool(pool_dtype, slots=2 * R, seed=seed + 2, device="cuda", **dims)
+    slots = torch.randperm(2 * R, generator=torch.Generator().manual_seed(seed))[:R].tolist()
+    meta = make_rows(lengths, slots, [r % 2 == 0 for r in range(R)], device="cuda")
+    return params, tok, pool, meta
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", GPU_DTYPES)
+@pytest.mark.parametrize(
+    "lengths", [[8192], [3000, 1, 4000, 0, 1191], [FULL_CHUNK - 1, FULL_CHUNK, FULL_CHUNK + 1]]
+)
+def test_gpu_full_size(lengths, dtype, pool_dtype, atol, rtol):
+    params, tok, pool, meta = _full_case(lengths, dtype, pool_dtype)
+    before = pool.clone()
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, FULL_CHUNK)
+    close(y, y_ref, atol, rtol)
+    close(pool, ref_pool, atol, rtol)
+    assert_untouched(pool, before, meta["state_slots"].tolist())
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_256_and_layer_like_views():
+    """Chunks of 256 tokens; x, B, C sliced out of one [T, conv_dim] tensor and dt out of a wider one, as
+    the Mamba2 layer passes them."""
+    lengths = [3000, 255, 4937]
+    T, heads, head_dim, state, groups = (
+        sum(lengths),
+        FULL["heads"],
+        FULL["head_dim"],
+        FULL["state"],
+        FULL["groups"],
+    )
+    params, _, pool, meta = _full_case(lengths, torch.bfloat16, torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xbc = torch.randn(T, heads * head_dim + 2 * groups * state, generator=g, device="cuda").bfloat16()
+    wide_dt = torch.randn(T, 3 * heads, generator=g, device="cuda").bfloat16()
+    x, B, C = xbc.split([heads * head_dim, groups * state, groups * state], dim=-1)
+    tok = dict(x=x.view(T, heads, head_dim), dt=wide_dt[:, heads : 2 * heads], B=B.view(T, groups, state),
+               C=C.view(T, groups, state))  # fmt: skip
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, 256)
+    close(y, y_ref, 1e-1, 5e-2)
+    close(pool, ref_pool, 1e-1, 5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_meta_given_equals_built():
+    params, tok, pool, meta = _full_case([2000, 6192], torch.bfloat16, torch.float32)
+    pool_given = pool.clone()
+    y_built = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, FULL_CHUNK)
+    chunk_meta = build_chunk_meta(meta["query_start_loc"].tolist(), FULL_CHUNK, "cuda")
+    y_given = call(
+        mamba_chunk_scan_varlen_triton, tok, params, pool_given, meta, FULL_CHUNK, chunk_meta=chunk_meta
+    )
+    assert torch.equal(y_given, y_built)
+    assert torch.equal(pool_given, pool)
+
+
+def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bfloat16,
+              pool_dtype: torch.dtype = torch.float32, chunk_size: int = FULL_CHUNK, warmup: int = 5,
+              iters: int = 50, **blocks) -> float:  # fmt: skip
+    """Time one Triton chunked scan of `tokens` tokens in `rows` equal-ish rows (all with initial state)
+    at the 8B-like layer size (H=128, P=64, N=128, G=8) on CUDA, chunk_meta built beforehand as the runner
+    does. `blocks` go to the op (block_p, block_n, block_m, block_k). Returns microseconds per call, from
+    CUDA events."""
+    lengths = [tokens // rows + (r < tokens % rows) for r in range(rows)]
+    params, tok, pool, meta = _full_case(lengths, dtype, pool_dtype)
+    meta["has_initial_state"].fill_(True)
+    chunk_meta = build_chunk_meta(meta["query_start_loc"].tolist(), chunk_size, "cuda")
+
+    def run():
+        call(
+            mamba_chunk_scan_varlen_triton,
+            tok,
+            params,
+            pool,
+            meta,
+            chunk_size,
+            chunk_meta=chunk_meta,
+            **blocks,
+        )
+
+    for _ in range(warmup):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+@pytest.mark.gpu
+def test_gpu_bench_ssd_runs():
+    assert bench_ssd(tokens=1024, rows=2, warmup=1, iters=3) > 0
