@@ -4,6 +4,11 @@ Used by `baton up`, `baton demo` and the end-to-end tests. Ports: router gRPC P 
 `/health`, `/v1/workers`; another port with `http_port`), prefill nodes P+2.., decode nodes after them;
 each node's HTTP endpoints (`/metrics`, `/health`) listen on its port + 2000 and each prefill node's side
 channel on its port + 1000.
+
+GPUs: with `node_gpus` (e.g. `(0, 1)`), node i in launch order (prefill nodes, then decode nodes) runs with
+`CUDA_VISIBLE_DEVICES` = node_gpus[i % len(node_gpus)] first, then the other listed GPUs: it computes on
+`cuda` (= its own GPU) while its peers' GPUs stay visible for CUDA IPC (NIXL's cuda_ipc transport). The router
+and, without `node_gpus`, every process inherit this process's environment unchanged.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class Cluster:
     # Extra flags of the router process only (e.g. --api-keys-file).
     router_args: tuple[str, ...] = ()
     log_dir: str | None = None
+    # GPU ids (as CUDA_VISIBLE_DEVICES takes them) to spread the nodes over; () = leave the environment alone.
+    node_gpus: tuple[int, ...] = ()
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -68,6 +75,10 @@ class Cluster:
             raise ValueError(f"decode_workers: expected at least 1, got {self.decode_workers}")
         if self.prefill_workers < 0:
             raise ValueError(f"prefill_workers: expected >= 0, got {self.prefill_workers}")
+        self.node_gpus = tuple(self.node_gpus)
+        if (any(type(g) is not int or g < 0 for g in self.node_gpus)
+                or len(set(self.node_gpus)) != len(self.node_gpus)):
+            raise ValueError(f"node_gpus: expected distinct non-negative integer GPU ids, got {self.node_gpus}")
         if self.port is None:
             self.port = free_port_block(2 + self.prefill_workers + self.decode_workers)
         if self.http_port is None:
@@ -104,13 +115,34 @@ class Cluster:
         host, _, port = addr.rpartition(":")
         return f"http://{host}:{int(port) + NODE_HTTP_OFFSET}"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    @property
+    def node_names(self) -> list[str]:
+        """Process names of the nodes in launch order: prefill-0.., then decode-0.."""
+        return [f"prefill-{i}" for i in range(self.prefill_workers)] + \
+               [f"decode-{i}" for i in range(self.decode_workers)]
+
+    def node_gpu(self, name: str) -> int | None:
+        """The GPU node `name` computes on (first in its CUDA_VISIBLE_DEVICES), or None without `node_gpus`."""
+        if not self.node_gpus:
+            return None
+        return self.node_gpus[self.node_names.index(name) % len(self.node_gpus)]
+
+    def node_env(self, name: str) -> dict[str, str] | None:
+        """The environment of node `name`: this process's with CUDA_VISIBLE_DEVICES set to its GPU first, then
+        the other `node_gpus`; None (inherit unchanged) without `node_gpus`."""
+        gpu = self.node_gpu(name)
+        if gpu is None:
+            return None
+        order = [gpu, *(g for g in self.node_gpus if g != gpu)]
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, order))}
+
+    def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+                                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def start(self, router: bool = True) -> Cluster:
         """Start the nodes, wait until they answer, then (unless router=False) the router."""
@@ -118,9 +150,11 @@ class Cluster:
         for role, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
             for i, addr in enumerate(addrs):
                 port = int(addr.rsplit(":", 1)[1])
-                self._spawn(f"{role}-{i}", f"baton.{role}_node.server",
+                name = f"{role}-{i}"
+                self._spawn(name, f"baton.{role}_node.server",
                             [*common, "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET),
-                             "--engine-id", f"{role}-{i}", *(self.prefill_args if role == "prefill" else ())])
+                             "--engine-id", name, *(self.prefill_args if role == "prefill" else ())],
+                            env=self.node_env(name))
         self._wait_workers()
         if router:
             self._start_router()

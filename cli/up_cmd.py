@@ -10,6 +10,15 @@ from baton.cli.cluster import Cluster
 from baton.cli.engine_args import add_engine_args, engine_flags
 
 
+def gpu_list(text: str) -> tuple[int, ...]:
+    """`--node-gpus 0,1` -> (0, 1): distinct non-negative integers, comma-separated."""
+    parts = [x.strip() for x in text.split(",")]
+    if not all(x.isascii() and x.isdigit() for x in parts) or len(set(map(int, parts))) != len(parts):
+        raise argparse.ArgumentTypeError(f"expected distinct comma-separated non-negative integers (e.g. 0,1), "
+                                         f"got {text!r}")
+    return tuple(int(x) for x in parts)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start router, prefill and decode nodes on this machine")
     p.add_argument("--model", required=True)
@@ -26,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line); "
                         "BATON_API_KEYS (comma-separated) works too")
     p.add_argument("--log-dir", default=None, help="write each process's output to DIR/<name>.log")
+    p.add_argument("--node-gpus", type=gpu_list, default=(), metavar="G,G,...",
+                   help="spread the nodes over these GPUs: node i (prefill nodes first) gets CUDA_VISIBLE_DEVICES = "
+                        "its GPU (the i-th, cyclically) first, then the others (default: environment unchanged)")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -33,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
                       http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
-                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir,
+                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir, node_gpus=a.node_gpus,
                       router_args=("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

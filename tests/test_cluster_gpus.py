@@ -1,0 +1,94 @@
+"""Per-node GPU pinning of the local cluster (`Cluster.node_gpus`, `baton up --node-gpus`): node i in launch order
+(prefill nodes, then decode nodes) gets CUDA_VISIBLE_DEVICES = its GPU first, then the other listed GPUs; the
+router and every process without `node_gpus` inherit the environment unchanged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from baton.cli.cluster import Cluster
+from baton.cli.main import build_parser
+from baton.cli.up_cmd import gpu_list
+from baton.engine.make_model import make_model
+
+# A port far from anything real: no process is started by the tests that only compute environments.
+PORT = 40000
+
+
+def visible(c: Cluster) -> dict[str, str]:
+    return {n: c.node_env(n)["CUDA_VISIBLE_DEVICES"] for n in c.node_names}
+
+
+@pytest.mark.parametrize(("prefill", "decode", "gpus", "expected"), [
+    # serving_bench's disagg (1P1D) and agg (2 replicas) on 2 GPUs.
+    (1, 1, (0, 1), {"prefill-0": "0,1", "decode-0": "1,0"}),
+    (0, 2, (0, 1), {"decode-0": "0,1", "decode-1": "1,0"}),
+    # More nodes than GPUs: cyclic; the listed order and ids are kept, unlisted GPUs stay hidden.
+    (2, 3, (2, 5), {"prefill-0": "2,5", "prefill-1": "5,2", "decode-0": "2,5", "decode-1": "5,2",
+                    "decode-2": "2,5"}),
+    (1, 2, (3,), {"prefill-0": "3", "decode-0": "3", "decode-1": "3"}),
+    (1, 1, (1, 0, 2), {"prefill-0": "1,0,2", "decode-0": "0,1,2"}),
+])
+def test_each_node_gets_its_gpu_first_then_the_others(prefill, decode, gpus, expected):
+    c = Cluster("m", prefill_workers=prefill, decode_workers=decode, port=PORT, node_gpus=gpus)
+    assert c.node_names == [*(f"prefill-{i}" for i in range(prefill)), *(f"decode-{i}" for i in range(decode))]
+    assert visible(c) == expected
+    assert {n: c.node_gpu(n) for n in c.node_names} == {n: int(v.split(",")[0]) for n, v in expected.items()}
+
+
+def test_node_env_is_this_environment_plus_the_gpu_list(monkeypatch):
+    monkeypatch.setenv("BATON_TEST_MARKER", "kept")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    env = Cluster("m", prefill_workers=0, decode_workers=2, port=PORT, node_gpus=(0, 1)).node_env("decode-1")
+    assert env == {**os.environ, "CUDA_VISIBLE_DEVICES": "1,0"}
+    # Without node_gpus nothing is changed (Popen's env=None: inherit).
+    c = Cluster("m", decode_workers=2, port=PORT)
+    assert c.node_gpus == () and c.node_env("decode-0") is None and c.node_gpu("decode-0") is None
+
+
+@pytest.mark.parametrize("bad", [(-1,), (0, 0), (1, True), (0.0,), ("0",)])
+def test_cluster_refuses_bad_gpu_ids(bad):
+    with pytest.raises(ValueError, match=r"node_gpus: expected distinct non-negative integer GPU ids, got "):
+        Cluster("m", port=PORT, node_gpus=bad)
+
+
+def test_node_gpus_flag():
+    parse = build_parser().parse_args
+    assert parse(["up", "--model", "m"]).node_gpus == ()
+    assert parse(["up", "--model", "m", "--node-gpus", "0,1"]).node_gpus == (0, 1)
+    assert parse(["up", "--model", "m", "--node-gpus", "3"]).node_gpus == (3,)
+    assert gpu_list(" 2, 0 ") == (2, 0)
+
+
+@pytest.mark.parametrize("text", ["", "0,", "a", "0,-1", "1.5", "0,0", "0;1", "²"])
+def test_node_gpus_flag_refuses_bad_lists(capsys, text):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["up", "--model", "m", "--node-gpus", text])
+    assert e.value.code == 2
+    assert (f"argument --node-gpus: expected distinct comma-separated non-negative integers (e.g. 0,1), "
+            f"got {text!r}") in capsys.readouterr().err
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_real_cluster_processes_run_with_their_gpu_lists(tmp_path, monkeypatch):
+    """Real router + 1 prefill + 2 decode node processes on the CPU (tiny model): each node process's
+    environment (read from /proc) has its own CUDA_VISIBLE_DEVICES; the router's is this process's."""
+    model = make_model(tmp_path / "tiny", preset="tiny", seed=5, overrides={"vocab_size": 64}, progress=False,
+                       tokenizer=False)
+    monkeypatch.setenv("BATON_TEST_MARKER", "kept")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # the router keeps it; the nodes run on the CPU anyway
+    with Cluster(str(model), prefill_workers=1, decode_workers=2, node_gpus=(0, 1),
+                 engine_args=("--device", "cpu", "--num-kv-blocks", "64"), log_dir=str(tmp_path / "logs")) as c:
+        envs = {name: environ(p.pid) for name, p in c.procs.items()}
+    assert set(envs) == {"router", "prefill-0", "decode-0", "decode-1"}
+    assert {n: e["CUDA_VISIBLE_DEVICES"] for n, e in envs.items()} == {
+        "prefill-0": "0,1", "decode-0": "1,0", "decode-1": "0,1", "router": "7"}
+    assert all(e["BATON_TEST_MARKER"] == "kept" for e in envs.values())

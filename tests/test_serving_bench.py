@@ -1,0 +1,191 @@
+"""benchmarks/serving_bench.py: the Poisson schedule, the percentile / goodput math, GPU pinning of node
+processes, and the `--smoke` run end to end on the CPU (real router and node processes, tiny model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("serving_bench", _ROOT / "benchmarks" / "serving_bench.py")
+sb = importlib.util.module_from_spec(_spec)
+sys.modules["serving_bench"] = sb  # dataclasses look their module up
+_spec.loader.exec_module(sb)
+
+LOAD = sb.LoadSpec(prompt_min=4, prompt_max=9, output_min=2, output_max=5, duration_s=10.0, seed=3)
+SLO = sb.Slo(ttft_s=1.0, tpot_s=0.1)
+
+
+# ---- schedule -------------------------------------------------------------------------------------------
+
+def test_poisson_arrivals_seeded_and_at_the_rate():
+    a = sb.poisson_arrivals(10.0, 2000.0, random.Random(7))
+    assert a == sb.poisson_arrivals(10.0, 2000.0, random.Random(7))
+    assert a != sb.poisson_arrivals(10.0, 2000.0, random.Random(8))
+    assert all(0 <= x < 2000.0 for x in a) and a == sorted(a)
+    # 20,000 expected arrivals: Poisson sd ~141, so 3 % is > 4 sd.
+    assert len(a) / 2000.0 == pytest.approx(10.0, rel=0.03)
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.03)
+    # Exponential gaps: sd == mean.
+    assert gaps.std() == pytest.approx(0.1, rel=0.05)
+
+
+def test_poisson_arrivals_refuses_bad_rates():
+    for rate in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="rate: expected"):
+            sb.poisson_arrivals(rate, 1.0, random.Random(0))
+
+
+def test_make_requests_is_deterministic_and_within_the_stated_distribution():
+    reqs = sb.make_requests(LOAD, 5.0, vocab_size=50, salt=1)
+    assert reqs == sb.make_requests(LOAD, 5.0, vocab_size=50, salt=1)
+    assert reqs != sb.make_requests(LOAD, 5.0, vocab_size=50, salt=2)
+    assert 20 <= len(reqs) <= 80  # 50 expected
+    assert [r.index for r in reqs] == list(range(len(reqs)))
+    for r in reqs:
+        assert LOAD.prompt_min <= len(r.prompt) <= LOAD.prompt_max
+        assert LOAD.output_min <= r.max_tokens <= LOAD.output_max
+        assert all(sb.FIRST_ID <= t < 50 for t in r.prompt)
+    burst = sb.burst(LOAD, 6, vocab_size=50, salt=0)
+    assert len(burst) == 6 and all(r.arrival_s == 0.0 for r in burst)
+
+
+def test_load_spec_and_slo_validation():
+    with pytest.raises(ValueError, match="prompt_max: expected >= prompt_min"):
+        sb.LoadSpec(prompt_min=10, prompt_max=5, output_min=2, output_max=3, duration_s=1.0, seed=0)
+    with pytest.raises(ValueError, match="output_min: expected an integer >= 2"):
+        sb.LoadSpec(prompt_min=2, prompt_max=5, output_min=1, output_max=3, duration_s=1.0, seed=0)
+    with pytest.raises(ValueError, match="duration_s"):
+        sb.LoadSpec(prompt_min=2, prompt_max=5, output_min=2, output_max=3, duration_s=0.0, seed=0)
+    with pytest.raises(ValueError, match="slo tpot_s"):
+        sb.Slo(ttft_s=1.0, tpot_s=-1.0)
+
+
+def test_bad_flags_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="configs: expected distinct names out of agg, disagg, got agg,nope"):
+        sb.parse_args(["--smoke", "--out", str(tmp_path), "--configs", "agg,nope"])
+    with pytest.raises(ValueError, match="--rates: expected comma-separated numbers"):
+        sb.parse_args(["--smoke", "--out", str(tmp_path), "--rates", "1,fast"])
+    with pytest.raises(ValueError, match="rates / rate_fractions: expected finite numbers > 0"):
+        sb.parse_args(["--smoke", "--out", str(tmp_path), "--rates", "1,0"])
+    cfg = sb.parse_args(["--out", str(tmp_path)])
+    assert cfg.rates == () and cfg.gpus == 2 and cfg.model_preset == "1b-hybrid"  # GPU defaults: auto rates
+    sb.check_engine_args(cfg.engine_args)  # the GPU defaults parse (EngineConfig does not open the device)
+    with pytest.raises(ValueError, match="engine field 'max_num_batched_tokens'"):
+        sb.check_engine_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "32"])
+    with pytest.raises(ValueError, match="expected engine flags only, got unknown '--bogus 1'"):
+        sb.check_engine_args(["--bogus", "1"])
+
+
+# ---- statistics -----------------------------------------------------------------------------------------
+
+def test_percentile_matches_numpy_and_is_ordered():
+    rng = random.Random(0)
+    for n in (1, 2, 3, 10, 101):
+        v = sorted(rng.expovariate(1.0) for _ in range(n))
+        for q in (0, 1, 50, 90, 99, 100):
+            assert sb.percentile(v, q) == pytest.approx(float(np.percentile(v, q)))
+        s = sb.summarize(v)
+        assert s.p50 <= s.p90 <= s.p99
+        assert s.mean == pytest.approx(sum(v) / n)
+    assert sb.summarize([]) is None
+    with pytest.raises(ValueError, match="at least one value"):
+        sb.percentile([], 50)
+
+
+def _result(i, arrival, ttft, gaps, finished=True):
+    n = len(gaps) + 1
+    end = arrival + ttft + sum(gaps)
+    return sb.RequestResult(i, arrival, 10, end if finished else None, ttft, tuple(gaps), n,
+                            None if finished else "cancelled")
+
+
+def test_rate_point_goodput_counts_only_requests_meeting_both_bounds():
+    results = [
+        _result(0, 0.0, 0.5, [0.05] * 4),          # good
+        _result(1, 1.0, 1.5, [0.05] * 4),          # TTFT too long
+        _result(2, 2.0, 0.2, [0.05, 0.3, 0.05]),   # mean ITL 0.133 > 0.1
+        _result(3, 3.0, 0.2, [0.09] * 9),          # good (mean 0.09)
+        _result(4, 4.0, 0.2, [0.05], finished=False),  # cancelled: not completed, not good
+    ]
+    assert results[2].tpot_s == pytest.approx(0.4 / 3)
+    p = sb.rate_point("agg", 0.5, 5.0, results, SLO)
+    assert (p.requests, p.completed, p.failed) == (5, 4, 1)
+    # Window: from 0 to max(arrival window end 5.0, last completion 3.0 + 0.2 + 0.81 = 4.01) = 5.0.
+    assert p.window_s == pytest.approx(5.0)
+    assert p.throughput_rps == pytest.approx(4 / 5.0)
+    assert p.goodput_rps == pytest.approx(2 / 5.0)
+    assert p.slo_attainment == pytest.approx(2 / 5)
+    assert p.goodput_rps <= p.throughput_rps
+    assert p.ttft_s.p50 == pytest.approx(0.35)  # of the 4 completed: 0.2, 0.2, 0.5, 1.5
+    assert p.itl_s.p99 == pytest.approx(float(np.percentile([0.05] * 8 + [0.05, 0.3, 0.05] + [0.09] * 9, 99)))
+    # A completion after the window's end stretches it.
+    late = sb.rate_point("agg", 0.5, 0.5, results[:1], SLO)
+    assert late.window_s == pytest.approx(0.7)
+    assert late.goodput_rps == late.throughput_rps == pytest.approx(1 / 0.7)
+
+
+def test_summary_ratio_and_json_round_trip():
+    a = [sb.rate_point("agg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 5), SLO) for r in (1.0, 2.0)]
+    d = [sb.rate_point("disagg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 10), SLO) for r in (1.0, 2.0)]
+    s = sb.summary_of({"agg": a, "disagg": d})
+    assert s.max_goodput_rps == {"agg": pytest.approx(2.0), "disagg": pytest.approx(4.0)}
+    assert s.goodput_ratio == pytest.approx(2.0)
+    assert sb.summary_of({"disagg": d}).goodput_ratio is None
+    p = json.loads(json.dumps(sb.asdict(a[1])))
+    assert sb.point_from_json(p) == a[1]
+
+
+# ---- GPU pinning ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ("disagg", {"prefill-0": "0,1", "decode-0": "1,0"}),
+    ("agg", {"decode-0": "0,1", "decode-1": "1,0"}),
+])
+def test_each_node_gets_its_gpu_first(tmp_path, config, expected):
+    # The environments `Cluster` hands to Popen (tests/test_cluster_gpus.py checks real processes get them).
+    cfg = sb.parse_args(["--out", str(tmp_path)])
+    c = sb.make_cluster(cfg, sb.cluster_specs(0)[config])
+    assert c.node_gpus == (0, 1)
+    assert {n: c.node_env(n)["CUDA_VISIBLE_DEVICES"] for n in c.node_names} == expected
+    assert {n: c.node_gpu(n) for n in c.node_names} == {k: int(v[0]) for k, v in expected.items()}
+    # --gpus 0: nothing pinned, every process inherits the environment.
+    c = sb.make_cluster(sb.parse_args(["--out", str(tmp_path), "--gpus", "0"]), sb.cluster_specs(0)[config])
+    assert c.node_gpus == () and all(c.node_env(n) is None for n in c.node_names)
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------
+
+def test_smoke_run_end_to_end(tmp_path):
+    """Both configurations as real processes on the CPU (about 35 s): every request completes, statistics are
+    ordered, goodput <= throughput, and the router routed as each configuration means to."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "serving_bench.py"), "--smoke", "--out",
+                           str(out), "--no-progress"], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "disagg / agg max goodput" in proc.stdout
+    for name, route in (("agg", "local_prefill"), ("disagg", "disaggregated")):
+        doc = json.loads((out / f"serving_{name}.json").read_text())
+        assert doc["config"]["name"] == name
+        assert [p["offered_rps"] for p in doc["points"]] == [2.0, 4.0]
+        routing = doc["routing_including_warmup"]
+        assert routing[route] > 0 and sum(routing.values()) == routing[route], routing
+        for p in doc["points"]:
+            assert p["requests"] > 0 and p["completed"] == p["requests"] and p["failed"] == 0, p
+            assert 0 < p["goodput_rps"] <= p["throughput_rps"]
+            assert p["throughput_rps"] <= p["requests"] / doc["load"]["duration_s"] + 1e-9
+            for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+                s = p[metric]
+                assert 0 <= s["p50"] <= s["p90"] <= s["p99"], (metric, s)
+            assert p["ttft_s"]["p99"] <= p["e2e_s"]["p99"] + 1e-9
+    summary = json.loads((out / sb.SUMMARY_FILE).read_text())
+    assert set(summary["max_goodput_rps"]) == {"agg", "disagg"} and summary["goodput_ratio"] > 0
