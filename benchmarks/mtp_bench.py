@@ -19,6 +19,13 @@ draft tokens per step.
    `--prompts` held-out prompts for `--max-tokens` tokens each (all together, `ignore_eos`); reported:
    output tokens/s over the whole run, tokens/s over the pure decode steps, mean acceptance length,
    accepted/drafted, and how many outputs differ from K = 0 (must be none in fp32).
+6. SSM state dtype (issue #7 item 1; `--no-state-dtype` skips it): the K = 0 engine in `--dtype` with a
+   float32 SSM state pool against `--state-dtypes` (bfloat16, float16). Teacher-forced through the decode
+   path: `--state-windows` held-out windows of `--state-window` tokens, `--state-prefix` prefilled, every
+   later token fed by a decode step (the state is rounded to the pool dtype after each), reporting held-out
+   NLL and perplexity in both, max / mean |Δlogit| relative to the largest logit, KL(p_fp32 ‖ p_low) and
+   argmax agreement; free-running: the benchmark prompts greedily decoded `--state-greedy-tokens` tokens,
+   how many are identical and where the others first differ. `--json PATH` writes all numbers.
 
   python benchmarks/mtp_bench.py --device cuda                 # ~3 min of training on one GPU, then K = 0..4
   python benchmarks/mtp_bench.py --device cpu                  # tiny model, under a minute
@@ -28,13 +35,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import subprocess
 import sys
 import sysconfig
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,7 +60,7 @@ from baton.engine.make_model import make_model, parse_overrides
 from baton.engine.mtp import MTPModule
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import load_tokenizer
-from baton.engine.weights import SINGLE_FILE
+from baton.engine.weights import SINGLE_FILE, TORCH_DTYPES
 
 Params = Mapping[str, torch.Tensor]
 
@@ -65,10 +73,10 @@ DEFAULTS = {
     # device -> flag defaults (None flags take these)
     "cuda": {"preset": "small", "steps": 100_000, "seconds": 180.0, "seq_len": 512, "batch_size": 32,
              "lr": 1e-3, "warmup": 100, "corpus_mb": 64.0, "prompts": 16, "prompt_len": 128,
-             "max_tokens": 128, "dtype": "bfloat16", "log_every": 100},
+             "max_tokens": 128, "dtype": "bfloat16", "log_every": 100, "state_windows": 32},
     "cpu": {"preset": "tiny", "steps": 60, "seconds": None, "seq_len": 64, "batch_size": 8,
             "lr": 3e-3, "warmup": 5, "corpus_mb": 1.0, "prompts": 4, "prompt_len": 32,
-            "max_tokens": 32, "dtype": "float32", "log_every": 10},
+            "max_tokens": 32, "dtype": "float32", "log_every": 10, "state_windows": 4},
 }
 SKIP_DIRS = {"site-packages", "dist-packages"}
 
@@ -514,14 +522,8 @@ def benchmark(model_dir: Path, prompts: list[list[int]], ks: list[int], max_toke
               dtype: str, progress: bool = True) -> list[BenchRow]:
     cfg, weights = load_checkpoint(model_dir, dtype)
     rows: list[BenchRow] = []
-    bs = 16
     for k in tqdm(ks, desc="benchmark K", disable=not progress):
-        max_len = max(len(p) for p in prompts) + max_tokens + k + bs
-        n = len(prompts)
-        ecfg = EngineConfig(num_speculative_tokens=k, device=str(device), dtype=dtype, max_num_seqs=n,
-                            max_num_batched_tokens=max(2048, n * (1 + k)), block_size=bs,
-                            num_kv_blocks=n * (-(-max_len // bs) + k + 2) + 8, max_model_len=max_len)
-        engine = LLMEngine(cfg, weights, ecfg)
+        engine = make_engine(cfg, weights, device, dtype, len(prompts), max(len(p) for p in prompts) + max_tokens, k)
         run_greedy(engine, [prompts[0][:8]], 4, device)  # warm-up (first kernels, allocator)
         engine.stats = EngineStats()
         outputs, wall, dec_s, dec_tok = run_greedy(engine, prompts, max_tokens, device)
@@ -553,6 +555,248 @@ def table(rows: list[BenchRow]) -> str:
         lines.append(f"| {r.k} | {r.tokens_per_s:,.1f} | {r.tokens_per_s / base:.2f}× | {r.decode_tokens_per_s:,.1f} "
                      f"| {mal} | {ratio} | {r.steps} | {r.differ}/{len(r.outputs)} |")
     return "\n".join(lines)
+
+
+# ---- SSM state dtype: the accuracy cost of a low-precision state pool (issue #7 item 1) -------------------
+
+REFERENCE_STATE_DTYPE = "float32"
+LOW_STATE_DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class StateDtypeConfig:
+    """What the "SSM state dtype" section compares: `dtypes` against an fp32 state pool, the engine itself in
+    `engine_dtype` throughout.
+
+    Teacher-forced: `num_windows` held-out windows of `window` tokens; the first `prefix` are prefilled (one
+    chunk: fp32 inside, the pool dtype only for its final state), the rest fed one token per decode step,
+    whatever the engine would have sampled; the state is rounded to the pool dtype after every such step.
+    Free-running: the benchmark's prompts, greedily decoded for `greedy_tokens` tokens.
+    """
+    dtypes: tuple[str, ...] = LOW_STATE_DTYPES
+    engine_dtype: str = "float32"
+    num_windows: int = 4
+    window: int = 64
+    prefix: int = 16
+    greedy_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        allowed = (REFERENCE_STATE_DTYPE, *LOW_STATE_DTYPES)
+        bad = [d for d in self.dtypes if d not in allowed]
+        if not self.dtypes or bad or len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"--state-dtypes: expected distinct dtypes among {', '.join(allowed)}, got "
+                             f"{','.join(self.dtypes) or 'none'}")
+        if self.engine_dtype not in allowed:
+            raise ValueError(f"state dtype section: expected an engine dtype among {', '.join(allowed)}, got "
+                             f"{self.engine_dtype!r}")
+        for name in ("num_windows", "prefix", "greedy_tokens"):
+            if getattr(self, name) < 1:
+                flag = {"num_windows": "--state-windows", "prefix": "--state-prefix",
+                        "greedy_tokens": "--state-greedy-tokens"}[name]
+                raise ValueError(f"{flag}: expected >= 1, got {getattr(self, name)}")
+        if self.window < self.prefix + 2:
+            raise ValueError(f"--state-window: expected >= --state-prefix + 2 = {self.prefix + 2} (at least one "
+                             f"forced decode step), got {self.window}")
+
+
+def parse_state_dtypes(text: str) -> tuple[str, ...]:
+    """"bfloat16,float16" -> ("bfloat16", "float16"); validated by `StateDtypeConfig`."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
+@dataclass(frozen=True)
+class ForcedDivergence:
+    """One state dtype against the reference over the same teacher-forced decode positions."""
+    dtype: str
+    positions: int               # scored decode steps, all windows together
+    nll: float                   # mean next-token NLL (nats), this dtype
+    ref_nll: float               # the same, reference state dtype
+    max_rel_logit_err: float     # worst position's max |Δlogit| / max |reference logit|
+    mean_rel_logit_err: float    # the same ratio, averaged over positions
+    mean_kl: float               # mean KL(p_ref || p_dtype), nats
+    argmax_agreement: float      # fraction of positions with the same argmax
+
+    @property
+    def nll_delta(self) -> float:
+        return self.nll - self.ref_nll
+
+    @property
+    def ppl_increase(self) -> float:
+        """Relative perplexity increase: exp(Δ NLL) - 1."""
+        return math.expm1(self.nll_delta)
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """One state dtype against the reference, free-running greedy decoding of the same prompts."""
+    dtype: str
+    prompts: int
+    identical: int
+    first_differences: tuple[int, ...]  # per differing prompt, the index of its first differing output token
+
+    @property
+    def identical_fraction(self) -> float:
+        return self.identical / self.prompts
+
+    @property
+    def mean_first_difference(self) -> float | None:
+        return sum(self.first_differences) / len(self.first_differences) if self.first_differences else None
+
+
+@dataclass(frozen=True)
+class StateDtypeResult:
+    reference: str
+    forced: tuple[ForcedDivergence, ...]
+    greedy: tuple[GreedyAgreement, ...]
+    config: StateDtypeConfig
+    seconds: float
+
+
+def make_engine(cfg: ModelConfig, weights: Params, device: torch.device, dtype: str, num_seqs: int, max_len: int,
+                k: int = 0, ssm_state_dtype: str | None = None) -> LLMEngine:
+    """An engine for `num_seqs` sequences of up to `max_len` tokens decoded together, K drafts per step."""
+    bs = 16
+    max_len += k + bs
+    ecfg = EngineConfig(num_speculative_tokens=k, device=str(device), dtype=dtype, max_num_seqs=num_seqs,
+                        max_num_batched_tokens=max(2048, num_seqs * (1 + k)), block_size=bs,
+                        num_kv_blocks=num_seqs * (-(-max_len // bs) + k + 2) + 8, max_model_len=max_len,
+                        ssm_state_dtype=ssm_state_dtype)
+    return LLMEngine(cfg, {k_: v.clone() for k_, v in weights.items()}, ecfg)
+
+
+def forced_decode_logits(engine: LLMEngine, windows: list[list[int]], prefix: int) -> torch.Tensor:
+    """Logits [W, L - prefix - 1, V] (fp32, on the engine's device) of the decode steps that read windows[w]'s
+    tokens prefix .. L-2 and predict tokens prefix+1 .. L-1: each window's first `prefix` tokens are its prompt,
+    then every decode step is fed the window's next token instead of the sampled one (teacher forcing through
+    the decode path). The prefill's own logits (predicting token `prefix`) are left out."""
+    length = len(windows[0])
+    if any(len(w) != length for w in windows) or length < prefix + 2:
+        raise ValueError(f"forced decode: expected windows of one length >= prefix + 2 = {prefix + 2}, got "
+                         f"lengths {sorted({len(w) for w in windows})}")
+    steps = length - prefix
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    rows = {engine.add_request(w[:prefix], params): i for i, w in enumerate(windows)}
+    emitted = dict.fromkeys(rows, 0)
+    out_logits: torch.Tensor | None = None
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        if not out.rows:
+            raise RuntimeError("forced decode: no request can be scheduled (a bug)")
+        res = engine.runner.execute(out, return_logits=True)
+        forced: dict[str, int] = {}
+        for rid, logits in res.logits.items():
+            w, j = rows[rid], emitted[rid]
+            if j:  # j = 0: the prefill's logits
+                if out_logits is None:
+                    out_logits = logits.new_empty(len(windows), steps - 1, logits.shape[-1], dtype=torch.float32)
+                out_logits[w, j - 1] = logits.float()
+            forced[rid] = windows[w][prefix + j]
+            emitted[rid] = j + 1
+        for req in engine.scheduler.update(out, forced):
+            engine.runner.remove_request(req.request_id)
+    if out_logits is None or any(n != steps for n in emitted.values()):
+        raise RuntimeError(f"forced decode: expected {steps} steps per window, got {sorted(set(emitted.values()))}")
+    return out_logits
+
+
+def compare_forced(dtype: str, ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> ForcedDivergence:
+    """ref, got: logits [W, T, V] of the same positions; targets [W, T]: the tokens they predict."""
+    ref, got = ref.double(), got.double()
+    V = ref.shape[-1]
+    t = targets.reshape(-1).to(ref.device)
+    ref_lp, got_lp = ref.reshape(-1, V).log_softmax(-1), got.reshape(-1, V).log_softmax(-1)
+    rel = ((got - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-12)).reshape(-1)
+    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)
+    return ForcedDivergence(
+        dtype=dtype, positions=t.numel(),
+        nll=-got_lp.gather(1, t[:, None]).mean().item(), ref_nll=-ref_lp.gather(1, t[:, None]).mean().item(),
+        max_rel_logit_err=rel.max().item(), mean_rel_logit_err=rel.mean().item(), mean_kl=kl.mean().item(),
+        argmax_agreement=(ref_lp.argmax(-1) == got_lp.argmax(-1)).double().mean().item())
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of two outputs (the shorter one's length if one is a prefix of the
+    other), None if identical."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def compare_greedy(dtype: str, ref: list[list[int]], got: list[list[int]]) -> GreedyAgreement:
+    diffs = [first_difference(a, b) for a, b in zip(ref, got, strict=True)]
+    firsts = tuple(d for d in diffs if d is not None)
+    return GreedyAgreement(dtype=dtype, prompts=len(ref), identical=len(ref) - len(firsts), first_differences=firsts)
+
+
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def state_dtype_runs(cfg: ModelConfig, weights: Params, windows: list[list[int]], prompts: list[list[int]],
+                     sc: StateDtypeConfig, device: torch.device, state_dtype: str
+                     ) -> tuple[torch.Tensor, list[list[int]]]:
+    """One state dtype: (teacher-forced decode logits [W, T, V], greedy outputs per prompt)."""
+    longest = max(sc.window, max(len(p) for p in prompts) + sc.greedy_tokens)
+    engine = make_engine(cfg, weights, device, sc.engine_dtype, max(len(windows), len(prompts)), longest,
+                         ssm_state_dtype=state_dtype)
+    if engine.ssm_dtype != TORCH_DTYPES[state_dtype]:
+        raise RuntimeError(f"engine: expected an SSM state pool in {state_dtype}, got {engine.ssm_dtype}")
+    with torch.inference_mode():
+        logits = forced_decode_logits(engine, windows, sc.prefix)
+    outputs = greedy_outputs(engine, prompts, sc.greedy_tokens)
+    return logits, outputs
+
+
+def compare_state_dtypes(cfg: ModelConfig, weights: Params, windows: list[list[int]], prompts: list[list[int]],
+                         sc: StateDtypeConfig, device: torch.device, reference: str = REFERENCE_STATE_DTYPE,
+                         progress: bool = False) -> StateDtypeResult:
+    """Every dtype of `sc.dtypes` against `reference` (fp32; pass a dtype of `sc.dtypes` itself for a negative
+    control, which must give zero divergence), same windows, same prompts, same engine dtype."""
+    t0 = time.perf_counter()
+    targets = torch.tensor([w[sc.prefix + 1:] for w in windows], dtype=torch.int64)
+    with exact_fp32():
+        ref_logits, ref_out = state_dtype_runs(cfg, weights, windows, prompts, sc, device, reference)
+        forced, greedy = [], []
+        for d in tqdm(sc.dtypes, desc="SSM state dtype", disable=not progress):
+            logits, outs = state_dtype_runs(cfg, weights, windows, prompts, sc, device, d)
+            forced.append(compare_forced(d, ref_logits, logits, targets))
+            greedy.append(compare_greedy(d, ref_out, outs))
+            del logits
+    sync(device)
+    return StateDtypeResult(reference=reference, forced=tuple(forced), greedy=tuple(greedy), config=sc,
+                            seconds=time.perf_counter() - t0)
+
+
+def held_out_windows(held_ids: torch.Tensor, n: int, length: int) -> list[list[int]]:
+    """n evenly spaced windows of `length` tokens of the held-out stream."""
+    if held_ids.numel() < length:
+        raise ValueError(f"--state-window: expected at most the held-out corpus' {held_ids.numel()} tokens, "
+                         f"got {length}")
+    starts = [i * (held_ids.numel() - length) // n for i in range(n)]
+    return [held_ids[s:s + length].tolist() for s in starts]
+
+
+def state_dtype_table(res: StateDtypeResult) -> str:
+    ref = res.reference
+    lines = [f"| SSM state | held-out NLL (vs {ref}) | Δ NLL | perplexity | max / mean rel. Δlogit "
+             f"| mean KL({ref} ‖ ·) | argmax agree | greedy identical | mean first difference |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for f, g in zip(res.forced, res.greedy, strict=True):
+        first = f"{g.mean_first_difference:.1f}" if g.mean_first_difference is not None else "–"
+        lines.append(f"| {f.dtype} | {f.nll:.5f} ({f.ref_nll:.5f}) | {f.nll_delta:+.2e} | {f.ppl_increase:+.4%} "
+                     f"| {f.max_rel_logit_err:.2e} / {f.mean_rel_logit_err:.2e} | {f.mean_kl:.2e} "
+                     f"| {f.argmax_agreement:.4f} | {g.identical}/{g.prompts} = {g.identical_fraction:.2f} "
+                     f"| {first} |")
+    return "\n".join(lines)
+
+
+def state_dtype_summary(res: StateDtypeResult) -> dict:
+    """The section's numbers for the JSON summary line."""
+    return {"reference": res.reference, "config": asdict(res.config), "seconds": round(res.seconds, 2),
+            "forced": [{**asdict(f), "nll_delta": f.nll_delta, "ppl_increase": f.ppl_increase} for f in res.forced],
+            "greedy": [{**asdict(g), "identical_fraction": g.identical_fraction,
+                        "mean_first_difference": g.mean_first_difference} for g in res.greedy]}
 
 
 # ---- main --------------------------------------------------------------------------------------------------
@@ -605,6 +849,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("/tmp/baton-mtp-bench"), help="checkpoint directory")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    st = ap.add_argument_group("SSM state dtype", "the engine (--dtype) with a float32 SSM state pool against "
+                                                  "lower-precision ones, on the trained checkpoint")
+    st.add_argument("--no-state-dtype", action="store_true", help="skip this section")
+    st.add_argument("--state-dtypes", default=",".join(LOW_STATE_DTYPES), type=parse_state_dtypes,
+                    help="comma-separated state dtypes compared against float32 (default %(default)s)")
+    st.add_argument("--state-windows", type=int, help="held-out windows decoded teacher-forced (default 32 on "
+                                                      "cuda, 4 on cpu)")
+    st.add_argument("--state-window", type=int, help="tokens per window, prefix included (default --seq-len)")
+    st.add_argument("--state-prefix", type=int, default=16, help="tokens of each window prefilled; the rest are "
+                                                                 "fed one per decode step")
+    st.add_argument("--state-greedy-tokens", type=int, default=64,
+                    help="tokens greedily decoded from each benchmark prompt in every state dtype")
     args = ap.parse_args(argv)
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
@@ -613,6 +870,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--k-max: expected 0..8, got {args.k_max}")
     if args.seq_len < 3 or args.prompt_len < 1 or args.prompts < 1 or args.max_tokens < 1 or args.steps < 1:
         ap.error("--seq-len >= 3, --prompt-len, --prompts, --max-tokens and --steps >= 1 expected")
+    if args.state_window is None:
+        args.state_window = args.seq_len
+    # Validated here (ValueError, expected vs got) even when the section is skipped.
+    args.state_config = StateDtypeConfig(dtypes=args.state_dtypes, engine_dtype=args.dtype,
+                                         num_windows=args.state_windows, window=args.state_window,
+                                         prefix=args.state_prefix, greedy_tokens=args.state_greedy_tokens)
     return args
 
 
@@ -697,6 +960,35 @@ def main(argv: list[str] | None = None) -> int:
               f"from K=0 (prompt, first differing token): {r.first_divergence[:8]}")
     print()
     print(table(rows))
+
+    # 6. SSM state dtype
+    state = None
+    if not args.no_state_dtype:
+        sc: StateDtypeConfig = args.state_config
+        cfg_b, weights_b = load_checkpoint(out, args.dtype)
+        windows = held_out_windows(held_ids, sc.num_windows, sc.window)
+        state = compare_state_dtypes(cfg_b, weights_b, windows, prompts, sc, device, progress=progress)
+        print()
+        print(f"### SSM state dtype — engine dtype {args.dtype}, {REFERENCE_STATE_DTYPE} state pool as the "
+              f"reference ({state.seconds:.1f} s)")
+        print()
+        print(f"Teacher-forced: {sc.num_windows} held-out windows × {sc.window} tokens, {sc.prefix} prefilled "
+              f"(fp32 inside the chunk), then {sc.window - sc.prefix - 1} scored decode steps each, fed the "
+              f"held-out tokens (the state is rounded to the pool dtype after every step). Greedy: the {n} "
+              f"prompts above × {sc.greedy_tokens} tokens; first difference = mean index of the first "
+              f"differing output token over the prompts that differ.")
+        print()
+        print(state_dtype_table(state))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "device": device_name(device), "commit": git_commit(), "torch": torch.__version__,
+            "preset": args.preset, "train_steps": res.steps, "held_out_loss": ev[0], "dtype": args.dtype,
+            "mtp": [{"k": r.k, "tokens_per_s": r.tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+                     "mean_acceptance_length": r.mean_acceptance_length, "drafted": r.drafted,
+                     "accepted": r.accepted, "differ": r.differ} for r in rows],
+            "ssm_state_dtype": state_dtype_summary(state) if state is not None else None,
+        }, indent=1) + "\n")
     return 1 if bad and strict else 0
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -82,18 +84,141 @@ def test_training_lowers_both_losses(tmp_path):
     assert after[1] < before[1] - 0.5, (before, after)  # MTP CE
 
 
+def table_rows(lines: list[str], header_start: str) -> list[list[str]]:
+    """The cells of the markdown table whose header line starts with `header_start`, up to its end."""
+    header = lines.index(next(line for line in lines if line.startswith(header_start)))
+    rows = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.split("|")[1:-1]])
+    return rows
+
+
 def test_end_to_end_tiny(tmp_path, capsys):
     rc = mb.main(["--device", "cpu", "--steps", "5", "--k-max", "2", "--prompts", "2", "--prompt-len", "16",
                   "--max-tokens", "8", "--corpus-mb", "0.25", "--holdout-every", "4", "--seq-len", "32",
-                  "--out", str(tmp_path / "ckpt"), "--no-progress"])
+                  "--out", str(tmp_path / "ckpt"), "--no-progress", "--json", str(tmp_path / "out.json")])
     text = capsys.readouterr().out
     assert rc == 0, text
     lines = text.strip().splitlines()
     assert "engine check" in text and "OK" in text
-    header = lines.index(next(line for line in lines if line.startswith("| K |")))
-    rows = lines[header + 2:]
-    assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"], text  # the table comes last
+    rows = table_rows(lines, "| K |")
+    assert [r[0] for r in rows] == ["0", "1", "2"], text
     for r in rows:
-        assert r.split("|")[-2].strip() == "0/2"  # greedy outputs identical across K (fp32, CPU)
+        assert r[-1] == "0/2"  # greedy outputs identical across K (fp32, CPU)
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
     assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
+
+    # The SSM state dtype section comes last: one row per low-precision dtype, against fp32.
+    assert "### SSM state dtype" in text
+    state_rows = table_rows(lines, "| SSM state |")
+    assert [r[0] for r in state_rows] == ["bfloat16", "float16"], text
+    assert lines[-1].startswith("| float16 |")
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert [r["k"] for r in summary["mtp"]] == [0, 1, 2]
+    st = summary["ssm_state_dtype"]
+    assert st["reference"] == "float32" and st["config"]["window"] == 32 and st["config"]["prefix"] == 16
+    for f, g in zip(st["forced"], st["greedy"], strict=True):
+        assert f["positions"] == 4 * (32 - 16 - 1)
+        assert math.isfinite(f["nll"]) and math.isfinite(f["ref_nll"]) and f["mean_kl"] >= 0
+        assert g["prompts"] == 2 and 0 <= g["identical"] <= 2
+
+
+def test_end_to_end_skips_state_dtype(tmp_path, capsys):
+    rc = mb.main(["--device", "cpu", "--steps", "2", "--k-max", "0", "--prompts", "1", "--prompt-len", "8",
+                  "--max-tokens", "4", "--corpus-mb", "0.25", "--holdout-every", "4", "--seq-len", "32",
+                  "--out", str(tmp_path / "ckpt"), "--no-progress", "--no-state-dtype"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "SSM state" not in text, text
+
+
+# ---- SSM state dtype section ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random checkpoint (perturbed norms, so every layer matters) and a few token sequences."""
+    cfg, weights = mb.init_checkpoint(tmp_path_factory.mktemp("state") / "ckpt", "tiny",
+                                      {"mtp_hybrid_override_pattern": "*-"})
+    g = torch.Generator().manual_seed(5)
+    windows = torch.randint(3, cfg.vocab_size, (3, 40), generator=g).tolist()
+    prompts = torch.randint(3, cfg.vocab_size, (3, 7), generator=g).tolist()
+    return cfg, perturbed(weights, seed=2), windows, prompts
+
+
+def state_config(dtypes: tuple[str, ...], **kw) -> mb.StateDtypeConfig:
+    return mb.StateDtypeConfig(dtypes=dtypes, **{"num_windows": 3, "window": 40, "prefix": 16, "greedy_tokens": 24,
+                                                 **kw})
+
+
+def test_forced_decode_matches_prefill(tiny_model):
+    """Teacher forcing through the decode path (fp32 state) computes what one prefill of the window does, at
+    every decode position: the forced tokens are the window's, in order."""
+    cfg, weights, windows, _ = tiny_model
+    engine = mb.make_engine(cfg, weights, CPU, "float32", len(windows), 40, ssm_state_dtype="float32")
+    forced = mb.forced_decode_logits(engine, windows, 16)
+    assert forced.shape == (3, 40 - 16 - 1, cfg.vocab_size)
+    for w, seq in enumerate(windows):
+        prefill, _ = mb.engine_logits(cfg, weights, seq, CPU)  # [39, V]: positions 0..38
+        ref = prefill[16:]
+        err = ((forced[w] - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (w, err)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_dtype_negative_control(tiny_model, dtype):
+    """A dtype against itself: exactly zero divergence and identical greedy outputs."""
+    cfg, weights, windows, prompts = tiny_model
+    res = mb.compare_state_dtypes(cfg, weights, windows, prompts, state_config((dtype,)), CPU, reference=dtype)
+    (f,), (g,) = res.forced, res.greedy
+    assert f.positions == 3 * 23
+    assert f.nll == f.ref_nll and f.nll_delta == 0 and f.ppl_increase == 0
+    assert f.max_rel_logit_err == 0 and f.mean_rel_logit_err == 0 and f.mean_kl == 0 and f.argmax_agreement == 1
+    assert g.identical == g.prompts == 3 and g.identical_fraction == 1 and g.mean_first_difference is None
+
+
+def test_low_precision_state_costs_a_little(tiny_model):
+    cfg, weights, windows, prompts = tiny_model
+    res = mb.compare_state_dtypes(cfg, weights, windows, prompts, state_config(("bfloat16", "float16")), CPU)
+    assert res.reference == "float32" and [f.dtype for f in res.forced] == ["bfloat16", "float16"]
+    bf16, fp16 = res.forced
+    for f in res.forced:
+        assert all(math.isfinite(x) for x in (f.nll, f.ref_nll, f.max_rel_logit_err, f.mean_kl))
+        assert 0 < f.mean_rel_logit_err <= f.max_rel_logit_err < 0.05, f
+        assert 0 < f.mean_kl < 1e-3, f
+        assert abs(f.nll_delta) < 0.01 and f.argmax_agreement > 0.9, f
+    # fp16 keeps 3 more mantissa bits than bf16 (the tiny model's states are well inside fp16's range).
+    assert fp16.mean_rel_logit_err < bf16.mean_rel_logit_err
+    for g in res.greedy:
+        assert g.prompts == 3 and len(g.first_differences) == 3 - g.identical
+        assert all(0 <= i < 24 for i in g.first_differences)
+    table = mb.state_dtype_table(res).splitlines()
+    assert len(table) == 4 and table[2].startswith("| bfloat16 |") and table[3].startswith("| float16 |")
+    summary = json.loads(json.dumps(mb.state_dtype_summary(res)))
+    assert summary["forced"][0]["dtype"] == "bfloat16" and summary["config"]["dtypes"] == ["bfloat16", "float16"]
+
+
+def test_compare_greedy_first_difference():
+    g = mb.compare_greedy("bfloat16", [[1, 2, 3], [1, 2, 3], [4, 5]], [[1, 2, 3], [1, 9, 3], [4]])
+    assert (g.identical, g.first_differences, g.mean_first_difference) == (1, (1, 1), 1.0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"dtypes": ("float64",)}, "--state-dtypes: expected distinct dtypes among float32, bfloat16, float16, got float64"),
+    ({"dtypes": ()}, "--state-dtypes: expected .* got none"),
+    ({"dtypes": ("bfloat16", "bfloat16")}, "--state-dtypes: expected distinct"),
+    ({"window": 17}, "--state-window: expected >= --state-prefix \\+ 2 = 18 .* got 17"),
+    ({"prefix": 0}, "--state-prefix: expected >= 1, got 0"),
+    ({"num_windows": 0}, "--state-windows: expected >= 1, got 0"),
+    ({"greedy_tokens": 0}, "--state-greedy-tokens: expected >= 1, got 0"),
+])
+def test_state_dtype_config_rejects_bad_flags(kw, match):
+    with pytest.raises(ValueError, match=match):
+        state_config(**{"dtypes": ("bfloat16",), **kw})
+
+
+def test_bad_state_flag_fails_before_training(tmp_path):
+    assert mb.parse_state_dtypes(" bfloat16, float16 ,") == ("bfloat16", "float16")
+    with pytest.raises(ValueError, match="--state-dtypes: expected .* got bf16"):
+        mb.main(["--device", "cpu", "--state-dtypes", "bf16", "--out", str(tmp_path / "ckpt")])
+    assert not (tmp_path / "ckpt").exists()
