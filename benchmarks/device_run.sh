@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -n "${MTP_ONLY:-}" ]; then
   python3 benchmarks/mtp_bench.py --device cuda --out /tmp/mtp-bench --seconds 120 --prompts 8 --max-tokens 64 \
-    --k-max 4 --no-progress 2>&1 | tee "$OUT/mtp.txt" | tail -25
+    --k-max 4 --no-progress --json "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.txt" | tail -32
   exit 0
 fi
 # Only the files with gpu tests: the machine's grpcio may be older than the committed stubs need.

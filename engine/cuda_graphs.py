@@ -1,21 +1,25 @@
-"""CUDA graphs of the decode step: the target's forward and its logits, one graph per padded batch size.
+"""CUDA graphs of decode and verify steps: the target's forward, one graph per padded batch size.
 
 A decode step launches a few kernels per layer (hundreds in all); at small batches launching them costs
 more than running them. A graph replays the whole forward with one launch. Graphs need fixed shapes and
 fixed addresses, so:
 
+- every row has the same number of tokens T: 1 for a decode step, 1+K for a verify step (the last token
+  and K drafts; a verify step whose rows have fewer drafts runs eagerly);
 - every input lives in a static device buffer, sliced to the graph's row count; a step writes its rows'
   metadata into one pinned host buffer and moves it with ONE asynchronous copy (no pageable copy: that
   would wait for the stream);
-- a step of R decode rows runs the graph captured for the smallest size >= R; the spare rows are
-  padding: they read and write only the pools' scratch KV block and scratch state slot, which no request
-  ever owns (`CachePools.scratch_block` / `scratch_slot`), and their logits are dropped;
+- a step of R rows runs the graph captured for the smallest size >= R; the spare rows are padding: they
+  read and write only the pools' scratch KV block and scratch state slot, which no request ever owns
+  (`CachePools.scratch_block` / `scratch_slot`), and their outputs are dropped;
 - block tables are [rows, max_blocks] for the longest sequence the engine allows; a row's entries past
-  its last block are never read.
+  its last block are never read;
+- a verify graph reads how many recorded positions each row replays from the runner's `replay` tensor
+  on the device, inside the graph (R3: never from a host copy).
 
 Graphs are captured lazily, the first time a size is needed (that step pays the Triton compilation and the
-capture), into one memory pool shared by all sizes. Only pure decode steps without speculative decoding
-use them; prefill chunks (whose shapes vary with every prompt) and verify steps run eagerly.
+capture), into one memory pool shared by all sizes. Prefill chunks, whose shapes vary with every prompt,
+run eagerly.
 """
 
 from __future__ import annotations
@@ -26,10 +30,6 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 
-# Fields of the packed int64 host buffer, each [rows]; the block table follows, [rows, width].
-_IDS, _SEQ_LENS, _SLOT_MAPPING, _STATE_SLOTS = range(4)
-_FIELDS = 4
-
 
 def graph_sizes(max_rows: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows)."""
@@ -37,56 +37,87 @@ def graph_sizes(max_rows: int) -> list[int]:
     return [*sizes, max_rows]
 
 
-class DecodeGraphs:
+class StepGraphs:
+    """Graphs of steps whose R rows each feed `tokens_per_row` tokens (T) from their state and KV prefix.
+
+    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps; the output is the
+    hidden states [R*T, hidden] (the spec runner gathers its logits), and the layers run the verify state
+    ops with `replay` (the runner's per-slot tensor) read on the device.
+    """
+
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
-                 max_blocks: int, device: torch.device) -> None:
+                 max_blocks: int, device: torch.device, tokens_per_row: int = 1,
+                 replay: torch.Tensor | None = None) -> None:
+        if tokens_per_row > 1 and replay is None:
+            raise ValueError("step graphs: expected the runner's replay tensor for verify steps (tokens_per_row > 1)")
         self.model = model
         self.pools = pools
         self.block_size = block_size
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         self.device = device
+        self.T = T = tokens_per_row
+        self.replay = replay
         self.sizes = graph_sizes(max_rows)
         n, dev = max_rows, device
-        # Static inputs (padding until a step writes its rows).
-        self.ints = torch.zeros(_FIELDS, n, dtype=torch.int64, device=dev)
+        # Static inputs (padding until a step writes its rows): per token ids and KV slots, per row the
+        # sequence length (context + T) and state slot, and the block tables.
+        self.ids = torch.zeros(n * T, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(n * T, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.block_tables = torch.empty(n, max_blocks, dtype=torch.int64, device=dev)
-        self._pad(n)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.arange(0, n * T + 1, T, dtype=torch.int64, device=dev)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=dev)
-        self.staging = torch.empty(_FIELDS * n + n * max_blocks, dtype=torch.int64, device=dev)
+        self.token_index = torch.arange(n * T, dtype=torch.int64, device=dev)
+        self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)
+        self._pad(n)
+        # The host side of one step's inputs: ids, slot mapping (n*T each), seq lens, state slots (n each),
+        # then the block table [n, width].
+        self.staging = torch.empty(4 * n * T + n * max_blocks, dtype=torch.int64, device=dev)
         self.host = torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=True)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, rows: int) -> int | None:
-        """The graph size a step of `rows` decode rows runs in, or None when it is larger than any."""
+        """The graph size a step of `rows` rows runs in, or None when it is larger than any."""
         return next((s for s in self.sizes if s >= rows), None)
 
     def _pad(self, n: int) -> None:
-        """Make the first n rows padding: scratch block and slot, one token of context."""
-        self.ints[_IDS, :n] = 0
-        self.ints[_SEQ_LENS, :n] = 1
-        self.ints[_SLOT_MAPPING, :n] = self.pools.scratch_block * self.block_size
-        self.ints[_STATE_SLOTS, :n] = self.pools.scratch_slot
+        """Make the first n rows padding: scratch block and slot, T tokens of context."""
+        T = self.T
+        self.ids[:n * T] = 0
+        self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
+        self.seq_lens[:n] = T
+        self.state_slots[:n] = self.pools.scratch_slot
         self.block_tables[:n] = self.pools.scratch_block
 
     def _batch(self, n: int) -> ForwardBatch:
-        return ForwardBatch(
+        T = self.T
+        batch = ForwardBatch(
             num_decodes=n,
             query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=self.ints[_SEQ_LENS, :n],
+            seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n],
-            slot_mapping=self.ints[_SLOT_MAPPING, :n],
-            state_slots=self.ints[_STATE_SLOTS, :n],
+            slot_mapping=self.slot_mapping[:n * T],
+            state_slots=self.state_slots[:n],
             has_initial_state=self.has_initial_state[:n],
             kv_caches=self.pools.kv_layers(),
             conv_states=self.pools.conv_layers(),
             ssm_states=self.pools.ssm_layers(),
+            num_decode_tokens=n * T,
         )
+        if T > 1:
+            batch.spec_num_tokens = self.num_tokens[:n]
+            batch.spec_replay = self.replay[self.state_slots[:n]]  # read on the device, inside the graph (R3)
+            batch.spec_token_index = self.token_index[:n * T].view(n, T)
+            batch.spec_flat_index = self.token_index[:n * T]
+            batch.verify_inputs = self.pools.verify_layers()
+        return batch
 
     def _forward(self, n: int) -> torch.Tensor:
-        return self.model.logits(self.model(self.ints[_IDS, :n], self._batch(n)))
+        hidden = self.model(self.ids[:n * self.T], self._batch(n))
+        return self.model.logits(hidden) if self.T == 1 else hidden
 
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
@@ -100,42 +131,48 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(n)
-        return graph, logits
+            out = self._forward(n)
+        return graph, out
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], seq_lens: list[int], slot_mapping: list[int], state_slots: list[int],
+    def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [R, V] float32 of R decode rows (one token each), by replaying the graph of their size."""
-        rows = len(input_ids)
+        """Replay the graph for R rows of T tokens each: input_ids and slot_mapping [R*T], the rest per row.
+        Returns the logits [R, V] float32 (T = 1) or the hidden states [R*T, hidden] (T > 1)."""
+        T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:
-            raise ValueError(f"decode graphs: expected at most {self.max_rows} rows, got {rows}")
+            raise ValueError(f"step graphs: expected at most {self.max_rows} rows, got {rows}")
+        if len(input_ids) != rows * T or len(slot_mapping) != rows * T:
+            raise ValueError(f"step graphs: expected {T} tokens per row ({rows * T}), got {len(input_ids)} ids "
+                             f"and {len(slot_mapping)} KV slots")
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
-            raise ValueError(f"decode graphs: expected block tables of at most {self.max_blocks} blocks, "
-                             f"got {width}")
+            raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
         if n not in self.graphs:
             self.graphs[n] = self._capture(n)
         pad = n - rows
-        bs, scratch = self.block_size, self.pools
-        host = self.host
-        fields = (
-            input_ids + [0] * pad,
-            seq_lens + [1] * pad,
-            slot_mapping + [scratch.scratch_block * bs] * pad,
-            state_slots + [scratch.scratch_slot] * pad,
+        scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
+        parts = (
+            input_ids + [0] * (pad * T),
+            slot_mapping + [scratch_block * self.block_size] * (pad * T),
+            seq_lens + [T] * pad,
+            state_slots + [scratch_slot] * pad,
         )
-        for f, values in enumerate(fields):
-            host[f * n:(f + 1) * n] = torch.tensor(values, dtype=torch.int64)
-        table = [b + [scratch.scratch_block] * (width - len(b)) for b in block_tables]
-        table += [[scratch.scratch_block] * width] * pad
-        end = _FIELDS * n + n * width
-        host[_FIELDS * n:end] = torch.tensor(table, dtype=torch.int64).view(-1)
+        flat = [v for p in parts for v in p]
+        for b in block_tables:
+            flat += b
+            flat += [scratch_block] * (width - len(b))
+        flat += [scratch_block] * (pad * width)
+        end = len(flat)
+        self.host[:end] = torch.tensor(flat, dtype=torch.int64)
         # One copy from pinned memory: asynchronous, it does not wait for the GPU.
-        self.staging[:end].copy_(host[:end], non_blocking=True)
-        self.ints[:, :n] = self.staging[:_FIELDS * n].view(_FIELDS, n)
-        self.block_tables[:n, :width] = self.staging[_FIELDS * n:end].view(n, width)
-        graph, logits = self.graphs[n]
+        self.staging[:end].copy_(self.host[:end], non_blocking=True)
+        at = 0
+        for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.seq_lens, n), (self.state_slots, n)):
+            dst[:size] = self.staging[at:at + size]
+            at += size
+        self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
+        graph, out = self.graphs[n]
         graph.replay()
-        return logits[:rows]
+        return out[:rows] if T == 1 else out[:rows * T]

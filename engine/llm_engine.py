@@ -11,7 +11,7 @@ import torch
 
 from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import MOE, ModelConfig
-from baton.engine.cuda_graphs import DecodeGraphs
+from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.model import NemotronHForCausalLM
@@ -75,6 +75,7 @@ class LLMEngine:
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = self._make_runner(weights, device)
+        self.runner.graphs = self._step_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
         self._arrivals = itertools.count()
@@ -83,7 +84,7 @@ class LLMEngine:
     def _make_runner(self, weights: dict[str, torch.Tensor], device: torch.device) -> ModelRunner:
         k = self.config.num_speculative_tokens
         if not k:
-            return ModelRunner(self.model, self.pools, self.config.block_size, device, self._decode_graphs(device))
+            return ModelRunner(self.model, self.pools, self.config.block_size, device)
         if self.model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
                              f"weights (num_nextn_predict_layers = 0), got {k}")
@@ -91,14 +92,19 @@ class LLMEngine:
         return SpecRunner(self.model, mtp, self.pools, self.config.block_size, device, k,
                           draft=not self.config.prefill_only)
 
-    def _decode_graphs(self, device: torch.device) -> DecodeGraphs | None:
-        """CUDA graphs for pure decode steps, where they can run: on CUDA, and without MoE layers (whose
-        expert loop reads routing decisions on the host)."""
-        if not self.config.cuda_graphs or device.type != "cuda" or MOE in self.model_config.layer_types:
+    def _step_graphs(self, device: torch.device) -> StepGraphs | None:
+        """CUDA graphs of decode steps (verify steps of 1+K tokens per row with speculative decoding), where
+        they can run: on CUDA, and without MoE layers (whose expert loop reads routing decisions on the host).
+        A prefill-only engine never decodes."""
+        cfg = self.config
+        if (not cfg.cuda_graphs or device.type != "cuda" or cfg.prefill_only
+                or MOE in self.model_config.layer_types):
             return None
-        max_blocks = -(-self.max_model_len // self.config.block_size) + 1
-        return DecodeGraphs(self.model, self.pools, self.config.block_size, self.config.max_num_seqs, max_blocks,
-                            device)
+        k = cfg.num_speculative_tokens
+        # Room for the longest sequence and a verify step's lookahead.
+        max_blocks = -(-self.max_model_len // cfg.block_size) + k + 1
+        return StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
+                          tokens_per_row=1 + k, replay=self.runner.replay)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:

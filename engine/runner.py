@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.cache_pools import CachePools
-from baton.engine.cuda_graphs import DecodeGraphs
+from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
@@ -35,10 +35,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int,
-                 device: torch.device | str, graphs: DecodeGraphs | None = None) -> None:
-        """graphs: CUDA graphs for pure decode steps (None: every step runs eagerly)."""
+                 device: torch.device | str) -> None:
         self.model = model
-        self.graphs = graphs
+        # CUDA graphs of decode (or verify) steps, set by the engine where they can run; None: all eager.
+        self.graphs: StepGraphs | None = None
         self.pools = pools
         self.block_size = block_size
         self.device = torch.device(device)
@@ -49,8 +49,8 @@ class ModelRunner:
         self._mamba = bool(self._ssm)
         # Per state slot: how many recorded positions of its last verify were accepted (1 + accepted drafts),
         # to be replayed into the state by the next step. Written only by steps on the device (R3); 0 for a
-        # fresh, prefilled or transferred request.
-        self.replay = torch.zeros(pools.plan.num_slots, dtype=torch.int64, device=self.device)
+        # fresh, prefilled or transferred request. (One more entry: the scratch slot of graph padding rows.)
+        self.replay = torch.zeros(pools.plan.num_slots + 1, dtype=torch.int64, device=self.device)
 
     # ---- per-request sampling state -------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
@@ -149,19 +149,24 @@ class ModelRunner:
         )
 
     def _graphable(self, out: SchedulerOutput) -> bool:
-        """A pure decode step (one token per row, every row resuming its state) that a graph can run."""
-        return (self.graphs is not None and out.num_decodes == len(out.rows)
-                and self.graphs.size_for(len(out.rows)) is not None)
+        """A step that a graph can run: decode rows only, each of the graphs' token count."""
+        g = self.graphs
+        return (g is not None and out.num_decodes == len(out.rows) and g.size_for(len(out.rows)) is not None
+                and all(r.num_tokens == g.T for r in out.rows))
 
     def _decode_graph(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [R, V] of a pure decode step, by CUDA graph replay."""
+        """Replay the graph of a graphable step: logits [R, V] (decode) or hidden states [R*T, hidden] (verify)."""
         bs = self.block_size
         rows = out.rows
-        pos = [r.num_computed_tokens for r in rows]
+        ids: list[int] = []
+        slot_mapping: list[int] = []
+        for r in rows:
+            ids.extend(r.token_ids)
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + r.num_tokens):
+                slot_mapping.append(r.block_ids[p // bs] * bs + p % bs)
         return self.graphs.run(
-            input_ids=[r.token_ids[0] for r in rows],
-            seq_lens=[p + 1 for p in pos],
-            slot_mapping=[r.block_ids[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)],
+            input_ids=ids, slot_mapping=slot_mapping,
+            seq_lens=[r.num_computed_tokens + r.num_tokens for r in rows],
             state_slots=[r.state_slot for r in rows],
             block_tables=[list(r.block_ids) for r in rows],
         )

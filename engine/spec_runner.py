@@ -78,7 +78,8 @@ class SpecRunner(ModelRunner):
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
 
-        hidden = self.model(input_ids, batch)  # [T, hidden]
+        # Verify steps whose rows all carry K drafts replay a CUDA graph of the target's forward.
+        hidden = self._decode_graph(out) if self._graphable(out) else self.model(input_ids, batch)  # [T, hidden]
 
         # -- verify rows ---------------------------------------------------------------------------------
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end

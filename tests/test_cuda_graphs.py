@@ -10,7 +10,7 @@ from baton.engine.cuda_graphs import graph_sizes
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
-from tests.test_spec_decode import prompt_of, run, spec_model  # noqa: F401
+from tests.test_spec_decode import Log, prompt_of, run, spec_model  # noqa: F401
 
 
 def test_graph_sizes_cover_every_batch_up_to_the_max():
@@ -32,11 +32,11 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
     assert engine.runner.graphs is None
 
 
-def _engine(model, graphs: bool, dtype: str = "float32") -> LLMEngine:
+def _engine(model, graphs: bool, dtype: str = "float32", k: int = 0) -> LLMEngine:
     cfg, weights = model
     return LLMEngine(cfg, weights, EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96,
                                                 long_prefill_token_threshold=8, dtype=dtype, num_kv_blocks=256,
-                                                device="cuda", cuda_graphs=graphs))
+                                                device="cuda", cuda_graphs=graphs, num_speculative_tokens=k))
 
 
 @pytest.mark.gpu
@@ -54,3 +54,25 @@ def test_graph_decode_equals_eager_decode(spec_model, dtype):  # noqa: F811
     assert set(engine.runner.graphs.graphs) >= {1, 2, 4, 8}
     # Padding rows ran, and wrote the scratch slot (past the scheduler's slots), not a request's.
     assert engine.pools.ssm[engine.pools.scratch_slot].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_graphs_equal_eager_verify_and_k0(spec_model, k):  # noqa: F811
+    """With K drafts, verify steps whose rows all carry K drafts replay a graph (1+K tokens per row, replay
+    counts read on the device). Tokens, drafts and accepted counts equal the eager engine's; greedy tokens
+    equal K = 0 (R6 on the GPU)."""
+    arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = run(_engine(spec_model, False), arrivals, params)
+    eager_engine = _engine(spec_model, False, k=k)
+    eager_log = Log(eager_engine)
+    eager = run(eager_engine, arrivals, params)
+    engine = _engine(spec_model, True, k=k)
+    log = Log(engine)
+    got = run(engine, arrivals, params)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no verify graph was replayed"
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert log.rows == eager_log.rows  # drafts and emitted tokens, row by row
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted

@@ -1,9 +1,31 @@
-"""RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (computed in fp32, as the reference)."""
+"""RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (computed in fp32, as the reference).
+
+The torch functions below are the references (and the CPU path); `ops.dispatch` picks the fused Triton
+kernels of `ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from baton.engine.ops import dispatch
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * x).to(dtype)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
+                             eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float() * nn.functional.silu(gate.float())
+    g = x.view(*x.shape[:-1], -1, group_size)  # [T, G, group_size]
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(x).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        return dispatch.rms_norm(x)(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -29,8 +48,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float() * nn.functional.silu(gate.float())
-        g = x.view(*x.shape[:-1], -1, self.group_size)  # [T, G, group_size]
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(x).to(dtype)
+        return dispatch.gated_rms_norm(x)(x, gate, self.weight, self.group_size, self.eps)

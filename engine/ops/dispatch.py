@@ -88,3 +88,19 @@ def chunk_scan(t: torch.Tensor) -> Callable:
         return mamba_chunk_scan_varlen_triton
     from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
     return mamba_chunk_scan_varlen
+
+
+def rms_norm(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_norm import rms_norm_triton
+        return rms_norm_triton
+    from baton.engine.layers.norms import rms_norm_reference
+    return rms_norm_reference
+
+
+def gated_rms_norm(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_norm import gated_rms_norm_triton
+        return gated_rms_norm_triton
+    from baton.engine.layers.norms import gated_rms_norm_reference
+    return gated_rms_norm_reference
