@@ -135,6 +135,15 @@ class StepGraphs:
         return graph, out
 
     @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every size now (largest first, so that the smaller ones reuse its memory pool) rather
+        than at each size's first step; returns how many were captured."""
+        todo = [n for n in reversed(self.sizes) if n not in self.graphs]
+        for n in todo:
+            self.graphs[n] = self._capture(n)
+        return len(todo)
+
+    @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids and slot_mapping [R*T], the rest per row.

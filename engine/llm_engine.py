@@ -106,6 +106,11 @@ class LLMEngine:
         return StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
                           tokens_per_row=1 + k, replay=self.runner.replay)
 
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graph of every decode (verify) batch size now, as a server does before taking
+        traffic, so that no request waits on a capture; returns how many were captured (0 without graphs)."""
+        return 0 if self.runner.graphs is None else self.runner.graphs.capture_all()
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()

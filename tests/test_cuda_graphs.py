@@ -76,3 +76,13 @@ def test_verify_graphs_equal_eager_verify_and_k0(spec_model, k):  # noqa: F811
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert log.rows == eager_log.rows  # drafts and emitted tokens, row by row
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+
+
+@pytest.mark.gpu
+def test_capture_graphs_captures_every_size_up_front(spec_model):  # noqa: F811
+    engine = _engine(spec_model, True)
+    assert engine.capture_graphs() == len(graph_sizes(12))
+    assert engine.capture_graphs() == 0  # already there
+    got = run(engine, [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
+    ref = run(_engine(spec_model, False), [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert got["a"].token_ids == ref["a"].token_ids

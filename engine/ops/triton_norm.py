@@ -19,8 +19,9 @@ never compiles a new variant; under the interpreter (CPU tensors) BLOCK_M covers
 number of (serially interpreted) programs small.
 
 Differences from the reference that remain: the fp32 sum of squares is a tree reduction (torch sums in
-another order), and on GPU `rsqrt` / `exp` are the fast hardware approximations (as torch's CUDA rsqrt);
-so fp32 outputs agree to a few ulp and bf16/fp16 outputs to one rounding step of a rare element.
+another order), and on GPU `rsqrt` / `exp` are the fast hardware approximations (torch's CUDA rsqrt is
+too; its exp is not). The divisions (the mean's sum / N, silu's z / (1 + exp(-z))) are IEEE-rounded
+(`div_rn`), as torch's are, rather than Triton's default approximate fp32 division. So fp32 outputs agree to a few ulp and bf16/fp16 outputs to one rounding step of a rare element.
 
 Inputs of any leading shape [..., N] are flattened (`reshape`: a view for 2-D or contiguous inputs, a copy
 only for a leading layout that cannot be viewed). Rows are addressed through their stride, so a split of
@@ -61,6 +62,7 @@ def _rms_norm_kernel(
     N,
     stride_xm,
     stride_w,
+    width,  # float(N), for the mean's division (an fp32 argument: never specialised)
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,7 +73,7 @@ def _rms_norm_kernel(
     mask = (rows < M)[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=1) / N  # masked lanes add 0
+    ms = tl.math.div_rn(tl.sum(x * x, axis=1), width)  # masked lanes add 0; sum / N correctly rounded
     r = tl.math.rsqrt(ms + eps)
     w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
     y = w[None, :] * (x * r[:, None])
@@ -90,6 +92,7 @@ def _gated_rms_norm_kernel(
     stride_xm,
     stride_zm,
     stride_w,
+    width,  # float(GS)
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,8 +105,8 @@ def _gated_rms_norm_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + rows64 * stride_zm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = x * (z / (1.0 + tl.exp(-z)))  # silu as torch computes it: z / (1 + exp(-z))
-    ms = tl.sum(h * h, axis=1) / GS  # masked lanes: x = 0 -> h = 0
+    h = x * tl.math.div_rn(z, 1.0 + tl.exp(-z))  # silu as torch computes it: z / (1 + exp(-z))
+    ms = tl.math.div_rn(tl.sum(h * h, axis=1), width)  # masked lanes: x = 0 -> h = 0
     g = h * tl.math.rsqrt(ms + eps)[:, None]
     g = _round(g, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's g.to(x.dtype)
     w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
@@ -151,7 +154,7 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return y.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, n, x.is_cuda)
     _rms_norm_kernel[(triton.cdiv(m, block_m),)](
-        x2, weight, y, m, n, x2.stride(0), weight.stride(0), eps,
+        x2, weight, y, m, n, x2.stride(0), weight.stride(0), float(n), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y.view(x.shape)
@@ -179,7 +182,7 @@ def gated_rms_norm_triton(x: Tensor, gate: Tensor, weight: Tensor, group_size: i
         return y.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, group_size, x.is_cuda)
     _gated_rms_norm_kernel[(triton.cdiv(m, block_m), n // group_size)](
-        x2, z2, weight, y, m, n, group_size, x2.stride(0), z2.stride(0), weight.stride(0), eps,
+        x2, z2, weight, y, m, n, group_size, x2.stride(0), z2.stride(0), weight.stride(0), float(group_size), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y.view(x.shape)
