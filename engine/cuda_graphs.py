@@ -15,7 +15,14 @@ fixed addresses, so:
 - block tables are [rows, max_blocks] for the longest sequence the engine allows; a row's entries past
   its last block are never read;
 - a verify graph reads how many recorded positions each row replays from the runner's `replay` tensor
-  on the device, inside the graph (R3: never from a host copy).
+  on the device, inside the graph (R3: never from a host copy);
+- with a `step_fn` (the spec runner's greedy verify step) the graph holds the whole step, not only the
+  target's forward: rejection sampling, the replay counts it writes, the drafter's catch-up and its K-1
+  chained steps; two more inputs then travel with the step: each position's host-known successor token
+  and each row's position of its last token.
+
+On a CPU device the same static, padded layout runs eagerly (no capture): the tests check the padding and
+the static inputs there, against steps built the usual way.
 
 Graphs are captured lazily, the first time a size is needed (that step pays the Triton compilation and the
 capture), into one memory pool shared by all sizes. Prefill chunks, whose shapes vary with every prompt,
@@ -23,6 +30,8 @@ run eagerly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -47,7 +56,9 @@ class StepGraphs:
 
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
                  max_blocks: int, device: torch.device, tokens_per_row: int = 1,
-                 replay: torch.Tensor | None = None) -> None:
+                 replay: torch.Tensor | None = None, step_fn: Callable | None = None) -> None:
+        """step_fn(input_ids, batch, next_ids, verify_base) -> packed tensor: a whole verify step to capture
+        instead of the forward alone (its output is returned unsliced; see `SpecRunner.graph_step_fn`)."""
         if tokens_per_row > 1 and replay is None:
             raise ValueError("step graphs: expected the runner's replay tensor for verify steps (tokens_per_row > 1)")
         self.model = model
@@ -58,6 +69,7 @@ class StepGraphs:
         self.device = device
         self.T = T = tokens_per_row
         self.replay = replay
+        self.step_fn = step_fn
         self.sizes = graph_sizes(max_rows)
         n, dev = max_rows, device
         # Static inputs (padding until a step writes its rows): per token ids and KV slots, per row the
@@ -71,12 +83,15 @@ class StepGraphs:
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=dev)
         self.token_index = torch.arange(n * T, dtype=torch.int64, device=dev)
         self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)
+        self.next_ids = torch.zeros(n * T, dtype=torch.int64, device=dev)
+        self.verify_base = torch.zeros(n, dtype=torch.int64, device=dev)
         self._pad(n)
-        # The host side of one step's inputs: ids, slot mapping (n*T each), seq lens, state slots (n each),
-        # then the block table [n, width].
-        self.staging = torch.empty(4 * n * T + n * max_blocks, dtype=torch.int64, device=dev)
-        self.host = torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=True)
-        self.pool = torch.cuda.graph_pool_handle()
+        # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
+        # last-token positions (n each), then the block table [n, width].
+        self.staging = torch.empty(3 * n * T + 3 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        self.capture = device.type == "cuda"
+        self.host = torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=self.capture)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, rows: int) -> int | None:
@@ -87,6 +102,8 @@ class StepGraphs:
         """Make the first n rows padding: scratch block and slot, T tokens of context."""
         T = self.T
         self.ids[:n * T] = 0
+        self.next_ids[:n * T] = 0
+        self.verify_base[:n] = 0
         self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
         self.seq_lens[:n] = T
         self.state_slots[:n] = self.pools.scratch_slot
@@ -116,6 +133,9 @@ class StepGraphs:
         return batch
 
     def _forward(self, n: int) -> torch.Tensor:
+        if self.step_fn is not None:
+            return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
+                                self.verify_base[:n])
         hidden = self.model(self.ids[:n * self.T], self._batch(n))
         return self.model.logits(hidden) if self.T == 1 else hidden
 
@@ -138,6 +158,8 @@ class StepGraphs:
     def capture_all(self) -> int:
         """Capture every size now (largest first, so that the smaller ones reuse its memory pool) rather
         than at each size's first step; returns how many were captured."""
+        if not self.capture:
+            return 0
         todo = [n for n in reversed(self.sizes) if n not in self.graphs]
         for n in todo:
             self.graphs[n] = self._capture(n)
@@ -145,9 +167,11 @@ class StepGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Replay the graph for R rows of T tokens each: input_ids and slot_mapping [R*T], the rest per row.
-        Returns the logits [R, V] float32 (T = 1) or the hidden states [R*T, hidden] (T > 1)."""
+            block_tables: list[list[int]], next_ids: list[int] | None = None,
+            verify_base: list[int] | None = None) -> torch.Tensor:
+        """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
+        per row. Returns the logits [R, V] float32 (T = 1), the hidden states [R*T, hidden] (T > 1), or with a
+        step_fn its whole packed output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:
@@ -158,15 +182,17 @@ class StepGraphs:
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
-        if n not in self.graphs:
+        if self.capture and n not in self.graphs:
             self.graphs[n] = self._capture(n)
         pad = n - rows
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         parts = (
             input_ids + [0] * (pad * T),
             slot_mapping + [scratch_block * self.block_size] * (pad * T),
+            (next_ids or [0] * (rows * T)) + [0] * (pad * T),
             seq_lens + [T] * pad,
             state_slots + [scratch_slot] * pad,
+            (verify_base or [0] * rows) + [0] * pad,
         )
         flat = [v for p in parts for v in p]
         for b in block_tables:
@@ -178,10 +204,16 @@ class StepGraphs:
         # One copy from pinned memory: asynchronous, it does not wait for the GPU.
         self.staging[:end].copy_(self.host[:end], non_blocking=True)
         at = 0
-        for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.seq_lens, n), (self.state_slots, n)):
+        for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.next_ids, n * T), (self.seq_lens, n),
+                          (self.state_slots, n), (self.verify_base, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
-        graph, out = self.graphs[n]
-        graph.replay()
+        if self.capture:
+            graph, out = self.graphs[n]
+            graph.replay()
+        else:
+            out = self._forward(n)
+        if self.step_fn is not None:
+            return out
         return out[:rows] if T == 1 else out[:rows * T]

@@ -16,7 +16,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
-from baton.engine.request import Request
+from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerOutput
@@ -100,11 +100,18 @@ class LLMEngine:
         if (not cfg.cuda_graphs or device.type != "cuda" or cfg.prefill_only
                 or MOE in self.model_config.layer_types):
             return None
+        return self.make_step_graphs(device)
+
+    def make_step_graphs(self, device: torch.device) -> StepGraphs:
+        """The step graphs for this engine's shapes (on a CPU device they run their static layout eagerly)."""
+        cfg = self.config
         k = cfg.num_speculative_tokens
         # Room for the longest sequence and a verify step's lookahead.
         max_blocks = -(-self.max_model_len // cfg.block_size) + k + 1
+        # With K drafts the graph holds the whole greedy verify step (SpecRunner.graph_step_fn).
+        step_fn = self.runner.graph_step_fn if k else None
         return StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
-                          tokens_per_row=1 + k, replay=self.runner.replay)
+                          tokens_per_row=1 + k, replay=self.runner.replay, step_fn=step_fn)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graph of every decode (verify) batch size now, as a server does before taking
@@ -187,38 +194,51 @@ class LLMEngine:
             # Waiting requests that do not fit while blocks are held outside the scheduler (leases on a
             # prefill node, reservations for pulls on a decode node): nothing to do until those return.
             return []
-        reqs = {r.request_id: self.scheduler.requests[r.request_id] for r in out.rows}
-        before = {rid: len(req.output_token_ids) for rid, req in reqs.items()}
+        # Rows are one per request, so lists in row order stand for the request-keyed maps.
+        reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
+        before = [len(req.output_token_ids) for req in reqs]
         result = self.runner.execute(out)
         finished = self.scheduler.update(out, result.sampled, result.drafts)
         self._record(out, time.perf_counter() - t0, result.sampled)
         for req in finished:
             self.runner.remove_request(req.request_id)
-        outputs = []
-        for rid, req in reqs.items():
-            if rid not in result.sampled and not req.status.finished:
-                continue
-            held = req.status.value == "prefilled"
-            outputs.append(RequestOutput(
-                request_id=rid, prompt_token_ids=tuple(req.prompt_token_ids),
-                token_ids=tuple(req.output_token_ids), new_token_ids=tuple(req.output_token_ids[before[rid]:]),
-                finished=req.status.finished, finish_reason=req.finish_reason,
-                held_block_ids=tuple(req.block_ids) if held else (),
-                held_state_slot=req.state_slot if held else None,
-                num_drafted=req.num_drafted, num_accepted=req.num_accepted))
-        return outputs
+        sampled = result.sampled
+        return [self._output(req, n) for req, n in zip(reqs, before, strict=True)
+                if req.request_id in sampled or req.status.finished]
+
+    @staticmethod
+    def _output(req: Request, before: int) -> RequestOutput:
+        """The output of a request that got tokens or finished this step; `before`: its output count before."""
+        status = req.status
+        finished = status.finished
+        held = status is RequestStatus.FINISHED_PREFILLED
+        outputs = req.output_token_ids
+        # RequestOutput(...) without its frozen __init__ (one object.__setattr__ per field: a third of a decode
+        # step's output building at large batches); every field is given, so the instance is the same.
+        o = object.__new__(RequestOutput)
+        o.__dict__.update(
+            request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
+            token_ids=tuple(outputs), new_token_ids=tuple(outputs[before:]),
+            finished=finished, finish_reason=status.value if finished else None,
+            held_block_ids=tuple(req.block_ids) if held else (),
+            held_state_slot=req.state_slot if held else None,
+            num_drafted=req.num_drafted, num_accepted=req.num_accepted)
+        return o
 
     def _record(self, out: SchedulerOutput, seconds: float, sampled: dict) -> None:
         s = self.stats
+        decode_tokens = 0
         for r in out.rows:
-            if r.is_decode and r.num_draft:
+            if not r.is_decode:
+                continue
+            decode_tokens += len(r.token_ids)
+            if r.num_draft:
                 emitted = sampled.get(r.request_id, ())
                 s.spec_verify_rows += 1
                 s.spec_drafted += r.num_draft
                 s.spec_accepted += len(emitted) - 1
         s.steps += 1
         s.mixed_steps += out.is_mixed
-        decode_tokens = sum(r.num_tokens for r in out.rows if r.is_decode)
         s.decode_tokens += decode_tokens
         s.prompt_tokens += out.num_tokens - decode_tokens
         s.preemptions = self.scheduler.num_preemptions

@@ -20,7 +20,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        # A module tuple: looking the members up on the enum class costs more than the test (read every step).
+        return self not in _UNFINISHED
+
+
+_UNFINISHED = (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
 @dataclass(eq=False)
@@ -51,6 +55,26 @@ class Request:
     num_drafted: int = 0    # draft tokens verified
     num_accepted: int = 0   # of those, accepted
     num_verify_steps: int = 0
+    # `block_ids` as a tuple, built once per change rather than once per step (a decode row's table changes
+    # only every block_size tokens). Only the scheduler changes `block_ids`, through the methods below.
+    _block_table: tuple[int, ...] | None = field(default=None, init=False, repr=False)
+
+    def block_table(self) -> tuple[int, ...]:
+        """The block ids as a tuple, shared by every step until they change."""
+        table = self._block_table
+        # The length check also catches an append that bypassed `add_blocks` (the list only grows or is replaced).
+        if table is None or len(table) != len(self.block_ids):
+            table = self._block_table = tuple(self.block_ids)
+        return table
+
+    def add_blocks(self, ids: list[int]) -> None:
+        if ids:
+            self.block_ids.extend(ids)
+            self._block_table = None
+
+    def set_blocks(self, ids: list[int]) -> None:
+        self.block_ids = ids
+        self._block_table = None
 
     @property
     def all_token_ids(self) -> list[int]:

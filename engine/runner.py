@@ -10,6 +10,7 @@ from a host copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,15 @@ from baton.engine.ops import dispatch
 from baton.engine.sampling import Sampler, make_generator
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
+
+
+def kv_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> range | list[int]:
+    """Flat KV slots (block * block_size + offset) of positions start..end-1 of a row with these blocks."""
+    if (end - 1) // block_size == start // block_size:
+        # All in one block (always so for a decode row): consecutive slots, no per-position arithmetic.
+        first = block_ids[start // block_size] * block_size + start % block_size
+        return range(first, first + end - start)
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 @dataclass
@@ -45,7 +55,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator]] = {}
         self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
-        self._verify = pools.verify_layers()
+        self._verify_inputs = pools.verify_layers()
         self._mamba = bool(self._ssm)
         # Per state slot: how many recorded positions of its last verify were accepted (1 + accepted drafts),
         # to be replayed into the state by the next step. Written only by steps on the device (R3); 0 for a
@@ -77,8 +87,8 @@ class ModelRunner:
         for row in out.rows:
             input_ids.extend(row.token_ids)
             qsl.append(qsl[-1] + row.num_tokens)
-            for pos in range(row.num_computed_tokens, row.num_computed_tokens + row.num_tokens):
-                slot_mapping.append(row.block_ids[pos // bs] * bs + pos % bs)
+            start = row.num_computed_tokens
+            slot_mapping += kv_slots(row.block_ids, start, start + row.num_tokens, bs)
             block_tables.append(list(row.block_ids) + [0] * (max_blocks - len(row.block_ids)))
 
         t = self._t
@@ -119,7 +129,7 @@ class ModelRunner:
         batch.spec_num_tokens = self._t(lens)
         batch.spec_token_index = self._t([[qsl[b] + min(j, n - 1) for j in range(T)] for b, n in enumerate(lens)])
         batch.spec_replay = replay[:nd]
-        batch.verify_inputs = self._verify
+        batch.verify_inputs = self._verify_inputs
         batch.spec_flat_index = self._t([b * T + j for b, n in enumerate(lens) for j in range(n)])
 
     @torch.inference_mode()
@@ -154,21 +164,25 @@ class ModelRunner:
         return (g is not None and out.num_decodes == len(out.rows) and g.size_for(len(out.rows)) is not None
                 and all(r.num_tokens == g.T for r in out.rows))
 
-    def _decode_graph(self, out: SchedulerOutput) -> torch.Tensor:
+    def _decode_graph(self, out: SchedulerOutput, **extra: list[int]) -> torch.Tensor:
         """Replay the graph of a graphable step: logits [R, V] (decode) or hidden states [R*T, hidden] (verify)."""
         bs = self.block_size
         rows = out.rows
         ids: list[int] = []
         slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        # Host work here is step time the GPU waits for: one pass over the rows, no per-row copies (a row's block
+        # table tuple is shared with the scheduler and only read).
         for r in rows:
-            ids.extend(r.token_ids)
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + r.num_tokens):
-                slot_mapping.append(r.block_ids[p // bs] * bs + p % bs)
+            start = r.num_computed_tokens
+            ids += r.token_ids
+            end = start + len(r.token_ids)
+            seq_lens.append(end)
+            slot_mapping += kv_slots(r.block_ids, start, end, bs)
         return self.graphs.run(
-            input_ids=ids, slot_mapping=slot_mapping,
-            seq_lens=[r.num_computed_tokens + r.num_tokens for r in rows],
+            input_ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens,
             state_slots=[r.state_slot for r in rows],
-            block_tables=[list(r.block_ids) for r in rows],
+            block_tables=[r.block_ids for r in rows], **extra,
         )
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from baton.engine.allocator import FreeList
 from baton.engine.engine_config import EngineConfig
@@ -44,12 +45,22 @@ class ScheduledRow:
         return len(self.token_ids)
 
 
+def _new_row(**fields: object) -> ScheduledRow:
+    """ScheduledRow(**fields) given every field, at a third of the cost: a frozen dataclass's __init__ sets each
+    field through object.__setattr__, and a decode step builds one row per running request. The instance is
+    the same (fields, equality, hash, repr, immutability)."""
+    row = object.__new__(ScheduledRow)
+    row.__dict__.update(fields)
+    return row
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]  # decode rows first, then prefill rows
     preempted: tuple[str, ...]
 
-    @property
+    # Cached (the output is immutable): the runner and the engine's stats read these several times a step.
+    @cached_property
     def num_decodes(self) -> int:
         return sum(r.is_decode for r in self.rows)
 
@@ -57,9 +68,9 @@ class SchedulerOutput:
     def num_prefills(self) -> int:
         return len(self.rows) - self.num_decodes
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
+        return sum(len(r.token_ids) for r in self.rows)
 
     @property
     def is_mixed(self) -> bool:
@@ -114,16 +125,19 @@ class Scheduler:
         planned: dict[str, int] = {}  # request id -> tokens this step
 
         # 1. decode rows: reserved first, 1 + k tokens each (k drafts to verify).
+        decoding: list[Request] = []  # in arrival order
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or not req.in_decode:
                 continue
             n = 1 + self._num_draft(req)
             if self._reserve(req, n, planned, preempted, self.lookahead):
                 planned[req.request_id] = n
+                decoding.append(req)
                 budget -= n
 
-        # 2. running prefills (chunked).
-        for req in list(self.running):
+        # 2. running prefills (chunked). Every planned request is running (victims are never planned ones): when
+        # all running requests are planned, none is left to prefill.
+        for req in (list(self.running) if len(planned) < len(self.running) else ()):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in planned:
@@ -164,8 +178,12 @@ class Scheduler:
             planned[req.request_id] = n
             budget -= n
 
-        rows = [self._row(req, planned[req.request_id]) for req in self.running if req.request_id in planned]
-        rows.sort(key=lambda r: not r.is_decode)  # stable: decodes first, each group in arrival order
+        # Decodes first, each group in arrival order. A decode row stays in `running` (only unplanned requests are
+        # preempted, and a prefill or admission never turns a request into a decode within the step).
+        rows = [self._decode_row(req, planned[req.request_id]) for req in decoding]
+        if len(planned) > len(decoding):
+            rows += [self._prefill_row(req, planned[req.request_id]) for req in self.running
+                     if req.request_id in planned and not req.in_decode]
         return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted))
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]],
@@ -198,50 +216,75 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_PREFILLED)
                 finished.append(req)
                 continue
-            if not row.sample:
-                continue
-            for tok in emitted:
-                req.output_token_ids.append(tok)
-                if tok in req.stop_ids:
-                    self._finish(req, RequestStatus.FINISHED_STOPPED)
-                elif len(req.output_token_ids) >= req.sampling.max_tokens or req.num_tokens >= req.max_model_len:
-                    self._finish(req, RequestStatus.FINISHED_LENGTH)
-                if req.status.finished:
-                    # Tokens emitted past a stop are dropped, as non-speculative decoding never made them.
-                    finished.append(req)
-                    break
+            if row.sample and self._append(req, emitted):
+                finished.append(req)
         return finished
+
+    def _append(self, req: Request, emitted: list[int]) -> bool:
+        """Append emitted tokens up to the first stop; True when the request finished."""
+        outputs = req.output_token_ids
+        limit = self._output_limit(req)
+        for tok in emitted:
+            outputs.append(tok)
+            if tok in req.stop_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(outputs) >= limit:
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            # Tokens emitted past a stop are dropped, as non-speculative decoding never made them.
+            self._finish(req, status)
+            return True
+        return False
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _num_draft(self, req: Request) -> int:
         """Drafts to verify this step: at most K, and none past max_tokens or max_model_len."""
-        room = min(req.sampling.max_tokens - len(req.output_token_ids), req.max_model_len - req.num_tokens) - 1
+        if not req.draft_token_ids:
+            return 0
+        room = self._output_limit(req) - len(req.output_token_ids) - 1
         return max(0, min(len(req.draft_token_ids), self.num_spec, room))
+
+    @staticmethod
+    def _output_limit(req: Request) -> int:
+        """The most output tokens req may have: max_tokens, and max_model_len counting the prompt."""
+        return min(req.sampling.max_tokens, req.max_model_len - len(req.prompt_token_ids))
 
     def _last_chunk(self, req: Request, n: int) -> bool:
         return req.num_computed_tokens + n == req.num_tokens and not req.prefill_only
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _decode_row(self, req: Request, n: int) -> ScheduledRow:
+        """The last token and n - 1 drafts to verify; a decode row always samples."""
+        assert req.state_slot is not None
+        k = n - 1
+        return _new_row(
+            request_id=req.request_id,
+            token_ids=(req.last_token_id, *req.draft_token_ids[:k]) if k else (req.last_token_id,),
+            num_computed_tokens=req.num_computed_tokens,
+            is_decode=True,
+            has_initial_state=req.num_computed_tokens > 0,
+            state_slot=req.state_slot,
+            block_ids=req.block_table(),
+            sample=True,
+            num_draft=k,
+            next_token=-1,
+        )
+
+    def _prefill_row(self, req: Request, n: int) -> ScheduledRow:
+        """A chunk of n tokens; the last chunk samples (unless prefill-only)."""
         start = req.num_computed_tokens
         assert req.state_slot is not None
-        if req.in_decode:
-            k = n - 1
-            tokens = (req.last_token_id, *req.draft_token_ids[:k])
-        else:
-            k = 0
-            tokens = tuple(req.token_ids_between(start, start + n))
+        end, total = start + n, req.num_tokens
         return ScheduledRow(
             request_id=req.request_id,
-            token_ids=tokens,
+            token_ids=tuple(req.token_ids_between(start, end)),
             num_computed_tokens=start,
-            is_decode=req.in_decode,
+            is_decode=False,
             has_initial_state=req.has_initial_state,
             state_slot=req.state_slot,
-            block_ids=tuple(req.block_ids),
-            sample=req.in_decode or (start + n == req.num_tokens and not req.prefill_only),
-            num_draft=k,
-            next_token=(req.token_ids_between(start + n, start + n + 1)[0]
-                        if not req.in_decode and start + n < req.num_tokens else -1),
+            block_ids=req.block_table(),
+            sample=end == total and not req.prefill_only,
+            next_token=req.token_ids_between(end, end + 1)[0] if end < total else -1,
         )
 
     def _blocks_needed(self, req: Request, n: int, lookahead: int = 0) -> int:
@@ -249,7 +292,7 @@ class Scheduler:
         return max(0, total - len(req.block_ids))
 
     def _allocate_for(self, req: Request, n: int, lookahead: int = 0) -> None:
-        req.block_ids.extend(self.blocks.allocate(self._blocks_needed(req, n, lookahead)))
+        req.add_blocks(self.blocks.allocate(self._blocks_needed(req, n, lookahead)))
 
     def _fit(self, req: Request, n: int) -> int:
         """Largest m <= n whose blocks fit in the request's blocks plus the free pool."""
@@ -261,14 +304,18 @@ class Scheduler:
         """Make room for n tokens of req (plus lookahead positions), preempting the latest-arrived unplanned
         running requests. Returns False when req itself had to be preempted.
         """
-        while not self.blocks.can_allocate(self._blocks_needed(req, n, lookahead)):
+        # Preempting others does not change what req needs: count it once.
+        need = self._blocks_needed(req, n, lookahead)
+        while not self.blocks.can_allocate(need):
             # Lowest priority = latest arrival among those not yet given tokens this step (maybe req).
             victim = [r for r in self.running if r.request_id not in planned][-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
                 return False
-        self._allocate_for(req, n, lookahead)
+        # Most decode steps stay inside the last block: nothing to allocate.
+        if need:
+            req.add_blocks(self.blocks.allocate(need))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -294,7 +341,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.block_ids:
             self.blocks.free(req.block_ids)
-            req.block_ids = []
+            req.set_blocks([])
         if req.state_slot is not None:
             self.slots.free([req.state_slot])
             req.state_slot = None
@@ -330,7 +377,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
         req.num_prefill_tokens = req.num_tokens
-        req.block_ids = list(block_ids)
+        req.set_blocks(list(block_ids))
         req.state_slot = state_slot
         self.requests[req.request_id] = req
         self._insert_running(req)

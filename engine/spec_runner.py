@@ -30,7 +30,10 @@ from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
+from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
+
+GREEDY = SamplingParams()
 
 
 class SpecRunner(ModelRunner):
@@ -54,17 +57,13 @@ class SpecRunner(ModelRunner):
             raise ValueError("return_logits: not available with speculative decoding")
         if not out.rows:
             return StepOutput(sampled={})
+        if self._whole_step_graphable(out):
+            return self._graph_step(out)
         input_ids, batch = self.build_batch(out, spec=True)
         dev, rows, nd = self.device, out.rows, out.num_decodes
-        qsl = batch.query_start_loc
-        emb = self.model.model.embeddings
         # Every host-derived tensor is built before the forward: a host -> device copy from pageable memory
         # waits for the stream, so building one later in the step would be a hidden sync.
-        nxt_host: list[int] = []  # successor token of every position, for the drafter: host-known ones
-        for r in rows:
-            nxt_host.extend(r.token_ids[1:])
-            nxt_host.append(max(r.next_token, 0))
-        next_ids = self._t(nxt_host)  # [T]
+        next_ids = self._t(self._successors(rows))  # [T]
         prefill_sampling = [i for i in range(nd, len(rows)) if rows[i].sample]
         ends = [r.num_computed_tokens + r.num_tokens for r in rows]
         if nd:
@@ -78,28 +77,16 @@ class SpecRunner(ModelRunner):
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
 
-        # Verify steps whose rows all carry K drafts replay a CUDA graph of the target's forward.
-        hidden = self._decode_graph(out) if self._graphable(out) else self.model(input_ids, batch)  # [T, hidden]
+        hidden = self.model(input_ids, batch)  # [T, hidden]
 
-        # -- verify rows ---------------------------------------------------------------------------------
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
         anchors, anchor_pos, anchor_rows = [], [], []
         if nd:
-            idx = batch.spec_token_index  # [Rd, Tv]
-            Tv = idx.shape[1]
-            logits = self.model.logits(hidden[idx.reshape(-1)]).view(nd, Tv, -1)  # [Rd, Tv, V]
-            drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
             params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
-            res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
-            # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
-            self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
-            emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
-            # The drafter sees the emitted tokens as successors at the positions they follow.
-            flat = emitted.clamp_min(0).reshape(-1)[batch.spec_flat_index]  # [decode tokens]
-            next_ids[:batch.num_decode_tokens] = flat
-            pieces += [res.num_emitted, emitted.reshape(-1)]
-            anchors.append(qsl[:nd] + res.accepted_counts)
-            anchor_pos.append(verify_base + res.accepted_counts)
+            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, gens)
+            pieces += got
+            anchors.append(anchor)
+            anchor_pos.append(pos)
             anchor_rows.append(torch.arange(nd, device=dev))
 
         # -- prefill rows that sample ----------------------------------------------------------------------
@@ -112,27 +99,98 @@ class SpecRunner(ModelRunner):
             anchor_rows.append(prefill_rows)
 
         # -- the drafter: catch up over every position (fills its KV, R8), then K drafts per sampling row ---
-        mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
-        h = self.mtp(hidden, next_ids, emb, mtp_batch, step=0)  # [T, hidden]
+        h, mtp_batch = self._catch_up(hidden, next_ids, batch)
         drafts_out = None
         if self.draft and anchors:
-            anchor = torch.cat(anchors)  # [D] flat token of each drafting row's last committed position
-            pos = torch.cat(anchor_pos)  # [D] its position
             tables = batch.block_tables[torch.cat(anchor_rows)]  # [D, max_blocks]
-            h = h[anchor]
-            tok = self.model.logits(h).argmax(dim=-1)  # [D] draft 1
-            chain = [tok]
-            for k in range(1, self.num_spec):
-                h = self.mtp(h, tok, emb, self._draft_batch(mtp_batch, tables, pos + k), step=k)
-                tok = self.model.logits(h).argmax(dim=-1)
-                chain.append(tok)
-            drafts_out = torch.stack(chain, dim=1)  # [D, K]
+            drafts_out = self._chain(h, mtp_batch, torch.cat(anchors), torch.cat(anchor_pos), tables)
             pieces.append(drafts_out.reshape(-1))
 
         if not pieces:
             return StepOutput(sampled={})
         host = torch.cat(pieces).tolist()  # the one device -> host read of the step
         return self._unpack(host, out, prefill_sampling, drafts_out is not None)
+
+    @staticmethod
+    def _successors(rows) -> list[int]:
+        """The successor token of every position, for the drafter: the host-known ones (a verify row's
+        are overwritten on the device by the tokens it emits)."""
+        nxt: list[int] = []
+        for r in rows:
+            nxt.extend(r.token_ids[1:])
+            nxt.append(max(r.next_token, 0))
+        return nxt
+
+    def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
+                num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, gens: list
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
+        tokens written into `next_ids` as the drafter's successors. Returns (the results to read back:
+        emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last committed position [Rd],
+        its position [Rd])."""
+        nd = batch.num_decodes
+        idx = batch.spec_token_index  # [Rd, Tv]
+        Tv = idx.shape[1]
+        logits = self.model.logits(hidden[idx.reshape(-1)]).view(nd, Tv, -1)  # [Rd, Tv, V]
+        drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
+        res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
+        # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
+        self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
+        emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
+        # The drafter sees the emitted tokens as successors at the positions they follow.
+        next_ids[:batch.num_decode_tokens] = emitted.clamp_min(0).reshape(-1)[batch.spec_flat_index]
+        anchor = batch.query_start_loc[:nd] + res.accepted_counts
+        return [res.num_emitted, emitted.reshape(-1)], anchor, verify_base + res.accepted_counts
+
+    def _catch_up(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch
+                  ) -> tuple[torch.Tensor, ForwardBatch]:
+        """The drafter over every position of the batch with (h_i, t_{i+1}): fills its KV (R8)."""
+        mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
+        return self.mtp(hidden, next_ids, self.model.model.embeddings, mtp_batch, step=0), mtp_batch
+
+    def _chain(self, h: torch.Tensor, mtp_batch: ForwardBatch, anchor: torch.Tensor, pos: torch.Tensor,
+               tables: torch.Tensor) -> torch.Tensor:
+        """K drafts per drafting row: draft 1 from the catch-up's output at the row's anchor, then the
+        drafter on its own output, one position further each time. Returns [D, K]."""
+        emb = self.model.model.embeddings
+        h = h[anchor]
+        tok = self.model.logits(h).argmax(dim=-1)  # [D] draft 1
+        chain = [tok]
+        for k in range(1, self.num_spec):
+            h = self.mtp(h, tok, emb, self._draft_batch(mtp_batch, tables, pos + k), step=k)
+            tok = self.model.logits(h).argmax(dim=-1)
+            chain.append(tok)
+        return torch.stack(chain, dim=1)
+
+    # ---- the whole greedy verify step as one CUDA graph --------------------------------------------------
+    def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
+        """Verify rows only, each with K drafts, all greedy, drafting: the step is a fixed sequence of
+        device ops (no per-request generators), so the graph holds all of it."""
+        return (self.draft and self._graphable(out)
+                and all(self._sampling[r.request_id][0].greedy for r in out.rows))
+
+    def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
+                      verify_base: torch.Tensor) -> torch.Tensor:
+        """What the step graph captures: forward, verify, drafter catch-up and chain, for n greedy verify rows
+        of 1+K tokens. Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
+        n = batch.num_decodes
+        hidden = self.model(input_ids, batch)
+        num_draft = batch.spec_num_tokens - 1
+        pieces, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
+                                           [GREEDY] * n, [None] * n)
+        h, mtp_batch = self._catch_up(hidden, next_ids, batch)
+        drafts = self._chain(h, mtp_batch, anchor, pos, batch.block_tables)
+        return torch.cat([*pieces, drafts.reshape(-1)])
+
+    def _graph_step(self, out: SchedulerOutput) -> StepOutput:
+        rows = out.rows
+        R, T, K = len(rows), 1 + self.num_spec, self.num_spec
+        n = self.graphs.size_for(R)
+        packed = self._decode_graph(out, next_ids=self._successors(rows),
+                                    verify_base=[r.num_computed_tokens for r in rows])
+        flat = packed.tolist()  # the one device -> host read of the step
+        host = flat[:R] + flat[n:n + R * T] + flat[n + n * T:n + n * T + R * K]
+        return self._unpack(host, out, [], True)
 
     def _draft_batch(self, batch: ForwardBatch, tables: torch.Tensor, pos: torch.Tensor) -> ForwardBatch:
         """One drafter token per drafting row at positions `pos` [D] (computed on the device)."""

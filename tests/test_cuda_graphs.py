@@ -10,7 +10,7 @@ from baton.engine.cuda_graphs import graph_sizes
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
-from tests.test_spec_decode import Log, prompt_of, run, spec_model  # noqa: F401
+from tests.test_spec_decode import Log, new_engine, prompt_of, run, spec_model  # noqa: F401
 
 
 def test_graph_sizes_cover_every_batch_up_to_the_max():
@@ -18,7 +18,7 @@ def test_graph_sizes_cover_every_batch_up_to_the_max():
     assert graph_sizes(8) == [1, 2, 4, 8]
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_sizes(256)
-    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
 
 
 def test_cuda_graphs_flag_is_validated():
@@ -30,6 +30,34 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
     cfg, weights = spec_model
     engine = LLMEngine(cfg, weights, EngineConfig(dtype="float32", num_kv_blocks=64))
     assert engine.runner.graphs is None
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monkeypatch):  # noqa: F811
+    """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole
+    greedy verify step: rejection, replay counts, drafter catch-up and chain), run eagerly on the CPU, gives
+    the tokens, drafts and accepted counts of steps built the usual way. On the Triton kernels (interpreted),
+    as on the GPU: padding rows share the scratch slot, which the references' host checks refuse."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref_engine = new_engine(spec_model, k)
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, arrivals, params)
+    engine = new_engine(spec_model, k)
+    engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
+    used = []
+    static_run = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda *a, **kw: used.append(len(kw["state_slots"])) or static_run(*a, **kw)
+    log = Log(engine)
+    got = run(engine, arrivals, params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert log.rows == ref_log.rows
+    # Steps of several sizes went through the static layout, padded (3, 5, 6, 7 rows run as 4 or 8).
+    assert len(used) > 5 and set(used) - {1, 2, 4, 8}
+    if k:
+        assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
 
 
 def _engine(model, graphs: bool, dtype: str = "float32", k: int = 0) -> LLMEngine:

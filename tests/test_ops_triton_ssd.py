@@ -45,6 +45,8 @@ DTYPES = [
     pytest.param(torch.float32, torch.bfloat16, 2e-2, 1e-2, id="fp32-bf16pool"),
     pytest.param(torch.float16, torch.float16, 1e-2, 5e-3, id="fp16-fp16pool"),
 ]
+# C·B^T once per (chunk, group) in its own launch (the default), or recomputed per head (the old path).
+SHARE_CB = [pytest.param(True, id="shared-cb"), pytest.param(False, id="per-head-cb")]
 
 
 def make_params(heads: int = H, seed: int = 0, device: str = "cpu") -> dict[str, Tensor]:
@@ -114,8 +116,9 @@ def assert_untouched(pool: Tensor, before: Tensor, slots) -> None:
 # ---- against the reference ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("share_cb", SHARE_CB)
 @pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", DTYPES)
-def test_matches_reference_and_leaves_other_slots(dtype, pool_dtype, atol, rtol):
+def test_matches_reference_and_leaves_other_slots(dtype, pool_dtype, atol, rtol, share_cb):
     params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
     pool = make_pool(pool_dtype)
     # Rows without initial state never read their slot: garbage there must not leak into y or the state.
@@ -123,7 +126,7 @@ def test_matches_reference_and_leaves_other_slots(dtype, pool_dtype, atol, rtol)
     before = pool.clone()
     meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
 
-    y, y_ref, ref_pool = run_both(tok, params, pool, meta)
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, share_cb=share_cb)
     assert not pool.isnan().any()
 
     assert y.dtype == dtype
@@ -160,21 +163,23 @@ def test_only_empty_rows_and_no_rows():
     assert torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("share_cb", SHARE_CB)
 @pytest.mark.parametrize("num_groups", [1, 4])
-def test_group_counts(num_groups):
+def test_group_counts(num_groups, share_cb):
     params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float32, groups=num_groups)
     pool = make_pool(torch.float32)
-    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT))
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT), share_cb=share_cb)
     close(y, y_ref, 1e-4, 1e-4)
     close(pool, ref_pool, 1e-4, 1e-4)
 
 
-def test_chunk_meta_given_equals_built_and_does_not_sync(monkeypatch):
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_chunk_meta_given_equals_built_and_does_not_sync(monkeypatch, share_cb):
     params, tok = make_params(), make_tokens(sum(LENGTHS), torch.bfloat16)
     pool = make_pool(torch.float32)
     pool_given = pool.clone()
     meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
-    y_built = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta)
+    y_built = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, share_cb=share_cb)
 
     chunk_meta = build_chunk_meta(meta["query_start_loc"].tolist(), CHUNK, "cpu")
 
@@ -185,7 +190,15 @@ def test_chunk_meta_given_equals_built_and_does_not_sync(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "item", no_sync)
     monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
     monkeypatch.setattr(torch.Tensor, "nonzero", no_sync)
-    y_given = call(mamba_chunk_scan_varlen_triton, tok, params, pool_given, meta, chunk_meta=chunk_meta)
+    y_given = call(
+        mamba_chunk_scan_varlen_triton,
+        tok,
+        params,
+        pool_given,
+        meta,
+        chunk_meta=chunk_meta,
+        share_cb=share_cb,
+    )
     monkeypatch.undo()
 
     assert torch.equal(y_given, y_built)
@@ -205,7 +218,8 @@ def test_build_chunk_meta_layout():
         build_chunk_meta([0, 5], 0, "cpu")
 
 
-def test_small_tiles_odd_sizes_and_strided_inputs():
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_small_tiles_odd_sizes_and_strided_inputs(share_cb):
     """P and N not powers of two and split over several blocks; chunk positions over several m/k blocks;
     x, dt, B, C as views with non-unit strides (as sliced out of the in_proj / conv outputs)."""
     heads, head_dim, state, groups, chunk = 6, 20, 24, 3, 40
@@ -219,22 +233,63 @@ def test_small_tiles_odd_sizes_and_strided_inputs():
     before = pool.clone()
     meta = make_rows(lengths, slots, has_init)
     y, y_ref, ref_pool = run_both(
-        tok, params, pool, meta, chunk, block_p=16, block_n=16, block_m=16, block_k=16
+        tok, params, pool, meta, chunk, block_p=16, block_n=16, block_m=16, block_k=16, share_cb=share_cb
     )
     close(y, y_ref, 1e-4, 1e-4)
     close(pool, ref_pool, 1e-4, 1e-4)
     assert_untouched(pool, before, slots)
 
 
-def test_native_dot_path_with_fp16(monkeypatch):
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_native_dot_path_with_fp16(monkeypatch, share_cb):
     """The GPU's code path (16-bit tl.dot operands, no fp32 emulation) under the interpreter, where numpy
     has fp16 (not bf16): same results within fp16 tolerances."""
     monkeypatch.setattr(triton_ssd, "_interpreted", lambda: False)
     params, tok = make_params(), make_tokens(sum(LENGTHS), torch.float16)
     pool = make_pool(torch.float32)
-    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT))
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT), share_cb=share_cb)
     close(y, y_ref, 1e-2, 5e-3)
     close(pool, ref_pool, 1e-2, 5e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,chunk,blocks",
+    [
+        (torch.float32, CHUNK, {}),
+        (torch.bfloat16, CHUNK, {}),
+        (torch.float16, 40, dict(block_p=16, block_n=16, block_m=16, block_k=16)),
+        (torch.bfloat16, 40, dict(block_m=32, block_k=16)),
+    ],
+)
+def test_shared_cb_equals_per_head_cb(dtype, chunk, blocks):
+    """With an fp32 CB buffer the shared path multiplies the very products the per-head path computes
+    (same tiles, same operand rounding): y and the states agree bit for bit in the interpreter."""
+    params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+    pool_shared, pool_per_head = make_pool(torch.float32), make_pool(torch.float32)
+    y_shared = call(
+        mamba_chunk_scan_varlen_triton, tok, params, pool_shared, meta, chunk, share_cb=True, **blocks
+    )
+    y_per_head = call(
+        mamba_chunk_scan_varlen_triton, tok, params, pool_per_head, meta, chunk, share_cb=False, **blocks
+    )
+    assert torch.equal(y_shared, y_per_head)
+    assert torch.equal(pool_shared, pool_per_head)
+
+
+@pytest.mark.parametrize("dtype,cb_dtype,atol,rtol", [
+    pytest.param(torch.bfloat16, torch.bfloat16, 5e-2, 2e-2, id="bf16-bf16cb"),
+    pytest.param(torch.float16, torch.float16, 1e-2, 5e-3, id="fp16-fp16cb"),
+    pytest.param(torch.float32, torch.bfloat16, 5e-2, 2e-2, id="fp32-bf16cb"),
+])  # fmt: skip
+def test_16bit_cb_buffer(dtype, cb_dtype, atol, rtol):
+    """A 16-bit CB buffer (half the bytes) rounds C·B^T once more before the decay; still within the
+    activation dtype's tolerances."""
+    params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
+    pool = make_pool(torch.float32)
+    y, y_ref, ref_pool = run_both(tok, params, pool, make_rows(LENGTHS, SLOTS, HAS_INIT), cb_dtype=cb_dtype)
+    close(y, y_ref, atol, rtol)
+    close(pool, ref_pool, atol, rtol)
 
 
 @pytest.mark.parametrize("dt_bias,dt_min", [(-20.0, 0.05), (25.0, DT_MIN), (0.0, 0.0)])
@@ -288,6 +343,8 @@ def test_bad_args_raise():
         call(kernel, tok, params, pool, dict(meta, query_start_loc=meta["query_start_loc"].flip(0)))
     with pytest.raises(ValueError, match=rf"{fn}: block_m expected a power of two >= 16, got 24"):
         call(kernel, tok, params, pool, meta, block_m=24)
+    with pytest.raises(ValueError, match=rf"{fn}: cb_dtype expected float32, float16 or bfloat16"):
+        call(kernel, tok, params, pool, meta, cb_dtype=torch.int32)
     wrong = build_chunk_meta(meta["query_start_loc"].tolist(), 2 * CHUNK, "cpu")
     expected = rf"\(num_tokens, num_rows, chunk_size\) = \({sum(LENGTHS)}, 6, {CHUNK}\), got .*{2 * CHUNK}\)"
     with pytest.raises(ValueError, match=rf"{fn}: chunk_meta expected {expected}"):
@@ -305,34 +362,37 @@ GPU_DTYPES = [
 ]
 
 
-def _full_case(lengths, dtype, pool_dtype, seed=0):
-    """Params, tokens, a pool of 2R slots and row metadata (every other row with initial state) on CUDA."""
+def _full_case(lengths, dtype, pool_dtype, seed=0, device="cuda"):
+    """Params, tokens, a pool of 2R slots and row metadata (every other row with initial state) on CUDA
+    (or `device`)."""
     R = len(lengths)
     dims = dict(heads=FULL["heads"], head_dim=FULL["head_dim"], state=FULL["state"])
-    params = make_params(FULL["heads"], seed=seed, device="cuda")
-    tok = make_tokens(sum(lengths), dtype, groups=FULL["groups"], seed=seed + 1, device="cuda", **dims)
-    pool = make_pool(pool_dtype, slots=2 * R, seed=seed + 2, device="cuda", **dims)
+    params = make_params(FULL["heads"], seed=seed, device=device)
+    tok = make_tokens(sum(lengths), dtype, groups=FULL["groups"], seed=seed + 1, device=device, **dims)
+    pool = make_pool(pool_dtype, slots=2 * R, seed=seed + 2, device=device, **dims)
     slots = torch.randperm(2 * R, generator=torch.Generator().manual_seed(seed))[:R].tolist()
-    meta = make_rows(lengths, slots, [r % 2 == 0 for r in range(R)], device="cuda")
+    meta = make_rows(lengths, slots, [r % 2 == 0 for r in range(R)], device=device)
     return params, tok, pool, meta
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("share_cb", SHARE_CB)
 @pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", GPU_DTYPES)
 @pytest.mark.parametrize(
     "lengths", [[8192], [3000, 1, 4000, 0, 1191], [FULL_CHUNK - 1, FULL_CHUNK, FULL_CHUNK + 1]]
 )
-def test_gpu_full_size(lengths, dtype, pool_dtype, atol, rtol):
+def test_gpu_full_size(lengths, dtype, pool_dtype, atol, rtol, share_cb):
     params, tok, pool, meta = _full_case(lengths, dtype, pool_dtype)
     before = pool.clone()
-    y, y_ref, ref_pool = run_both(tok, params, pool, meta, FULL_CHUNK)
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, FULL_CHUNK, share_cb=share_cb)
     close(y, y_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
     assert_untouched(pool, before, meta["state_slots"].tolist())
 
 
 @pytest.mark.gpu
-def test_gpu_chunk_256_and_layer_like_views():
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_gpu_chunk_256_and_layer_like_views(share_cb):
     """Chunks of 256 tokens; x, B, C sliced out of one [T, conv_dim] tensor and dt out of a wider one, as
     the Mamba2 layer passes them."""
     lengths = [3000, 255, 4937]
@@ -350,9 +410,24 @@ def test_gpu_chunk_256_and_layer_like_views():
     x, B, C = xbc.split([heads * head_dim, groups * state, groups * state], dim=-1)
     tok = dict(x=x.view(T, heads, head_dim), dt=wide_dt[:, heads : 2 * heads], B=B.view(T, groups, state),
                C=C.view(T, groups, state))  # fmt: skip
-    y, y_ref, ref_pool = run_both(tok, params, pool, meta, 256)
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, 256, share_cb=share_cb)
     close(y, y_ref, 1e-1, 5e-2)
     close(pool, ref_pool, 1e-1, 5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_shared_cb_matches_per_head_cb():
+    """The compiled shared-CB path against the per-head one at full size: the same products up to the
+    tensor cores' accumulation order (exact equality is not promised across two kernels, and one ulp of
+    C·B can flip the 16-bit rounding of a decayed term, so the reference's tolerances)."""
+    params, tok, pool, meta = _full_case([3000, 1, 4000, 0, 1191], torch.bfloat16, torch.float32)
+    pool_per_head = pool.clone()
+    y = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, FULL_CHUNK, share_cb=True)
+    y_per_head = call(
+        mamba_chunk_scan_varlen_triton, tok, params, pool_per_head, meta, FULL_CHUNK, share_cb=False
+    )
+    close(y, y_per_head, 1e-1, 5e-2)
+    assert torch.equal(pool, pool_per_head)  # the state launch is the same in both
 
 
 @pytest.mark.gpu
@@ -370,11 +445,12 @@ def test_gpu_chunk_meta_given_equals_built():
 
 def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bfloat16,
               pool_dtype: torch.dtype = torch.float32, chunk_size: int = FULL_CHUNK, warmup: int = 5,
-              iters: int = 50, **blocks) -> float:  # fmt: skip
+              iters: int = 50, **options) -> float:  # fmt: skip
     """Time one Triton chunked scan of `tokens` tokens in `rows` equal-ish rows (all with initial state)
     at the 8B-like layer size (H=128, P=64, N=128, G=8) on CUDA, chunk_meta built beforehand as the runner
-    does. `blocks` go to the op (block_p, block_n, block_m, block_k). Returns microseconds per call, from
-    CUDA events."""
+    does. `options` go to the op (block_p, block_n, block_m, block_k, share_cb, cb_dtype): e.g.
+    bench_ssd(share_cb=False) times the per-head C·B path against the default shared one. Returns
+    microseconds per call, from CUDA events."""
     lengths = [tokens // rows + (r < tokens % rows) for r in range(rows)]
     params, tok, pool, meta = _full_case(lengths, dtype, pool_dtype)
     meta["has_initial_state"].fill_(True)
@@ -389,7 +465,7 @@ def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bflo
             meta,
             chunk_size,
             chunk_meta=chunk_meta,
-            **blocks,
+            **options,
         )
 
     for _ in range(warmup):
@@ -405,5 +481,6 @@ def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bflo
 
 
 @pytest.mark.gpu
-def test_gpu_bench_ssd_runs():
-    assert bench_ssd(tokens=1024, rows=2, warmup=1, iters=3) > 0
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_gpu_bench_ssd_runs(share_cb):
+    assert bench_ssd(tokens=1024, rows=2, warmup=1, iters=3, share_cb=share_cb) > 0

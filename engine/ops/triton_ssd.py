@@ -8,8 +8,8 @@ back in x.dtype with the D * x skip, and the row's final state goes into its slo
 An empty row writes its initial state (or zeros) back, as the reference does. Head h uses the B/C group
 h // (H // G).
 
-Two launches, stream-ordered (fp32 math, fp32 accumulators; `tl.dot` takes 16-bit operands when the
-activations are bf16/fp16, and fp32 with IEEE precision when they are fp32):
+Two or three launches, stream-ordered (fp32 math, fp32 accumulators; `tl.dot` takes 16-bit operands
+when the activations are bf16/fp16, and fp32 with IEEE precision when they are fp32):
 
 1. `_ssd_state_kernel`, one program per (row, head, block of P, block of N), sequential over the row's
    chunks. It holds its [BLOCK_P, BLOCK_N] state tile in fp32 registers, starting from the slot (or
@@ -18,18 +18,25 @@ activations are bf16/fp16, and fp32 with IEEE precision when they are fp32):
        s = exp(sum a) * s + (x * dt * exp(decay to chunk end))^T @ B          (one tl.dot)
    After the row's last chunk it stores the tile into the row's slot, rounded to the pool dtype. The
    programs of the first (P, N) block also store the discretized dt and the running sums [H, T] in fp32
-   for launch 2. A program reads the slot tile it later overwrites, and no other program touches it.
+   for launch 3. A program reads the slot tile it later overwrites, and no other program touches it.
    Fusing the chunk-state and state-passing phases means the per-chunk contributions never go through
    memory (they would be an fp32 [chunks, H, P, N] buffer written once and read once).
-2. `_ssd_output_kernel`, one program per (chunk, block of BLOCK_M chunk positions x block of P, head):
+2. (share_cb, the default) `_ssd_cb_kernel`, one program per (chunk, group, block of BLOCK_M chunk
+   positions): C_m @ B_k^T for the source blocks k up to the diagonal, into a [chunks, G, chunk_size,
+   chunk_size] buffer (fp32 by default, as state-spaces/mamba keeps its CB; only the causal entries are
+   written). The heads of a group share B and C, so this is computed once per group instead of once per
+   head (H // G times over, 16 at the 8B-like size).
+3. `_ssd_output_kernel`, one program per (chunk, block of BLOCK_M chunk positions x block of P, head):
        y_m = (C_m @ S^T) * exp(cs_m) + sum over source blocks k <= m of
              ((C_m @ B_k^T) * exp(cs_m - cs_k) * dt_k, causal) @ x_k  + D * x_m
-   with S the chunk's start state. Only source blocks up to the diagonal are visited.
+   with S the chunk's start state. Only source blocks up to the diagonal are visited. The C_m @ B_k^T
+   tile is read from launch 2's buffer (share_cb) or recomputed per head (share_cb=False, the old path).
+   With the same tiles and an fp32 buffer both give the same products.
 
-No host reads of device tensors when `chunk_meta` is given: the grid of launch 2 needs the number of
-chunks over all rows, which `build_chunk_meta` computes from host ints (the runner has them). Without
-it, the op reads query_start_loc back (`.tolist()`, a sync) and builds the metadata itself. Only shapes
-and dtypes are checked; slot values are the caller's contract, unchecked (distinct, in [0, S): an
+No host reads of device tensors when `chunk_meta` is given: the grids of launches 2 and 3 need the
+number of chunks over all rows, which `build_chunk_meta` computes from host ints (the runner has them).
+Without it, the op reads query_start_loc back (`.tolist()`, a sync) and builds the metadata itself.
+Only shapes and dtypes are checked; slot values are the caller's contract, unchecked (distinct, in [0, S): an
 out-of-range slot is an out-of-bounds access, two rows on one slot race). The reference checks them.
 
 All tensors are addressed through their strides, so x, B, C and dt may be views into the in_proj / conv
@@ -41,9 +48,11 @@ terms), so results agree with the reference to a few fp32 ulps of the state (plu
 dot operands and of the chunk-start states), not bit for bit.
 
 Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 1 reads x once per N block and writes the
-bf16 chunk-start states (~134 MB); launch 2 reads x, the start states and writes y (~400 MB in all) and
-recomputes C·B per head (not per group). Untuned: block_p / block_n / block_m / block_k are exposed for
-that.
+bf16 chunk-start states (~134 MB); launch 2 reads B and C once and writes the causal half of the fp32
+CB (~17 MB of 34 MB allocated); launch 3 reads x, the start states and writes y (~400 MB in all), and
+per head reads the CB tiles (from L2 mostly: as many bytes as the B tiles the per-head path reads, but
+without its C·B tl.dot, ~45% of that kernel's tensor-core work). block_p / block_n / block_m / block_k
+are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
 """
 
 from __future__ import annotations
@@ -265,10 +274,64 @@ def _ssd_state_kernel(
 
 
 @triton.jit
+def _ssd_cb_kernel(
+    B_ptr, C_ptr, chunk_start_ptr, chunk_len_ptr, cb_ptr, dot_ref_ptr,
+    N,
+    s_B_t, s_B_g, s_B_n,
+    s_C_t, s_C_g, s_C_n,
+    s_cb_c, s_cb_g, s_cb_m, s_cb_k,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """C_m @ B_k^T of one (chunk, group, block of BLOCK_M chunk positions), for the source blocks up to the
+    diagonal, stored in cb_ptr's dtype (the output kernel's tiles and operand rounding: with the same
+    BLOCK_M / BLOCK_K these are the very products its per-head path computes). Only entries with k <= m <
+    length are stored; the output kernel reads no others."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    dot_dtype = dot_ref_ptr.dtype.element_ty  # the output kernel's: x's (dot_ref_ptr is never read)
+
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < length
+    mask_n = offs_n < N
+    B_chunk = B_ptr + g.to(tl.int64) * s_B_g + start * s_B_t
+    C_chunk = C_ptr + g.to(tl.int64) * s_C_g + start * s_C_t
+    cb_tile = cb_ptr + c.to(tl.int64) * s_cb_c + g.to(tl.int64) * s_cb_g
+    C_m = tl.load(
+        C_chunk + offs_m[:, None] * s_C_t + offs_n[None, :] * s_C_n,
+        mask=mask_m[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    C_m = _operand(C_m, dot_dtype, NATIVE_DOT)  # [BLOCK_M, BLOCK_N]
+    k_hi = tl.where(m0 < length, tl.minimum(m0 + BLOCK_M, length), 0)
+    for k0 in range(0, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        Bt_k = tl.load(
+            B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K] fp32
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
+        tl.store(
+            cb_tile + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k,
+            _round_to(cb, cb_ptr.dtype.element_ty),
+            mask=causal,
+        )
+
+
+@triton.jit
 def _ssd_output_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr,
     chunk_start_ptr, chunk_len_ptr,
-    states_ptr, dt_buf_ptr, cs_buf_ptr, y_ptr,
+    states_ptr, dt_buf_ptr, cs_buf_ptr, y_ptr, cb_ptr,
     P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p,
     s_B_t, s_B_g, s_B_n,
@@ -276,7 +339,9 @@ def _ssd_output_kernel(
     s_st_c, s_st_h, s_st_p, s_st_n,
     s_buf_h, s_buf_t,
     s_y_t, s_y_h, s_y_p,
+    s_cb_c, s_cb_g, s_cb_m, s_cb_k,
     NATIVE_DOT: tl.constexpr,
+    SHARE_CB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -306,6 +371,7 @@ def _ssd_output_kernel(
     C_chunk = C_ptr + g.to(tl.int64) * s_C_g + start * s_C_t
     cs_chunk = cs_buf_ptr + h.to(tl.int64) * s_buf_h + start * s_buf_t
     dt_chunk = dt_buf_ptr + h.to(tl.int64) * s_buf_h + start * s_buf_t
+    cb_chunk = cb_ptr + c.to(tl.int64) * s_cb_c + g.to(tl.int64) * s_cb_g  # (a stand-in without SHARE_CB)
     cs_m = tl.load(cs_chunk + offs_m * s_buf_t, mask=mask_m, other=0.0)  # [BLOCK_M]
     C_m = tl.load(
         C_chunk + offs_m[:, None] * s_C_t + offs_n[None, :] * s_C_n,
@@ -329,15 +395,21 @@ def _ssd_output_kernel(
     for k0 in range(0, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < length
-        Bt_k = tl.load(
-            B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K]
-        cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
+        if SHARE_CB:
+            # The group's C·B tile, computed once by _ssd_cb_kernel (only its causal part was stored).
+            cb = tl.load(
+                cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k, mask=causal, other=0.0
+            ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        else:
+            Bt_k = tl.load(
+                B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+                mask=mask_n[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_K]
+            cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
         cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
         dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
-        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
         # -inf above the diagonal: exp() is 0 there and never overflows.
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         w = cb * decay * dt_k[None, :]
@@ -465,6 +537,8 @@ def mamba_chunk_scan_varlen_triton(
     block_n: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
+    share_cb: bool = True,
+    cb_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Triton `mamba_chunk_scan_varlen`: scan every prefill row; write each row's final state into its slot.
 
@@ -476,7 +550,10 @@ def mamba_chunk_scan_varlen_triton(
     rows from it alone (query_start_loc is only shape-checked); None builds it from
     `query_start_loc.tolist()` (a host sync). block_p / block_n tile the state kernel's [P, N] state
     (block_p also the output kernel's P), block_m / block_k the output kernel's chunk positions; powers of
-    two >= 16. Returns y [T, H, P] in x.dtype.
+    two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third launch, into a [chunks, G,
+    chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path computes, unrounded)
+    that the output kernel reads; False: each head's output program recomputes it (the old path, kept for
+    comparison). Returns y [T, H, P] in x.dtype.
     """
     _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_slots, has_initial_state,
                 chunk_size, chunk_meta)  # fmt: skip
@@ -484,6 +561,8 @@ def mamba_chunk_scan_varlen_triton(
     G, N = B.shape[1], B.shape[2]
     R = state_slots.shape[0]
     t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k)
+    if cb_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{_FN}: cb_dtype expected float32, float16 or bfloat16, got {cb_dtype}")
     if chunk_meta is None:
         bounds = query_start_loc.tolist()  # the documented sync
         _check_bounds(_FN, bounds, T)
@@ -517,14 +596,28 @@ def mamba_chunk_scan_varlen_triton(
         return y  # only empty rows: their slots are written, there is no output
 
     block_n_out = max(_MIN_BLOCK, triton.next_power_of_2(N))  # C·B and C·S contract over the whole state
-    grid = (chunk_meta.num_chunks, triton.cdiv(chunk_size, t.block_m) * triton.cdiv(P, t.block_p), H)
+    m_blocks = triton.cdiv(chunk_size, t.block_m)
+    if share_cb:
+        # Only the causal part of each chunk's [chunk_size, chunk_size] tile is written (and read).
+        cb = torch.empty((chunk_meta.num_chunks, G, chunk_size, chunk_size), dtype=cb_dtype, device=x.device)
+        _ssd_cb_kernel[(chunk_meta.num_chunks, G, m_blocks)](
+            B, C, *meta, cb, states,
+            N,
+            *B.stride(), *C.stride(), *cb.stride(),
+            NATIVE_DOT=native_dot, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_N=block_n_out,
+            num_warps=4, num_stages=2,
+        )  # fmt: skip
+    else:
+        cb = cs_buf  # never read (SHARE_CB=False); a stand-in with zero strides
+    cb_strides = cb.stride() if share_cb else (0, 0, 0, 0)
+    grid = (chunk_meta.num_chunks, m_blocks * triton.cdiv(P, t.block_p), H)
     _ssd_output_kernel[grid](
         x, B, C, D,
         *meta,
-        states, dt_buf, cs_buf, y,
+        states, dt_buf, cs_buf, y, cb,
         P, N, H // G,
-        *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(),
-        NATIVE_DOT=native_dot, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p, BLOCK_N=block_n_out,
-        num_warps=4, num_stages=2,
+        *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(), *cb_strides,
+        NATIVE_DOT=native_dot, SHARE_CB=share_cb, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p,
+        BLOCK_N=block_n_out, num_warps=4, num_stages=2,
     )  # fmt: skip
     return y

@@ -1,0 +1,179 @@
+"""Host cost of engine decode steps, without a GPU.
+
+A decode step at a large batch is one CUDA-graph replay on the GPU plus Python work on the host that does
+not overlap it: the scheduler's `schedule()`, building the graph's input lists (`ModelRunner._decode_graph`
+and the flattening in `StepGraphs.run`), then `scheduler.update()` and the `RequestOutput`s. This benchmark
+times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.execute` is
+replaced by a stand-in that runs the real `_decode_graph` against a graph object doing only the host side
+of `StepGraphs.run` (no tensors to a device, no model), and returns fixed tokens.
+
+B requests of C prompt tokens are prefilled (by the stand-in: no model runs), then N decode steps are timed
+and split into schedule / execute-host / update+outputs (the rest of `LLMEngine.step`).
+
+  python benchmarks/host_bench.py                       # B=256, C=1024, 50 steps
+  python benchmarks/host_bench.py --profile             # plus a cProfile top list
+  python benchmarks/host_bench.py --spec 3              # verify steps of 1+3 tokens (MTP checkpoint)
+  python benchmarks/host_bench.py --smoke               # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.loader import load_checkpoint
+from baton.engine.make_model import make_model
+from baton.engine.runner import StepOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import SchedulerOutput
+
+TOKEN = 5  # every sampled and drafted token (never a stop id: requests ignore EOS)
+
+
+class HostOnlyGraphs:
+    """Stands in for `StepGraphs`: the same sizes and host-side list flattening as `StepGraphs.run`, then
+    nothing (no pinned copy, no replay)."""
+
+    def __init__(self, max_rows: int, tokens_per_row: int) -> None:
+        self.T = tokens_per_row
+        self.max_rows = max_rows
+
+    def size_for(self, rows: int) -> int | None:
+        return rows if rows <= self.max_rows else None
+
+    def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
+            block_tables: list[list[int]], **extra: list[int] | None) -> None:
+        width = max(len(b) for b in block_tables)
+        parts = (input_ids, slot_mapping, seq_lens, state_slots, *(v for v in extra.values() if v is not None))
+        flat = [v for p in parts for v in p]
+        for b in block_tables:
+            flat += b
+            flat += [0] * (width - len(b))
+
+
+def fake_execute(engine: LLMEngine, k: int):
+    """runner.execute without a model: the real graph input building on decode steps, fixed tokens out."""
+    runner = engine.runner
+
+    def execute(out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
+        if runner._graphable(out):
+            runner._decode_graph(out)
+        ids = [r.request_id for r in out.rows if r.sample]
+        if not k:
+            return StepOutput(sampled=dict.fromkeys(ids, TOKEN))
+        # Every draft accepted: each verify row emits its k drafts and one sampled token, then drafts K more.
+        emitted = {r.request_id: [TOKEN] * (1 + r.num_draft) for r in out.rows if r.sample}
+        return StepOutput(sampled=emitted, drafts={i: [TOKEN] * k for i in ids})
+
+    return execute
+
+
+@dataclass
+class Split:
+    schedule: float = 0.0
+    execute: float = 0.0
+    update: float = 0.0
+
+
+def _timed(fn, split: Split, name: str):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(split, name, getattr(split, name) + time.perf_counter() - t)
+    return wrapper
+
+
+def build(model_dir: Path, batch: int, context: int, steps: int, k: int) -> LLMEngine:
+    cfg, weights = load_checkpoint(model_dir)
+    budget = max(8192, batch * (1 + k))
+    # The first requests decode while the later ones still prefill: room for those steps too.
+    max_tokens = (steps + 2 + batch * context // budget) * (1 + k) + 32
+    max_len = context + max_tokens + 1
+    blocks_per_req = -(-max_len // EngineConfig().block_size) + k + 1
+    engine = LLMEngine(cfg, weights, EngineConfig(
+        max_num_seqs=batch, max_num_batched_tokens=budget, num_kv_blocks=batch * blocks_per_req,
+        max_model_len=max_len, dtype="float32", num_speculative_tokens=k, cuda_graphs=False))
+    engine.runner.graphs = HostOnlyGraphs(batch, 1 + k)
+    engine.runner.execute = fake_execute(engine, k)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([(i + j) % 500 + 1 for j in range(context)], params, request_id=f"r{i}")
+    # Prefill everything (the stand-in runs no model), then one step so that every row drafted (k > 0).
+    while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    return engine
+
+
+def measure(engine: LLMEngine, steps: int, profile: bool) -> tuple[float, Split, pstats.Stats | None]:
+    split = Split()
+    sched, runner = engine.scheduler, engine.runner
+    schedule, execute = sched.schedule, runner.execute
+    sched.schedule = _timed(schedule, split, "schedule")
+    runner.execute = _timed(execute, split, "execute")
+    prof = cProfile.Profile() if profile else None
+    t = time.perf_counter()
+    if prof:
+        prof.enable()
+    for _ in range(steps):
+        engine.step()
+        if engine.last_step_rows != len(sched.running):
+            raise RuntimeError(f"expected every request in every step, got {engine.last_step_rows} rows")
+    if prof:
+        prof.disable()
+    total = time.perf_counter() - t
+    split.update = total - split.schedule - split.execute
+    sched.schedule, runner.execute = schedule, execute
+    return total, split, pstats.Stats(prof) if prof else None
+
+
+def bench(argv: list[str] | None = None) -> dict[str, float]:
+    """Parse the flags, run, print the table (and the profile); return ms per step by part and in total."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--spec", type=int, default=0, help="speculative tokens K (0: plain decode)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of --steps steps; the best is reported")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile top list (one extra run)")
+    ap.add_argument("--smoke", action="store_true", help="a quick run: B=16, C=64, 5 steps")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.batch, a.context, a.steps, a.repeats = 16, 64, 5, 1
+    if min(a.batch, a.context, a.steps, a.repeats) < 1 or a.spec < 0:
+        raise ValueError("host_bench: expected positive --batch/--context/--steps/--repeats and --spec >= 0")
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(tmp, "tiny", mtp_layers=1 if a.spec else 0, progress=False, tokenizer=False)
+        engine = build(Path(tmp), a.batch, a.context, a.steps * (a.repeats + a.profile), a.spec)
+    runs = [measure(engine, a.steps, False) for _ in range(a.repeats)]
+    total, split, _ = min(runs, key=lambda r: r[0])
+    ms = 1e3 / a.steps
+    result = {"total": total * ms, "schedule": split.schedule * ms, "execute_host": split.execute * ms,
+              "update_outputs": split.update * ms}
+    print(f"host_bench: B={a.batch} C={a.context} K={a.spec}, best of {a.repeats} x {a.steps} steps (ms/step)")
+    print(f"{'schedule':>10} {'execute':>10} {'update+out':>10} {'total':>10}")
+    print(f"{result['schedule']:10.3f} {result['execute_host']:10.3f} {result['update_outputs']:10.3f} "
+          f"{result['total']:10.3f}")
+    if a.profile:
+        _, _, stats = measure(engine, a.steps, True)
+        stats.sort_stats("tottime").print_stats(20)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

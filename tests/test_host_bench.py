@@ -1,0 +1,70 @@
+"""benchmarks/host_bench.py in its smoke mode: the per-step numbers are positive and the split sums to the total;
+and the fast constructions the decode host path uses build the same objects as the dataclasses' own __init__."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from baton.engine.llm_engine import RequestOutput
+from baton.engine.scheduler import ScheduledRow
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "host_bench.py"
+_spec = importlib.util.spec_from_file_location("host_bench", _PATH)
+hb = importlib.util.module_from_spec(_spec)
+sys.modules["host_bench"] = hb  # dataclasses look their module up
+_spec.loader.exec_module(hb)
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_smoke_numbers_are_sane(spec, capsys):
+    argv = ["--smoke"] + (["--spec", str(spec)] if spec else [])
+    r = hb.bench(argv)
+    assert all(v > 0 for v in r.values()), r
+    parts = r["schedule"] + r["execute_host"] + r["update_outputs"]
+    assert parts == pytest.approx(r["total"], rel=1e-6)
+    assert "schedule" in capsys.readouterr().out
+
+
+def test_main_runs(capsys):
+    assert hb.main(["--smoke"]) == 0
+    assert "total" in capsys.readouterr().out
+
+
+def test_bad_flags_fail():
+    with pytest.raises(ValueError):
+        hb.bench(["--smoke", "--spec", "-1"])
+
+
+def _same_as_init(obj, cls):
+    """obj has exactly cls's fields and equals cls(**those fields)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert set(vars(obj)) == names
+    again = cls(**{n: getattr(obj, n) for n in names})
+    assert obj == again and hash(obj) == hash(again) and repr(obj) == repr(again)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        obj.request_id = "x"
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_fast_rows_and_outputs_equal_the_dataclass_init(tmp_path, spec):
+    from baton.engine.make_model import make_model
+
+    make_model(tmp_path, "tiny", mtp_layers=1 if spec else 0, progress=False, tokenizer=False)
+    engine = hb.build(tmp_path, batch=4, context=20, steps=3, k=spec)
+    out = engine.scheduler.schedule()
+    assert out.rows and all(r.is_decode for r in out.rows)
+    for row in out.rows:
+        _same_as_init(row, ScheduledRow)
+    result = engine.runner.execute(out)
+    engine.scheduler.update(out, result.sampled, result.drafts)
+    outputs = engine.step()
+    assert outputs
+    for o in outputs:
+        _same_as_init(o, RequestOutput)
+        req = engine.scheduler.requests[o.request_id]
+        assert o.token_ids == tuple(req.output_token_ids) and o.new_token_ids
