@@ -94,13 +94,18 @@ class LLMEngine:
 
     def _step_graphs(self, device: torch.device) -> StepGraphs | None:
         """CUDA graphs of decode steps (verify steps of 1+K tokens per row with speculative decoding), where
-        they can run: on CUDA, and without MoE layers (whose expert loop reads routing decisions on the host).
-        A prefill-only engine never decodes."""
+        they can run: on CUDA, with capturable layers. A prefill-only engine never decodes."""
         cfg = self.config
-        if (not cfg.cuda_graphs or device.type != "cuda" or cfg.prefill_only
-                or MOE in self.model_config.layer_types):
+        if not cfg.cuda_graphs or device.type != "cuda" or cfg.prefill_only or not self.graphs_capturable():
             return None
         return self.make_step_graphs(device)
+
+    def graphs_capturable(self) -> bool:
+        """Whether a step's layers can be captured: no MoE layer (its expert loop reads routing decisions on
+        the host), in the target or, with drafts, in the drafter (the verify graph holds its steps too)."""
+        mc = self.model_config
+        layers = mc.layer_types + (mc.mtp_layer_types if self.config.num_speculative_tokens else ())
+        return MOE not in layers
 
     def make_step_graphs(self, device: torch.device) -> StepGraphs:
         """The step graphs for this engine's shapes (on a CPU device they run their static layout eagerly)."""

@@ -9,6 +9,8 @@ import torch
 from baton.engine.cuda_graphs import graph_sizes
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
+from baton.engine.loader import load_checkpoint
+from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
 from tests.test_spec_decode import Log, new_engine, prompt_of, run, spec_model  # noqa: F401
 
@@ -84,19 +86,34 @@ def test_graph_decode_equals_eager_decode(spec_model, dtype):  # noqa: F811
     assert engine.pools.ssm[engine.pools.scratch_slot].abs().sum() > 0
 
 
+@pytest.fixture(scope="module")
+def dense_spec_model(tmp_path_factory):
+    """The spec tests' model with a dense drafter (`*-`): an MoE drafter cannot be captured."""
+    out = make_model(tmp_path_factory.mktemp("dense") / "m", "tiny", mtp_layers=1, seed=11, progress=False,
+                     overrides={"vocab_size": 8, "mtp_hybrid_override_pattern": "*-"}, tokenizer=False)
+    return load_checkpoint(out)
+
+
+def test_graphs_are_not_used_where_a_layer_cannot_be_captured(spec_model, dense_spec_model):  # noqa: F811
+    # The spec tests' drafter is `*E`: its MoE expert loop reads routing decisions on the host.
+    assert not new_engine(spec_model, 2).graphs_capturable()
+    assert new_engine(spec_model, 0).graphs_capturable()
+    assert new_engine(dense_spec_model, 2).graphs_capturable()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
-def test_verify_graphs_equal_eager_verify_and_k0(spec_model, k):  # noqa: F811
+def test_verify_graphs_equal_eager_verify_and_k0(dense_spec_model, k):
     """With K drafts, verify steps whose rows all carry K drafts replay a graph (1+K tokens per row, replay
     counts read on the device). Tokens, drafts and accepted counts equal the eager engine's; greedy tokens
     equal K = 0 (R6 on the GPU)."""
     arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    ref = run(_engine(spec_model, False), arrivals, params)
-    eager_engine = _engine(spec_model, False, k=k)
+    ref = run(_engine(dense_spec_model, False), arrivals, params)
+    eager_engine = _engine(dense_spec_model, False, k=k)
     eager_log = Log(eager_engine)
     eager = run(eager_engine, arrivals, params)
-    engine = _engine(spec_model, True, k=k)
+    engine = _engine(dense_spec_model, True, k=k)
     log = Log(engine)
     got = run(engine, arrivals, params)
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "no verify graph was replayed"
