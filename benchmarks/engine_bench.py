@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,10 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
+
+# `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 JSON_NAME = "engine_bench.json"
 DECODE_GOALS = {1: 1.2, 256: 1.3}  # batch -> step / roofline goal (issue #7)
@@ -669,25 +672,6 @@ def plot_decode_roofline(results_json_path: str | Path, png_path: str | Path) ->
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig | None]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

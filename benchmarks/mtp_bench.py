@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import json
 import math
-import subprocess
 import sys
 import sysconfig
 import time
@@ -61,6 +60,10 @@ from baton.engine.mtp import MTPModule
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import load_tokenizer
 from baton.engine.weights import SINGLE_FILE, TORCH_DTYPES
+
+# `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 Params = Mapping[str, torch.Tensor]
 
@@ -802,25 +805,6 @@ def state_dtype_summary(res: StateDtypeResult) -> dict:
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
