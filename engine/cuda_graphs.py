@@ -49,9 +49,9 @@ def graph_sizes(max_rows: int) -> list[int]:
 class StepGraphs:
     """Graphs of steps whose R rows each feed `tokens_per_row` tokens (T) from their state and KV prefix.
 
-    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps; the output is the
-    hidden states [R*T, hidden] (the spec runner gathers its logits), and the layers run the verify state
-    ops with `replay` (the runner's per-slot tensor) read on the device.
+    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps, whose whole greedy step
+    `step_fn` captures (the layers run the verify state ops with `replay`, the runner's per-slot tensor, read on
+    the device); the output is step_fn's packed results.
     """
 
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
@@ -59,8 +59,9 @@ class StepGraphs:
                  replay: torch.Tensor | None = None, step_fn: Callable | None = None) -> None:
         """step_fn(input_ids, batch, next_ids, verify_base) -> packed tensor: a whole verify step to capture
         instead of the forward alone (its output is returned unsliced; see `SpecRunner.graph_step_fn`)."""
-        if tokens_per_row > 1 and replay is None:
-            raise ValueError("step graphs: expected the runner's replay tensor for verify steps (tokens_per_row > 1)")
+        if tokens_per_row > 1 and (replay is None or step_fn is None):
+            raise ValueError("step graphs: expected the runner's replay tensor and a step_fn for verify steps "
+                             f"(tokens_per_row = {tokens_per_row} > 1)")
         self.model = model
         self.pools = pools
         self.block_size = block_size
@@ -137,7 +138,7 @@ class StepGraphs:
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
                                 self.verify_base[:n])
         hidden = self.model(self.ids[:n * self.T], self._batch(n))
-        return self.model.logits(hidden) if self.T == 1 else hidden
+        return self.model.logits(hidden)
 
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
@@ -170,8 +171,8 @@ class StepGraphs:
             block_tables: list[list[int]], next_ids: list[int] | None = None,
             verify_base: list[int] | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
-        per row. Returns the logits [R, V] float32 (T = 1), the hidden states [R*T, hidden] (T > 1), or with a
-        step_fn its whole packed output for the graph's padded size."""
+        per row. Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output
+        for the graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:
@@ -214,6 +215,4 @@ class StepGraphs:
             graph.replay()
         else:
             out = self._forward(n)
-        if self.step_fn is not None:
-            return out
-        return out[:rows] if T == 1 else out[:rows * T]
+        return out if self.step_fn is not None else out[:rows]

@@ -165,7 +165,7 @@ class ModelRunner:
                 and all(r.num_tokens == g.T for r in out.rows))
 
     def _decode_graph(self, out: SchedulerOutput, **extra: list[int]) -> torch.Tensor:
-        """Replay the graph of a graphable step: logits [R, V] (decode) or hidden states [R*T, hidden] (verify)."""
+        """Replay the graph of a graphable step: logits [R, V] (decode), or the spec runner's packed results."""
         bs = self.block_size
         rows = out.rows
         ids: list[int] = []
