@@ -66,7 +66,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -293,8 +293,7 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def meets(self, slo: Slo) -> bool:
-        return (self.completed and self.ttft_s is not None and self.ttft_s <= slo.ttft_s
-                and self.tpot_s is not None and self.tpot_s <= slo.tpot_s)
+        return self.completed and meets(self.ttft_s, self.tpot_s, slo)
 
 
 async def run_one(client: AsyncClient, req: RequestSpec, t0: float) -> RequestResult:
@@ -390,6 +389,21 @@ class RatePoint:
     tpot_s: Percentiles | None
     e2e_s: Percentiles | None
     errors: tuple[str, ...]
+    # Per request, (TTFT s, TPOT s), None where it did not complete: goodput at another SLO, from the same run.
+    per_request: tuple[tuple[float | None, float | None], ...] = ()
+
+
+def meets(ttft_s: float | None, tpot_s: float | None, slo: Slo) -> bool:
+    return ttft_s is not None and tpot_s is not None and ttft_s <= slo.ttft_s and tpot_s <= slo.tpot_s
+
+
+def with_slo(p: RatePoint, slo: Slo) -> RatePoint:
+    """The point's goodput and SLO attainment under another SLO, from its per-request records."""
+    if len(p.per_request) != p.requests:
+        raise ValueError(f"rate point {p.config} @ {p.offered_rps:g} req/s: expected per-request records for "
+                         f"{p.requests} requests (written since this field exists), got {len(p.per_request)}")
+    good = sum(meets(t, o, slo) for t, o in p.per_request)
+    return replace(p, goodput_rps=good / p.window_s, slo_attainment=good / p.requests if p.requests else 0.0)
 
 
 def rate_point(config: str, rate: float, duration_s: float, results: Sequence[RequestResult],
@@ -408,7 +422,8 @@ def rate_point(config: str, rate: float, duration_s: float, results: Sequence[Re
         itl_s=summarize([x for r in done for x in r.itls_s]),
         tpot_s=summarize([r.tpot_s for r in done if r.tpot_s is not None]),
         e2e_s=summarize([r.e2e_s for r in done if r.e2e_s is not None]),
-        errors=tuple(sorted({r.error for r in results if r.error is not None}))[:5])
+        errors=tuple(sorted({r.error for r in results if r.error is not None}))[:5],
+        per_request=tuple((r.ttft_s, r.tpot_s) if r.completed else (None, None) for r in results))
 
 
 # ---- clusters ---------------------------------------------------------------------------------------------
@@ -602,7 +617,8 @@ def write_config(cfg: BenchConfig, meta: Mapping[str, object], r: ConfigResult) 
 
 def point_from_json(d: Mapping[str, object]) -> RatePoint:
     stats = {k: None if d[k] is None else Percentiles(**d[k]) for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s")}
-    return RatePoint(**{**d, **stats, "errors": tuple(d["errors"])})
+    per_request = tuple(tuple(r) for r in d.get("per_request", ()))
+    return RatePoint(**{**d, **stats, "errors": tuple(d["errors"]), "per_request": per_request})
 
 
 def load_points(out: Path) -> dict[str, tuple[RatePoint, ...]]:
@@ -731,13 +747,20 @@ def check_model_len(cfg: BenchConfig, model: ModelSummary) -> None:
 
 
 def summarize_only(cfg: BenchConfig) -> int:
-    """The table and summary of an earlier run's files (e.g. one device call per configuration)."""
+    """The table and summary of an earlier run's files (e.g. one device call per configuration). Files with
+    per-request records are scored against the --slo-* flags (their defaults unless given); older files keep
+    the SLO they were run with."""
     docs = [json.loads(config_file(cfg.out, n).read_text()) for n in CONFIG_NAMES if config_file(cfg.out, n).exists()]
     if not docs:
         raise ValueError(f"--summarize: expected serving_<config>.json files in {cfg.out}, found none")
     meta = {k: v for k, v in docs[0].items() if k in ("model", "cards", "engine_args", "load", "slo", "drain_s",
                                                        "gpus", "command")}
-    print(markdown_table(write_summary(cfg, meta), Slo(**docs[0]["slo"])), flush=True)
+    points = load_points(cfg.out)
+    if all(len(p.per_request) == p.requests for ps in points.values() for p in ps):
+        points = {name: tuple(with_slo(p, cfg.slo) for p in ps) for name, ps in points.items()}
+        meta["slo"] = asdict(cfg.slo)
+    (cfg.out / SUMMARY_FILE).write_text(json.dumps({**meta, **asdict(summary_of(points))}, indent=1))
+    print(markdown_table(points, Slo(**meta["slo"])), flush=True)
     return 0
 
 
@@ -771,4 +794,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:  # bad flags or inputs: one line, no traceback
+        print(f"serving_bench: {e}", file=sys.stderr)
+        sys.exit(2)

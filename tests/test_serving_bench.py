@@ -134,6 +134,32 @@ def test_rate_point_goodput_counts_only_requests_meeting_both_bounds():
     assert late.goodput_rps == late.throughput_rps == pytest.approx(1 / 0.7)
 
 
+def test_goodput_at_another_slo_from_the_per_request_records(tmp_path, capsys):
+    results = [
+        _result(0, 0.0, 0.5, [0.05] * 4),          # good under both
+        _result(1, 1.0, 1.5, [0.05] * 4),          # TTFT 1.5 s
+        _result(2, 2.0, 0.2, [0.05, 0.3, 0.05]),   # TPOT 0.133 s
+        _result(4, 4.0, 0.2, [0.05], finished=False),  # never good
+    ]
+    p = sb.rate_point("agg", 0.5, 5.0, results, SLO)
+    assert p.per_request[3] == (None, None) and len(p.per_request) == 4
+    assert sb.with_slo(p, SLO) == p  # the SLO it ran with: the same numbers
+    loose = sb.with_slo(p, sb.Slo(ttft_s=2.0, tpot_s=0.2))
+    assert loose.goodput_rps == pytest.approx(3 / 5.0) and loose.slo_attainment == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="per-request records"):
+        sb.with_slo(sb.replace(p, per_request=()), SLO)
+    # --summarize re-scores saved files against the SLO flags.
+    out = tmp_path / "out"
+    out.mkdir()
+    doc = {"slo": sb.asdict(SLO), "points": [sb.asdict(p)]}
+    sb.config_file(out, "agg").write_text(json.dumps(doc))
+    assert sb.main(["--summarize", "--out", str(out), "--slo-ttft-s", "2", "--slo-tpot-ms", "200"]) == 0
+    summary = json.loads((out / sb.SUMMARY_FILE).read_text())
+    assert summary["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
+    assert summary["max_goodput_rps"]["agg"] == pytest.approx(3 / 5.0)
+    assert "TTFT <= 2 s" in capsys.readouterr().out
+
+
 def test_summary_ratio_and_json_round_trip():
     a = [sb.rate_point("agg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 5), SLO) for r in (1.0, 2.0)]
     d = [sb.rate_point("disagg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 10), SLO) for r in (1.0, 2.0)]
