@@ -50,22 +50,12 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import round_to
 
 
 def _interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _round_to(v, dtype: tl.constexpr):
-    """fp32 `v` cast to `dtype`, round to nearest even (the interpreter's `.to(bf16)` truncates; on the GPU
-    this is what the cast does anyway)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
-    return v.to(dtype)
 
 
 @triton.jit
@@ -177,7 +167,7 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
-        tl.store(o_tile, _round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
+        tl.store(o_tile, round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
     else:
         # Partial results, unnormalized, into [programs, Hkv, NUM_SPLITS, BLOCK_M(, BLOCK_D)] fp32 scratch.
         offs_m = tl.arange(0, BLOCK_M)
@@ -234,7 +224,7 @@ def _combine_splits_kernel(
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
-    tl.store(o_tile, _round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
+    tl.store(o_tile, round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
 
 
 def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int, R: int) -> tuple[int, int, int, int, int]:  # fmt: skip

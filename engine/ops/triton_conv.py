@@ -24,22 +24,10 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import round_to
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _cast(v, dtype: tl.constexpr):
-    """fp32 -> dtype, rounding to nearest even. bfloat16 is rounded by hand: the GPU's cast does the same,
-    but TRITON_INTERPRET truncates, and the pool must hold exactly what the torch reference stores."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + ((bits >> 16) & 1) + 0x7FFF
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(v != v, v.to(tl.bfloat16), rounded)  # NaN stays NaN
-    else:
-        return v.to(dtype)
 
 
 @triton.jit
@@ -121,7 +109,7 @@ def _conv_update_kernel(
         n_rep = tl.load(replay_ptr + row).to(tl.int32)
         for j in range(n_rep):
             u = tl.load(p_row + j * stride_pt, mask=cmask, other=0.0).to(tl.float32)
-            u = _cast(u, state_ptr.dtype.element_ty).to(tl.float32)
+            u = round_to(u, state_ptr.dtype.element_ty).to(tl.float32)
             s0, s1, s2 = _shift_in(s0, s1, s2, u, KW)
         rep_mask = cmask & ((tl.full([BLOCK_C], 0, tl.int32) + n_rep) > 0)
         tl.store(s_row, s0.to(state_ptr.dtype.element_ty), mask=rep_mask)
@@ -155,14 +143,14 @@ def _conv_update_kernel(
             acc += w3 * u
         out = acc / (1.0 + tl.exp(-acc))  # silu
         y_off = y_ptr + (row * T + t) * C + cols  # y is a fresh contiguous [B, T, C]
-        tl.store(y_off, _cast(tl.where(valid, out, 0.0), y_ptr.dtype.element_ty), mask=cmask)
+        tl.store(y_off, round_to(tl.where(valid, out, 0.0), y_ptr.dtype.element_ty), mask=cmask)
         # Shift: the new input enters rounded to the pool dtype, as the pool (and a replay) holds it.
-        u = _cast(u, state_ptr.dtype.element_ty).to(tl.float32)
+        u = round_to(u, state_ptr.dtype.element_ty).to(tl.float32)
         s0, s1, s2 = _shift_in(s0, s1, s2, u, KW)
         if VERIFY:
             # This step's inputs become the slot's pending ones (read above by this same program).
             tl.store(pend_ptr + slot * stride_ps + t * stride_pt + cols * stride_pc,
-                     _cast(u_in, pend_ptr.dtype.element_ty), mask=cmask)
+                     round_to(u_in, pend_ptr.dtype.element_ty), mask=cmask)
 
     if not VERIFY:
         # Decode (T = 1): the window after the token goes back to the row's slot.

@@ -29,7 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.triton_conv import _cast, _check_index
+from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_conv import _check_index
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -111,7 +112,7 @@ def _conv_varlen_out_kernel(
         acc += tl.load(bias_ptr + cols * stride_bias, mask=cmask, other=0.0).to(tl.float32)[None, :]
     out = acc / (1.0 + tl.exp(-acc))  # silu
     y_off = y_ptr + toks.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yc
-    tl.store(y_off, _cast(out, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_off, round_to(out, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -138,7 +139,7 @@ def _load_final_input(
     from_state = (~from_x) & ((cols * 0 + init) != 0)
     xv = tl.load(x_ptr + (start + q) * stride_xt + cols * stride_xc, mask=cmask & from_x, other=0.0)
     sv = tl.load(s_row + (L + j) * stride_sk, mask=cmask & from_state, other=0.0)
-    return tl.where(from_x, _cast(xv.to(tl.float32), POOL_DTYPE), sv.to(POOL_DTYPE))
+    return tl.where(from_x, round_to(xv.to(tl.float32), POOL_DTYPE), sv.to(POOL_DTYPE))
 
 
 @triton.jit

@@ -36,21 +36,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from baton.engine.ops.triton_common import round_to
+
 MAX_WIDTH = 65536
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    """fp32 -> dtype, rounding to nearest even. bfloat16 is rounded by hand: the GPU's cast does the same,
-    but TRITON_INTERPRET truncates, and the output must be what the torch reference's `.to()` gives."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + ((bits >> 16) & 1) + 0x7FFF
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(v != v, v.to(tl.bfloat16), rounded)  # NaN stays NaN
-    else:
-        return v.to(dtype)
 
 
 @triton.jit
@@ -77,7 +66,7 @@ def _rms_norm_kernel(
     r = tl.math.rsqrt(ms + eps)
     w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
     y = w[None, :] * (x * r[:, None])
-    tl.store(y_ptr + rows64 * N + cols[None, :], _round(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows64 * N + cols[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,9 +97,9 @@ def _gated_rms_norm_kernel(
     h = x * tl.math.div_rn(z, 1.0 + tl.exp(-z))  # silu as torch computes it: z / (1 + exp(-z))
     ms = tl.math.div_rn(tl.sum(h * h, axis=1), width)  # masked lanes: x = 0 -> h = 0
     g = h * tl.math.rsqrt(ms + eps)[:, None]
-    g = _round(g, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's g.to(x.dtype)
+    g = round_to(g, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's g.to(x.dtype)
     w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows64 * N + cols[None, :], _round(w[None, :] * g, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows64 * N + cols[None, :], round_to(w[None, :] * g, y_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_config(rows: int, width: int, on_cuda: bool) -> tuple[int, int, int]:

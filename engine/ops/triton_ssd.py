@@ -66,7 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.triton_ssu import _round_to, _softplus
+from baton.engine.ops.triton_common import round_to, softplus
 
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -151,7 +151,7 @@ def _operand(v, dtype: tl.constexpr, NATIVE_DOT: tl.constexpr):
     if NATIVE_DOT:
         return v.to(dtype)
     else:
-        return _round_to(v.to(tl.float32), dtype).to(tl.float32)
+        return round_to(v.to(tl.float32), dtype).to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def _discretized_dt(dt_ptr, dt_bias, dt_min, offs, mask, s_dt_t):
     """fp32 max(softplus(dt + dt_bias), dt_min) of one head at `offs` tokens past dt_ptr, 0 where masked
     (padding)."""
     dt = tl.load(dt_ptr + offs * s_dt_t, mask=mask, other=0.0).to(tl.float32) + dt_bias
-    return tl.where(mask, tl.maximum(_softplus(dt), dt_min), 0.0)
+    return tl.where(mask, tl.maximum(softplus(dt), dt_min), 0.0)
 
 
 @triton.jit
@@ -250,7 +250,7 @@ def _ssd_state_kernel(
 
         # The state at the chunk's start, for the output kernel.
         st_tile = offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
-        tl.store(st_head + c * s_st_c + st_tile, _round_to(s, dot_dtype), mask=mask_pn)
+        tl.store(st_head + c * s_st_c + st_tile, round_to(s, dot_dtype), mask=mask_pn)
 
         # The chunk's own contribution: token l's input, decayed to the chunk's end.
         x = tl.load(
@@ -270,7 +270,7 @@ def _ssd_state_kernel(
         s = tl.exp(total) * s + contrib
 
     pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n
-    tl.store(pool_head + pn_pool, _round_to(s, pool_ptr.dtype.element_ty), mask=mask_pn)
+    tl.store(pool_head + pn_pool, round_to(s, pool_ptr.dtype.element_ty), mask=mask_pn)
 
 
 @triton.jit
@@ -322,7 +322,7 @@ def _ssd_cb_kernel(
         causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
         tl.store(
             cb_tile + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k,
-            _round_to(cb, cb_ptr.dtype.element_ty),
+            round_to(cb, cb_ptr.dtype.element_ty),
             mask=causal,
         )
 
@@ -426,7 +426,7 @@ def _ssd_output_kernel(
     acc += tl.load(D_ptr + h).to(tl.float32) * x_m.to(tl.float32)
     y_chunk = y_ptr + h.to(tl.int64) * s_y_h + start * s_y_t
     y_tile = y_chunk + offs_m[:, None] * s_y_t + offs_p[None, :] * s_y_p
-    tl.store(y_tile, _round_to(acc, y_ptr.dtype.element_ty), mask=mask_mp)
+    tl.store(y_tile, round_to(acc, y_ptr.dtype.element_ty), mask=mask_mp)
 
 
 # ---- host side ---------------------------------------------------------------------------------------

@@ -27,36 +27,13 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.spec_state_update import check_verify_shapes
-
-
-@triton.jit
-def _softplus(v):
-    # torch's softplus (beta 1, threshold 20): v above 20, else log1p(exp(v)), written as
-    # max(v, 0) + log1p(exp(-|v|)). log1p(u) for u in (0, 1] uses Kahan's log(w) * u / (w - 1), w = 1 + u,
-    # exact to a few ulps without libdevice (which the interpreter lacks).
-    u = tl.exp(-tl.abs(v))
-    w = 1.0 + u
-    exact = w == 1.0
-    log1p_u = tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
-    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)
-
-
-@triton.jit
-def _round_to(v, dtype: tl.constexpr):
-    """fp32 `v` cast to `dtype`, round to nearest even. Triton's interpreter truncates fp32 -> bf16 in
-    `.to()`, so bf16 rounds here by hand (exact; the cast that follows only drops zero bits); on the GPU this
-    is what the cast does anyway. fp16 and fp32 casts round correctly in both modes."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
-    return v.to(dtype)
+from baton.engine.ops.triton_common import round_to, softplus
 
 
 @triton.jit
 def _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min):
     """One recurrence step of an fp32 [BLOCK_P, BLOCK_N] state tile: (new fp32 state, discretized dt)."""
-    dt = tl.maximum(_softplus(dt_raw + dt_bias), dt_min)
+    dt = tl.maximum(softplus(dt_raw + dt_bias), dt_min)
     decay = tl.exp(dt * A)
     return decay * s + (dt * x)[:, None] * Bv[None, :], dt
 
@@ -100,8 +77,8 @@ def _ssu_decode_kernel(
     dt_raw = tl.load(dt_ptr + bb * s_dt_b + h * s_dt_h).to(tl.float32)
     s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
     y = tl.sum(s * Cv[None, :], axis=1) + D * x  # [BLOCK_P], from the fp32 state
-    tl.store(state_at, _round_to(s, state_ptr.dtype.element_ty), mask=mask_pn)
-    tl.store(y_ptr + bb * s_y_b + h * s_y_h + offs_p * s_y_p, _round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
+    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_pn)
+    tl.store(y_ptr + bb * s_y_b + h * s_y_h + offs_p * s_y_p, round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
 
 
 @triton.jit
@@ -157,9 +134,9 @@ def _ssu_verify_kernel(
         Bv = tl.load(pB_row + j * s_pB_t + offs_n * s_pB_n, mask=mask_n, other=0.0).to(tl.float32)
         dt_raw = tl.load(pdt_row + j * s_pdt_t).to(tl.float32)
         s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
-        s = _round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
+        s = round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
     p_limit = tl.where(n_rep > 0, P, 0)
-    tl.store(state_at, _round_to(s, state_ptr.dtype.element_ty),
+    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty),
              mask=(offs_p < p_limit)[:, None] & mask_n[None, :])
 
     # This step's T positions, in registers only: no per-position state is stored.
@@ -176,9 +153,9 @@ def _ssu_verify_kernel(
         s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
         y = tl.sum(s * Cv[None, :], axis=1) + D * x  # [BLOCK_P], from the fp32 state
         # The next position reads what the pool would hold, as a decode step (and a later replay) does.
-        s = _round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
+        s = round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
         y = tl.where(t < n_valid, y, 0.0)
-        tl.store(y_row + t * s_y_t + offs_p * s_y_p, _round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
+        tl.store(y_row + t * s_y_t + offs_p * s_y_p, round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
 
 
 def _launch_config(P: int, N: int, verify: bool = False) -> tuple[int, int, int]:
