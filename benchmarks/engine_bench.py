@@ -15,8 +15,11 @@
     Per batch size B: B prefill-only requests of `--context` tokens (untimed, R1: all but the last token),
     then the same B requests re-admitted with those caches (`add_computed_request`), so that every request
     enters decode with the same context; `--steps` untimed warm-up decode steps (Triton JIT per shape), then
-    `--steps` timed engine steps (schedule -> execute -> update, synchronised around each step) and, for the
-    same batch, the model forward + lm_head alone (`forward`, repeated on one built batch).
+    `--steps` timed engine steps as a server runs them: with async scheduling (the engine's default) each
+    call launches step n+1 and then reads step n, with no sync in between, and the step time is the run's
+    wall time / steps (`step_ms`); then `--steps` steps one at a time (schedule -> launch -> read,
+    synchronised around each step: `step_ms_one_at_a_time`, host and device time added up), and for the same
+    batch the model forward + lm_head alone (`forward`, repeated on one built batch).
 
 (c) Prefill tokens/s at `--prefill-tokens` tokens in one engine step (one prompt, and also N prompts of
     tokens/N with `--prefill-splits`), after a warm-up of the same shape, against the bf16 matmul rate
@@ -354,10 +357,17 @@ class DecodeResult:
     step_ms_median: float
     step_ms_mean: float
     step_ms_min: float
+    step_ms_one_at_a_time: float  # median, each step synchronised (no overlap of host and device)
+    async_scheduling: bool        # whether step_ms_* are pipelined steps (the engine's default)
     forward_ms: float             # model forward + lm_head on one decode batch, repeated
     copy_gbps: float
     traffic: Traffic
     traffic_from_tensors: Traffic
+
+    @property
+    def step_ms(self) -> float:
+        """The engine's step time: pipelined wall time / steps with async scheduling, else the median step."""
+        return self.step_ms_mean if self.async_scheduling else self.step_ms_median
 
     @property
     def roofline_ms(self) -> float:
@@ -365,7 +375,7 @@ class DecodeResult:
 
     @property
     def ratio(self) -> float:
-        return self.step_ms_median / self.roofline_ms
+        return self.step_ms / self.roofline_ms
 
     @property
     def forward_ratio(self) -> float:
@@ -373,7 +383,7 @@ class DecodeResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch / (self.step_ms_median / 1e3)
+        return self.batch / (self.step_ms / 1e3)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -414,10 +424,14 @@ def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, s
     for i, p in enumerate(prompts):
         blocks, slot = held[f"b{batch}-p{i}"]
         ids.append(engine.add_computed_request(p, params, f"b{batch}-d{i}", list(blocks), slot, context - 1))
-    outs, _ = _step(engine, device)
-    if len(outs) != batch or any(not o.new_token_ids for o in outs):
-        raise RuntimeError(f"first decode token: expected one for each of {batch} requests, got {len(outs)}")
-    return ids
+    # With async scheduling the first token of a step comes back from the next step() call.
+    first: set[str] = set()
+    for _ in range(3):
+        outs, _ = _step(engine, device)
+        first |= {o.request_id for o in outs if o.new_token_ids}
+        if len(first) == batch:
+            return ids
+    raise RuntimeError(f"first decode token: expected one for each of {batch} requests, got {len(first)}")
 
 
 def _running_context(engine: LLMEngine) -> int:
@@ -443,28 +457,60 @@ def forward_only_ms(engine: LLMEngine, iters: int, device: torch.device) -> floa
         return time_ms(fwd, iters, device)
 
 
+def _check_decode_step(engine: LLMEngine, batch: int) -> None:
+    if engine.stats.row_kinds[-1] != (batch, 0):
+        raise RuntimeError(f"decode step: expected {batch} decode rows and no prefill, "
+                           f"got (decodes, prefills) = {engine.stats.row_kinds[-1]}")
+
+
+def pipelined_step_times(engine: LLMEngine, batch: int, steps: int, device: torch.device,
+                         contexts: list[int]) -> tuple[list[float], float]:
+    """`steps` engine steps with async scheduling, as a server runs them (no sync between them: a call launches
+    step n+1, then reads step n): (each call's ms, total ms / steps with one sync at the end). Appends the
+    context (computed tokens) of each launched step to `contexts`."""
+    times = []
+    sync(device)
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        contexts.append(_running_context(engine))
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        _check_decode_step(engine, batch)
+    sync(device)
+    return times, (time.perf_counter() - t_start) * 1e3 / steps
+
+
 def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) -> DecodeResult:
     device = torch.device(bc.device)
-    ids = enter_decode(engine, batch, bc.context, max_tokens=2 * bc.steps + 8, seed=bc.seed + batch,
+    ids = enter_decode(engine, batch, bc.context, max_tokens=3 * bc.steps + 16, seed=bc.seed + batch,
                        device=device, progress=bc.progress)
     for _ in tqdm(range(bc.steps), desc=f"warm-up B={batch}", disable=not bc.progress):
-        _step(engine, device)
-    times, contexts = [], []
+        engine.step()
+    contexts: list[int] = []
+    pipelined, pipelined_mean = pipelined_step_times(engine, batch, bc.steps, device, contexts)
+    # The same steps one at a time (schedule -> launch -> read, synchronised around each step): the host's work
+    # then adds to the device's instead of overlapping it.
+    depth, engine.depth = engine.depth, 0
+    engine.step()  # reads the step left in flight
+    times = []
     for _ in tqdm(range(bc.steps), desc=f"decode B={batch}", disable=not bc.progress):
         contexts.append(_running_context(engine))
         _, ms = _step(engine, device)
-        if engine.stats.row_kinds[-1] != (batch, 0):
-            raise RuntimeError(f"decode step: expected {batch} decode rows and no prefill, "
-                               f"got (decodes, prefills) = {engine.stats.row_kinds[-1]}")
+        _check_decode_step(engine, batch)
         times.append(ms)
     fwd = forward_only_ms(engine, bc.steps, device)
+    engine.depth = depth
     for rid in ids:
         engine.abort(rid)
     ctx = statistics.fmean(contexts)
     dtype, ssm_dtype = engine.dtype, engine.ssm_dtype
+    async_on = depth > 0
+    step_times = pipelined if async_on else times
     return DecodeResult(
         batch=batch, context=bc.context, steps=bc.steps, mean_context_tokens=ctx / batch,
-        step_ms_median=statistics.median(times), step_ms_mean=statistics.fmean(times), step_ms_min=min(times),
+        step_ms_median=statistics.median(step_times), step_ms_mean=pipelined_mean if async_on else statistics.fmean(times),
+        step_ms_min=min(step_times), step_ms_one_at_a_time=statistics.median(times), async_scheduling=async_on,
         forward_ms=fwd, copy_gbps=copy,
         traffic=decode_traffic(engine.model_config, dtype, ssm_dtype, batch, ctx),
         traffic_from_tensors=traffic_from_tensors(engine, batch, ctx))
@@ -540,11 +586,16 @@ class PrefillResult:
 
 
 def _prefill_step(engine: LLMEngine, prompts: list[list[int]], tag: str, device: torch.device) -> float:
-    """All prompts in one engine step (each samples one token and finishes): its milliseconds."""
+    """All prompts in one engine step (each samples one token and finishes): its milliseconds, the step read
+    at once (no async scheduling: nothing else is in flight to overlap with)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
-    outs, ms = _step(engine, device)
+    depth, engine.depth = engine.depth, 0
+    try:
+        outs, ms = _step(engine, device)
+    finally:
+        engine.depth = depth
     if engine.has_unfinished() or len(outs) != len(prompts):
         raise RuntimeError(f"prefill: expected {len(prompts)} prompts done in one step, "
                            f"got {len(outs)} (raise max_num_batched_tokens?)")
@@ -613,14 +664,15 @@ def table(r: Report) -> str:
              f"copy {r.copy_gbps:.0f} GB/s (read + write); {r.matmul_dtype} matmul {r.matmul_tflops:.1f} TFLOP/s "
              f"(n = {m['matmul_n']}); pools {r.cache['kv_bytes'] / 2**30:.2f} GiB KV ({r.cache['num_blocks']} "
              f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots).", "",
-             "| batch | mean context | step ms | forward ms | roofline ms | step / roofline | goal | forward / roofline "
-             "| tok/s | GB: weights / SSM / conv / KV |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| batch | mean context | step ms | one at a time ms | forward ms | roofline ms | step / roofline | goal "
+             "| forward / roofline | tok/s | GB: weights / SSM / conv / KV |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for d in r.decode:
         t = d.traffic
         g = DECODE_GOALS.get(d.batch)
         goal = "–" if g is None else f"≤ {g}× {'met' if d.ratio <= g else 'missed'}"
-        lines.append(f"| {d.batch} | {d.mean_context_tokens:.0f} | {d.step_ms_median:.3f} | {d.forward_ms:.3f} "
+        lines.append(f"| {d.batch} | {d.mean_context_tokens:.0f} | {d.step_ms:.3f} | {d.step_ms_one_at_a_time:.3f} "
+                     f"| {d.forward_ms:.3f} "
                      f"| {d.roofline_ms:.3f} | {d.ratio:.2f}× | {goal} | {d.forward_ratio:.2f}× "
                      f"| {d.tokens_per_s:,.0f} | {_gb(t.weights + t.embedding_rows)} / {_gb(t.ssm_state)} / "
                      f"{_gb(t.conv_state)} / {_gb(t.kv_read + t.kv_write)} |")
@@ -645,7 +697,7 @@ def plot_decode_roofline(results_json_path: str | Path, png_path: str | Path) ->
         raise ValueError(f"{results_json_path}: expected decode results, got none")
     b = [d["batch"] for d in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(b, [d["step_ms_median"] for d in rows], "o-", label="engine step (median)")
+    ax.plot(b, [d["step_ms"] for d in rows], "o-", label="engine step")
     ax.plot(b, [d["forward_ms"] for d in rows], "s--", label="model forward + lm_head")
     ax.plot(b, [d["roofline_ms"] for d in rows], "k-", lw=2, label=f"roofline (copy {data['copy_gbps']:.0f} GB/s)")
     for batch, goal in DECODE_GOALS.items():

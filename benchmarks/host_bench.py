@@ -3,12 +3,13 @@
 A decode step at a large batch is one CUDA-graph replay on the GPU plus Python work on the host that does
 not overlap it: the scheduler's `schedule()`, building the graph's input lists (`ModelRunner._decode_graph`
 and the flattening in `StepGraphs.run`), then `scheduler.update()` and the `RequestOutput`s. This benchmark
-times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.execute` is
-replaced by a stand-in that runs the real `_decode_graph` against a graph object doing only the host side
-of `StepGraphs.run` (no tensors to a device, no model), and returns fixed tokens.
+times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.launch` (K = 0;
+`runner.execute` with drafts) is replaced by a stand-in that runs the real `_decode_graph` against a graph
+object doing only the host side of `StepGraphs.run` (no tensors to a device, no model), and returns fixed
+tokens. With K = 0 the engine's async scheduling runs as on a GPU (step n+1 launched before step n is read).
 
 B requests of C prompt tokens are prefilled (by the stand-in: no model runs), then N decode steps are timed
-and split into schedule / execute-host / update+outputs (the rest of `LLMEngine.step`).
+and split into schedule / launch-or-execute host / update+outputs (the rest of `LLMEngine.step`).
 
   python benchmarks/host_bench.py                       # B=256, C=1024, 50 steps
   python benchmarks/host_bench.py --profile             # plus a cProfile top list
@@ -27,10 +28,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
+from baton.engine.pending_step import PendingStep
 from baton.engine.runner import StepOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
@@ -50,13 +54,28 @@ class HostOnlyGraphs:
         return rows if rows <= self.max_rows else None
 
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
-            block_tables: list[list[int]], **extra: list[int] | None) -> None:
+            block_tables: list[list[int]], fill: tuple | None = None, **extra: list[int] | None) -> None:
         width = max(len(b) for b in block_tables)
         parts = (input_ids, slot_mapping, seq_lens, state_slots, *(v for v in extra.values() if v is not None))
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
             flat += [0] * (width - len(b))
+
+
+def fake_launch(engine: LLMEngine):
+    """runner.launch without a model (K = 0): the real graph input building on decode steps, including where
+    PENDING inputs come from; fixed tokens out, as a finished step."""
+    runner = engine.runner
+
+    def launch(out: SchedulerOutput, prev: PendingStep | None = None, return_logits: bool = False) -> PendingStep:
+        fill = runner._pending_inputs(out, prev)
+        if runner._graphable(out):
+            runner._decode_graph(out, fill=fill)
+        ids = [r.request_id for r in out.rows if r.sample]
+        return PendingStep(ids, torch.full((len(ids),), TOKEN, dtype=torch.int64) if ids else None)
+
+    return launch
 
 
 def fake_execute(engine: LLMEngine, k: int):
@@ -105,6 +124,7 @@ def build(model_dir: Path, batch: int, context: int, steps: int, k: int) -> LLME
         max_model_len=max_len, dtype="float32", num_speculative_tokens=k, cuda_graphs=False))
     engine.runner.graphs = HostOnlyGraphs(batch, 1 + k)
     engine.runner.execute = fake_execute(engine, k)
+    engine.runner.launch = fake_launch(engine)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(i + j) % 500 + 1 for j in range(context)], params, request_id=f"r{i}")
@@ -118,9 +138,11 @@ def build(model_dir: Path, batch: int, context: int, steps: int, k: int) -> LLME
 def measure(engine: LLMEngine, steps: int, profile: bool) -> tuple[float, Split, pstats.Stats | None]:
     split = Split()
     sched, runner = engine.scheduler, engine.runner
-    schedule, execute = sched.schedule, runner.execute
+    # Pipelined steps (K = 0) launch; speculative ones execute.
+    name = "launch" if engine.pipelined else "execute"
+    schedule, execute = sched.schedule, getattr(runner, name)
     sched.schedule = _timed(schedule, split, "schedule")
-    runner.execute = _timed(execute, split, "execute")
+    setattr(runner, name, _timed(execute, split, "execute"))
     prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if prof:
@@ -133,7 +155,8 @@ def measure(engine: LLMEngine, steps: int, profile: bool) -> tuple[float, Split,
         prof.disable()
     total = time.perf_counter() - t
     split.update = total - split.schedule - split.execute
-    sched.schedule, runner.execute = schedule, execute
+    sched.schedule = schedule
+    setattr(runner, name, execute)
     return total, split, pstats.Stats(prof) if prof else None
 
 

@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="SSM state pool dtype (the checkpoint's mamba_ssm_cache_dtype)")
     g.add_argument("--cuda-graphs", choices=("on", "off"),
                    help="replay decode steps as CUDA graphs on CUDA devices (on)")
+    g.add_argument("--async-scheduling", choices=("on", "off"),
+                   help="schedule step n+1 while step n runs on the device; K = 0 and prefill nodes (on)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -31,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs")
+                "ssm_state_dtype", "cuda_graphs", "async_scheduling")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 
@@ -53,8 +55,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     given = {name: getattr(a, name) for name in ENGINE_FLAGS if getattr(a, name) is not None}
     if "cache_memory_mb" in given:
         given["cache_memory_bytes"] = given.pop("cache_memory_mb") * 2**20
-    if "cuda_graphs" in given:
-        given["cuda_graphs"] = given["cuda_graphs"] == "on"
+    for name in ("cuda_graphs", "async_scheduling"):
+        if name in given:
+            given[name] = given[name] == "on"
     return EngineConfig(**given)
 
 

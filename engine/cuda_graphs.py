@@ -7,8 +7,10 @@ fixed addresses, so:
 - every row has the same number of tokens T: 1 for a decode step, 1+K for a verify step (the last token
   and K drafts; a verify step whose rows have fewer drafts runs eagerly);
 - every input lives in a static device buffer, sliced to the graph's row count; a step writes its rows'
-  metadata into one pinned host buffer and moves it with ONE asynchronous copy (no pageable copy: that
-  would wait for the stream);
+  metadata into a pinned host buffer (two, used in turn, so that the next step's inputs never overwrite a
+  copy still queued) and moves it with ONE asynchronous copy (no pageable copy: that would wait for the
+  stream); input tokens not known on the host yet (async scheduling: sampled by the step in flight) are
+  copied on the device from that step's tokens;
 - a step of R rows runs the graph captured for the smallest size >= R; the spare rows are padding: they
   read and write only the pools' scratch KV block and scratch state slot, which no request ever owns
   (`CachePools.scratch_block` / `scratch_slot`), and their outputs are dropped;
@@ -38,6 +40,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.pending_step import fill_pending
 
 
 def graph_sizes(max_rows: int) -> list[int]:
@@ -91,7 +94,12 @@ class StepGraphs:
         # last-token positions (n each), then the block table [n, width].
         self.staging = torch.empty(3 * n * T + 3 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
-        self.host = torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=self.capture)
+        # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
+        # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
+        # host buffer that feeds an async copy is not rewritten before that copy completes).
+        self.host = [torch.empty(self.staging.shape, dtype=torch.int64, pin_memory=self.capture) for _ in range(2)]
+        self._host_copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -169,9 +177,10 @@ class StepGraphs:
     @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]], next_ids: list[int] | None = None,
-            verify_base: list[int] | None = None) -> torch.Tensor:
+            verify_base: list[int] | None = None, fill: tuple | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
-        per row. Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output
+        per row. fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
+        flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay. Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output
         for the graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
@@ -201,15 +210,24 @@ class StepGraphs:
             flat += [scratch_block] * (width - len(b))
         flat += [scratch_block] * (pad * width)
         end = len(flat)
-        self.host[:end] = torch.tensor(flat, dtype=torch.int64)
+        turn = self._turn = 1 - self._turn
+        host, copied = self.host[turn], self._host_copied[turn]
+        if copied is not None:
+            copied.synchronize()  # the copy of two steps ago: long done unless the host runs far ahead
+        host[:end] = torch.tensor(flat, dtype=torch.int64)
         # One copy from pinned memory: asynchronous, it does not wait for the GPU.
-        self.staging[:end].copy_(self.host[:end], non_blocking=True)
+        self.staging[:end].copy_(host[:end], non_blocking=True)
+        if self.capture:
+            copied = self._host_copied[turn] = torch.cuda.Event()
+            copied.record()
         at = 0
         for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.next_ids, n * T), (self.seq_lens, n),
                           (self.state_slots, n), (self.verify_base, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
+        if fill is not None:
+            fill_pending(self.ids, *fill)
         if self.capture:
             graph, out = self.graphs[n]
             graph.replay()

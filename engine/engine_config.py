@@ -47,6 +47,10 @@ class EngineConfig:
     # Replay pure decode steps (K = 0) as CUDA graphs, one per padded batch size, on CUDA devices; False runs
     # every step eagerly (for debugging, or a model whose layers cannot be captured).
     cuda_graphs: bool = True
+    # Schedule and launch step n+1 while step n runs on the device, reading step n's tokens afterwards (its
+    # CPU work then overlaps the GPU's). Applies without drafts (K = 0) and on prefill-only engines; with K > 0
+    # a verify step's committed length is known only from its tokens, so those steps run one at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -61,8 +65,9 @@ class EngineConfig:
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
                              f"got {self.ssm_state_dtype!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"engine field 'cuda_graphs': expected True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"engine field '{name}': expected True or False, got {getattr(self, name)!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "

@@ -65,7 +65,7 @@ class EngineThread:
             found = engine.abort(request_id)
             cb = self._callbacks.pop(request_id, None)
             if cb is not None:
-                tokens = tuple(req.output_token_ids) if req is not None else ()
+                tokens = req.resolved_output_ids() if req is not None else ()
                 cb(RequestOutput(request_id=request_id, prompt_token_ids=tuple(req.prompt_token_ids) if req else (),
                                  token_ids=tokens, new_token_ids=(), finished=True, finish_reason="abort"))
             return found

@@ -1,9 +1,16 @@
-"""The engine loop: `schedule() -> runner.execute(batch) -> scheduler.update()`, one step at a time."""
+"""The engine loop: `schedule() -> runner.execute(batch) -> scheduler.update()`, one step at a time.
+
+With async scheduling (K = 0, or a prefill-only engine) a call of `step()` schedules and launches step n+1
+first, accounts for it (`scheduler.advance`), and only then reads step n's tokens (`scheduler.resolve`) and
+returns step n's outputs: the host's scheduling, input building and output handling of one step run while the
+device computes the previous one. Step n+1's decode rows whose input is step n's token take it on the device.
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +23,11 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
+from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler, SchedulerOutput
+from baton.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from baton.engine.spec_runner import SpecRunner
 from baton.engine.weights import TORCH_DTYPES
 
@@ -60,6 +68,21 @@ class EngineStats:
         return (self.spec_accepted + self.spec_verify_rows) / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device whose tokens are not read yet."""
+    step: int                           # its number (Scheduler.step_launched)
+    out: SchedulerOutput
+    reqs: list[Request]                 # per row
+    index: list[int]                    # per row: where its PENDING token sits in the outputs (-1: no sample)
+    pending: PendingStep
+
+
+def _last_chunk(row: ScheduledRow, req: Request) -> bool:
+    """Whether this row completed req's prefill."""
+    return row.num_computed_tokens + row.num_tokens == req.num_prefill_tokens
+
+
 class LLMEngine:
     def __init__(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  config: EngineConfig | None = None) -> None:
@@ -78,6 +101,13 @@ class LLMEngine:
         self.runner.graphs = self._step_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
+        # Steps launched and not read yet (at most one with async scheduling), oldest first.
+        self._in_flight: deque[_Launched] = deque()
+        k = config.num_speculative_tokens
+        self.pipelined = not k or config.prefill_only  # a step's committed tokens are known when it is launched
+        # Steps left in flight when step() returns: 1 with async scheduling. Benchmarks set 0 between steps to
+        # time steps one at a time (the next step() then reads the one in flight).
+        self.depth = 1 if config.async_scheduling and self.pipelined else 0
         self._arrivals = itertools.count()
         self._ids = itertools.count()
 
@@ -168,7 +198,7 @@ class LLMEngine:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
@@ -191,7 +221,61 @@ class LLMEngine:
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output for every request that got a token or finished."""
+        """One engine step; returns an output for every request that got a token or finished.
+
+        Pipelined (K = 0 or prefill-only): launches the next step, then reads the oldest step in flight once
+        more than `depth` are (or when nothing new could be launched), so with async scheduling the outputs
+        returned are those of the step launched by the previous call."""
+        if not self.pipelined:
+            return self._step_spec()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.rows:
+            self._in_flight.append(self._launch(out))
+        outputs: list[RequestOutput] = []
+        read = 0
+        while len(self._in_flight) > self.depth or (self._in_flight and not out.rows):
+            done = self._in_flight.popleft()
+            read += len(done.out.rows)
+            outputs += self._read(done)
+        # Rows launched, else rows read: 0 only when nothing could run (waiting on blocks held elsewhere).
+        self.last_step_rows = len(out.rows) or read
+        if out.rows:
+            self._record(out, time.perf_counter() - t0, {})
+        return outputs
+
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        sched = self.scheduler
+        reqs = [sched.requests[r.request_id] for r in out.rows]
+        prev = self._in_flight[-1].pending if self._in_flight else None
+        pending = self.runner.launch(out, prev)
+        step = sched.step_launched()
+        index = [len(req.output_token_ids) if row.sample else -1 for req, row in zip(reqs, out.rows, strict=True)]
+        sched.advance(out)
+        return _Launched(step=step, out=out, reqs=reqs, index=index, pending=pending)
+
+    def _read(self, done: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; write them into its requests and return their outputs."""
+        sampled, _ = done.pending.result()
+        sched = self.scheduler
+        sched.step_done(done.step)
+        outputs = []
+        for row, req, index in zip(done.out.rows, done.reqs, done.index, strict=True):
+            if index >= 0:
+                if not sched.resolve(req, index, sampled[row.request_id]):
+                    continue  # aborted, or stopped on an earlier token: this row's work is dropped
+                finished = req.status.finished and index == len(req.output_token_ids) - 1
+                outputs.append(self._output(req, index, index + 1, finished))
+            elif req.status is RequestStatus.FINISHED_PREFILLED and _last_chunk(row, req):
+                outputs.append(self._output(req, 0, 0, True))
+            else:
+                continue
+            if outputs[-1].finished:
+                self.runner.remove_request(req.request_id)
+        return outputs
+
+    def _step_spec(self) -> list[RequestOutput]:
+        """A speculative decoding step (K > 0, drafting): schedule, run, read, update, one at a time."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.last_step_rows = len(out.rows)
@@ -208,22 +292,21 @@ class LLMEngine:
         for req in finished:
             self.runner.remove_request(req.request_id)
         sampled = result.sampled
-        return [self._output(req, n) for req, n in zip(reqs, before, strict=True)
-                if req.request_id in sampled or req.status.finished]
+        return [self._output(req, n, len(req.output_token_ids), req.status.finished)
+                for req, n in zip(reqs, before, strict=True) if req.request_id in sampled or req.status.finished]
 
     @staticmethod
-    def _output(req: Request, before: int) -> RequestOutput:
-        """The output of a request that got tokens or finished this step; `before`: its output count before."""
+    def _output(req: Request, start: int, end: int, finished: bool) -> RequestOutput:
+        """The output of a request whose tokens start..end-1 are new (its outputs up to end so far)."""
         status = req.status
-        finished = status.finished
-        held = status is RequestStatus.FINISHED_PREFILLED
+        held = finished and status is RequestStatus.FINISHED_PREFILLED
         outputs = req.output_token_ids
         # RequestOutput(...) without its frozen __init__ (one object.__setattr__ per field: a third of a decode
         # step's output building at large batches); every field is given, so the instance is the same.
         o = object.__new__(RequestOutput)
         o.__dict__.update(
             request_id=req.request_id, prompt_token_ids=tuple(req.prompt_token_ids),
-            token_ids=tuple(outputs), new_token_ids=tuple(outputs[before:]),
+            token_ids=tuple(outputs[:end]), new_token_ids=tuple(outputs[start:end]),
             finished=finished, finish_reason=status.value if finished else None,
             held_block_ids=tuple(req.block_ids) if held else (),
             held_state_slot=req.state_slot if held else None,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .host_copy import to_device
 from .sampling import Sampler
 from .sampling_params import SamplingParams
 
@@ -46,14 +47,6 @@ class VerifyResult:
     output_token_ids: Tensor  # [R, Kmax+1]: accepted drafts, then one sampled token, then -1 padding
     accepted_counts: Tensor  # [R]: accepted draft tokens, 0..K_r
     num_emitted: Tensor  # [R]: accepted_counts + 1
-
-
-def _index(rows: list[int], device: torch.device) -> Tensor:
-    """Host row list -> index tensor on device. A plain torch.tensor(..., device=cuda) copies from pageable
-    memory, which blocks until the stream drains; a pinned, non-blocking copy does not."""
-    if device.type != "cuda":
-        return torch.tensor(rows, dtype=torch.int64, device=device)
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def _prefix_len(accept: Tensor) -> Tensor:
@@ -94,7 +87,7 @@ class RejectionSampler:
 
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = _index(rows, dev)
+            idx = to_device(rows, torch.int64, dev)
             acc_s, final_s = self._stochastic(
                 logits[idx], drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
                 [params[i] for i in rows], [generators[i] for i in rows])
@@ -154,7 +147,7 @@ class RejectionSampler:
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
             # As in Sampler: rows without a generator share one draw from the global RNG.
-            ui = _index(unseeded, device)
+            ui = to_device(unseeded, torch.int64, device)
             e[ui] = torch.empty(len(unseeded), V, device=device).exponential_()
             u[ui] = torch.rand(len(unseeded), self.max_draft, device=device)
         for i, g in enumerate(generators):

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from baton.engine.sampling_params import SamplingParams
 
+# An output token that a launched step samples but whose value is not read yet (async scheduling): it holds its
+# place in `output_token_ids` until `Scheduler.resolve` writes the value. Token ids are >= 0.
+PENDING = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -75,6 +79,14 @@ class Request:
     def set_blocks(self, ids: list[int]) -> None:
         self.block_ids = ids
         self._block_table = None
+
+    def resolved_output_ids(self) -> tuple[int, ...]:
+        """The output tokens whose values are known: all but the trailing PENDING ones (steps in flight)."""
+        out = self.output_token_ids
+        n = len(out)
+        while n and out[n - 1] == PENDING:
+            n -= 1
+        return tuple(out[:n])
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ from a host copy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,8 +19,11 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
+from baton.engine.pending_step import PendingStep, fill_pending
+from baton.engine.request import PENDING
 from baton.engine.sampling import Sampler, make_generator
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
@@ -75,7 +79,7 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------
     def _t(self, x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=self.device)
+        return to_device(x, dtype, self.device)
 
     def build_batch(self, out: SchedulerOutput, spec: bool = False) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.block_size
@@ -139,24 +143,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
+        """Run one step and wait for its tokens."""
         if not out.rows:
             return StepOutput(sampled={})
+        sampled, logits = self.launch(out, return_logits=return_logits).result()
+        return StepOutput(sampled=sampled, logits=logits if return_logits else None)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
+               return_logits: bool = False) -> PendingStep:
+        """Queue one step on the device and return at once; its tokens come back through `result()`.
+
+        A decode row whose last token is PENDING (sampled by `prev`, a step launched before this one whose
+        tokens are not read yet) takes it from prev's token tensor on the device."""
         sample_rows = [i for i, r in enumerate(out.rows) if r.sample]
+        fill = self._pending_inputs(out, prev)
         if self._graphable(out) and len(sample_rows) == len(out.rows):
-            logits = self._decode_graph(out)
+            logits = self._decode_graph(out, fill=fill)
         else:
-            hidden, batch = self.forward_hidden(out)
+            input_ids, batch = self.build_batch(out)
+            if fill is not None:
+                fill_pending(input_ids, *fill)
+            if sample_rows:
+                # The logits gather: the last token of every row that samples (R5); from host ints, before the
+                # forward (indexing a device tensor with a host list would copy the list and wait).
+                ends = list(itertools.accumulate(r.num_tokens for r in out.rows))
+                last = self._t([ends[i] - 1 for i in sample_rows])
+            hidden = self.model(input_ids, batch)
             if not sample_rows:
-                return StepOutput(sampled={}, logits={} if return_logits else None)
-            # The logits gather: the last token of every row that samples (R5).
-            last = batch.query_start_loc[1:][sample_rows] - 1
+                return PendingStep([], None)
             logits = self.model.logits(hidden[last])  # [R_s, V] float32
         ids = [out.rows[i].request_id for i in sample_rows]
-        tokens = self.sample(logits, ids).tolist()
-        return StepOutput(
-            sampled=dict(zip(ids, tokens, strict=True)),
-            logits={r: logits[i] for i, r in enumerate(ids)} if return_logits else None,
-        )
+        return PendingStep(ids, self.sample(logits, ids), logits if return_logits else None)
+
+    def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
+                        ) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """Where this step's PENDING input tokens come from: (flat token positions, rows of prev's tokens, prev's
+        tokens), or None when every input is known. Only a decode row's one token can be PENDING (K = 0), and
+        decode rows come first, so row i's token is flat token i."""
+        dst: list[int] = []
+        src: list[int] = []
+        for i, r in enumerate(out.rows[:out.num_decodes]):
+            if r.token_ids[-1] != PENDING:
+                continue
+            j = None if prev is None else prev.row_of(r.request_id)
+            if r.num_tokens != 1 or j is None:
+                raise RuntimeError(f"step: row {r.request_id!r} has a PENDING input token that no step in flight "
+                                   f"samples (tokens {r.token_ids}) (a bug)")
+            dst.append(i)
+            src.append(j)
+        return None if not dst else (dst, src, prev.tokens)
 
     def _graphable(self, out: SchedulerOutput) -> bool:
         """A step that a graph can run: decode rows only, each of the graphs' token count."""
@@ -164,7 +200,7 @@ class ModelRunner:
         return (g is not None and out.num_decodes == len(out.rows) and g.size_for(len(out.rows)) is not None
                 and all(r.num_tokens == g.T for r in out.rows))
 
-    def _decode_graph(self, out: SchedulerOutput, **extra: list[int]) -> torch.Tensor:
+    def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list[int]) -> torch.Tensor:
         """Replay the graph of a graphable step: logits [R, V] (decode), or the spec runner's packed results."""
         bs = self.block_size
         rows = out.rows
@@ -182,7 +218,7 @@ class ModelRunner:
         return self.graphs.run(
             input_ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens,
             state_slots=[r.state_slot for r in rows],
-            block_tables=[r.block_ids for r in rows], **extra,
+            block_tables=[r.block_ids for r in rows], fill=fill, **extra,
         )
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .host_copy import to_device
 from .sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ class Sampler:
         out = logits.argmax(dim=-1)  # [R]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, torch.int64, logits.device)
             probs = self._probs(logits[idx], [params[i] for i in rows])  # [r, V]
             out[idx] = self._draw(probs, [generators[i] for i in rows])
         return out
@@ -55,7 +56,7 @@ class Sampler:
     def _probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         """logits [r, V] -> filtered, renormalised probabilities [r, V]."""
         dev, V = logits.device, logits.shape[1]
-        temp = torch.tensor([p.temperature for p in params], device=dev)  # [r]
+        temp = to_device([p.temperature for p in params], torch.float32, dev)  # [r]
         # Subtract the row max before dividing: softmax is shift-invariant, and this keeps a tiny
         # temperature from turning the top logit into inf (inf - inf = NaN in softmax).
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp[:, None]  # [r, V]
@@ -65,9 +66,9 @@ class Sampler:
         # a top-k cut is deterministic.
         sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [r, V]
         pos = torch.arange(V, device=dev)  # [V]
-        k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)  # [r]
+        k = to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64, dev)  # [r]
         sorted_logits = sorted_logits.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev)  # [r]
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)  # [r]
         sorted_probs = sorted_logits.softmax(dim=-1)  # [r, V], the top-k-renormalised distribution
         # Mass strictly before each token: a token stays while that mass is < top_p, which keeps the
         # smallest prefix reaching top_p and always the first token. Rows with top_p = 1 skip the cut,
@@ -85,7 +86,8 @@ class Sampler:
         q = torch.empty_like(probs)  # [r, V]
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            q[to_device(unseeded, torch.int64, probs.device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device).exponential_()
         for i, g in enumerate(generators):
             if g is not None:
                 if g.device.type != probs.device.type:

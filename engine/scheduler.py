@@ -10,6 +10,15 @@ Per step (R5):
 2. running requests still prefilling get a chunk each: min(remaining, budget left, chunk cap);
 3. waiting requests are admitted in arrival order while budget, sequence slots, state slots and KV
    blocks last; the first that does not fit stops admission (no overtaking).
+
+Async scheduling (K = 0, or a prefill-only engine; `LLMEngine`): step n+1 is scheduled while step n still runs
+on the GPU. `advance(out)` accounts for a launched step at once (computed tokens, and a PENDING output token
+per sampling row, so that length limits apply exactly); `resolve` writes each token's value once the step's
+tokens are read, and applies the stop ids. A request that stops on step n's token was already scheduled
+into step n+1: that row's work is dropped. Blocks and state slots freed while a step is in flight (finished,
+aborted or preempted requests) may still be written by it, so they stay out of the free lists until the
+engine reports that step done (`step_launched` / `step_done`): no new request, and no transfer into a
+reserved block, ever shares them with a step in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from functools import cached_property
 
 from baton.engine.allocator import FreeList
 from baton.engine.engine_config import EngineConfig
-from baton.engine.request import Request, RequestStatus
+from baton.engine.request import PENDING, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,11 @@ class Scheduler:
         self.running: list[Request] = []  # ordered by arrival
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Steps launched / known done (async scheduling), and what was freed while some were in flight:
+        # (the latest step launched then, block ids, state slot or None).
+        self.launched = 0
+        self.done = 0
+        self.quarantine: list[tuple[int, list[int], int | None]] = []
 
     # ---- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -220,6 +234,66 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def advance(self, out: SchedulerOutput) -> list[Request]:
+        """Account for a launched step before its tokens are known (async scheduling; rows without drafts):
+        every row's tokens are now computed, and every sampling row gets a PENDING output token, which counts
+        toward max_tokens at once. Returns the requests this step finishes (length, or a prefill-only request
+        whose prompt is computed); stops are found by `resolve`."""
+        finished = []
+        for row in out.rows:
+            req = self.requests.get(row.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            if row.num_draft:
+                raise ValueError(f"advance: expected rows without drafts, got {row.num_draft} for {row.request_id!r}")
+            req.num_computed_tokens += row.num_tokens
+            if req.prefill_only and req.num_computed_tokens == req.num_prefill_tokens:
+                self._finish(req, RequestStatus.FINISHED_PREFILLED)
+                finished.append(req)
+            elif row.sample:
+                req.output_token_ids.append(PENDING)
+                if len(req.output_token_ids) >= self._output_limit(req):
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                    finished.append(req)
+        return finished
+
+    def resolve(self, req: Request, index: int, token: int) -> bool:
+        """Write the value of req's PENDING output token at `index`, sampled by a step now read, and apply the
+        stop ids (a stop drops the PENDING tokens after it and finishes req). False when the token is not
+        req's any more: req was aborted, or stopped on an earlier token."""
+        outputs = req.output_token_ids
+        if req.status is RequestStatus.FINISHED_ABORTED or index >= len(outputs) or outputs[index] != PENDING:
+            return False
+        outputs[index] = token
+        if token in req.stop_ids:
+            del outputs[index + 1:]
+            if req.status.finished:
+                # Finished by length on a later PENDING token: its caches are released already.
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
+
+    def step_launched(self) -> int:
+        """A step was launched and is not done yet; returns its number."""
+        self.launched += 1
+        return self.launched
+
+    def step_done(self, step: int) -> None:
+        """Every step up to `step` is done: what was freed while they ran goes back to the free lists."""
+        self.done = max(self.done, step)
+        if self.quarantine and self.quarantine[0][0] <= self.done:
+            keep = []
+            for tag, blocks, slot in self.quarantine:
+                if tag > self.done:
+                    keep.append((tag, blocks, slot))
+                    continue
+                if blocks:
+                    self.blocks.free(blocks)
+                if slot is not None:
+                    self.slots.free([slot])
+            self.quarantine = keep
+
     def _append(self, req: Request, emitted: list[int]) -> bool:
         """Append emitted tokens up to the first stop; True when the request finished."""
         outputs = req.output_token_ids
@@ -339,12 +413,18 @@ class Scheduler:
         self.running.insert(idx, req)
 
     def _release(self, req: Request) -> None:
-        if req.block_ids:
-            self.blocks.free(req.block_ids)
-            req.set_blocks([])
-        if req.state_slot is not None:
-            self.slots.free([req.state_slot])
-            req.state_slot = None
+        blocks, slot = req.block_ids, req.state_slot
+        req.set_blocks([])
+        req.state_slot = None
+        if self.launched > self.done:
+            # A step in flight may still write them: free once it is done (step_done).
+            if blocks or slot is not None:
+                self.quarantine.append((self.launched, blocks, slot))
+            return
+        if blocks:
+            self.blocks.free(blocks)
+        if slot is not None:
+            self.slots.free([slot])
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status.finished:

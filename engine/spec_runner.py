@@ -28,6 +28,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
+from baton.engine.pending_step import PendingStep
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
@@ -50,6 +51,17 @@ class SpecRunner(ModelRunner):
         if len(self._mtp_kv) != mtp.num_kv_layers:
             raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
         self.rejection = RejectionSampler(num_speculative_tokens)
+
+    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
+               return_logits: bool = False) -> PendingStep:
+        """A prefill node's step (draft=False: it never samples), queued without a host read. A drafting runner's
+        steps are not pipelined: how many tokens a verify row commits is known only once its tokens are read."""
+        if self.draft:
+            raise RuntimeError("SpecRunner.launch: expected a prefill-only runner (draft=False); a drafting runner "
+                               "runs its steps with execute()")
+        if self.execute(out, return_logits).sampled:
+            raise RuntimeError("SpecRunner.launch: a prefill-only step sampled (a bug)")
+        return PendingStep([], None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:

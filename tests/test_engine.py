@@ -206,7 +206,8 @@ def test_r1_decode_from_transferred_n_minus_1_state_equals_one_engine(tiny, n):
     pre = new_engine(tiny)
     pre.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)  # computes N-1 tokens
     (held,) = [o for _ in range(20) for o in pre.step()]
-    dec = new_engine(tiny)
+    # Steps driven by hand below: no step may be in flight when one is scheduled outside step().
+    dec = new_engine(tiny, async_scheduling=False)
     busy = dec.add_request(rand_prompt(rng, 12), GREEDY)  # a running request: the first step is mixed
     dec.step()
     blocks, slot = dec.reserve(n - 1)

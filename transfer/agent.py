@@ -154,12 +154,13 @@ class TransferAgent:
         """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline.
 
         Spins for the first milliseconds: a 350 MiB READ over NVLink takes ~1 ms, and even a short sleep
-        between polls measurably cut its bandwidth (126 vs ~260 GB/s on H200). Then it backs off.
+        between polls measurably cut its bandwidth (126 vs ~260 GB/s on H200). Then it backs off. Each spin
+        turn yields the GIL (`sleep(0)`): on a decode node this runs beside the engine thread, which would
+        otherwise wait up to the interpreter's switch interval (5 ms) per turn for its next step's host work.
         """
         spin_until = time.monotonic() + SPIN_SECONDS
         while not self.poll(pending):
-            if time.monotonic() > spin_until:
-                time.sleep(0.0002)
+            time.sleep(0 if time.monotonic() <= spin_until else 0.0002)
 
     def read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
              local_slot: int, remote_slot: int, timeout: float = DEFAULT_TIMEOUT_S, coalesced: bool = True) -> None:
