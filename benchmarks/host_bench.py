@@ -73,7 +73,7 @@ def fake_launch(engine: LLMEngine):
         if runner._graphable(out):
             runner._decode_graph(out, fill=fill)
         ids = [r.request_id for r in out.rows if r.sample]
-        return PendingStep(ids, torch.full((len(ids),), TOKEN, dtype=torch.int64) if ids else None)
+        return PendingStep(ids, torch.full((len(ids),), TOKEN, dtype=torch.int64) if ids else None, runner.device)
 
     return launch
 

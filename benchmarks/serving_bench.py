@@ -39,7 +39,8 @@ TMP/baton-serving-PRESET), and reused when that directory already holds the same
 
 Engine (every node, `--engine-args`), GPU default: bf16 on `cuda`, 64 running requests, 2048-token step
 budget (long prompts are prefilled in 2048-token chunks, mixed with decode rows on aggregated nodes), 8 GiB
-of KV + state pool, max length 16384.
+of KV + state pool, max length 16384. `--prefill-engine-args` adds flags for the disagg prefill node only (e.g.
+a larger step budget: its steps carry no decode rows whose latency a long step would hurt).
 
 Output: `OUT/serving_<config>.json` per configuration (written after every rate point), `OUT/serving_summary.json`,
 a markdown table last on stdout; node and router logs under `--log-dir` (default TMP/baton-serving-logs).
@@ -175,6 +176,9 @@ class BenchConfig:
     calibration_requests: int
     gpus: int
     engine_args: tuple[str, ...]
+    # disagg: engine flags of the prefill node only, after engine_args (a later flag wins), e.g. a larger step
+    # budget: a prefill node has no decode rows whose latency a long step would hurt.
+    prefill_engine_args: tuple[str, ...]
     configs: tuple[str, ...]
     disagg_local_prefill_threshold: int
     progress: bool
@@ -504,7 +508,8 @@ def make_cluster(cfg: BenchConfig, spec: ClusterSpec) -> Cluster:
     first: disagg = prefill on GPU 0, decode on GPU 1; agg = decode nodes on GPU 0 and GPU 1)."""
     return Cluster(str(cfg.model_dir), prefill_workers=spec.prefill_workers, decode_workers=spec.decode_workers,
                    local_prefill_threshold=spec.local_prefill_threshold, engine_args=cfg.engine_args,
-                   node_gpus=tuple(range(cfg.gpus)), log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None)
+                   prefill_args=cfg.prefill_engine_args, node_gpus=tuple(range(cfg.gpus)),
+                   log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None)
 
 
 def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tuple[float, ...], bar: tqdm,
@@ -682,6 +687,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ap.add_argument("--engine-args", default=None,
                     help=f"engine flags of every node, one string (default '{DEFAULTS['gpu']['engine_args']}'; "
                          f"--smoke '{DEFAULTS['smoke']['engine_args']}')")
+    ap.add_argument("--prefill-engine-args", default="",
+                    help="disagg: engine flags of the prefill node only, after --engine-args (a later flag wins), "
+                         "e.g. '--max-num-batched-tokens 8192' (default: none)")
     ap.add_argument("--configs", default="agg,disagg", help="which configurations, in run order")
     ap.add_argument("--disagg-local-prefill-threshold", type=int, default=0,
                     help="disagg: prompts of at most this many tokens are prefilled on the decode node")
@@ -713,6 +721,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         drain_s=float(pick("drain_s")), warmup_requests=int(pick("warmup_requests")),
         calibration_requests=int(pick("calibration_requests")), gpus=int(pick("gpus")),
         engine_args=tuple(str(pick("engine_args")).split()),
+        prefill_engine_args=tuple(a.prefill_engine_args.split()),
         configs=tuple(c.strip() for c in a.configs.split(",") if c.strip()),
         disagg_local_prefill_threshold=a.disagg_local_prefill_threshold, progress=not a.no_progress,
         log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize)
@@ -753,8 +762,8 @@ def summarize_only(cfg: BenchConfig) -> int:
     docs = [json.loads(config_file(cfg.out, n).read_text()) for n in CONFIG_NAMES if config_file(cfg.out, n).exists()]
     if not docs:
         raise ValueError(f"--summarize: expected serving_<config>.json files in {cfg.out}, found none")
-    meta = {k: v for k, v in docs[0].items() if k in ("model", "cards", "engine_args", "load", "slo", "drain_s",
-                                                       "gpus", "command")}
+    meta = {k: v for k, v in docs[0].items() if k in ("model", "cards", "engine_args", "prefill_engine_args", "load",
+                                                       "slo", "drain_s", "gpus", "command")}
     points = load_points(cfg.out)
     if all(len(p.per_request) == p.requests for ps in points.values() for p in ps):
         points = {name: tuple(with_slo(p, cfg.slo) for p in ps) for name, ps in points.items()}
@@ -769,9 +778,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.summarize:
         return summarize_only(cfg)
     check_engine_args(cfg.engine_args)
+    check_engine_args((*cfg.engine_args, *cfg.prefill_engine_args))
     model = ensure_model(cfg)
     check_model_len(cfg, model)
     meta = {"model": asdict(model), "cards": card_names(), "engine_args": list(cfg.engine_args),
+            "prefill_engine_args": list(cfg.prefill_engine_args),
             "load": asdict(cfg.load), "slo": asdict(cfg.slo), "drain_s": cfg.drain_s, "gpus": cfg.gpus,
             "command": " ".join(sys.argv)}
     print(f"model {model.preset} (make-model preset {model.base_preset}"

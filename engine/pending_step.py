@@ -14,18 +14,22 @@ from baton.engine.host_copy import to_device
 
 
 class PendingStep:
-    def __init__(self, request_ids: list[str], tokens: torch.Tensor | None,
+    def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, device: torch.device,
                  logits: torch.Tensor | None = None) -> None:
         """request_ids: the rows that sampled, in order; tokens [R] int64 on the device (None: no row sampled);
-        logits [R, V] when the caller asked for them."""
+        logits [R, V] when the caller asked for them. Construct it after the step's last kernel is queued: on
+        CUDA its event marks the step's end, tokens or not, and `result()` waits for it. A step that samples
+        nothing (prefill chunks) is still waited for: its outputs hand caches over (a prefill node's finished
+        prompt is read by another process), which must not happen before they are written."""
         self.request_ids = request_ids
         self.tokens = tokens
         self.logits = logits
         self._event: torch.cuda.Event | None = None
         self._host = tokens
-        if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        if device.type == "cuda":
+            if tokens is not None:
+                self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         self._row_of: dict[str, int] | None = None
@@ -39,10 +43,10 @@ class PendingStep:
     def result(self) -> tuple[dict[str, int], dict[str, torch.Tensor] | None]:
         """Wait for this step's tokens (not for steps launched after it): request id -> token, and request id
         -> logits [V] when asked for."""
-        if self.tokens is None:
-            return {}, ({} if self.logits is not None else None)
         if self._event is not None:
             self._event.synchronize()
+        if self.tokens is None:
+            return {}, None
         sampled = dict(zip(self.request_ids, self._host.tolist(), strict=True))
         logits = None if self.logits is None else {r: self.logits[i] for i, r in enumerate(self.request_ids)}
         return sampled, logits

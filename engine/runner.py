@@ -147,7 +147,7 @@ class ModelRunner:
         if not out.rows:
             return StepOutput(sampled={})
         sampled, logits = self.launch(out, return_logits=return_logits).result()
-        return StepOutput(sampled=sampled, logits=logits if return_logits else None)
+        return StepOutput(sampled=sampled, logits=(logits or {}) if return_logits else None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
@@ -171,10 +171,10 @@ class ModelRunner:
                 last = self._t([ends[i] - 1 for i in sample_rows])
             hidden = self.model(input_ids, batch)
             if not sample_rows:
-                return PendingStep([], None)
+                return PendingStep([], None, self.device)
             logits = self.model.logits(hidden[last])  # [R_s, V] float32
         ids = [out.rows[i].request_id for i in sample_rows]
-        return PendingStep(ids, self.sample(logits, ids), logits if return_logits else None)
+        return PendingStep(ids, self.sample(logits, ids), self.device, logits if return_logits else None)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:

@@ -61,7 +61,7 @@ class SpecRunner(ModelRunner):
                                "runs its steps with execute()")
         if self.execute(out, return_logits).sampled:
             raise RuntimeError("SpecRunner.launch: a prefill-only step sampled (a bug)")
-        return PendingStep([], None)
+        return PendingStep([], None, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:

@@ -296,3 +296,15 @@ def test_gpu_pipelined_steps_never_synchronize(tiny):
     allowed = {k for k in syncs if k.startswith("pending_step.py:")}
     assert not set(syncs) - allowed, f"synchronising calls: {dict(syncs)}"
     assert_all_free(engine)
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_that_samples_nothing_is_still_waited_for():
+    """A prefill node's step samples nothing, but its outputs hand caches to another process: reading it must
+    wait until its kernels are done."""
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(30):
+        a = (a @ a).tanh()  # some milliseconds of queued work, standing in for a prefill step
+    pending = PendingStep([], None, torch.device("cuda"))
+    assert pending.result() == ({}, None)
+    assert torch.cuda.current_stream().query()

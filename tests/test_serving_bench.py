@@ -196,12 +196,14 @@ def test_smoke_run_end_to_end(tmp_path):
     ordered, goodput <= throughput, and the router routed as each configuration means to."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "serving_bench.py"), "--smoke", "--out",
-                           str(out), "--no-progress"], capture_output=True, text=True, timeout=170)
+                           str(out), "--no-progress", "--prefill-engine-args", "--max-num-batched-tokens 128"],
+                          capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "disagg / agg max goodput" in proc.stdout
     for name, route in (("agg", "local_prefill"), ("disagg", "disaggregated")):
         doc = json.loads((out / f"serving_{name}.json").read_text())
         assert doc["config"]["name"] == name
+        assert doc["prefill_engine_args"] == ["--max-num-batched-tokens", "128"]
         assert [p["offered_rps"] for p in doc["points"]] == [2.0, 4.0]
         routing = doc["routing_including_warmup"]
         assert routing[route] > 0 and sum(routing.values()) == routing[route], routing
