@@ -697,7 +697,8 @@ def plot_decode_roofline(results_json_path: str | Path, png_path: str | Path) ->
         raise ValueError(f"{results_json_path}: expected decode results, got none")
     b = [d["batch"] for d in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(b, [d["step_ms"] for d in rows], "o-", label="engine step")
+    # (JSON written before async scheduling has only the median of synchronised steps.)
+    ax.plot(b, [d.get("step_ms", d["step_ms_median"]) for d in rows], "o-", label="engine step")
     ax.plot(b, [d["forward_ms"] for d in rows], "s--", label="model forward + lm_head")
     ax.plot(b, [d["roofline_ms"] for d in rows], "k-", lw=2, label=f"roofline (copy {data['copy_gbps']:.0f} GB/s)")
     for batch, goal in DECODE_GOALS.items():

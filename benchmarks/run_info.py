@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -10,7 +11,11 @@ import torch
 
 
 def git_commit() -> str:
-    """Short HEAD of the checkout, "+dirty" with uncommitted changes, "unknown" without git."""
+    """Short HEAD of the checkout, "+dirty" with uncommitted changes, "unknown" without git. `BATON_COMMIT`, when
+    set, is taken as is: a copy of the tree whose git metadata lags behind it (the GPU machine's) names the
+    commit it was copied from that way."""
+    if os.environ.get("BATON_COMMIT"):
+        return os.environ["BATON_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,

@@ -139,3 +139,12 @@ def test_plot(smoke, tmp_path):
     src.write_text(json.dumps(smoke))
     assert eb.main(["--plot", str(src), "--png", str(tmp_path / "r.png")]) == 0
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_info_commit_can_be_named_by_the_environment(monkeypatch):
+    from benchmarks.run_info import git_commit
+
+    monkeypatch.delenv("BATON_COMMIT", raising=False)
+    assert git_commit()  # this checkout's HEAD (or "unknown" without git)
+    monkeypatch.setenv("BATON_COMMIT", "f5cb2b7")
+    assert git_commit() == "f5cb2b7"
