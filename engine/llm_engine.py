@@ -194,6 +194,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
+        if req is None:
+            # A prefill-only request finishes when its last chunk is launched, but hands its caches over only
+            # with that step's output: aborted in between, nobody will take them, so they are released here.
+            req = next((r for step in self._in_flight for r in step.reqs if r.request_id == request_id
+                        and r.status is RequestStatus.FINISHED_PREFILLED), None)
+            if req is not None:
+                self.scheduler.abort_prefilled(req)
         self.runner.remove_request(request_id)
         return req is not None
 

@@ -128,6 +128,15 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
+    def abort_prefilled(self, req: Request) -> None:
+        """Abort a prefill-only request that finished but was not handed over yet: its held caches go back (after
+        the step in flight that wrote them)."""
+        if req.status is not RequestStatus.FINISHED_PREFILLED:
+            raise ValueError(f"abort_prefilled: expected a prefilled request, got {req.status.value!r} for "
+                             f"{req.request_id!r}")
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._release(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -211,6 +211,19 @@ def test_prefill_only_engine_pipelines_and_hands_over_computed_caches(tiny):
         assert torch.equal(held[True][rid][1], held[False][rid][1])
 
 
+def test_abort_between_a_prefill_finishing_and_its_output_frees_the_held_caches(tiny):
+    """R7 with async scheduling: a prefill-only request finishes when its last chunk is launched, and its caches
+    are handed over with that step's output. An abort in between (a client cancel) must free them."""
+    engine = new_engine(tiny, True, prefill_only=True)
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=1), request_id="p", prefill_only=True)
+    assert engine.step() == []  # launched; finished in the scheduler, not read
+    assert "p" not in engine.scheduler.requests
+    assert engine.abort("p")
+    assert engine.step() == []  # read: no prefilled output for an aborted request
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
 def test_abort_from_the_engine_thread_reports_no_pending_token(tiny):
     engine = new_engine(tiny, True)
     thread = EngineThread(engine).start()
