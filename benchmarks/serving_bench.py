@@ -27,6 +27,10 @@ throughput). Requests unfinished
 `--drain-s` after the last arrival are cancelled and count as failed (not good). Summary: the highest goodput
 of each configuration over the sweep and their ratio disagg / agg (issue #7's goal: ≥ 2×).
 
+Warm-up (not measured): `--warmup-requests` sent at once, then `--warmup-s` of open-loop load at the sweep's first
+rate (default 10 s on GPU), so that Triton compiles for the chunk shapes of staggered arrivals happen before the
+first measured rate rather than inside it.
+
 Rates: `--rates 1,2,4` (requests/s), or `auto` (default on GPU): after the warm-up, a burst of
 `--calibration-requests` concurrent requests on the first configuration run (agg) measures its closed-loop
 capacity C (requests/s); the sweep is `--rate-fractions` × C, reused for the second configuration.
@@ -97,14 +101,16 @@ DEFAULTS: dict[str, dict[str, object]] = {
     "gpu": {
         "model_preset": "1b-hybrid", "prompt_min": 2048, "prompt_max": 8192, "output_min": 64, "output_max": 256,
         "duration_s": 20.0, "drain_s": 15.0, "rates": "auto", "rate_fractions": "0.25,0.5,0.75,1.0,1.25",
-        "warmup_requests": 24, "calibration_requests": 32, "gpus": 2, "slo_ttft_s": 2.0, "slo_tpot_ms": 50.0,
+        "warmup_requests": 24, "warmup_s": 10.0, "calibration_requests": 32, "gpus": 2, "slo_ttft_s": 2.0,
+        "slo_tpot_ms": 50.0,
         "engine_args": "--device cuda --dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 "
                        "--cache-memory-mb 8192 --max-model-len 16384",
     },
     "smoke": {
         "model_preset": "tiny", "prompt_min": 16, "prompt_max": 64, "output_min": 4, "output_max": 12,
         "duration_s": 4.0, "drain_s": 20.0, "rates": "2,4", "rate_fractions": "0.5,1.0",
-        "warmup_requests": 2, "calibration_requests": 4, "gpus": 0, "slo_ttft_s": 5.0, "slo_tpot_ms": 500.0,
+        "warmup_requests": 2, "warmup_s": 0.0, "calibration_requests": 4, "gpus": 0, "slo_ttft_s": 5.0,
+        "slo_tpot_ms": 500.0,
         "engine_args": "--block-size 8 --max-num-seqs 8 --max-num-batched-tokens 64 --num-kv-blocks 256",
     },
 }
@@ -173,6 +179,9 @@ class BenchConfig:
     rate_fractions: tuple[float, ...]
     drain_s: float
     warmup_requests: int
+    # Then this many seconds of open-loop load at the sweep's first rate, not measured: the burst alone leaves
+    # Triton kernels to compile for chunk shapes that only staggered arrivals produce, during the first rate.
+    warmup_s: float
     calibration_requests: int
     gpus: int
     engine_args: tuple[str, ...]
@@ -196,6 +205,8 @@ class BenchConfig:
             raise ValueError("rates: expected explicit rates or rate fractions for calibration, got neither")
         if self.drain_s <= 0:
             raise ValueError(f"drain_s: expected > 0, got {self.drain_s}")
+        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
+            raise ValueError(f"warmup_s: expected a finite number >= 0, got {self.warmup_s}")
         if self.warmup_requests < 0 or self.calibration_requests < 1:
             raise ValueError(f"warmup_requests / calibration_requests: expected >= 0 / >= 1, got "
                              f"{self.warmup_requests} / {self.calibration_requests}")
@@ -537,6 +548,13 @@ def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tupl
             capacity = calibrate(cluster.router_addr, cfg, vocab_size)
             rates = tuple(round(f * capacity, 3) for f in cfg.rate_fractions)
             bar.write(f"[{spec.name}] closed-loop capacity {capacity:.3f} req/s -> rates {rates}")
+        if cfg.warmup_s > 0:
+            t = time.perf_counter()
+            warm = make_requests(replace(cfg.load, duration_s=cfg.warmup_s), rates[0], vocab_size, salt=-1)
+            asyncio.run(run_schedule(cluster.router_addr, warm, cfg.drain_s))
+            warmup_s += time.perf_counter() - t
+            bar.write(f"[{spec.name}] open-loop warm-up: {len(warm)} requests over {cfg.warmup_s:.0f} s at "
+                      f"{rates[0]:.3f} req/s")
         points: list[RatePoint] = []
         for i, rate in enumerate(rates):
             reqs = make_requests(cfg.load, rate, vocab_size, salt=i)
@@ -673,6 +691,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
                              ("duration-s", float, "arrival window per rate (s)"),
                              ("drain-s", float, "after the last arrival, cancel what still runs after this (s)"),
                              ("warmup-requests", int, "requests sent at once before measuring"),
+                             ("warmup-s", float, "then open-loop load at the first rate for this long, unmeasured"),
                              ("calibration-requests", int, "burst size measuring capacity for --rates auto"),
                              ("gpus", int, "GPUs to spread nodes over (0 = do not pin)"),
                              ("slo-ttft-s", float, "SLO: time to first token (s)"),
@@ -718,7 +737,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
                       int(pick("output_max")), float(pick("duration_s")), a.seed),
         slo=Slo(float(pick("slo_ttft_s")), float(pick("slo_tpot_ms")) / 1e3),
         rates=rates, rate_fractions=_floats(str(pick("rate_fractions")), "--rate-fractions"),
-        drain_s=float(pick("drain_s")), warmup_requests=int(pick("warmup_requests")),
+        drain_s=float(pick("drain_s")), warmup_requests=int(pick("warmup_requests")), warmup_s=float(pick("warmup_s")),
         calibration_requests=int(pick("calibration_requests")), gpus=int(pick("gpus")),
         engine_args=tuple(str(pick("engine_args")).split()),
         prefill_engine_args=tuple(a.prefill_engine_args.split()),

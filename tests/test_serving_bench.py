@@ -77,6 +77,8 @@ def test_bad_flags_are_value_errors(tmp_path):
         sb.parse_args(["--smoke", "--out", str(tmp_path), "--rates", "1,fast"])
     with pytest.raises(ValueError, match="rates / rate_fractions: expected finite numbers > 0"):
         sb.parse_args(["--smoke", "--out", str(tmp_path), "--rates", "1,0"])
+    with pytest.raises(ValueError, match="warmup_s: expected a finite number >= 0, got -1.0"):
+        sb.parse_args(["--smoke", "--out", str(tmp_path), "--warmup-s", "-1"])
     cfg = sb.parse_args(["--out", str(tmp_path)])
     assert cfg.rates == () and cfg.gpus == 2 and cfg.model_preset == "1b-hybrid"  # GPU defaults: auto rates
     sb.check_engine_args(cfg.engine_args)  # the GPU defaults parse (EngineConfig does not open the device)
@@ -196,7 +198,8 @@ def test_smoke_run_end_to_end(tmp_path):
     ordered, goodput <= throughput, and the router routed as each configuration means to."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "serving_bench.py"), "--smoke", "--out",
-                           str(out), "--no-progress", "--prefill-engine-args", "--max-num-batched-tokens 128"],
+                           str(out), "--no-progress", "--prefill-engine-args", "--max-num-batched-tokens 128",
+                           "--warmup-s", "1"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "disagg / agg max goodput" in proc.stdout
