@@ -180,8 +180,9 @@ class StepGraphs:
             verify_base: list[int] | None = None, fill: tuple | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
         per row. fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
-        flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay. Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output
-        for the graph's padded size."""
+        flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
+        Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output for the
+        graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:

@@ -10,7 +10,6 @@ from a host copy.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,13 +83,12 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput, spec: bool = False) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.block_size
         input_ids: list[int] = []
-        qsl = [0]
+        qsl = out.token_starts
         slot_mapping: list[int] = []
         max_blocks = max(len(r.block_ids) for r in out.rows)
         block_tables = []
         for row in out.rows:
             input_ids.extend(row.token_ids)
-            qsl.append(qsl[-1] + row.num_tokens)
             start = row.num_computed_tokens
             slot_mapping += kv_slots(row.block_ids, start, start + row.num_tokens, bs)
             block_tables.append(list(row.block_ids) + [0] * (max_blocks - len(row.block_ids)))
@@ -167,8 +165,8 @@ class ModelRunner:
             if sample_rows:
                 # The logits gather: the last token of every row that samples (R5); from host ints, before the
                 # forward (indexing a device tensor with a host list would copy the list and wait).
-                ends = list(itertools.accumulate(r.num_tokens for r in out.rows))
-                last = self._t([ends[i] - 1 for i in sample_rows])
+                starts = out.token_starts
+                last = self._t([starts[i + 1] - 1 for i in sample_rows])
             hidden = self.model(input_ids, batch)
             if not sample_rows:
                 return PendingStep([], None, self.device)

@@ -81,6 +81,15 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.rows)
 
+    @cached_property
+    def token_starts(self) -> list[int]:
+        """Where each row's tokens start in the step's flat token list, then the total: query_start_loc as ints
+        (row i's last token is token_starts[i + 1] - 1). Shared, not to be modified."""
+        starts = [0]
+        for r in self.rows:
+            starts.append(starts[-1] + len(r.token_ids))
+        return starts
+
     @property
     def is_mixed(self) -> bool:
         return 0 < self.num_decodes < len(self.rows)

@@ -82,9 +82,7 @@ class SpecRunner(ModelRunner):
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
         if prefill_sampling:
-            starts = [0]
-            for r in rows:
-                starts.append(starts[-1] + r.num_tokens)
+            starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
