@@ -46,8 +46,11 @@ budget (long prompts are prefilled in 2048-token chunks, mixed with decode rows 
 of KV + state pool, max length 16384. `--prefill-engine-args` adds flags for the disagg prefill node only (e.g.
 a larger step budget: its steps carry no decode rows whose latency a long step would hurt).
 
+Per rate point each node's engine work is also recorded (`nodes`, from its /metrics before and after the point):
+how busy its engine loop was, its mean step time, prompt and decode tokens/s — where a node is host-bound.
+
 Output: `OUT/serving_<config>.json` per configuration (written after every rate point), `OUT/serving_summary.json`,
-a markdown table last on stdout; node and router logs under `--log-dir` (default TMP/baton-serving-logs).
+markdown tables last on stdout; node and router logs under `--log-dir` (default TMP/baton-serving-logs).
 `python benchmarks/plot_results.py OUT` draws the PNGs. To split the configurations over two runs: `--configs agg`,
 then `--configs disagg --rates <agg's rates>` (or `--rates-from serving_agg.json`) into the same OUT, or
 `--summarize` over a directory holding both files.
@@ -71,7 +74,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -387,6 +390,18 @@ def summarize(values: Sequence[float]) -> Percentiles | None:
 
 
 @dataclass(frozen=True)
+class NodeLoad:
+    """One node's engine work over a rate point (its /metrics scraped before and after the point's requests): how
+    busy its engine loop was, and with what. A loop busy ~100 % of the window with a step time far above the GPU's
+    is host-bound."""
+    steps: int
+    busy: float           # seconds inside engine steps / the point's window
+    step_ms: float        # mean wall time of one engine step (0 without steps)
+    prompt_tok_s: float   # prefill tokens computed / window
+    decode_tok_s: float   # decode tokens fed / window
+
+
+@dataclass(frozen=True)
 class RatePoint:
     config: str
     offered_rps: float
@@ -406,6 +421,8 @@ class RatePoint:
     errors: tuple[str, ...]
     # Per request, (TTFT s, TPOT s), None where it did not complete: goodput at another SLO, from the same run.
     per_request: tuple[tuple[float | None, float | None], ...] = ()
+    # Node name -> its engine work over this point (empty in files written before this field existed).
+    nodes: Mapping[str, NodeLoad] = field(default_factory=dict)
 
 
 def meets(ttft_s: float | None, tpot_s: float | None, slo: Slo) -> bool:
@@ -454,6 +471,33 @@ def routing_decisions(metrics_url: str) -> dict[str, float]:
             decision = labels.split('decision="', 1)[1].split('"', 1)[0]
             out[decision] = float(value)
     return out
+
+
+# The node counters a rate point's NodeLoad is computed from (`node/metrics.py`).
+NODE_COUNTERS = {"steps": "baton_node_engine_steps_total", "step_s": "baton_node_step_duration_seconds_sum",
+                 "prompt": "baton_node_prompt_tokens_total", "decode": "baton_node_decode_tokens_total"}
+
+
+def node_counters(metrics_url: str) -> dict[str, float]:
+    """NODE_COUNTERS' values (unlabelled series) scraped from a node's /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    missing = [m for m in NODE_COUNTERS.values() if m not in values]
+    if missing:
+        raise ValueError(f"{metrics_url}: expected the node counters {missing}, got none")
+    return {k: float(values[m]) for k, m in NODE_COUNTERS.items()}
+
+
+def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s: float) -> NodeLoad:
+    steps = int(after["steps"] - before["steps"])
+    step_s = after["step_s"] - before["step_s"]
+    return NodeLoad(steps=steps, busy=step_s / window_s, step_ms=1e3 * step_s / steps if steps else 0.0,
+                    prompt_tok_s=(after["prompt"] - before["prompt"]) / window_s,
+                    decode_tok_s=(after["decode"] - before["decode"]) / window_s)
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -555,11 +599,15 @@ def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tupl
             warmup_s += time.perf_counter() - t
             bar.write(f"[{spec.name}] open-loop warm-up: {len(warm)} requests over {cfg.warmup_s:.0f} s at "
                       f"{rates[0]:.3f} req/s")
+        addrs = cluster.prefill_addrs + cluster.decode_addrs  # in node_names' order
+        node_urls = {n: cluster.node_http_url(a) + "/metrics" for n, a in zip(cluster.node_names, addrs, strict=True)}
         points: list[RatePoint] = []
         for i, rate in enumerate(rates):
             reqs = make_requests(cfg.load, rate, vocab_size, salt=i)
+            before = {n: node_counters(u) for n, u in node_urls.items()}
             results = asyncio.run(run_schedule(cluster.router_addr, reqs, cfg.drain_s))
             p = rate_point(spec.name, rate, cfg.load.duration_s, results, cfg.slo)
+            p = replace(p, nodes={n: node_load(before[n], node_counters(u), p.window_s) for n, u in node_urls.items()})
             points.append(p)
             save(ConfigResult(spec, start_s, warmup_s, capacity, tuple(points), {}, node_gpus))
             bar.write(f"[{spec.name}] {rate:.3f} req/s offered: {p.completed}/{p.requests} done, "
@@ -616,6 +664,12 @@ def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
             lines.append(f"| {p.config} | {p.offered_rps:.3f} | {p.completed}/{p.requests} | {p.throughput_rps:.3f} "
                          f"| {p.goodput_rps:.3f} | {100 * p.slo_attainment:.0f} % | {trio[0]} | {trio[1]} "
                          f"| {_ms(p.tpot_s, 'p50')} | {e2e} |")
+    loads = [(p, n, ld) for ps in points.values() for p in ps for n, ld in p.nodes.items()]
+    if loads:
+        lines += ["", "| config | offered req/s | node | engine busy | steps | step ms | prompt tok/s | decode tok/s |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} | {ld.step_ms:.2f} "
+                  f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} |" for p, n, ld in loads]
     s = summary_of(points)
     lines.append("")
     for k, v in s.max_goodput_rps.items():
@@ -641,7 +695,8 @@ def write_config(cfg: BenchConfig, meta: Mapping[str, object], r: ConfigResult) 
 def point_from_json(d: Mapping[str, object]) -> RatePoint:
     stats = {k: None if d[k] is None else Percentiles(**d[k]) for k in ("ttft_s", "itl_s", "tpot_s", "e2e_s")}
     per_request = tuple(tuple(r) for r in d.get("per_request", ()))
-    return RatePoint(**{**d, **stats, "errors": tuple(d["errors"]), "per_request": per_request})
+    nodes = {n: NodeLoad(**v) for n, v in d.get("nodes", {}).items()}
+    return RatePoint(**{**d, **stats, "errors": tuple(d["errors"]), "per_request": per_request, "nodes": nodes})
 
 
 def load_points(out: Path) -> dict[str, tuple[RatePoint, ...]]:

@@ -203,6 +203,7 @@ def test_smoke_run_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "disagg / agg max goodput" in proc.stdout
+    assert "| engine busy |" in proc.stdout
     for name, route in (("agg", "local_prefill"), ("disagg", "disaggregated")):
         doc = json.loads((out / f"serving_{name}.json").read_text())
         assert doc["config"]["name"] == name
@@ -210,8 +211,16 @@ def test_smoke_run_end_to_end(tmp_path):
         assert [p["offered_rps"] for p in doc["points"]] == [2.0, 4.0]
         routing = doc["routing_including_warmup"]
         assert routing[route] > 0 and sum(routing.values()) == routing[route], routing
+        nodes = {"agg": {"decode-0", "decode-1"}, "disagg": {"prefill-0", "decode-0"}}[name]
         for p in doc["points"]:
             assert p["requests"] > 0 and p["completed"] == p["requests"] and p["failed"] == 0, p
+            # Each node's engine work over the point, from its /metrics: the nodes that served it did work.
+            assert set(p["nodes"]) == nodes
+            for n, load in p["nodes"].items():
+                assert 0 <= load["busy"] <= 1.5 and load["steps"] >= 0, (n, load)
+            assert sum(ld["decode_tok_s"] for ld in p["nodes"].values()) > 0
+            if name == "disagg":
+                assert p["nodes"]["prefill-0"]["prompt_tok_s"] > 0 and p["nodes"]["prefill-0"]["decode_tok_s"] == 0
             assert 0 < p["goodput_rps"] <= p["throughput_rps"]
             assert p["throughput_rps"] <= p["requests"] / doc["load"]["duration_s"] + 1e-9
             for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
