@@ -252,12 +252,11 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def advance(self, out: SchedulerOutput) -> list[Request]:
+    def advance(self, out: SchedulerOutput) -> None:
         """Account for a launched step before its tokens are known (async scheduling; rows without drafts):
         every row's tokens are now computed, and every sampling row gets a PENDING output token, which counts
-        toward max_tokens at once. Returns the requests this step finishes (length, or a prefill-only request
-        whose prompt is computed); stops are found by `resolve`."""
-        finished = []
+        toward max_tokens at once. The step finishes requests by length, and prefill-only requests whose prompt
+        is computed; stops are found by `resolve`."""
         for row in out.rows:
             req = self.requests.get(row.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -267,13 +266,10 @@ class Scheduler:
             req.num_computed_tokens += row.num_tokens
             if req.prefill_only and req.num_computed_tokens == req.num_prefill_tokens:
                 self._finish(req, RequestStatus.FINISHED_PREFILLED)
-                finished.append(req)
             elif row.sample:
                 req.output_token_ids.append(PENDING)
                 if len(req.output_token_ids) >= self._output_limit(req):
                     self._finish(req, RequestStatus.FINISHED_LENGTH)
-                    finished.append(req)
-        return finished
 
     def resolve(self, req: Request, index: int, token: int) -> bool:
         """Write the value of req's PENDING output token at `index`, sampled by a step now read, and apply the
@@ -302,14 +298,11 @@ class Scheduler:
         self.done = max(self.done, step)
         if self.quarantine and self.quarantine[0][0] <= self.done:
             keep = []
-            for tag, blocks, slot in self.quarantine:
-                if tag > self.done:
-                    keep.append((tag, blocks, slot))
-                    continue
-                if blocks:
-                    self.blocks.free(blocks)
-                if slot is not None:
-                    self.slots.free([slot])
+            for item in self.quarantine:
+                if item[0] > self.done:
+                    keep.append(item)
+                else:
+                    self._free(item[1], item[2])
             self.quarantine = keep
 
     def _append(self, req: Request, emitted: list[int]) -> bool:
@@ -438,7 +431,10 @@ class Scheduler:
             # A step in flight may still write them: free once it is done (step_done).
             if blocks or slot is not None:
                 self.quarantine.append((self.launched, blocks, slot))
-            return
+        else:
+            self._free(blocks, slot)
+
+    def _free(self, blocks: list[int], slot: int | None) -> None:
         if blocks:
             self.blocks.free(blocks)
         if slot is not None:
@@ -482,5 +478,4 @@ class Scheduler:
 
     def free_held(self, block_ids: list[int] | tuple[int, ...], state_slot: int) -> None:
         """Return the caches of a prefilled (held) request to the pools once its lease is over."""
-        self.blocks.free(list(block_ids))
-        self.slots.free([state_slot])
+        self._free(list(block_ids), state_slot)
