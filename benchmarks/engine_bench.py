@@ -42,12 +42,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -457,6 +458,17 @@ def forward_only_ms(engine: LLMEngine, iters: int, device: torch.device) -> floa
         return time_ms(fwd, iters, device)
 
 
+@contextlib.contextmanager
+def one_step_at_a_time(engine: LLMEngine) -> Iterator[None]:
+    """Steps read at once inside the block (no async scheduling); the engine's setting is restored after it. The
+    first step() inside reads a step left in flight before."""
+    depth, engine.depth = engine.depth, 0
+    try:
+        yield
+    finally:
+        engine.depth = depth
+
+
 def _check_decode_step(engine: LLMEngine, batch: int) -> None:
     if engine.stats.row_kinds[-1] != (batch, 0):
         raise RuntimeError(f"decode step: expected {batch} decode rows and no prefill, "
@@ -491,21 +503,20 @@ def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) ->
     pipelined, pipelined_mean = pipelined_step_times(engine, batch, bc.steps, device, contexts)
     # The same steps one at a time (schedule -> launch -> read, synchronised around each step): the host's work
     # then adds to the device's instead of overlapping it.
-    depth, engine.depth = engine.depth, 0
-    engine.step()  # reads the step left in flight
+    async_on = engine.depth > 0
     times = []
-    for _ in tqdm(range(bc.steps), desc=f"decode B={batch}", disable=not bc.progress):
-        contexts.append(_running_context(engine))
-        _, ms = _step(engine, device)
-        _check_decode_step(engine, batch)
-        times.append(ms)
-    fwd = forward_only_ms(engine, bc.steps, device)
-    engine.depth = depth
+    with one_step_at_a_time(engine):
+        engine.step()  # reads the step left in flight
+        for _ in tqdm(range(bc.steps), desc=f"decode B={batch}", disable=not bc.progress):
+            contexts.append(_running_context(engine))
+            _, ms = _step(engine, device)
+            _check_decode_step(engine, batch)
+            times.append(ms)
+        fwd = forward_only_ms(engine, bc.steps, device)
     for rid in ids:
         engine.abort(rid)
     ctx = statistics.fmean(contexts)
     dtype, ssm_dtype = engine.dtype, engine.ssm_dtype
-    async_on = depth > 0
     step_times = pipelined if async_on else times
     return DecodeResult(
         batch=batch, context=bc.context, steps=bc.steps, mean_context_tokens=ctx / batch,
@@ -591,11 +602,8 @@ def _prefill_step(engine: LLMEngine, prompts: list[list[int]], tag: str, device:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
-    depth, engine.depth = engine.depth, 0
-    try:
+    with one_step_at_a_time(engine):
         outs, ms = _step(engine, device)
-    finally:
-        engine.depth = depth
     if engine.has_unfinished() or len(outs) != len(prompts):
         raise RuntimeError(f"prefill: expected {len(prompts)} prompts done in one step, "
                            f"got {len(outs)} (raise max_num_batched_tokens?)")

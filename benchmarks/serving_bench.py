@@ -460,10 +460,14 @@ def rate_point(config: str, rate: float, duration_s: float, results: Sequence[Re
 
 # ---- clusters ---------------------------------------------------------------------------------------------
 
+def _scrape(metrics_url: str) -> str:
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        return resp.read().decode()
+
+
 def routing_decisions(metrics_url: str) -> dict[str, float]:
     """`baton_router_routing_decisions_total` by decision, scraped from the router's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
+    text = _scrape(metrics_url)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("baton_router_routing_decisions_total{"):
@@ -480,10 +484,8 @@ NODE_COUNTERS = {"steps": "baton_node_engine_steps_total", "step_s": "baton_node
 
 def node_counters(metrics_url: str) -> dict[str, float]:
     """NODE_COUNTERS' values (unlabelled series) scraped from a node's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
     values = {}
-    for line in text.splitlines():
+    for line in _scrape(metrics_url).splitlines():
         name, _, value = line.partition(" ")
         values[name] = value
     missing = [m for m in NODE_COUNTERS.values() if m not in values]
