@@ -33,6 +33,7 @@ from typing import Any
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
 ROUTER_NAME = "router"
+LISTEN_ATTEMPTS = 3  # starts of one server whose picked-free port was taken meanwhile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +76,14 @@ def join_host_port(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
+class ServerExited(RuntimeError):
+    """A server process exited before it answered."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        super().__init__(f"{name}: server exited with {returncode} during start")
+        self.returncode = returncode
+
+
 class ServerActor:
     """Runs one Baton server process on its Ray node. Decorated with `ray.remote` by `actor_class()`;
     called concurrently (max_concurrency > 1) so that `address()` answers while `start()` waits."""
@@ -94,28 +103,49 @@ class ServerActor:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        http_port = http_port if http_port is not None else (port + 1 if port else 0)
-        port = port or free_port(ip)
-        self.http_port = http_port or free_port(ip)
         ctx = ray.get_runtime_context()
         args = [a.replace("{gcs}", ctx.gcs_address) for a in args]
-        flags = ["--host", ip, "--port", str(port), "--http-port", str(self.http_port)]
-        if role == "prefill":
-            flags += ["--side-channel-port", str(free_port(ip))]
-        module = "baton.router.server" if role == "router" else f"baton.{role}_node.server"
+        http_port = http_port if http_port is not None else (port + 1 if port else 0)
         out: Any = None  # inherit: Ray's worker log, forwarded to the driver
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            out = open(Path(log_dir) / f"{self.name}.log", "w")  # noqa: SIM115 (lives as long as the process)
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_JOB_ID", "RAY_ADDRESS")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli.ray_cmd", "--parent-pid", str(os.getpid()), module, *flags, *args],
-            stdout=out, stderr=subprocess.STDOUT if out is not None else None, env=env)
-        addr = join_host_port(ip, port)
-        self._wait_ready(addr, role)
+            out = open(Path(log_dir) / f"{self.name}.log", "a")  # noqa: SIM115 (lives as long as the process)
+        addr = self._spawn_until_listening(ip, role, args, port, http_port, out)
         self.addr = addr
+        assert self.proc is not None
         return {"name": self.name, "addr": addr, "http_port": self.http_port, "node_id": ctx.get_node_id(),
                 "ip": ip, "pid": self.proc.pid}
+
+    def _spawn_until_listening(self, ip: str, role: str, args: list[str], port: int, http_port: int,
+                               out: Any) -> str:
+        """Starts the server and waits until it answers. A port picked free here can be taken by another
+        process (e.g. a UCX listener of a node starting beside it) before the server binds it; the server
+        then exits with `CANNOT_LISTEN_EXIT` and is started again on newly picked ports."""
+        from baton.cli.listen_error import CANNOT_LISTEN_EXIT
+
+        module = "baton.router.server" if role == "router" else f"baton.{role}_node.server"
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_JOB_ID", "RAY_ADDRESS")}
+        picks_ports = not port or not http_port or role == "prefill"
+        attempt = 0
+        while True:
+            attempt += 1
+            gport = port or free_port(ip)
+            self.http_port = http_port or free_port(ip)
+            flags = ["--host", ip, "--port", str(gport), "--http-port", str(self.http_port)]
+            if role == "prefill":
+                flags += ["--side-channel-port", str(free_port(ip))]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "baton.cli.ray_cmd", "--parent-pid", str(os.getpid()), module, *flags,
+                 *args], stdout=out, stderr=subprocess.STDOUT if out is not None else None, env=env)
+            addr = join_host_port(ip, gport)
+            try:
+                self._wait_ready(addr, role)
+                return addr
+            except ServerExited as e:
+                if e.returncode != CANNOT_LISTEN_EXIT or not picks_ports or attempt == LISTEN_ATTEMPTS:
+                    raise
+                print(f"{self.name}: a port picked free was taken before the server bound it; starting it again "
+                      f"on new ports ({attempt}/{LISTEN_ATTEMPTS - 1})", file=sys.stderr, flush=True)
 
     def _wait_ready(self, addr: str, role: str) -> None:
         import grpc
@@ -134,7 +164,7 @@ class ServerActor:
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode} during start")
+                    raise ServerExited(self.name, self.proc.returncode)
                 try:
                     call()
                     return

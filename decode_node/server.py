@@ -13,12 +13,13 @@ from pathlib import Path
 import grpc
 
 from baton.cli.engine_args import engine_config_from_args
+from baton.cli.listen_error import run_main
 from baton.decode_node.puller import Puller
 from baton.decode_node.service import DecodeService
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.metrics import NodeMetrics, start_node_http
-from baton.node.serve import default_engine_id, http_port_of, node_parser, run
+from baton.node.serve import add_port, default_engine_id, http_port_of, node_parser, run
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import TransferAgent
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     async def start() -> grpc.aio.Server:
         server = grpc.aio.server()
         wk_grpc.add_WorkerServicer_to_server(service, server)
-        server.add_insecure_port(f"{a.host}:{a.port}")
+        add_port(server, a.host, a.port)
         await server.start()
         metrics.ready = True
         print(f"decode node {engine_id} serving on {a.host}:{a.port} (http {http.port})", flush=True)
@@ -65,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

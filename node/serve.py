@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from baton.cli.engine_args import add_engine_args
+from baton.cli.listen_error import CannotListen
 
 GRACE_S = 5.0
 # A node's default HTTP port is its gRPC port + this; side channels use + 1000 (cli/cluster.py lays them out).
@@ -34,6 +35,14 @@ def http_port_of(a: argparse.Namespace) -> int:
     if a.http_port is not None:
         return a.http_port
     return a.port + HTTP_PORT_OFFSET if 0 < a.port + HTTP_PORT_OFFSET <= 65535 and a.port else 0
+
+
+def add_port(server: grpc.aio.Server, host: str, port: int) -> None:
+    """Bind the node's gRPC port; a port it cannot bind raises `CannotListen` (grpc says RuntimeError)."""
+    try:
+        server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise CannotListen(f"node: cannot listen on {host}:{port}: {e}") from e
 
 
 def default_engine_id(role: str, host: str, port: int) -> str:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from baton.cli.listen_error import CannotListen
+
 # (status, content type, body)
 Response = tuple[int, str, bytes]
 Route = Callable[[], Response]
@@ -87,7 +89,7 @@ class HttpServer:
         try:
             self._server = ThreadingHTTPServer((host, port), Handler)
         except OSError as e:
-            raise OSError(f"{name}: cannot listen on {host}:{port}: {e}") from e
+            raise CannotListen(f"{name}: cannot listen on {host}:{port}: {e}") from e
         self._server.daemon_threads = True
         self.host = host
         self.port: int = self._server.server_address[1]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from baton.cli.listen_error import CannotListen, run_main
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from baton.proto.v1 import generation_pb2_grpc
 from baton.router.config import RouterConfig
@@ -105,7 +106,7 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
                  else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError as e:
         await asyncio.gather(prefill.close(), decode.close())
-        raise OSError(f"router: cannot listen on {host}:{port}: {e}") from e
+        raise CannotListen(f"router: cannot listen on {host}:{port}: {e}") from e
     http = None
     if http_port is not None:
         try:
@@ -194,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not security.requires_key:
             log.warning("no API keys configured: any client that reaches the router may use it")
         asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security))
+    except CannotListen:
+        raise
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -201,4 +204,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -2,6 +2,7 @@
 rule end to end over NIXL, local prefill, and nothing left allocated afterwards."""
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
@@ -63,7 +64,11 @@ def test_r1_prefill_n_minus_1_then_decode_over_nixl_equals_one_engine(cluster):
             outs = list(pool.map(one, enumerate(prompts)))
         assert [t for t, _ in outs] == ref
         assert not any(local for _, local in outs)
-        ploads = pstub.Load(wk.LoadRequest())
+        # The prefill node frees a lease when the READ's NIXL notification reaches it, which can trail the
+        # decode stream's end by a moment; a lost notification would hold it for the 30 s lease.
+        deadline = time.monotonic() + 10.0
+        while (ploads := pstub.Load(wk.LoadRequest())).held_leases and time.monotonic() < deadline:
+            time.sleep(0.05)
         dload = dstub.Load(wk.LoadRequest())
     assert ploads.held_leases == 0 and ploads.free_kv_blocks == ploads.total_kv_blocks
     assert ploads.free_state_slots == ploads.total_state_slots

@@ -146,3 +146,47 @@ def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
     print(f"baton ray up end to end: {time.monotonic() - t0:.1f} s")
+
+
+def test_a_server_whose_picked_port_was_taken_is_started_again_on_new_ports(tmp_path, monkeypatch, capfd):
+    # `baton ray up` picks ports free, then the server binds them: another process (a UCX listener of a node
+    # starting beside it) can take one in between. The router then exits with CANNOT_LISTEN_EXIT, and its
+    # actor starts it again on newly picked ports. No Ray needed: the actor's spawning runs as is.
+    import socket
+
+    from baton.cli import ray_cmd
+    from baton.cli.listen_error import CANNOT_LISTEN_EXIT, CannotListen
+    from baton.router.server import main as router_main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        # Alone: one line and the exit code, no traceback.
+        r = subprocess.run([sys.executable, "-m", "baton.router.server", "--host", "127.0.0.1", "--port", str(port),
+                            "--decode", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == CANNOT_LISTEN_EXIT and "cannot listen on 127.0.0.1:" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        with pytest.raises(CannotListen):
+            router_main(["--host", "127.0.0.1", "--port", str(port), "--decode", "127.0.0.1:1"])
+
+        picks = iter([port])  # the first pick is the taken port, later ones are free
+        real = ray_cmd.free_port
+        monkeypatch.setattr(ray_cmd, "free_port", lambda host: next(picks, None) or real(host))
+        actor = ray_cmd.ServerActor("router")
+        try:
+            addr = actor._spawn_until_listening("127.0.0.1", "router", ["--decode", "127.0.0.1:1"], 0, 0, None)
+            assert addr.startswith("127.0.0.1:") and addr != f"127.0.0.1:{port}"
+            assert actor.returncode() is None
+            assert "taken before the server bound it; starting it again on new ports (1/2)" in capfd.readouterr().err
+        finally:
+            actor.stop()
+
+        # A port given by the user is not retried: its failure is reported at once.
+        actor = ray_cmd.ServerActor("router")
+        with pytest.raises(ray_cmd.ServerExited) as e:
+            actor._spawn_until_listening("127.0.0.1", "router", ["--decode", "127.0.0.1:1"], port, port + 1, None)
+        assert e.value.returncode == CANNOT_LISTEN_EXIT
+    finally:
+        taken.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from baton.cli.listen_error import CannotListen
 from baton.transfer.errors import LeaseExpired, PeerUnreachable, TransferError
 from baton.transfer.metadata import AgentMetadata
 
@@ -92,7 +93,11 @@ class SideChannelServer:
         self._server = socketserver.ThreadingTCPServer((host, port), Handler, bind_and_activate=False)
         self._server.daemon_threads = True
         self._server.allow_reuse_address = True
-        self._server.server_bind()
+        try:
+            self._server.server_bind()
+        except OSError as e:
+            self._server.server_close()
+            raise CannotListen(f"side channel: cannot listen on {host}:{port}: {e}") from e
         self._server.server_activate()
         self._thread = threading.Thread(target=self._server.serve_forever, name="baton-side-channel", daemon=True)
         self._thread.start()
