@@ -70,12 +70,10 @@ from benchmarks.run_info import device_name, git_commit  # noqa: E402
 JSON_NAME = "engine_bench.json"
 DECODE_GOALS = {1: 1.2, 256: 1.3}  # batch -> step / roofline goal (issue #7)
 MFU_GOAL = 0.5
-# Linear layers: drawn on the device (an 8B model is too slow to draw on the CPU); the rest via make_model.
+# Linear layers (their FLOPs are counted for MFU).
 _MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
                   "o_proj.weight", "up_proj.weight", "down_proj.weight", "experts.up_proj", "experts.down_proj",
                   "fc1_latent_proj.weight", "fc2_latent_proj.weight", "gate.weight", "eh_proj.weight")
-_RESIDUAL_OUT = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj",
-                 "fc2_latent_proj.weight")
 
 
 # ---- configuration ------------------------------------------------------------------------------------------
@@ -183,30 +181,14 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, iters: int =
 
 # ---- the model, in memory ------------------------------------------------------------------------------------
 
-def _matrix_std(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> float:
-    """make_model's scale (`init_tensor`): std 1/sqrt(fan_in), residual outputs / sqrt(layers)."""
-    if name == "model.embeddings.weight":
-        return 1.0
-    if name == "lm_head.weight":
-        return 2.0 / math.sqrt(shape[-1])
-    std = 1.0 / math.sqrt(shape[-1])
-    return std / math.sqrt(cfg.num_layers) if name.endswith(_RESIDUAL_OUT) else std
-
-
 def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype,
                    seed: int = 0, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Random weights of `cfg` (no MTP) made directly on `device`: matrices drawn there at make_model's scale,
-    the small tensors (norms, A_log, dt_bias, D, conv1d, biases) exactly as make_model makes them."""
+    """Random weights of `cfg` (no MTP) drawn directly on `device`, as make_model draws them there."""
     shapes = expected_weight_shapes(cfg, include_mtp=False)
-    g = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(shapes.items(), desc="weights", unit="tensor", disable=not progress):
         want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-        if name in ("model.embeddings.weight", "lm_head.weight") or name.endswith(_MATMUL_LEAVES):
-            out[name] = torch.empty(shape, device=device, dtype=want).normal_(0.0, _matrix_std(name, shape, cfg),
-                                                                               generator=g)
-        else:
-            out[name] = init_tensor(name, shape, cfg, hf, seed).to(device=device, dtype=want)
+        out[name] = init_tensor(name, shape, cfg, hf, seed, device).to(want)
     return out
 
 

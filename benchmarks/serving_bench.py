@@ -37,9 +37,10 @@ capacity C (requests/s); the sweep is `--rate-fractions` × C, reused for the se
 
 Model: `--model-preset 1b-hybrid` (default on GPU): the `8b-like` preset scaled down to 0.92B parameters
 (27 layers `M-M-M*-M-M-M-M*-M-M-M*-M-M-`, hidden 2048, 64 Mamba heads × 64, d_state 128, 8 groups, 16 query /
-4 KV heads × 128, MLP 8192, vocab 32768, max 16384 positions, bf16, random weights); `tiny` for `--smoke`.
-Written with `make_model` (no tokenizer: prompts are token ids) into `--model-dir` (default
-TMP/baton-serving-PRESET), and reused when that directory already holds the same config.
+4 KV heads × 128, MLP 8192, vocab 32768, max 16384 positions, bf16, random weights); `8b-like` (Nemotron-H-8B's
+shape at 16384 positions; give it a larger pool, e.g. `--cache-memory-mb 32768`); `tiny` for `--smoke`.
+Written with `make_model` (no tokenizer: prompts are token ids; weights drawn on the GPU in GPU runs) into
+`--model-dir` (default TMP/baton-serving-PRESET), and reused when that directory already holds the same config.
 
 Engine (every node, `--engine-args`), GPU default: bf16 on `cuda`, 64 running requests, 2048-token step
 budget (long prompts are prefilled in 2048-token chunks, mixed with decode rows on aggregated nodes), 8 GiB
@@ -97,6 +98,9 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, object]]] = {
         "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "chunk_size": 128,
         "max_position_embeddings": 16384,
     }),
+    # Nemotron-H-8B's shape (8.1B parameters), at 16384 positions. Needs a larger pool than the default
+    # engine args give: its fp32 SSM state is 96 MiB per request (e.g. --cache-memory-mb 32768).
+    "8b-like": ("8b-like", {"max_position_embeddings": 16384}),
 }
 
 # Flag defaults: GPU run, and --smoke (CPU, tiny model, a few seconds per configuration).
@@ -516,6 +520,13 @@ class ModelSummary:
     dtype: str
 
 
+def weights_device(cfg: BenchConfig) -> str:
+    """Where make_model draws the weights: on the GPU in GPU runs (seconds for 8b-like, minutes on the CPU)."""
+    import torch
+
+    return "cuda" if cfg.gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
 def ensure_model(cfg: BenchConfig) -> ModelSummary:
     """Writes the checkpoint unless `model_dir` already holds this preset's (a marker file records it)."""
     from baton.engine.config import ModelConfig
@@ -528,7 +539,8 @@ def ensure_model(cfg: BenchConfig) -> ModelSummary:
     marker = cfg.model_dir / "serving_bench_model.json"
     if not (marker.exists() and json.loads(marker.read_text()) == want):
         t = time.perf_counter()
-        make_model(cfg.model_dir, preset=base, seed=0, overrides=overrides, progress=cfg.progress, tokenizer=False)
+        make_model(cfg.model_dir, preset=base, seed=0, overrides=overrides, progress=cfg.progress, tokenizer=False,
+                   device=weights_device(cfg))
         marker.write_text(json.dumps(want, sort_keys=True))
         print(f"model {cfg.model_preset} written to {cfg.model_dir} in {time.perf_counter() - t:.1f} s", flush=True)
     m = ModelConfig.from_hf_dict(read_hf_config(cfg.model_dir))

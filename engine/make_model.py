@@ -6,7 +6,9 @@ spirit of HF `NemotronHPreTrainedModel._init_weights` (norms = 1, D = 1, A_log =
 softplus^-1 of a log-uniform dt) but linears use std 1/sqrt(fan_in) and embeddings std 1, so that a random
 model's mixers matter next to the embeddings and its logits are spread out (greedy decoding does not
 repeat one token, top-2 logits are rarely near-ties). Every tensor is drawn from its own generator seeded
-by (seed, name): the output is deterministic and independent of sharding.
+by (seed, name): the output is deterministic and independent of sharding. `device="cuda"` draws them on the
+GPU (seconds for the 8b-like preset, against minutes on a CPU); CUDA's generator gives other values than the
+CPU's for the same seed, deterministic again.
 """
 
 from __future__ import annotations
@@ -187,22 +189,37 @@ def build_config(preset: str, mtp_layers: int = 0, overrides: Mapping[str, Any] 
     return d
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def _device(device: torch.device | str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device: expected one of this machine's {torch.cuda.device_count()} CUDA devices, "
+                         f"got {device!r}")
+    return dev
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 def _normal(shape: tuple[int, ...], std: float, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device).mul_(std)
 
 
 def _uniform(shape: tuple[int, ...], bound: float, g: torch.Generator) -> torch.Tensor:
-    return torch.rand(shape, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+    return torch.rand(shape, generator=g, dtype=torch.float32, device=g.device).mul_(2 * bound).sub_(bound)
 
 
-def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[str, Any], seed: int) -> torch.Tensor:
-    """A random fp32 value for checkpoint tensor `name` (canonical name, see `expected_weight_shapes`)."""
-    g = _generator(seed, name)
+def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[str, Any], seed: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A random fp32 value for checkpoint tensor `name` (canonical name, see `expected_weight_shapes`), made
+    on `device`."""
+    g = _generator(seed, name, torch.device(device))
     leaf = name.rsplit(".", 1)[-1]
     # Residual-branch outputs are scaled by 1/sqrt(layers) (GPT-2 scheme, HF `rescale_prenorm_residual`).
     residual_scale = 1.0 / math.sqrt(cfg.num_layers)
@@ -211,12 +228,13 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[
     if name == "lm_head.weight":
         return _normal(shape, 2.0 / math.sqrt(shape[-1]), g)  # logits std ~2
     if name.endswith("norm.weight") or name.endswith("norm_f.weight") or leaf == "D":
-        return torch.ones(shape, dtype=torch.float32)
+        return torch.ones(shape, dtype=torch.float32, device=g.device)
     if leaf == "A_log":
-        return torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32))
+        return torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32, device=g.device))
     if leaf == "dt_bias":
         lo, hi = math.log(float(d["time_step_min"])), math.log(float(d.get("time_step_max", 0.1)))
-        dt = torch.exp(torch.rand(shape, generator=g) * (hi - lo) + lo).clamp(min=float(d.get("time_step_floor", 1e-4)))
+        dt = torch.exp(torch.rand(shape, generator=g, device=g.device) * (hi - lo) + lo)
+        dt = dt.clamp(min=float(d.get("time_step_floor", 1e-4)))
         return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
     if "conv1d" in name:
         # nn.Conv1d default (kaiming_uniform, a=sqrt(5)): bound 1/sqrt(fan_in), fan_in = kernel (depthwise).
@@ -225,7 +243,7 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[
         # HF initialises zeros; trained checkpoints have non-zero values, which tests should see.
         return _normal(shape, 0.1, g)
     if leaf == "bias":
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32, device=g.device)
     std = 1.0 / math.sqrt(shape[-1])  # fan_in; experts [E, out, in] too
     if leaf in ("out_proj", "o_proj", "down_proj") or name.endswith(
             ("out_proj.weight", "o_proj.weight", "down_proj.weight", "fc2_latent_proj.weight")):
@@ -248,8 +266,9 @@ def _plan_shards(sizes: Mapping[str, int], shard_size_bytes: int) -> list[list[s
 def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, seed: int = 0,
                overrides: Mapping[str, Any] | None = None, dtype: str | None = None,
                shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, progress: bool = True,
-               tokenizer: bool = True) -> Path:
+               tokenizer: bool = True, device: torch.device | str = "cpu") -> Path:
     """Write `config.json` and random safetensors weights of `preset` into `out_dir`; return `out_dir`.
+    The weights are drawn on `device` (see the module docstring), then written from host memory.
 
     Weights larger than `shard_size_bytes` go to `model-0000i-of-0000N.safetensors` shards plus
     `model.safetensors.index.json`, one shard in memory at a time; smaller ones to `model.safetensors`.
@@ -257,6 +276,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, s
     """
     if shard_size_bytes <= 0:
         raise ValueError(f"shard_size_bytes: expected a positive integer, got {shard_size_bytes!r}")
+    device = _device(device)
     d = build_config(preset, mtp_layers, overrides, dtype)
     cfg = ModelConfig.from_hf_dict(d)
     out = Path(out_dir)
@@ -275,7 +295,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, s
         for names, file in zip(shards, files, strict=True):
             tensors = {}
             for n in names:
-                tensors[n] = init_tensor(n, shapes[n], cfg, d, seed).to(dtypes[n])
+                tensors[n] = init_tensor(n, shapes[n], cfg, d, seed, device).to(dtypes[n]).cpu()
                 bar.update(sizes[n])
             save_file(tensors, str(out / file), metadata={"format": "pt"})
             del tensors

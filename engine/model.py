@@ -19,7 +19,9 @@ from baton.engine.weights import MTP_PREFIX, place
 
 
 class Block(nn.Module):
-    """Pre-norm residual block around one mixer (Mamba2, attention, MLP or MoE)."""
+    """Pre-norm residual block around one mixer (Mamba2, attention, MLP or MoE): h + mixer(norm(h)).
+    `Backbone` runs it as `mixer(x)` with x the block's normed input, and fuses the residual add into the
+    next block's norm (or the final one)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -37,9 +39,6 @@ class Block(nn.Module):
         else:
             raise ValueError(f"layer {layer_id}: expected one of M, *, -, E, got {kind!r}")
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return h + self.mixer(self.norm(h.to(self.norm.weight.dtype)), batch)
-
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -49,10 +48,12 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embeddings(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            h = layer(h, batch)
-        return self.norm_f(h)
+        h = self.embeddings(input_ids)  # [T, hidden]: the residual stream
+        x = self.layers[0].norm(h)
+        norms = [layer.norm for layer in self.layers[1:]] + [self.norm_f]
+        for layer, norm in zip(self.layers, norms, strict=True):
+            x, h = norm.add_forward(layer.mixer(x, batch), h)  # h += mixer(x); x = next norm(h)
+        return x
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -80,4 +81,7 @@ class NemotronHForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
                              f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+        for module in model.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.freeze()
         return model.requires_grad_(False).eval()

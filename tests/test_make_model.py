@@ -171,6 +171,33 @@ def test_deterministic_given_seed(tmp_path):
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("device", ["tpu", "not a device", "cuda:7" if torch.cuda.is_available() else "cuda"])
+def test_a_device_this_machine_lacks_is_refused(tmp_path, device):
+    with pytest.raises(ValueError, match="device: expected"):
+        make_model(tmp_path / "m", "tiny", device=device, progress=False)
+    assert not (tmp_path / "m").exists()  # refused before anything is written
+
+
+@pytest.mark.gpu
+def test_weights_drawn_on_the_gpu_are_deterministic_and_match_the_cpu_draw_in_shape_and_scale(tmp_path):
+    a = make_model(tmp_path / "a", "tiny", mtp_layers=1, seed=3, device="cuda", progress=False)
+    b = make_model(tmp_path / "b", "tiny", mtp_layers=1, seed=3, device="cuda", progress=False)
+    cpu = make_model(tmp_path / "cpu", "tiny", mtp_layers=1, seed=3, progress=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    with safe_open(str(a / "model.safetensors"), framework="pt") as fa, \
+            safe_open(str(cpu / "model.safetensors"), framework="pt") as fc:
+        assert set(fa.keys()) == set(fc.keys())
+        for k in fa.keys():  # noqa: SIM118
+            x, y = fa.get_tensor(k), fc.get_tensor(k)
+            assert x.shape == y.shape and x.dtype == y.dtype, k
+            leaf = k.rsplit(".", 1)[-1]
+            if leaf in ("D", "A_log", "bias") or k.endswith("norm.weight") or k.endswith("norm_f.weight"):
+                assert torch.equal(x, y), k  # constants
+            elif x.numel() >= 1024:  # random draws: the same scale, other values
+                assert not torch.equal(x, y), k
+                assert abs(x.float().std() / y.float().std() - 1) < 0.1, k
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_dtypes(tmp_path, dtype):
     out = make_model(tmp_path / dtype, "tiny", mtp_layers=1, dtype=dtype,

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 
 from baton.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
 from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.triton_norm import gated_rms_norm_triton, rms_norm_triton  # noqa: E402
+from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -121,6 +121,40 @@ def test_rms_norm_bf16_rounds_to_nearest_even():
     assert torch.equal(rms_norm_triton(x16, w, 0.0), rms_norm_reference(x16, w, 0.0))
 
 
+# ------------------------------------------------------------------------------------- residual add + RMSNorm
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 64, 100, 1000])
+def test_add_rms_norm_matches_add_then_module(dtype, atol, rtol, hidden, monkeypatch):
+    m = rms_module(hidden, dtype)
+    x, h = make((7, hidden), dtype, seed=hidden), make((7, hidden), dtype, seed=hidden + 1)
+    with torch.no_grad():
+        y, s = run_module(m.add_forward, monkeypatch, "triton", x, h)
+        ref_s = h + x
+        ref_y = run_module(m, monkeypatch, "torch", ref_s)
+    assert torch.equal(s, ref_s)  # the residual stream is torch's add, bit for bit
+    assert_close(y, ref_y, atol, rtol)
+    ry, rs = run_module(m.add_forward, monkeypatch, "torch", x, h)  # the reference path is the same composition
+    assert torch.equal(rs, ref_s) and torch.equal(ry, ref_y)
+
+
+def test_add_rms_norm_strided_rows_empty_and_errors():
+    m = rms_module(64, torch.bfloat16)
+    wide = make((5, 96), torch.bfloat16, seed=3)
+    x, h = wide[:, :64], make((5, 64), torch.bfloat16, seed=4)  # x with a row stride of 96
+    y, s = add_rms_norm_triton(x, h, m.weight, EPS)
+    assert torch.equal(s, h + x)
+    assert torch.equal(y, rms_norm_triton(h + x, m.weight, EPS))  # the same kernel's norm after the add
+    y0, s0 = add_rms_norm_triton(x[:0], h[:0], m.weight, EPS)
+    assert y0.shape == s0.shape == (0, 64)
+    with pytest.raises(ValueError, match="residual: expected"):
+        add_rms_norm_triton(x, h.float(), m.weight, EPS)
+    with pytest.raises(ValueError, match="residual: expected"):
+        add_rms_norm_triton(x, h[:4], m.weight, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm_triton(x, h, m.weight[:32], EPS)
+
+
 # ---------------------------------------------------------------------------------------------- GatedRMSNorm
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
@@ -189,9 +223,11 @@ def test_dispatch_picks_by_mode(monkeypatch):
     monkeypatch.setenv("BATON_KERNELS", "triton")
     assert dispatch.rms_norm(t) is rms_norm_triton
     assert dispatch.gated_rms_norm(t) is gated_rms_norm_triton
+    assert dispatch.add_rms_norm(t) is add_rms_norm_triton
     monkeypatch.setenv("BATON_KERNELS", "torch")
     assert dispatch.rms_norm(t).__name__ == "rms_norm_reference"
     assert dispatch.gated_rms_norm(t).__name__ == "gated_rms_norm_reference"
+    assert dispatch.add_rms_norm(t).__name__ == "add_rms_norm_reference"
     monkeypatch.setenv("BATON_KERNELS", "auto")
     assert dispatch.rms_norm(t).__name__ == "rms_norm_reference"  # CPU tensor
 
@@ -213,6 +249,16 @@ def test_gpu_full_size_rms_norm(rows, monkeypatch):
     m = rms_module(HIDDEN_8B, torch.bfloat16, device="cuda")
     x = make((rows, HIDDEN_8B), torch.bfloat16, seed=1, device="cuda")
     assert_close(run_module(m, monkeypatch, "triton", x), run_module(m, monkeypatch, "torch", x), 1e-2, 8e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 256])
+def test_gpu_full_size_add_rms_norm(rows, monkeypatch):
+    m = rms_module(HIDDEN_8B, torch.bfloat16, device="cuda")
+    x, h = (make((rows, HIDDEN_8B), torch.bfloat16, seed=s, device="cuda") for s in (1, 2))
+    y, s = run_module(m.add_forward, monkeypatch, "triton", x, h)
+    assert torch.equal(s, h + x)
+    assert_close(y, run_module(m, monkeypatch, "torch", h + x), 1e-2, 8e-3)
 
 
 @pytest.mark.gpu

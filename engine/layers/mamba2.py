@@ -37,6 +37,13 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, cfg.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+        # -exp(A_log) in fp32, set once by `freeze()` after loading (a buffer: moves with the module).
+        self.A: torch.Tensor | None
+        self.register_buffer("A", None, persistent=False)
+
+    def freeze(self) -> None:
+        """Derive the per-step constants from the loaded weights (once, not in every step)."""
+        self.A = -torch.exp(self.A_log.float())  # [H]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -44,28 +51,32 @@ class Mamba2Mixer(nn.Module):
         conv_state = batch.conv_states[self.state_index]  # [S, C, K-1]
         ssm_state = batch.ssm_states[self.state_index]    # [S, H, P, N]
         weight = self.conv1d.weight.squeeze(1)            # [C, K]
-        A = -torch.exp(self.A_log.float())                # [H]
+        if self.A is None:
+            raise RuntimeError("Mamba2Mixer: freeze() after loading the weights, before the first forward")
+        A = self.A
         nd = batch.num_decodes  # decode rows come first: their tokens are the first ndt
         ndt = batch.num_decode_tokens
-        y = x.new_empty(t, self.num_heads, self.head_dim)  # [T, H, P]
+        # y [T, H, P]: a batch of one kind takes its op's output as is; a mixed one is assembled by one copy.
+        parts: list[torch.Tensor] = []
 
         if nd and batch.is_spec:
-            y[:ndt] = self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch)
+            parts.append(self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch))
         elif nd:
             xbc_d = dispatch.conv_update(x)(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
             xs, B, C = self._split_xbc(xbc_d)
-            y[:nd] = dispatch.state_update(x)(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
-                                              batch.state_slots[:nd], self.dt_min)
+            parts.append(dispatch.state_update(x)(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
+                                                  batch.state_slots[:nd], self.dt_min))
         if nd < batch.num_rows:
-            qsl = batch.query_start_loc[nd:] - batch.query_start_loc[nd]
+            # A batch without decode rows starts at 0: no offset to subtract.
+            qsl = batch.query_start_loc if not nd else batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
             xbc_p = dispatch.conv_varlen(x)(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
             xs, B, C = self._split_xbc(xbc_p)
             meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
-            y[ndt:] = dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
-                                             init, self.chunk_size, self.dt_min, **meta)
-
-        y = self.norm(y.view(t, self.intermediate), gate)
+            parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
+                                                init, self.chunk_size, self.dt_min, **meta))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        y = self.norm(y.reshape(t, self.intermediate), gate)
         return self.out_proj(y.to(x.dtype))
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,

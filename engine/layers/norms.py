@@ -1,7 +1,8 @@
 """RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (computed in fp32, as the reference).
 
 The torch functions below are the references (and the CPU path); `ops.dispatch` picks the fused Triton
-kernels of `ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm.
+kernels of `ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm (a residual add
+and the norm after it are one launch too: `RMSNorm.add_forward`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * x).to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x): a residual add and the next pre-norm."""
+    s = residual + x
+    return rms_norm_reference(s, weight, eps), s
 
 
 def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -36,6 +44,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.rms_norm(x)(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x) in one kernel on the Triton path."""
+        return dispatch.add_rms_norm(x)(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

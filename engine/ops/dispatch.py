@@ -98,6 +98,14 @@ def rms_norm(t: torch.Tensor) -> Callable:
     return rms_norm_reference
 
 
+def add_rms_norm(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_norm import add_rms_norm_triton
+        return add_rms_norm_triton
+    from baton.engine.layers.norms import add_rms_norm_reference
+    return add_rms_norm_reference
+
+
 def gated_rms_norm(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_norm import gated_rms_norm_triton

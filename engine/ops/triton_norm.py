@@ -6,6 +6,9 @@ reference's chain of small elementwise / reduce kernels:
 
 - `rms_norm_triton(x, weight, eps)`: x -> fp32; y = x * rsqrt(mean(x^2) + eps); out = (fp32(weight) * y)
   rounded once to x.dtype.
+- `add_rms_norm_triton(x, residual, weight, eps)`: the residual stream's add fused into the next RMSNorm:
+  s = residual + x rounded once to their dtype (what torch's add gives), then (RMSNorm(s), s). One read of
+  each input instead of the add's two reads and write plus the norm's read.
 - `gated_rms_norm_triton(x, gate, weight, group_size, eps)`: h = fp32(x) * silu(fp32(gate)); per group of
   `group_size` channels g = h * rsqrt(mean(h^2) + eps); g rounded to x.dtype (the reference's `.to(dtype)`),
   then out = weight * g in the promoted dtype of (weight, x), i.e. the product of the two values rounded
@@ -45,14 +48,18 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [M, N], unit column stride
+    r_ptr,  # [M, N], unit column stride: the residual (ADD only)
+    s_ptr,  # [M, N], contiguous: x + residual in x's dtype (ADD only)
     w_ptr,  # [N]
     y_ptr,  # [M, N], contiguous
     M,
     N,
     stride_xm,
+    stride_rm,
     stride_w,
     width,  # float(N), for the mean's division (an fp32 argument: never specialised)
     eps,
+    ADD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -62,6 +69,11 @@ def _rms_norm_kernel(
     mask = (rows < M)[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # the residual add first, rounded once to the stream's dtype (torch's add), then its norm
+        r = tl.load(r_ptr + rows64 * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = round_to(x + r, s_ptr.dtype.element_ty)
+        tl.store(s_ptr + rows64 * N + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
     ms = tl.math.div_rn(tl.sum(x * x, axis=1), width)  # masked lanes add 0; sum / N correctly rounded
     r = tl.math.rsqrt(ms + eps)
     w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
@@ -143,10 +155,38 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return y.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, n, x.is_cuda)
     _rms_norm_kernel[(triton.cdiv(m, block_m),)](
-        x2, weight, y, m, n, x2.stride(0), weight.stride(0), float(n), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        x2, x2, y, weight, y, m, n, x2.stride(0), 0, weight.stride(0), float(n), eps,
+        ADD=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y.view(x.shape)
+
+
+def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The pre-norm residual stream's step in one launch: s = residual + x (rounded once to their dtype, as
+    torch adds), returns (RMSNorm(s) with weight [N], s), both of x's dtype and shape."""
+    _check("x", x)
+    _check("residual", residual)
+    _check("weight", weight)
+    n = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual: expected {tuple(x.shape)} {x.dtype} as x, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if weight.shape != (n,):
+        raise ValueError(f"weight: expected shape ({n},), got {tuple(weight.shape)}")
+    if residual.device != x.device or weight.device != x.device:
+        raise ValueError(f"x on {x.device}, residual on {residual.device}, weight on {weight.device}")
+    x2, r2 = _rows_of(x, n), _rows_of(residual, n)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.view(x.shape), s.view(x.shape)
+    block_m, block_n, num_warps = _launch_config(m, n, x.is_cuda)
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](
+        x2, r2, s, weight, y, m, n, x2.stride(0), r2.stride(0), weight.stride(0), float(n), eps,
+        ADD=True, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y.view(x.shape), s.view(x.shape)
 
 
 def gated_rms_norm_triton(x: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:

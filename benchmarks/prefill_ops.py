@@ -1,0 +1,161 @@
+"""Host work of one eager prefill step on the GPU code path, counted on a CPU: ATen ops and Triton launches.
+
+An eager prefill step's wall time on a GPU is bound by the host when its kernels are short: each ATen op
+costs the host several microseconds (dispatch, allocator, launch), each Triton launch more (argument
+binding, specialisation key). This benchmark counts them for one step of a prefill-only engine, on the
+path the GPU takes (`BATON_KERNELS=triton`), without running any kernel: Triton launches are counted and
+skipped (`TRITON_INTERPRET=1` with the interpreter's launch replaced), ATen ops are counted by a dispatch
+mode, split by the layer kind whose mixer issued them (Mamba2 `M`, attention `*`, MLP `-`) and the rest of
+the step: embeddings, the residual adds and pre-norms between mixers, batch building. The model is the serving benchmark's `1b-hybrid` layer
+pattern at toy widths: counts depend on the pattern and the batch's rows, not on the widths.
+
+Ops are grouped as `views` (metadata only: view, reshape of a viewable tensor, slice, split, ...),
+`allocs` (empty tensors: the caching allocator, no kernel) and `kernels` (everything else: an ATen kernel
+launch on a GPU, or a host↔device copy). The numbers are exact counts, the same on every machine.
+
+  python benchmarks/prefill_ops.py                      # 2 rows of 1024 tokens in one 2048-token step
+  python benchmarks/prefill_ops.py --rows 8 --tokens 2048
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["BATON_KERNELS"] = "triton"  # the GPU path (read per call by ops.dispatch)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels become interpreter objects
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from baton.engine.engine_config import EngineConfig  # noqa: E402
+from baton.engine.llm_engine import LLMEngine  # noqa: E402
+from baton.engine.loader import load_checkpoint  # noqa: E402
+from baton.engine.make_model import make_model  # noqa: E402
+from baton.engine.model import Block  # noqa: E402
+from baton.engine.sampling_params import SamplingParams  # noqa: E402
+
+PATTERN = "M-M-M*-M-M-M-M*-M-M-M*-M-M-"  # serving_bench's 1b-hybrid
+TOY = {"vocab_size": 512, "hidden_size": 64, "hybrid_override_pattern": PATTERN, "num_attention_heads": 2,
+       "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128, "mamba_num_heads": 4,
+       "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 128, "max_position_embeddings": 16384}
+VIEWS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.slice", "aten.select", "aten.split",
+    "aten.split_with_sizes", "aten.squeeze", "aten.unsqueeze", "aten.detach", "aten.detach_", "aten.alias",
+    "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.as_strided", "aten.unbind", "aten.narrow",
+    "aten.view_as", "aten.lift_fresh", "aten.promote_types", "aten.result_type", "aten.is_same_size",
+    "aten.to",  # itself a no-op; a conversion shows up as aten._to_copy
+})
+ALLOCS = frozenset({"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.new_empty_strided"})
+KINDS = {"M": "mamba2", "*": "attention", "-": "mlp"}
+GROUPS = ("kernels", "allocs", "views", "triton")
+
+
+class Census(TorchDispatchMode):
+    """Counts ATen ops by (layer kind, group); `kind` is set by the layers' hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind = "rest"
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        group = "views" if name in VIEWS else "allocs" if name in ALLOCS else "kernels"
+        self.counts[(self.kind, group)] += 1
+        if group == "kernels":
+            self.names[f"{self.kind}: {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting(engine: LLMEngine):
+    """Counts ATen ops and Triton launches inside the block; Triton kernels do not run."""
+    import triton.runtime.interpreter as interpreter
+
+    census = Census()
+    run = interpreter.InterpretedFunction.run
+
+    def launch(self, *args, **kwargs):  # counted, not run
+        census.counts[(census.kind, "triton")] += 1
+        census.names[f"{census.kind}: triton {self.fn.__name__}"] += 1
+
+    def enter(kind: str):
+        def hook(module, inputs):
+            census.kind = kind
+        return hook
+
+    def leave(module, inputs, output):
+        census.kind = "rest"
+
+    handles = []
+    for block in engine.runner.model.model.layers:
+        assert isinstance(block, Block)
+        mixer = block.mixer
+        handles += [mixer.register_forward_pre_hook(enter(KINDS[block.kind])), mixer.register_forward_hook(leave)]
+    interpreter.InterpretedFunction.run = launch
+    try:
+        with census:
+            yield census
+    finally:
+        interpreter.InterpretedFunction.run = run
+        for h in handles:
+            h.remove()
+
+
+def bench(argv: list[str] | None = None) -> dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2, help="prompts in the step (default: 2)")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens in the step, split evenly (default 2048)")
+    ap.add_argument("--top", type=int, default=12, help="most frequent kernel ops to list (default: 12)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the counts here")
+    a = ap.parse_args(argv)
+    if a.rows < 1 or a.tokens < a.rows:
+        raise ValueError(f"--rows / --tokens: expected 1 <= rows <= tokens, got {a.rows} / {a.tokens}")
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(tmp, "8b-like", overrides=TOY, progress=False, tokenizer=False)
+        cfg, weights = load_checkpoint(Path(tmp))
+    engine = LLMEngine(cfg, weights, EngineConfig(
+        device="cpu", dtype="bfloat16", max_num_seqs=a.rows, max_num_batched_tokens=a.tokens,
+        num_kv_blocks=a.tokens // 16 + 2 * a.rows, block_size=16, max_model_len=a.tokens + 1, prefill_only=True))
+    lens = [a.tokens // a.rows + (i < a.tokens % a.rows) + 1 for i in range(a.rows)]  # + 1: R1 keeps one back
+    for i, n in enumerate(lens):
+        engine.add_request([(7 * i + j) % 500 + 3 for j in range(n)], SamplingParams(max_tokens=1), prefill_only=True)
+    engine.depth = 0  # one step at a time: the step below is the whole prefill
+    with counting(engine) as census:
+        engine.step()
+    if engine.scheduler.waiting or engine.stats.prompt_tokens != a.tokens:
+        raise RuntimeError(f"expected one step of {a.tokens} prompt tokens, got {engine.stats.prompt_tokens}")
+    layers = collections.Counter(KINDS[c] for c in PATTERN)
+    table = {kind: {g: census.counts[(kind, g)] for g in GROUPS} for kind in (*KINDS.values(), "rest")}
+    total = {g: sum(row[g] for row in table.values()) for g in GROUPS}
+    print(f"prefill_ops: one prefill step of {a.tokens} tokens in {a.rows} rows, layers {PATTERN} "
+          f"({layers['mamba2']} M, {layers['attention']} *, {layers['mlp']} -)")
+    print(f"{'':>12} {'kernels':>8} {'allocs':>8} {'views':>8} {'triton':>8}   per layer: kernels+triton")
+    for kind, row in table.items():
+        per = f"{(row['kernels'] + row['triton']) / layers[kind]:.1f}" if kind in layers else ""
+        print(f"{kind:>12} {row['kernels']:8d} {row['allocs']:8d} {row['views']:8d} {row['triton']:8d}   {per}")
+    print(f"{'step':>12} {total['kernels']:8d} {total['allocs']:8d} {total['views']:8d} {total['triton']:8d}")
+    print(f"most frequent kernel ops and launches (of {total['kernels'] + total['triton']}):")
+    for name, n in census.names.most_common(a.top):
+        print(f"  {n:5d}  {name}")
+    result = {"rows": a.rows, "tokens": a.tokens, "pattern": PATTERN, "by_kind": table, "step": total}
+    if a.json is not None:
+        a.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
