@@ -39,6 +39,9 @@ class ForwardBatch:
     # The prefill rows' chunk layout for the Triton chunked scan (`ops.triton_ssd.ChunkMeta`), built from host
     # ints by the runner so that the scan never reads query_start_loc back; None on the reference path.
     prefill_chunk_meta: object | None = None
+    # The attention kernel's program mapping for this batch (`ops.triton_attention.AttentionMeta`), built once
+    # per step from host ints by the runner instead of on the device by every attention layer; None: built there.
+    attention_meta: object | None = None
 
     def __post_init__(self) -> None:
         if self.num_decode_tokens < 0:

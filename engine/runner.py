@@ -113,6 +113,11 @@ class ModelRunner:
         )
         if spec and out.num_decodes:
             self._add_verify_layout(out, batch, replay, qsl)
+        cfg = self.model.cfg
+        if self._kv and dispatch.use_triton(self.pools.kv):
+            from baton.engine.ops.triton_attention import build_attention_meta
+            batch.attention_meta = build_attention_meta(qsl, batch.query_start_loc, cfg.num_attention_heads,
+                                                        cfg.num_key_value_heads, cfg.head_dim)
         nd = out.num_decodes
         if nd < len(out.rows) and self._mamba and dispatch.use_triton(self.pools.ssm):
             from baton.engine.ops.triton_ssd import build_chunk_meta

@@ -210,7 +210,7 @@ class SpecRunner(ModelRunner):
             batch, num_decodes=0, num_decode_tokens=0,
             query_start_loc=torch.arange(d + 1, device=self.device), seq_lens=pos + 1, block_tables=tables,
             slot_mapping=slot, spec_num_tokens=None, spec_replay=None, spec_token_index=None,
-            spec_flat_index=None, verify_inputs=None)
+            spec_flat_index=None, verify_inputs=None, prefill_chunk_meta=None, attention_meta=None)
 
     def _unpack(self, host: list[int], out: SchedulerOutput, prefill_sampling: list[int],
                 drafted: bool) -> StepOutput:

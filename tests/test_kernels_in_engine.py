@@ -1,5 +1,5 @@
-"""The engine's steps on the Triton kernels (decode / verify state updates, paged attention, prefill conv and
-chunked scan, RMSNorm and gated RMSNorm) (`BATON_KERNELS=triton`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
+"""The engine's steps on the Triton kernels (decode / verify state updates, paged attention and its KV write,
+prefill conv and chunked scan, RMSNorm, residual add + RMSNorm, gated RMSNorm, relu2) (`BATON_KERNELS=triton`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypat
 
     calls = []
     for name in ("conv_update", "state_update", "conv_update_verify", "state_update_verify", "paged_attention",
-                 "conv_varlen", "chunk_scan", "rms_norm", "gated_rms_norm"):
+                 "write_kv", "conv_varlen", "chunk_scan", "rms_norm", "add_rms_norm", "gated_rms_norm", "relu2"):
         orig = getattr(dispatch, name)
 
         def spy(t, orig=orig, name=name):
@@ -38,8 +38,8 @@ def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypat
         {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
     assert calls and all(fn.endswith("_triton") for _, fn in calls)
     decode = {"conv_update_verify", "state_update_verify"} if k else {"conv_update", "state_update"}
-    assert {n for n, _ in calls} == decode | {"paged_attention", "conv_varlen", "chunk_scan", "rms_norm",
-                                           "gated_rms_norm"}
+    assert {n for n, _ in calls} == decode | {"paged_attention", "write_kv", "conv_varlen", "chunk_scan", "rms_norm",
+                                           "add_rms_norm", "gated_rms_norm", "relu2"}
 
 
 def test_bad_kernel_mode_is_refused(monkeypatch):

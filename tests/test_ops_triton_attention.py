@@ -6,6 +6,7 @@ set at the very top of this module. The `gpu` tests run the compiled kernel at t
 (Hq=32, Hkv=8, D=128, block 16), and `bench_attention` times it (a benchmark script may call it).
 """
 
+import dataclasses
 import os
 
 import torch
@@ -18,7 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 
 from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
-from baton.engine.ops.triton_attention import paged_attention_triton  # noqa: E402
+from baton.engine.ops.triton_attention import build_attention_meta, paged_attention_triton  # noqa: E402
 
 # (context tokens already cached, query tokens this step) per row: a whole-sequence prefill, a decode step
 # with a long context, a prefill chunk after a prefix, a one-token prompt, a decode step right after a
@@ -96,6 +97,30 @@ def test_mixed_batch_matches_reference(hq, hkv, d, block_size, dtype, atol, rtol
     assert out.dtype == dtype and out.shape == q.shape
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("rows", [MIXED_ROWS, DECODE_ROWS, [(5, 3), (0, 0)], [(0, 40)], [(4, 2)] * 3],
+                         ids=["mixed", "decode", "empty-last", "one-row", "verify-like"])
+@pytest.mark.parametrize("hq,hkv,d,block_size", CONFIGS)
+def test_host_built_program_map_equals_the_device_built_one(rows, hq, hkv, d, block_size):
+    # The runner builds the mapping once per step from host ints; every layer's kernel then uses it. The
+    # same mapping gives the same programs, so the output is bit for bit the device-built path's.
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(rows, hq, hkv, d, block_size, torch.float32, seed=3)
+    host_qsl = qsl.tolist()
+    meta = build_attention_meta(host_qsl, qsl, hq, hkv, d)
+    assert meta.prog_row.dtype == meta.prog_qblock.dtype == torch.int32 and meta.prog_row.numel() == meta.grid_m
+    ref = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5, attention_meta=meta)
+    assert torch.equal(out, ref)
+    # Given with another query_start_loc (a batch derived with other rows), or built for another batch
+    # shape, it is refused rather than silently misread.
+    with pytest.raises(ValueError, match="attention_meta expected to be built for this query_start_loc"):
+        paged_attention_triton(q, kv_cache, qsl.clone(), seq_lens, block_tables, d**-0.5, attention_meta=meta)
+    one = torch.tensor([0, 1], dtype=qsl.dtype)
+    other = build_attention_meta([0, 1], one, hq, hkv, d)
+    with pytest.raises(ValueError, match="attention_meta expected for BLOCK_Q"):
+        paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5,
+                               attention_meta=dataclasses.replace(other, query_start_loc=qsl))
 
 
 @pytest.mark.parametrize("max_query_len", [None, 1, 3, 16])

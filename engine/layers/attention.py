@@ -8,7 +8,6 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops import dispatch
-from baton.engine.ops.paged_attention import write_kv
 
 
 class Attention(nn.Module):
@@ -30,7 +29,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         kv_cache = batch.kv_caches[self.kv_index]
-        write_kv(k, v, kv_cache, batch.slot_mapping)
+        dispatch.write_kv(k)(k, v, kv_cache, batch.slot_mapping)
+        meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
         out = dispatch.paged_attention(q)(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                          self.scale)
+                                          self.scale, **meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

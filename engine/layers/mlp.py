@@ -1,14 +1,21 @@
-"""The non-gated MLP of NemotronH: down(act(up(x))), relu2 = relu(x)^2 by default."""
+"""The non-gated MLP of NemotronH: down(act(up(x))), relu2 = relu(x)^2 by default (one Triton launch on
+the GPU path, `ops.triton_act`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from baton.engine.ops import dispatch
+
+
+def relu2_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
 
 def activation(name: str):
     if name == "relu2":
-        return lambda x: torch.relu(x).square()
+        return lambda x: dispatch.relu2(x)(x)
     if name == "silu":
         return nn.functional.silu
     if name == "gelu":

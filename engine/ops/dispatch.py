@@ -1,6 +1,7 @@
 """Which implementation an op runs: the Triton kernels on CUDA tensors (when `triton` imports), the torch
-references elsewhere. Kernels exist for the decode / verify state updates, paged attention, the prefill
-conv and the prefill chunked scan; MoE still runs the torch reference everywhere (issue #7).
+references elsewhere. Kernels exist for the decode / verify state updates, paged attention and its KV
+write, the prefill conv and the prefill chunked scan, the norms (a residual add fused into the next one)
+and the MLP's relu2; MoE still runs the torch reference everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
 kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
@@ -74,6 +75,14 @@ def paged_attention(t: torch.Tensor) -> Callable:
     return reference
 
 
+def write_kv(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_kv_write import write_kv_triton
+        return write_kv_triton
+    from baton.engine.ops.paged_attention import write_kv as reference
+    return reference
+
+
 def conv_varlen(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton
@@ -88,6 +97,14 @@ def chunk_scan(t: torch.Tensor) -> Callable:
         return mamba_chunk_scan_varlen_triton
     from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
     return mamba_chunk_scan_varlen
+
+
+def relu2(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_act import relu2_triton
+        return relu2_triton
+    from baton.engine.layers.mlp import relu2_reference
+    return relu2_reference
 
 
 def rms_norm(t: torch.Tensor) -> Callable:

@@ -17,7 +17,10 @@ row is one program per KV head holding its `group` query heads.
 The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
 query-block counts and a searchsorted over it), from a grid whose size depends on shapes only
 (min(T, cdiv(T, BLOCK_Q) + R) programs per KV head, an upper bound; spare programs do nothing). So the
-wrapper never reads device tensors on the host, and is CUDA-graph friendly for fixed T and R.
+wrapper never reads device tensors on the host, and is CUDA-graph friendly for fixed T and R. A caller that
+holds the rows' query starts as host ints (the runner, once per step for every attention layer) passes
+the same mapping built there instead (`build_attention_meta`, one host-to-device copy): that saves each
+layer the nine small device ops of building it.
 
 No host reads of device tensors means the metadata are the caller's contract, unchecked (the reference
 checks them with host reads; run it when in doubt): `query_start_loc` non-decreasing from 0 to T;
@@ -43,6 +46,7 @@ tests).
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,6 +60,43 @@ from baton.engine.ops.triton_common import round_to
 def _interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    """The program -> (row, query block) mapping of one step's batch, for every attention layer. Valid only
+    with the `query_start_loc` tensor it was built for (the kernel checks that it is given that very tensor:
+    a batch derived with other rows must not carry it along)."""
+
+    query_start_loc: Tensor
+    block_q: int
+    grid_m: int
+    prog_row: Tensor     # [grid_m] int32
+    prog_qblock: Tensor  # [grid_m] int32
+
+
+def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tensor, q_heads: int, kv_heads: int,
+                         head_dim: int) -> AttentionMeta:
+    """The mapping the kernel would build on the device for this batch (no `max_query_len`), built from the
+    host ints of `query_start_loc` and sent in one non-blocking copy. Spare programs map to the last row,
+    past its queries."""
+    from baton.engine.host_copy import to_device
+
+    T, R = query_start_loc_host[-1], len(query_start_loc_host) - 1
+    block_q = _launch_config(q_heads // kv_heads, head_dim, None, T, R)[0]
+    grid_m = min(T, triton.cdiv(T, block_q) + R)
+    rows: list[int] = []
+    qblocks: list[int] = []
+    for r in range(R):
+        n = triton.cdiv(query_start_loc_host[r + 1] - query_start_loc_host[r], block_q)
+        rows += [r] * n
+        qblocks += range(n)
+    last = qblocks[-1] + 1 if rows and rows[-1] == R - 1 else 0
+    spare = grid_m - len(rows)
+    rows += [R - 1] * spare
+    qblocks += range(last, last + spare)
+    packed = to_device(rows + qblocks, torch.int32, query_start_loc.device)
+    return AttentionMeta(query_start_loc, block_q, grid_m, packed[:grid_m], packed[grid_m:])
 
 
 @triton.jit
@@ -270,6 +311,7 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    attention_meta: AttentionMeta | None = None,
 ) -> Tensor:
     """Causal attention of every row's queries over its sequence's cached keys and values (`paged_attention`).
 
@@ -277,7 +319,8 @@ def paged_attention_triton(
     query_start_loc [R+1]; seq_lens [R] tokens of the sequence including this step's; block_tables
     [R, max_blocks] int, entries past a row's last block are never read; max_query_len an optional upper
     bound on the rows' query lengths (tiling only); num_splits how many parts each row's keys are split
-    into (None: chosen from the shapes and the GPU's SM count; 1 on the CPU). Metadata values are
+    into (None: chosen from the shapes and the GPU's SM count; 1 on the CPU); attention_meta the batch's
+    program mapping from `build_attention_meta` (None: built here, on the device). Metadata values are
     unchecked (module docstring).
     Returns [T, Hq, D] in q.dtype.
     """
@@ -316,15 +359,24 @@ def paged_attention_triton(
     # T blocks, and sum(cdiv(q_len, BLOCK_Q)) <= cdiv(T, BLOCK_Q) + R: a grid sized from shapes alone.
     grid_m = min(T, triton.cdiv(T, block_q) + R)
     qsl = query_start_loc.to(device=q.device, dtype=torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    blocks_per_row = (q_lens + block_q - 1) // block_q  # [R]
-    cum = torch.cumsum(blocks_per_row, 0)  # [R] inclusive
-    pids = torch.arange(grid_m, device=q.device, dtype=torch.int64)
-    prog_row = torch.searchsorted(cum, pids, right=True).clamp_(max=R - 1)  # spare programs -> last row
-    # A spare program's query block lies past its (last) row's queries, so it reads and writes nothing.
-    prog_qblock = pids - (cum - blocks_per_row)[prog_row]
-    prog_row = prog_row.to(torch.int32)
-    prog_qblock = prog_qblock.to(torch.int32)
+    if attention_meta is not None:
+        if attention_meta.query_start_loc is not query_start_loc:
+            raise ValueError(f"{fn}: attention_meta expected to be built for this query_start_loc, got one built "
+                             f"for another batch")
+        if (attention_meta.block_q, attention_meta.grid_m) != (block_q, grid_m):
+            raise ValueError(f"{fn}: attention_meta expected for BLOCK_Q {block_q} and {grid_m} programs, got "
+                             f"{attention_meta.block_q} and {attention_meta.grid_m}")
+        prog_row, prog_qblock = attention_meta.prog_row, attention_meta.prog_qblock
+    else:
+        q_lens = qsl[1:] - qsl[:-1]
+        blocks_per_row = (q_lens + block_q - 1) // block_q  # [R]
+        cum = torch.cumsum(blocks_per_row, 0)  # [R] inclusive
+        pids = torch.arange(grid_m, device=q.device, dtype=torch.int64)
+        prog_row = torch.searchsorted(cum, pids, right=True).clamp_(max=R - 1)  # spare programs -> last row
+        # A spare program's query block lies past its (last) row's queries, so it reads and writes nothing.
+        prog_qblock = pids - (cum - blocks_per_row)[prog_row]
+        prog_row = prog_row.to(torch.int32)
+        prog_qblock = prog_qblock.to(torch.int32)
 
     if num_splits is None:
         num_splits = _auto_splits(

@@ -1,0 +1,69 @@
+"""Triton kernel that stores a step's K and V into the paged cache: one launch per attention layer.
+
+Same effect as the torch reference `write_kv` (paged_attention.py): token t's K and V go to the cache
+at its flat slot `block_id * block_size + offset` (kv_cache [num_blocks, 2, block_size, Hkv, D], index 0 =
+K, 1 = V), cast to the cache's dtype (rounded to nearest even). The reference takes four device ops for
+this (the slot's block and offset, two indexed stores); here one program per (token, tile of Hkv * D)
+reads its slot and copies both rows.
+
+A negative slot writes nothing (a padding token). Other slot values are the caller's contract, unchecked
+(no host reads: the reference checks them on CPU tensors, the scheduler's block ids satisfy it by
+construction); an out-of-range slot is an out-of-bounds store. Graph-capturable.
+"""
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import round_to
+
+BLOCK = 1024
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, block_size, width, stride_kt, stride_vt, stride_cb,
+                     stride_ckv, stride_cs, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    mask = cols < tl.where(slot >= 0, width, 0)  # a negative slot masks the whole row
+    dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + cols
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + cols, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, round_to(k, cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, round_to(v, cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _token_rows(t: Tensor, width: int) -> Tensor:
+    """[T, Hkv, D] -> [T, Hkv * D] with unit stride inside a token (a view for the projections' outputs)."""
+    t2 = t.reshape(t.shape[0], width)
+    return t2 if t2.stride(1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k, v [T, Hkv, D]; kv_cache [num_blocks, 2, block_size, Hkv, D] written in place at the given slots
+    only (negative slots: not at all); slot_mapping [T] int."""
+    fn = "write_kv_triton"
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{fn}: kv_cache expected shape [num_blocks, 2, block_size, Hkv, D], got {tuple(kv_cache.shape)}"
+        )
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if k.dim() != 3:
+        raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
+    T = k.shape[0]
+    check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
+    if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
+        raise ValueError(f"{fn}: kv_cache expected [Hkv, D] contiguous within a slot, got strides "
+                         f"{kv_cache.stride()}")
+    if T == 0:
+        return
+    width = kv_heads * head_dim
+    k2, v2 = _token_rows(k, width), _token_rows(v, width)
+    _write_kv_kernel[(T, triton.cdiv(width, BLOCK))](
+        k2, v2, kv_cache, slot_mapping, block_size, width, k2.stride(0), v2.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), BLOCK=BLOCK, num_warps=4,
+    )
