@@ -1,20 +1,26 @@
-"""Host work of one eager prefill step on the GPU code path, counted on a CPU: ATen ops and Triton launches.
+"""Host work of one eager engine step on the GPU code path, counted on a CPU: ATen ops and Triton launches.
 
-An eager prefill step's wall time on a GPU is bound by the host when its kernels are short: each ATen op
-costs the host several microseconds (dispatch, allocator, launch), each Triton launch more (argument
-binding, specialisation key). This benchmark counts them for one step of a prefill-only engine, on the
+An eager step's wall time on a GPU is bound by the host when its kernels are short: each ATen op costs the
+host several microseconds (dispatch, allocator, launch), each Triton launch more (argument binding,
+specialisation key). A captured decode step replays the same kernels, each a few microseconds of GPU time
+at batch 1, where they add up next to the weights' read. This benchmark counts them for one step, on the
 path the GPU takes (`BATON_KERNELS=triton`), without running any kernel: Triton launches are counted and
 skipped (`TRITON_INTERPRET=1` with the interpreter's launch replaced), ATen ops are counted by a dispatch
-mode, split by the layer kind whose mixer issued them (Mamba2 `M`, attention `*`, MLP `-`) and the rest of
-the step: embeddings, the residual adds and pre-norms between mixers, batch building. The model is the serving benchmark's `1b-hybrid` layer
-pattern at toy widths: counts depend on the pattern and the batch's rows, not on the widths.
+mode, split by the layer kind whose mixer issued them (Mamba2 `M`, attention `*`, MLP `-`) and the rest
+of the step: embeddings, the residual adds and pre-norms between mixers, batch building, sampling.
 
-Ops are grouped as `views` (metadata only: view, reshape of a viewable tensor, slice, split, ...),
-`allocs` (empty tensors: the caching allocator, no kernel) and `kernels` (everything else: an ATen kernel
-launch on a GPU, or a host↔device copy). The numbers are exact counts, the same on every machine.
+Steps: `prefill` (a prefill-only engine, as a prefill node runs: `--rows` prompts of `--tokens` tokens in
+all, one step) or `decode` (`--rows` requests, one decode step once all are prefilled). Models: the layer
+patterns of serving_bench's `1b-hybrid` (27 layers) or `8b-like` (52 layers), at toy widths: the counts
+depend on the pattern and the batch's rows, not on the widths.
 
-  python benchmarks/prefill_ops.py                      # 2 rows of 1024 tokens in one 2048-token step
-  python benchmarks/prefill_ops.py --rows 8 --tokens 2048
+Ops are grouped as `views` (metadata only: view, reshape of a viewable tensor, slice, split, a same-dtype
+`to`, ...), `allocs` (empty tensors: the caching allocator, no kernel) and `kernels` (everything else: an
+ATen kernel launch on a GPU, or a host-device copy; on a CPU also the reference's host-side checks, which a
+GPU skips). The numbers are exact counts, the same on every machine.
+
+  python benchmarks/step_ops.py                              # 1b-hybrid prefill: 2 rows, 2048 tokens
+  python benchmarks/step_ops.py --step decode --rows 1 --model 8b-like
 """
 
 from __future__ import annotations
@@ -37,14 +43,17 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from baton.engine.engine_config import EngineConfig  # noqa: E402
 from baton.engine.llm_engine import LLMEngine  # noqa: E402
 from baton.engine.loader import load_checkpoint  # noqa: E402
-from baton.engine.make_model import make_model  # noqa: E402
+from baton.engine.make_model import build_config, make_model  # noqa: E402
 from baton.engine.model import Block  # noqa: E402
 from baton.engine.sampling_params import SamplingParams  # noqa: E402
 
-PATTERN = "M-M-M*-M-M-M-M*-M-M-M*-M-M-"  # serving_bench's 1b-hybrid
-TOY = {"vocab_size": 512, "hidden_size": 64, "hybrid_override_pattern": PATTERN, "num_attention_heads": 2,
-       "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128, "mamba_num_heads": 4,
-       "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 128, "max_position_embeddings": 16384}
+PATTERNS = {
+    "1b-hybrid": "M-M-M*-M-M-M-M*-M-M-M*-M-M-",  # serving_bench's
+    "8b-like": build_config("8b-like")["hybrid_override_pattern"],
+}
+TOY = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+       "intermediate_size": 128, "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2,
+       "chunk_size": 128, "max_position_embeddings": 16384}
 VIEWS = frozenset({
     "aten.view", "aten._unsafe_view", "aten.reshape", "aten.slice", "aten.select", "aten.split",
     "aten.split_with_sizes", "aten.squeeze", "aten.unsqueeze", "aten.detach", "aten.detach_", "aten.alias",
@@ -110,33 +119,54 @@ def counting(engine: LLMEngine):
             h.remove()
 
 
+def engine_for(pattern: str, step: str, rows: int, tokens: int) -> LLMEngine:
+    """A toy-width engine of `pattern` on the CPU, holding the requests whose next step is the one counted."""
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(tmp, "8b-like", overrides={**TOY, "hybrid_override_pattern": pattern}, progress=False,
+                   tokenizer=False)
+        cfg, weights = load_checkpoint(Path(tmp))
+    prefill = step == "prefill"
+    engine = LLMEngine(cfg, weights, EngineConfig(
+        device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows),
+        num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8, prefill_only=prefill))
+    engine.depth = 0  # one step at a time: each step() call below is one whole step
+    # Prefill: R1 keeps one token back, so prompts of n + 1 tokens prefill n. Decode: short prompts.
+    lens = [tokens // rows + (i < tokens % rows) + 1 for i in range(rows)]
+    for i, n in enumerate(lens):
+        engine.add_request([(7 * i + j) % 500 + 3 for j in range(n)],
+                           SamplingParams(max_tokens=1 if prefill else 8, ignore_eos=True), prefill_only=prefill)
+    if not prefill:
+        while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
+            engine.step()
+    return engine
+
+
 def bench(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=2, help="prompts in the step (default: 2)")
-    ap.add_argument("--tokens", type=int, default=2048, help="prompt tokens in the step, split evenly (default 2048)")
+    ap.add_argument("--step", choices=("prefill", "decode"), default="prefill")
+    ap.add_argument("--model", choices=tuple(PATTERNS), default="1b-hybrid", help="layer pattern (default 1b-hybrid)")
+    ap.add_argument("--rows", type=int, default=2, help="requests in the step (default: 2)")
+    ap.add_argument("--tokens", type=int, default=2048,
+                    help="prefill: prompt tokens in the step, split evenly (default 2048); decode: prompt tokens")
     ap.add_argument("--top", type=int, default=12, help="most frequent kernel ops to list (default: 12)")
     ap.add_argument("--json", type=Path, default=None, help="also write the counts here")
     a = ap.parse_args(argv)
     if a.rows < 1 or a.tokens < a.rows:
         raise ValueError(f"--rows / --tokens: expected 1 <= rows <= tokens, got {a.rows} / {a.tokens}")
-    with tempfile.TemporaryDirectory() as tmp:
-        make_model(tmp, "8b-like", overrides=TOY, progress=False, tokenizer=False)
-        cfg, weights = load_checkpoint(Path(tmp))
-    engine = LLMEngine(cfg, weights, EngineConfig(
-        device="cpu", dtype="bfloat16", max_num_seqs=a.rows, max_num_batched_tokens=a.tokens,
-        num_kv_blocks=a.tokens // 16 + 2 * a.rows, block_size=16, max_model_len=a.tokens + 1, prefill_only=True))
-    lens = [a.tokens // a.rows + (i < a.tokens % a.rows) + 1 for i in range(a.rows)]  # + 1: R1 keeps one back
-    for i, n in enumerate(lens):
-        engine.add_request([(7 * i + j) % 500 + 3 for j in range(n)], SamplingParams(max_tokens=1), prefill_only=True)
-    engine.depth = 0  # one step at a time: the step below is the whole prefill
+    pattern = PATTERNS[a.model]
+    engine = engine_for(pattern, a.step, a.rows, a.tokens)
+    prompt0, decode0 = engine.stats.prompt_tokens, engine.stats.decode_tokens
     with counting(engine) as census:
         engine.step()
-    if engine.scheduler.waiting or engine.stats.prompt_tokens != a.tokens:
-        raise RuntimeError(f"expected one step of {a.tokens} prompt tokens, got {engine.stats.prompt_tokens}")
-    layers = collections.Counter(KINDS[c] for c in PATTERN)
+    done = (engine.stats.prompt_tokens - prompt0, engine.stats.decode_tokens - decode0)
+    want = (a.tokens, 0) if a.step == "prefill" else (0, a.rows)
+    if done != want:
+        raise RuntimeError(f"expected one {a.step} step of {want} (prompt, decode) tokens, got {done}")
+    layers = collections.Counter(KINDS[c] for c in pattern)
     table = {kind: {g: census.counts[(kind, g)] for g in GROUPS} for kind in (*KINDS.values(), "rest")}
     total = {g: sum(row[g] for row in table.values()) for g in GROUPS}
-    print(f"prefill_ops: one prefill step of {a.tokens} tokens in {a.rows} rows, layers {PATTERN} "
+    what = f"{a.tokens} tokens in {a.rows} rows" if a.step == "prefill" else f"{a.rows} rows"
+    print(f"step_ops: one {a.step} step of {what}, {a.model} layers {pattern} "
           f"({layers['mamba2']} M, {layers['attention']} *, {layers['mlp']} -)")
     print(f"{'':>12} {'kernels':>8} {'allocs':>8} {'views':>8} {'triton':>8}   per layer: kernels+triton")
     for kind, row in table.items():
@@ -146,7 +176,8 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
     print(f"most frequent kernel ops and launches (of {total['kernels'] + total['triton']}):")
     for name, n in census.names.most_common(a.top):
         print(f"  {n:5d}  {name}")
-    result = {"rows": a.rows, "tokens": a.tokens, "pattern": PATTERN, "by_kind": table, "step": total}
+    result = {"step": a.step, "model": a.model, "rows": a.rows, "tokens": a.tokens, "pattern": pattern,
+              "by_kind": table, "total": total}
     if a.json is not None:
         a.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -1,0 +1,59 @@
+"""benchmarks/step_ops.py: the host work of one engine step on the GPU path, counted on the CPU.
+
+Run as a subprocess (it sets BATON_KERNELS / TRITON_INTERPRET for its own process). The counts are exact, so
+they also hold the line on the per-layer work: a change that adds ops to every layer shows here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "step_ops.py"
+# Kernel ops + Triton launches of one step of the 27-layer 1b-hybrid pattern (12 M, 3 *, 12 -). When written:
+# prefill (2 rows) 182, decode (1 row) 151; 311 and 268 before the residual adds were fused into the norms,
+# the Mamba2 constants hoisted, relu2 and the KV write made one launch each and the attention program map
+# built once per step (not counting the CPU-only slot checks of the old KV write).
+BUDGET = {"prefill": 190, "decode": 160}
+
+
+def run(tmp_path, *args):
+    out = tmp_path / "ops.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), *args, "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "per layer" in r.stdout and "most frequent" in r.stdout
+    return json.loads(out.read_text())
+
+
+def test_one_prefill_step_by_layer_kind(tmp_path):
+    counts = run(tmp_path, "--rows", "2", "--tokens", "256")
+    kinds, total = counts["by_kind"], counts["total"]
+    assert set(kinds) == {"mamba2", "attention", "mlp", "rest"}
+    # Every Mamba2 mixer: 2 GEMMs, its conv (2), scan (3) and gated norm (1) kernels. Every attention layer:
+    # 4 GEMMs, the KV write and the attention kernel. Every MLP: 2 GEMMs and relu2. Every block's residual
+    # add and the next norm are one launch (27), plus the first norm.
+    assert (kinds["mamba2"]["kernels"], kinds["mamba2"]["triton"]) == (12 * 2, 12 * 6)
+    assert (kinds["attention"]["kernels"], kinds["attention"]["triton"]) == (3 * 4, 3 * 2)
+    assert (kinds["mlp"]["kernels"], kinds["mlp"]["triton"]) == (12 * 2, 12)
+    assert kinds["rest"]["triton"] == 28
+    assert total["kernels"] + total["triton"] <= BUDGET["prefill"], total
+
+
+def test_one_decode_step(tmp_path):
+    counts = run(tmp_path, "--step", "decode", "--rows", "1", "--tokens", "8")
+    kinds, total = counts["by_kind"], counts["total"]
+    assert (kinds["mamba2"]["kernels"], kinds["mamba2"]["triton"]) == (12 * 2, 12 * 3)  # conv, state, norm
+    assert total["kernels"] + total["triton"] <= BUDGET["decode"], total
+
+
+def test_bad_flags_are_refused():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--rows", "4", "--tokens", "2"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "rows <= tokens" in r.stderr
