@@ -119,16 +119,18 @@ def counting(engine: LLMEngine):
             h.remove()
 
 
-def engine_for(pattern: str, step: str, rows: int, tokens: int) -> LLMEngine:
-    """A toy-width engine of `pattern` on the CPU, holding the requests whose next step is the one counted."""
+def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0) -> LLMEngine:
+    """A toy-width engine of `pattern` on the CPU (with an MTP drafter of `spec` tokens), holding the requests
+    whose next step is the one counted."""
     with tempfile.TemporaryDirectory() as tmp:
         make_model(tmp, "8b-like", overrides={**TOY, "hybrid_override_pattern": pattern}, progress=False,
-                   tokenizer=False)
+                   tokenizer=False, mtp_layers=1 if spec else 0)
         cfg, weights = load_checkpoint(Path(tmp))
     prefill = step == "prefill"
     engine = LLMEngine(cfg, weights, EngineConfig(
-        device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows),
-        num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8, prefill_only=prefill))
+        device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows * (1 + spec)),
+        num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8 * (1 + spec),
+        prefill_only=prefill, num_speculative_tokens=spec))
     engine.depth = 0  # one step at a time: each step() call below is one whole step
     # Prefill: R1 keeps one token back, so prompts of n + 1 tokens prefill n. Decode: short prompts.
     lens = [tokens // rows + (i < tokens % rows) + 1 for i in range(rows)]
@@ -148,24 +150,28 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--rows", type=int, default=2, help="requests in the step (default: 2)")
     ap.add_argument("--tokens", type=int, default=2048,
                     help="prefill: prompt tokens in the step, split evenly (default 2048); decode: prompt tokens")
+    ap.add_argument("--spec", type=int, default=0,
+                    help="decode: speculative tokens K (an MTP drafter; the step is a verify step), default 0")
     ap.add_argument("--top", type=int, default=12, help="most frequent kernel ops to list (default: 12)")
     ap.add_argument("--json", type=Path, default=None, help="also write the counts here")
     a = ap.parse_args(argv)
     if a.rows < 1 or a.tokens < a.rows:
         raise ValueError(f"--rows / --tokens: expected 1 <= rows <= tokens, got {a.rows} / {a.tokens}")
+    if a.spec < 0 or (a.spec and a.step != "decode"):
+        raise ValueError(f"--spec: expected 0, or K > 0 with --step decode, got {a.spec} with --step {a.step}")
     pattern = PATTERNS[a.model]
-    engine = engine_for(pattern, a.step, a.rows, a.tokens)
+    engine = engine_for(pattern, a.step, a.rows, a.tokens, a.spec)
     prompt0, decode0 = engine.stats.prompt_tokens, engine.stats.decode_tokens
     with counting(engine) as census:
         engine.step()
     done = (engine.stats.prompt_tokens - prompt0, engine.stats.decode_tokens - decode0)
-    want = (a.tokens, 0) if a.step == "prefill" else (0, a.rows)
+    want = (a.tokens, 0) if a.step == "prefill" else (0, a.rows * (1 + a.spec))
     if done != want:
         raise RuntimeError(f"expected one {a.step} step of {want} (prompt, decode) tokens, got {done}")
     layers = collections.Counter(KINDS[c] for c in pattern)
     table = {kind: {g: census.counts[(kind, g)] for g in GROUPS} for kind in (*KINDS.values(), "rest")}
     total = {g: sum(row[g] for row in table.values()) for g in GROUPS}
-    what = f"{a.tokens} tokens in {a.rows} rows" if a.step == "prefill" else f"{a.rows} rows"
+    what = f"{a.tokens} tokens in {a.rows} rows" if a.step == "prefill" else f"{a.rows} rows, K = {a.spec}"
     print(f"step_ops: one {a.step} step of {what}, {a.model} layers {pattern} "
           f"({layers['mamba2']} M, {layers['attention']} *, {layers['mlp']} -)")
     print(f"{'':>12} {'kernels':>8} {'allocs':>8} {'views':>8} {'triton':>8}   per layer: kernels+triton")
@@ -176,7 +182,7 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
     print(f"most frequent kernel ops and launches (of {total['kernels'] + total['triton']}):")
     for name, n in census.names.most_common(a.top):
         print(f"  {n:5d}  {name}")
-    result = {"step": a.step, "model": a.model, "rows": a.rows, "tokens": a.tokens, "pattern": pattern,
+    result = {"step": a.step, "model": a.model, "rows": a.rows, "tokens": a.tokens, "spec": a.spec, "pattern": pattern,
               "by_kind": table, "total": total}
     if a.json is not None:
         a.json.write_text(json.dumps(result, indent=2) + "\n")

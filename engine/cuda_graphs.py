@@ -138,6 +138,7 @@ class StepGraphs:
             batch.spec_replay = self.replay[self.state_slots[:n]]  # read on the device, inside the graph (R3)
             batch.spec_token_index = self.token_index[:n * T].view(n, T)
             batch.spec_flat_index = self.token_index[:n * T]
+            batch.spec_uniform = True  # a graph's rows all hold T tokens (`ModelRunner._graphable`)
             batch.verify_inputs = self.pools.verify_layers()
         return batch
 

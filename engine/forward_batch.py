@@ -34,6 +34,9 @@ class ForwardBatch:
     spec_replay: torch.Tensor | None = None        # [Rd] int64: recorded positions to replay first
     spec_token_index: torch.Tensor | None = None   # [Rd, T] int64: flat token of (row, t), clamped to the row
     spec_flat_index: torch.Tensor | None = None    # [decode tokens] int64: (row, t) -> row * T + t
+    # Every verify row holds all T tokens, row b's at b * T + t: the two index maps above are the identity, and
+    # their users take views instead of gathers (always so in a CUDA graph's step).
+    spec_uniform: bool = False
     # per Mamba layer: recorded verify inputs (conv, x, B, dt), each [slots, 1+K, ...] (cache_pools.py)
     verify_inputs: list[tuple[torch.Tensor, ...]] | None = None
     # The prefill rows' chunk layout for the Triton chunked scan (`ops.triton_ssd.ChunkMeta`), built from host

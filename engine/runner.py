@@ -138,6 +138,7 @@ class ModelRunner:
         batch.spec_replay = replay[:nd]
         batch.verify_inputs = self._verify_inputs
         batch.spec_flat_index = self._t([b * T + j for b, n in enumerate(lens) for j in range(n)])
+        batch.spec_uniform = all(n == T for n in lens)
 
     @torch.inference_mode()
     def forward_hidden(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:

@@ -141,14 +141,18 @@ class SpecRunner(ModelRunner):
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, Tv]
         Tv = idx.shape[1]
-        logits = self.model.logits(hidden[idx.reshape(-1)]).view(nd, Tv, -1)  # [Rd, Tv, V]
-        drafts = input_ids[idx[:, 1:]]  # [Rd, Tv-1]; padding positions are masked by num_draft
+        uniform = batch.spec_uniform  # (row, t) is token row * Tv + t: views, no gathers
+        rows_hidden = hidden[:nd * Tv] if uniform else hidden[idx.reshape(-1)]
+        logits = self.model.logits(rows_hidden).view(nd, Tv, -1)  # [Rd, Tv, V]
+        # [Rd, Tv-1]; padding positions are masked by num_draft
+        drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
         # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
         self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
         emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
         # The drafter sees the emitted tokens as successors at the positions they follow.
-        next_ids[:batch.num_decode_tokens] = emitted.clamp_min(0).reshape(-1)[batch.spec_flat_index]
+        successors = emitted.clamp_min(0).reshape(-1)
+        next_ids[:batch.num_decode_tokens] = successors if uniform else successors[batch.spec_flat_index]
         anchor = batch.query_start_loc[:nd] + res.accepted_counts
         return [res.num_emitted, emitted.reshape(-1)], anchor, verify_base + res.accepted_counts
 

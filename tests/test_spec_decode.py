@@ -128,12 +128,22 @@ def staggered(k: int) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_r6_greedy_output_with_k_drafts_equals_k0_with_every_row_type_in_one_batch(spec_model, k):
+def test_r6_greedy_output_with_k_drafts_equals_k0_with_every_row_type_in_one_batch(spec_model, k, monkeypatch):
     ref = run(new_engine(spec_model, 0), staggered(k))
     engine = new_engine(spec_model, k)
     log = Log(engine)
+    # Verify rows all of 1+K tokens take views (`spec_uniform`); with a shorter one (fewer drafts near its
+    # length limit) the gathers. Both layouts must occur, and neither may change a token.
+    layouts = []
+    add_layout = engine.runner._add_verify_layout
+
+    def spy(out, batch, *args):
+        add_layout(out, batch, *args)
+        layouts.append(batch.spec_uniform)
+    monkeypatch.setattr(engine.runner, "_add_verify_layout", spy)
     got = run(engine, staggered(k))
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert True in layouts and False in layouts
     # Drafts were sometimes accepted and sometimes not (else the test would not exercise R4's slots).
     s = engine.stats
     assert 0 < s.spec_accepted < s.spec_drafted and s.mean_acceptance_length > 1

@@ -88,14 +88,20 @@ class Mamba2Mixer(nn.Module):
         rows_t = idx.shape[1]
         slots, replay, ntok = batch.state_slots[:nd], batch.spec_replay, batch.spec_num_tokens
         rec_conv, rec_x, rec_B, rec_dt = batch.verify_inputs[self.state_index]
-        xbc_v = dispatch.conv_update_verify(xbc)(xbc[idx], weight, self.conv1d.bias, conv_state, rec_conv, slots,
+        if batch.spec_uniform:  # (row, t) is token row * T + t: views, no gathers
+            xbc_rows = xbc[:nd * rows_t].view(nd, rows_t, -1)
+            dt_rows = dt[:nd * rows_t].view(nd, rows_t, -1)
+        else:
+            xbc_rows, dt_rows = xbc[idx], dt[idx]
+        xbc_v = dispatch.conv_update_verify(xbc)(xbc_rows, weight, self.conv1d.bias, conv_state, rec_conv, slots,
                                                  replay, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
         y = dispatch.state_update_verify(xbc)(
-            ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt[idx], A,
+            ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt_rows, A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
             self.D, self.dt_bias, slots, replay, self.dt_min, ntok)  # [Rd, T, H, P]
-        return y.reshape(nd * rows_t, self.num_heads, self.head_dim)[batch.spec_flat_index]
+        y = y.reshape(nd * rows_t, self.num_heads, self.head_dim)
+        return y if batch.spec_uniform else y[batch.spec_flat_index]
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.n_groups * self.d_state
