@@ -222,6 +222,60 @@ def selective_state_update_triton(
     return y
 
 
+RECORD_BLOCK = 1024
+
+
+@triton.jit
+def _copy_row(src, dst, width, BLOCK: tl.constexpr):
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        v = tl.load(src + offs, mask=offs < width, other=0.0).to(tl.float32)
+        tl.store(dst + offs, round_to(v, dst.dtype.element_ty), mask=offs < width)
+
+
+@triton.jit
+def _record_kernel(
+    x_ptr, B_ptr, dt_ptr, px_ptr, pB_ptr, pdt_ptr, slot_ptr, wx, wB, wdt,
+    s_x_b, s_x_t, s_B_b, s_B_t, s_dt_b, s_dt_t,
+    s_px_slot, s_px_t, s_pB_slot, s_pB_t, s_pdt_slot, s_pdt_t,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """pending_*[slots[b], t] = this step's x / B / dt of (b, t), cast to the pending dtype; program axis 2
+    picks the tensor. Each token's inputs are unit-stride (widths H*P, G*N, H)."""
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    which = tl.program_id(2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    b64 = b.to(tl.int64)
+    if which == 0:
+        _copy_row(x_ptr + b64 * s_x_b + t * s_x_t, px_ptr + slot * s_px_slot + t * s_px_t, wx, BLOCK)
+    elif which == 1:
+        _copy_row(B_ptr + b64 * s_B_b + t * s_B_t, pB_ptr + slot * s_pB_slot + t * s_pB_t, wB, BLOCK)
+    else:
+        _copy_row(dt_ptr + b64 * s_dt_b + t * s_dt_t, pdt_ptr + slot * s_pdt_slot + t * s_pdt_t, wdt, BLOCK)
+
+
+def _token_rows(t: Tensor) -> Tensor:
+    """[B, T, ...] -> [B, T, width] with unit stride inside a token (a view for the step's split inputs)."""
+    t3 = t.reshape(t.shape[0], t.shape[1], -1)
+    return t3 if t3.stride(2) == 1 else t3.contiguous()
+
+
+def _record_pending(pending_x: Tensor, pending_B: Tensor, pending_dt: Tensor, x: Tensor, B: Tensor, dt: Tensor,
+                    slots: Tensor) -> None:
+    """pending_*[slots, :T] = x / B / dt in one launch (the reference's three indexed stores)."""
+    batch, T = x.shape[:2]
+    if not batch:
+        return
+    src = [_token_rows(v) for v in (x, B, dt)]
+    dst = [p.view(p.shape[0], p.shape[1], -1) for p in (pending_x, pending_B, pending_dt)]
+    _record_kernel[(batch, T, 3)](
+        *src, *dst, slots, *(v.shape[2] for v in src),
+        *(st for v in src for st in v.stride()[:2]), *(st for p in dst for st in p.stride()[:2]),
+        BLOCK=RECORD_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
 def selective_state_update_verify_triton(
     ssm_state: Tensor,
     pending_x: Tensor,
@@ -270,9 +324,7 @@ def selective_state_update_verify_triton(
             HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
     # This step's inputs are the next step's pending ones. Written after the kernel (stream order): every
-    # head's programs read the group's pending B, so an in-kernel write would race with their replay.
-    idx = slots.long()
-    pending_x[idx, :T] = x.to(pending_x.dtype)
-    pending_B[idx, :T] = B.to(pending_B.dtype)
-    pending_dt[idx, :T] = dt.to(pending_dt.dtype)
+    # head's programs read the group's pending B, so an in-kernel write would race with their replay. One
+    # launch for all three.
+    _record_pending(pending_x, pending_B, pending_dt, x, B, dt, slots)
     return y
