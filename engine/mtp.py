@@ -117,10 +117,13 @@ class MTPModule(nn.Module):
         first = layers[0]
         dtype = first.eh_proj.weight.dtype
         e = embeddings(next_token_ids).to(dtype)  # [T, hidden]
-        x = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
-        for layer in layers:
-            x = x + layer.mixer(layer.norm(x), batch)
-        return layers[-1].final_layernorm(x)
+        h = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
+        # x + mixer(norm(x)) per layer, then final_layernorm; each residual add fused into the norm after it.
+        x = first.norm(h)
+        norms = [layer.norm for layer in layers[1:]] + [layers[-1].final_layernorm]
+        for layer, norm in zip(layers, norms, strict=True):
+            x, h = norm.add_forward(layer.mixer(x, batch), h)
+        return x
 
     @staticmethod
     def with_kv_caches(batch: ForwardBatch, mtp_kv_caches: list[torch.Tensor]) -> ForwardBatch:
