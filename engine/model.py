@@ -14,14 +14,13 @@ from baton.engine.layers.attention import Attention
 from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
-from baton.engine.layers.norms import RMSNorm
+from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.weights import MTP_PREFIX, place
 
 
 class Block(nn.Module):
-    """Pre-norm residual block around one mixer (Mamba2, attention, MLP or MoE): h + mixer(norm(h)).
-    `Backbone` runs it as `mixer(x)` with x the block's normed input, and fuses the residual add into the
-    next block's norm (or the final one)."""
+    """Pre-norm residual block around one mixer (Mamba2, attention, MLP or MoE): h + mixer(norm(h)), run by
+    `pre_norm_stack` with the residual add fused into the next block's norm (or the final one)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -48,12 +47,7 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embeddings(input_ids)  # [T, hidden]: the residual stream
-        x = self.layers[0].norm(h)
-        norms = [layer.norm for layer in self.layers[1:]] + [self.norm_f]
-        for layer, norm in zip(self.layers, norms, strict=True):
-            x, h = norm.add_forward(layer.mixer(x, batch), h)  # h += mixer(x); x = next norm(h)
-        return x
+        return pre_norm_stack(self.embeddings(input_ids), self.layers, self.norm_f, batch)
 
 
 class NemotronHForCausalLM(nn.Module):

@@ -51,7 +51,7 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.attention import Attention
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
-from baton.engine.layers.norms import RMSNorm
+from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.weights import MTP_PREFIX, mtp_layout, place
 
 
@@ -118,12 +118,7 @@ class MTPModule(nn.Module):
         dtype = first.eh_proj.weight.dtype
         e = embeddings(next_token_ids).to(dtype)  # [T, hidden]
         h = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
-        # x + mixer(norm(x)) per layer, then final_layernorm; each residual add fused into the norm after it.
-        x = first.norm(h)
-        norms = [layer.norm for layer in layers[1:]] + [layers[-1].final_layernorm]
-        for layer, norm in zip(layers, norms, strict=True):
-            x, h = norm.add_forward(layer.mixer(x, batch), h)
-        return x
+        return pre_norm_stack(h, layers, layers[-1].final_layernorm, batch)
 
     @staticmethod
     def with_kv_caches(batch: ForwardBatch, mtp_kv_caches: list[torch.Tensor]) -> ForwardBatch:

@@ -7,9 +7,12 @@ and the norm after it are one launch too: `RMSNorm.add_forward`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops import dispatch
 
 
@@ -48,6 +51,17 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + x), residual + x) in one kernel on the Triton path."""
         return dispatch.add_rms_norm(x)(x, residual, self.weight, self.eps)
+
+
+def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMSNorm,
+                   batch: ForwardBatch) -> torch.Tensor:
+    """h + mixer(norm(h)) through `layers` (each with `.norm` and `.mixer(x, batch)`), then `final_norm`; each
+    residual add runs fused into the norm after it (`RMSNorm.add_forward`). Returns final_norm's output."""
+    x = layers[0].norm(h)
+    norms = [layer.norm for layer in layers[1:]] + [final_norm]
+    for layer, norm in zip(layers, norms, strict=True):
+        x, h = norm.add_forward(layer.mixer(x, batch), h)  # h += mixer(x); x = the next norm of h
+    return x
 
 
 class GatedRMSNorm(nn.Module):
