@@ -40,6 +40,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.ops import dispatch
 from baton.engine.pending_step import fill_pending
 
 
@@ -89,6 +90,9 @@ class StepGraphs:
         self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)
         self.next_ids = torch.zeros(n * T, dtype=torch.int64, device=dev)
         self.verify_base = torch.zeros(n, dtype=torch.int64, device=dev)
+        # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
+        # them, fixed like the starts themselves, so a captured step does not rebuild it in every attention layer.
+        self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
         # last-token positions (n each), then the block table [n, width].
@@ -118,11 +122,23 @@ class StepGraphs:
         self.state_slots[:n] = self.pools.scratch_slot
         self.block_tables[:n] = self.pools.scratch_block
 
+    def _query_starts(self, n: int) -> tuple[torch.Tensor, object | None]:
+        if n not in self._starts:
+            qsl, meta = self.query_start_loc[:n + 1], None
+            cfg = self.model.cfg
+            if cfg.attention_layer_ids and dispatch.use_triton(qsl):
+                from baton.engine.ops.triton_attention import build_attention_meta
+                meta = build_attention_meta(list(range(0, n * self.T + 1, self.T)), qsl, cfg.num_attention_heads,
+                                            cfg.num_key_value_heads, cfg.head_dim)
+            self._starts[n] = (qsl, meta)
+        return self._starts[n]
+
     def _batch(self, n: int) -> ForwardBatch:
         T = self.T
+        qsl, attention_meta = self._query_starts(n)
         batch = ForwardBatch(
             num_decodes=n,
-            query_start_loc=self.query_start_loc[:n + 1],
+            query_start_loc=qsl,
             seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n],
             slot_mapping=self.slot_mapping[:n * T],
@@ -132,6 +148,7 @@ class StepGraphs:
             conv_states=self.pools.conv_layers(),
             ssm_states=self.pools.ssm_layers(),
             num_decode_tokens=n * T,
+            attention_meta=attention_meta,
         )
         if T > 1:
             batch.spec_num_tokens = self.num_tokens[:n]

@@ -58,6 +58,11 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monk
     assert log.rows == ref_log.rows
     # Steps of several sizes went through the static layout, padded (3, 5, 6, 7 rows run as 4 or 8).
     assert len(used) > 5 and set(used) - {1, 2, 4, 8}
+    # Each size's attention program map was built once, for its fixed query starts, and used by every layer.
+    graphs = engine.runner.graphs
+    starts = graphs._starts
+    assert set(starts) >= {graphs.size_for(u) for u in used}
+    assert all(meta is not None and meta.query_start_loc is qsl for qsl, meta in starts.values())
     if k:
         assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
 
