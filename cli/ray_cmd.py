@@ -109,7 +109,7 @@ class ServerActor:
         out: Any = None  # inherit: Ray's worker log, forwarded to the driver
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            out = open(Path(log_dir) / f"{self.name}.log", "a")  # noqa: SIM115 (lives as long as the process)
+            out = open(Path(log_dir) / f"{self.name}.log", "w")  # noqa: SIM115 (lives as long as the process)
         addr = self._spawn_until_listening(ip, role, args, port, http_port, out)
         self.addr = addr
         assert self.proc is not None

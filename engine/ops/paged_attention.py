@@ -23,6 +23,19 @@ def _check_cache(fn: str, kv_cache: Tensor) -> None:
         )
 
 
+def check_write_kv(fn: str, k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> int:
+    """Shapes of a KV write (`write_kv` and its Triton kernel): ValueError naming the argument; returns T."""
+    _check_cache(fn, kv_cache)
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    if k.dim() != 3:
+        raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
+    T = k.shape[0]
+    check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
+    check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
+    return T
+
+
 def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store each token's K and V at its flat slot `block_id * block_size + offset`.
 
@@ -30,14 +43,8 @@ def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> No
     slots only; slot_mapping [T] int.
     """
     fn = "write_kv"
-    _check_cache(fn, kv_cache)
-    num_blocks, _, block_size, kv_heads, head_dim = kv_cache.shape
-    if k.dim() != 3:
-        raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
-    T = k.shape[0]
-    check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
+    T = check_write_kv(fn, k, v, kv_cache, slot_mapping)
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[2]
     slots = slot_mapping.long()
     # Range-checked on the host only for CPU tensors: on the GPU the check would be a sync per layer (the
     # scheduler's block ids are in range by construction).

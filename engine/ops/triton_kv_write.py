@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.checks import check_shape
+from baton.engine.ops.paged_attention import check_write_kv
 from baton.engine.ops.triton_common import round_to
 
 BLOCK = 1024
@@ -45,17 +45,8 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     """k, v [T, Hkv, D]; kv_cache [num_blocks, 2, block_size, Hkv, D] written in place at the given slots
     only (negative slots: not at all); slot_mapping [T] int."""
     fn = "write_kv_triton"
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(
-            f"{fn}: kv_cache expected shape [num_blocks, 2, block_size, Hkv, D], got {tuple(kv_cache.shape)}"
-        )
+    T = check_write_kv(fn, k, v, kv_cache, slot_mapping)
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    if k.dim() != 3:
-        raise ValueError(f"{fn}: k expected shape [T, Hkv, D], got {tuple(k.shape)}")
-    T = k.shape[0]
-    check_shape(fn, "k", k, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    check_shape(fn, "v", v, "[T, Hkv, D]", (T, kv_heads, head_dim))
-    check_shape(fn, "slot_mapping", slot_mapping, "[T]", (T,))
     if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_dim:
         raise ValueError(f"{fn}: kv_cache expected [Hkv, D] contiguous within a slot, got strides "
                          f"{kv_cache.stride()}")
