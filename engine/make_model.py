@@ -230,7 +230,8 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[
     if name.endswith("norm.weight") or name.endswith("norm_f.weight") or leaf == "D":
         return torch.ones(shape, dtype=torch.float32, device=g.device)
     if leaf == "A_log":
-        return torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32, device=g.device))
+        # Computed on the CPU: a constant must not depend on the draw device (CUDA's log differs in the last bit).
+        return torch.log(torch.arange(1, shape[0] + 1, dtype=torch.float32)).to(g.device)
     if leaf == "dt_bias":
         lo, hi = math.log(float(d["time_step_min"])), math.log(float(d.get("time_step_max", 0.1)))
         dt = torch.exp(torch.rand(shape, generator=g, device=g.device) * (hi - lo) + lo)
