@@ -218,7 +218,9 @@ def test_r1_decode_from_transferred_n_minus_1_state_equals_one_engine(tiny, n):
     rid = dec.add_computed_request(prompt, params, "moved", blocks, slot, num_computed=n - 1)
     out = dec.scheduler.schedule()
     row = next(r for r in out.rows if r.request_id == rid)
-    assert row.num_tokens == 1 and row.has_initial_state and row.sample and out.is_mixed
+    # Token N is a decode row from the transferred state: beside `busy`'s, a decode-only step (graphable).
+    assert row.num_tokens == 1 and row.is_decode and row.has_initial_state and row.sample
+    assert row.token_ids == (prompt[-1],) and row.num_computed_tokens == n - 1 and out.num_decodes == len(out.rows)
     dec.scheduler.update(out, dec.runner.execute(out).sampled)
     done = {}
     while dec.has_unfinished():
