@@ -117,6 +117,54 @@ def plot_serving_goodput(results_dir: Path, out_dir: Path) -> Path:
     return path
 
 
+def _max_goodput(doc: dict[str, Any], ttft_s: float, tpot_s: float) -> float:
+    """A configuration's max goodput over its rate points under (ttft_s, tpot_s), from the per-request records."""
+    best = 0.0
+    for p in doc["points"]:
+        good = sum(1 for t, o in p["per_request"] if t is not None and o is not None and t <= ttft_s and o <= tpot_s)
+        best = max(best, good / p["window_s"])
+    return best
+
+
+def plot_serving_slo_sweep(results_dir: Path, out_dir: Path) -> Path:
+    """Max goodput of each configuration against the TPOT bound (the run's TTFT bound kept), and their ratio
+    with the 2x goal drawn: where the comparison depends on the SLO, the whole curve."""
+    plt = _pyplot()
+    runs = _serving_runs(results_dir)
+    if any(len(p.get("per_request", ())) != p["requests"] for doc in runs.values() for p in doc["points"]):
+        raise ValueError(f"{results_dir}: expected per-request records in every rate point (older files lack them)")
+    ttft_s = next(iter(runs.values()))["slo"]["ttft_s"]
+    bounds_ms = [4.0 + 0.5 * i for i in range(93)]  # 4 .. 50 ms
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    goodput = {cfg: [_max_goodput(doc, ttft_s, b / 1e3) for b in bounds_ms] for cfg, doc in runs.items()}
+    for cfg, ys in goodput.items():
+        ax.plot(bounds_ms, ys, color=SERVING_COLORS[cfg], label=f"{SERVING_LABELS[cfg]} max goodput")
+    ax.set_xlabel("TPOT SLO: mean ITL per request (ms)")
+    ax.set_ylabel("max goodput over the sweep (requests/s)")
+    ax.grid(True, alpha=0.3)
+    lines, labels = ax.get_legend_handles_labels()
+    if len(goodput) == 2:
+        ratio = [d / a if a > 0 else float("nan") for a, d in zip(goodput["agg"], goodput["disagg"], strict=True)]
+        ax2 = ax.twinx()
+        ax2.plot(bounds_ms, ratio, color="black", linestyle="--", label="disagg / agg")
+        ax2.axhline(2.0, color="gray", linestyle=":", label="goal 2x")
+        ax2.set_ylabel("disagg / agg")
+        ax2.set_yscale("log")
+        from matplotlib.ticker import FuncFormatter
+        for fmt in (ax2.yaxis.set_major_formatter, ax2.yaxis.set_minor_formatter):
+            fmt(FuncFormatter(lambda v, _: f"{v:g}x"))
+        more = ax2.get_legend_handles_labels()
+        lines, labels = lines + more[0], labels + more[1]
+    ax.legend(lines, labels, fontsize=8)
+    ax.set_title(f"max goodput against the TPOT bound (TTFT ≤ {ttft_s:g} s)", fontsize=10)
+    fig.suptitle(_serving_title(runs), fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "serving_slo_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 @dataclass(frozen=True)
 class Plot:
     # Any one of these files in the results directory is enough to draw the plot.
@@ -127,6 +175,7 @@ class Plot:
 PLOTS: tuple[Plot, ...] = (
     Plot(tuple(f"serving_{c}.json" for c in SERVING_CONFIGS), plot_serving_latency),
     Plot(tuple(f"serving_{c}.json" for c in SERVING_CONFIGS), plot_serving_goodput),
+    Plot(tuple(f"serving_{c}.json" for c in SERVING_CONFIGS), plot_serving_slo_sweep),
 )
 
 

@@ -84,6 +84,8 @@ from baton.cli.cluster import Cluster
 from baton.client import AsyncClient
 
 AGG_LOCAL_PREFILL_THRESHOLD = 2**31 - 1
+# The summary's SLO sweep: max goodput of each configuration at these TPOT bounds (ms), from the same runs.
+SLO_SWEEP_TPOT_MS = (8.0, 10.0, 12.0, 15.0, 20.0, 30.0, 50.0)
 # Token ids 0..2 are pad / bos / eos in every preset; prompts draw from [FIRST_ID, vocab_size).
 FIRST_ID = 3
 CONFIG_NAMES = ("agg", "disagg")
@@ -201,6 +203,8 @@ class BenchConfig:
     log_dir: Path | None
     # Run nothing; summarize the JSON files already in `out`.
     summarize: bool = False
+    # TPOT bounds (ms) at which the summary also scores both configurations' max goodput (same TTFT bound).
+    slo_sweep_tpot_ms: tuple[float, ...] = SLO_SWEEP_TPOT_MS
 
     def __post_init__(self) -> None:
         if self.model_preset not in MODEL_PRESETS:
@@ -219,6 +223,8 @@ class BenchConfig:
                              f"{self.warmup_requests} / {self.calibration_requests}")
         if self.gpus < 0:
             raise ValueError(f"gpus: expected >= 0 (0 = leave CUDA_VISIBLE_DEVICES alone), got {self.gpus}")
+        if any(not (math.isfinite(t) and t > 0) for t in self.slo_sweep_tpot_ms):
+            raise ValueError(f"slo_sweep_tpot_ms: expected finite numbers > 0, got {self.slo_sweep_tpot_ms}")
         bad = [c for c in self.configs if c not in CONFIG_NAMES]
         if bad or not self.configs or len(set(self.configs)) != len(self.configs):
             raise ValueError(f"configs: expected distinct names out of {', '.join(CONFIG_NAMES)}, "
@@ -666,6 +672,43 @@ def summary_of(points: Mapping[str, Sequence[RatePoint]]) -> Summary:
     return Summary(g, {k: p.offered_rps for k, p in best.items()}, ratio)
 
 
+@dataclass(frozen=True)
+class SloSweepRow:
+    """Each configuration's max goodput (over its rate points) under one TPOT bound, and their ratio."""
+    tpot_ms: float
+    max_goodput_rps: dict[str, float]
+    at_rate_rps: dict[str, float]
+    goodput_ratio: float | None
+
+
+def slo_sweep(points: Mapping[str, Sequence[RatePoint]], ttft_s: float,
+              tpot_ms: Sequence[float]) -> tuple[SloSweepRow, ...]:
+    """The summary re-scored at each TPOT bound from the per-request records (none where a point lacks them):
+    where the goodput ratio depends on the SLO, the whole curve is the result, not one chosen bound."""
+    if not points or any(len(p.per_request) != p.requests for ps in points.values() for p in ps):
+        return ()
+    rows = []
+    for t in tpot_ms:
+        slo = Slo(ttft_s, t / 1e3)
+        s = summary_of({name: [with_slo(p, slo) for p in ps] for name, ps in points.items()})
+        rows.append(SloSweepRow(t, s.max_goodput_rps, s.at_rate_rps, s.goodput_ratio))
+    return tuple(rows)
+
+
+def markdown_slo_sweep(rows: Sequence[SloSweepRow], ttft_s: float) -> str:
+    if not rows:
+        return ""
+    names = list(rows[0].max_goodput_rps)
+    lines = [f"Max goodput against the TPOT bound (TTFT <= {ttft_s:g} s), from the same requests:", "",
+             "| TPOT SLO ms | " + " | ".join(f"{n} max goodput req/s (at offered)" for n in names)
+             + " | disagg / agg |", "| ---: |" + " ---: |" * (len(names) + 1)]
+    for r in rows:
+        cells = [f"{r.max_goodput_rps[n]:.3f} ({r.at_rate_rps[n]:g})" for n in names]
+        ratio = "-" if r.goodput_ratio is None else f"{r.goodput_ratio:.2f}x"
+        lines.append(f"| {r.tpot_ms:g} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
     head = ("| config | offered req/s | done | req/s | goodput req/s | SLO met | TTFT p50 / p90 / p99 ms "
             "| ITL p50 / p90 / p99 ms | TPOT p50 ms | E2E p50 s |")
@@ -724,10 +767,16 @@ def load_points(out: Path) -> dict[str, tuple[RatePoint, ...]]:
     return found
 
 
-def write_summary(cfg: BenchConfig, meta: Mapping[str, object]) -> dict[str, tuple[RatePoint, ...]]:
-    points = load_points(cfg.out)
-    (cfg.out / SUMMARY_FILE).write_text(json.dumps({**meta, **asdict(summary_of(points))}, indent=1))
-    return points
+def write_summary(cfg: BenchConfig, meta: Mapping[str, object],
+                  points: Mapping[str, Sequence[RatePoint]] | None = None) -> tuple[dict[str, tuple[RatePoint, ...]],
+                                                                             tuple[SloSweepRow, ...]]:
+    """serving_summary.json (the summary at meta's SLO, and the SLO sweep) of `points` (default: what `out`
+    holds)."""
+    points = dict(load_points(cfg.out) if points is None else points)
+    sweep = slo_sweep(points, cfg.slo.ttft_s, cfg.slo_sweep_tpot_ms)
+    doc = {**meta, **asdict(summary_of(points)), "slo_sweep": [asdict(r) for r in sweep]}
+    (cfg.out / SUMMARY_FILE).write_text(json.dumps(doc, indent=1))
+    return points, sweep
 
 
 def rates_from(path: Path) -> tuple[float, ...]:
@@ -786,6 +835,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
                     help="node and router logs, DIR/<config>/<process>.log (default TMP/baton-serving-logs)")
     ap.add_argument("--summarize", action="store_true",
                     help="run nothing: table and serving_summary.json from the serving_<config>.json in OUT")
+    ap.add_argument("--slo-sweep-tpot-ms", default=",".join(f"{t:g}" for t in SLO_SWEEP_TPOT_MS),
+                    help="TPOT bounds (ms) at which the summary also scores max goodput, comma-separated "
+                         "(default %(default)s)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     d = DEFAULTS["smoke" if a.smoke else "gpu"]
@@ -812,7 +864,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         prefill_engine_args=tuple(a.prefill_engine_args.split()),
         configs=tuple(c.strip() for c in a.configs.split(",") if c.strip()),
         disagg_local_prefill_threshold=a.disagg_local_prefill_threshold, progress=not a.no_progress,
-        log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize)
+        log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize,
+        slo_sweep_tpot_ms=_floats(a.slo_sweep_tpot_ms, "--slo-sweep-tpot-ms"))
 
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
@@ -856,8 +909,10 @@ def summarize_only(cfg: BenchConfig) -> int:
     if all(len(p.per_request) == p.requests for ps in points.values() for p in ps):
         points = {name: tuple(with_slo(p, cfg.slo) for p in ps) for name, ps in points.items()}
         meta["slo"] = asdict(cfg.slo)
-    (cfg.out / SUMMARY_FILE).write_text(json.dumps({**meta, **asdict(summary_of(points))}, indent=1))
+    points, sweep = write_summary(cfg, meta, points)
     print(markdown_table(points, Slo(**meta["slo"])), flush=True)
+    if sweep:
+        print("\n" + markdown_slo_sweep(sweep, cfg.slo.ttft_s), flush=True)
     return 0
 
 
@@ -888,7 +943,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The configurations after the first replay the same rates (and so the same schedules).
             rates = tuple(p.offered_rps for p in r.points)
     print(f"results in {cfg.out}; logs in {cfg.log_dir}", flush=True)
-    print(markdown_table(write_summary(cfg, meta), cfg.slo), flush=True)
+    points, sweep = write_summary(cfg, meta)
+    print(markdown_table(points, cfg.slo), flush=True)
+    if sweep:
+        print("\n" + markdown_slo_sweep(sweep, cfg.slo.ttft_s), flush=True)
     return 0
 
 

@@ -173,6 +173,44 @@ def test_summary_ratio_and_json_round_trip():
     assert sb.point_from_json(p) == a[1]
 
 
+def test_slo_sweep_scores_each_tpot_bound_from_the_same_requests(tmp_path, capsys):
+    # agg: fast first tokens, slow decode (TPOT 0.03 s); disagg: the other way round (TPOT 0.01 s, half the
+    # requests' TTFT over the bound). Which wins depends on the TPOT bound, and the sweep shows where.
+    agg = [sb.rate_point("agg", 1.0, 5.0, [_result(i, float(i), 0.1, [0.03] * 5) for i in range(4)], SLO)]
+    disagg = [sb.rate_point("disagg", 1.0, 5.0, [_result(i, float(i), 0.1 if i % 2 else 1.5, [0.01] * 5)
+                                                for i in range(4)], SLO)]
+    rows = sb.slo_sweep({"agg": agg, "disagg": disagg}, 1.0, (5.0, 20.0, 50.0))
+    assert [r.tpot_ms for r in rows] == [5.0, 20.0, 50.0]
+    assert [r.max_goodput_rps["agg"] for r in rows] == pytest.approx([0.0, 0.0, 4 / 5.0])
+    assert [r.max_goodput_rps["disagg"] for r in rows] == pytest.approx([0.0, 2 / 5.0, 2 / 5.0])
+    assert [r.goodput_ratio for r in rows] == [None, None, pytest.approx(0.5)]  # no ratio over agg's 0
+    # Points without per-request records (files older than the field) give no sweep rather than a wrong one.
+    assert sb.slo_sweep({"agg": [sb.replace(agg[0], per_request=())]}, 1.0, (5.0,)) == ()
+    # --summarize writes it into the summary and prints it.
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, ps in (("agg", agg), ("disagg", disagg)):
+        doc = {"model": {"preset": "tiny", "parameters": 2e6}, "cards": [], "load": sb.asdict(LOAD),
+               "slo": sb.asdict(SLO), "points": [sb.asdict(p) for p in ps]}
+        sb.config_file(out, name).write_text(json.dumps(doc))
+    assert sb.main(["--summarize", "--out", str(out), "--slo-ttft-s", "1", "--slo-sweep-tpot-ms", "20,50"]) == 0
+    sweep = json.loads((out / sb.SUMMARY_FILE).read_text())["slo_sweep"]
+    assert [(r["tpot_ms"], r["goodput_ratio"]) for r in sweep] == [(20.0, None), (50.0, pytest.approx(0.5))]
+    assert "| 50 | 0.800 (1) | 0.400 (1) | 0.50x |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="slo_sweep_tpot_ms"):
+        sb.parse_args(["--out", str(out), "--slo-sweep-tpot-ms", "10,-1"])
+    # The plots of these files: latency and goodput against load, max goodput against the TPOT bound.
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("plot_results", _ROOT / "benchmarks" / "plot_results.py")
+    pr = importlib.util.module_from_spec(spec)
+    sys.modules["plot_results"] = pr  # dataclasses look their module up
+    spec.loader.exec_module(pr)
+    assert pr._max_goodput(json.loads(sb.config_file(out, "disagg").read_text()), 1.0, 0.02) == pytest.approx(0.4)
+    pngs = pr.plot_all(out, tmp_path / "png")
+    assert sorted(p.name for p in pngs) == ["serving_goodput.png", "serving_latency.png", "serving_slo_sweep.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
 # ---- GPU pinning ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("config", "expected"), [
