@@ -48,6 +48,7 @@ fi
 if stage transfer; then
   if [ "$gpus" -ge 2 ]; then
     python3 benchmarks/transfer_bench.py --device cuda 2>&1 | grep -v "NIXL INFO" | tee "$OUT/transfer_cuda.txt"
+    python3 benchmarks/transfer_bench.py --device cuda --cuda-ipc 2>&1 | grep -v "NIXL INFO" | tee "$OUT/transfer_ipc.txt"
   fi
   python3 benchmarks/transfer_bench.py --device cpu --reps 3 2>&1 | grep -v "NIXL INFO" | tail -9 | tee "$OUT/transfer_cpu.txt"
 fi

@@ -14,6 +14,8 @@ The prefill-side block ids are `--layout contiguous` (a fresh pool) or `scattere
 
   python benchmarks/transfer_bench.py --device cpu        # DRAM <-> DRAM between two processes (UCX cma)
   python benchmarks/transfer_bench.py --device cuda       # cuda:0 -> cuda:1 (VRAM registration), 2 GPUs
+  python benchmarks/transfer_bench.py --device cuda --cuda-ipc  # the same, copied through CUDA IPC mappings
+                                                                # (transfer/cuda_ipc.py) instead of UCX
 
 Baseline: cpu = `dst.copy_(src)` in one process; cuda = a peer copy cuda:0 -> cuda:1 of the same bytes.
 """
@@ -81,7 +83,7 @@ def holder(conn, args, device: str) -> None:
     fill(pools, device)
     agent = TransferAgent("bench-prefill", cfg, pools.by_name(),
                           args.block_size, progress_thread=not args.no_progress_thread,
-                          num_threads=args.nixl_threads)
+                          num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc)
     server = SideChannelServer(lambda: agent.metadata, lambda rid, s: 0.0)
     conn.send(server.address)
     while not conn.poll(0.01):
@@ -119,6 +121,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="contiguous,scattered")
     ap.add_argument("--no-progress-thread", action="store_true", help="NIXL progresses only when polled")
     ap.add_argument("--nixl-threads", type=int, default=0, help="UCX backend worker threads (0: NIXL's default)")
+    ap.add_argument("--cuda-ipc", action="store_true",
+                    help="read through CUDA IPC mappings of the holder's pools (GPU pools on one host)")
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("transfer_bench: --device cuda needs 2 GPUs, found", torch.cuda.device_count(), file=sys.stderr)
@@ -137,9 +141,13 @@ def main() -> int:
         cfg, pools = make_pools(args, "cuda:1" if args.device == "cuda" else "cpu")
         agent = TransferAgent("bench-decode", cfg, pools.by_name(),
                               args.block_size, progress_thread=not args.no_progress_thread,
-                          num_threads=args.nixl_threads)
+                              num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc)
         meta = SideChannelClient(*address).metadata()
         agent.connect(meta)
+        path = "CUDA IPC copy" if agent.reads_by_cuda_ipc(meta.engine_id) else "NIXL READ"
+        if args.cuda_ipc and path != "CUDA IPC copy":
+            print("transfer_bench: --cuda-ipc given, but the peer is read through NIXL (host memory, or the "
+                  "mapping failed: see the warning above)", file=sys.stderr)
         remote = request_ids(args, meta.regions["kv"].num_items)
         local = list(range(len(remote)))
         ways = [("coalesced", True, False), ("per block", False, False), ("per block per layer", False, True)]
@@ -164,7 +172,7 @@ def main() -> int:
     base, base_best = peer_copy_gbps(nbytes, args.device, args.reps)
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"\ntransfer_bench: {args.preset}, {args.tokens} tokens = {nbytes / 2**20:.1f} MiB "
-          f"(KV + conv + SSM state), device {args.device} ({card}), median (and best) of {args.reps}")
+          f"(KV + conv + SSM state), device {args.device} ({card}), {path}, median (and best) of {args.reps}")
     print(f"{'block ids':<11} {'plan':<21} {'descs':>6} {'ms':>8} {'GB/s':>7} {'best':>7} {'vs copy':>8}")
     for layout, name, descs, b, t, best in rows:
         print(f"{layout:<11} {name:<21} {descs:>6} {1e3 * t:>8.2f} {b / t / 1e9:>7.1f} {b / best / 1e9:>7.1f} "

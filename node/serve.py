@@ -26,6 +26,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None,
                    help="port of /metrics and /health (default: --port + 2000; 0: any free port)")
     p.add_argument("--engine-id", default=None, help=f"unique id of this node (default {role}-HOST-PORT)")
+    p.add_argument("--cuda-ipc", action="store_true",
+                   help="GPU nodes on one host: move caches through CUDA IPC mappings of the prefill node's pools "
+                        "instead of NIXL's UCX copy (both nodes need the flag; other peers still use NIXL)")
     add_engine_args(p)
     return p
 

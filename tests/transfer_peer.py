@@ -20,7 +20,8 @@ import random
 import torch
 
 
-def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine_id: str) -> None:
+def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine_id: str,
+             agent_kw: dict | None = None) -> None:
     from baton.engine.engine_config import EngineConfig
     from baton.engine.llm_engine import LLMEngine
     from baton.engine.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
     sched.blocks.free(every[: len(every) // 2])
     fragment = sched.blocks.num_used
     pools = engine.pools.by_name()
-    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size)
+    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size, **(agent_kw or {}))
     held = HeldTransfers(agent, LeaseTable(lease_seconds), free=lambda lease: engine.free_held(lease.block_ids,
                                                                                              lease.state_slot))
     server = SideChannelServer(lambda: agent.metadata, held.renew)
@@ -63,12 +64,12 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
                 conn.send(held.hold(request_id, tuple(blocks), slot, n * engine.config.block_size))
             elif cmd == "bytes":
                 blocks, slot = args
-                conn.send((engine.pools.kv[list(blocks)].clone(), engine.pools.conv[slot].clone(),
-                           engine.pools.ssm[slot].clone()))
+                conn.send((engine.pools.kv[list(blocks)].cpu(), engine.pools.conv[slot].cpu(),
+                           engine.pools.ssm[slot].cpu()))
             elif cmd == "fill":
                 g = torch.Generator().manual_seed(args[0])
                 for t in pools.values():
-                    t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32))
+                    t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device))
                 conn.send(None)
             elif cmd == "status":
                 conn.send({"blocks_used": sched.blocks.num_used - fragment, "slots_used": sched.slots.num_used,
@@ -78,10 +79,11 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
     agent.close()
 
 
-def start_peer(model_dir, engine_kw: dict, lease_seconds: float = 30.0, engine_id: str = "prefill-0"):
+def start_peer(model_dir, engine_kw: dict, lease_seconds: float = 30.0, engine_id: str = "prefill-0",
+               agent_kw: dict | None = None):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_peer, args=(child, str(model_dir), engine_kw, lease_seconds, engine_id),
+    proc = ctx.Process(target=run_peer, args=(child, str(model_dir), engine_kw, lease_seconds, engine_id, agent_kw),
                        daemon=True)
     proc.start()
     if not parent.poll(120):

@@ -3,11 +3,16 @@
 The decode side pulls: `start_read` issues one NIXL READ for a request (coalesced descriptors, a
 notification naming the request id for the prefill side), `wait`/`poll` finish it within a deadline and
 always release the handle. The prefill side calls `notifications()` to learn which requests were read.
+
+With `cuda_ipc=True` on both sides and both on one host with GPU pools, the READ is instead a copy through
+the holder's pools mapped once at the handshake (`transfer.cuda_ipc`), followed by the same notification,
+sent with NIXL's `send_notif`. Any other peer, or a mapping that fails to open, is read through NIXL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import uuid
@@ -16,12 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.config import ModelConfig
+from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, byte_ranges, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
 from baton.transfer.plan import TransferPlan, plan_request
 from baton.transfer.stats import TransferStats
 
+log = logging.getLogger("baton.transfer")
 DEFAULT_TIMEOUT_S = 10.0
 SPIN_SECONDS = 0.005
 
@@ -42,15 +49,18 @@ class PendingRead:
     started: float
     deadline: float
     state: str = "PROC"
+    # A CUDA IPC copy (handle None): the event its copies complete.
+    event: torch.cuda.Event | None = None
 
 
 class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = True, num_threads: int = 0) -> None:
+                 progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False) -> None:
         """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
-        the UCX backend that many worker threads (large transfers are split across them)."""
+        the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
+        this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs."""
         nixl_agent, nixl_agent_config = _nixl()
         self.engine_id = engine_id
         self.regions = {name: RegionLayout.of(name, t) for name, t in pools.items()}
@@ -62,10 +72,14 @@ class TransferAgent:
                                                                     backends=list(backends)))
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
         compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
+        self.cuda_ipc = cuda_ipc
         self.metadata = AgentMetadata(engine_id=engine_id, agent_name=self.agent_name,
                                       nixl_metadata=self._agent.get_agent_metadata(), compat=compat,
-                                      compat_hash=compat_hash(compat), regions=self.regions)
+                                      compat_hash=compat_hash(compat), regions=self.regions, host_id=host_id(),
+                                      ipc=export_regions(pools) if cuda_ipc else {})
         self._peers: dict[str, tuple[str, AgentMetadata]] = {}
+        self._ipc_peers: dict[str, IpcPeer] = {}
+        self._copier: IpcCopier | None = None
         self.stats = TransferStats()
 
     # ---- handshake --------------------------------------------------------------------------------
@@ -83,6 +97,25 @@ class TransferAgent:
             raise PeerUnreachable(f"loading {remote.engine_id}'s NIXL metadata: {type(e).__name__}: {e}",
                                   peer=remote.engine_id) from e
         self._peers[remote.engine_id] = (name, remote)
+        self._map_peer(remote)
+
+    def _map_peer(self, remote: AgentMetadata) -> None:
+        """Map a same-host peer's GPU pools for CUDA IPC reads, if both sides offer them; else NIXL reads."""
+        mine = self.metadata
+        if not (self.cuda_ipc and mine.ipc and remote.ipc and remote.host_id == mine.host_id
+                and set(remote.ipc) == set(mine.ipc)):
+            return
+        try:
+            if self._copier is None:
+                self._copier = IpcCopier(self._pools)
+            self._ipc_peers[remote.engine_id] = IpcPeer(remote.ipc, remote.regions, self._copier.device)
+        except Exception as e:  # a peer whose memory cannot be mapped here is still read through NIXL
+            log.warning("CUDA IPC mapping of %s's pools failed, reading through NIXL: %s: %s", remote.engine_id,
+                        type(e).__name__, e)
+
+    def reads_by_cuda_ipc(self, engine_id: str) -> bool:
+        """Whether READs from this peer go through its CUDA IPC mapping (else through NIXL)."""
+        return engine_id in self._ipc_peers
 
     def is_connected(self, engine_id: str) -> bool:
         return engine_id in self._peers
@@ -93,6 +126,7 @@ class TransferAgent:
         return entry[1].agent_name if entry is not None else None
 
     def forget(self, engine_id: str) -> None:
+        self._ipc_peers.pop(engine_id, None)
         entry = self._peers.pop(engine_id, None)
         if entry is not None:
             # Already gone on the NIXL side: nothing left to clean.
@@ -108,8 +142,14 @@ class TransferAgent:
         name, remote = self._peers[peer]
         plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
                             coalesced=coalesced, split_layers=split_layers)
-        mem = self.regions["kv"].mem_type
         t0 = time.monotonic()
+        ipc = self._ipc_peers.get(peer)
+        if ipc is not None:
+            assert self._copier is not None
+            event = self._copier.start(ipc, byte_ranges(plan, self.regions, remote.regions))
+            self.stats.descriptors += plan.num_descriptors
+            return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, event=event)
+        mem = self.regions["kv"].mem_type
         try:
             handle = self._agent.initialize_xfer(
                 "READ", self._agent.get_xfer_descs(plan.local, mem),
@@ -126,6 +166,8 @@ class TransferAgent:
 
     def poll(self, pending: PendingRead) -> bool:
         """True once the READ is done (handle released). Raises a typed error on ERR or past the deadline."""
+        if pending.event is not None:
+            return self._poll_copy(pending)
         if pending.handle is None:
             return True
         if pending.state == "PROC":
@@ -149,6 +191,38 @@ class TransferAgent:
                                   f"{pending.deadline - pending.started:.1f} s",
                                   request_id=pending.request_id, peer=pending.peer)
         return False
+
+    def _poll_copy(self, pending: PendingRead) -> bool:
+        """poll() of a CUDA IPC copy: once its event completed, the holder gets the READ's notification."""
+        if pending.state == "DONE":
+            return True
+        if not pending.event.query():
+            if time.monotonic() <= pending.deadline:
+                return False
+            # A copy cannot be called back: let it land before the caller frees (and reuses) its blocks.
+            pending.event.synchronize()
+            pending.state = "TIMEOUT"
+            self.stats.failures += 1
+            raise TransferTimeout(f"CUDA IPC read of {pending.request_id!r} from {pending.peer!r} not done after "
+                                  f"{pending.deadline - pending.started:.1f} s",
+                                  request_id=pending.request_id, peer=pending.peer)
+        pending.state = "DONE"
+        try:
+            self.notify(pending.peer, pending.request_id)
+        except Exception as e:
+            self.stats.failures += 1
+            raise TransferFailed(f"notifying {pending.peer!r} of the read of {pending.request_id!r}: "
+                                 f"{type(e).__name__}: {e}", request_id=pending.request_id, peer=pending.peer) from e
+        self.stats.transfers += 1
+        self.stats.bytes += pending.plan.num_bytes
+        self.stats.seconds += time.monotonic() - pending.started
+        return True
+
+    def notify(self, peer: str, request_id: str) -> None:
+        """Tell a handshaken peer that `request_id` was read (what a CUDA IPC copy sends when it completes)."""
+        if peer not in self._peers:
+            raise PeerUnreachable(f"no handshake with {peer!r} yet", request_id=request_id, peer=peer)
+        self._agent.send_notif(self._peers[peer][0], request_id.encode())
 
     def wait(self, pending: PendingRead) -> None:
         """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline.

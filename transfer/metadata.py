@@ -13,6 +13,7 @@ import json
 import msgspec
 
 from baton.engine.config import ModelConfig
+from baton.transfer.cuda_ipc import IpcRegion
 from baton.transfer.errors import IncompatiblePeer
 from baton.transfer.layout import RegionLayout
 
@@ -41,6 +42,10 @@ class AgentMetadata(msgspec.Struct, frozen=True):
     compat: CompatInfo
     compat_hash: str
     regions: dict[str, RegionLayout]  # "kv", "conv", "ssm"
+    # Same-host CUDA IPC reads (`transfer.cuda_ipc`): this host's id, and the pools' IPC exports when the
+    # node offers them (none by default: peers then READ through NIXL only).
+    host_id: str = ""
+    ipc: dict[str, IpcRegion] = msgspec.field(default_factory=dict)
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:

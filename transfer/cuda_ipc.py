@@ -1,0 +1,118 @@
+"""Same-host GPU to GPU READs through CUDA IPC mappings, beside NIXL (opt-in: `TransferAgent(cuda_ipc=True)`).
+
+Why: on 2 x H200, UCX's cuda_ipc lane moved a 353 MiB request at 47-63 % of the peer copy, while a plain copy
+through a CUDA IPC mapping opened in another process ran at 388-395 GB/s, the link's rate (benchmarks/RESULTS.md,
+issue #3). When both nodes run on one host with their pools on GPUs, the reader maps the holder's pools once, at
+the handshake, and copies each READ's planned byte ranges itself on a stream of its own.
+
+What stays NIXL's: the handshake, and the notification that tells the holder a request was read (`send_notif`
+with the request id, the message a NIXL READ carries), so the holder's lease handling does not change.
+
+The holder publishes one `IpcRegion` per VRAM pool: its CUDA IPC handle, as torch shares a storage
+(`UntypedStorage._share_cuda_`), and where the pool starts in it. Nothing is pickled: these are plain fields.
+A peer on another host (`host_id`), a pool in host memory, or a mapping that fails to open: NIXL reads.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import msgspec
+import torch
+
+from baton.transfer.layout import RegionLayout
+from baton.transfer.plan import TransferPlan
+
+
+class IpcRegion(msgspec.Struct, frozen=True):
+    """A VRAM pool as CUDA IPC exports it: the fields of torch's `_share_cuda_`, plus the pool's offset."""
+    handle: bytes                 # the cudaIpcMemHandle of the allocation holding the storage
+    storage_size_bytes: int
+    storage_offset_bytes: int     # the storage's offset in that allocation
+    ref_counter_handle: bytes     # torch's producer-side reference counter (a shared-memory file)
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset_bytes: int      # where the pool starts in its storage
+
+
+def host_id() -> str:
+    """Names this host (and boot): CUDA IPC maps memory only between processes of one machine."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def export_regions(pools: dict[str, torch.Tensor]) -> dict[str, IpcRegion]:
+    """IPC exports of the CUDA pools (the ones with bytes); {} when any pool with bytes is not on a GPU."""
+    live = {name: t for name, t in pools.items() if t.numel()}
+    if not live or any(not t.is_cuda for t in live.values()):
+        return {}
+    out = {}
+    for name, t in live.items():
+        (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = t.untyped_storage()._share_cuda_()
+        out[name] = IpcRegion(bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
+                              bytes(ev_handle or b""), bool(ev_sync), t.storage_offset() * t.element_size())
+    return out
+
+
+def byte_ranges(plan: TransferPlan, local: dict[str, RegionLayout],
+                remote: dict[str, RegionLayout]) -> list[tuple[str, int, int, int]]:
+    """The plan's descriptors as (pool name, local offset, remote offset, bytes), offsets from each pool's start.
+
+    A descriptor lies inside one pool on both sides (plans are built per pool); one that does not is refused.
+    """
+    out = []
+    for (laddr, n, _), (raddr, _, _) in zip(plan.local.tolist(), plan.remote.tolist(), strict=True):
+        name = _region_of(local, laddr, n)
+        rname = _region_of(remote, raddr, n)
+        if rname != name:
+            raise ValueError(f"transfer plan: expected a descriptor within one pool on both sides, got local "
+                             f"{name!r} and remote {rname!r}")
+        out.append((name, laddr - local[name].base_addr, raddr - remote[name].base_addr, n))
+    return out
+
+
+def _region_of(regions: dict[str, RegionLayout], addr: int, n: int) -> str:
+    for name, r in regions.items():
+        if r.base_addr <= addr and addr + n <= r.base_addr + r.num_items * r.item_bytes:
+            return name
+    raise ValueError(f"transfer plan: expected [{addr:#x}, +{n}) inside a registered pool, got none holding it")
+
+
+class IpcPeer:
+    """One holder's pools mapped into this process (on the device of the local pools), as byte tensors."""
+
+    def __init__(self, regions: dict[str, IpcRegion], layouts: dict[str, RegionLayout], device: torch.device) -> None:
+        self.pools: dict[str, torch.Tensor] = {}
+        for name, r in regions.items():
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device.index or 0, r.handle, r.storage_size_bytes, r.storage_offset_bytes, r.ref_counter_handle,
+                r.ref_counter_offset, r.event_handle or None, r.event_sync_required)
+            nbytes = layouts[name].num_items * layouts[name].item_bytes
+            if r.tensor_offset_bytes + nbytes > r.storage_size_bytes:
+                raise ValueError(f"{name} IPC region: expected {nbytes} B from offset {r.tensor_offset_bytes} "
+                                 f"inside a storage of {r.storage_size_bytes} B")
+            whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            self.pools[name] = whole[r.tensor_offset_bytes:r.tensor_offset_bytes + nbytes]
+
+
+class IpcCopier:
+    """Copies planned byte ranges from a mapped peer into the local pools on its own stream."""
+
+    def __init__(self, pools: dict[str, torch.Tensor]) -> None:
+        self.device = next(t.device for t in pools.values() if t.numel())
+        self.local = {name: t.view(-1).view(torch.uint8) for name, t in pools.items() if t.numel()}
+        self.stream = torch.cuda.Stream(self.device)
+
+    def start(self, peer: IpcPeer, ranges: list[tuple[str, int, int, int]]) -> torch.cuda.Event:
+        """Queue the copies; the returned event completes when the bytes are in place."""
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            for name, lo, ro, n in ranges:
+                self.local[name][lo:lo + n].copy_(peer.pools[name][ro:ro + n], non_blocking=True)
+            done.record(self.stream)
+        return done
