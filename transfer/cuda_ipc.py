@@ -91,7 +91,7 @@ class IpcPeer:
         for name, r in regions.items():
             storage = torch.UntypedStorage._new_shared_cuda(
                 device.index or 0, r.handle, r.storage_size_bytes, r.storage_offset_bytes, r.ref_counter_handle,
-                r.ref_counter_offset, r.event_handle or None, r.event_sync_required)
+                r.ref_counter_offset, r.event_handle, r.event_sync_required)
             nbytes = layouts[name].num_items * layouts[name].item_bytes
             if r.tensor_offset_bytes + nbytes > r.storage_size_bytes:
                 raise ValueError(f"{name} IPC region: expected {nbytes} B from offset {r.tensor_offset_bytes} "
