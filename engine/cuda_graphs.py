@@ -5,7 +5,9 @@ more than running them. A graph replays the whole forward with one launch. Graph
 fixed addresses, so:
 
 - every row has the same number of tokens T: 1 for a decode step, 1+K for a verify step (the last token
-  and K drafts; a verify step whose rows have fewer drafts runs eagerly);
+  and K drafts). A verify row with fewer drafts (near its max_tokens, or a transferred request's first step)
+  is padded to T: its padding tokens write only the scratch KV block, and its token count, a per-row input,
+  keeps them out of the state ops and the accept test;
 - every input lives in a static device buffer, sliced to the graph's row count; a step writes its rows'
   metadata into a pinned host buffer (two, used in turn, so that the next step's inputs never overwrite a
   copy still queued) and moves it with ONE asynchronous copy (no pageable copy: that would wait for the
@@ -87,7 +89,7 @@ class StepGraphs:
         self.query_start_loc = torch.arange(0, n * T + 1, T, dtype=torch.int64, device=dev)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=dev)
         self.token_index = torch.arange(n * T, dtype=torch.int64, device=dev)
-        self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)
+        self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)  # per row: 1 + its drafts
         self.next_ids = torch.zeros(n * T, dtype=torch.int64, device=dev)
         self.verify_base = torch.zeros(n, dtype=torch.int64, device=dev)
         # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
@@ -95,8 +97,8 @@ class StepGraphs:
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
-        # last-token positions (n each), then the block table [n, width].
-        self.staging = torch.empty(3 * n * T + 3 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        # last-token positions, token counts (n each), then the block table [n, width].
+        self.staging = torch.empty(3 * n * T + 4 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
         # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
@@ -117,6 +119,7 @@ class StepGraphs:
         self.ids[:n * T] = 0
         self.next_ids[:n * T] = 0
         self.verify_base[:n] = 0
+        self.num_tokens[:n] = T
         self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
         self.seq_lens[:n] = T
         self.state_slots[:n] = self.pools.scratch_slot
@@ -155,7 +158,7 @@ class StepGraphs:
             batch.spec_replay = self.replay[self.state_slots[:n]]  # read on the device, inside the graph (R3)
             batch.spec_token_index = self.token_index[:n * T].view(n, T)
             batch.spec_flat_index = self.token_index[:n * T]
-            batch.spec_uniform = True  # a graph's rows all hold T tokens (`ModelRunner._graphable`)
+            batch.spec_uniform = True  # a graph's rows all hold T tokens, padded (`ModelRunner._decode_graph`)
             batch.verify_inputs = self.pools.verify_layers()
         return batch
 
@@ -195,9 +198,11 @@ class StepGraphs:
     @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]], next_ids: list[int] | None = None,
-            verify_base: list[int] | None = None, fill: tuple | None = None) -> torch.Tensor:
+            verify_base: list[int] | None = None, num_tokens: list[int] | None = None,
+            fill: tuple | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
-        per row. fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
+        per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
+        fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
         Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output for the
         graph's padded size."""
@@ -208,6 +213,8 @@ class StepGraphs:
         if len(input_ids) != rows * T or len(slot_mapping) != rows * T:
             raise ValueError(f"step graphs: expected {T} tokens per row ({rows * T}), got {len(input_ids)} ids "
                              f"and {len(slot_mapping)} KV slots")
+        if num_tokens is not None and (len(num_tokens) != rows or not all(1 <= k <= T for k in num_tokens)):
+            raise ValueError(f"step graphs: expected {rows} token counts in 1..{T}, got {num_tokens}")
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
@@ -222,6 +229,7 @@ class StepGraphs:
             seq_lens + [T] * pad,
             state_slots + [scratch_slot] * pad,
             (verify_base or [0] * rows) + [0] * pad,
+            (num_tokens or [T] * rows) + [T] * pad,
         )
         flat = [v for p in parts for v in p]
         for b in block_tables:
@@ -241,7 +249,7 @@ class StepGraphs:
             copied.record()
         at = 0
         for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.next_ids, n * T), (self.seq_lens, n),
-                          (self.state_slots, n), (self.verify_base, n)):
+                          (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)

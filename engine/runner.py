@@ -199,30 +199,36 @@ class ModelRunner:
         return None if not dst else (dst, src, prev.tokens)
 
     def _graphable(self, out: SchedulerOutput) -> bool:
-        """A step that a graph can run: decode rows only, each of the graphs' token count."""
+        """A step that a graph can run: decode rows only, each of at most the graphs' token count (a verify row
+        with fewer drafts is padded)."""
         g = self.graphs
         return (g is not None and out.num_decodes == len(out.rows) and g.size_for(len(out.rows)) is not None
-                and all(r.num_tokens == g.T for r in out.rows))
+                and all(r.num_tokens <= g.T for r in out.rows))
 
     def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list[int]) -> torch.Tensor:
         """Replay the graph of a graphable step: logits [R, V] (decode), or the spec runner's packed results."""
-        bs = self.block_size
+        bs, T = self.block_size, self.graphs.T
         rows = out.rows
         ids: list[int] = []
         slot_mapping: list[int] = []
         seq_lens: list[int] = []
+        counts: list[int] = []
+        scratch = self.pools.scratch_block * bs
         # Host work here is step time the GPU waits for: one pass over the rows, no per-row copies (a row's block
         # table tuple is shared with the scheduler and only read).
         for r in rows:
-            start = r.num_computed_tokens
+            start, k = r.num_computed_tokens, len(r.token_ids)
             ids += r.token_ids
-            end = start + len(r.token_ids)
-            seq_lens.append(end)
-            slot_mapping += kv_slots(r.block_ids, start, end, bs)
+            slot_mapping += kv_slots(r.block_ids, start, start + k, bs)
+            if k < T:  # a verify row with fewer drafts: padded to T, its padding writes only the scratch block
+                ids += [0] * (T - k)
+                slot_mapping += [scratch] * (T - k)
+            seq_lens.append(start + T)
+            counts.append(k)
         return self.graphs.run(
             input_ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens,
             state_slots=[r.state_slot for r in rows],
-            block_tables=[r.block_ids for r in rows], fill=fill, **extra,
+            block_tables=[r.block_ids for r in rows], num_tokens=counts if T > 1 else None, fill=fill, **extra,
         )
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:

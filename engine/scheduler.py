@@ -463,12 +463,13 @@ class Scheduler:
         """Admit a request whose first `num_computed` tokens are already in the given blocks and slot
         (transferred from a prefill node). Its next step computes token num_computed + 1 from that state.
 
-        Without speculative decoding and with N-1 of N tokens computed (R1), that step is a decode row: token N
-        from the transferred h(N-1) (R2: the request has its state), so it joins the decode batch (and its CUDA
-        graph) instead of making the step a mixed, eager one. With K > 0 it stays a 1-token prefill chunk: its
-        first token is then drawn as the aggregated engine's last prefill chunk draws it (a verify row consumes
-        a seeded generator's accept-test noise too, R6), and a verify graph takes 1+K tokens a row anyway. With
-        fewer than N-1 computed, the rest of the prompt is prefilled here first."""
+        With N-1 of N tokens computed (R1), that step is a decode row: token N from the transferred h(N-1) (R2:
+        the request has its state), so it joins the decode batch (and its CUDA graph; with K > 0 a verify row
+        without drafts, padded in the graph) instead of making the step a mixed, eager one. Except a stochastic
+        request with K > 0: it stays a 1-token prefill chunk, so that its first token is drawn as the aggregated
+        engine's last prefill chunk draws it (a verify row also consumes its generator's accept-test noise,
+        R6); its steps are eager anyway (the verify graph is greedy). With fewer than N-1 computed, the rest of
+        the prompt is prefilled here first."""
         self._check_new(req)
         if not 0 < num_computed < req.num_tokens:
             raise ValueError(f"num_computed: expected 1..{req.num_tokens - 1} (prompt length - 1 at most), "
@@ -477,7 +478,7 @@ class Scheduler:
             raise ValueError(f"block_ids: expected room for {num_computed} tokens, got {len(block_ids)} blocks")
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
-        to_decode = num_computed == req.num_tokens - 1 and not self.num_spec
+        to_decode = num_computed == req.num_tokens - 1 and (not self.num_spec or req.sampling.greedy)
         req.num_prefill_tokens = num_computed if to_decode else req.num_tokens
         req.set_blocks(list(block_ids))
         req.state_slot = state_slot

@@ -122,13 +122,14 @@ class SpecRunner(ModelRunner):
         return self._unpack(host, out, prefill_sampling, drafts_out is not None)
 
     @staticmethod
-    def _successors(rows) -> list[int]:
+    def _successors(rows, width: int = 0) -> list[int]:
         """The successor token of every position, for the drafter: the host-known ones (a verify row's
-        are overwritten on the device by the tokens it emits)."""
+        are overwritten on the device by the tokens it emits); with `width`, each row padded to that many."""
         nxt: list[int] = []
         for r in rows:
             nxt.extend(r.token_ids[1:])
             nxt.append(max(r.next_token, 0))
+            nxt.extend([0] * (width - len(r.token_ids)))
         return nxt
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
@@ -178,15 +179,16 @@ class SpecRunner(ModelRunner):
 
     # ---- the whole greedy verify step as one CUDA graph --------------------------------------------------
     def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
-        """Verify rows only, each with K drafts, all greedy, drafting: the step is a fixed sequence of
-        device ops (no per-request generators), so the graph holds all of it."""
+        """Verify rows only, each with at most K drafts (padded to K), all greedy, drafting: the step is a fixed
+        sequence of device ops (no per-request generators), so the graph holds all of it."""
         return (self.draft and self._graphable(out)
                 and all(self._sampling[r.request_id][0].greedy for r in out.rows))
 
     def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                       verify_base: torch.Tensor) -> torch.Tensor:
         """What the step graph captures: forward, verify, drafter catch-up and chain, for n greedy verify rows
-        of 1+K tokens. Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
+        of 1+K tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
+        padding). Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
@@ -200,11 +202,11 @@ class SpecRunner(ModelRunner):
         rows = out.rows
         R, T, K = len(rows), 1 + self.num_spec, self.num_spec
         n = self.graphs.size_for(R)
-        packed = self._decode_graph(out, next_ids=self._successors(rows),
+        packed = self._decode_graph(out, next_ids=self._successors(rows, T),
                                     verify_base=[r.num_computed_tokens for r in rows])
         flat = packed.tolist()  # the one device -> host read of the step
         host = flat[:R] + flat[n:n + R * T] + flat[n + n * T:n + n * T + R * K]
-        return self._unpack(host, out, [], True)
+        return self._unpack(host, out, [], True, width=T)
 
     def _draft_batch(self, batch: ForwardBatch, tables: torch.Tensor, pos: torch.Tensor) -> ForwardBatch:
         """One drafter token per drafting row at positions `pos` [D] (computed on the device)."""
@@ -217,14 +219,16 @@ class SpecRunner(ModelRunner):
             spec_flat_index=None, verify_inputs=None, prefill_chunk_meta=None, attention_meta=None)
 
     def _unpack(self, host: list[int], out: SchedulerOutput, prefill_sampling: list[int],
-                drafted: bool) -> StepOutput:
+                drafted: bool, width: int = 0) -> StepOutput:
+        """Per request, its emitted tokens and next drafts from the step's one read; `width`: the verify rows'
+        padded token count (a graph's T), else their longest."""
         rows, nd = out.rows, out.num_decodes
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         at = 0
         order: list[str] = []
         if nd:
-            Tv = max(r.num_tokens for r in rows[:nd])
+            Tv = width or max(r.num_tokens for r in rows[:nd])
             counts = host[:nd]
             emitted = host[nd:nd + nd * Tv]
             at = nd + nd * Tv

@@ -12,7 +12,7 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
-from tests.test_spec_decode import Log, new_engine, prompt_of, run, spec_model  # noqa: F401
+from tests.test_spec_decode import Log, new_engine, prefill_elsewhere, prompt_of, run, spec_model  # noqa: F401
 
 
 def test_graph_sizes_cover_every_batch_up_to_the_max():
@@ -37,27 +37,50 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
 @pytest.mark.parametrize("k", [0, 2])
 def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monkeypatch):  # noqa: F811
     """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole
-    greedy verify step: rejection, replay counts, drafter catch-up and chain), run eagerly on the CPU, gives
-    the tokens, drafts and accepted counts of steps built the usual way. On the Triton kernels (interpreted),
-    as on the GPU: padding rows share the scratch slot, which the references' host checks refuse."""
+    greedy verify step: rejection, replay counts, drafter catch-up and chain, and verify rows with fewer drafts
+    padded to 1+K), run eagerly on the CPU, gives the tokens, drafts and accepted counts of steps built the usual
+    way. On the Triton kernels (interpreted), as on the GPU: padding rows share the scratch slot, which the
+    references' host checks refuse. A transferred request's first step (token N, no drafts) joins them."""
     pytest.importorskip("triton")
     monkeypatch.setenv("BATON_KERNELS", "triton")
+    moved = prompt_of(8, 12)
     arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
+    arrivals.append([("moved", "moved", moved, None)])  # after the last local prefill: a decode-only step
     params = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def with_prefill(arrivals):  # each run gets its own prefilled copy of the moved request
+        return [[a if a[0] == "local" else (*a[:3], prefill_elsewhere(spec_model, k, moved)) for a in group]
+                for group in arrivals]
+
     ref_engine = new_engine(spec_model, k)
     ref_log = Log(ref_engine)
-    ref = run(ref_engine, arrivals, params)
+    ref = run(ref_engine, with_prefill(arrivals), params)
     engine = new_engine(spec_model, k)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
-    used = []
+    used, counts = [], []
     static_run = engine.runner.graphs.run
-    engine.runner.graphs.run = lambda *a, **kw: used.append(len(kw["state_slots"])) or static_run(*a, **kw)
+
+    def counting_run(*a, **kw):
+        used.append(len(kw["state_slots"]))
+        counts.append(kw.get("num_tokens"))
+        return static_run(*a, **kw)
+
+    engine.runner.graphs.run = counting_run
     log = Log(engine)
-    got = run(engine, arrivals, params)
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    got = run(engine, with_prefill(arrivals), params)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert log.rows == ref_log.rows
     # Steps of several sizes went through the static layout, padded (3, 5, 6, 7 rows run as 4 or 8).
     assert len(used) > 5 and set(used) - {1, 2, 4, 8}
+    # The moved request's token N was a decode row of a graph step; with K drafts, rows with fewer were padded.
+    out, row = next((o, r) for o in steps for r in o.rows if r.request_id == "moved")
+    assert (row.is_decode, row.num_computed_tokens, row.token_ids) == (True, len(moved) - 1, (moved[-1],))
+    assert engine.runner._graphable(out)  # (greedy rows: with K drafts the whole step is the graph's)
+    if k:
+        assert any(c is not None and min(c) < 1 + k for c in counts)
     # Each size's attention program map was built once, for its fixed query starts, and used by every layer.
     graphs = engine.runner.graphs
     starts = graphs._starts

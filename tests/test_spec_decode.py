@@ -184,14 +184,22 @@ def test_r6_r8_disaggregated_drafts_and_accepted_counts_equal_aggregated(spec_mo
     for rid in agg_out:
         assert (dec_out[rid].num_drafted, dec_out[rid].num_accepted) == \
             (agg_out[rid].num_drafted, agg_out[rid].num_accepted), rid
-        # Every decode step saw the same drafts and emitted the same tokens.
-        agg_dec = [(c, t, e, d) for is_dec, c, t, e, d in agg_log.rows[rid] if is_dec]
-        dec_dec = [(c, t, e, d) for is_dec, c, t, e, d in dec_log.rows[rid] if is_dec]
+        # Every decode step saw the same drafts and emitted the same tokens. A moved request's first step is a
+        # verify row of token N without drafts (below); it emits and drafts what the aggregated prefill's last
+        # chunk did.
+        agg_rows, dec_rows = agg_log.rows[rid], dec_log.rows[rid]
+        if rid != "busy":
+            last_chunk = [row for row in agg_rows if not row[0]][-1]
+            assert dec_rows[0][3:] == last_chunk[3:], rid
+            dec_rows = dec_rows[1:]
+        agg_dec = [(c, t, e, d) for is_dec, c, t, e, d in agg_rows if is_dec]
+        dec_dec = [(c, t, e, d) for is_dec, c, t, e, d in dec_rows if is_dec]
         assert agg_dec == dec_dec, rid
-    # The moved requests' first step computed only token N (R1), with their transferred state, and drafted.
+    # The moved requests' first step computed only token N (R1), as a decode row from their transferred state
+    # (R2: they have one), and drafted.
     for n in plens:
         first = dec_log.rows[f"m{n}"][0]
-        assert first[:3] == (False, n - 1, (prompt_of(n)[-1],)) and len(first[4]) == k
+        assert first[:3] == (True, n - 1, (prompt_of(n)[-1],)) and len(first[4]) == k
 
     # Negative control: without the drafter's KV the drafts change (so the comparison above has power). With
     # K = 1 on this model the single draft happens to survive the missing cache, so check K >= 2.
@@ -289,7 +297,7 @@ def test_r3_replay_counts_are_written_on_the_device_by_the_verify_step(spec_mode
 
 def test_every_row_of_a_mixed_batch_equals_running_it_alone(spec_model):
     """One decode engine serving verify rows, a prefill chunk, new prompts of 1..K+1 tokens and a moved
-    request's first-token recompute together; every request's rows (tokens fed, emitted, drafts) must be
+    request's token N (a verify row from its transferred state, no drafts yet) together; every request's rows (tokens fed, emitted, drafts) must be
     the rows it has when served alone."""
     k = 2
     moved_prompt = prompt_of(11, 2)
@@ -304,8 +312,8 @@ def test_every_row_of_a_mixed_batch_equals_running_it_alone(spec_model):
     run(engine, arrivals)
     mixed = [out for out in log.steps
              if any(r.is_decode and r.num_draft for r in out.rows)
-             and any(not r.is_decode and r.has_initial_state and r.num_tokens == 1 and r.request_id == "moved"
-                     for r in out.rows)
+             and any(r.is_decode and r.num_tokens == 1 and r.request_id == "moved"
+                     and r.num_computed_tokens == len(moved_prompt) - 1 for r in out.rows)
              and any(not r.is_decode and not r.has_initial_state and r.num_tokens <= k + 1 for r in out.rows)
              and any(not r.is_decode and r.has_initial_state and r.num_tokens > 1 for r in out.rows)]
     assert mixed, "no step held all four row types"
