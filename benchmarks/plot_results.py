@@ -60,6 +60,15 @@ def _serving_title(runs: dict[str, dict[str, Any]]) -> str:
             f"{load['prompt_min']}–{load['prompt_max']}, outputs {load['output_min']}–{load['output_max']} tokens")
 
 
+def _save(plt: Any, fig: Any, title: str, path: Path, fontsize: int) -> Path:
+    """The figure's title over its plots, written as a PNG and closed."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_serving_latency(results_dir: Path, out_dir: Path) -> Path:
     """TTFT and ITL p50 / p99 against offered load, both configurations, with the SLO drawn."""
     plt = _pyplot()
@@ -81,12 +90,7 @@ def plot_serving_latency(results_dir: Path, out_dir: Path) -> Path:
         ax.set_title(f"{name} against load")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(_serving_title(runs), fontsize=9)
-    fig.tight_layout()
-    path = out_dir / "serving_latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, _serving_title(runs), out_dir / "serving_latency.png", 9)
 
 
 def plot_serving_goodput(results_dir: Path, out_dir: Path) -> Path:
@@ -109,12 +113,7 @@ def plot_serving_goodput(results_dir: Path, out_dir: Path) -> Path:
     ax.set_title(f"goodput: TTFT ≤ {slo['ttft_s']:g} s and mean ITL ≤ {1e3 * slo['tpot_s']:g} ms", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(_serving_title(runs), fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "serving_goodput.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, _serving_title(runs), out_dir / "serving_goodput.png", 8)
 
 
 def _max_goodput(doc: dict[str, Any], ttft_s: float, tpot_s: float) -> float:
@@ -157,12 +156,7 @@ def plot_serving_slo_sweep(results_dir: Path, out_dir: Path) -> Path:
         lines, labels = lines + more[0], labels + more[1]
     ax.legend(lines, labels, fontsize=8)
     ax.set_title(f"max goodput against the TPOT bound (TTFT ≤ {ttft_s:g} s)", fontsize=10)
-    fig.suptitle(_serving_title(runs), fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "serving_slo_sweep.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, _serving_title(runs), out_dir / "serving_slo_sweep.png", 8)
 
 
 @dataclass(frozen=True)
