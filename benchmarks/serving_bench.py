@@ -205,6 +205,8 @@ class BenchConfig:
     summarize: bool = False
     # TPOT bounds (ms) at which the summary also scores both configurations' max goodput (same TTFT bound).
     slo_sweep_tpot_ms: tuple[float, ...] = SLO_SWEEP_TPOT_MS
+    # Nodes move caches through CUDA IPC mappings (`--cuda-ipc` on every node) instead of NIXL's UCX copy.
+    cuda_ipc: bool = False
 
     def __post_init__(self) -> None:
         if self.model_preset not in MODEL_PRESETS:
@@ -583,6 +585,7 @@ def make_cluster(cfg: BenchConfig, spec: ClusterSpec) -> Cluster:
     first: disagg = prefill on GPU 0, decode on GPU 1; agg = decode nodes on GPU 0 and GPU 1)."""
     return Cluster(str(cfg.model_dir), prefill_workers=spec.prefill_workers, decode_workers=spec.decode_workers,
                    local_prefill_threshold=spec.local_prefill_threshold, engine_args=cfg.engine_args,
+                   node_args=("--cuda-ipc",) if cfg.cuda_ipc else (),
                    prefill_args=cfg.prefill_engine_args, node_gpus=tuple(range(cfg.gpus)),
                    log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None)
 
@@ -838,6 +841,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ap.add_argument("--slo-sweep-tpot-ms", default=",".join(f"{t:g}" for t in SLO_SWEEP_TPOT_MS),
                     help="TPOT bounds (ms) at which the summary also scores max goodput, comma-separated "
                          "(default %(default)s)")
+    ap.add_argument("--cuda-ipc", action="store_true",
+                    help="every node gets --cuda-ipc: caches move through CUDA IPC mappings instead of NIXL's UCX copy")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     d = DEFAULTS["smoke" if a.smoke else "gpu"]
@@ -865,7 +870,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         configs=tuple(c.strip() for c in a.configs.split(",") if c.strip()),
         disagg_local_prefill_threshold=a.disagg_local_prefill_threshold, progress=not a.no_progress,
         log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize,
-        slo_sweep_tpot_ms=_floats(a.slo_sweep_tpot_ms, "--slo-sweep-tpot-ms"))
+        slo_sweep_tpot_ms=_floats(a.slo_sweep_tpot_ms, "--slo-sweep-tpot-ms"), cuda_ipc=a.cuda_ipc)
 
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
@@ -925,7 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = ensure_model(cfg)
     check_model_len(cfg, model)
     meta = {"model": asdict(model), "cards": card_names(), "engine_args": list(cfg.engine_args),
-            "prefill_engine_args": list(cfg.prefill_engine_args),
+            "prefill_engine_args": list(cfg.prefill_engine_args), "cuda_ipc": cfg.cuda_ipc,
             "load": asdict(cfg.load), "slo": asdict(cfg.slo), "drain_s": cfg.drain_s, "gpus": cfg.gpus,
             "command": " ".join(sys.argv)}
     print(f"model {model.preset} (make-model preset {model.base_preset}"

@@ -61,6 +61,8 @@ class Cluster:
     host: str = "127.0.0.1"
     local_prefill_threshold: int = 0
     engine_args: tuple[str, ...] = ()
+    # Node flags of every node that are not engine flags (e.g. `--cuda-ipc`).
+    node_args: tuple[str, ...] = ()
     # Extra arguments of the prefill nodes only (e.g. `--lease-seconds`).
     prefill_args: tuple[str, ...] = ()
     # Extra flags of the router process only (e.g. --api-keys-file).
@@ -146,7 +148,7 @@ class Cluster:
 
     def start(self, router: bool = True) -> Cluster:
         """Start the nodes, wait until they answer, then (unless router=False) the router."""
-        common = ["--model", str(self.model), "--host", self.host, *self.engine_args]
+        common = ["--model", str(self.model), "--host", self.host, *self.engine_args, *self.node_args]
         for role, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
             for i, addr in enumerate(addrs):
                 port = int(addr.rsplit(":", 1)[1])

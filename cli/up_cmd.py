@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-gpus", type=gpu_list, default=(), metavar="G,G,...",
                    help="spread the nodes over these GPUs: node i (prefill nodes first) gets CUDA_VISIBLE_DEVICES = "
                         "its GPU (the i-th, cyclically) first, then the others (default: environment unchanged)")
+    p.add_argument("--cuda-ipc", action="store_true",
+                   help="GPU nodes: move caches between them through CUDA IPC mappings instead of NIXL's UCX copy "
+                        "(every node gets --cuda-ipc)")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -45,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
                       http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
-                      engine_args=tuple(engine_flags(a)), log_dir=a.log_dir, node_gpus=a.node_gpus,
+                      engine_args=tuple(engine_flags(a)), node_args=("--cuda-ipc",) if a.cuda_ipc else (),
+                      log_dir=a.log_dir, node_gpus=a.node_gpus,
                       router_args=("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -58,6 +58,7 @@ def test_cluster_refuses_bad_gpu_ids(bad):
 def test_node_gpus_flag():
     parse = build_parser().parse_args
     assert parse(["up", "--model", "m"]).node_gpus == ()
+    assert not parse(["up", "--model", "m"]).cuda_ipc and parse(["up", "--model", "m", "--cuda-ipc"]).cuda_ipc
     assert parse(["up", "--model", "m", "--node-gpus", "0,1"]).node_gpus == (0, 1)
     assert parse(["up", "--model", "m", "--node-gpus", "3"]).node_gpus == (3,)
     assert gpu_list(" 2, 0 ") == (2, 0)

@@ -224,6 +224,9 @@ def test_each_node_gets_its_gpu_first(tmp_path, config, expected):
     assert c.node_gpus == (0, 1)
     assert {n: c.node_env(n)["CUDA_VISIBLE_DEVICES"] for n in c.node_names} == expected
     assert {n: c.node_gpu(n) for n in c.node_names} == {k: int(v[0]) for k, v in expected.items()}
+    assert c.node_args == ()
+    assert sb.make_cluster(sb.parse_args(["--out", str(tmp_path), "--cuda-ipc"]),
+                           sb.cluster_specs(0)[config]).node_args == ("--cuda-ipc",)
     # --gpus 0: nothing pinned, every process inherits the environment.
     c = sb.make_cluster(sb.parse_args(["--out", str(tmp_path), "--gpus", "0"]), sb.cluster_specs(0)[config])
     assert c.node_gpus == () and all(c.node_env(n) is None for n in c.node_names)
