@@ -51,7 +51,7 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.addr = ""
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.calls: dict[str, int] = {}
         self.authorization: list[str | None] = []
         self.required_key: str | None = None
@@ -65,6 +65,7 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
         self.cancel_seen = threading.Event()
         self.finished_order: list[list[int]] = []
         self.inflight = self.peak_inflight = 0
+        self.gather = 0  # Generate: each stream waits (up to 10 s) until this many are in flight at once
 
     def _enter(self, method: str, context: grpc.ServicerContext) -> None:
         auth = dict(context.invocation_metadata()).get("authorization")
@@ -98,6 +99,8 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
             self.running.add(rid)
             self.inflight += 1
             self.peak_inflight = max(self.peak_inflight, self.inflight)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: self.peak_inflight >= self.gather, timeout=10.0)
         try:
             yield from self._stream(rid, prompt, sp, context)
         finally:
@@ -384,7 +387,9 @@ def _cli(*argv: str) -> int:
 
 
 def test_cli_prints_json_lines_in_input_order(router, capsys):
-    # The first prompt finishes last; all three must be in flight at once.
+    # The first prompt finishes last; all three must be in flight at once (the router holds each stream until
+    # the third arrives, so a slow machine cannot finish one before the CLI sends the next).
+    router.gather = 3
     router.first_delay = lambda prompt: {9: 0.3, 4: 0.15}.get(prompt[0], 0.0)
     rc = _cli("--addr", router.addr, "--prompt-ids", "9 8 7", "--prompt", "hi", "--prompt-ids", "4",
               "--max-tokens", "3", "--json")
