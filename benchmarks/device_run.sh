@@ -3,6 +3,7 @@
 # in this order), each printing its table; results land under $OUT.
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate (8b-like, ~45 GB)
+#   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
@@ -34,6 +35,9 @@ if stage tests; then
 fi
 if stage engine; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress --out "$OUT/engine" 2>&1 | tail -24
+fi
+if stage profile; then
+  python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80
 fi
 if stage scan; then
   python3 benchmarks/scan_bench.py 2>&1 | tail -16 | tee "$OUT/scan.txt"

@@ -1,0 +1,86 @@
+"""benchmarks/step_profile.py: kernels of a decode step grouped by kind, read from the torch profiler's trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import step_profile as sp  # noqa: E402
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_ssu_decode_kernel", "state update"),
+    ("_conv_update_kernel", "conv"),
+    ("_gated_rms_norm_kernel", "gated norm"),
+    ("_rms_norm_kernel", "norm"),
+    ("_relu2_kernel", "relu2"),
+    ("_paged_attention_kernel", "attention"),
+    ("_write_kv_kernel", "kv write"),
+    ("_ssd_output_kernel", "scan"),
+    ("nvjet_tst_128x8_64x12_2x1_v_bz_splitK_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_segment_k_off", "gemm"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>", "gemm"),
+    ("Memcpy HtoD (Pinned -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+    ("aten::linear", "gemm"),
+    ("aten::index_put_", "other"),
+])
+def test_kernel_kinds(name, kind):
+    assert sp.kind_of(name) == kind
+
+
+def _event(name, cat, ts, dur, tid=1):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_trace_kernels_gpu_and_cpu():
+    trace = {"traceEvents": [
+        _event("cudaGraphLaunch", "cuda_runtime", 0, 5),
+        _event("_rms_norm_kernel", "kernel", 10, 2),
+        _event("Memcpy DtoH", "gpu_memcpy", 20, 1),
+        _event("nvjet_gemm", "kernel", 12, 30),
+        {"ph": "i", "name": "marker", "ts": 1},
+        # CPU ops: linear contains addmm (not counted twice); a second thread's op counts on its own.
+        _event("aten::linear", "cpu_op", 100, 50),
+        _event("aten::addmm", "cpu_op", 105, 40),
+        _event("aten::mul", "cpu_op", 160, 3),
+        _event("aten::add", "cpu_op", 110, 5, tid=2),
+        _event("ProfilerStep", "user_annotation", 0, 500),
+    ]}
+    gpu = sp.trace_kernels(trace, gpu=True)
+    assert [k.name for k in gpu] == ["_rms_norm_kernel", "nvjet_gemm", "Memcpy DtoH"]
+    cpu = sp.trace_kernels(trace, gpu=False)
+    assert [(k.name, k.dur_us) for k in cpu] == [("aten::linear", 50.0), ("aten::add", 5.0), ("aten::mul", 3.0)]
+
+
+def test_profile_of_groups_per_step():
+    ks = [sp.Kernel("nvjet_gemm", 0, 40.0), sp.Kernel("_rms_norm_kernel", 41, 2.0), sp.Kernel("nvjet_gemm", 50, 60.0),
+          sp.Kernel("_rms_norm_kernel", 111, 2.0)]
+    p = sp.profile_of(ks, batch=1, steps=2, wall_us=200.0, kind_bytes={"gemm": 5e6})
+    assert p.wall_us_per_step == 100.0 and p.busy_us_per_step == 52.0 and p.idle_us_per_step == 48.0
+    gemm, norm = p.rows
+    assert (gemm.kind, gemm.kernels_per_step, gemm.us_per_step, gemm.share) == ("gemm", 1.0, 50.0, 0.5)
+    assert gemm.gbps == pytest.approx(5e6 / 50.0 / 1e3)  # 5 MB in 50 µs = 100 GB/s
+    assert (norm.kind, norm.us_per_step, norm.gbps) == ("norm", 2.0, None)
+    assert p.top[0] == ("nvjet_gemm", 2, 50.0)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        sp.profile_of(ks, batch=1, steps=0, wall_us=1.0)
+
+
+def test_smoke_run_on_cpu(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-progress",
+                        "--batches", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / sp.JSON_NAME).read_text())
+    assert [p["batch"] for p in data["profiles"]] == [1, 2]
+    for p in data["profiles"]:
+        kinds = {row["kind"] for row in p["rows"]}
+        assert "gemm" in kinds  # the linear layers ran
+        assert 0 < p["busy_us_per_step"] and 0 < p["wall_us_per_step"]
+    assert "| kind | kernels / step |" in r.stdout
