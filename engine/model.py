@@ -78,4 +78,6 @@ class NemotronHForCausalLM(nn.Module):
         for module in model.modules():
             if isinstance(module, Mamba2Mixer):
                 module.freeze()
+            elif isinstance(module, Attention):
+                module.fuse_qkv()
         return model.requires_grad_(False).eval()

@@ -153,4 +153,7 @@ class MTPModule(nn.Module):
         own = place(cls.mtp_entries(state), device, dtype)
         module._check_keys(own)
         module.load_state_dict(own, strict=True, assign=True)
+        for m in module.modules():
+            if isinstance(m, Attention):
+                m.fuse_qkv()
         return module.requires_grad_(False).eval()

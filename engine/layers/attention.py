@@ -1,4 +1,11 @@
-"""NemotronH attention: GQA, no positional embedding (position comes from the Mamba layers), paged KV."""
+"""NemotronH attention: GQA, no positional embedding (position comes from the Mamba layers), paged KV.
+
+The checkpoint's q_proj / k_proj / v_proj stay the parameters (their names load), but after `fuse_qkv()` (run
+once the weights are in place) they are views of one [Hq*D + 2*Hkv*D, hidden] weight, and the layer runs one
+GEMM instead of three: at decode batch sizes each projection is a weight read of its own, and the small k / v
+ones do not fill the GPU. An in-place load (`load_state_dict` without assign) writes through the views; a load
+that assigns new tensors unties them, and the layer falls back to the three GEMMs until `fuse_qkv()` again.
+"""
 
 from __future__ import annotations
 
@@ -22,12 +29,43 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self._qkv: torch.Tensor | None = None  # the fused weight, while q/k/v are its views
+
+    def fuse_qkv(self) -> None:
+        """Put q_proj, k_proj, v_proj's weights into one tensor and make them its views (no copy kept)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = torch.cat([p.weight.detach() for p in parts])
+        start = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight = nn.Parameter(qkv[start:start + n], requires_grad=False)
+            start += n
+        self._qkv = qkv
+
+    def _fused(self) -> torch.Tensor | None:
+        qkv = self._qkv
+        if qkv is None:
+            return None
+        ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        start = 0
+        for w in ws:  # still views of it, in order (host pointers only: no device work)
+            if w.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr() or \
+                    w.storage_offset() != start * qkv.shape[1]:
+                return None
+            start += w.shape[0]
+        return qkv
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_w = self._fused()
+        if qkv_w is not None:
+            q, k, v = nn.functional.linear(x, qkv_w).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         kv_cache = batch.kv_caches[self.kv_index]
         dispatch.write_kv(k)(k, v, kv_cache, batch.slot_mapping)
         meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
