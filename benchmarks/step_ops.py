@@ -104,11 +104,24 @@ def counting(engine: LLMEngine):
     def leave(module, inputs, output):
         census.kind = "rest"
 
+    def pending(kind: str, fn):  # forward_pending (fused GEMV steps) is a plain call: no module hooks
+        def wrapped(*args, **kwargs):
+            census.kind = kind
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                census.kind = "rest"
+        return wrapped
+
     handles = []
+    patched = []
     for block in engine.runner.model.model.layers:
         assert isinstance(block, Block)
         mixer = block.mixer
         handles += [mixer.register_forward_pre_hook(enter(KINDS[block.kind])), mixer.register_forward_hook(leave)]
+        if hasattr(mixer, "forward_pending"):
+            mixer.forward_pending = pending(KINDS[block.kind], mixer.forward_pending)
+            patched.append(mixer)
     interpreter.InterpretedFunction.run = launch
     try:
         with census:
@@ -117,9 +130,11 @@ def counting(engine: LLMEngine):
         interpreter.InterpretedFunction.run = run
         for h in handles:
             h.remove()
+        for mixer in patched:
+            del mixer.forward_pending  # the instance attribute: the method shows through again
 
 
-def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0) -> LLMEngine:
+def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, fused_gemv: int = 0) -> LLMEngine:
     """A toy-width engine of `pattern` on the CPU (with an MTP drafter of `spec` tokens), holding the requests
     whose next step is the one counted."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,7 +145,7 @@ def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0) -
     engine = LLMEngine(cfg, weights, EngineConfig(
         device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows * (1 + spec)),
         num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8 * (1 + spec),
-        prefill_only=prefill, num_speculative_tokens=spec))
+        prefill_only=prefill, num_speculative_tokens=spec, fused_gemv_max_tokens=fused_gemv))
     engine.depth = 0  # one step at a time: each step() call below is one whole step
     # Prefill: R1 keeps one token back, so prompts of n + 1 tokens prefill n. Decode: short prompts.
     lens = [tokens // rows + (i < tokens % rows) + 1 for i in range(rows)]
@@ -152,6 +167,8 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
                     help="prefill: prompt tokens in the step, split evenly (default 2048); decode: prompt tokens")
     ap.add_argument("--spec", type=int, default=0,
                     help="decode: speculative tokens K (an MTP drafter; the step is a verify step), default 0")
+    ap.add_argument("--fused-gemv-max-tokens", type=int, default=0,
+                    help="the engine's fused_gemv_max_tokens (linear layers with their norm / activation fused in)")
     ap.add_argument("--top", type=int, default=12, help="most frequent kernel ops to list (default: 12)")
     ap.add_argument("--json", type=Path, default=None, help="also write the counts here")
     a = ap.parse_args(argv)
@@ -160,7 +177,7 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
     if a.spec < 0 or (a.spec and a.step != "decode"):
         raise ValueError(f"--spec: expected 0, or K > 0 with --step decode, got {a.spec} with --step {a.step}")
     pattern = PATTERNS[a.model]
-    engine = engine_for(pattern, a.step, a.rows, a.tokens, a.spec)
+    engine = engine_for(pattern, a.step, a.rows, a.tokens, a.spec, a.fused_gemv_max_tokens)
     prompt0, decode0 = engine.stats.prompt_tokens, engine.stats.decode_tokens
     with counting(engine) as census:
         engine.step()
@@ -183,6 +200,7 @@ def bench(argv: list[str] | None = None) -> dict[str, object]:
     for name, n in census.names.most_common(a.top):
         print(f"  {n:5d}  {name}")
     result = {"step": a.step, "model": a.model, "rows": a.rows, "tokens": a.tokens, "spec": a.spec, "pattern": pattern,
+              "fused_gemv_max_tokens": a.fused_gemv_max_tokens,
               "by_kind": table, "total": total}
     if a.json is not None:
         a.json.write_text(json.dumps(result, indent=2) + "\n")

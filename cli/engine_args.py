@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="replay decode steps as CUDA graphs on CUDA devices (on)")
     g.add_argument("--async-scheduling", choices=("on", "off"),
                    help="schedule step n+1 while step n runs on the device; K = 0 and prefill nodes (on)")
+    g.add_argument("--fused-gemv-max-tokens", type=int, metavar="N",
+                   help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
+                        "before each fused in (0 = off)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -33,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs", "async_scheduling")
+                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 

@@ -78,6 +78,8 @@ class StepGraphs:
         self.replay = replay
         self.step_fn = step_fn
         self.sizes = graph_sizes(max_rows)
+        # Sizes of at most this many tokens capture the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
+        self.fused_gemv_max_tokens = 0
         n, dev = max_rows, device
         # Static inputs (padding until a step writes its rows): per token ids and KV slots, per row the
         # sequence length (context + T) and state slot, and the block tables.
@@ -152,6 +154,7 @@ class StepGraphs:
             ssm_states=self.pools.ssm_layers(),
             num_decode_tokens=n * T,
             attention_meta=attention_meta,
+            fused_gemv=n * T <= self.fused_gemv_max_tokens,
         )
         if T > 1:
             batch.spec_num_tokens = self.num_tokens[:n]

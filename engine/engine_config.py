@@ -51,6 +51,10 @@ class EngineConfig:
     # CPU work then overlaps the GPU's). Applies without drafts (K = 0) and on prefill-only engines; with K > 0
     # a verify step's committed length is known only from its tokens, so those steps run one at a time.
     async_scheduling: bool = True
+    # Steps of at most this many tokens (decode batches) run each linear layer as one Triton GEMV with the op
+    # before it fused in (the residual add and RMSNorm, relu2, the gated norm: `ops.fused_linear`), instead of
+    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA).
+    fused_gemv_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -68,6 +72,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine field '{name}': expected True or False, got {getattr(self, name)!r}")
+        g = self.fused_gemv_max_tokens
+        if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+            raise ValueError(f"engine field 'fused_gemv_max_tokens': expected an integer >= 0, got {g!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "

@@ -45,6 +45,9 @@ class ForwardBatch:
     # The attention kernel's program mapping for this batch (`ops.triton_attention.AttentionMeta`), built once
     # per step from host ints by the runner instead of on the device by every attention layer; None: built there.
     attention_meta: object | None = None
+    # Run the linear layers as GEMVs with the op before each fused in (`layers.norms.PendingNorm`,
+    # `ops.fused_linear`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
+    fused_gemv: bool = False
 
     def __post_init__(self) -> None:
         if self.num_decode_tokens < 0:

@@ -98,6 +98,7 @@ class LLMEngine:
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = self._make_runner(weights, device)
+        self.runner.fused_gemv_max_tokens = config.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -145,8 +146,10 @@ class LLMEngine:
         max_blocks = -(-self.max_model_len // cfg.block_size) + k + 1
         # With K drafts the graph holds the whole greedy verify step (SpecRunner.graph_step_fn).
         step_fn = self.runner.graph_step_fn if k else None
-        return StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
-                          tokens_per_row=1 + k, replay=self.runner.replay, step_fn=step_fn)
+        graphs = StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
+                            tokens_per_row=1 + k, replay=self.runner.replay, step_fn=step_fn)
+        graphs.fused_gemv_max_tokens = cfg.fused_gemv_max_tokens
+        return graphs
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graph of every decode (verify) batch size now, as a server does before taking

@@ -52,6 +52,8 @@ class ModelRunner:
         self.model = model
         # CUDA graphs of decode (or verify) steps, set by the engine where they can run; None: all eager.
         self.graphs: StepGraphs | None = None
+        # Steps of at most this many tokens run the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
+        self.fused_gemv_max_tokens = 0
         self.pools = pools
         self.block_size = block_size
         self.device = torch.device(device)
@@ -111,6 +113,7 @@ class ModelRunner:
             conv_states=self._conv,
             ssm_states=self._ssm,
         )
+        batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens
         if spec and out.num_decodes:
             self._add_verify_layout(out, batch, replay, qsl)
         cfg = self.model.cfg

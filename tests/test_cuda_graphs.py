@@ -3,6 +3,8 @@ touch nothing but the scratch caches, and one graph per padded size."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,13 +36,14 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
     assert engine.runner.graphs is None
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("k, fused", [(0, False), (2, False), (0, True)], ids=["0", "2", "0-fused-gemv"])
+def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, fused, monkeypatch):  # noqa: F811
     """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole
     greedy verify step: rejection, replay counts, drafter catch-up and chain, and verify rows with fewer drafts
     padded to 1+K), run eagerly on the CPU, gives the tokens, drafts and accepted counts of steps built the usual
     way. On the Triton kernels (interpreted), as on the GPU: padding rows share the scratch slot, which the
-    references' host checks refuse. A transferred request's first step (token N, no drafts) joins them."""
+    references' host checks refuse. A transferred request's first step (token N, no drafts) joins them.
+    fused: graph sizes of up to 4 rows run the fused-prologue GEMVs (`fused_gemv_max_tokens`), larger ones not."""
     pytest.importorskip("triton")
     monkeypatch.setenv("BATON_KERNELS", "triton")
     moved = prompt_of(8, 12)
@@ -55,7 +58,7 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monk
     ref_engine = new_engine(spec_model, k)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, with_prefill(arrivals), params)
-    engine = new_engine(spec_model, k)
+    engine = new_engine(spec_model, k, fused_gemv_max_tokens=4 if fused else 0)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     used, counts = [], []
     static_run = engine.runner.graphs.run
@@ -88,6 +91,9 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(spec_model, k, monk
     assert all(meta is not None and meta.query_start_loc is qsl for qsl, meta in starts.values())
     if k:
         assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+    if fused:
+        assert graphs.fused_gemv_max_tokens == 4 and {graphs.size_for(u) for u in used} & {1, 2, 4} \
+            and {graphs.size_for(u) for u in used} - {1, 2, 4}
 
 
 def _engine(model, graphs: bool, dtype: str = "float32", k: int = 0) -> LLMEngine:
@@ -112,6 +118,26 @@ def test_graph_decode_equals_eager_decode(spec_model, dtype):  # noqa: F811
     assert set(engine.runner.graphs.graphs) >= {1, 2, 4, 8}
     # Padding rows ran, and wrote the scratch slot (past the scheduler's slots), not a request's.
     assert engine.pools.ssm[engine.pools.scratch_slot].abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 1])
+def test_graphs_with_fused_gemv_equal_eager_steps(dense_spec_model, k):
+    """Decode (verify) graphs of up to 8 tokens capture the fused-prologue GEMVs; fp32 tokens (and drafts)
+    equal the eager engine's on cuBLAS and the separate kernels."""
+    arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    eager_engine = _engine(dense_spec_model, False, k=k)
+    eager_log = Log(eager_engine)
+    eager = run(eager_engine, arrivals, params)
+    cfg, weights = dense_spec_model
+    engine = LLMEngine(cfg, weights, dataclasses.replace(eager_engine.config, cuda_graphs=True,
+                                                          fused_gemv_max_tokens=8))
+    log = Log(engine)
+    got = run(engine, arrivals, params)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
+    assert log.rows == eager_log.rows
 
 
 @pytest.fixture(scope="module")

@@ -48,3 +48,42 @@ def test_bad_kernel_mode_is_refused(monkeypatch):
     monkeypatch.setenv("BATON_KERNELS", "cuda")
     with pytest.raises(ValueError, match="BATON_KERNELS"):
         dispatch.use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_fused_gemv_steps_equal_the_references(spec_model, k, monkeypatch):  # noqa: F811
+    """Steps of at most 4 tokens run every linear layer with its add + norm / relu2 / gated norm fused in
+    (`fused_gemv_max_tokens`), larger ones the separate kernels; greedy tokens and drafts stay the references'."""
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    ref_engine = new_engine(spec_model, k)
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, arrivals)
+
+    prologues, sizes, separate = [], [], []
+    orig, orig_norm = dispatch.fused_linear, dispatch.add_rms_norm
+
+    def spy(t):
+        fn = orig(t)
+
+        def call(a, *args, **kw):
+            prologues.append(kw.get("prologue", "none"))
+            sizes.append(a.shape[0])
+            return fn(a, *args, **kw)
+        return call
+
+    def spy_norm(t):
+        separate.append(t.shape[0])
+        return orig_norm(t)
+    monkeypatch.setattr(dispatch, "fused_linear", spy)
+    monkeypatch.setattr(dispatch, "add_rms_norm", spy_norm)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    engine = new_engine(spec_model, k, fused_gemv_max_tokens=4)
+    log = Log(engine)
+    got = run(engine, arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
+        {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
+    assert {"norm", "add_norm", "gated_norm", "relu2"} <= set(prologues)
+    assert max(sizes) <= 4  # larger steps took the separate kernels
+    assert max(separate) > 4  # ... and they ran (the final norm of fused steps is an add + norm too)

@@ -9,12 +9,17 @@ that assigns new tensors unties them, and the layer falls back to the three GEMM
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops import dispatch
+
+if TYPE_CHECKING:
+    from baton.engine.layers.norms import PendingNorm
 
 
 class Attention(nn.Module):
@@ -56,13 +61,24 @@ class Attention(nn.Module):
         return qkv
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_w = self._fused()
         if qkv_w is not None:
-            q, k, v = nn.functional.linear(x, qkv_w).split([nq, nkv, nkv], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self._attend(nn.functional.linear(x, qkv_w), batch)
+        return self._attend(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), batch)
+
+    def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Few-token steps: the block's add + norm run in the q/k/v GEMV."""
+        qkv_w = self._fused()
+        if qkv_w is None:
+            x, residual = p.materialize()
+            return self.forward(x, batch), residual
+        qkv, residual = p.linear(qkv_w)
+        return self._attend(qkv, batch), residual
+
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = qkv.shape[0]
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)

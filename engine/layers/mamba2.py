@@ -7,6 +7,8 @@ their pool slot's old contents are never read.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,9 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.ops import dispatch
+
+if TYPE_CHECKING:
+    from baton.engine.layers.norms import PendingNorm
 
 
 class Mamba2Mixer(nn.Module):
@@ -46,8 +51,18 @@ class Mamba2Mixer(nn.Module):
         self.A = -torch.exp(self.A_log.float())  # [H]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self._mix(self.in_proj(x), batch, fused=False)
+
+    def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Few-token steps: the block's add + norm run in in_proj's GEMV, the gated norm in out_proj's."""
+        zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
+        return self._mix(zxbcdt, batch, fused=True), residual
+
+    def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch, fused: bool) -> torch.Tensor:
+        """in_proj's output -> the mixer's output (out_proj's)."""
+        x = zxbcdt  # (its dtype and row count are the block input's)
         t = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        gate, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         conv_state = batch.conv_states[self.state_index]  # [S, C, K-1]
         ssm_state = batch.ssm_states[self.state_index]    # [S, H, P, N]
         weight = self.conv1d.weight.squeeze(1)            # [C, K]
@@ -76,8 +91,12 @@ class Mamba2Mixer(nn.Module):
             parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
                                                 init, self.chunk_size, self.dt_min, **meta))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y = self.norm(y.reshape(t, self.intermediate), gate)
-        return self.out_proj(y.to(x.dtype))
+        y = y.reshape(t, self.intermediate)
+        if fused:
+            n, out = self.norm, self.out_proj
+            return dispatch.fused_linear(y)(y, out.weight, out.bias, prologue="gated_norm", gate=gate,
+                                            norm_weight=n.weight, eps=n.eps, group_size=n.group_size)
+        return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

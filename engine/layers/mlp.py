@@ -3,10 +3,15 @@ the GPU path, `ops.triton_act`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from baton.engine.ops import dispatch
+
+if TYPE_CHECKING:
+    from baton.engine.layers.norms import PendingNorm
 
 
 def relu2_reference(x: torch.Tensor) -> torch.Tensor:
@@ -31,6 +36,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+    def forward_pending(self, p: PendingNorm, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Few-token steps: the block's add + norm run in up_proj's GEMV, relu2 in down_proj's."""
+        up, residual = p.linear(self.up_proj.weight, self.up_proj.bias)
+        if self.act_name != "relu2":
+            return self.down_proj(self.act(up)), residual
+        down = self.down_proj
+        return dispatch.fused_linear(up)(up, down.weight, down.bias, prologue="relu2"), residual

@@ -8,6 +8,7 @@ and the norm after it are one launch too: `RMSNorm.add_forward`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,10 +54,51 @@ class RMSNorm(nn.Module):
         return dispatch.add_rms_norm(x)(x, residual, self.weight, self.eps)
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """A block's input not computed yet: x = norm(residual + out), or norm(out) where residual is None (the
+    first block: out is the embeddings). The mixer's first linear layer computes it as it loads it
+    (`linear`); a mixer without that path takes it computed (`materialize`). Both also return the residual
+    stream after the add (what the next block adds to)."""
+
+    out: torch.Tensor
+    residual: torch.Tensor | None
+    norm: RMSNorm
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ weight^T + bias, the residual stream) in one GEMV launch."""
+        n = self.norm
+        if self.residual is None:
+            y = dispatch.fused_linear(self.out)(self.out, weight, bias, prologue="norm", norm_weight=n.weight,
+                                                eps=n.eps)
+            return y, self.out
+        return dispatch.fused_linear(self.out)(self.out, weight, bias, prologue="add_norm", residual=self.residual,
+                                               norm_weight=n.weight, eps=n.eps)
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, the residual stream)."""
+        if self.residual is None:
+            return self.norm(self.out), self.out
+        return self.norm.add_forward(self.out, self.residual)
+
+
 def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMSNorm,
                    batch: ForwardBatch) -> torch.Tensor:
     """h + mixer(norm(h)) through `layers` (each with `.norm` and `.mixer(x, batch)`), then `final_norm`; each
-    residual add runs fused into the norm after it (`RMSNorm.add_forward`). Returns final_norm's output."""
+    residual add runs fused into the norm after it (`RMSNorm.add_forward`). Returns final_norm's output.
+
+    With `batch.fused_gemv` the add and the norm go one step further, into the next mixer's first linear layer
+    (`mixer.forward_pending(PendingNorm, batch) -> (out, residual)`, where the mixer has it)."""
+    if batch.fused_gemv:
+        out, res = h, None
+        for layer in layers:
+            pending = PendingNorm(out, res, layer.norm)
+            if hasattr(layer.mixer, "forward_pending"):
+                out, res = layer.mixer.forward_pending(pending, batch)
+            else:
+                x, res = pending.materialize()
+                out = layer.mixer(x, batch)
+        return PendingNorm(out, res, final_norm).materialize()[0]
     x = layers[0].norm(h)
     norms = [layer.norm for layer in layers[1:]] + [final_norm]
     for layer, norm in zip(layers, norms, strict=True):

@@ -1,7 +1,8 @@
 """Which implementation an op runs: the Triton kernels on CUDA tensors (when `triton` imports), the torch
 references elsewhere. Kernels exist for the decode / verify state updates, paged attention and its KV
-write, the prefill conv and the prefill chunked scan, the norms (a residual add fused into the next one)
-and the MLP's relu2; MoE still runs the torch reference everywhere (issue #7).
+write, the prefill conv and the prefill chunked scan, the norms (a residual add fused into the next one),
+the MLP's relu2, and the few-token GEMV with the op before a linear layer fused in (`fused_linear`); MoE
+still runs the torch reference everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
 kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
@@ -129,3 +130,11 @@ def gated_rms_norm(t: torch.Tensor) -> Callable:
         return gated_rms_norm_triton
     from baton.engine.layers.norms import gated_rms_norm_reference
     return gated_rms_norm_reference
+
+
+def fused_linear(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_gemv import fused_linear_triton
+        return fused_linear_triton
+    from baton.engine.ops.fused_linear import fused_linear as reference
+    return reference

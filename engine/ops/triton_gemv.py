@@ -1,0 +1,175 @@
+"""Triton GEMV for few-token steps with the op before the linear layer fused in (`ops.fused_linear`).
+
+Same signature, prologues and return values as the torch reference `fused_linear`. One launch computes
+y = f(a) @ W^T (+ bias) over a grid of (blocks of BLOCK_N output features, blocks of BLOCK_M rows); each program
+streams its W rows once, in [BLOCK_N, BLOCK_K] tiles, and builds the f(a) tile it multiplies them with from a
+(and the residual / gate) as it goes, in fp32 registers:
+
+- Norm prologues need a row's RMS (per group of group_size channels for gated_norm) before its first tile, so
+  for each group a program first walks the group's inputs for the sum of squares, then walks them again with
+  the W tiles. Those inputs are a few KB per row, read from L2 by every program; W, the bulk, is read once.
+- add_norm stores s = residual + a (rounded to a's dtype, as torch's add) from the programs of the first
+  block of N only, during that first walk; every program computes the same s for itself.
+- The values fed to the products are rounded to a's dtype exactly where the separate ops round their
+  outputs (`round_to`), so f(a) equals theirs up to the order of the fp32 sums of squares.
+- Products: BLOCK_M >= 16 uses tl.dot (16-bit operands, fp32 accumulator); smaller BLOCK_M (one or a few rows)
+  multiplies and sums in fp32 registers: the same products. Under Triton's interpreter tl.dot takes the
+  rounded values in fp32 (`NATIVE_DOT` off: numpy has no bf16).
+
+The weight rows are addressed through their stride, a / residual / gate rows through theirs (a slice of a wider
+tensor needs no copy); the last dimension must be unit-stride. No host reads of device tensors, so a step's
+launches can be captured in a CUDA graph. Launch shape (`GemvTiles`) depends on M only through BLOCK_M.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.fused_linear import check_fused_linear
+from baton.engine.ops.triton_common import round_to
+
+_CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K,
+                  STORE_S, PRO: tl.constexpr):
+    """fp32 values before the norm: a (norm), round(a + r) (add_norm, stored to s where STORE_S), or
+    a * silu(gate) (gated_norm); relu2 / none: the final value."""
+    a = tl.load(a_ptr + rows64 * s_a_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PRO == 1:  # relu2, rounded as torch's square of a 16-bit tensor
+        r = tl.maximum(a, 0.0)
+        a = round_to(r * r, a_ptr.dtype.element_ty).to(tl.float32)
+    elif PRO == 3:
+        r = tl.load(r_ptr + rows64 * s_r_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = round_to(a + r, a_ptr.dtype.element_ty)
+        if STORE_S:
+            tl.store(s_ptr + rows64 * K + offs[None, :], a, mask=mask)
+        a = a.to(tl.float32)
+    elif PRO == 4:
+        z = tl.load(g_ptr + rows64 * s_g_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = a * tl.math.div_rn(z, 1.0 + tl.exp(-z))  # silu as torch computes it
+    return a
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, GROUP,
+    s_a_m, s_r_m, s_g_m, s_w_n, s_y_m,
+    width, eps,
+    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    rows64 = rows.to(tl.int64)[:, None]
+    cols64 = cols.to(tl.int64)[:, None]
+    dtype = w_ptr.dtype.element_ty
+    NORM: tl.constexpr = PRO >= 2
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, K, GROUP):
+        g_end = tl.minimum(g0 + GROUP, K)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM:  # the group's RMS first (add_norm also stores s here, from the first block of N)
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(g0, g_end, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                mask = rmask[:, None] & (offs < g_end)[None, :]
+                v = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K,
+                                  pid_n == 0, PRO)
+                ss += tl.sum(v * v, axis=1)
+            rstd = tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)
+        for k0 in range(g0, g_end, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs < g_end
+            mask = rmask[:, None] & kmask[None, :]
+            x = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K, pid_n < 0, PRO)
+            if NORM:
+                nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+                if PRO == 4:  # gated: g = round(h * rstd), then round(w * g)
+                    x = round_to(x * rstd[:, None], a_ptr.dtype.element_ty).to(tl.float32)
+                    x = nw[None, :] * x
+                else:  # RMSNorm: round(w * (x * rstd))
+                    x = nw[None, :] * (x * rstd[:, None])
+                x = round_to(x, a_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            if BLOCK_M >= 16:
+                if NATIVE_DOT:
+                    acc += tl.dot(x.to(dtype), tl.trans(w))
+                else:
+                    acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows64 * s_y_m + cols[None, :], round_to(acc, y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
+    """Tiles for M rows (untuned on the GPU beyond the usual GEMV shape: many programs, long K tiles)."""
+    if not on_cuda:  # interpreter: few, large programs
+        return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
+                         min(128, triton.next_power_of_2(k)), 4)
+    if m == 1:
+        return GemvTiles(1, 16, 512, 4)
+    if m <= 4:
+        return GemvTiles(triton.next_power_of_2(m), 16, 256, 4)
+    return GemvTiles(16, 32, 128, 4)
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
+
+
+def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: str = "none",
+                        residual: Tensor | None = None, gate: Tensor | None = None, norm_weight: Tensor | None = None,
+                        eps: float = 1e-5, group_size: int | None = None,
+                        tiles: GemvTiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """y = f(a) @ weight^T (+ bias) in one launch; see `ops.fused_linear.fused_linear`."""
+    fn = "fused_linear_triton"
+    check_fused_linear(fn, a, weight, bias, prologue, residual, gate, norm_weight, group_size)
+    m, k = a.shape
+    n = weight.shape[0]
+    a = _rows(a)
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    r = a if residual is None else _rows(residual)
+    g = a if gate is None else _rows(gate)
+    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    s = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == "add_norm" else None
+    if m and n:
+        t = tiles or default_tiles(m, n, k, a.is_cuda)
+        group = group_size if prologue == "gated_norm" else max(k, 1)
+        nw = norm_weight.contiguous() if norm_weight is not None else a
+        _gemv_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
+            a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
+            m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
+            float(group), eps,
+            PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=not _interpreted(),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        )  # fmt: skip
+    elif s is not None and m:
+        s.copy_(residual + a)
+    return y if s is None else (y, s)

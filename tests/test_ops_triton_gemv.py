@@ -1,0 +1,139 @@
+"""The fused-prologue GEMV (`ops.triton_gemv`) against its torch reference (`ops.fused_linear`).
+
+Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors at small shapes; the `gpu` tests run it
+compiled at the 8b-like layer sizes, for each prologue the layers use.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+
+from baton.engine.ops.fused_linear import PROLOGUES, fused_linear  # noqa: E402
+from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+# f(a) is the separate ops' up to the order of the fp32 sum of squares (one rounding step of a rare 16-bit
+# element); the GEMV sums the products in another order than the reference's GEMM. Relative to max |y|.
+DTYPES = [
+    pytest.param(torch.float32, 1e-5, id="fp32"),
+    pytest.param(torch.bfloat16, 2e-2, id="bf16"),
+    pytest.param(torch.float16, 4e-3, id="fp16"),
+]
+
+
+def make(shape, dtype, seed, scale=1.0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
+
+
+def args_for(prologue, m, n, k, dtype, group_size=None, bias=False, strided=False, device=DEVICE):
+    # strided: a, residual and gate are column slices of wider tensors (as the mixer's splits are)
+    a = make((m, 2 * k), dtype, 1, 2.0, device)[:, :k] if strided else make((m, k), dtype, 1, 2.0, device)
+    w = make((n, k), dtype, 2, k ** -0.5, device)
+    kw = {"prologue": prologue, "eps": EPS}
+    if prologue == "add_norm":
+        kw["residual"] = make((m, 3 * k), dtype, 3, 2.0, device)[:, k:2 * k] if strided else make((m, k), dtype, 3)
+    if prologue == "gated_norm":
+        kw["gate"] = make((m, 2 * k), dtype, 4, 2.0, device)[:, k:] if strided else make((m, k), dtype, 4, 2.0)
+        kw["group_size"] = group_size or k
+    if prologue in ("norm", "add_norm", "gated_norm"):
+        kw["norm_weight"] = make(k, dtype, 5, 1.0, device)
+    b = make(n, dtype, 6, 1.0, device) if bias else None
+    return a, w, b, kw
+
+
+def check(out, ref, tol):
+    pairs = list(zip(out, ref, strict=True)) if isinstance(ref, tuple) else [(out, ref)]
+    for got, want in pairs:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        scale = want.float().abs().max().clamp_min(1e-6)
+        err = (got.float() - want.float()).abs().max() / scale
+        assert err <= tol, f"max error {err:.2e} (relative to max |ref|) > {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_prologues_match_reference(prologue, m, dtype, tol):
+    a, w, b, kw = args_for(prologue, m, 40, 96, dtype, group_size=32)
+    with torch.no_grad():
+        check(fused_linear_triton(a, w, b, **kw), fused_linear(a, w, b, **kw), tol)
+
+
+@pytest.mark.parametrize("prologue", ["add_norm", "gated_norm", "relu2"])
+def test_strided_inputs_bias_and_ragged_tiles(prologue):
+    # K not a multiple of BLOCK_K, N not of BLOCK_N, group size not of BLOCK_K; inputs are slices.
+    a, w, b, kw = args_for(prologue, 5, 37, 120, torch.bfloat16, group_size=24, bias=True, strided=True)
+    ref = fused_linear(a, w, b, **kw)
+    for tiles in (GemvTiles(1, 16, 16, 4), GemvTiles(4, 16, 32, 4), GemvTiles(16, 16, 64, 4)):
+        check(fused_linear_triton(a, w, b, tiles=tiles, **kw), ref, 2e-2)
+
+
+def test_add_norm_residual_is_exact_and_written_once_per_row():
+    a, w, _, kw = args_for("add_norm", 6, 70, 64, torch.bfloat16)
+    y, s = fused_linear_triton(a, w, tiles=GemvTiles(1, 16, 32, 4), **kw)  # 5 blocks of N: one stores s
+    assert torch.equal(s, kw["residual"] + a)  # torch's add, bit for bit
+
+
+def test_relu2_and_norm_inputs_equal_the_separate_ops_bit_for_bit():
+    # With a one-column identity-like weight the GEMV returns f(a) itself: f must be the separate op's bits.
+    from baton.engine.layers.mlp import relu2_reference
+    from baton.engine.layers.norms import rms_norm_reference
+    k = 64
+    a, _, _, kw = args_for("norm", 3, 1, k, torch.bfloat16)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(fused_linear_triton(a, eye, prologue="relu2"), relu2_reference(a))
+    got = fused_linear_triton(a, eye, **kw)
+    want = rms_norm_reference(a, kw["norm_weight"], EPS)
+    assert (got.float() - want.float()).abs().le(want.float().abs() * 2 ** -7).all()  # one rounding step at most
+
+
+def test_empty_and_bad_arguments():
+    a, w, _, kw = args_for("add_norm", 0, 8, 16, torch.float32)
+    y, s = fused_linear_triton(a, w, **kw)
+    assert y.shape == (0, 8) and s.shape == (0, 16)
+    a, w, _, _ = args_for("none", 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="prologue expected one of"):
+        fused_linear_triton(a, w, prologue="gelu")
+    with pytest.raises(ValueError, match=r"weight \[N, K\], got \(2, 16\) and \(8, 15\)"):
+        fused_linear_triton(a, w[:, :15])
+    with pytest.raises(ValueError, match="expected residual given, got None"):
+        fused_linear_triton(a, w, prologue="add_norm", norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="expected gate None"):
+        fused_linear_triton(a, w, gate=a)
+    with pytest.raises(ValueError, match="group_size expected a positive divisor of K = 16, got 5"):
+        fused_linear_triton(a, w, prologue="gated_norm", gate=a, norm_weight=torch.ones(16), group_size=5)
+    with pytest.raises(ValueError, match=r"bias expected shape \(8,\), got \(7,\)"):
+        fused_linear_triton(a, w, torch.ones(7))
+    with pytest.raises(ValueError, match="one dtype"):
+        fused_linear_triton(a, w.double())
+
+
+def test_default_tiles_depend_on_m_only_through_block_m():
+    for n, k in ((4096, 8192), (18560, 4096), (4096, 21504)):
+        assert {default_tiles(m, n, k, True).block_m for m in (1, 2, 3, 4, 5, 16, 256)} == {1, 2, 4, 16}
+        assert default_tiles(1, n, k, True) == default_tiles(1, 7, 3, True)
+
+
+# ---- full size on the GPU: the 8b-like layers' linear shapes at decode batch sizes --------------------------
+
+SHAPES_8B = [  # (prologue, N, K, group size): in_proj, qkv, up (after add+norm), out_proj, down
+    ("add_norm", 18560, 4096, None), ("add_norm", 6144, 4096, None), ("add_norm", 21504, 4096, None),
+    ("gated_norm", 4096, 8192, 1024), ("relu2", 4096, 21504, None), ("norm", 18560, 4096, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 32])
+@pytest.mark.parametrize("prologue, n, k, gs", SHAPES_8B)
+def test_gpu_8b_like_shapes(prologue, n, k, gs, m):
+    a, w, _, kw = args_for(prologue, m, n, k, torch.bfloat16, group_size=gs, strided=True)
+    check(fused_linear_triton(a, w, **kw), fused_linear(a, w, **kw), 2e-2)
