@@ -4,6 +4,8 @@
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate (8b-like, ~45 GB)
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
+#   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep)
+#   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
@@ -38,6 +40,15 @@ if stage engine; then
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80
+fi
+if stage gemv; then
+  python3 benchmarks/gemv_bench.py --no-progress --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | tail -48
+fi
+if stage fused; then
+  python3 benchmarks/engine_bench.py --device cuda --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" \
+    --prefill-splits 1 --reps 1 --out "$OUT/engine_fused" 2>&1 | tail -12
+  python3 benchmarks/step_profile.py --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" --batches 1,32 \
+    --out "$OUT/profile_fused" 2>&1 | tee "$OUT/profile_fused.txt" | tail -50
 fi
 if stage scan; then
   python3 benchmarks/scan_bench.py 2>&1 | tail -16 | tee "$OUT/scan.txt"

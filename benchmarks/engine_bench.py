@@ -91,6 +91,7 @@ class BenchConfig:
     copy_mib: int = 1024          # device-to-device copy size for the bandwidth
     matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
+    fused_gemv_max_tokens: int = 0      # the engine's (0: off)
     block_size: int = 16
     seed: int = 0
     progress: bool = True
@@ -115,6 +116,8 @@ class BenchConfig:
         if bad:
             raise ValueError(f"--prefill-splits: expected divisors of --prefill-tokens={self.prefill_tokens} "
                              f"leaving >= 2 tokens per prompt, got {bad}")
+        if not isinstance(self.fused_gemv_max_tokens, int) or self.fused_gemv_max_tokens < 0:
+            raise ValueError(f"--fused-gemv-max-tokens: expected an integer >= 0, got {self.fused_gemv_max_tokens!r}")
         if self.ssm_state_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"--ssm-state-dtype: expected float32, bfloat16 or float16, got {self.ssm_state_dtype!r}")
 
@@ -232,7 +235,7 @@ def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
     return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs,
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
-                        device=bc.device)
+                        device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens)
 
 
 def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:
@@ -729,6 +732,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
     ap.add_argument("--matmul-n", type=int, help="n of the n^3 matmul for the peak rate (default 8192)")
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--fused-gemv-max-tokens", type=int,
+                    help="the engine's fused_gemv_max_tokens: decode steps of at most this many tokens run the "
+                         "fused-prologue GEMVs (default 0, off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, small numbers (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME} (or a .json file path)")
@@ -751,7 +757,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
                      context=pick("context"), steps=pick("steps"), prefill_tokens=pick("prefill_tokens"),
                      prefill_splits=_int_list("--prefill-splits", str(pick("prefill_splits"))), reps=pick("reps"),
                      copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
-                     seed=args.seed, progress=not args.no_progress)
+                     fused_gemv_max_tokens=args.fused_gemv_max_tokens or 0, seed=args.seed,
+                     progress=not args.no_progress)
     return args, bc
 
 

@@ -8,7 +8,8 @@ Per step:
 
     kind          kernels / step, GPU µs / step, share of the step's wall time, effective GB/s where the bytes
                   are known (GEMMs: the weights; the state update: its state read + write)
-    busy          sum of all kernel times; wall = the steps' wall time / steps
+    busy          sum of all kernel times; wall = the steps' wall time / steps; the weights' bytes over the time
+                  of all GEMMs (cuBLAS and the fused GEMVs)
     idle          wall - busy: gaps between kernels (launch latency inside a graph, host time not hidden)
 
 Kinds come from kernel names (`KINDS`, first match wins): our Triton kernels by their function names, cuBLAS /
@@ -21,6 +22,7 @@ CUTLASS GEMMs by their families, copies and sets, and the rest (torch elementwis
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -55,6 +57,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("relu2", r"_relu2"),
     ("attention", r"_paged_attention|paged_attention|_attn_"),
     ("kv write", r"_write_kv|write_kv"),
+    ("fused gemv", r"_gemv_kernel"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk|aten::(?:linear|addmm|mm|matmul|bmm)\b"),
     ("copy", r"[Mm]emcpy|[Mm]emset|copy_|aten::copy|aten::to\b|aten::_to_copy"),
 )
@@ -113,6 +116,7 @@ class Profile:
     busy_us_per_step: float
     rows: tuple[KindRow, ...]
     top: tuple[tuple[str, int, float], ...]  # (name, kernels / step x steps, µs / step) of the costliest kernels
+    weights_gbps: float | None = None  # the weights' bytes / the time of all GEMMs (cuBLAS and fused GEMVs)
 
     @property
     def idle_us_per_step(self) -> float:
@@ -171,9 +175,10 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
     for rid in ids:
         engine.abort(rid)
     t = decode_traffic(engine.model_config, engine.dtype, engine.ssm_dtype, batch, ctx)
-    kind_bytes = {"gemm": t.weights, "state update": t.ssm_state, "conv": t.conv_state,
-                  "attention": t.kv_read}
-    return profile_of(trace_kernels(_trace(prof), gpu), batch, bc.steps, wall_us, kind_bytes)
+    kind_bytes = {"state update": t.ssm_state, "conv": t.conv_state, "attention": t.kv_read}
+    p = profile_of(trace_kernels(_trace(prof), gpu), batch, bc.steps, wall_us, kind_bytes)
+    gemm_us = sum(r.us_per_step for r in p.rows if r.kind in ("gemm", "fused gemv"))
+    return dataclasses.replace(p, weights_gbps=t.weights / gemm_us / 1e3 if gemm_us else None)
 
 
 def table(profiles: Iterable[Profile], meta: dict) -> str:
@@ -181,7 +186,9 @@ def table(profiles: Iterable[Profile], meta: dict) -> str:
              f"context {meta['context']}; copy {meta['copy_gbps']:.0f} GB/s", "", f"`{meta['command']}`", ""]
     for p in profiles:
         lines += [f"batch {p.batch}: wall {p.wall_us_per_step:,.0f} µs/step, kernels busy {p.busy_us_per_step:,.0f} "
-                  f"µs, idle {p.idle_us_per_step:,.0f} µs ({p.idle_us_per_step / p.wall_us_per_step:.0%})", "",
+                  f"µs, idle {p.idle_us_per_step:,.0f} µs ({p.idle_us_per_step / p.wall_us_per_step:.0%}); "
+                  f"weights read by all GEMMs at "
+                  f"{'–' if p.weights_gbps is None else format(p.weights_gbps, ',.0f')} GB/s", "",
                   "| kind | kernels / step | µs / step | share of wall | GB/s |", "| --- | ---: | ---: | ---: | ---: |"]
         for r in p.rows:
             gbps = "–" if r.gbps is None else f"{r.gbps:,.0f}"
@@ -199,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 1024)")
     ap.add_argument("--steps", type=int, default=None, help="profiled steps per batch (and as many warm-up)")
     ap.add_argument("--preset", default=None)
+    ap.add_argument("--fused-gemv-max-tokens", type=int, default=0, help="the engine's (default 0, off)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -217,14 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the decode pools matter here: the prefill step of engine_bench is left small.
     bc = BenchConfig(device=base["device"], preset=base["preset"], batches=base["batches"], context=base["context"],
                      steps=base["steps"], prefill_tokens=16, prefill_splits=(1,), copy_mib=8 if args.smoke else 1024,
-                     progress=not args.no_progress)
+                     fused_gemv_max_tokens=args.fused_gemv_max_tokens, progress=not args.no_progress)
     device = torch.device(bc.device)
     copy = copy_gbps(bc.copy_mib * 2**20, device)
     engine = build_engine(bc)
     profiles = [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
-            "copy_gbps": copy, "command": command}
+            "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": bc.fused_gemv_max_tokens}
     print(table(profiles, meta))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

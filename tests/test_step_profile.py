@@ -23,6 +23,7 @@ from benchmarks import step_profile as sp  # noqa: E402
     ("_paged_attention_kernel", "attention"),
     ("_write_kv_kernel", "kv write"),
     ("_ssd_output_kernel", "scan"),
+    ("_gemv_kernel", "fused gemv"),
     ("nvjet_tst_128x8_64x12_2x1_v_bz_splitK_TNT", "gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_segment_k_off", "gemm"),
     ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>", "gemm"),
@@ -82,5 +83,5 @@ def test_smoke_run_on_cpu(tmp_path):
     for p in data["profiles"]:
         kinds = {row["kind"] for row in p["rows"]}
         assert "gemm" in kinds  # the linear layers ran
-        assert 0 < p["busy_us_per_step"] and 0 < p["wall_us_per_step"]
+        assert p["busy_us_per_step"] > 0 and p["wall_us_per_step"] > 0 and p["weights_gbps"] > 0
     assert "| kind | kernels / step |" in r.stdout

@@ -1,0 +1,242 @@
+"""The fused-prologue GEMV (`ops.triton_gemv`) against what it replaces, on the 8b-like linear layers.
+
+For each layer shape and decode batch size M, timed inside CUDA graphs (as the engine replays decode steps), the
+weights rotated over enough copies that L2 holds none of them between calls:
+
+    separate   the op before the layer as its own kernel (add + RMSNorm, relu2, gated norm: our Triton kernels)
+               and then cuBLAS (`F.linear`), what a decode step runs without `fused_gemv_max_tokens`
+    cublas     cuBLAS alone (the weight read, no prologue): the GEMM's own share of `separate`
+    fused      one fused_linear_triton launch, default tiles, and the best of a tile sweep (`--sweep-batches`)
+
+GB/s counts the weight bytes only (what a decode step must read); copy = device-to-device copy, read + written.
+Last, a decode step's sum over its layers (8b-like: 24 Mamba2, 4 attention, 24 MLP) for each column.
+
+  python benchmarks/gemv_bench.py                     # one GPU, ~1-2 min with the sweep
+  python benchmarks/gemv_bench.py --smoke             # CPU, Triton interpreter, tiny shapes (checks only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.run_info import device_name, git_commit  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    prologue: str
+    n: int
+    k: int
+    per_step: int          # how many such layers a decode step runs (8b-like)
+    group_size: int | None = None
+
+
+LAYERS_8B = (
+    Layer("mamba in_proj", "add_norm", 18560, 4096, 24),
+    Layer("mamba out_proj", "gated_norm", 4096, 8192, 24, 1024),
+    Layer("attention qkv", "add_norm", 6144, 4096, 4),
+    Layer("mlp up_proj", "add_norm", 21504, 4096, 24),
+    Layer("mlp down_proj", "relu2", 4096, 21504, 24),
+)
+LAYERS_SMOKE = (
+    Layer("in_proj", "add_norm", 40, 32, 2),
+    Layer("out_proj", "gated_norm", 32, 64, 2, 16),
+    Layer("down_proj", "relu2", 32, 48, 1),
+)
+SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (4, 8)}  # each a Triton compile
+
+
+@dataclass(frozen=True)
+class Row:
+    layer: str
+    m: int
+    separate_us: float
+    cublas_us: float
+    fused_us: float
+    best_us: float
+    best_tiles: tuple[int, int, int, int]
+    weight_bytes: int
+    max_err: float          # fused vs separate, relative to max |y|
+
+    def gbps(self, us: float) -> float:
+        return self.weight_bytes / us / 1e3
+
+
+def timer(device: torch.device, graphs: bool) -> Callable[[Callable[[int], object], int], float]:
+    """µs per call of fn(i) (i: which weight copy), over `reps` calls in a CUDA graph replayed several times."""
+
+    def run(fn: Callable[[int], object], copies: int, reps: int = 24, iters: int = 8) -> float:
+        for i in range(3):
+            fn(i % copies)
+        if not graphs:
+            t0 = time.perf_counter()
+            for i in range(reps):
+                fn(i % copies)
+            return (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(i % copies)
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) * 1e3 / (iters * reps)
+
+    return run
+
+
+def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, sweep: bool,
+                l2_bytes: int) -> Row:
+    from baton.engine.ops import dispatch
+    from baton.engine.ops.fused_linear import fused_linear
+    from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton
+
+    g = torch.Generator(device=device).manual_seed(0)
+    wbytes = layer.n * layer.k * dtype.itemsize
+    copies = max(1, math.ceil(2 * l2_bytes / wbytes))
+    ws = [torch.randn(layer.n, layer.k, generator=g, device=device, dtype=dtype) * layer.k ** -0.5
+          for _ in range(copies)]
+    a = torch.randn(m, layer.k, generator=g, device=device, dtype=dtype)
+    kw: dict = {"prologue": layer.prologue, "eps": 1e-5}
+    if layer.prologue == "add_norm":
+        kw["residual"] = torch.randn(m, layer.k, generator=g, device=device, dtype=dtype)
+    if layer.prologue == "gated_norm":
+        kw["gate"] = torch.randn(m, layer.k, generator=g, device=device, dtype=dtype)
+        kw["group_size"] = layer.group_size
+    if layer.prologue in ("add_norm", "gated_norm", "norm"):
+        kw["norm_weight"] = torch.rand(layer.k, generator=g, device=device, dtype=dtype) + 0.5
+
+    def separate(i: int):  # the op's own kernel (Triton on CUDA), then the GEMM
+        if layer.prologue == "add_norm":
+            x, _ = dispatch.add_rms_norm(a)(a, kw["residual"], kw["norm_weight"], 1e-5)
+        elif layer.prologue == "gated_norm":
+            x = dispatch.gated_rms_norm(a)(a, kw["gate"], kw["norm_weight"], layer.group_size, 1e-5).to(dtype)
+        elif layer.prologue == "relu2":
+            x = dispatch.relu2(a)(a)
+        else:
+            x = a
+        return torch.nn.functional.linear(x, ws[i])
+
+    def out(y):
+        return y[0] if isinstance(y, tuple) else y
+
+    on_gpu = device.type == "cuda"
+    time_us = timer(device, on_gpu)
+    ref = fused_linear(a, ws[0], **kw)
+    got = fused_linear_triton(a, ws[0], **kw)
+    scale = out(ref).float().abs().max().clamp_min(1e-6)
+    err = float((out(got).float() - out(ref).float()).abs().max() / scale)
+    sep = time_us(separate, copies)
+    cub = time_us(lambda i: torch.nn.functional.linear(a, ws[i]), copies)
+    d = default_tiles(m, layer.n, layer.k, on_gpu)
+    fused = time_us(lambda i: fused_linear_triton(a, ws[i], tiles=d, **kw), copies)
+    best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps)
+    if sweep:
+        for bn, bk, nw in itertools.product(*SWEEP.values()):
+            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw)
+            if d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
+                continue
+            us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
+            if us < best:
+                best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps)
+    return Row(layer.name, m, sep, cub, fused, best, best_t, wbytes, err)
+
+
+def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
+    lines = [f"## Fused-prologue GEMV vs separate op + cuBLAS — {meta['device_name']}, commit {meta['commit']}", "",
+             f"`{meta['command']}`; copy {meta['copy_gbps']:.0f} GB/s", "",
+             "| layer | M | separate µs | cuBLAS alone µs | fused µs | best fused µs (m, n, k, warps) | "
+             "fused / separate | best GB/s | max err |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r.layer} | {r.m} | {r.separate_us:.1f} | {r.cublas_us:.1f} | {r.fused_us:.1f} | "
+                     f"{r.best_us:.1f} {r.best_tiles} | {r.best_us / r.separate_us:.2f}× | "
+                     f"{r.gbps(r.best_us):,.0f} | {r.max_err:.1e} |")
+    per = {lay.name: lay.per_step for lay in layers}
+    lines += ["", "| M | per step: separate µs | cuBLAS alone µs | fused (default) µs | fused (best) µs | saved µs |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for m in sorted({r.m for r in rows}):
+        rs = [r for r in rows if r.m == m]
+        tot = {f: sum(getattr(r, f) * per[r.layer] for r in rs) for f in ("separate_us", "cublas_us", "fused_us",
+                                                                           "best_us")}
+        lines.append(f"| {m} | {tot['separate_us']:,.0f} | {tot['cublas_us']:,.0f} | {tot['fused_us']:,.0f} | "
+                     f"{tot['best_us']:,.0f} | {tot['separate_us'] - tot['best_us']:,.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--batches", default=None, help="M values, comma-separated (default 1,2,4,8,16,32)")
+    ap.add_argument("--sweep-batches", default="1,16", help="M values that get the tile sweep (default 1,16; "
+                    "'' for none)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["BATON_KERNELS"] = "triton"
+        device, dtype, layers, l2 = torch.device("cpu"), torch.float32, LAYERS_SMOKE, 0
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gemv_bench: expected a CUDA device (or --smoke)")
+        device, dtype, layers = torch.device("cuda"), torch.bfloat16, LAYERS_8B
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    try:
+        ms = tuple(int(x) for x in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32")).split(","))
+    except ValueError:
+        raise SystemExit(f"--batches: expected comma-separated integers, got {args.batches!r}") from None
+    copy = copy_gbps(device) if device.type == "cuda" else 0.0
+    rows = []
+    jobs = [(lay, m) for lay in layers for m in ms]
+    sweep = set() if args.smoke or not args.sweep_batches else {int(x) for x in args.sweep_batches.split(",")}
+    for lay, m in tqdm(jobs, desc="gemv", disable=args.no_progress):
+        rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2))
+    command = " ".join(["python benchmarks/gemv_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = {"device_name": device_name(device), "commit": git_commit(), "command": command, "copy_gbps": copy}
+    print(table(rows, layers, meta))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    bad = [r for r in rows if r.max_err > (2e-2 if dtype == torch.bfloat16 else 1e-4)]
+    if bad:
+        print(f"gemv_bench: fused output differs from the reference: {[(r.layer, r.m, r.max_err) for r in bad]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
