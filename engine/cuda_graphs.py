@@ -154,7 +154,7 @@ class StepGraphs:
             ssm_states=self.pools.ssm_layers(),
             num_decode_tokens=n * T,
             attention_meta=attention_meta,
-            fused_gemv=n * T <= self.fused_gemv_max_tokens,
+            fused_gemv=n * T <= self.fused_gemv_max_tokens and dispatch.use_triton(self.ids),
         )
         if T > 1:
             batch.spec_num_tokens = self.num_tokens[:n]

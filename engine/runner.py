@@ -113,7 +113,8 @@ class ModelRunner:
             conv_states=self._conv,
             ssm_states=self._ssm,
         )
-        batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens
+        # (Where the Triton kernels run: the torch reference would run the same ops, only one by one.)
+        batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens and dispatch.use_triton(self.replay)
         if spec and out.num_decodes:
             self._add_verify_layout(out, batch, replay, qsl)
         cfg = self.model.cfg
