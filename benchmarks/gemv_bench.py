@@ -199,7 +199,7 @@ def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    ap.add_argument("--batches", default=None, help="M values, comma-separated (default 1,2,4,8,16,32)")
+    ap.add_argument("--batches", default=None, help="M values, comma-separated (default 1,2,4,8,16,32,64)")
     ap.add_argument("--sweep-batches", default="1,16", help="M values that get the tile sweep (default 1,16; "
                     "'' for none)")
     ap.add_argument("--json", type=Path, default=None)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, layers = torch.device("cuda"), torch.bfloat16, LAYERS_8B
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
     try:
-        ms = tuple(int(x) for x in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32")).split(","))
+        ms = tuple(int(x) for x in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32,64")).split(","))
     except ValueError:
         raise SystemExit(f"--batches: expected comma-separated integers, got {args.batches!r}") from None
     copy = copy_gbps(device) if device.type == "cuda" else 0.0

@@ -3,15 +3,19 @@
 Same signature, prologues and return values as the torch reference `fused_linear`. One launch computes
 y = f(a) @ W^T (+ bias) over a grid of (blocks of BLOCK_N output features, blocks of BLOCK_M rows); each program
 streams its W rows once, in [BLOCK_N, BLOCK_K] tiles, and builds the f(a) tile it multiplies them with from a
-(and the residual / gate) as it goes, in fp32 registers:
+(and the residual / gate) as it goes, in fp32 registers, in one pass:
 
-- Norm prologues need a row's RMS (per group of group_size channels for gated_norm) before its first tile, so
-  for each group a program first walks the group's inputs for the sum of squares, then walks them again with
-  the W tiles. Those inputs are a few KB per row, read from L2 by every program; W, the bulk, is read once.
-- add_norm stores s = residual + a (rounded to a's dtype, as torch's add) from the programs of the first
-  block of N only, during that first walk; every program computes the same s for itself.
-- The values fed to the products are rounded to a's dtype exactly where the separate ops round their
-  outputs (`round_to`), so f(a) equals theirs up to the order of the fp32 sums of squares.
+- The norms' RMS scales the dot product instead of each input: for a row's group (all of K; group_size
+  channels for gated_norm), y = rsqrt(mean(v^2) + eps) * sum_k round(norm_weight_k * v_k) W_nk, with v the
+  input before the norm (a, residual + a, or a * silu(gate)); the sum of squares is taken in the same pass.
+  The separate ops round twice (the normalized input, then its product with the weight; gated: also the
+  normalized value); here round(norm_weight * v) is the one rounding, so y differs from theirs by about one
+  16-bit rounding of each input, in either direction.
+- add_norm stores s = residual + a (rounded to a's dtype, exactly torch's add) from the programs of the first
+  block of N only; every program computes the same s for itself.
+- relu2 is torch's relu(a).square() bit for bit; the inputs are a few KB per row, read from L2 by every
+  program (M x inputs x K per program: for large M that outgrows the weight itself, so the engine uses this
+  for few-token steps only); W, the bulk, is read once.
 - Products: BLOCK_M >= 16 uses tl.dot (16-bit operands, fp32 accumulator); smaller BLOCK_M (one or a few rows)
   multiplies and sums in fp32 registers: the same products. Under Triton's interpreter tl.dot takes the
   rounded values in fp32 (`NATIVE_DOT` off: numpy has no bf16).
@@ -44,8 +48,8 @@ def _interpreted() -> bool:
 @triton.jit
 def _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K,
                   STORE_S, PRO: tl.constexpr):
-    """fp32 values before the norm: a (norm), round(a + r) (add_norm, stored to s where STORE_S), or
-    a * silu(gate) (gated_norm); relu2 / none: the final value."""
+    """fp32 values of one input tile before any norm: a (none, norm), round(relu(a)^2) (relu2), round(a + r)
+    (add_norm; stored to s where STORE_S), a * silu(gate) (gated_norm)."""
     a = tl.load(a_ptr + rows64 * s_a_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     if PRO == 1:  # relu2, rounded as torch's square of a 16-bit tensor
         r = tl.maximum(a, 0.0)
@@ -80,40 +84,32 @@ def _gemv_kernel(
     cols64 = cols.to(tl.int64)[:, None]
     dtype = w_ptr.dtype.element_ty
     NORM: tl.constexpr = PRO >= 2
+    store_s = pid_n == 0  # add_norm: the first block of N stores s = residual + a
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, K, GROUP):
+    for g0 in range(0, K, GROUP):  # one group (all of K) but for gated_norm
         g_end = tl.minimum(g0 + GROUP, K)
-        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM:  # the group's RMS first (add_norm also stores s here, from the first block of N)
-            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(g0, g_end, BLOCK_K):
-                offs = k0 + tl.arange(0, BLOCK_K)
-                mask = rmask[:, None] & (offs < g_end)[None, :]
-                v = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K,
-                                  pid_n == 0, PRO)
-                ss += tl.sum(v * v, axis=1)
-            rstd = tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(g0, g_end, BLOCK_K):
             offs = k0 + tl.arange(0, BLOCK_K)
             kmask = offs < g_end
             mask = rmask[:, None] & kmask[None, :]
-            x = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K, pid_n < 0, PRO)
-            if NORM:
+            x = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K, store_s, PRO)
+            if NORM:  # the RMS scales the dot product, after it: x is weighted here and rounded once
+                ss += tl.sum(x * x, axis=1)
                 nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
-                if PRO == 4:  # gated: g = round(h * rstd), then round(w * g)
-                    x = round_to(x * rstd[:, None], a_ptr.dtype.element_ty).to(tl.float32)
-                    x = nw[None, :] * x
-                else:  # RMSNorm: round(w * (x * rstd))
-                    x = nw[None, :] * (x * rstd[:, None])
-                x = round_to(x, a_ptr.dtype.element_ty).to(tl.float32)
+                x = round_to(nw[None, :] * x, a_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             if BLOCK_M >= 16:
                 if NATIVE_DOT:
-                    acc += tl.dot(x.to(dtype), tl.trans(w))
+                    part += tl.dot(x.to(dtype), tl.trans(w))
                 else:
-                    acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                    part += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
-                acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                part += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if NORM:
+            part = part * tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)[:, None]
+        acc += part
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows64 * s_y_m + cols[None, :], round_to(acc, y_ptr.dtype.element_ty),
@@ -129,7 +125,8 @@ class GemvTiles:
 
 
 def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
-    """Tiles for M rows (untuned on the GPU beyond the usual GEMV shape: many programs, long K tiles)."""
+    """Tiles for M rows (untuned on the GPU beyond the usual GEMV shape: many programs, long K tiles; `gemv_bench.py`
+    sweeps them). Past 64 rows each block of rows reads the whole weight again: cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)
@@ -137,7 +134,10 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
         return GemvTiles(1, 16, 512, 4)
     if m <= 4:
         return GemvTiles(triton.next_power_of_2(m), 16, 256, 4)
-    return GemvTiles(16, 32, 128, 4)
+    if m <= 16:
+        return GemvTiles(16, 32, 128, 4)
+    # One block of rows up to 64, so that W is read once (each block of rows reads all of it again).
+    return GemvTiles(32, 32, 128, 4) if m <= 32 else GemvTiles(64, 32, 64, 4)
 
 
 def _rows(t: Tensor) -> Tensor:
