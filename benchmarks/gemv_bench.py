@@ -4,7 +4,8 @@ For each layer shape and decode batch size M, timed inside CUDA graphs (as the e
 weights rotated over enough copies that L2 holds none of them between calls:
 
     separate   the op before the layer as its own kernel (add + RMSNorm, relu2, gated norm: our Triton kernels)
-               and then cuBLAS (`F.linear`), what a decode step runs without `fused_gemv_max_tokens`
+               and then cuBLAS (`F.linear`), what a decode step runs without `fused_gemv_max_tokens`; for
+               o_proj and lm_head (no op before them, cuBLAS in the engine either way) cuBLAS alone
     cublas     cuBLAS alone (the weight read, no prologue): the GEMM's own share of `separate`
     fused      one fused_linear_triton launch, default tiles, and the best of a tile sweep (`--sweep-batches`)
 
@@ -50,6 +51,9 @@ LAYERS_8B = (
     Layer("attention qkv", "add_norm", 6144, 4096, 4),
     Layer("mlp up_proj", "add_norm", 21504, 4096, 24),
     Layer("mlp down_proj", "relu2", 4096, 21504, 24),
+    # Not fused in the engine (cuBLAS there): whether a plain Triton GEMV would read them faster.
+    Layer("attention o_proj", "none", 4096, 4096, 4),
+    Layer("lm_head", "none", 131072, 4096, 1),
 )
 LAYERS_SMOKE = (
     Layer("in_proj", "add_norm", 40, 32, 2),
