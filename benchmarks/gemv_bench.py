@@ -10,7 +10,8 @@ weights rotated over enough copies that L2 holds none of them between calls:
     fused      one fused_linear_triton launch, default tiles, and the best of a tile sweep (`--sweep-batches`)
 
 GB/s counts the weight bytes only (what a decode step must read); copy = device-to-device copy, read + written.
-Last, a decode step's sum over its layers (8b-like: 24 Mamba2, 4 attention, 24 MLP) for each column.
+Last, a decode step's sum over the layers the engine fuses (8b-like: 24 Mamba2, 4 attention, 24 MLP) for each
+column.
 
   python benchmarks/gemv_bench.py                     # one GPU, ~1-2 min with the sweep
   python benchmarks/gemv_bench.py --smoke             # CPU, Triton interpreter, tiny shapes (checks only)
@@ -188,11 +189,11 @@ def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
         lines.append(f"| {r.layer} | {r.m} | {r.separate_us:.1f} | {r.cublas_us:.1f} | {r.fused_us:.1f} | "
                      f"{r.best_us:.1f} {r.best_tiles} | {r.best_us / r.separate_us:.2f}× | "
                      f"{r.gbps(r.best_us):,.0f} | {r.max_err:.1e} |")
-    per = {lay.name: lay.per_step for lay in layers}
+    per = {lay.name: lay.per_step for lay in layers if lay.prologue != "none"}  # what the engine fuses
     lines += ["", "| M | per step: separate µs | cuBLAS alone µs | fused (default) µs | fused (best) µs | saved µs |",
               "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in sorted({r.m for r in rows}):
-        rs = [r for r in rows if r.m == m]
+        rs = [r for r in rows if r.m == m and r.layer in per]
         tot = {f: sum(getattr(r, f) * per[r.layer] for r in rs) for f in ("separate_us", "cublas_us", "fused_us",
                                                                            "best_us")}
         lines.append(f"| {m} | {tot['separate_us']:,.0f} | {tot['cublas_us']:,.0f} | {tot['fused_us']:,.0f} | "
