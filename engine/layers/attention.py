@@ -63,8 +63,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv_w = self._fused()
         if qkv_w is not None:
-            return self._attend(nn.functional.linear(x, qkv_w), batch)
-        return self._attend(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), batch)
+            return self._attend(*self._split(nn.functional.linear(x, qkv_w)), batch)
+        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), batch)
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in the q/k/v GEMV."""
@@ -73,12 +73,14 @@ class Attention(nn.Module):
             x, residual = p.materialize()
             return self.forward(x, batch), residual
         qkv, residual = p.linear(qkv_w)
-        return self._attend(qkv, batch), residual
+        return self._attend(*self._split(qkv), batch), residual
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = qkv.shape[0]
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        return qkv.split([nq, nkv, nkv], dim=-1)  # views: the kernels take row strides
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -2,7 +2,7 @@
 
 At decode batch sizes every linear layer is a read of its weight and little else, and the small op in front of
 it (the residual add and the next RMSNorm, the MLP's relu2, the Mamba2 mixer's gated norm) is a kernel launch
-of its own, a few µs each, 99 per 8b-like decode step. `ops.triton_gemv` computes f(a) while it loads a, in
+of its own, a few µs each, 100 per 8b-like decode step. `ops.triton_gemv` computes f(a) while it loads a, in
 the GEMV's own programs; this file is its torch reference (the CPU path) and the argument checks both share.
 
 Prologues f, each what the separate op computes (layers/norms.py, layers/mlp.py), in a's dtype:
