@@ -53,7 +53,8 @@ class EngineConfig:
     async_scheduling: bool = True
     # Steps of at most this many tokens (decode batches) run each linear layer as one Triton GEMV with the op
     # before it fused in (the residual add and RMSNorm, relu2, the gated norm: `ops.fused_linear`), instead of
-    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA).
+    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). Each program re-reads its
+    # rows' inputs (KBs from L2), so this pays for few rows only: up to 16-32 (`benchmarks/gemv_bench.py`).
     fused_gemv_max_tokens: int = 0
 
     def __post_init__(self) -> None:
