@@ -45,7 +45,6 @@ tests).
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +53,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import interpreted as _interpreted
 from baton.engine.ops.triton_common import round_to
-
-
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)

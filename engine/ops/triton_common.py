@@ -1,7 +1,16 @@
-"""Device helpers shared by the Triton kernels (`@triton.jit` functions, inlined where they are called)."""
+"""Device helpers shared by the Triton kernels (`@triton.jit` functions, inlined where they are called), and
+`interpreted()` for their host sides."""
+
+import os
 
 import triton
 import triton.language as tl
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (its own test of the variable): there tl.dot takes no
+    16-bit operands (numpy has none)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

@@ -27,7 +27,6 @@ launches can be captured in a CUDA graph. Launch shape (`GemvTiles`) depends on 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +35,12 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
+from baton.engine.ops.triton_common import interpreted as _interpreted
 from baton.engine.ops.triton_common import round_to
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

@@ -57,7 +57,6 @@ are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +65,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import interpreted as _interpreted
 from baton.engine.ops.triton_common import round_to, softplus
 
 _FN = "mamba_chunk_scan_varlen_triton"
@@ -73,9 +73,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
 
 
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (its own test of the variable)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---- chunk metadata (host ints -> one small device tensor) --------------------------------------
