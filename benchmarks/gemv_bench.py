@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.engine_bench import copy_gbps  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 
@@ -165,20 +166,6 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     return Row(layer.name, m, sep, cub, fused, best, best_t, wbytes, err)
 
 
-def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3) / 1e9
-
-
 def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
     lines = [f"## Fused-prologue GEMV vs separate op + cuBLAS — {meta['device_name']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; copy {meta['copy_gbps']:.0f} GB/s", "",
@@ -224,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = tuple(int(x) for x in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32,64")).split(","))
     except ValueError:
         raise SystemExit(f"--batches: expected comma-separated integers, got {args.batches!r}") from None
-    copy = copy_gbps(device) if device.type == "cuda" else 0.0
+    copy = copy_gbps(1 << 30, device) if device.type == "cuda" else 0.0
     rows = []
     jobs = [(lay, m) for lay in layers for m in ms]
     sweep = set() if args.smoke or not args.sweep_batches else {int(x) for x in args.sweep_batches.split(",")}
