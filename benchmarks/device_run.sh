@@ -47,7 +47,7 @@ if stage gemv; then
 fi
 if stage fused; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" \
-    --prefill-splits 1 --reps 1 --out "$OUT/engine_fused" 2>&1 | tail -12
+    --batches 1,32 --prefill-splits 1 --reps 1 --out "$OUT/engine_fused" 2>&1 | tail -12
   python3 benchmarks/step_profile.py --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" --batches 1,32 \
     --out "$OUT/profile_fused" 2>&1 | tee "$OUT/profile_fused.txt" | tail -50
 fi
