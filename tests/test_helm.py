@@ -269,11 +269,16 @@ def test_engine_settings_through_configmap():
     for a in (prefill, decode):  # shared settings
         assert a["--speculative-tokens"] == ["2"] and a["--block-size"] == ["16"]
         assert a["--max-model-len"] == ["32768"] and a["--cache-memory-mb"] == ["40000"]
+        assert a["--ssm-state-dtype"] == ["bfloat16"]
     assert prefill["--max-num-seqs"] == ["32"] and prefill["--long-prefill-token-threshold"] == ["4096"]
     assert prefill["--lease-seconds"] == ["60"]
     assert decode["--max-num-seqs"] == ["256"] and decode["--num-kv-blocks"] == ["20000"]
     assert decode["--read-timeout"] == ["15"]
     assert "--num-kv-blocks" not in prefill and "--max-num-batched-tokens" not in decode
+    # Switches given as YAML booleans or quoted on / off reach the command line as on / off.
+    assert decode["--cuda-graphs"] == ["on"] and decode["--async-scheduling"] == ["off"]
+    assert decode["--fused-gemv-max-tokens"] == ["16"]
+    assert "--cuda-graphs" not in prefill and "--fused-gemv-max-tokens" not in prefill
     # An engine change rolls the pods: the pod template carries a checksum of its settings.
     before = one(docs, "StatefulSet", "decode")["spec"]["template"]["metadata"]["annotations"]["checksum/engine"]
     vals = values("all")
@@ -285,7 +290,10 @@ def test_engine_settings_through_configmap():
 @pytest.mark.parametrize("bad, message", [
     ({"decode": {"replicas": 0}}, "replicas"),
     ({"decode": {"engine": {"block-size": 32}}}, "block-size"),
+    ({"prefill": {"engine": {"ssm-state-dtype": "float16"}}}, "ssm-state-dtype"),
     ({"engine": {"max-num-sequences": 8}}, "max-num-sequences"),
+    ({"decode": {"engine": {"cuda-graphs": "yes"}}}, "cuda-graphs"),
+    ({"engine": {"fused-gemv-max-tokens": -1}}, "fused-gemv-max-tokens"),
     ({"model": {"source": "s3"}}, "source"),
     ({"router": {"discovery": "consul"}}, "discovery"),
 ])
