@@ -656,7 +656,9 @@ def table(r: Report) -> str:
              f"Preset `{m['preset']}` ({m['params'] / 1e9:.2f} B params, {m['dtype']}, SSM state {m['ssm_dtype']}); "
              f"copy {r.copy_gbps:.0f} GB/s (read + write); {r.matmul_dtype} matmul {r.matmul_tflops:.1f} TFLOP/s "
              f"(n = {m['matmul_n']}); pools {r.cache['kv_bytes'] / 2**30:.2f} GiB KV ({r.cache['num_blocks']} "
-             f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots).", "",
+             f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots)"
+             + (f"; engine fused_gemv_max_tokens = {fg}." if (fg := m["bench_config"].get(
+                 "fused_gemv_max_tokens", 0)) else "."), "",
              "| batch | mean context | step ms | one at a time ms | forward ms | roofline ms | step / roofline | goal "
              "| forward / roofline | tok/s | GB: weights / SSM / conv / KV |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
