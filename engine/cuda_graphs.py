@@ -169,8 +169,8 @@ class StepGraphs:
         if self.step_fn is not None:
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
                                 self.verify_base[:n])
-        hidden = self.model(self.ids[:n * self.T], self._batch(n))
-        return self.model.logits(hidden)
+        batch = self._batch(n)
+        return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv)
 
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.

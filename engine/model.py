@@ -15,6 +15,7 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
+from baton.engine.ops import dispatch
 from baton.engine.weights import MTP_PREFIX, place
 
 
@@ -61,8 +62,12 @@ class NemotronHForCausalLM(nn.Module):
         """Final hidden states of every token: [T, hidden]."""
         return self.model(input_ids, batch)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """[T, vocab] float32; `fused` (a step of `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel,
+        which beat cuBLAS on this shape at one row (`benchmarks/gemv_bench.py`)."""
         weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
+        if fused:
+            return dispatch.fused_linear(hidden)(hidden, weight).float()
         return torch.nn.functional.linear(hidden, weight).float()
 
     @classmethod

@@ -180,7 +180,7 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)
             if not sample_rows:
                 return PendingStep([], None, self.device)
-            logits = self.model.logits(hidden[last])  # [R_s, V] float32
+            logits = self.model.logits(hidden[last], fused=batch.fused_gemv)  # [R_s, V] float32
         ids = [out.rows[i].request_id for i in sample_rows]
         return PendingStep(ids, self.sample(logits, ids), self.device, logits if return_logits else None)
 

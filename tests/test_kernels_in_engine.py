@@ -84,6 +84,7 @@ def test_fused_gemv_steps_equal_the_references(spec_model, k, monkeypatch):  # n
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
         {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
-    assert {"norm", "add_norm", "gated_norm", "relu2"} <= set(prologues)
+    assert {"norm", "add_norm", "relu2"} <= set(prologues)
+    assert "gated_norm" not in prologues  # slower fused than apart on an H100: out_proj stays cuBLAS
     assert max(sizes) <= 4  # larger steps took the separate kernels
     assert max(separate) > 4  # ... and they ran (the final norm of fused steps is an add + norm too)

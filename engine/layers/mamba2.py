@@ -51,14 +51,16 @@ class Mamba2Mixer(nn.Module):
         self.A = -torch.exp(self.A_log.float())  # [H]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self._mix(self.in_proj(x), batch, fused=False)
+        return self._mix(self.in_proj(x), batch)
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Few-token steps: the block's add + norm run in in_proj's GEMV, the gated norm in out_proj's."""
+        """Few-token steps: the block's add + norm run in in_proj's GEMV. The gated norm stays a kernel of its own
+        before out_proj: fused into out_proj's GEMV it was slower than both together on an H100 (the group RMS over
+        8,192 channels is recomputed per program; benchmarks/RESULTS.md, session 7)."""
         zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
-        return self._mix(zxbcdt, batch, fused=True), residual
+        return self._mix(zxbcdt, batch), residual
 
-    def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch, fused: bool) -> torch.Tensor:
+    def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """in_proj's output -> the mixer's output (out_proj's)."""
         x = zxbcdt  # (its dtype and row count are the block input's)
         t = x.shape[0]
@@ -92,10 +94,6 @@ class Mamba2Mixer(nn.Module):
                                                 init, self.chunk_size, self.dt_min, **meta))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = y.reshape(t, self.intermediate)
-        if fused:
-            n, out = self.norm, self.out_proj
-            return dispatch.fused_linear(y)(y, out.weight, out.bias, prologue="gated_norm", gate=gate,
-                                            norm_weight=n.weight, eps=n.eps, group_size=n.group_size)
         return self.out_proj(self.norm(y, gate).to(x.dtype))
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
