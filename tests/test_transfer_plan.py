@@ -56,3 +56,28 @@ def test_plan_rejects_out_of_range_and_mismatched_layouts():
     other = dict(remote, kv=RegionLayout.of("kv", torch.zeros(8, 3, 2, 4, 2, 4)))
     with pytest.raises(ValueError, match="kv layout"):
         plan_request(local, other, [0], [0], 0, 0)
+
+
+def test_coalesced_plan_moves_exactly_the_per_block_bytes_for_mixed_runs():
+    """Runs of every length mixed with jumps on either side: the coalesced descriptors, cut back into blocks,
+    are the per-block plan's, in order."""
+    local, _ = regions(num_blocks=64)
+    remote, _ = regions(num_blocks=64)
+    item = local["kv"].item_bytes
+
+    def blocks(rows):
+        return [(int(a) + i * item, item, int(d)) for a, ln, d in rows[:-2] for i in range(int(ln) // item)]
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        n = int(rng.integers(1, 40))
+        lo = rng.permutation(64)[:n]
+        lo[: n // 2] = np.sort(lo[: n // 2])  # some local runs
+        re = rng.permutation(64)[:n]
+        re[: n // 3] = np.arange(n // 3) + 5  # some remote runs
+        c = plan_request(local, remote, lo.tolist(), re.tolist(), 2, 0)
+        b = plan_request(local, remote, lo.tolist(), re.tolist(), 2, 0, coalesced=False)
+        assert blocks(c.local) == [tuple(r) for r in b.local[:-2].tolist()]
+        assert blocks(c.remote) == [tuple(r) for r in b.remote[:-2].tolist()]
+        assert c.local[-2:].tolist() == b.local[-2:].tolist() and c.num_bytes == b.num_bytes == \
+            n * item + local["conv"].item_bytes + local["ssm"].item_bytes
+        assert c.num_descriptors == len(coalesce(lo.tolist(), re.tolist())) + 2

