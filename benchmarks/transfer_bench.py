@@ -18,6 +18,7 @@ The prefill-side block ids are `--layout contiguous` (a fresh pool) or `scattere
                                                                 # (transfer/cuda_ipc.py) instead of UCX
 
 Baseline: cpu = `dst.copy_(src)` in one process; cuda = a peer copy cuda:0 -> cuda:1 of the same bytes.
+Host columns: `plan ms` = planning the descriptors alone, `post ms` = until start_read returned (plan included).
 """
 
 from __future__ import annotations
@@ -153,11 +154,12 @@ def main() -> int:
         local = list(range(len(remote)))
         ways = [("coalesced", True, False), ("per block", False, False), ("per block per layer", False, True)]
         for name, coalesced, split in tqdm(ways, desc=f"transfer {layout}", file=sys.stderr):
-            times = []
+            times, posts = [], []
             for i in range(args.reps + 1):
                 t0 = time.perf_counter()
                 p = agent.start_read(f"{layout}-{name}-{i}", meta.engine_id, local, remote, 0, 1,
                                      timeout=120.0, coalesced=coalesced, split_layers=split)
+                posts.append(time.perf_counter() - t0)
                 agent.wait(p)
                 times.append(time.perf_counter() - t0)
             plan_s = []  # the host's part of each READ: planning the descriptors (inside start_read above)
@@ -167,7 +169,7 @@ def main() -> int:
                              split_layers=split)
                 plan_s.append(time.perf_counter() - t0)
             rows.append((layout, name, p.plan.num_descriptors, p.plan.num_bytes, statistics.median(times[1:]),
-                         min(times[1:]), statistics.median(plan_s)))
+                         min(times[1:]), statistics.median(plan_s), statistics.median(posts[1:])))
         exact = verify(pools, args, "cuda:1" if args.device == "cuda" else "cpu", local, remote)
         print(f"{layout}: the request arrived bit-identical: {exact}", file=sys.stderr)
         if not exact:
@@ -181,10 +183,10 @@ def main() -> int:
     print(f"\ntransfer_bench: {args.preset}, {args.tokens} tokens = {nbytes / 2**20:.1f} MiB "
           f"(KV + conv + SSM state), device {args.device} ({card}), {path}, median (and best) of {args.reps}")
     print(f"{'block ids':<11} {'plan':<21} {'descs':>6} {'ms':>8} {'GB/s':>7} {'best':>7} {'vs copy':>8} "
-          f"{'plan ms':>8}")
-    for layout, name, descs, b, t, best, plan_t in rows:
+          f"{'plan ms':>8} {'post ms':>8}")
+    for layout, name, descs, b, t, best, plan_t, post_t in rows:
         print(f"{layout:<11} {name:<21} {descs:>6} {1e3 * t:>8.2f} {b / t / 1e9:>7.1f} {b / best / 1e9:>7.1f} "
-              f"{b / t / 1e9 / base:>7.0%} {1e3 * plan_t:>8.3f}")
+              f"{b / t / 1e9 / base:>7.0%} {1e3 * plan_t:>8.3f} {1e3 * post_t:>8.3f}")
     print(f"{'baseline':<11} {'torch copy':<21} {'':>6} {1e3 * nbytes / base / 1e9:>8.2f} {base:>7.1f} "
           f"{base_best:>7.1f} {'100%':>8}")
     return 0

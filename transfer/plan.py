@@ -107,12 +107,16 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
     # A pool with no layers (no attention, or no Mamba layers) moves nothing.
     if len(local_blocks) and local["kv"].item_bytes:
         add("kv", _ids(local_blocks), _ids(remote_blocks), coalesced)
+    slots_l, slots_r = [], []  # one descriptor each: plain ints (numpy's per-call cost would double the plan)
     for name in ("conv", "ssm"):
-        if local[name].item_bytes:
-            add(name, _ids([local_slot]), _ids([remote_slot]), True)
-    loc, rem = _descs(parts_l), _descs(parts_r)
+        lo, re = local[name], remote[name]
+        if lo.item_bytes:
+            _check_pair(lo, re)
+            slots_l.append((lo.item_addr(local_slot), lo.item_bytes, lo.dev_id))
+            slots_r.append((re.item_addr(remote_slot), re.item_bytes, re.dev_id))
+    loc, rem = _descs(parts_l, slots_l), _descs(parts_r, slots_r)
     return TransferPlan(local=loc, remote=rem, num_bytes=int(loc[:, 1].sum()))
 
 
-def _descs(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros((0, 3), dtype=np.int64)
+def _descs(parts: list[np.ndarray], rows: list[tuple[int, int, int]]) -> np.ndarray:
+    return np.concatenate([*parts, np.array(rows, dtype=np.int64).reshape(-1, 3)]).astype(np.int64, copy=False)
