@@ -12,7 +12,9 @@
 #   transfer  transfer_bench.py on cuda (2 GPUs) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve)
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
-# Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio/protobuf new enough for the committed stubs),
+# Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
+#   both under the device tool's 64 MiB only with nixl-cu13's unused modules dropped from its wheel:
+#   zip -d .whl-slim/nixl_cu13-*.whl 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest_cuda*'   (59 -> 37 MB)
 #   .whl-mtp: pip download safetensors tokenizers tqdm --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl-mtp
 # serving: SERVING_PRESET (default 8b-like), RATES (default auto), SERVING_ARGS and ENGINE_ARGS override the
