@@ -51,10 +51,11 @@ class EngineConfig:
     # CPU work then overlaps the GPU's). Applies without drafts (K = 0) and on prefill-only engines; with K > 0
     # a verify step's committed length is known only from its tokens, so those steps run one at a time.
     async_scheduling: bool = True
-    # Steps of at most this many tokens (decode batches) run each linear layer as one Triton GEMV with the op
-    # before it fused in (the residual add and RMSNorm, relu2, the gated norm: `ops.fused_linear`), instead of
-    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). Each program re-reads its
-    # rows' inputs (KBs from L2), so this pays for few rows only: up to 16-32 (`benchmarks/gemv_bench.py`).
+    # Steps of at most this many tokens (decode batches) run the linear layers (but Mamba2's out_proj) and the
+    # lm_head as Triton GEMVs with the op before each fused in (the residual add and RMSNorm, relu2:
+    # `ops.fused_linear`), instead of cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run
+    # (CUDA). On an H100 it pays at one row only (1.4 % of a batch-1 8b-like step; from 2 rows up the GEMV is
+    # 2-22x slower than cuBLAS: `benchmarks/gemv_bench.py`, RESULTS.md session 7), hence off by default.
     fused_gemv_max_tokens: int = 0
 
     def __post_init__(self) -> None:
