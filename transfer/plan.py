@@ -32,15 +32,19 @@ def _runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple
     return starts, np.diff(np.concatenate((starts, [n])))
 
 
+def _check_lengths(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tuple[int, ...]) -> None:
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_ids)} local, "
+                         f"{len(remote_ids)} remote")
+
+
 def _ids(ids: list[int] | tuple[int, ...]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 
 def coalesce(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tuple[int, ...],
              enabled: bool = True) -> list[Run]:
-    if len(local_ids) != len(remote_ids):
-        raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_ids)} local, "
-                         f"{len(remote_ids)} remote")
+    _check_lengths(local_ids, remote_ids)
     lo, re = _ids(local_ids), _ids(remote_ids)
     starts, counts = _runs(lo, re, enabled)
     return [Run(int(lo[s]), int(re[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
@@ -79,9 +83,7 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
     numpy: a 16k-token request's 1,024 block ids plan in ~0.1-0.2 ms, not the ~1.5 ms of a Python loop, which
     was a third of a 350 MiB READ over NVLink (benchmarks/RESULTS.md, issue #7 session 7).
     """
-    if len(local_blocks) != len(remote_blocks):
-        raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_blocks)} local, "
-                         f"{len(remote_blocks)} remote")
+    _check_lengths(local_blocks, remote_blocks)
     parts_l: list[np.ndarray] = []
     parts_r: list[np.ndarray] = []
 
