@@ -6,6 +6,7 @@
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep)
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
+#   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
@@ -36,7 +37,9 @@ gpus=$(nvidia-smi -L | wc -l)
 stage() { case "$STAGES" in *",$1,"*) echo "== $1 ($(date +%T))"; return 0 ;; esac; return 1; }
 
 if stage tests; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+  # GPU_TESTS: a subset of the files (default: every file with gpu tests)
+  python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-$(grep -l "mark.gpu" tests/test_*.py)} 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests.txt"
 fi
 if stage engine; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress --out "$OUT/engine" 2>&1 | tail -24
@@ -52,6 +55,15 @@ if stage fused; then
     --batches 1,32 --prefill-splits 1 --reps 1 --out "$OUT/engine_fused" 2>&1 | tail -12
   python3 benchmarks/step_profile.py --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" --batches 1,32 \
     --out "$OUT/profile_fused" 2>&1 | tee "$OUT/profile_fused.txt" | tail -50
+fi
+if stage pdl; then
+  for f in 0 "${FUSED_MAX:-1}"; do
+    for p in 0 1; do
+      echo "-- --fused-gemv-max-tokens $f, BATON_PDL=$p"
+      BATON_PDL=$p python3 benchmarks/engine_bench.py --device cuda --no-progress --fused-gemv-max-tokens "$f" \
+        --batches 1,32 --prefill-splits 1 --reps 1 --out "$OUT/engine_f${f}_pdl$p" 2>&1 | grep -E "^\| *(1|32) |^Preset"
+    done
+  done
 fi
 if stage scan; then
   python3 benchmarks/scan_bench.py 2>&1 | tail -16 | tee "$OUT/scan.txt"

@@ -16,6 +16,7 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.project import project
 from baton.engine.ops import dispatch
 
 if TYPE_CHECKING:
@@ -89,4 +90,4 @@ class Attention(nn.Module):
         meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
         out = dispatch.paged_attention(q)(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                           self.scale, **meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), batch)

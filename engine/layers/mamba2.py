@@ -15,6 +15,7 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
+from baton.engine.layers.project import project
 from baton.engine.ops import dispatch
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in in_proj's GEMV. The gated norm stays a kernel of its own
-        before out_proj: fused into out_proj's GEMV it was slower than both together on an H100 (the group RMS over
-        8,192 channels is recomputed per program; benchmarks/RESULTS.md, session 7)."""
+        before out_proj's GEMV: fused into it, it was slower than both apart on an H100 (the group RMS over 8,192
+        channels is recomputed per program; benchmarks/RESULTS.md, session 7)."""
         zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
         return self._mix(zxbcdt, batch), residual
 
@@ -93,8 +94,8 @@ class Mamba2Mixer(nn.Module):
             parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
                                                 init, self.chunk_size, self.dt_min, **meta))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y = y.reshape(t, self.intermediate)
-        return self.out_proj(self.norm(y, gate).to(x.dtype))
+        y = self.norm(y.reshape(t, self.intermediate), gate).to(x.dtype)
+        return project(self.out_proj, y, batch)
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

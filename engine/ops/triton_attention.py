@@ -54,7 +54,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,9 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,8 +225,10 @@ def _combine_splits_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Merge one program's NUM_SPLITS partial softmax results (flash-decoding's second pass)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     row, tok, head, q_pos, md_mask, kv_end = _query_tile(
@@ -388,12 +392,13 @@ def paged_attention_triton(
         float(scale), group, block_size, head_dim,
         *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps,
+        NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps, **pdl(q),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(grid_m, kv_heads)](
             out, qsl, seq_lens, prog_row, prog_qblock, m_part, l_part, acc_part,
             group, head_dim, *out.stride(),
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=num_warps,
+            **pdl(q),
         )  # fmt: skip
     return out

@@ -3,8 +3,10 @@
 
 import os
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 
 def interpreted() -> bool:
@@ -35,3 +37,38 @@ def softplus(v):
     exact = w == 1.0
     log1p_u = tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
     return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + log1p_u)
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with `launch_pdl` may start while the kernel
+# before it on the stream is still running; it must wait (`gdc_wait`) before it reads anything an earlier kernel
+# writes or writes anything an earlier kernel reads. The kernels below load only constants (weights) before that
+# wait, then let the next kernel launch (`gdc_launch_dependents`): the launch and the first weight loads of kernel
+# n+1 overlap the tail of kernel n. Both instructions are no-ops in a kernel launched without the attribute.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: never launched with PDL (see `pdl`)
+    gdc_wait = gdc_launch_dependents = None
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the kernels before this one (PDL launches only), then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl(t: Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel that calls `pdl_wait(PDL)`: programmatic dependent launch on a CUDA device of
+    compute capability 9.0 or later (not in the interpreter), unless BATON_PDL=0. `PDL` and `launch_pdl` always
+    travel together: a kernel launched with the attribute and without its wait would race."""
+    on = False
+    if t.is_cuda and gdc_wait is not None and not interpreted() and os.environ.get("BATON_PDL", "1") != "0":
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if index not in _PDL_DEVICES:
+            _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+        on = _PDL_DEVICES[index]
+    return {"PDL": on, "launch_pdl": on}

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,6 +71,7 @@ def _conv_update_kernel(
     HAS_NUM_TOKENS: tl.constexpr,
     VERIFY: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -90,6 +91,7 @@ def _conv_update_kernel(
         acc0 = tl.load(bias_ptr + cols * stride_bias, mask=cmask, other=0.0).to(tl.float32)
     else:
         acc0 = tl.full([BLOCK_C], 0.0, tl.float32)
+    pdl_wait(PDL)  # (the weights and bias above are constants)
 
     # The window (the K-1 inputs before the next token, oldest first), in fp32 registers; columns past
     # K-1 stay zero and unused.
@@ -221,7 +223,7 @@ def _launch(x3, weight, bias, conv_state, slots, pending, replay, num_tokens, y3
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         *(pending.stride() if verify else (0, 0, 0)),
         KW=width, HAS_BIAS=has_bias, HAS_NUM_TOKENS=has_ntok, VERIFY=verify, BLOCK_C=block_c,
-        num_warps=max(1, min(4, block_c // 64)),
+        num_warps=max(1, min(4, block_c // 64)), **pdl(x3),
     )  # fmt: skip
 
 

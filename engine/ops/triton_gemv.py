@@ -36,7 +36,7 @@ from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
@@ -71,7 +71,7 @@ def _gemv_kernel(
     s_a_m, s_r_m, s_g_m, s_w_n, s_y_m,
     width, eps,
     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,6 +81,11 @@ def _gemv_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[:, None]
     dtype = w_ptr.dtype.element_ty
+    if PDL:  # the first W tile (a constant) is loaded while the kernel before this one finishes
+        first = tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_ptr + cols64 * s_w_n + first[None, :], mask=cmask[:, None] & (first < tl.minimum(GROUP, K))[None, :],
+                          other=0.0)
+    pdl_wait(PDL)
     NORM: tl.constexpr = PRO >= 2
     store_s = pid_n == 0  # add_norm: the first block of N stores s = residual + a
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,7 +102,14 @@ def _gemv_kernel(
                 ss += tl.sum(x * x, axis=1)
                 nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
                 x = round_to(nw[None, :] * x, a_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            if PDL:
+                if k0 == 0:
+                    w = w_first
+                else:
+                    w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :],
+                                other=0.0)
+            else:
+                w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             if BLOCK_M >= 16:
                 if NATIVE_DOT:
                     part += tl.dot(x.to(dtype), tl.trans(w))
@@ -166,7 +178,7 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
             m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
             float(group), eps,
             PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=not _interpreted(),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, **pdl(a),
         )  # fmt: skip
     elif s is not None and m:
         s.copy_(residual + a)

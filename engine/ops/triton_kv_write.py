@@ -16,14 +16,15 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.paged_attention import check_write_kv
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
 
 BLOCK = 1024
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, block_size, width, stride_kt, stride_vt, stride_cb,
-                     stride_ckv, stride_cs, BLOCK: tl.constexpr):
+                     stride_ckv, stride_cs, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -56,5 +57,5 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     k2, v2 = _token_rows(k, width), _token_rows(v, width)
     _write_kv_kernel[(T, triton.cdiv(width, BLOCK))](
         k2, v2, kv_cache, slot_mapping, block_size, width, k2.stride(0), v2.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), BLOCK=BLOCK, num_warps=4,
+        kv_cache.stride(1), kv_cache.stride(2), BLOCK=BLOCK, num_warps=4, **pdl(k2),
     )

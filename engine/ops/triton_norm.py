@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
 
 MAX_WIDTH = 65536
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -97,6 +97,7 @@ def _gated_rms_norm_kernel(
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_g = tl.arange(0, BLOCK_N)
@@ -104,13 +105,14 @@ def _gated_rms_norm_kernel(
     cols = tl.program_id(1) * GS + cols_g
     mask = (rows < M)[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)  # (the norm weight above is a constant)
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + rows64 * stride_zm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = x * tl.math.div_rn(z, 1.0 + tl.exp(-z))  # silu as torch computes it: z / (1 + exp(-z))
     ms = tl.math.div_rn(tl.sum(h * h, axis=1), width)  # masked lanes: x = 0 -> h = 0
     g = h * tl.math.rsqrt(ms + eps)[:, None]
     g = round_to(g, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's g.to(x.dtype)
-    w = tl.load(w_ptr + cols * stride_w, mask=cmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows64 * N + cols[None, :], round_to(w[None, :] * g, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -212,6 +214,6 @@ def gated_rms_norm_triton(x: Tensor, gate: Tensor, weight: Tensor, group_size: i
     block_m, block_n, num_warps = _launch_config(m, group_size, x.is_cuda)
     _gated_rms_norm_kernel[(triton.cdiv(m, block_m), n // group_size)](
         x2, z2, weight, y, m, n, group_size, x2.stride(0), z2.stride(0), weight.stride(0), float(group_size), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl(x2),
     )
     return y.view(x.shape)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.spec_state_update import check_verify_shapes
-from baton.engine.ops.triton_common import round_to, softplus
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to, softplus
 
 
 @triton.jit
@@ -50,6 +50,7 @@ def _ssu_decode_kernel(
     s_y_b, s_y_h, s_y_p,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid_p = tl.program_id(0)
     b = tl.program_id(1)
@@ -65,6 +66,7 @@ def _ssu_decode_kernel(
     A = tl.load(A_ptr + h).to(tl.float32)
     D = tl.load(D_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    pdl_wait(PDL)  # (A, D and dt_bias above are constants)
     # 64-bit slot offsets: a pool can hold more than 2**31 elements.
     slot = tl.load(slot_ptr + b).to(tl.int64)
     state_at = state_ptr + h.to(tl.int64) * s_state_h + slot * s_state_slot + tile
@@ -217,7 +219,7 @@ def selective_state_update_triton(
             ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
             P, N, H // G, float(dt_min),
             *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
+            BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, **pdl(x),
         )  # fmt: skip
     return y
 

@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (`ops.triton_common.pdl`): on Hopper the decode-step kernels launch while the one
+before them finishes and wait for it before touching its data. Off on the CPU and in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.ops.triton_common import pdl
+
+
+def test_pdl_is_off_on_the_cpu():
+    assert pdl(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
+    """A chain of kernels each reading the one before (GEMV -> gated norm -> GEMV with add + norm -> ...), captured
+    in a CUDA graph with PDL, gives the bits of the same chain launched without it: every kernel waits before it
+    reads its input or overwrites a buffer an earlier kernel still reads (the graph's pool reuses them)."""
+    from baton.engine.ops.triton_gemv import fused_linear_triton
+    from baton.engine.ops.triton_norm import gated_rms_norm_triton
+
+    if not _hopper():
+        pytest.skip("PDL needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, n = 4096, 8192
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / 64 for _ in range(4)]
+    vs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g) / 90 for _ in range(4)]
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    gw = torch.rand(n, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain(x):
+        res = x
+        for w, v in zip(ws, vs, strict=True):
+            up, res = fused_linear_triton(x, w, prologue="add_norm", residual=res, norm_weight=nw)
+            h = gated_rms_norm_triton(up, up, gw, 1024, 1e-5)
+            x = fused_linear_triton(h, v)
+        return x + res
+
+    def graphed(flag: str):
+        monkeypatch.setenv("BATON_PDL", flag)
+        assert pdl(x0)["launch_pdl"] is (flag == "1")
+        chain(x0)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x0)
+        outs = []
+        for _ in range(20):
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        return outs
+
+    serial = graphed("0")
+    overlapped = graphed("1")
+    assert all(torch.equal(serial[0], o) for o in serial + overlapped)
