@@ -91,7 +91,7 @@ class BenchConfig:
     copy_mib: int = 1024          # device-to-device copy size for the bandwidth
     matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
-    fused_gemv_max_tokens: int = 0      # the engine's (0: off)
+    fused_gemv_max_tokens: int | None = None  # the engine's (None: its default for the device)
     block_size: int = 16
     seed: int = 0
     progress: bool = True
@@ -116,7 +116,8 @@ class BenchConfig:
         if bad:
             raise ValueError(f"--prefill-splits: expected divisors of --prefill-tokens={self.prefill_tokens} "
                              f"leaving >= 2 tokens per prompt, got {bad}")
-        if not isinstance(self.fused_gemv_max_tokens, int) or self.fused_gemv_max_tokens < 0:
+        g = self.fused_gemv_max_tokens
+        if g is not None and (not isinstance(g, int) or g < 0):
             raise ValueError(f"--fused-gemv-max-tokens: expected an integer >= 0, got {self.fused_gemv_max_tokens!r}")
         if self.ssm_state_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"--ssm-state-dtype: expected float32, bfloat16 or float16, got {self.ssm_state_dtype!r}")
@@ -657,8 +658,8 @@ def table(r: Report) -> str:
              f"copy {r.copy_gbps:.0f} GB/s (read + write); {r.matmul_dtype} matmul {r.matmul_tflops:.1f} TFLOP/s "
              f"(n = {m['matmul_n']}); pools {r.cache['kv_bytes'] / 2**30:.2f} GiB KV ({r.cache['num_blocks']} "
              f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots)"
-             + (f"; engine fused_gemv_max_tokens = {fg}." if (fg := m["bench_config"].get(
-                 "fused_gemv_max_tokens", 0)) else "."), "",
+             + (f"; engine fused_gemv_max_tokens = {fg}." if (fg := m.get("fused_gemv_max_tokens",
+                 m["bench_config"].get("fused_gemv_max_tokens"))) else "."), "",
              "| batch | mean context | step ms | one at a time ms | forward ms | roofline ms | step / roofline | goal "
              "| forward / roofline | tok/s | GB: weights / SSM / conv / KV |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -736,7 +737,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--fused-gemv-max-tokens", type=int,
                     help="the engine's fused_gemv_max_tokens: decode steps of at most this many tokens run the "
-                         "fused-prologue GEMVs (default 0, off)")
+                         "fused-prologue GEMVs (default: the engine's, 1 on compute capability 9.0+, else 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, small numbers (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME} (or a .json file path)")
@@ -759,7 +760,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
                      context=pick("context"), steps=pick("steps"), prefill_tokens=pick("prefill_tokens"),
                      prefill_splits=_int_list("--prefill-splits", str(pick("prefill_splits"))), reps=pick("reps"),
                      copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
-                     fused_gemv_max_tokens=args.fused_gemv_max_tokens or 0, seed=args.seed,
+                     fused_gemv_max_tokens=args.fused_gemv_max_tokens, seed=args.seed,
                      progress=not args.no_progress)
     return args, bc
 
@@ -786,7 +787,7 @@ def run(bc: BenchConfig, command: str) -> Report:
     meta = {"device_name": device_name(device), "commit": git_commit(), "torch": torch.__version__,
             "command": command, "preset": bc.preset, "params": n_params, "dtype": str(engine.dtype).split(".")[-1],
             "ssm_dtype": str(engine.ssm_dtype).split(".")[-1], "matmul_n": bc.matmul_n,
-            "bench_config": asdict(bc)}
+            "bench_config": asdict(bc), "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     decode = [bench_decode(engine, bc, b, copy) for b in bc.batches]
     prefill = [bench_prefill(engine, bc, s, mm) for s in bc.prefill_splits]
     for d in decode:

@@ -206,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 1024)")
     ap.add_argument("--steps", type=int, default=None, help="profiled steps per batch (and as many warm-up)")
     ap.add_argument("--preset", default=None)
-    ap.add_argument("--fused-gemv-max-tokens", type=int, default=0, help="the engine's (default 0, off)")
+    ap.add_argument("--fused-gemv-max-tokens", type=int, default=None,
+                    help="the engine's (default: its own, 1 on compute capability 9.0+, else 0)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profiles = [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
-            "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": bc.fused_gemv_max_tokens}
+            "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     print(table(profiles, meta))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,14 @@ class EngineConfig:
     # CPU work then overlaps the GPU's). Applies without drafts (K = 0) and on prefill-only engines; with K > 0
     # a verify step's committed length is known only from its tokens, so those steps run one at a time.
     async_scheduling: bool = True
-    # Steps of at most this many tokens (decode batches) run the linear layers (but Mamba2's out_proj) and the
-    # lm_head as Triton GEMVs with the op before each fused in (the residual add and RMSNorm, relu2:
-    # `ops.fused_linear`), instead of cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run
-    # (CUDA). On an H100 it pays at one row only (1.4 % of a batch-1 8b-like step; from 2 rows up the GEMV is
-    # 2-22x slower than cuBLAS: `benchmarks/gemv_bench.py`, RESULTS.md session 7), hence off by default.
-    fused_gemv_max_tokens: int = 0
+    # Steps of at most this many tokens (decode batches) run the linear layers and the lm_head as Triton GEMVs
+    # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of
+    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). None (the default): 1 on
+    # GPUs of compute capability 9.0 and later, 0 elsewhere (`llm_engine.resolved_fused_gemv_max_tokens`). On an H100 the
+    # batch-1 8b-like step takes 6.115 ms with it and 6.323 ms without, its kernels chained by programmatic
+    # dependent launch (`ops.triton_common.pdl`); from 2 rows up the GEMV is 2-22x slower than cuBLAS
+    # (`benchmarks/gemv_bench.py`; RESULTS.md, sessions 7 and 8).
+    fused_gemv_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -75,8 +77,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine field '{name}': expected True or False, got {getattr(self, name)!r}")
         g = self.fused_gemv_max_tokens
-        if not isinstance(g, int) or isinstance(g, bool) or g < 0:
-            raise ValueError(f"engine field 'fused_gemv_max_tokens': expected an integer >= 0, got {g!r}")
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
+            raise ValueError(f"engine field 'fused_gemv_max_tokens': expected an integer >= 0 or None, got {g!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "

@@ -78,6 +78,14 @@ class _Launched:
     pending: PendingStep
 
 
+def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:
+    """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: 1 on a GPU of compute
+    capability 9.0 or later (where the step's kernels chain by programmatic dependent launch), else 0."""
+    if config.fused_gemv_max_tokens is not None:
+        return config.fused_gemv_max_tokens
+    return int(device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _last_chunk(row: ScheduledRow, req: Request) -> bool:
     """Whether this row completed req's prefill."""
     return row.num_computed_tokens + row.num_tokens == req.num_prefill_tokens
@@ -98,7 +106,8 @@ class LLMEngine:
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = self._make_runner(weights, device)
-        self.runner.fused_gemv_max_tokens = config.fused_gemv_max_tokens
+        self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
+        self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -148,7 +157,7 @@ class LLMEngine:
         step_fn = self.runner.graph_step_fn if k else None
         graphs = StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
                             tokens_per_row=1 + k, replay=self.runner.replay, step_fn=step_fn)
-        graphs.fused_gemv_max_tokens = cfg.fused_gemv_max_tokens
+        graphs.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         return graphs
 
     def capture_graphs(self) -> int:

@@ -60,3 +60,22 @@ def test_gpu_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
     serial = graphed("0")
     overlapped = graphed("1")
     assert all(torch.equal(serial[0], o) for o in serial + overlapped)
+
+
+def test_fused_gemv_default_is_decided_by_the_device():
+    from baton.engine.engine_config import EngineConfig
+    from baton.engine.llm_engine import resolved_fused_gemv_max_tokens
+
+    assert EngineConfig().fused_gemv_max_tokens is None
+    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cpu")) == 0
+    assert resolved_fused_gemv_max_tokens(EngineConfig(fused_gemv_max_tokens=4), torch.device("cpu")) == 4
+    with pytest.raises(ValueError, match="fused_gemv_max_tokens': expected an integer >= 0 or None, got -1"):
+        EngineConfig(fused_gemv_max_tokens=-1)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_gemv_default_is_one_on_hopper():
+    from baton.engine.engine_config import EngineConfig
+    from baton.engine.llm_engine import resolved_fused_gemv_max_tokens
+
+    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == int(_hopper())
