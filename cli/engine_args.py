@@ -28,8 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step n+1 while step n runs on the device; K = 0 and prefill nodes (on)")
     g.add_argument("--fused-gemv-max-tokens", type=int, metavar="N",
                    help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
-                        "before each fused in (0 = off; default 1 on GPUs of compute capability 9.0+, else 0: "
-                        "on an H100 1 pays, 2 and more are slower than cuBLAS)")
+                        "before each fused in (0 = off; default 1 on an H100, where it pays at one row, else 0; "
+                        "2 and more are slower than cuBLAS)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")

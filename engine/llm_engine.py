@@ -78,12 +78,21 @@ class _Launched:
     pending: PendingStep
 
 
+# GPUs (by name) where a batch-1 decode step is faster with the fused GEMVs than with cuBLAS, measured with
+# benchmarks/engine_bench.py (RESULTS.md, session 8): H100 6.10 vs 6.34 ms. Not on an H200 (4.92-5.26 vs 4.62 ms:
+# there the GEMV reads ~10 % slower than cuBLAS at every tile the sweep tries).
+FUSED_GEMV_GPUS = ("H100",)
+
+
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:
-    """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: 1 on a GPU of compute
-    capability 9.0 or later (where the step's kernels chain by programmatic dependent launch), else 0."""
+    """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: 1 on the GPUs of
+    `FUSED_GEMV_GPUS`, else 0."""
     if config.fused_gemv_max_tokens is not None:
         return config.fused_gemv_max_tokens
-    return int(device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    if device.type != "cuda":
+        return 0
+    name = torch.cuda.get_device_name(device)
+    return int(any(gpu in name for gpu in FUSED_GEMV_GPUS))
 
 
 def _last_chunk(row: ScheduledRow, req: Request) -> bool:
