@@ -41,9 +41,11 @@ def softplus(v):
 
 # Programmatic dependent launch (Hopper and later): a kernel launched with `launch_pdl` may start while the kernel
 # before it on the stream is still running; it must wait (`gdc_wait`) before it reads anything an earlier kernel
-# writes or writes anything an earlier kernel reads. The kernels below load only constants (weights) before that
-# wait, then let the next kernel launch (`gdc_launch_dependents`): the launch and the first weight loads of kernel
-# n+1 overlap the tail of kernel n. Both instructions are no-ops in a kernel launched without the attribute.
+# writes or writes anything an earlier kernel reads. The kernels that take `PDL` load only constants (weights)
+# before that wait, then let the next kernel launch (`gdc_launch_dependents`): the launch and the first weight
+# loads of kernel n+1 overlap the tail of kernel n. Both instructions are no-ops in a kernel launched without the
+# attribute. (Letting the next kernel launch only after the GEMV's last tile, or no prefetch, measured slower on
+# an H100: benchmarks/RESULTS.md, session 8.)
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never launched with PDL (see `pdl`)

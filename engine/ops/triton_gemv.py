@@ -23,6 +23,8 @@ streams its W rows once, in [BLOCK_N, BLOCK_K] tiles, and builds the f(a) tile i
 The weight rows are addressed through their stride, a / residual / gate rows through theirs (a slice of a wider
 tensor needs no copy); the last dimension must be unit-stride. No host reads of device tensors, so a step's
 launches can be captured in a CUDA graph. Launch shape (`GemvTiles`) depends on M only through BLOCK_M.
+On Hopper (`triton_common.pdl`) each program loads its first W tile before it waits for the kernel before it,
+then lets the next kernel launch: a chain of GEMVs streams W with no launch gap between them.
 """
 
 from __future__ import annotations
