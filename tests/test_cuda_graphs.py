@@ -14,7 +14,15 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
-from tests.test_spec_decode import Log, new_engine, prefill_elsewhere, prompt_of, run, spec_model  # noqa: F401
+from tests.test_spec_decode import (  # noqa: F401
+    Log,
+    new_engine,
+    prefill_elsewhere,
+    prompt_of,
+    run,
+    small_spec_model,
+    spec_model,
+)
 
 
 def test_graph_sizes_cover_every_batch_up_to_the_max():
@@ -36,18 +44,8 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
     assert engine.runner.graphs is None
 
 
-@pytest.fixture(scope="module")
-def layout_model(tmp_path_factory):
-    """The spec tests' model cut to one block of each kind and 4 Mamba heads: the static-layout test runs every
-    kernel in Triton's interpreter, whose time grows with layers x programs (a fifth of CI's time with 8 layers)."""
-    out = make_model(tmp_path_factory.mktemp("layout") / "m", "tiny", mtp_layers=1, seed=11, progress=False,
-                     overrides={"vocab_size": 8, "hybrid_override_pattern": "M*-", "mamba_num_heads": 4},
-                     tokenizer=False)
-    return load_checkpoint(out)
-
-
 @pytest.mark.parametrize("k, fused", [(0, False), (2, False), (0, True)], ids=["0", "2", "0-fused-gemv"])
-def test_static_padded_step_layout_equals_eager_steps_on_cpu(layout_model, k, fused, monkeypatch):
+def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k, fused, monkeypatch):  # noqa: F811
     """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole
     greedy verify step: rejection, replay counts, drafter catch-up and chain, and verify rows with fewer drafts
     padded to 1+K), run eagerly on the CPU, gives the tokens, drafts and accepted counts of steps built the usual
@@ -62,13 +60,13 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(layout_model, k, fu
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
     def with_prefill(arrivals):  # each run gets its own prefilled copy of the moved request
-        return [[a if a[0] == "local" else (*a[:3], prefill_elsewhere(layout_model, k, moved)) for a in group]
+        return [[a if a[0] == "local" else (*a[:3], prefill_elsewhere(small_spec_model, k, moved)) for a in group]
                 for group in arrivals]
 
-    ref_engine = new_engine(layout_model, k)
+    ref_engine = new_engine(small_spec_model, k)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, with_prefill(arrivals), params)
-    engine = new_engine(layout_model, k, fused_gemv_max_tokens=4 if fused else 0)
+    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     used, counts = [], []
     static_run = engine.runner.graphs.run

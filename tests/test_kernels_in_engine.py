@@ -8,14 +8,14 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (the Makefile installs it on CPU machines)")
 
 from baton.engine.ops import dispatch  # noqa: E402
-from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, spec_model  # noqa: E402, F401
+from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, small_spec_model  # noqa: E402, F401
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypatch):  # noqa: F811
+def test_engine_on_triton_kernels_equals_the_references(small_spec_model, k, monkeypatch):  # noqa: F811
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
     monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(spec_model, k)
+    ref_engine = new_engine(small_spec_model, k)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, arrivals)
 
@@ -30,7 +30,7 @@ def test_engine_on_triton_kernels_equals_the_references(spec_model, k, monkeypat
             return fn
         monkeypatch.setattr(dispatch, name, spy)
     monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(spec_model, k)
+    engine = new_engine(small_spec_model, k)
     log = Log(engine)
     got = run(engine, arrivals)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
@@ -51,12 +51,12 @@ def test_bad_kernel_mode_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_fused_gemv_steps_equal_the_references(spec_model, k, monkeypatch):  # noqa: F811
+def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch):  # noqa: F811
     """Steps of at most 4 tokens run every linear layer with its add + norm / relu2 / gated norm fused in
     (`fused_gemv_max_tokens`), larger ones the separate kernels; greedy tokens and drafts stay the references'."""
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
     monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(spec_model, k)
+    ref_engine = new_engine(small_spec_model, k)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, arrivals)
 
@@ -78,13 +78,13 @@ def test_fused_gemv_steps_equal_the_references(spec_model, k, monkeypatch):  # n
     monkeypatch.setattr(dispatch, "fused_linear", spy)
     monkeypatch.setattr(dispatch, "add_rms_norm", spy_norm)
     monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(spec_model, k, fused_gemv_max_tokens=4)
+    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4)
     log = Log(engine)
     got = run(engine, arrivals)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
         {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
-    assert {"norm", "add_norm", "relu2"} <= set(prologues)
-    assert "gated_norm" not in prologues  # slower fused than apart on an H100: out_proj stays cuBLAS
+    assert {"none", "norm", "add_norm", "relu2"} <= set(prologues)  # none: out_proj and o_proj
+    assert "gated_norm" not in prologues  # slower fused than apart on an H100: the gated norm stays a kernel
     assert max(sizes) <= 4  # larger steps took the separate kernels
     assert max(separate) > 4  # ... and they ran (the final norm of fused steps is an add + norm too)
