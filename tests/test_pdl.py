@@ -19,7 +19,7 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 def test_gpu_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
-    """A chain of kernels each reading the one before (GEMV -> gated norm -> GEMV with add + norm -> ...), captured
+    """A chain of kernels each reading the one before (GEMV with add + norm -> gated norm -> GEMV -> ...), captured
     in a CUDA graph with PDL, gives the bits of the same chain launched without it: every kernel waits before it
     reads its input or overwrites a buffer an earlier kernel still reads (the graph's pool reuses them)."""
     from baton.engine.ops.triton_gemv import fused_linear_triton
