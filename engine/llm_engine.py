@@ -79,9 +79,8 @@ class _Launched:
 
 
 # GPUs (by name) where a batch-1 decode step is faster with the fused GEMVs than with cuBLAS, measured with
-# benchmarks/engine_bench.py (RESULTS.md, session 8): H100 5.90 vs 6.32 ms. Not on an H200 (4.92-5.26 vs 4.62 ms
-# with the earlier one-row tiles, where the GEMV read ~10 % slower than cuBLAS; the current tiles are not timed
-# there yet).
+# benchmarks/engine_bench.py (RESULTS.md, session 8): H100 5.90 vs 6.32 ms. Not on an H200 (5.13 vs 4.49 ms: no
+# one-row tile of gemv_bench's sweep reads as fast as cuBLAS there).
 FUSED_GEMV_GPUS = ("H100",)
 
 
