@@ -155,5 +155,10 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
                 assert torch.equal(engine.pools.conv[s].cpu(), conv) and torch.equal(engine.pools.ssm[s].cpu(), ssm)
             assert agent.stats.transfers == 4 and agent.stats.failures == 0
             assert wait_for_no_leases(conn)["leases"] == 0
+            # A bad block id: refused after the slot's copy (queued first) has landed, so nothing still writes.
+            h, (b, s) = handles[0], local[0]
+            with pytest.raises(ValueError, match="kv item: expected an id in"):
+                agent.start_read("bad-ids", h.engine_id, b, [10**6] * len(b), s, h.state_slot)
+            assert agent._copier.stream.query()
     finally:
         agent.close()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from baton.transfer.layout import RegionLayout
-from baton.transfer.plan import Run, coalesce, plan_request
+from baton.transfer.plan import Run, coalesce, join, plan_blocks, plan_request, plan_slots
 
 
 def regions(num_blocks=32, slots=4):
@@ -81,3 +81,27 @@ def test_coalesced_plan_moves_exactly_the_per_block_bytes_for_mixed_runs():
         assert c.local[-2:].tolist() == b.local[-2:].tolist() and c.num_bytes == b.num_bytes == \
             n * item + local["conv"].item_bytes + local["ssm"].item_bytes
         assert c.num_descriptors == len(coalesce(lo.tolist(), re.tolist())) + 2
+
+
+def test_a_request_plans_as_its_slot_plus_its_blocks_and_a_pool_without_layers_moves_nothing():
+    """The CUDA IPC reader queues the state slot (`plan_slots`, no block ids) before it plans the blocks: the two
+    parts joined are exactly `plan_request`'s descriptors; a bad slot or bad block id is refused by its part."""
+    local, _ = regions()
+    remote, _ = regions(num_blocks=24)
+    ids_l, ids_r = [3, 4, 5, 9, 1], [10, 11, 12, 2, 23]
+    whole = plan_request(local, remote, ids_l, ids_r, 1, 3)
+    slots, blocks = plan_slots(local, remote, 1, 3), plan_blocks(local, remote, ids_l, ids_r)
+    assert slots.num_descriptors == 2 and slots.num_bytes == local["conv"].item_bytes + local["ssm"].item_bytes
+    joined = join(blocks, slots)
+    assert np.array_equal(joined.local, whole.local) and np.array_equal(joined.remote, whole.remote)
+    assert joined.num_bytes == whole.num_bytes and joined.num_descriptors == 3 + 2
+    with pytest.raises(ValueError, match=r"conv item: expected an id in \[0, 4\), got 4"):
+        plan_slots(local, remote, 1, 4)
+    with pytest.raises(ValueError, match=r"kv item: expected an id in \[0, 24\), got 24"):
+        plan_blocks(local, remote, [0], [24])
+    # No attention layers: no KV bytes whatever the block ids; no Mamba layers: no slot descriptors.
+    no_kv = dict(local, kv=RegionLayout.of("kv", torch.zeros(32, 0, 2, 4, 2, 8)))
+    assert plan_blocks(no_kv, dict(remote, kv=no_kv["kv"]), [0, 1], [0, 1]).num_descriptors == 0
+    no_state = {**local, "conv": RegionLayout.of("conv", torch.zeros(4, 0, 40, 3)),
+                "ssm": RegionLayout.of("ssm", torch.zeros(4, 0, 4, 8, 16))}
+    assert plan_slots(no_state, no_state, 1, 3).num_descriptors == 0

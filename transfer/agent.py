@@ -25,7 +25,7 @@ from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, byte_ranges, export_regi
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
-from baton.transfer.plan import TransferPlan, plan_request
+from baton.transfer.plan import TransferPlan, join, plan_blocks, plan_request, plan_slots
 from baton.transfer.stats import TransferStats
 
 log = logging.getLogger("baton.transfer")
@@ -140,15 +140,16 @@ class TransferAgent:
         if peer not in self._peers:
             raise PeerUnreachable(f"no handshake with {peer!r} yet", request_id=request_id, peer=peer)
         name, remote = self._peers[peer]
-        plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
-                            coalesced=coalesced, split_layers=split_layers)
         t0 = time.monotonic()
         ipc = self._ipc_peers.get(peer)
         if ipc is not None:
-            assert self._copier is not None
-            event = self._copier.start(ipc, byte_ranges(plan, self.regions, remote.regions))
+            plan = self._start_copy(ipc, remote, local_blocks, remote_blocks, local_slot, remote_slot, coalesced,
+                                    split_layers)
+            event = self._copier.done()
             self.stats.descriptors += plan.num_descriptors
             return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, event=event)
+        plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
+                            coalesced=coalesced, split_layers=split_layers)
         mem = self.regions["kv"].mem_type
         try:
             handle = self._agent.initialize_xfer(
@@ -163,6 +164,23 @@ class TransferAgent:
         pending = PendingRead(request_id, peer, plan, handle, t0, t0 + timeout, state)
         self.stats.descriptors += plan.num_descriptors
         return pending
+
+    def _start_copy(self, ipc: IpcPeer, remote: AgentMetadata, local_blocks: list[int], remote_blocks: list[int],
+                    local_slot: int, remote_slot: int, coalesced: bool, split_layers: bool) -> TransferPlan:
+        """Queue a CUDA IPC read's copies: the state slot first, planned from two ints, so that its bytes (100 MiB
+        of a 16k-token 8b-like request, ~0.27 ms on NVLink) move while the block ids are planned (0.1-0.25 ms).
+        Bad block ids raise once the slot's copy has landed: nothing is left writing into memory the caller frees."""
+        assert self._copier is not None
+        slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)
+        self._copier.copy(ipc, byte_ranges(slots, self.regions, remote.regions))
+        try:
+            blocks = plan_blocks(self.regions, remote.regions, local_blocks, remote_blocks, coalesced, split_layers)
+            ranges = byte_ranges(blocks, self.regions, remote.regions)
+        except ValueError:
+            self._copier.wait_idle()
+            raise
+        self._copier.copy(ipc, ranges)
+        return join(blocks, slots)
 
     def poll(self, pending: PendingRead) -> bool:
         """True once the READ is done (handle released). Raises a typed error on ERR or past the deadline."""

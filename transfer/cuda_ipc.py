@@ -108,11 +108,18 @@ class IpcCopier:
         self.local = {name: t.view(-1).view(torch.uint8) for name, t in pools.items() if t.numel()}
         self.stream = torch.cuda.Stream(self.device)
 
-    def start(self, peer: IpcPeer, ranges: list[tuple[str, int, int, int]]) -> torch.cuda.Event:
-        """Queue the copies; the returned event completes when the bytes are in place."""
-        done = torch.cuda.Event()
+    def copy(self, peer: IpcPeer, ranges: list[tuple[str, int, int, int]]) -> None:
+        """Queue copies of these ranges on the copier's stream (in order, after those queued before)."""
         with torch.cuda.stream(self.stream):
             for name, lo, ro, n in ranges:
                 self.local[name][lo:lo + n].copy_(peer.pools[name][ro:ro + n], non_blocking=True)
-            done.record(self.stream)
-        return done
+
+    def done(self) -> torch.cuda.Event:
+        """An event that completes when every copy queued so far has landed."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait_idle(self) -> None:
+        """Block until every queued copy has landed (before a failed read's caller frees its slot)."""
+        self.stream.synchronize()

@@ -83,42 +83,58 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
     numpy: a 16k-token request's 1,024 block ids plan in ~0.1-0.2 ms, not the ~1.5 ms of a Python loop, which
     was a third of a 350 MiB READ over NVLink (benchmarks/RESULTS.md, issue #7 session 7).
     """
-    _check_lengths(local_blocks, remote_blocks)
-    parts_l: list[np.ndarray] = []
-    parts_r: list[np.ndarray] = []
+    return join(plan_blocks(local, remote, local_blocks, remote_blocks, coalesced, split_layers),
+                plan_slots(local, remote, local_slot, remote_slot))
 
-    def add(name: str, lo_ids: np.ndarray, re_ids: np.ndarray, enabled: bool) -> None:
-        lo, re = local[name], remote[name]
-        _check_pair(lo, re)
-        _check_ids(lo, lo_ids)
-        _check_ids(re, re_ids)
-        pieces = lo.item_shape[0] if split_layers and name == "kv" else 1
-        if pieces == 1:
-            starts, counts = _runs(lo_ids, re_ids, enabled)
-            nbytes = counts * lo.item_bytes
-            l_addr, r_addr = lo_ids[starts] * lo.item_bytes + lo.base_addr, re_ids[starts] * re.item_bytes + re.base_addr
-        else:  # every block's layers apart
-            piece = lo.item_bytes // pieces
-            k = np.arange(pieces, dtype=np.int64) * piece
-            l_addr = ((lo_ids * lo.item_bytes + lo.base_addr)[:, None] + k).reshape(-1)
-            r_addr = ((re_ids * re.item_bytes + re.base_addr)[:, None] + k).reshape(-1)
-            nbytes = np.full(len(l_addr), piece, dtype=np.int64)
-        parts_l.append(np.stack([l_addr, nbytes, np.full_like(nbytes, lo.dev_id)], axis=1))
-        parts_r.append(np.stack([r_addr, nbytes, np.full_like(nbytes, re.dev_id)], axis=1))
 
-    # A pool with no layers (no attention, or no Mamba layers) moves nothing.
-    if len(local_blocks) and local["kv"].item_bytes:
-        add("kv", _ids(local_blocks), _ids(remote_blocks), coalesced)
-    slots_l, slots_r = [], []  # one descriptor each: plain ints (numpy's per-call cost would double the plan)
+def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_slot: int,
+               remote_slot: int) -> TransferPlan:
+    """A request's conv and SSM state slot: one descriptor each (none for a pool without layers).
+
+    Plain ints, no block ids: a reader can start these bytes (a third of a 16k-token request, all of a short
+    one) before it plans the blocks."""
+    rows_l, rows_r = [], []
     for name in ("conv", "ssm"):
         lo, re = local[name], remote[name]
         if lo.item_bytes:
             _check_pair(lo, re)
-            slots_l.append((lo.item_addr(local_slot), lo.item_bytes, lo.dev_id))
-            slots_r.append((re.item_addr(remote_slot), re.item_bytes, re.dev_id))
-    loc, rem = _descs(parts_l, slots_l), _descs(parts_r, slots_r)
-    return TransferPlan(local=loc, remote=rem, num_bytes=int(loc[:, 1].sum()))
+            rows_l.append((lo.item_addr(local_slot), lo.item_bytes, lo.dev_id))
+            rows_r.append((re.item_addr(remote_slot), re.item_bytes, re.dev_id))
+    loc = np.array(rows_l, dtype=np.int64).reshape(-1, 3)
+    return TransferPlan(local=loc, remote=np.array(rows_r, dtype=np.int64).reshape(-1, 3),
+                        num_bytes=int(loc[:, 1].sum()))
 
 
-def _descs(parts: list[np.ndarray], rows: list[tuple[int, int, int]]) -> np.ndarray:
-    return np.concatenate([*parts, np.array(rows, dtype=np.int64).reshape(-1, 3)]).astype(np.int64, copy=False)
+def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_blocks: list[int],
+                remote_blocks: list[int], coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
+    """A request's KV blocks: one descriptor per run of consecutive ids on both sides (see `plan_request`)."""
+    _check_lengths(local_blocks, remote_blocks)
+    lo, re = local["kv"], remote["kv"]
+    if not len(local_blocks) or not lo.item_bytes:  # a pool with no attention layers moves nothing
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return TransferPlan(local=empty, remote=empty, num_bytes=0)
+    _check_pair(lo, re)
+    lo_ids, re_ids = _ids(local_blocks), _ids(remote_blocks)
+    _check_ids(lo, lo_ids)
+    _check_ids(re, re_ids)
+    pieces = lo.item_shape[0] if split_layers else 1
+    if pieces == 1:
+        starts, counts = _runs(lo_ids, re_ids, coalesced)
+        nbytes = counts * lo.item_bytes
+        l_addr, r_addr = lo_ids[starts] * lo.item_bytes + lo.base_addr, re_ids[starts] * re.item_bytes + re.base_addr
+    else:  # every block's layers apart
+        piece = lo.item_bytes // pieces
+        k = np.arange(pieces, dtype=np.int64) * piece
+        l_addr = ((lo_ids * lo.item_bytes + lo.base_addr)[:, None] + k).reshape(-1)
+        r_addr = ((re_ids * re.item_bytes + re.base_addr)[:, None] + k).reshape(-1)
+        nbytes = np.full(len(l_addr), piece, dtype=np.int64)
+    return TransferPlan(local=np.stack([l_addr, nbytes, np.full_like(nbytes, lo.dev_id)], axis=1),
+                        remote=np.stack([r_addr, nbytes, np.full_like(nbytes, re.dev_id)], axis=1),
+                        num_bytes=int(nbytes.sum()))
+
+
+def join(*plans: TransferPlan) -> TransferPlan:
+    """One plan of several, in order (one READ's descriptor lists)."""
+    return TransferPlan(local=np.concatenate([p.local for p in plans]),
+                        remote=np.concatenate([p.remote for p in plans]),
+                        num_bytes=sum(p.num_bytes for p in plans))
