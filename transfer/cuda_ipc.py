@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 
 from baton.transfer.layout import RegionLayout
@@ -60,27 +61,32 @@ def export_regions(pools: dict[str, torch.Tensor]) -> dict[str, IpcRegion]:
 
 
 def byte_ranges(plan: TransferPlan, local: dict[str, RegionLayout],
-                remote: dict[str, RegionLayout]) -> list[tuple[str, int, int, int]]:
-    """The plan's descriptors as (pool name, local offset, remote offset, bytes), offsets from each pool's start.
+                remote: dict[str, RegionLayout]) -> dict[str, np.ndarray]:
+    """The plan's descriptors by pool, as int64 rows (local offset, remote offset, bytes) from each pool's start.
 
     A descriptor lies inside one pool on both sides (plans are built per pool); one that does not is refused.
+    Vectorized: a scattered 16k-token request has ~1,000 descriptors.
     """
-    out = []
-    for (laddr, n, _), (raddr, _, _) in zip(plan.local.tolist(), plan.remote.tolist(), strict=True):
-        name = _region_of(local, laddr, n)
-        rname = _region_of(remote, raddr, n)
-        if rname != name:
+    la, n, ra = plan.local[:, 0], plan.local[:, 1], plan.remote[:, 0]
+    out: dict[str, np.ndarray] = {}
+    placed = np.zeros(len(la), dtype=bool)
+    for name, lo in local.items():
+        re = remote[name]
+        in_l = (la >= lo.base_addr) & (la + n <= lo.base_addr + lo.num_items * lo.item_bytes)
+        in_r = (ra >= re.base_addr) & (ra + n <= re.base_addr + re.num_items * re.item_bytes)
+        if (in_l != in_r).any():
+            i = int(np.flatnonzero(in_l != in_r)[0])
             raise ValueError(f"transfer plan: expected a descriptor within one pool on both sides, got local "
-                             f"{name!r} and remote {rname!r}")
-        out.append((name, laddr - local[name].base_addr, raddr - remote[name].base_addr, n))
+                             f"[{int(la[i]):#x}, +{int(n[i])}) and remote [{int(ra[i]):#x}, +{int(n[i])}), only "
+                             f"one of them in {name!r}")
+        if in_l.any():
+            out[name] = np.stack([la[in_l] - lo.base_addr, ra[in_l] - re.base_addr, n[in_l]], axis=1)
+        placed |= in_l
+    if not placed.all():
+        i = int(np.flatnonzero(~placed)[0])
+        raise ValueError(f"transfer plan: expected [{int(la[i]):#x}, +{int(n[i])}) inside a registered pool, got "
+                         f"none holding it")
     return out
-
-
-def _region_of(regions: dict[str, RegionLayout], addr: int, n: int) -> str:
-    for name, r in regions.items():
-        if r.base_addr <= addr and addr + n <= r.base_addr + r.num_items * r.item_bytes:
-            return name
-    raise ValueError(f"transfer plan: expected [{addr:#x}, +{n}) inside a registered pool, got none holding it")
 
 
 class IpcPeer:
@@ -101,18 +107,37 @@ class IpcPeer:
 
 
 class IpcCopier:
-    """Copies planned byte ranges from a mapped peer into the local pools on its own stream."""
+    """Copies planned byte ranges from a mapped peer into the local pools on its own stream.
+
+    A pool's ranges go as `copy_` calls (the copy engines) when they are few, else as one launch of the range-copy
+    kernel (`transfer.range_copy`): ~15 us of host time per `copy_` made a scattered request's ~1,000 ranges
+    take 15.7 ms where its bytes need ~1 ms."""
+
+    FEW_RANGES = 4
 
     def __init__(self, pools: dict[str, torch.Tensor]) -> None:
         self.device = next(t.device for t in pools.values() if t.numel())
         self.local = {name: t.view(-1).view(torch.uint8) for name, t in pools.items() if t.numel()}
         self.stream = torch.cuda.Stream(self.device)
+        from baton.transfer import range_copy  # Triton: imported only where a GPU copies
 
-    def copy(self, peer: IpcPeer, ranges: list[tuple[str, int, int, int]]) -> None:
+        self._kernel = range_copy.copy_ranges
+        self._word = range_copy.WORD
+        with torch.cuda.stream(self.stream):  # compile it now, at the handshake, not in the first READ
+            scratch = torch.zeros(2 * self._word, dtype=torch.uint8, device=self.device)
+            self._kernel(scratch, scratch, np.array([[0, self._word, self._word]], dtype=np.int64))
+        self.stream.synchronize()
+
+    def copy(self, peer: IpcPeer, ranges: dict[str, np.ndarray]) -> None:
         """Queue copies of these ranges on the copier's stream (in order, after those queued before)."""
         with torch.cuda.stream(self.stream):
-            for name, lo, ro, n in ranges:
-                self.local[name][lo:lo + n].copy_(peer.pools[name][ro:ro + n], non_blocking=True)
+            for name, rows in ranges.items():
+                dst, src = self.local[name], peer.pools[name]
+                if len(rows) <= self.FEW_RANGES or not self._word_aligned(dst, src, rows):
+                    for lo, ro, n in rows.tolist():
+                        dst[lo:lo + n].copy_(src[ro:ro + n], non_blocking=True)
+                else:
+                    self._kernel(dst, src, rows)
 
     def done(self) -> torch.cuda.Event:
         """An event that completes when every copy queued so far has landed."""
@@ -123,3 +148,9 @@ class IpcCopier:
     def wait_idle(self) -> None:
         """Block until every queued copy has landed (before a failed read's caller frees its slot)."""
         self.stream.synchronize()
+
+    def _word_aligned(self, dst: torch.Tensor, src: torch.Tensor, rows: np.ndarray) -> bool:
+        """Whether the kernel can copy these ranges in 8-byte words (every real pool's blocks can)."""
+        w = self._word
+        return dst.data_ptr() % w == 0 and src.data_ptr() % w == 0 and dst.numel() % w == 0 \
+            and src.numel() % w == 0 and not (rows % w).any()
