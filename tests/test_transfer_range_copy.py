@@ -74,3 +74,27 @@ def test_gpu_range_copy_equals_reference_at_8b_like_block_size():
     copy_ranges_reference(ref, src, ranges)
     torch.cuda.synchronize()
     assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_table_stage_reused_across_many_launches_and_grown_keeps_every_copy_exact():
+    """More launches than the pinned ring holds, each with another table (and one that outgrows it), back to back
+    on one stream with no sync between: every destination equals the reference."""
+    from baton.transfer.range_copy import TableStage
+
+    rng = np.random.default_rng(3)
+    item, n_items = 4096, 600
+    src = torch.randint(0, 256, (n_items * item,), dtype=torch.uint8, device="cuda")
+    stage = TableStage(torch.device("cuda"), rows=64, ring=2)
+    outs, refs = [], []
+    for count in (10, 50, 20, 199, 5, 60, 33):  # 199 runs of up to 3 items: > 64 pieces, the stage grows
+        ranges = scattered_ranges(rng, item, n_items, count)
+        got, ref = torch.zeros_like(src), torch.zeros_like(src)
+        copy_ranges(got, src, ranges, piece_bytes=item, stage=stage)
+        copy_ranges_reference(ref, src, ranges)
+        outs.append(got)
+        refs.append(ref)
+    torch.cuda.synchronize()
+    assert stage.rows > 64
+    assert all(torch.equal(g, r) for g, r in zip(outs, refs, strict=True))

@@ -123,9 +123,10 @@ class IpcCopier:
 
         self._kernel = range_copy.copy_ranges
         self._word = range_copy.WORD
+        self._stage = range_copy.TableStage(self.device)
         with torch.cuda.stream(self.stream):  # compile it now, at the handshake, not in the first READ
             scratch = torch.zeros(2 * self._word, dtype=torch.uint8, device=self.device)
-            self._kernel(scratch, scratch, np.array([[0, self._word, self._word]], dtype=np.int64))
+            self._kernel(scratch, scratch, np.array([[0, self._word, self._word]], dtype=np.int64), stage=self._stage)
         self.stream.synchronize()
 
     def copy(self, peer: IpcPeer, ranges: dict[str, np.ndarray]) -> None:
@@ -137,7 +138,7 @@ class IpcCopier:
                     for lo, ro, n in rows.tolist():
                         dst[lo:lo + n].copy_(src[ro:ro + n], non_blocking=True)
                 else:
-                    self._kernel(dst, src, rows)
+                    self._kernel(dst, src, rows, stage=self._stage)
 
     def done(self) -> torch.cuda.Event:
         """An event that completes when every copy queued so far has landed."""

@@ -82,14 +82,54 @@ def pieces(ranges: np.ndarray, piece_bytes: int = PIECE_BYTES) -> np.ndarray:
     return out // WORD
 
 
+class TableStage:
+    """The piece table's way to the GPU, reused launch after launch on one stream: a ring of pinned host buffers
+    (one is rewritten only once its upload has finished) and one device table (rewritten by an upload queued on
+    the same stream as the kernel that read it, so after it). No allocation per launch: a fresh pinned buffer
+    costs a `cudaHostAlloc` whenever the caching allocator has none free."""
+
+    def __init__(self, device: torch.device, rows: int = 4096, ring: int = 4) -> None:
+        self.device, self.ring = device, ring
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        self.rows = rows
+        self._host = [torch.empty((rows, 3), dtype=torch.int64).pin_memory() for _ in range(self.ring)]
+        self._uploaded: list[torch.cuda.Event | None] = [None] * self.ring
+        self._table = torch.empty((rows, 3), dtype=torch.int64, device=self.device)
+        self._next = 0
+
+    def upload(self, table: np.ndarray) -> Tensor:
+        """`table` on the device, queued on the current stream; valid for launches queued after it there."""
+        if len(table) > self.rows:
+            self._table.record_stream(torch.cuda.current_stream(self.device))  # launches queued may still read it
+            self._alloc(1 << (len(table) - 1).bit_length())
+        i, self._next = self._next, (self._next + 1) % self.ring
+        if self._uploaded[i] is not None:
+            self._uploaded[i].synchronize()  # normally long done: `ring` uploads ago
+        host = self._host[i][:len(table)]
+        host.numpy()[:] = table
+        dev = self._table[:len(table)]
+        dev.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._uploaded[i] = event
+        return dev
+
+
 def copy_ranges(dst: Tensor, src: Tensor, ranges: np.ndarray, piece_bytes: int = PIECE_BYTES,
-                block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS) -> None:
-    """One launch on the current stream copies every range (same effect as the reference)."""
+                block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, stage: TableStage | None = None) -> None:
+    """One launch on the current stream copies every range (same effect as the reference). On a GPU, `stage`
+    (else a fresh pinned buffer) brings the piece table over."""
     check_ranges(dst, src, ranges)
     if len(ranges) == 0:
         return
-    table = torch.from_numpy(pieces(ranges, piece_bytes))
-    if dst.is_cuda:  # pinned, so that the upload is ordered on the stream and the host does not wait
-        table = table.pin_memory().to(dst.device, non_blocking=True)
+    rows = pieces(ranges, piece_bytes)
+    if not dst.is_cuda:
+        table = torch.from_numpy(rows)
+    elif stage is not None:
+        table = stage.upload(rows)
+    else:  # pinned, so that the upload is ordered on the stream and the host does not wait
+        table = torch.from_numpy(rows).pin_memory().to(dst.device, non_blocking=True)
     _copy_pieces_kernel[(table.shape[0],)](dst.view(torch.int64), src.view(torch.int64), table, BLOCK=block_words,
                                            num_warps=num_warps)
