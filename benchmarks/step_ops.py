@@ -152,9 +152,13 @@ def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, f
     for i, n in enumerate(lens):
         engine.add_request([(7 * i + j) % 500 + 3 for j in range(n)],
                            SamplingParams(max_tokens=1 if prefill else 8, ignore_eos=True), prefill_only=prefill)
-    if not prefill:
-        while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
-            engine.step()
+    if not prefill:  # the prompts' steps on the torch references (interpreted kernels would take ~10x as long)
+        os.environ["BATON_KERNELS"] = "torch"
+        try:
+            while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
+                engine.step()
+        finally:
+            os.environ["BATON_KERNELS"] = "triton"
     return engine
 
 

@@ -53,7 +53,6 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
     references' host checks refuse. A transferred request's first step (token N, no drafts) joins them.
     fused: graph sizes of up to 4 rows run the fused-prologue GEMVs (`fused_gemv_max_tokens`), larger ones not."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("BATON_KERNELS", "triton")
     moved = prompt_of(8, 12)
     arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
     arrivals.append([("moved", "moved", moved, None)])  # after the last local prefill: a decode-only step
@@ -63,9 +62,13 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
         return [[a if a[0] == "local" else (*a[:3], prefill_elsewhere(small_spec_model, k, moved)) for a in group]
                 for group in arrivals]
 
+    # The usual steps on the torch references (tests/test_kernels_in_engine.py holds the kernels to them; the
+    # interpreter would double this test's time), the static layout on the kernels.
+    monkeypatch.setenv("BATON_KERNELS", "torch")
     ref_engine = new_engine(small_spec_model, k)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, with_prefill(arrivals), params)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
     engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     used, counts = [], []
