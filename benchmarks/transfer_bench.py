@@ -10,6 +10,8 @@ Ways (each as one NIXL READ of the whole request):
   layers) + 1 conv + 1 SSM descriptor.
 - per block: one descriptor per KV block.
 - per block per layer: one per block and attention layer (how peers with per-layer caches transfer).
+With --cuda-ipc there is one way: the state slot, then each run of blocks as a copy when the runs are few, else all
+blocks in one kernel launch (`transfer/cuda_ipc.py`); `descs` is then the plan's runs + 2.
 The prefill-side block ids are `--layout contiguous` (a fresh pool) or `scattered` (a shuffled free list).
 
   python benchmarks/transfer_bench.py --device cpu        # DRAM <-> DRAM between two processes (UCX cma)
@@ -153,6 +155,8 @@ def main() -> int:
         remote = request_ids(args, meta.regions["kv"].num_items)
         local = list(range(len(remote)))
         ways = [("coalesced", True, False), ("per block", False, False), ("per block per layer", False, True)]
+        if path == "CUDA IPC copy":  # descriptor lists are NIXL's; the copier moves runs or blocks by id
+            ways = ways[:1]
         for name, coalesced, split in tqdm(ways, desc=f"transfer {layout}", file=sys.stderr):
             times, posts = [], []
             for i in range(args.reps + 1):

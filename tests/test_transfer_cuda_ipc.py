@@ -16,11 +16,10 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.transfer.agent import TransferAgent
-from baton.transfer.cuda_ipc import IpcRegion, byte_ranges, export_regions, host_id
+from baton.transfer.cuda_ipc import IpcRegion, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, CompatInfo
-from baton.transfer.plan import plan_request
 from baton.transfer.side_channel import SideChannelClient
 from tests.transfer_peer import call, start_peer
 
@@ -31,27 +30,6 @@ def layouts(base: int) -> dict[str, RegionLayout]:
     return {"kv": RegionLayout("kv", base, 64, 1024, (2, 2, 8, 2, 4), "bfloat16", "VRAM", 0),
             "conv": RegionLayout("conv", base + (1 << 20), 9, 96, (3, 8, 3), "bfloat16", "VRAM", 0),
             "ssm": RegionLayout("ssm", base + (2 << 20), 9, 512, (3, 2, 4, 8), "float32", "VRAM", 0)}
-
-
-def test_byte_ranges_are_each_descriptor_as_offsets_into_the_same_pool_on_both_sides():
-    local, remote = layouts(0x10000000), layouts(0x7f0000000000)
-    plan = plan_request(local, remote, [4, 5, 6, 20], [10, 11, 12, 3], local_slot=2, remote_slot=7)
-    ranges = byte_ranges(plan, local, remote)
-    # Coalesced: blocks 4-6 <- 10-12 in one range, 20 <- 3 in another, then the two state slots.
-    assert {k: v.tolist() for k, v in ranges.items()} == {
-        "kv": [[4 * 1024, 10 * 1024, 3 * 1024], [20 * 1024, 3 * 1024, 1024]],
-        "conv": [[2 * 96, 7 * 96, 96]], "ssm": [[2 * 512, 7 * 512, 512]]}
-    assert sum(int(r[:, 2].sum()) for r in ranges.values()) == plan.num_bytes
-    # A descriptor that leaves its pool, or lands in another pool than it was read from, is refused.
-    bad = plan_request(local, remote, [63], [63], 0, 0)
-    bad.local[0, 1] = 2048  # the last block + one past the pool's end
-    with pytest.raises(ValueError, match="inside a registered pool"):
-        byte_ranges(bad, local, remote)
-    crossed = plan_request(local, remote, [1], [1], 0, 0)
-    crossed.remote[0, 0] = remote["conv"].base_addr
-    crossed.remote[0, 1] = crossed.local[0, 1] = 96
-    with pytest.raises(ValueError, match="within one pool on both sides"):
-        byte_ranges(crossed, local, remote)
 
 
 def test_metadata_offers_ipc_regions_and_older_metadata_still_decodes():

@@ -18,14 +18,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from baton.engine.config import ModelConfig
-from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, byte_ranges, export_regions, host_id
+from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
-from baton.transfer.plan import TransferPlan, join, plan_blocks, plan_request, plan_slots
+from baton.transfer.plan import TransferPlan, block_ids, join, plan_blocks, plan_request, plan_slots
 from baton.transfer.stats import TransferStats
 
 log = logging.getLogger("baton.transfer")
@@ -167,20 +168,25 @@ class TransferAgent:
 
     def _start_copy(self, ipc: IpcPeer, remote: AgentMetadata, local_blocks: list[int], remote_blocks: list[int],
                     local_slot: int, remote_slot: int, coalesced: bool, split_layers: bool) -> TransferPlan:
-        """Queue a CUDA IPC read's copies: the state slot first, planned from two ints, so that its bytes (100 MiB
-        of a 16k-token 8b-like request, ~0.27 ms on NVLink) move while the block ids are planned (0.1-0.25 ms).
-        Bad block ids raise once the slot's copy has landed: nothing is left writing into memory the caller frees."""
+        """Queue a CUDA IPC read's copies, host work kept off the copies' path: the state slot first (its 100 MiB of a
+        16k-token 8b-like request move while the block ids are checked), then the blocks straight from their ids;
+        the descriptor plan (what the read moved, for the stats) is built after, while the bytes move. Bad block ids
+        raise once the slot's copy has landed: nothing is left writing into memory the caller frees."""
         assert self._copier is not None
-        slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)
-        self._copier.copy(ipc, byte_ranges(slots, self.regions, remote.regions))
+        slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)  # checks the slots
+        one_l, one_r = np.array([local_slot], dtype=np.int64), np.array([remote_slot], dtype=np.int64)
+        for name in ("conv", "ssm"):
+            if self.regions[name].item_bytes:
+                self._copier.copy(ipc, name, one_l, one_r, self.regions[name].item_bytes)
+        kv = self.regions["kv"]
         try:
-            blocks = plan_blocks(self.regions, remote.regions, local_blocks, remote_blocks, coalesced, split_layers)
-            ranges = byte_ranges(blocks, self.regions, remote.regions)
+            lo, re = block_ids(kv, remote.regions["kv"], local_blocks, remote_blocks)
         except ValueError:
             self._copier.wait_idle()
             raise
-        self._copier.copy(ipc, ranges)
-        return join(blocks, slots)
+        if len(lo) and kv.item_bytes:
+            self._copier.copy(ipc, "kv", lo, re, kv.item_bytes)
+        return join(plan_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers), slots)
 
     def poll(self, pending: PendingRead) -> bool:
         """True once the READ is done (handle released). Raises a typed error on ERR or past the deadline."""

@@ -3,7 +3,7 @@
 Why: on 2 x H200, UCX's cuda_ipc lane moved a 353 MiB request at 47-63 % of the peer copy, while a plain copy
 through a CUDA IPC mapping opened in another process ran at 388-395 GB/s, the link's rate (benchmarks/RESULTS.md,
 issue #3). When both nodes run on one host with their pools on GPUs, the reader maps the holder's pools once, at
-the handshake, and copies each READ's planned byte ranges itself on a stream of its own.
+the handshake, and copies each READ's items (state slot, KV blocks) itself on a stream of its own (`IpcCopier`).
 
 What stays NIXL's: the handshake, and the notification that tells the holder a request was read (`send_notif`
 with the request id, the message a NIXL READ carries), so the holder's lease handling does not change.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from baton.transfer.layout import RegionLayout
-from baton.transfer.plan import TransferPlan
+from baton.transfer.plan import runs
 
 
 class IpcRegion(msgspec.Struct, frozen=True):
@@ -60,35 +60,6 @@ def export_regions(pools: dict[str, torch.Tensor]) -> dict[str, IpcRegion]:
     return out
 
 
-def byte_ranges(plan: TransferPlan, local: dict[str, RegionLayout],
-                remote: dict[str, RegionLayout]) -> dict[str, np.ndarray]:
-    """The plan's descriptors by pool, as int64 rows (local offset, remote offset, bytes) from each pool's start.
-
-    A descriptor lies inside one pool on both sides (plans are built per pool); one that does not is refused.
-    Vectorized: a scattered 16k-token request has ~1,000 descriptors.
-    """
-    la, n, ra = plan.local[:, 0], plan.local[:, 1], plan.remote[:, 0]
-    out: dict[str, np.ndarray] = {}
-    placed = np.zeros(len(la), dtype=bool)
-    for name, lo in local.items():
-        re = remote[name]
-        in_l = (la >= lo.base_addr) & (la + n <= lo.base_addr + lo.num_items * lo.item_bytes)
-        in_r = (ra >= re.base_addr) & (ra + n <= re.base_addr + re.num_items * re.item_bytes)
-        if (in_l != in_r).any():
-            i = int(np.flatnonzero(in_l != in_r)[0])
-            raise ValueError(f"transfer plan: expected a descriptor within one pool on both sides, got local "
-                             f"[{int(la[i]):#x}, +{int(n[i])}) and remote [{int(ra[i]):#x}, +{int(n[i])}), only "
-                             f"one of them in {name!r}")
-        if in_l.any():
-            out[name] = np.stack([la[in_l] - lo.base_addr, ra[in_l] - re.base_addr, n[in_l]], axis=1)
-        placed |= in_l
-    if not placed.all():
-        i = int(np.flatnonzero(~placed)[0])
-        raise ValueError(f"transfer plan: expected [{int(la[i]):#x}, +{int(n[i])}) inside a registered pool, got "
-                         f"none holding it")
-    return out
-
-
 class IpcPeer:
     """One holder's pools mapped into this process (on the device of the local pools), as byte tensors."""
 
@@ -107,38 +78,42 @@ class IpcPeer:
 
 
 class IpcCopier:
-    """Copies planned byte ranges from a mapped peer into the local pools on its own stream.
+    """Copies items (KV blocks, state slots) from a mapped peer into the local pools on its own stream.
 
-    A pool's ranges go as `copy_` calls (the copy engines) when they are few, else as one launch of the range-copy
-    kernel (`transfer.range_copy`): ~15 us of host time per `copy_` made a scattered request's ~1,000 ranges
-    take 15.7 ms where its bytes need ~1 ms."""
+    A pool's items go as one `copy_` per run of consecutive ids (the copy engines: 367-374 GB/s over NVLink on
+    2 x H200) when the runs are few, else as one launch of the block-copy kernel (`transfer.block_copy`, SM loads:
+    ~300 GB/s), because ~13 us of host time per `copy_` made a scattered request's ~1,000 runs take 12.8 ms where
+    its bytes need ~1 ms."""
 
-    FEW_RANGES = 4
+    FEW_RUNS = 4
 
     def __init__(self, pools: dict[str, torch.Tensor]) -> None:
         self.device = next(t.device for t in pools.values() if t.numel())
         self.local = {name: t.view(-1).view(torch.uint8) for name, t in pools.items() if t.numel()}
         self.stream = torch.cuda.Stream(self.device)
-        from baton.transfer import range_copy  # Triton: imported only where a GPU copies
+        from baton.transfer import block_copy  # Triton: imported only where a GPU copies
 
-        self._kernel = range_copy.copy_ranges
-        self._word = range_copy.WORD
-        self._stage = range_copy.TableStage(self.device)
+        self._kernel = block_copy.copy_blocks
+        self._word = block_copy.WORD
+        self._stage = block_copy.TableStage(self.device)
         with torch.cuda.stream(self.stream):  # compile it now, at the handshake, not in the first READ
             scratch = torch.zeros(2 * self._word, dtype=torch.uint8, device=self.device)
-            self._kernel(scratch, scratch, np.array([[0, self._word, self._word]], dtype=np.int64), stage=self._stage)
+            one, zero = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+            self._kernel(scratch, scratch, one, zero, self._word, stage=self._stage)
         self.stream.synchronize()
 
-    def copy(self, peer: IpcPeer, ranges: dict[str, np.ndarray]) -> None:
-        """Queue copies of these ranges on the copier's stream (in order, after those queued before)."""
+    def copy(self, peer: IpcPeer, name: str, local_ids: np.ndarray, remote_ids: np.ndarray, item_bytes: int) -> None:
+        """Queue the copy of items remote_ids -> local_ids of pool `name` (ids checked by the caller's plan) on the
+        copier's stream, in order after what was queued before."""
+        dst, src = self.local[name], peer.pools[name]
+        starts, counts = runs(local_ids, remote_ids, True)
         with torch.cuda.stream(self.stream):
-            for name, rows in ranges.items():
-                dst, src = self.local[name], peer.pools[name]
-                if len(rows) <= self.FEW_RANGES or not self._word_aligned(dst, src, rows):
-                    for lo, ro, n in rows.tolist():
-                        dst[lo:lo + n].copy_(src[ro:ro + n], non_blocking=True)
-                else:
-                    self._kernel(dst, src, rows, stage=self._stage)
+            if len(starts) > self.FEW_RUNS and self._word_aligned(dst, src, item_bytes):
+                self._kernel(dst, src, local_ids, remote_ids, item_bytes, stage=self._stage)
+                return
+            for lo, ro, n in zip((local_ids[starts] * item_bytes).tolist(), (remote_ids[starts] * item_bytes).tolist(),
+                                 (counts * item_bytes).tolist(), strict=True):
+                dst[lo:lo + n].copy_(src[ro:ro + n], non_blocking=True)
 
     def done(self) -> torch.cuda.Event:
         """An event that completes when every copy queued so far has landed."""
@@ -150,8 +125,8 @@ class IpcCopier:
         """Block until every queued copy has landed (before a failed read's caller frees its slot)."""
         self.stream.synchronize()
 
-    def _word_aligned(self, dst: torch.Tensor, src: torch.Tensor, rows: np.ndarray) -> bool:
-        """Whether the kernel can copy these ranges in 8-byte words (every real pool's blocks can)."""
+    def _word_aligned(self, dst: torch.Tensor, src: torch.Tensor, item_bytes: int) -> bool:
+        """Whether the kernel can copy these pools' items in 8-byte words (every real pool's can)."""
         w = self._word
         return dst.data_ptr() % w == 0 and src.data_ptr() % w == 0 and dst.numel() % w == 0 \
-            and src.numel() % w == 0 and not (rows % w).any()
+            and src.numel() % w == 0 and item_bytes % w == 0

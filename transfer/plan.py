@@ -14,6 +14,8 @@ import numpy as np
 
 from baton.transfer.layout import RegionLayout
 
+Ids = list[int] | tuple[int, ...] | np.ndarray  # block ids, as callers hold them
+
 
 @dataclass(frozen=True)
 class Run:
@@ -22,7 +24,7 @@ class Run:
     count: int
 
 
-def _runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple[np.ndarray, np.ndarray]:
+def runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple[np.ndarray, np.ndarray]:
     """(first index, length) of each run: it breaks where either side's next id is not the one after."""
     n = len(local_ids)
     if not enabled:
@@ -32,13 +34,13 @@ def _runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple
     return starts, np.diff(np.concatenate((starts, [n])))
 
 
-def _check_lengths(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tuple[int, ...]) -> None:
+def _check_lengths(local_ids: Ids, remote_ids: Ids) -> None:
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"block ids: expected as many local as remote ids, got {len(local_ids)} local, "
                          f"{len(remote_ids)} remote")
 
 
-def _ids(ids: list[int] | tuple[int, ...]) -> np.ndarray:
+def _ids(ids: Ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
 
@@ -46,7 +48,7 @@ def coalesce(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tup
              enabled: bool = True) -> list[Run]:
     _check_lengths(local_ids, remote_ids)
     lo, re = _ids(local_ids), _ids(remote_ids)
-    starts, counts = _runs(lo, re, enabled)
+    starts, counts = runs(lo, re, enabled)
     return [Run(int(lo[s]), int(re[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
 
 
@@ -105,21 +107,17 @@ def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], 
                         num_bytes=int(loc[:, 1].sum()))
 
 
-def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_blocks: list[int],
-                remote_blocks: list[int], coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
+def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_blocks: Ids,
+                remote_blocks: Ids, coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
     """A request's KV blocks: one descriptor per run of consecutive ids on both sides (see `plan_request`)."""
-    _check_lengths(local_blocks, remote_blocks)
     lo, re = local["kv"], remote["kv"]
-    if not len(local_blocks) or not lo.item_bytes:  # a pool with no attention layers moves nothing
+    lo_ids, re_ids = block_ids(lo, re, local_blocks, remote_blocks)
+    if not len(lo_ids) or not lo.item_bytes:  # a pool with no attention layers moves nothing
         empty = np.zeros((0, 3), dtype=np.int64)
         return TransferPlan(local=empty, remote=empty, num_bytes=0)
-    _check_pair(lo, re)
-    lo_ids, re_ids = _ids(local_blocks), _ids(remote_blocks)
-    _check_ids(lo, lo_ids)
-    _check_ids(re, re_ids)
     pieces = lo.item_shape[0] if split_layers else 1
     if pieces == 1:
-        starts, counts = _runs(lo_ids, re_ids, coalesced)
+        starts, counts = runs(lo_ids, re_ids, coalesced)
         nbytes = counts * lo.item_bytes
         l_addr, r_addr = lo_ids[starts] * lo.item_bytes + lo.base_addr, re_ids[starts] * re.item_bytes + re.base_addr
     else:  # every block's layers apart
@@ -131,6 +129,19 @@ def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout],
     return TransferPlan(local=np.stack([l_addr, nbytes, np.full_like(nbytes, lo.dev_id)], axis=1),
                         remote=np.stack([r_addr, nbytes, np.full_like(nbytes, re.dev_id)], axis=1),
                         num_bytes=int(nbytes.sum()))
+
+
+def block_ids(local: RegionLayout, remote: RegionLayout, local_blocks: Ids,
+              remote_blocks: Ids) -> tuple[np.ndarray, np.ndarray]:
+    """The block ids as int64 arrays, checked: as many on both sides, each inside its pool, the same item layout
+    (an empty list, or a pool without attention layers, passes with no further check)."""
+    _check_lengths(local_blocks, remote_blocks)
+    lo_ids, re_ids = _ids(local_blocks), _ids(remote_blocks)
+    if len(lo_ids) and local.item_bytes:
+        _check_pair(local, remote)
+        _check_ids(local, lo_ids)
+        _check_ids(remote, re_ids)
+    return lo_ids, re_ids
 
 
 def join(*plans: TransferPlan) -> TransferPlan:
