@@ -18,7 +18,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from baton.engine.config import ModelConfig
@@ -26,7 +25,15 @@ from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
-from baton.transfer.plan import TransferPlan, block_ids, join, plan_blocks, plan_request, plan_slots
+from baton.transfer.plan import (
+    TransferPlan,
+    block_ids,
+    check_pair,
+    join,
+    plan_blocks,
+    plan_request,
+    plan_slots,
+)
 from baton.transfer.stats import TransferStats
 
 log = logging.getLogger("baton.transfer")
@@ -171,22 +178,24 @@ class TransferAgent:
         """Queue a CUDA IPC read's copies, host work kept off the copies' path: the state slot first (its 100 MiB of a
         16k-token 8b-like request move while the block ids are checked), then the blocks straight from their ids;
         the descriptor plan (what the read moved, for the stats) is built after, while the bytes move. Bad block ids
-        raise once the slot's copy has landed: nothing is left writing into memory the caller frees."""
+        (or a bad slot) raise once any copy queued has landed: nothing is left writing into memory the caller frees."""
         assert self._copier is not None
-        slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)  # checks the slots
-        one_l, one_r = np.array([local_slot], dtype=np.int64), np.array([remote_slot], dtype=np.int64)
-        for name in ("conv", "ssm"):
-            if self.regions[name].item_bytes:
-                self._copier.copy(ipc, name, one_l, one_r, self.regions[name].item_bytes)
         kv = self.regions["kv"]
         try:
+            for name in ("ssm", "conv"):  # the large one first: the link starts on it sooner
+                lay, rlay = self.regions[name], remote.regions[name]
+                if lay.item_bytes:
+                    check_pair(lay, rlay)
+                    self._copier.copy_item(ipc, name, lay.item_addr(local_slot) - lay.base_addr,
+                                           rlay.item_addr(remote_slot) - rlay.base_addr, lay.item_bytes)
             lo, re = block_ids(kv, remote.regions["kv"], local_blocks, remote_blocks)
         except ValueError:
             self._copier.wait_idle()
             raise
         if len(lo) and kv.item_bytes:
             self._copier.copy(ipc, "kv", lo, re, kv.item_bytes)
-        return join(plan_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers), slots)
+        return join(plan_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers),
+                    plan_slots(self.regions, remote.regions, local_slot, remote_slot))
 
     def poll(self, pending: PendingRead) -> bool:
         """True once the READ is done (handle released). Raises a typed error on ERR or past the deadline."""

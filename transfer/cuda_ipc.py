@@ -115,6 +115,12 @@ class IpcCopier:
                                  (counts * item_bytes).tolist(), strict=True):
                 dst[lo:lo + n].copy_(src[ro:ro + n], non_blocking=True)
 
+    def copy_item(self, peer: IpcPeer, name: str, local_offset: int, remote_offset: int, nbytes: int) -> None:
+        """Queue one range's copy (a state slot: offsets checked by the caller) on the copier's stream."""
+        with torch.cuda.stream(self.stream):
+            self.local[name][local_offset:local_offset + nbytes].copy_(
+                peer.pools[name][remote_offset:remote_offset + nbytes], non_blocking=True)
+
     def done(self) -> torch.cuda.Event:
         """An event that completes when every copy queued so far has landed."""
         event = torch.cuda.Event()

@@ -63,7 +63,7 @@ class TransferPlan:
         return int(self.local.shape[0])
 
 
-def _check_pair(local: RegionLayout, remote: RegionLayout) -> None:
+def check_pair(local: RegionLayout, remote: RegionLayout) -> None:
     if (local.item_bytes, local.item_shape, local.dtype) != (remote.item_bytes, remote.item_shape, remote.dtype):
         raise ValueError(f"{local.name} layout: expected the peer's item {remote.item_shape} {remote.dtype} "
                          f"({remote.item_bytes} B), got {local.item_shape} {local.dtype} ({local.item_bytes} B)")
@@ -99,7 +99,7 @@ def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], 
     for name in ("conv", "ssm"):
         lo, re = local[name], remote[name]
         if lo.item_bytes:
-            _check_pair(lo, re)
+            check_pair(lo, re)
             rows_l.append((lo.item_addr(local_slot), lo.item_bytes, lo.dev_id))
             rows_r.append((re.item_addr(remote_slot), re.item_bytes, re.dev_id))
     loc = np.array(rows_l, dtype=np.int64).reshape(-1, 3)
@@ -138,7 +138,7 @@ def block_ids(local: RegionLayout, remote: RegionLayout, local_blocks: Ids,
     _check_lengths(local_blocks, remote_blocks)
     lo_ids, re_ids = _ids(local_blocks), _ids(remote_blocks)
     if len(lo_ids) and local.item_bytes:
-        _check_pair(local, remote)
+        check_pair(local, remote)
         _check_ids(local, lo_ids)
         _check_ids(remote, re_ids)
     return lo_ids, re_ids
