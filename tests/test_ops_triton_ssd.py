@@ -484,3 +484,58 @@ def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bflo
 @pytest.mark.parametrize("share_cb", SHARE_CB)
 def test_gpu_bench_ssd_runs(share_cb):
     assert bench_ssd(tokens=1024, rows=2, warmup=1, iters=3, share_cb=share_cb) > 0
+
+
+# ---- the single-pass kernel --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", DTYPES)
+def test_single_pass_matches_reference_and_leaves_other_slots(dtype, pool_dtype, atol, rtol):
+    """Rows shorter than a chunk, of exactly one, one more, empty, several with a partial last, of one token;
+    with and without initial states (NaN in the slots never read)."""
+    params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
+    pool = make_pool(pool_dtype)
+    pool[[s for s, init in zip(SLOTS, HAS_INIT, strict=True) if not init]] = float("nan")
+    before = pool.clone()
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+    y, y_ref, ref_pool = run_both(tok, params, pool, meta, single_pass=True)
+    assert not pool.isnan().any() and y.dtype == dtype
+    close(y, y_ref, atol, rtol)
+    close(pool, ref_pool, atol, rtol)
+    assert_untouched(pool, before, SLOTS)
+
+
+def test_single_pass_equals_three_launches_on_strided_inputs_groups_and_p_blocks():
+    """Strided views (x, B, C out of one tensor, dt out of a wider one), 4 groups, P split in blocks of 16, chunk 32
+    with a partial last chunk: the single pass gives the three launches' y and states to fp32 rounding."""
+    T, heads, head_dim, state, groups = 83, 8, 32, 16, 4
+    lengths, slots, has_init = [40, 0, 43], [3, 0, 7], [True, False, False]
+    params = make_params(heads)
+    g = torch.Generator().manual_seed(9)
+    xbc = torch.randn(T, heads * head_dim + 2 * groups * state, generator=g)
+    x, B, C = xbc.split([heads * head_dim, groups * state, groups * state], dim=-1)
+    wide_dt = torch.randn(T, 2 * heads, generator=g)
+    tok = dict(x=x.view(T, heads, head_dim), dt=wide_dt[:, heads:], B=B.view(T, groups, state),
+               C=C.view(T, groups, state))
+    meta = make_rows(lengths, slots, has_init)
+    pool = make_pool(torch.float32, heads=heads, head_dim=head_dim, state=state)
+    pool3 = pool.clone()
+    y1 = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, 32, single_pass=True, block_p=16)
+    y3 = call(mamba_chunk_scan_varlen_triton, tok, params, pool3, meta, 32)
+    close(y1, y3, 1e-5, 1e-5)
+    close(pool, pool3, 1e-5, 1e-5)
+    ref_pool = make_pool(torch.float32, heads=heads, head_dim=head_dim, state=state)
+    y_ref = call(mamba_chunk_scan_varlen, tok, params, ref_pool, meta, 32)
+    close(y1, y_ref, 1e-4, 1e-4)
+    close(pool, ref_pool, 1e-4, 1e-4)
+
+
+def test_single_pass_with_only_empty_rows_writes_the_initial_states():
+    params = make_params()
+    pool = make_pool(torch.float32)
+    before = pool.clone()
+    meta = make_rows([0, 0], [4, 6], [True, False])
+    y = call(mamba_chunk_scan_varlen_triton, make_tokens(0, torch.float32), params, pool, meta, single_pass=True)
+    assert y.shape == (0, H, P)
+    assert torch.equal(pool[4], before[4]) and not pool[6].any()
+    assert_untouched(pool, before, [4, 6])
