@@ -539,15 +539,3 @@ def test_single_pass_with_only_empty_rows_writes_the_initial_states():
     assert y.shape == (0, H, P)
     assert torch.equal(pool[4], before[4]) and not pool[6].any()
     assert_untouched(pool, before, [4, 6])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,pool_dtype,atol,rtol", GPU_DTYPES)
-@pytest.mark.parametrize("lengths", [[8192], [3000, 1, 4000, 0, 1191], [FULL_CHUNK - 1, FULL_CHUNK, FULL_CHUNK + 1]])
-def test_gpu_single_pass_full_size(lengths, dtype, pool_dtype, atol, rtol):
-    params, tok, pool, meta = _full_case(lengths, dtype, pool_dtype)
-    before = pool.clone()
-    y, y_ref, ref_pool = run_both(tok, params, pool, meta, FULL_CHUNK, single_pass=True)
-    close(y, y_ref, atol, rtol)
-    close(pool, ref_pool, atol, rtol)
-    assert_untouched(pool, before, meta["state_slots"].tolist())
