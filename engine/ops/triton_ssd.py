@@ -71,8 +71,6 @@ from baton.engine.ops.triton_common import round_to, softplus
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
-SINGLE_PASS_WARPS = 8  # the single-pass kernel's launch (module constants: benchmarks sweep them)
-SINGLE_PASS_STAGES = 2
 
 
 
@@ -428,106 +426,6 @@ def _ssd_output_kernel(
     tl.store(y_tile, round_to(acc, y_ptr.dtype.element_ty), mask=mask_mp)
 
 
-@triton.jit
-def _ssd_single_pass_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
-    pool_ptr, slots_ptr, init_ptr,
-    chunk_start_ptr, chunk_len_ptr, row_chunk_ptr,
-    y_ptr,
-    P, N, heads_per_group, dt_min,
-    s_x_t, s_x_h, s_x_p,
-    s_dt_t, s_dt_h,
-    s_B_t, s_B_g, s_B_n,
-    s_C_t, s_C_g, s_C_n,
-    s_pool_slot, s_pool_h, s_pool_p, s_pool_n,
-    s_y_t, s_y_h, s_y_p,
-    NATIVE_DOT: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The whole scan of one (row, head, block of P) in one pass over the row's chunks (`single_pass=True`).
-
-    The running state S [BLOCK_P, N] stays in fp32 registers from the slot to the slot; per chunk:
-        y   = (C @ S^T) * exp(cs) + ((C @ B^T) * exp(cs_m - cs_k) * dt_k, causal) @ x + D * x
-        S   = exp(total) * S + (x * dt * exp(total - cs))^T @ B
-    the products of launches 1-3 (the same operand roundings: S and the decay-weighted C·B in the dot dtype),
-    without the chunk-start states, dt / running sums and C·B going through memory. The price: C·B^T per head
-    and P block (the three-launch path shares it per group), and one program per (row, head, P block), each
-    walking its row's chunks in order."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_p = tl.program_id(2)
-    g = h // heads_per_group
-
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-
-    A = tl.load(A_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    Dh = tl.load(D_ptr + h).to(tl.float32)
-    dot_dtype = x_ptr.dtype.element_ty
-
-    slot = tl.load(slots_ptr + r).to(tl.int64)
-    pool_head = pool_ptr + slot * s_pool_slot + h.to(tl.int64) * s_pool_h
-    pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n  # [BLOCK_P, BLOCK_N]
-    init = tl.load(init_ptr + r).to(tl.int32)
-    p_init = tl.where(init != 0, P, 0)
-    init_mask = (offs_p < p_init)[:, None] & mask_n[None, :]
-    s = tl.load(pool_head + pn_pool, mask=init_mask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
-
-    x_head = x_ptr + h.to(tl.int64) * s_x_h
-    y_head = y_ptr + h.to(tl.int64) * s_y_h
-    dt_head = dt_ptr + h.to(tl.int64) * s_dt_h
-    B_group = B_ptr + g.to(tl.int64) * s_B_g
-    C_group = C_ptr + g.to(tl.int64) * s_C_g
-    lower = offs_l[:, None] >= offs_l[None, :]  # [BLOCK_L, BLOCK_L]: target m >= source k
-
-    c_lo = tl.load(row_chunk_ptr + r).to(tl.int64)
-    c_hi = tl.load(row_chunk_ptr + r + 1).to(tl.int64)
-    for c in range(c_lo, c_hi):
-        start = tl.load(chunk_start_ptr + c).to(tl.int64)
-        length = tl.load(chunk_len_ptr + c)
-        mask_l = offs_l < length
-        mask_lp = mask_l[:, None] & mask_p[None, :]
-        mask_ln = mask_l[:, None] & mask_n[None, :]
-
-        dt = _discretized_dt(dt_head + start * s_dt_t, dt_bias, dt_min, offs_l, mask_l, s_dt_t)  # [BLOCK_L]
-        cs = tl.cumsum(dt * A, axis=0)
-        total = tl.sum(tl.where(offs_l == length - 1, cs, 0.0), axis=0)
-
-        x_tile = offs_l[:, None] * s_x_t + offs_p[None, :] * s_x_p
-        x = tl.load(x_head + start * s_x_t + x_tile, mask=mask_lp, other=0.0)  # [BLOCK_L, BLOCK_P]
-        Bm = tl.load(B_group + start * s_B_t + offs_l[:, None] * s_B_t + offs_n[None, :] * s_B_n, mask=mask_ln,
-                     other=0.0)  # [BLOCK_L, BLOCK_N]
-        Cm = tl.load(C_group + start * s_C_t + offs_l[:, None] * s_C_t + offs_n[None, :] * s_C_n, mask=mask_ln,
-                     other=0.0)  # [BLOCK_L, BLOCK_N]
-        C_op = _operand(Cm, dot_dtype, NATIVE_DOT)
-        B_op = _operand(Bm, dot_dtype, NATIVE_DOT)
-        x_op = _operand(x, dot_dtype, NATIVE_DOT)
-
-        # From the state at the chunk's start.
-        acc = _mma(C_op, tl.trans(_operand(s, dot_dtype, NATIVE_DOT)), NATIVE_DOT) * tl.exp(cs)[:, None]
-        # Within the chunk.
-        cb = _mma(C_op, tl.trans(B_op), NATIVE_DOT)  # [BLOCK_L, BLOCK_L]
-        causal = lower & mask_l[:, None] & mask_l[None, :]
-        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))
-        acc += _mma(_operand(cb * decay * dt[None, :], dot_dtype, NATIVE_DOT), x_op, NATIVE_DOT)
-        acc += Dh * x.to(tl.float32)
-        tl.store(y_head + start * s_y_t + offs_l[:, None] * s_y_t + offs_p[None, :] * s_y_p,
-                 round_to(acc, y_ptr.dtype.element_ty), mask=mask_lp)
-
-        # The state at the chunk's end.
-        w = x.to(tl.float32) * (dt * tl.exp(total - cs))[:, None]
-        s = tl.exp(total) * s + _mma(tl.trans(_operand(w, dot_dtype, NATIVE_DOT)), B_op, NATIVE_DOT)
-
-    tl.store(pool_head + pn_pool, round_to(s, pool_ptr.dtype.element_ty), mask=mask_pn)
-
-
 # ---- host side ---------------------------------------------------------------------------------------
 
 
@@ -638,7 +536,6 @@ def mamba_chunk_scan_varlen_triton(
     block_k: int | None = None,
     share_cb: bool = True,
     cb_dtype: torch.dtype = torch.float32,
-    single_pass: bool = False,
 ) -> Tensor:
     """Triton `mamba_chunk_scan_varlen`: scan every prefill row; write each row's final state into its slot.
 
@@ -653,9 +550,7 @@ def mamba_chunk_scan_varlen_triton(
     two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third launch, into a [chunks, G,
     chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path computes, unrounded)
     that the output kernel reads; False: each head's output program recomputes it (the old path, kept for
-    comparison). single_pass: the whole scan in one launch (`_ssd_single_pass_kernel`: no chunk-start states
-    or C·B buffer; block_p tiles P, block_n / block_m / block_k / share_cb / cb_dtype do not apply).
-    Returns y [T, H, P] in x.dtype.
+    comparison). Returns y [T, H, P] in x.dtype.
     """
     _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_slots, has_initial_state,
                 chunk_size, chunk_meta)  # fmt: skip
@@ -675,21 +570,6 @@ def mamba_chunk_scan_varlen_triton(
         return y
     # 16-bit activations: 16-bit dot operands on the GPU. fp32 ones (and the interpreter): fp32 IEEE dots.
     native_dot = x.dtype != torch.float32 and not _interpreted()
-    if single_pass:
-        # Only empty rows (T == 0): no token is read or written; stand-ins keep null pointers out.
-        x_in, dt_in, B_in, C_in, y_in = (x, dt, B, C, y) if T else (A,) * 5
-        _ssd_single_pass_kernel[(R, H, triton.cdiv(P, t.block_p))](
-            x_in, dt_in, A, B_in, C_in, D, dt_bias,
-            ssm_state, state_slots, has_initial_state,
-            chunk_meta.chunk_start, chunk_meta.chunk_len, chunk_meta.row_chunk,
-            y_in,
-            P, N, H // G, float(dt_min),
-            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_state.stride(), *y.stride(),
-            NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.block_p,
-            BLOCK_N=max(_MIN_BLOCK, triton.next_power_of_2(N)), num_warps=SINGLE_PASS_WARPS,
-            num_stages=SINGLE_PASS_STAGES,
-        )  # fmt: skip
-        return y
     # Chunk-start states in the dtype phase 3's tl.dot takes them in: x's for 16-bit activations.
     # (At least one element each: no null data pointers reach the launcher.)
     states = torch.empty((max(chunk_meta.num_chunks, 1), H, P, N), dtype=x.dtype, device=x.device)
