@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from baton.transfer.layout import RegionLayout
-from baton.transfer.plan import Run, coalesce, join, plan_blocks, plan_request, plan_slots
+from baton.transfer.plan import block_ids, join, plan_blocks, plan_request, plan_slots, runs
 
 
 def regions(num_blocks=32, slots=4):
@@ -15,15 +15,21 @@ def regions(num_blocks=32, slots=4):
     return {n: RegionLayout.of(n, t) for n, t in (("kv", kv), ("conv", conv), ("ssm", ssm))}, (kv, conv, ssm)
 
 
-def test_coalesce_counts():
-    assert coalesce(list(range(10)), list(range(100, 110))) == [Run(0, 100, 10)]
+def test_runs_break_where_either_side_jumps():
+    def of(lo, re, enabled=True):
+        starts, counts = runs(np.array(lo), np.array(re), enabled)
+        return list(zip(starts.tolist(), counts.tolist(), strict=True))
+
+    assert of(list(range(10)), list(range(100, 110))) == [(0, 10)]
     # Scattered remote ids: nothing merges.
-    assert len(coalesce([0, 1, 2, 3], [9, 4, 7, 1])) == 4
-    # Runs break where either side jumps.
-    assert coalesce([0, 1, 2, 5, 6], [3, 4, 9, 10, 11]) == [Run(0, 3, 2), Run(2, 9, 1), Run(5, 10, 2)]
-    assert len(coalesce(list(range(10)), list(range(10)), enabled=False)) == 10
+    assert len(of([0, 1, 2, 3], [9, 4, 7, 1])) == 4
+    # Runs break where either side jumps: (index of the run's first id, its length).
+    assert of([0, 1, 2, 5, 6], [3, 4, 9, 10, 11]) == [(0, 2), (2, 1), (3, 2)]
+    assert len(of(list(range(10)), list(range(10)), enabled=False)) == 10
+    assert of([], []) == []
+    kv = regions()[0]["kv"]
     with pytest.raises(ValueError, match="as many local as remote"):
-        coalesce([1, 2], [1])
+        block_ids(kv, kv, [1, 2], [1])
 
 
 def test_plan_contiguous_vs_scattered_descriptor_counts():
@@ -80,7 +86,7 @@ def test_coalesced_plan_moves_exactly_the_per_block_bytes_for_mixed_runs():
         assert blocks(c.remote) == [tuple(r) for r in b.remote[:-2].tolist()]
         assert c.local[-2:].tolist() == b.local[-2:].tolist() and c.num_bytes == b.num_bytes == \
             n * item + local["conv"].item_bytes + local["ssm"].item_bytes
-        assert c.num_descriptors == len(coalesce(lo.tolist(), re.tolist())) + 2
+        assert c.num_descriptors == len(runs(lo, re)[0]) + 2
 
 
 def test_a_request_plans_as_its_slot_plus_its_blocks_and_a_pool_without_layers_moves_nothing():

@@ -17,15 +17,9 @@ from baton.transfer.layout import RegionLayout
 Ids = list[int] | tuple[int, ...] | np.ndarray  # block ids, as callers hold them
 
 
-@dataclass(frozen=True)
-class Run:
-    local_start: int
-    remote_start: int
-    count: int
-
-
-def runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(first index, length) of each run: it breaks where either side's next id is not the one after."""
+def runs(local_ids: np.ndarray, remote_ids: np.ndarray, enabled: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run: it breaks where either side's next id is not the one after (every id
+    is its own run when not `enabled`)."""
     n = len(local_ids)
     if not enabled:
         return np.arange(n), np.ones(n, dtype=np.int64)
@@ -42,14 +36,6 @@ def _check_lengths(local_ids: Ids, remote_ids: Ids) -> None:
 
 def _ids(ids: Ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64).reshape(-1)
-
-
-def coalesce(local_ids: list[int] | tuple[int, ...], remote_ids: list[int] | tuple[int, ...],
-             enabled: bool = True) -> list[Run]:
-    _check_lengths(local_ids, remote_ids)
-    lo, re = _ids(local_ids), _ids(remote_ids)
-    starts, counts = runs(lo, re, enabled)
-    return [Run(int(lo[s]), int(re[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
 
 
 @dataclass(frozen=True)
