@@ -17,7 +17,7 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.transfer.agent import TransferAgent
 from baton.transfer.cuda_ipc import IpcRegion, export_regions, host_id
-from baton.transfer.errors import PeerUnreachable
+from baton.transfer.errors import PeerUnreachable, TransferFailed
 from baton.transfer.layout import RegionLayout
 from baton.transfer.metadata import AgentMetadata, CompatInfo
 from baton.transfer.side_channel import SideChannelClient
@@ -136,7 +136,7 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
             assert wait_for_no_leases(conn)["leases"] == 0
             # A bad block id: refused after the slot's copy (queued first) has landed, so nothing still writes.
             h, (b, s) = handles[0], local[0]
-            with pytest.raises(ValueError, match="kv item: expected an id in"):
+            with pytest.raises(TransferFailed, match="could not be planned: kv item: expected an id in"):
                 agent.start_read("bad-ids", h.engine_id, b, [10**6] * len(b), s, h.state_slot)
             assert agent._copier.stream.query()
     finally:

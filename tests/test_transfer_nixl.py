@@ -24,6 +24,7 @@ from baton.transfer.errors import (
     LeaseExpired,
     PeerUnreachable,
     TransferError,
+    TransferFailed,
     TransferTimeout,
 )
 from baton.transfer.side_channel import SideChannelClient
@@ -104,6 +105,11 @@ def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer)
         time.sleep(0.01)
     assert status["blocks_used"] == 0 and status["slots_used"] == 0
     assert status["stats"].leases_completed == 5
+    # A handle naming a block outside the peer's pool: a typed failure (the puller falls back), nothing moved.
+    (blocks, slot), h = local[0], handles[0]
+    with pytest.raises(TransferFailed, match=r"could not be planned: kv item: expected an id in \[0, \d+\), got"):
+        agent.start_read("bad-ids", h.engine_id, blocks, [10**6] * len(blocks), slot, h.state_slot)
+    assert agent.stats.failures == 1 and agent.stats.transfers == 5
     for blocks, slot in local:
         engine.free_held(blocks, slot)
     sched.blocks.free(taken)

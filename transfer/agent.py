@@ -150,14 +150,19 @@ class TransferAgent:
         name, remote = self._peers[peer]
         t0 = time.monotonic()
         ipc = self._ipc_peers.get(peer)
-        if ipc is not None:
-            plan = self._start_copy(ipc, remote, local_blocks, remote_blocks, local_slot, remote_slot, coalesced,
-                                    split_layers)
-            event = self._copier.done()
-            self.stats.descriptors += plan.num_descriptors
-            return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, event=event)
-        plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
-                            coalesced=coalesced, split_layers=split_layers)
+        try:
+            if ipc is not None:
+                plan = self._start_copy(ipc, remote, local_blocks, remote_blocks, local_slot, remote_slot, coalesced,
+                                        split_layers)
+                event = self._copier.done()
+                self.stats.descriptors += plan.num_descriptors
+                return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, event=event)
+            plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
+                                coalesced=coalesced, split_layers=split_layers)
+        except ValueError as e:  # ids outside a pool, or mismatched lists: nothing was left moving
+            self.stats.failures += 1
+            raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not be planned: {e}",
+                                 request_id=request_id, peer=peer) from e
         mem = self.regions["kv"].mem_type
         try:
             handle = self._agent.initialize_xfer(
