@@ -4,7 +4,8 @@ open-loop Poisson load.
 Configurations (each a real local cluster: router + node processes, `baton.cli.cluster.Cluster`):
 - **disagg** (1P1D): router + 1 prefill node (GPU 0) + 1 decode node (GPU 1). Every prompt longer than
   `--disagg-local-prefill-threshold` (default 0: all) is prefilled on the prefill node, its KV + state pulled
-  over NIXL by the decode node.
+  over NIXL by the decode node; with `--disagg-prefill-queue-limit-tokens Q`, prompts arriving while the prefill
+  node has more than Q tokens queued are prefilled on the decode node instead (the router's `prefill_overflow`).
 - **agg** (2 aggregated replicas): router + 2 decode nodes (GPU 0, GPU 1), no prefill node, local prefill
   threshold = 2**31 - 1: every prompt is prefilled on the decode node that serves it (mixed batches).
 GPU pinning (`Cluster.node_gpus`): each node process gets `CUDA_VISIBLE_DEVICES` rotated so that its own GPU
@@ -174,6 +175,8 @@ class ClusterSpec:
     decode_workers: int
     local_prefill_threshold: int
     description: str
+    # Router --prefill-queue-limit-tokens (0: off).
+    prefill_queue_limit_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,8 @@ class BenchConfig:
     slo_sweep_tpot_ms: tuple[float, ...] = SLO_SWEEP_TPOT_MS
     # Nodes move caches through CUDA IPC mappings (`--cuda-ipc` on every node) instead of NIXL's UCX copy.
     cuda_ipc: bool = False
+    # disagg: the router's --prefill-queue-limit-tokens (0: off): past it, prompts are prefilled on the decode node.
+    disagg_prefill_queue_limit_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.model_preset not in MODEL_PRESETS:
@@ -223,6 +228,9 @@ class BenchConfig:
         if self.warmup_requests < 0 or self.calibration_requests < 1:
             raise ValueError(f"warmup_requests / calibration_requests: expected >= 0 / >= 1, got "
                              f"{self.warmup_requests} / {self.calibration_requests}")
+        if self.disagg_prefill_queue_limit_tokens < 0:
+            raise ValueError(f"disagg_prefill_queue_limit_tokens: expected >= 0 (0 = off), got "
+                             f"{self.disagg_prefill_queue_limit_tokens}")
         if self.gpus < 0:
             raise ValueError(f"gpus: expected >= 0 (0 = leave CUDA_VISIBLE_DEVICES alone), got {self.gpus}")
         if any(not (math.isfinite(t) and t > 0) for t in self.slo_sweep_tpot_ms):
@@ -233,7 +241,7 @@ class BenchConfig:
                              f"got {','.join(self.configs)}")
 
 
-def cluster_specs(disagg_threshold: int) -> dict[str, ClusterSpec]:
+def cluster_specs(disagg_threshold: int, disagg_queue_limit: int = 0) -> dict[str, ClusterSpec]:
     return {
         "agg": ClusterSpec("agg", prefill_workers=0, decode_workers=2,
                            local_prefill_threshold=AGG_LOCAL_PREFILL_THRESHOLD,
@@ -242,7 +250,10 @@ def cluster_specs(disagg_threshold: int) -> dict[str, ClusterSpec]:
         "disagg": ClusterSpec("disagg", prefill_workers=1, decode_workers=1,
                               local_prefill_threshold=disagg_threshold,
                               description="1P1D: router + prefill node (GPU 0) + decode node (GPU 1), "
-                                          "KV + state over NIXL"),
+                                          "KV + state over NIXL" + (f"; prompts on the decode node while the "
+                                          f"prefill queue is past {disagg_queue_limit} tokens"
+                                          if disagg_queue_limit else ""),
+                              prefill_queue_limit_tokens=disagg_queue_limit),
     }
 
 
@@ -587,7 +598,9 @@ def make_cluster(cfg: BenchConfig, spec: ClusterSpec) -> Cluster:
                    local_prefill_threshold=spec.local_prefill_threshold, engine_args=cfg.engine_args,
                    node_args=("--cuda-ipc",) if cfg.cuda_ipc else (),
                    prefill_args=cfg.prefill_engine_args, node_gpus=tuple(range(cfg.gpus)),
-                   log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None)
+                   log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None,
+                   router_args=("--prefill-queue-limit-tokens", str(spec.prefill_queue_limit_tokens))
+                   if spec.prefill_queue_limit_tokens else ())
 
 
 def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tuple[float, ...], bar: tqdm,
@@ -833,6 +846,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ap.add_argument("--configs", default="agg,disagg", help="which configurations, in run order")
     ap.add_argument("--disagg-local-prefill-threshold", type=int, default=0,
                     help="disagg: prompts of at most this many tokens are prefilled on the decode node")
+    ap.add_argument("--disagg-prefill-queue-limit-tokens", type=int, default=0,
+                    help="disagg: the router's --prefill-queue-limit-tokens (past it, prompts are prefilled on the "
+                         "decode node; default 0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="node and router logs, DIR/<config>/<process>.log (default TMP/baton-serving-logs)")
@@ -870,7 +886,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         configs=tuple(c.strip() for c in a.configs.split(",") if c.strip()),
         disagg_local_prefill_threshold=a.disagg_local_prefill_threshold, progress=not a.no_progress,
         log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize,
-        slo_sweep_tpot_ms=_floats(a.slo_sweep_tpot_ms, "--slo-sweep-tpot-ms"), cuda_ipc=a.cuda_ipc)
+        slo_sweep_tpot_ms=_floats(a.slo_sweep_tpot_ms, "--slo-sweep-tpot-ms"), cuda_ipc=a.cuda_ipc,
+        disagg_prefill_queue_limit_tokens=a.disagg_prefill_queue_limit_tokens)
 
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
@@ -931,13 +948,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_model_len(cfg, model)
     meta = {"model": asdict(model), "cards": card_names(), "engine_args": list(cfg.engine_args),
             "prefill_engine_args": list(cfg.prefill_engine_args), "cuda_ipc": cfg.cuda_ipc,
+            "disagg_prefill_queue_limit_tokens": cfg.disagg_prefill_queue_limit_tokens,
             "load": asdict(cfg.load), "slo": asdict(cfg.slo), "drain_s": cfg.drain_s, "gpus": cfg.gpus,
             "command": " ".join(sys.argv)}
     print(f"model {model.preset} (make-model preset {model.base_preset}"
           f"{' + overrides' if MODEL_PRESETS[model.preset][1] else ''}): {model.parameters / 1e6:.1f}M parameters, "
           f"{model.pattern}, hidden {model.hidden_size}, vocab {model.vocab_size}, {model.dtype}; cards "
           f"{card_names() or ['CPU']}", flush=True)
-    specs = cluster_specs(cfg.disagg_local_prefill_threshold)
+    specs = cluster_specs(cfg.disagg_local_prefill_threshold, cfg.disagg_prefill_queue_limit_tokens)
     rates = cfg.rates
     n_points = len(rates or cfg.rate_fractions) * len(cfg.configs)
     with tqdm(total=n_points, desc="serving sweep", unit="point", disable=not cfg.progress,

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="router HTTP port (/metrics, /health, /v1/workers; default P+1, any free with P=0)")
     up.add_argument("--local-prefill-threshold", type=int, default=0,
                     help="prompts of at most this many tokens (and always 1) are prefilled on the decode node")
+    up.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
+                    help="while every prefill worker has more than this many prompt tokens queued, prefill new "
+                         "requests on their decode node (0: off)")
     up.add_argument("--gpus-per-node", type=float, default=None,
                     help="GPUs each prefill/decode actor asks for (default: 1 if the cluster has GPUs, else 0)")
     up.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs each prefill/decode actor asks for")
@@ -226,7 +229,7 @@ class RayCluster:
                  http_port: int | None = None, namespace: str | None = None,
                  local_prefill_threshold: int = 0, engine_args: tuple[str, ...] = (),
                  gpus_per_node: float | None = None, cpus_per_node: float = 1.0,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, prefill_queue_limit_tokens: int = 0) -> None:
         if decode_workers < 1:
             raise ValueError(f"decode_workers: expected at least 1, got {decode_workers}")
         if prefill_workers < 0:
@@ -235,6 +238,7 @@ class RayCluster:
         self.port, self.http_port = port, http_port
         self.namespace = namespace or f"baton-{uuid.uuid4().hex[:8]}"
         self.local_prefill_threshold = local_prefill_threshold
+        self.prefill_queue_limit_tokens = prefill_queue_limit_tokens
         self.engine_args = tuple(engine_args)
         self.gpus_per_node, self.cpus_per_node = gpus_per_node, cpus_per_node
         self.log_dir = log_dir
@@ -276,7 +280,8 @@ class RayCluster:
                     starts[name] = self.actors[name].start.remote(
                         role, ["--model", self.model, "--engine-id", name, *engine_args], self.log_dir)
             router_args = ["--ray-namespace", self.namespace, "--ray-address", "{gcs}",
-                           "--local-prefill-threshold", str(self.local_prefill_threshold)]
+                           "--local-prefill-threshold", str(self.local_prefill_threshold),
+                           "--prefill-queue-limit-tokens", str(self.prefill_queue_limit_tokens)]
             if (Path(self.model) / "tokenizer.json").exists():
                 router_args += ["--tokenizer", self.model]
             self.actors[ROUTER_NAME] = actor.options(
@@ -342,7 +347,8 @@ def run(a: argparse.Namespace) -> int:
     cluster = RayCluster(str(Path(a.model).resolve()), a.prefill_workers, a.decode_workers, port=a.port,
                          http_port=a.http_port, namespace=a.namespace, local_prefill_threshold=a.local_prefill_threshold,
                          engine_args=tuple(engine_flags(a)), gpus_per_node=a.gpus_per_node,
-                         cpus_per_node=a.cpus_per_node, log_dir=a.log_dir)
+                         cpus_per_node=a.cpus_per_node, log_dir=a.log_dir,
+                         prefill_queue_limit_tokens=a.prefill_queue_limit_tokens)
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.
     stop = threading.Event()

@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens (and always 1) are prefilled on the decode node")
+    p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
+                   help="while every prefill node has more than this many prompt tokens queued, prefill new requests "
+                        "on their decode node (0: off)")
     p.add_argument("--api-keys-file", default=None,
                    help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line); "
                         "BATON_API_KEYS (comma-separated) works too")
@@ -50,7 +53,9 @@ def run(a: argparse.Namespace) -> int:
                       http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                       engine_args=tuple(engine_flags(a)), node_args=("--cuda-ipc",) if a.cuda_ipc else (),
                       log_dir=a.log_dir, node_gpus=a.node_gpus,
-                      router_args=("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
+                      router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
+                      + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))
+                         if a.prefill_queue_limit_tokens else ()))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

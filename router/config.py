@@ -49,6 +49,11 @@ class RouterConfig:
     # Prompts of length <= threshold go straight to decode, which prefills them locally: for short prompts
     # a transfer costs more than recomputing. Length 1 always does (there are no N-1 tokens to prefill).
     local_prefill_threshold: int = 0
+    # Queue-aware disaggregation: when every healthy prefill worker has more than this many prompt tokens
+    # queued (its last Load plus what this router sent since), a new request is prefilled on its decode node
+    # instead of waiting there ("prefill_overflow"). The decode node's spare compute then serves past the prefill
+    # nodes' capacity, at some cost in its decode steps. 0: off (prefill nodes take every long prompt).
+    prefill_queue_limit_tokens: int = 0
     load_poll_interval_s: float = 0.5
     # One Prefill RPC, queueing included; past it the router retries elsewhere, then prefills locally.
     prefill_timeout_s: float = 120.0
@@ -83,9 +88,10 @@ class RouterConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise _bad(name, "None or a non-empty string", v)
-        t = self.local_prefill_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise _bad("local_prefill_threshold", "an integer >= 0", t)
+        for name in ("local_prefill_threshold", "prefill_queue_limit_tokens"):
+            t = getattr(self, name)
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise _bad(name, "an integer >= 0", t)
         for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s",
                      "dns_refresh_s", "ray_refresh_s"):
             _check_seconds(self, name)

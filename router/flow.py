@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from baton.proto.v1 import generation_pb2, worker_pb2
+from baton.router import metrics as rm
 from baton.router.config import RouterConfig
 from baton.router.errors import RequestAborted, RouterError, describe
 from baton.router.inflight import InFlight
@@ -87,11 +88,20 @@ class Flow:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     # ---- prefill --------------------------------------------------------------------------------
-    def wants_prefill(self, prompt_len: int) -> bool:
-        """Conditional disaggregation: short prompts are cheaper to prefill on the decode node."""
+    def route(self, prompt_len: int) -> str:
+        """Where a prompt is prefilled (a `router.metrics` decision): conditional disaggregation. Short prompts
+        are cheaper to prefill on the decode node (local_prefill); so is every prompt while all healthy prefill
+        workers have more than `prefill_queue_limit_tokens` queued (prefill_overflow); no healthy prefill
+        worker: fallback; else disaggregated."""
         if prompt_len == 1 or prompt_len <= self.config.local_prefill_threshold:
-            return False
-        return self.prefill_pool.healthy_count() > 0
+            return rm.LOCAL_PREFILL
+        loads = [w.tracker.load(True) for w in self.prefill_pool.workers if w.healthy]
+        if not loads:
+            return rm.FALLBACK
+        limit = self.config.prefill_queue_limit_tokens
+        if limit and min(load.outstanding_prefill_tokens for load in loads) > limit:
+            return rm.PREFILL_OVERFLOW
+        return rm.DISAGGREGATED
 
     async def prefill(self, state: InFlight, req: ValidatedRequest,
                       client_timeout: float | None) -> Prefilled | None:

@@ -12,7 +12,8 @@ OK, ERROR, ABORTED, CANCELLED, INVALID = "ok", "error", "aborted", "cancelled", 
 OUTCOMES = (OK, ERROR, ABORTED, CANCELLED, INVALID)
 # How a request's prompt was prefilled.
 DISAGGREGATED, LOCAL_PREFILL, FALLBACK = "disaggregated", "local_prefill", "fallback"
-DECISIONS = (DISAGGREGATED, LOCAL_PREFILL, FALLBACK)
+PREFILL_OVERFLOW = "prefill_overflow"
+DECISIONS = (DISAGGREGATED, LOCAL_PREFILL, PREFILL_OVERFLOW, FALLBACK)
 STAGES = ("prefill", "decode")
 
 # Seconds: from sub-millisecond (small models, ITL) to minutes (long prompts queued behind others).
@@ -43,6 +44,7 @@ class RouterMetrics:
                                          registry=r)
         self.decisions = Counter("baton_router_routing_decisions", "How prompts were prefilled: disaggregated "
                                  "(prefill node + transfer), local_prefill (short prompt, on the decode node), "
+                                 "prefill_overflow (every prefill node's queue past the limit, on the decode node), "
                                  "fallback (prefill or pull failed; the decode node prefilled)", ["decision"],
                                  registry=r)
         self.retries = Counter("baton_router_retries", "Worker calls retried on another worker, by stage",

@@ -151,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode workers (at least one, unless --decode-dns is given)")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts of at most this many tokens are prefilled on the decode node")
+    p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
+                   help="while every prefill worker has more than this many prompt tokens queued, prefill new "
+                        "requests on their decode node (0: off)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a model directory holding one")
     p.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds between Load polls")
     p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for one Prefill RPC")
@@ -183,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = RouterConfig(prefill_addrs=tuple(a.prefill), decode_addrs=tuple(a.decode),
-                              local_prefill_threshold=a.local_prefill_threshold, tokenizer_path=a.tokenizer,
+                              local_prefill_threshold=a.local_prefill_threshold,
+                              prefill_queue_limit_tokens=a.prefill_queue_limit_tokens, tokenizer_path=a.tokenizer,
                               load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
                               decode_idle_timeout_s=a.decode_idle_timeout,
                               **discovery_from_args(a))

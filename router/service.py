@@ -115,14 +115,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if self.decode_pool.healthy_count() == 0:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         prefilled = None
-        n = len(req.prompt_token_ids)
-        if self.flow.wants_prefill(n):
+        # (A long prompt with no healthy prefill worker is a fallback too, not a routing choice.)
+        state.route = self.flow.route(len(req.prompt_token_ids))
+        if state.route == rm.DISAGGREGATED:
             prefilled = await self.flow.prefill(state, req, context.time_remaining())
             state.route = rm.DISAGGREGATED if prefilled is not None else rm.FALLBACK
-        else:
-            # A long prompt with no healthy prefill worker is a fallback too, not a routing choice.
-            short = n == 1 or n <= self.flow.config.local_prefill_threshold
-            state.route = rm.LOCAL_PREFILL if short else rm.FALLBACK
         stream = await self.flow.open_decode(state, req, prefilled, context.time_remaining())
         # open_decode may have turned a disaggregated request into a fallback (failed pull, decode retry).
         self.metrics.decisions.labels(decision=state.route).inc()

@@ -187,6 +187,7 @@ def test_router_addresses_match_statefulsets(case, discovery):
     assert args["--host"] == ["0.0.0.0"]
     assert args["--port"] == [str(port(router, "grpc"))]
     assert args["--http-port"] == [str(port(router, "http"))]
+    assert args["--prefill-queue-limit-tokens"] == [str(vals.get("router", {}).get("prefillQueueLimitTokens", 0))]
     svc = one(docs, "Service", "router")
     for name in ("grpc", "http"):
         assert svc_port(svc, name)["targetPort"] == name

@@ -224,7 +224,7 @@ def test_router_metrics_and_http_endpoints_over_fake_workers():
             m = await asyncio.to_thread(scrape, url + "/metrics")
             assert m["baton_router_routing_decisions_total"] == {
                 (("decision", "local_prefill"),): 1, (("decision", "disaggregated"),): 1,
-                (("decision", "fallback"),): 1}
+                (("decision", "prefill_overflow"),): 0, (("decision", "fallback"),): 1}
             assert m["baton_router_retries_total"][(("stage", "prefill"),)] == 1
             assert m["baton_router_requests_total"][(("outcome", "ok"),)] == 3
             assert m["baton_router_requests_total"][(("outcome", "invalid"),)] == 1

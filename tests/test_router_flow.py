@@ -3,6 +3,8 @@ fallback, decode retry before the first token, errors passed through with their 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -52,6 +54,41 @@ def test_default_threshold_disaggregates_from_two_tokens_and_no_prefill_workers_
         async with cluster(0, 1) as c:
             _check_answer(await c.generate(list(range(30))), list(range(30)))
             assert not c.decode[0].decodes[0].HasField("handle")
+    run(go())
+
+
+def test_prefill_overflow_routes_to_the_decode_node_while_every_prefill_queue_is_past_the_limit():
+    """prefill_queue_limit_tokens: a prompt goes to a prefill node unless every healthy one has more than the limit
+    queued, counting what its last Load reported plus what this router sent since; then its decode node prefills
+    it ("prefill_overflow"), until a queue drains."""
+    def decisions(c):
+        reg = c.router.service.metrics.registry
+        return {d: reg.get_sample_value("baton_router_routing_decisions_total", {"decision": d})
+                for d in ("disaggregated", "local_prefill", "prefill_overflow", "fallback")}
+
+    async def go():
+        def setup(c):
+            for p in c.prefill:
+                p.prefill_delay_s = 2.0  # prefills stay queued while the next requests arrive
+
+        # No poll after the first: the router's own count of what it sent is all it knows of the queues.
+        async with cluster(2, 1, configure=setup, prefill_queue_limit_tokens=100, load_poll_interval_s=60.0) as c:
+            (p0, p1), (d,) = c.prefill, c.decode
+            prompt = list(range(10, 70))  # 60 tokens: the router counts 59 queued per prefill it sends
+            first = [asyncio.create_task(c.generate(prompt, request_id=f"r{i}")) for i in range(4)]
+            await eventually(lambda: len(p0.prefills) + len(p1.prefills) == 4, what="four prefills")
+            # Each worker has 2 x 59 = 118 > 100 queued: the fifth request is prefilled on the decode node.
+            assert sorted((len(p0.prefills), len(p1.prefills))) == [2, 2]
+            late = await c.generate(list(range(100, 160)), request_id="late")
+            _check_answer(late, list(range(100, 160)))
+            assert not d.decodes[-1].HasField("handle") and d.decodes[-1].request_id == "late"
+            for t in first:
+                _check_answer(await t, prompt)
+            assert decisions(c) == {"disaggregated": 4, "local_prefill": 0, "prefill_overflow": 1, "fallback": 0}
+            # The queues drained (the prefills were answered): the next prompt goes to a prefill node again.
+            await c.generate(prompt, request_id="after")
+            assert d.decodes[-1].HasField("handle") and len(p0.prefills) + len(p1.prefills) == 5
+            assert decisions(c)["disaggregated"] == 5
     run(go())
 
 

@@ -30,6 +30,8 @@ def test_config_defaults_and_normalisation():
     ({"prefill_addrs": ("h:1", "h:1")}, "prefill_addrs: expected distinct"),
     ({"local_prefill_threshold": -1}, "local_prefill_threshold: expected an integer >= 0, got -1"),
     ({"local_prefill_threshold": True}, "local_prefill_threshold"),
+    ({"prefill_queue_limit_tokens": -5}, "prefill_queue_limit_tokens: expected an integer >= 0, got -5"),
+    ({"prefill_queue_limit_tokens": 1.5}, "prefill_queue_limit_tokens"),
     ({"prefill_timeout_s": 0}, "prefill_timeout_s: expected a finite number of seconds > 0, got 0"),
     ({"load_poll_interval_s": float("nan")}, "load_poll_interval_s"),
     ({"control_timeout_s": -1.0}, "control_timeout_s"),

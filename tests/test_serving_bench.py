@@ -227,6 +227,13 @@ def test_each_node_gets_its_gpu_first(tmp_path, config, expected):
     assert c.node_args == ()
     assert sb.make_cluster(sb.parse_args(["--out", str(tmp_path), "--cuda-ipc"]),
                            sb.cluster_specs(0)[config]).node_args == ("--cuda-ipc",)
+    # The prefill-queue limit goes to disagg's router only.
+    cfg = sb.parse_args(["--out", str(tmp_path), "--disagg-prefill-queue-limit-tokens", "8192"])
+    specs = sb.cluster_specs(cfg.disagg_local_prefill_threshold, cfg.disagg_prefill_queue_limit_tokens)
+    assert sb.make_cluster(cfg, specs[config]).router_args == (
+        ("--prefill-queue-limit-tokens", "8192") if config == "disagg" else ())
+    with pytest.raises(ValueError, match="disagg_prefill_queue_limit_tokens: expected >= 0"):
+        sb.parse_args(["--out", str(tmp_path), "--disagg-prefill-queue-limit-tokens", "-1"])
     # --gpus 0: nothing pinned, every process inherits the environment.
     c = sb.make_cluster(sb.parse_args(["--out", str(tmp_path), "--gpus", "0"]), sb.cluster_specs(0)[config])
     assert c.node_gpus == () and all(c.node_env(n) is None for n in c.node_names)
