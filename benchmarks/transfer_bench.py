@@ -40,6 +40,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
 from baton.engine.weights import TORCH_DTYPES
+from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
 from baton.transfer.plan import plan_request
 
 
@@ -87,7 +88,8 @@ def holder(conn, args, device: str) -> None:
     fill(pools, device)
     agent = TransferAgent("bench-prefill", cfg, pools.by_name(),
                           args.block_size, progress_thread=not args.no_progress_thread,
-                          num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc)
+                          num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc,
+                          progress_delay_us=args.nixl_progress_delay_us)
     server = SideChannelServer(lambda: agent.metadata, lambda rid, s: 0.0)
     conn.send(server.address)
     while not conn.poll(0.01):
@@ -125,6 +127,9 @@ def main() -> int:
     ap.add_argument("--layouts", default="contiguous,scattered")
     ap.add_argument("--no-progress-thread", action="store_true", help="NIXL progresses only when polled")
     ap.add_argument("--nixl-threads", type=int, default=0, help="UCX backend worker threads (0: NIXL's default)")
+    ap.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
+                    help="longest sleep of NIXL's progress thread between passes (0: it spins; default "
+                         f"{DEFAULT_PROGRESS_DELAY_US})")
     ap.add_argument("--cuda-ipc", action="store_true",
                     help="read through CUDA IPC mappings of the holder's pools (GPU pools on one host)")
     args = ap.parse_args()
@@ -145,7 +150,8 @@ def main() -> int:
         cfg, pools = make_pools(args, "cuda:1" if args.device == "cuda" else "cpu")
         agent = TransferAgent("bench-decode", cfg, pools.by_name(),
                               args.block_size, progress_thread=not args.no_progress_thread,
-                              num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc)
+                              num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc,
+                          progress_delay_us=args.nixl_progress_delay_us)
         meta = SideChannelClient(*address).metadata()
         agent.connect(meta)
         path = "CUDA IPC copy" if agent.reads_by_cuda_ipc(meta.engine_id) else "NIXL READ"

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode node: captured {captured} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
-                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc)
+                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
+                          progress_delay_us=a.nixl_progress_delay_us)
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()

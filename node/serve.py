@@ -12,6 +12,7 @@ import grpc
 
 from baton.cli.engine_args import add_engine_args
 from baton.cli.listen_error import CannotListen
+from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
 
 GRACE_S = 5.0
 # A node's default HTTP port is its gRPC port + this; side channels use + 1000 (cli/cluster.py lays them out).
@@ -29,6 +30,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--cuda-ipc", action="store_true",
                    help="GPU nodes on one host: move caches through CUDA IPC mappings of the prefill node's pools "
                         "instead of NIXL's UCX copy (both nodes need the flag; other peers still use NIXL)")
+    p.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
+                   help="longest sleep (us) of NIXL's progress thread between passes; 0: it spins, one busy core "
+                        f"(default {DEFAULT_PROGRESS_DELAY_US})")
     add_engine_args(p)
     return p
 

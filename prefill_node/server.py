@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
-                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc)
+                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
+                          progress_delay_us=a.nixl_progress_delay_us)
     held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
                          free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))
     side = SideChannelServer(lambda: agent.metadata, held.renew, host=a.host,

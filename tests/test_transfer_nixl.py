@@ -215,3 +215,21 @@ def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, 
         agent.close()
         call(conn, "quit")
         proc.join(10)
+
+
+def test_an_idle_agent_does_not_spin_a_core_and_the_delay_is_checked(decode):
+    """NIXL's progress thread sleeps in poll() between passes (`progress_delay_us`, default 1 ms): an idle agent costs
+    a few percent of a core, not all of it (with NIXL's own delay of 0 it burned 1 s of CPU a second). The process's
+    other threads are idle here too, so its CPU time over the second is the thread's."""
+    import resource
+
+    engine, agent = decode
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 0.3, f"{cpu:.2f} s of CPU in 1 s while idle: the progress thread spins"
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="progress_delay_us: expected an integer >= 0"):
+            TransferAgent("bad", engine.model_config, engine.pools.by_name(), engine.config.block_size,
+                          progress_delay_us=bad)

@@ -41,11 +41,39 @@ DEFAULT_TIMEOUT_S = 10.0
 SPIN_SECONDS = 0.005
 
 
+# NIXL's UCX progress thread sleeps in poll() on the workers' event fds for up to this long between passes. NIXL's
+# Python agent sets 0, and then the thread never sleeps: each node process burned a whole core, idle or not (three
+# of them left a 2-core box one core short of none), and on a GPU host it slowed a CUDA IPC read's host work ~1.5x
+# (benchmarks/RESULTS.md, issue #7 session 9). A READ's own polls (`wait`) progress its worker meanwhile; an
+# incoming notification wakes the thread through the fd, the delay only bounds a missed wake-up.
+DEFAULT_PROGRESS_DELAY_US = 1000
+
+
 def _nixl():
     # Imported lazily so that `baton.transfer` metadata, plans and leases work without the NIXL wheels.
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent, nixl_agent_config
+
+
+def _new_nixl_agent(name: str, config: object, progress_delay_us: int) -> object:
+    """`nixl_agent(name, config)` with the progress thread's delay set: NIXL's Python wrapper writes
+    `pthrDelay = 0` into the config it builds, so its config class is swapped, for this call only, for one that
+    keeps ours."""
+    from nixl import _api
+
+    nixl_agent, _ = _nixl()
+    base = _api.nixlBind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: object) -> None:
+            super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
+
+    _api.nixlBind.nixlAgentConfig = _Config
+    try:
+        return nixl_agent(name, config)
+    finally:
+        _api.nixlBind.nixlAgentConfig = base
 
 
 @dataclass
@@ -64,20 +92,26 @@ class PendingRead:
 class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
-                 progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False) -> None:
+                 progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
         """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
-        this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs."""
-        nixl_agent, nixl_agent_config = _nixl()
+        this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs.
+        `progress_delay_us`: the longest sleep of the progress thread between passes (0: it never sleeps, NIXL's own
+        default: one busy core per agent)."""
+        if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
+            raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
+        _, nixl_agent_config = _nixl()
         self.engine_id = engine_id
         self.regions = {name: RegionLayout.of(name, t) for name, t in pools.items()}
         self._pools = pools  # registered memory must outlive the registration
         # NIXL agent names must be unique among the peers one agent knows.
         self.agent_name = f"{engine_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
-                                                                    num_threads=num_threads,
-                                                                    backends=list(backends)))
+        self._agent = _new_nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                                         num_threads=num_threads,
+                                                                         backends=list(backends)),
+                                      progress_delay_us)
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
         compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
         self.cuda_ipc = cuda_ipc
