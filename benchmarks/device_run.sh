@@ -10,7 +10,7 @@
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
-#   transfer  transfer_bench.py on cuda (2 GPUs) and on cpu
+#   transfer  transfer_bench.py on cuda (2 GPUs: NIXL and CUDA IPC, progress delay 1000 and 0 us, PROGRESS_DELAYS) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve)
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
@@ -77,8 +77,14 @@ if stage mtp; then
 fi
 if stage transfer; then
   if [ "$gpus" -ge 2 ]; then
-    python3 benchmarks/transfer_bench.py --device cuda 2>&1 | grep -v "NIXL INFO" | tee "$OUT/transfer_cuda.txt"
-    python3 benchmarks/transfer_bench.py --device cuda --cuda-ipc 2>&1 | grep -v "NIXL INFO" | tee "$OUT/transfer_ipc.txt"
+    # NIXL's progress thread: the default 1 ms sleep between passes, then spinning (NIXL's own 0), both paths.
+    for d in ${PROGRESS_DELAYS:-1000 0}; do
+      for ipc in "" --cuda-ipc; do
+        echo "-- --nixl-progress-delay-us $d $ipc"
+        python3 benchmarks/transfer_bench.py --device cuda --layouts contiguous,scattered --reps 20 $ipc \
+          --nixl-progress-delay-us "$d" 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/transfer_cuda.txt" | tail -9
+      done
+    done
   fi
   python3 benchmarks/transfer_bench.py --device cpu --reps 3 2>&1 | grep -v "NIXL INFO" | tail -9 | tee "$OUT/transfer_cpu.txt"
 fi
