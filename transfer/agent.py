@@ -63,17 +63,23 @@ def _new_nixl_agent(name: str, config: object, progress_delay_us: int) -> object
     from nixl import _api
 
     nixl_agent, _ = _nixl()
-    base = _api.nixlBind.nixlAgentConfig
+    bind = getattr(_api, "nixlBind", None)
+    if progress_delay_us == 0 or bind is None or not hasattr(bind, "nixlAgentConfig"):
+        if progress_delay_us:
+            log.warning("this NIXL build's Python agent has no nixlBind.nixlAgentConfig to set the progress "
+                        "thread's delay in: it keeps NIXL's own (0: a busy core)")
+        return nixl_agent(name, config)
+    base = bind.nixlAgentConfig
 
     class _Config(base):  # type: ignore[misc, valid-type]
         def __setattr__(self, key: str, value: object) -> None:
             super().__setattr__(key, progress_delay_us if key == "pthrDelay" else value)
 
-    _api.nixlBind.nixlAgentConfig = _Config
+    bind.nixlAgentConfig = _Config
     try:
         return nixl_agent(name, config)
     finally:
-        _api.nixlBind.nixlAgentConfig = base
+        bind.nixlAgentConfig = base
 
 
 @dataclass
