@@ -190,7 +190,9 @@ class Flow:
         rid = state.request_id
         state.live.add(worker)
         state.tracked.add(worker)
-        worker.tracker.add(rid, len(req.prompt_token_ids))
+        # With a handle the node computes token N alone; without, the whole prompt.
+        n = len(req.prompt_token_ids)
+        worker.tracker.add(rid, n, prefill_tokens=1 if handle is not None else n)
         msg = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids,
                                        sampling=req.sampling, handle=handle)
         call = worker.stub.Decode(msg, timeout=client_timeout)

@@ -24,6 +24,7 @@ class LoadSnapshot:
 class _Sent:
     epoch: int
     prompt_tokens: int
+    prefill_tokens: int  # of them, the ones this worker computes (a decode node: none past token N with a handle)
 
 
 class LoadTracker:
@@ -31,6 +32,8 @@ class LoadTracker:
         self.role = role
         # Tokens per KV block of the worker (from its Info); 0 until known, and then blocks are not estimated.
         self.block_size = 0
+        # Its step budget (max_num_batched_tokens, from its Info); 0 until known.
+        self.step_tokens = 0
         self._epoch = 0
         self._snapshot = LoadSnapshot()
         self._snapshot_epoch = 0
@@ -46,8 +49,10 @@ class LoadTracker:
         if epoch >= self._snapshot_epoch:
             self._snapshot, self._snapshot_epoch = snapshot, epoch
 
-    def add(self, request_id: str, prompt_tokens: int) -> None:
-        self._sent[request_id] = _Sent(self._epoch, prompt_tokens)
+    def add(self, request_id: str, prompt_tokens: int, prefill_tokens: int | None = None) -> None:
+        """A request sent: its prompt tokens, and of them the ones the worker prefills (default all)."""
+        self._sent[request_id] = _Sent(self._epoch, prompt_tokens,
+                                       prompt_tokens if prefill_tokens is None else prefill_tokens)
 
     def remove(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -65,4 +70,6 @@ class LoadTracker:
         bs = self.block_size
         blocks = sum(-(-s.prompt_tokens // bs) for s in unseen) if bs > 0 else 0
         return WorkerLoad(healthy, free_state_slots=snap.free_state_slots - len(unseen),
-                          free_kv_blocks=snap.free_kv_blocks - blocks)
+                          free_kv_blocks=snap.free_kv_blocks - blocks,
+                          outstanding_prefill_tokens=snap.outstanding_prefill_tokens
+                          + sum(s.prefill_tokens for s in unseen), step_tokens=self.step_tokens)

@@ -29,14 +29,22 @@ class WorkerLoad:
     outstanding_prefill_tokens: int = 0
     free_state_slots: int = 0
     free_kv_blocks: int = 0
+    # The worker's step budget (max_num_batched_tokens, from its Info; 0 unknown): decode workers' prefill
+    # backlog counts in whole steps of it.
+    step_tokens: int = 0
 
 
 def score(load: WorkerLoad, role: Role) -> tuple[int, ...]:
     """Higher is better. Prefill: fewest tokens queued ahead. Decode: a free state slot is what admits a
-    request, so slots come first; KV blocks decide between workers with as many free slots."""
+    request, so having one comes first; then the fewest whole steps of prompt tokens it has queued to prefill
+    itself (short prompts, fallbacks, aggregated serving, prefill overflow: each such step holds up the decode rows
+    of every request on it, so a burst of prompts is spread rather than piled on one worker); then more free slots,
+    then more KV blocks. A backlog of less than one step does not count (token N of a transferred request is one
+    token)."""
     if role is Role.PREFILL:
         return (-load.outstanding_prefill_tokens,)
-    return (load.free_state_slots, load.free_kv_blocks)
+    steps = load.outstanding_prefill_tokens // load.step_tokens if load.step_tokens > 0 else 0
+    return (int(load.free_state_slots > 0), -steps, load.free_state_slots, load.free_kv_blocks)
 
 
 def pick(loads: Sequence[WorkerLoad], rng: random.Random, role: Role,

@@ -202,6 +202,7 @@ class WorkerPool:
             if w.info is None or not w.healthy:
                 w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.control_timeout_s)
                 w.tracker.block_size = w.info.block_size
+                w.tracker.step_tokens = w.info.max_num_batched_tokens
         except grpc.aio.AioRpcError as e:
             self._poll_failed(w, f"{e.code().name}: {e.details()}")
             return

@@ -68,6 +68,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.free_state_slots = 8
         self.free_kv_blocks = 100
         self.outstanding_prefill_tokens = 0
+        # What Info reports: the step budget (the router counts a decode worker's prefill backlog in steps of it).
+        self.max_num_batched_tokens = 64
         # Records.
         self.prefills: list[worker_pb2.PrefillRequest] = []
         self.decodes: list[worker_pb2.DecodeRequest] = []
@@ -148,7 +150,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Info(self, request, context):
         model = generation_pb2.ModelInfoResponse(model="fake", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
                                                  layer_pattern="M*", eos_token_ids=[2])
-        return worker_pb2.InfoResponse(role=self.role, engine_id=self.name, model=model, block_size=BLOCK_SIZE)
+        return worker_pb2.InfoResponse(role=self.role, engine_id=self.name, model=model, block_size=BLOCK_SIZE,
+                                       max_num_batched_tokens=self.max_num_batched_tokens)
 
 
 @dataclass

@@ -92,6 +92,28 @@ def test_prefill_overflow_routes_to_the_decode_node_while_every_prefill_queue_is
     run(go())
 
 
+def test_decode_workers_with_a_prefill_backlog_get_no_new_prompts_until_it_drains():
+    """Aggregated serving (no prefill workers): a decode node that reports whole steps of prompts still to prefill
+    gets no new prompt while another has none, even with more free slots; once it reports none, slots decide."""
+    def setup(c):
+        c.decode[0].free_state_slots, c.decode[0].outstanding_prefill_tokens = 50, 1000  # ~15 steps of 64
+        c.decode[1].free_state_slots = 8
+
+    async def go():
+        async with cluster(0, 2, configure=setup) as c:
+            d0, d1 = c.decode
+            for i in range(6):
+                await c.generate(list(range(10, 30)), request_id=f"a{i}", max_tokens=2)
+            assert (len(d0.decodes), len(d1.decodes)) == (0, 6)
+            d0.outstanding_prefill_tokens = 0
+            (w0,) = [w for w in c.router.service.decode_pool.workers if w.info.engine_id == "d0"]
+            await eventually(lambda: w0.tracker.load(True).outstanding_prefill_tokens == 0, what="a poll of d0")
+            for i in range(6):
+                await c.generate(list(range(10, 30)), request_id=f"b{i}", max_tokens=2)
+            assert len(d0.decodes) == 6  # 50 free slots against 8: d0 wins every pair now
+    run(go())
+
+
 async def _read_all(call):
     while (m := await call.read()) is not grpc.aio.EOF:
         yield m

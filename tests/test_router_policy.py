@@ -62,6 +62,22 @@ def test_pick_decode_by_free_slots_then_blocks():
     assert all(pick(blocks, rng, Role.DECODE) == 1 for _ in range(50))
 
 
+def test_pick_decode_spreads_whole_steps_of_queued_prefill_before_slots():
+    """Decode workers that prefill prompts themselves: a worker whose backlog is whole steps longer loses even with
+    more free slots; below one step (token N of transferred requests) slots decide; no free slot loses to any
+    backlog; an unknown step budget (0) leaves the backlog out."""
+    rng = random.Random(0)
+
+    def wl(slots, queued, step=2048, blocks=100):
+        return WorkerLoad(True, outstanding_prefill_tokens=queued, free_state_slots=slots, free_kv_blocks=blocks,
+                          step_tokens=step)
+
+    assert all(pick([wl(50, 4096), wl(10, 2047)], rng, Role.DECODE) == 1 for _ in range(50))
+    assert all(pick([wl(50, 2047), wl(10, 0)], rng, Role.DECODE) == 0 for _ in range(50))
+    assert all(pick([wl(0, 0), wl(1, 10**6)], rng, Role.DECODE) == 1 for _ in range(50))
+    assert all(pick([wl(50, 10**6, step=0), wl(10, 0, step=0)], rng, Role.DECODE) == 0 for _ in range(50))
+
+
 def test_pick_breaks_ties_at_random():
     rng = random.Random(1)
     loads = [WorkerLoad(True)] * 2
@@ -87,6 +103,19 @@ def test_two_choices_never_pick_the_worst_of_many():
 
 
 # ---- LoadTracker ---------------------------------------------------------------------------------
+
+
+def test_decode_tracker_counts_the_prompt_tokens_a_decode_worker_prefills_itself():
+    t = LoadTracker(Role.DECODE)
+    t.block_size, t.step_tokens = 16, 512
+    t.add("local", 100)  # prefilled on the worker: all 100
+    t.add("moved", 300, prefill_tokens=1)  # transferred: token N only
+    load = t.load(True)
+    assert (load.outstanding_prefill_tokens, load.step_tokens) == (101, 512)
+    assert load.free_kv_blocks == -(7 + 19)  # blocks of both prompts, against an empty snapshot
+    epoch = t.begin_poll()
+    t.end_poll(epoch, LoadSnapshot(outstanding_prefill_tokens=700, free_state_slots=4, free_kv_blocks=50))
+    assert t.load(True).outstanding_prefill_tokens == 700  # the worker's own count took over
 
 
 def test_tracker_counts_work_sent_since_the_poll_began():
