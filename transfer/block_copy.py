@@ -104,10 +104,13 @@ class TableStage:
 
 
 def copy_blocks(dst: Tensor, src: Tensor, local_ids: np.ndarray, remote_ids: np.ndarray, item_bytes: int,
-                stage: TableStage | None = None, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS) -> None:
+                stage: TableStage | None = None, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS,
+                checked: bool = False) -> None:
     """One launch on the current stream copies every block (same effect as the reference). On a GPU, `stage`
-    (else a fresh pinned buffer) brings the ids over."""
-    check_blocks(dst, src, local_ids, remote_ids, item_bytes)
+    (else a fresh pinned buffer) brings the ids over. `checked=True`: the caller has checked the tensors and ids
+    (`IpcCopier`: the pools once, the ids in the READ's plan) and they are not checked again."""
+    if not checked:
+        check_blocks(dst, src, local_ids, remote_ids, item_bytes)
     n = len(local_ids)
     if n == 0:
         return

@@ -103,13 +103,13 @@ class IpcCopier:
         self.stream.synchronize()
 
     def copy(self, peer: IpcPeer, name: str, local_ids: np.ndarray, remote_ids: np.ndarray, item_bytes: int) -> None:
-        """Queue the copy of items remote_ids -> local_ids of pool `name` (ids checked by the caller's plan) on the
-        copier's stream, in order after what was queued before."""
+        """Queue the copy of items remote_ids -> local_ids of pool `name` on the copier's stream, in order after what
+        was queued before. The ids must be checked against both pools (`plan.block_ids` does): the kernel does not."""
         dst, src = self.local[name], peer.pools[name]
         starts, counts = runs(local_ids, remote_ids, True)
         with torch.cuda.stream(self.stream):
             if len(starts) > self.FEW_RUNS and self._word_aligned(dst, src, item_bytes):
-                self._kernel(dst, src, local_ids, remote_ids, item_bytes, stage=self._stage)
+                self._kernel(dst, src, local_ids, remote_ids, item_bytes, stage=self._stage, checked=True)
                 return
             for lo, ro, n in zip((local_ids[starts] * item_bytes).tolist(), (remote_ids[starts] * item_bytes).tolist(),
                                  (counts * item_bytes).tolist(), strict=True):
