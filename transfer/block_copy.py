@@ -114,12 +114,11 @@ def copy_blocks(dst: Tensor, src: Tensor, local_ids: np.ndarray, remote_ids: np.
     n = len(local_ids)
     if n == 0:
         return
-    if not dst.is_cuda:
-        ids = torch.from_numpy(np.concatenate([local_ids, remote_ids]).astype(np.int64))
-    elif stage is not None:
+    if dst.is_cuda and stage is not None:
         ids = stage.upload(local_ids, remote_ids)
-    else:  # pinned, so that the upload is ordered on the stream and the host does not wait
-        ids = torch.from_numpy(np.concatenate([local_ids, remote_ids]).astype(np.int64)).pin_memory()
-        ids = ids.to(dst.device, non_blocking=True)
+    else:
+        ids = torch.from_numpy(np.concatenate([local_ids, remote_ids]).astype(np.int64))
+        if dst.is_cuda:  # pinned, so that the upload is ordered on the stream and the host does not wait
+            ids = ids.pin_memory().to(dst.device, non_blocking=True)
     _copy_blocks_kernel[(n,)](dst.view(torch.int64), src.view(torch.int64), ids, n, item_bytes // WORD,
                               BLOCK=block_words, num_warps=num_warps)
