@@ -19,7 +19,8 @@
 #   .whl-mtp: pip download safetensors tokenizers tqdm --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl-mtp
 # serving: SERVING_PRESET (default 8b-like), RATES (default auto), SERVING_ARGS and ENGINE_ARGS override the
-#   defaults below; PREFILL_ARGS: extra engine flags of disagg's prefill node (e.g. '--max-num-batched-tokens 8192');
+#   defaults below; PREFILL_ARGS: extra engine flags of disagg's prefill node (e.g. '--max-num-batched-tokens 8192'),
+#   DECODE_ARGS: of disagg's decode node;
 #   MODEL_DIR (default .bench-model/PRESET). Node logs stay in /tmp/serving-logs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -95,7 +96,7 @@ if stage serving; then
     --model-dir "${MODEL_DIR:-.bench-model/$preset}" --log-dir /tmp/serving-logs --rates "${RATES:-auto}" --no-progress \
     ${SERVING_ARGS:---prompt-min 1024 --prompt-max 4096 --output-min 128 --output-max 512 --slo-tpot-ms 50} \
     --engine-args "${ENGINE_ARGS:---device cuda --dtype bfloat16 --max-num-seqs 128 --max-num-batched-tokens 2048 --cache-memory-mb 32768 --max-model-len 16384}" \
-    ${PREFILL_ARGS:+--prefill-engine-args "$PREFILL_ARGS"} \
+    ${PREFILL_ARGS:+--prefill-engine-args "$PREFILL_ARGS"} ${DECODE_ARGS:+--disagg-decode-engine-args "$DECODE_ARGS"} \
     2>&1 | tail -60
   # Logs stay on the machine (the device tool brings back 8 files at most: the JSONs come first); their tails:
   for f in /tmp/serving-logs/*/*.log; do echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -5; done

@@ -200,6 +200,7 @@ class BenchConfig:
     # disagg: engine flags of the prefill node only, after engine_args (a later flag wins), e.g. a larger step
     # budget: a prefill node has no decode rows whose latency a long step would hurt.
     prefill_engine_args: tuple[str, ...]
+    decode_engine_args: tuple[str, ...]
     configs: tuple[str, ...]
     disagg_local_prefill_threshold: int
     progress: bool
@@ -597,7 +598,8 @@ def make_cluster(cfg: BenchConfig, spec: ClusterSpec) -> Cluster:
     return Cluster(str(cfg.model_dir), prefill_workers=spec.prefill_workers, decode_workers=spec.decode_workers,
                    local_prefill_threshold=spec.local_prefill_threshold, engine_args=cfg.engine_args,
                    node_args=("--cuda-ipc",) if cfg.cuda_ipc else (),
-                   prefill_args=cfg.prefill_engine_args, node_gpus=tuple(range(cfg.gpus)),
+                   prefill_args=cfg.prefill_engine_args,
+                   decode_args=cfg.decode_engine_args if spec.prefill_workers else (), node_gpus=tuple(range(cfg.gpus)),
                    log_dir=str(cfg.log_dir / spec.name) if cfg.log_dir else None,
                    router_args=("--prefill-queue-limit-tokens", str(spec.prefill_queue_limit_tokens))
                    if spec.prefill_queue_limit_tokens else ())
@@ -843,6 +845,11 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
     ap.add_argument("--prefill-engine-args", default="",
                     help="disagg: engine flags of the prefill node only, after --engine-args (a later flag wins), "
                          "e.g. '--max-num-batched-tokens 8192' (default: none)")
+    ap.add_argument("--disagg-decode-engine-args", default="",
+                    help="disagg: engine flags of the decode node only, after --engine-args (a later flag wins), "
+                         "e.g. '--max-num-batched-tokens 512' to bound the steps that carry prompts it prefills "
+                         "itself (--disagg-prefill-queue-limit-tokens, --disagg-local-prefill-threshold); the "
+                         "aggregated nodes keep --engine-args (default: none)")
     ap.add_argument("--configs", default="agg,disagg", help="which configurations, in run order")
     ap.add_argument("--disagg-local-prefill-threshold", type=int, default=0,
                     help="disagg: prompts of at most this many tokens are prefilled on the decode node")
@@ -883,6 +890,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
         calibration_requests=int(pick("calibration_requests")), gpus=int(pick("gpus")),
         engine_args=tuple(str(pick("engine_args")).split()),
         prefill_engine_args=tuple(a.prefill_engine_args.split()),
+        decode_engine_args=tuple(a.disagg_decode_engine_args.split()),
         configs=tuple(c.strip() for c in a.configs.split(",") if c.strip()),
         disagg_local_prefill_threshold=a.disagg_local_prefill_threshold, progress=not a.no_progress,
         log_dir=a.log_dir or tmp / "baton-serving-logs", summarize=a.summarize,
@@ -925,8 +933,9 @@ def summarize_only(cfg: BenchConfig) -> int:
     docs = [json.loads(config_file(cfg.out, n).read_text()) for n in CONFIG_NAMES if config_file(cfg.out, n).exists()]
     if not docs:
         raise ValueError(f"--summarize: expected serving_<config>.json files in {cfg.out}, found none")
-    meta = {k: v for k, v in docs[0].items() if k in ("model", "cards", "engine_args", "prefill_engine_args", "load",
-                                                       "slo", "drain_s", "gpus", "command")}
+    meta = {k: v for k, v in docs[0].items() if k in ("model", "cards", "engine_args", "prefill_engine_args",
+                                                       "decode_engine_args", "load", "slo", "drain_s", "gpus",
+                                                       "command")}
     points = load_points(cfg.out)
     if all(len(p.per_request) == p.requests for ps in points.values() for p in ps):
         points = {name: tuple(with_slo(p, cfg.slo) for p in ps) for name, ps in points.items()}
@@ -944,10 +953,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return summarize_only(cfg)
     check_engine_args(cfg.engine_args)
     check_engine_args((*cfg.engine_args, *cfg.prefill_engine_args))
+    check_engine_args((*cfg.engine_args, *cfg.decode_engine_args))
     model = ensure_model(cfg)
     check_model_len(cfg, model)
     meta = {"model": asdict(model), "cards": card_names(), "engine_args": list(cfg.engine_args),
-            "prefill_engine_args": list(cfg.prefill_engine_args), "cuda_ipc": cfg.cuda_ipc,
+            "prefill_engine_args": list(cfg.prefill_engine_args),
+            "decode_engine_args": list(cfg.decode_engine_args), "cuda_ipc": cfg.cuda_ipc,
             "disagg_prefill_queue_limit_tokens": cfg.disagg_prefill_queue_limit_tokens,
             "load": asdict(cfg.load), "slo": asdict(cfg.slo), "drain_s": cfg.drain_s, "gpus": cfg.gpus,
             "command": " ".join(sys.argv)}

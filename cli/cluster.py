@@ -65,6 +65,8 @@ class Cluster:
     node_args: tuple[str, ...] = ()
     # Extra arguments of the prefill nodes only (e.g. `--lease-seconds`).
     prefill_args: tuple[str, ...] = ()
+    # Extra arguments of the decode nodes only (e.g. a smaller step budget for what they prefill themselves).
+    decode_args: tuple[str, ...] = ()
     # Extra flags of the router process only (e.g. --api-keys-file).
     router_args: tuple[str, ...] = ()
     log_dir: str | None = None
@@ -146,17 +148,22 @@ class Cluster:
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
+    def node_argv(self, name: str) -> list[str]:
+        """The arguments of node `name` ("prefill-0", "decode-1", ...): the common flags, its port, then its role's
+        extra flags (a later flag wins)."""
+        role, i = name.rsplit("-", 1)
+        addrs = {"prefill": self.prefill_addrs, "decode": self.decode_addrs}[role]
+        port = int(addrs[int(i)].rsplit(":", 1)[1])
+        return ["--model", str(self.model), "--host", self.host, *self.engine_args, *self.node_args,
+                "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET), "--engine-id", name,
+                *(self.prefill_args if role == "prefill" else self.decode_args)]
+
     def start(self, router: bool = True) -> Cluster:
         """Start the nodes, wait until they answer, then (unless router=False) the router."""
-        common = ["--model", str(self.model), "--host", self.host, *self.engine_args, *self.node_args]
         for role, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
-            for i, addr in enumerate(addrs):
-                port = int(addr.rsplit(":", 1)[1])
+            for i in range(len(addrs)):
                 name = f"{role}-{i}"
-                self._spawn(name, f"baton.{role}_node.server",
-                            [*common, "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET),
-                             "--engine-id", name, *(self.prefill_args if role == "prefill" else ())],
-                            env=self.node_env(name))
+                self._spawn(name, f"baton.{role}_node.server", self.node_argv(name), env=self.node_env(name))
         self._wait_workers()
         if router:
             self._start_router()

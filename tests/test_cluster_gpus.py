@@ -93,3 +93,22 @@ def test_real_cluster_processes_run_with_their_gpu_lists(tmp_path, monkeypatch):
     assert {n: e["CUDA_VISIBLE_DEVICES"] for n, e in envs.items()} == {
         "prefill-0": "0,1", "decode-0": "1,0", "decode-1": "0,1", "router": "7"}
     assert all(e["BATON_TEST_MARKER"] == "kept" for e in envs.values())
+
+
+def test_role_flags_go_to_their_role_only_and_come_last():
+    """`prefill_args` reach the prefill nodes, `decode_args` the decode nodes, after the common engine flags (a
+    later flag wins: a role's budget overrides the cluster's)."""
+    c = Cluster("m", prefill_workers=1, decode_workers=2, port=PORT,
+                engine_args=("--max-num-batched-tokens", "2048"), node_args=("--cuda-ipc",),
+                prefill_args=("--max-num-batched-tokens", "8192"), decode_args=("--max-num-batched-tokens", "512"))
+    argv = {n: c.node_argv(n) for n in c.node_names}
+    for name, budget in (("prefill-0", "8192"), ("decode-0", "512"), ("decode-1", "512")):
+        a = argv[name]
+        assert a[:4] == ["--model", "m", "--host", "127.0.0.1"] and "--cuda-ipc" in a
+        assert a[a.index("--engine-id") + 1] == name
+        assert a[-2:] == ["--max-num-batched-tokens", budget]
+        assert a.index("--max-num-batched-tokens") < len(a) - 2  # the common one is still there, earlier
+    ports = {int(a[a.index("--port") + 1]) for a in argv.values()}
+    assert len(ports) == 3 and all(int(a[a.index("--http-port") + 1]) != int(a[a.index("--port") + 1])
+                                   for a in argv.values())
+    assert Cluster("m", decode_workers=1, port=PORT).node_argv("decode-0")[-2:] == ["--engine-id", "decode-0"]

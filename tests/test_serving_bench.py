@@ -232,6 +232,11 @@ def test_each_node_gets_its_gpu_first(tmp_path, config, expected):
     specs = sb.cluster_specs(cfg.disagg_local_prefill_threshold, cfg.disagg_prefill_queue_limit_tokens)
     assert sb.make_cluster(cfg, specs[config]).router_args == (
         ("--prefill-queue-limit-tokens", "8192") if config == "disagg" else ())
+    # The decode-node flags go to disagg's decode node only; the aggregated replicas keep --engine-args.
+    cfg = sb.parse_args(["--out", str(tmp_path), "--disagg-decode-engine-args", "--max-num-batched-tokens 512"])
+    assert cfg.decode_engine_args == ("--max-num-batched-tokens", "512")
+    assert sb.make_cluster(cfg, sb.cluster_specs(0)[config]).decode_args == (
+        ("--max-num-batched-tokens", "512") if config == "disagg" else ())
     with pytest.raises(ValueError, match="disagg_prefill_queue_limit_tokens: expected >= 0"):
         sb.parse_args(["--out", str(tmp_path), "--disagg-prefill-queue-limit-tokens", "-1"])
     # --gpus 0: nothing pinned, every process inherits the environment.
@@ -247,7 +252,7 @@ def test_smoke_run_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "serving_bench.py"), "--smoke", "--out",
                            str(out), "--no-progress", "--prefill-engine-args", "--max-num-batched-tokens 128",
-                           "--warmup-s", "1"],
+                           "--disagg-decode-engine-args", "--max-num-batched-tokens 96", "--warmup-s", "1"],
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "disagg / agg max goodput" in proc.stdout
@@ -256,6 +261,7 @@ def test_smoke_run_end_to_end(tmp_path):
         doc = json.loads((out / f"serving_{name}.json").read_text())
         assert doc["config"]["name"] == name
         assert doc["prefill_engine_args"] == ["--max-num-batched-tokens", "128"]
+        assert doc["decode_engine_args"] == ["--max-num-batched-tokens", "96"]
         assert [p["offered_rps"] for p in doc["points"]] == [2.0, 4.0]
         routing = doc["routing_including_warmup"]
         assert routing[route] > 0 and sum(routing.values()) == routing[route], routing
