@@ -71,6 +71,14 @@ from baton.engine.ops.triton_common import round_to, softplus
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
+# Warps and software-pipeline stages of the three launches (module constants, so that a sweep can set them).
+# Measured on an H200, 8k tokens at the 8b-like layer size, four interleaved rounds (`benchmarks/RESULTS.md`,
+# session 10): the output kernel without pipelining (1 stage: less shared memory, more programs per SM) and
+# the state kernel with 3 stages took the scan from 0.724-0.727 to 0.609-0.614 ms; the tiles' sweep had kept
+# 2 and 2. Stages change the schedule, not the math: the outputs are bit-identical.
+STATE_WARPS, STATE_STAGES = 8, 3
+CB_WARPS, CB_STAGES = 4, 2
+OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 
 
 
@@ -587,7 +595,7 @@ def mamba_chunk_scan_varlen_triton(
         P, N, H // G, float(dt_min),
         *x.stride(), *dt.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
         NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.block_p, BLOCK_N=t.block_n,
-        num_warps=8, num_stages=2,
+        num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )  # fmt: skip
     if chunk_meta.num_chunks == 0:
         return y  # only empty rows: their slots are written, there is no output
@@ -602,7 +610,7 @@ def mamba_chunk_scan_varlen_triton(
             N,
             *B.stride(), *C.stride(), *cb.stride(),
             NATIVE_DOT=native_dot, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_N=block_n_out,
-            num_warps=4, num_stages=2,
+            num_warps=CB_WARPS, num_stages=CB_STAGES,
         )  # fmt: skip
     else:
         cb = cs_buf  # never read (SHARE_CB=False); a stand-in with zero strides
@@ -615,6 +623,6 @@ def mamba_chunk_scan_varlen_triton(
         P, N, H // G,
         *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(), *cb_strides,
         NATIVE_DOT=native_dot, SHARE_CB=share_cb, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p,
-        BLOCK_N=block_n_out, num_warps=4, num_stages=2,
+        BLOCK_N=block_n_out, num_warps=OUTPUT_WARPS, num_stages=OUTPUT_STAGES,
     )  # fmt: skip
     return y
