@@ -4,7 +4,8 @@
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate (8b-like, ~45 GB)
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
-#   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep)
+#   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
+#             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
@@ -49,7 +50,7 @@ if stage profile; then
   python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80
 fi
 if stage gemv; then
-  python3 benchmarks/gemv_bench.py --no-progress --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | tail -48
+  python3 benchmarks/gemv_bench.py --no-progress ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | tail -48
 fi
 if stage fused; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress --fused-gemv-max-tokens "${FUSED_MAX:-32}" \

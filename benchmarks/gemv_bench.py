@@ -73,7 +73,7 @@ class Row:
     cublas_us: float
     fused_us: float
     best_us: float
-    best_tiles: tuple[int, int, int, int]
+    best_tiles: tuple[int, int, int, int, int]  # m, n, k, warps, stages
     weight_bytes: int
     max_err: float          # fused vs separate, relative to max |y|
 
@@ -110,7 +110,7 @@ def timer(device: torch.device, graphs: bool) -> Callable[[Callable[[int], objec
 
 
 def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, sweep: bool,
-                l2_bytes: int) -> Row:
+                l2_bytes: int, stages: tuple[int, ...] = (3,)) -> Row:
     from baton.engine.ops import dispatch
     from baton.engine.ops.fused_linear import fused_linear
     from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton
@@ -154,22 +154,22 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     cub = time_us(lambda i: torch.nn.functional.linear(a, ws[i]), copies)
     d = default_tiles(m, layer.n, layer.k, on_gpu)
     fused = time_us(lambda i: fused_linear_triton(a, ws[i], tiles=d, **kw), copies)
-    best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps)
+    best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
     if sweep:
-        for bn, bk, nw in itertools.product(*SWEEP.values()):
-            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw)
+        for bn, bk, nw, st in itertools.product(*SWEEP.values(), stages):
+            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st)
             if d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
                 continue
             us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
             if us < best:
-                best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps)
+                best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
     return Row(layer.name, m, sep, cub, fused, best, best_t, wbytes, err)
 
 
 def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
     lines = [f"## Fused-prologue GEMV vs separate op + cuBLAS — {meta['device_name']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; copy {meta['copy_gbps']:.0f} GB/s", "",
-             "| layer | M | separate µs | cuBLAS alone µs | fused µs | best fused µs (m, n, k, warps) | "
+             "| layer | M | separate µs | cuBLAS alone µs | fused µs | best fused µs (m, n, k, warps, stages) | "
              "fused / separate | best GB/s | max err |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=None, help="M values, comma-separated (default 1,2,4,8,16,32,64)")
     ap.add_argument("--sweep-batches", default="1,16", help="M values that get the tile sweep (default 1,16; "
                     "'' for none)")
+    ap.add_argument("--sweep-stages", default="3",
+                    help="software-pipeline stages the sweep tries, comma-separated (default 3, Triton's own; each "
+                         "value multiplies the sweep's compiles)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -215,8 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     jobs = [(lay, m) for lay in layers for m in ms]
     sweep = set() if args.smoke or not args.sweep_batches else {int(x) for x in args.sweep_batches.split(",")}
+    try:
+        stages = tuple(int(x) for x in args.sweep_stages.split(","))
+    except ValueError:
+        raise SystemExit(f"--sweep-stages: expected comma-separated integers, got {args.sweep_stages!r}") from None
+    if not stages or min(stages) < 1:
+        raise SystemExit(f"--sweep-stages: expected integers >= 1, got {args.sweep_stages!r}")
     for lay, m in tqdm(jobs, desc="gemv", disable=args.no_progress):
-        rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2))
+        rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2, stages=stages))
     command = " ".join(["python benchmarks/gemv_bench.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "command": command, "copy_gbps": copy}
     print(table(rows, layers, meta))

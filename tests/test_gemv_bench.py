@@ -30,3 +30,11 @@ def test_bad_batches_are_refused():
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1,x"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "--batches: expected comma-separated integers" in r.stderr
+
+
+@pytest.mark.parametrize(("stages", "message"), [("1,x", "expected comma-separated integers"),
+                                                 ("0,2", "expected integers >= 1")])
+def test_bad_sweep_stages_are_refused(stages, message):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--sweep-stages", stages], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and f"--sweep-stages: {message}" in r.stderr

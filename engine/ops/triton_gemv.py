@@ -134,6 +134,8 @@ class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int
+    # Software-pipeline stages of the K loop (3: Triton's own default on CUDA, what every tile was tuned with).
+    num_stages: int = 3
 
 
 def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
@@ -180,7 +182,8 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
             m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
             float(group), eps,
             PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=not _interpreted(),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, **pdl(a),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+            num_stages=t.num_stages, **pdl(a),
         )  # fmt: skip
     elif s is not None and m:
         s.copy_(residual + a)
