@@ -484,3 +484,26 @@ def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bflo
 @pytest.mark.parametrize("share_cb", SHARE_CB)
 def test_gpu_bench_ssd_runs(share_cb):
     assert bench_ssd(tokens=1024, rows=2, warmup=1, iters=3, share_cb=share_cb) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_kernel_block_of_p_apart_from_the_output_kernels(dtype):
+    """state_block_p tiles only the state kernel's [P, N] state (P = 64 here: 4 programs per head at 16, 1 at
+    64), block_p only the output kernel's. Each element sums the same terms whatever the block (a dot's summation
+    order may follow the tile's shape): y and the final states agree to a few ulps; a bad value is refused."""
+    dims = dict(heads=2, head_dim=64, state=16)
+    params, tok = make_params(2), make_tokens(sum(LENGTHS), dtype, groups=1, **dims)
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+    runs = [(32, {}), (32, dict(state_block_p=16)), (32, dict(state_block_p=64)), (64, dict(state_block_p=16))]
+    out = []
+    for bp, kw in runs:
+        pool = make_pool(torch.float32, **dims)
+        y = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, block_p=bp, block_n=16, block_m=16,
+                 block_k=16, **kw)
+        out.append((y, pool))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 y: one rounding step either way
+    for y, pool in out[1:]:
+        close(y, out[0][0], tol, tol)
+        close(pool, out[0][1], 1e-5, 1e-5)
+    with pytest.raises(ValueError, match="state_block_p expected a power of two >= 16, got 24"):
+        call(mamba_chunk_scan_varlen_triton, tok, params, make_pool(torch.float32, **dims), meta, state_block_p=24)

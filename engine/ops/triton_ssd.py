@@ -502,13 +502,15 @@ def _pow2_block(requested: int | None, default: int, size: int, name: str) -> in
 @dataclass(frozen=True)
 class _Tiles:
     block_l: int  # a whole chunk (state kernel)
-    block_p: int
+    block_p: int  # the output kernel's block of P
+    state_block_p: int  # the state kernel's (its program count: H x P / state_block_p x N / block_n per row)
     block_n: int  # state kernel's block of N (the output kernel contracts over all of N)
     block_m: int
     block_k: int
 
 
-def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k) -> _Tiles:
+def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k,
+           state_block_p=None) -> _Tiles:
     """Default tiles. 16-bit: the best of a sweep (block_p 32/64 x block_n 32/64/128 x block_m 32/64/128 x
     block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
     64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles.
@@ -516,6 +518,7 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     return _Tiles(
         block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
         block_p=_pow2_block(block_p, 32 if fp32 else 64, P, "block_p"),
+        state_block_p=_pow2_block(state_block_p, block_p or (32 if fp32 else 64), P, "state_block_p"),
         block_n=_pow2_block(block_n, 32 if fp32 else 128, N, "block_n"),
         block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
         block_k=_pow2_block(block_k, 32, chunk_size, "block_k"),
@@ -542,6 +545,7 @@ def mamba_chunk_scan_varlen_triton(
     block_n: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
+    state_block_p: int | None = None,
     share_cb: bool = True,
     cb_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
@@ -553,9 +557,9 @@ def mamba_chunk_scan_varlen_triton(
     [R] bool (False: the row starts from zeros and its slot is never read). chunk_meta: from
     `build_chunk_meta(query_start_loc as host ints, chunk_size, device)`, and then the kernels read the
     rows from it alone (query_start_loc is only shape-checked); None builds it from
-    `query_start_loc.tolist()` (a host sync). block_p / block_n tile the state kernel's [P, N] state
-    (block_p also the output kernel's P), block_m / block_k the output kernel's chunk positions; powers of
-    two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third launch, into a [chunks, G,
+    `query_start_loc.tolist()` (a host sync). state_block_p / block_n tile the state kernel's [P, N] state
+    (state_block_p defaults to block_p, the output kernel's block of P), block_m / block_k the output
+    kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third launch, into a [chunks, G,
     chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path computes, unrounded)
     that the output kernel reads; False: each head's output program recomputes it (the old path, kept for
     comparison). Returns y [T, H, P] in x.dtype.
@@ -565,7 +569,7 @@ def mamba_chunk_scan_varlen_triton(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = state_slots.shape[0]
-    t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k)
+    t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k, state_block_p)
     if cb_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{_FN}: cb_dtype expected float32, float16 or bfloat16, got {cb_dtype}")
     if chunk_meta is None:
@@ -587,14 +591,14 @@ def mamba_chunk_scan_varlen_triton(
     x_in, dt_in, B_in = (x, dt, B) if T else (dt_buf, dt_buf, dt_buf)
 
     meta = (chunk_meta.chunk_start, chunk_meta.chunk_len)
-    _ssd_state_kernel[(R, H, triton.cdiv(P, t.block_p) * triton.cdiv(N, t.block_n))](
+    _ssd_state_kernel[(R, H, triton.cdiv(P, t.state_block_p) * triton.cdiv(N, t.block_n))](
         x_in, dt_in, A, B_in, dt_bias,
         ssm_state, state_slots, has_initial_state,
         *meta, chunk_meta.row_chunk,
         states, dt_buf, cs_buf,
         P, N, H // G, float(dt_min),
         *x.stride(), *dt.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
-        NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.block_p, BLOCK_N=t.block_n,
+        NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.state_block_p, BLOCK_N=t.block_n,
         num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )  # fmt: skip
     if chunk_meta.num_chunks == 0:
