@@ -33,6 +33,9 @@
       chunk states (B^T x) and their read-out (C s): 2 H P N each; the causal in-chunk C B^T (G N (Q+1)) and
       its product with dt x (H P (Q+1)), counting the causal half of each Q x Q chunk.
     Element-wise work (norms, conv1d, gating, softmax) is not counted. MFU = FLOP/s / measured matmul FLOP/s.
+    Then a serving-like step (unless --no-prefill-continued): a prompt's last tokens/2 continuing after its first
+    half (prefix KV and initial states, as a chunked prompt's later chunk) beside a fresh prompt of tokens/2;
+    its tok/s against the one-prompt step's (a prefill node's steps mix such rows).
 
   python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
   python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
@@ -88,6 +91,9 @@ class BenchConfig:
     prefill_tokens: int = 8192    # tokens of the one prefill step of (c)
     prefill_splits: tuple[int, ...] = (1, 4)  # prompts sharing those tokens
     reps: int = 3                 # timed prefill steps per shape
+    # Also time a serving-like prefill step: a prompt's last prefill_tokens/2 continuing after its first half
+    # (prefix KV and initial states) beside a fresh prompt of prefill_tokens/2.
+    prefill_continued: bool = True
     copy_mib: int = 1024          # device-to-device copy size for the bandwidth
     matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
@@ -221,7 +227,10 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     seq_len = bc.context + 2 * bc.steps + 4
     blocks_decode = max(bc.batches) * (-(-seq_len // bs) + 1)
     blocks_prefill = sum(-(-(bc.prefill_tokens // s) // bs) + 1 for s in bc.prefill_splits)
-    seqs = max(*bc.batches, *bc.prefill_splits)
+    if bc.prefill_continued:  # prompt A (head + tail) and two fresh ones of `tail`
+        head, tail = continued_lengths(bc.prefill_tokens)
+        blocks_prefill = max(blocks_prefill, -(-(head + tail) // bs) + 1 + 2 * (-(-tail // bs) + 1))
+    seqs = max(*bc.batches, *bc.prefill_splits, 2)
     budget = max(bc.prefill_tokens, seqs)
     max_len = max(seq_len, bc.prefill_tokens) + bs
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
@@ -596,6 +605,60 @@ def _prefill_step(engine: LLMEngine, prompts: list[list[int]], tag: str, device:
     return ms
 
 
+def continued_lengths(tokens: int) -> tuple[int, int]:
+    """(head, tail) of the continued prefill case: prompt A of head + tail tokens (= `tokens`) runs its head in one
+    step beside a fresh prompt of `tail`, then its tail beside another fresh one: steps of `tokens` each."""
+    return tokens - tokens // 2, tokens // 2
+
+
+@dataclass(frozen=True)
+class ContinuedPrefillResult:
+    """The serving-like step of (c): `tail` tokens continuing a prompt after its first `head` (its KV and states
+    as a prefix) plus a fresh prompt of `tail` tokens, against `PrefillResult`'s fresh rows."""
+    head: int
+    tail: int
+    reps: int
+    step_ms_median: float
+    step_ms_min: float
+
+    @property
+    def tokens(self) -> int:
+        return 2 * self.tail
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.step_ms_median / 1e3)
+
+
+def bench_prefill_continued(engine: LLMEngine, bc: BenchConfig) -> ContinuedPrefillResult:
+    """Each rep: fresh prompt B0 (tail tokens) then prompt A (head + tail) for one step (B0 whole, A's head: the
+    budget ends there; untimed), then fresh prompt B1 (tail) and one timed step: A's tail after its prefix, B1
+    whole. Every prompt samples one token and finishes."""
+    device = torch.device(bc.device)
+    head, tail = continued_lengths(bc.prefill_tokens)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    times = []
+    for r in tqdm(range(bc.reps + 1), desc=f"prefill {head}+{tail} and {tail}", disable=not bc.progress):
+        a, b0, b1 = _prompts(3, head + tail, vocab, bc.seed + 104729 + r)
+        with one_step_at_a_time(engine):
+            engine.add_request(b0[:tail], params, request_id=f"c{r}-b0")
+            engine.add_request(a, params, request_id=f"c{r}-a")
+            outs, _ = _step(engine, device)
+            if engine.stats.row_kinds[-1] != (0, 2) or len(outs) != 1 or not engine.has_unfinished():
+                raise RuntimeError(f"continued prefill: expected B0 done and A's head in step 1, got "
+                                   f"(decodes, prefills) = {engine.stats.row_kinds[-1]}, {len(outs)} done")
+            engine.add_request(b1[:tail], params, request_id=f"c{r}-b1")
+            outs, ms = _step(engine, device)
+        if engine.has_unfinished() or len(outs) != 2:
+            raise RuntimeError(f"continued prefill: expected A's tail and B1 in one step, got {len(outs)} outputs "
+                               f"(raise max_num_batched_tokens?)")
+        if r:  # the first is the warm-up
+            times.append(ms)
+    return ContinuedPrefillResult(head=head, tail=tail, reps=bc.reps, step_ms_median=statistics.median(times),
+                                  step_ms_min=min(times))
+
+
 def bench_prefill(engine: LLMEngine, bc: BenchConfig, splits: int, matmul: float) -> PrefillResult:
     device = torch.device(bc.device)
     length = bc.prefill_tokens // splits
@@ -624,6 +687,7 @@ class Report:
     cache: dict
     decode: list[DecodeResult] = field(default_factory=list)
     prefill: list[PrefillResult] = field(default_factory=list)
+    prefill_continued: ContinuedPrefillResult | None = None
 
 
 def _with_props(obj: object) -> dict:
@@ -642,7 +706,8 @@ def _with_props(obj: object) -> dict:
 def report_dict(r: Report) -> dict:
     return {"meta": r.meta, "copy_gbps": r.copy_gbps, "matmul_tflops": r.matmul_tflops,
             "matmul_dtype": r.matmul_dtype, "cache": r.cache,
-            "decode": [_with_props(d) for d in r.decode], "prefill": [_with_props(p) for p in r.prefill]}
+            "decode": [_with_props(d) for d in r.decode], "prefill": [_with_props(p) for p in r.prefill],
+            "prefill_continued": None if r.prefill_continued is None else _with_props(r.prefill_continued)}
 
 
 def _gb(x: float) -> str:
@@ -678,6 +743,12 @@ def table(r: Report) -> str:
         lines.append(f"| {p.prompts} × {p.tokens // p.prompts} | {p.step_ms_median:.1f} | {p.tokens_per_s:,.0f} "
                      f"| {p.flops.total / 1e12:.2f} | {p.tflops:.1f} | {p.mfu:.1%} | {p.forward_mfu:.1%} "
                      f"| ≥ {MFU_GOAL:.0%} {'met' if p.mfu >= MFU_GOAL else 'missed'} |")
+    if (c := r.prefill_continued) is not None:
+        fresh = next((p for p in r.prefill if p.prompts == 1), None)
+        vs = f" ({c.tokens_per_s / fresh.tokens_per_s:.2f}× the 1 × {fresh.tokens} step's tok/s)" if fresh else ""
+        lines += ["", f"Serving-like step: {c.tail} tokens continuing a prompt after its first {c.head} (prefix KV + "
+                  f"state) beside a fresh prompt of {c.tail}: {c.step_ms_median:.1f} ms, {c.tokens_per_s:,.0f} "
+                  f"tok/s{vs}."]
     return "\n".join(lines)
 
 
@@ -732,6 +803,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--prefill-tokens", type=int, help="tokens of the prefill step (default 8192)")
     ap.add_argument("--prefill-splits", help="prompts sharing those tokens, comma-separated (default 1,4)")
     ap.add_argument("--reps", type=int, help="timed prefill steps per shape")
+    ap.add_argument("--no-prefill-continued", action="store_true",
+                    help="skip the serving-like prefill step (a prompt continuing after a prefix, beside a fresh one)")
     ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
     ap.add_argument("--matmul-n", type=int, help="n of the n^3 matmul for the peak rate (default 8192)")
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
@@ -761,6 +834,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
                      prefill_splits=_int_list("--prefill-splits", str(pick("prefill_splits"))), reps=pick("reps"),
                      copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, seed=args.seed,
+                     prefill_continued=not args.no_prefill_continued,
                      progress=not args.no_progress)
     return args, bc
 
@@ -790,11 +864,12 @@ def run(bc: BenchConfig, command: str) -> Report:
             "bench_config": asdict(bc), "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     decode = [bench_decode(engine, bc, b, copy) for b in bc.batches]
     prefill = [bench_prefill(engine, bc, s, mm) for s in bc.prefill_splits]
+    continued = bench_prefill_continued(engine, bc) if bc.prefill_continued else None
     for d in decode:
         if d.traffic != d.traffic_from_tensors:
             raise RuntimeError(f"decode traffic B={d.batch}: formula {d.traffic} != tensors {d.traffic_from_tensors}")
     return Report(meta=meta, copy_gbps=copy, matmul_tflops=mm, matmul_dtype=str(mm_dtype).split(".")[-1],
-                  cache=cache, decode=decode, prefill=prefill)
+                  cache=cache, decode=decode, prefill=prefill, prefill_continued=continued)
 
 
 def _json_path(out: Path) -> Path:

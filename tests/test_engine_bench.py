@@ -106,6 +106,17 @@ def test_prefill_flops_and_mfu(smoke, engine):
         assert p["mfu"] > 0 and p["forward_mfu"] > 0  # no bound above: CPU timings on a shared machine are noisy
 
 
+def test_continued_prefill_step(smoke):
+    """The serving-like step ran (its RuntimeErrors check the rows of both steps: B0 whole and A's head, then A's
+    tail and B1): tokens/2 continuing after the first half, beside tokens/2 fresh; tok/s from its own step time."""
+    c, bc = smoke["prefill_continued"], smoke["meta"]["bench_config"]
+    T = bc["prefill_tokens"]
+    assert bc["prefill_continued"] is True
+    assert (c["head"], c["tail"], c["reps"]) == (T - T // 2, T // 2, bc["reps"])
+    assert c["tokens"] == 2 * (T // 2) and 0 < c["step_ms_min"] <= c["step_ms_median"]
+    assert c["tokens_per_s"] == pytest.approx(c["tokens"] / (c["step_ms_median"] / 1e3))
+
+
 def test_8b_like_traffic_is_the_known_size():
     cfg = ModelConfig.from_hf_dict(build_config("8b-like"))
     t = eb.decode_traffic(cfg, torch.bfloat16, torch.float32, batch=256, context_tokens=256 * 1024)
