@@ -423,6 +423,10 @@ class NodeLoad:
     step_ms: float        # mean wall time of one engine step (0 without steps)
     prompt_tok_s: float   # prefill tokens computed / window
     decode_tok_s: float   # decode tokens fed / window
+    # The READs it completed over the point (decode side; 0 in files written before these fields existed):
+    transfers: int = 0
+    transfer_gbps: float = 0.0             # their bytes / their summed wall time: one READ's mean bandwidth
+    descriptors_per_transfer: float = 0.0  # 3 when every pool's blocks were consecutive on both sides
 
 
 @dataclass(frozen=True)
@@ -501,13 +505,16 @@ def routing_decisions(metrics_url: str) -> dict[str, float]:
     return out
 
 
-# The node counters a rate point's NodeLoad is computed from (`node/metrics.py`).
+# The node counters a rate point's NodeLoad is computed from (`node/metrics.py`); the transfer ones only where the
+# node has a transfer agent (0 otherwise).
 NODE_COUNTERS = {"steps": "baton_node_engine_steps_total", "step_s": "baton_node_step_duration_seconds_sum",
                  "prompt": "baton_node_prompt_tokens_total", "decode": "baton_node_decode_tokens_total"}
+TRANSFER_COUNTERS = {"reads": "baton_node_transfers_total", "read_bytes": "baton_node_transfer_bytes_total",
+                     "read_s": "baton_node_transfer_seconds_total", "descs": "baton_node_transfer_descriptors_total"}
 
 
 def node_counters(metrics_url: str) -> dict[str, float]:
-    """NODE_COUNTERS' values (unlabelled series) scraped from a node's /metrics."""
+    """NODE_COUNTERS' and TRANSFER_COUNTERS' values (unlabelled series) scraped from a node's /metrics."""
     values = {}
     for line in _scrape(metrics_url).splitlines():
         name, _, value = line.partition(" ")
@@ -515,15 +522,22 @@ def node_counters(metrics_url: str) -> dict[str, float]:
     missing = [m for m in NODE_COUNTERS.values() if m not in values]
     if missing:
         raise ValueError(f"{metrics_url}: expected the node counters {missing}, got none")
-    return {k: float(values[m]) for k, m in NODE_COUNTERS.items()}
+    return {**{k: float(values[m]) for k, m in NODE_COUNTERS.items()},
+            **{k: float(values.get(m, 0.0)) for k, m in TRANSFER_COUNTERS.items()}}
 
 
 def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s: float) -> NodeLoad:
     steps = int(after["steps"] - before["steps"])
     step_s = after["step_s"] - before["step_s"]
+    reads = int(after.get("reads", 0.0) - before.get("reads", 0.0))
+    read_s = after.get("read_s", 0.0) - before.get("read_s", 0.0)
+    read_bytes = after.get("read_bytes", 0.0) - before.get("read_bytes", 0.0)
+    descs = after.get("descs", 0.0) - before.get("descs", 0.0)
     return NodeLoad(steps=steps, busy=step_s / window_s, step_ms=1e3 * step_s / steps if steps else 0.0,
                     prompt_tok_s=(after["prompt"] - before["prompt"]) / window_s,
-                    decode_tok_s=(after["decode"] - before["decode"]) / window_s)
+                    decode_tok_s=(after["decode"] - before["decode"]) / window_s, transfers=reads,
+                    transfer_gbps=read_bytes / read_s / 1e9 if read_s > 0 else 0.0,
+                    descriptors_per_transfer=descs / reads if reads else 0.0)
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -741,10 +755,13 @@ def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
                          f"| {_ms(p.tpot_s, 'p50')} | {e2e} |")
     loads = [(p, n, ld) for ps in points.values() for p in ps for n, ld in p.nodes.items()]
     if loads:
-        lines += ["", "| config | offered req/s | node | engine busy | steps | step ms | prompt tok/s | decode tok/s |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += ["", "| config | offered req/s | node | engine busy | steps | step ms | prompt tok/s | decode tok/s "
+                      "| READs | READ GB/s | descriptors / READ |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} | {ld.step_ms:.2f} "
-                  f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} |" for p, n, ld in loads]
+                  f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} | {ld.transfers} "
+                  + (f"| {ld.transfer_gbps:.1f} | {ld.descriptors_per_transfer:.1f} |" if ld.transfers else "| – | – |")
+                  for p, n, ld in loads]
     s = summary_of(points)
     lines.append("")
     for k, v in s.max_goodput_rps.items():

@@ -38,7 +38,7 @@ from baton.transfer.stats import TransferStats
 from tests.test_router_fakes import eventually, run, spec_totals, start_fake
 
 UNITS = ("seconds", "bytes", "tokens", "requests", "blocks", "slots", "ratio", "workers", "leases", "steps",
-         "transfers", "failures", "expiries", "fallbacks", "retries", "decisions", "info")
+         "transfers", "descriptors", "failures", "expiries", "fallbacks", "retries", "decisions", "info")
 
 # Sample name -> how it must have moved in the real cluster after its traffic and provocations:
 # "positive" (summed over labels), "zero" (it belongs to the other role: the comments above PREFILL_METRICS
@@ -86,6 +86,7 @@ PREFILL_METRICS = {**NODE_METRICS,
                    "baton_node_transfers_total": "zero",
                    "baton_node_transfer_bytes_total": "zero",
                    "baton_node_transfer_seconds_total": "zero",
+                   "baton_node_transfer_descriptors_total": "zero",
                    "baton_node_transfer_failures_total": "zero",
                    "baton_node_completed_leases_total": "positive",  # the router's disaggregated requests
                    "baton_node_lease_expiries_total": "positive",  # a lease nobody pulled
@@ -99,6 +100,7 @@ DECODE_METRICS = {**NODE_METRICS,
                   "baton_node_transfers_total": "positive",
                   "baton_node_transfer_bytes_total": "positive",
                   "baton_node_transfer_seconds_total": "positive",
+                  "baton_node_transfer_descriptors_total": "positive",
                   "baton_node_transfer_failures_total": "positive",  # a READ from a killed prefill node
                   "baton_node_transfer_fallbacks_total": "positive",  # ... after which it prefilled locally
                   "baton_node_completed_leases_total": "zero",

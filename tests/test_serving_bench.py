@@ -162,6 +162,24 @@ def test_goodput_at_another_slo_from_the_per_request_records(tmp_path, capsys):
     assert "TTFT <= 2 s" in capsys.readouterr().out
 
 
+def test_node_load_from_counter_deltas_with_and_without_transfer_counters():
+    before = {"steps": 10, "step_s": 1.0, "prompt": 100, "decode": 50, "reads": 2, "read_bytes": 1e9, "read_s": 0.01,
+              "descs": 6}
+    after = {"steps": 30, "step_s": 3.0, "prompt": 500, "decode": 250, "reads": 6, "read_bytes": 3e9, "read_s": 0.03,
+             "descs": 30}
+    ld = sb.node_load(before, after, window_s=4.0)
+    assert (ld.steps, ld.busy, ld.step_ms, ld.prompt_tok_s, ld.decode_tok_s) == (20, 0.5, 100.0, 100.0, 50.0)
+    assert ld.transfers == 4 and ld.transfer_gbps == pytest.approx(100.0)
+    assert ld.descriptors_per_transfer == pytest.approx(6.0)  # 24 descriptors over 4 READs
+    # A node without a transfer agent (or counters scraped before they existed): no READs, no division by zero.
+    core = {k: before[k] for k in ("steps", "step_s", "prompt", "decode")}
+    ld = sb.node_load(core, {**core, "steps": 11, "step_s": 1.5}, window_s=1.0)
+    assert (ld.transfers, ld.transfer_gbps, ld.descriptors_per_transfer) == (0, 0.0, 0.0)
+    # Files written before the fields existed load with their defaults.
+    old = {"steps": 1, "busy": 0.5, "step_ms": 2.0, "prompt_tok_s": 3.0, "decode_tok_s": 4.0}
+    assert sb.NodeLoad(**old).transfers == 0
+
+
 def test_summary_ratio_and_json_round_trip():
     a = [sb.rate_point("agg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 5), SLO) for r in (1.0, 2.0)]
     d = [sb.rate_point("disagg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 10), SLO) for r in (1.0, 2.0)]
@@ -275,6 +293,11 @@ def test_smoke_run_end_to_end(tmp_path):
             assert sum(ld["decode_tok_s"] for ld in p["nodes"].values()) > 0
             if name == "disagg":
                 assert p["nodes"]["prefill-0"]["prompt_tok_s"] > 0 and p["nodes"]["prefill-0"]["decode_tok_s"] == 0
+                # The decode node's READs over the point (NIXL on the CPU): at least one descriptor per pool.
+                reads = p["nodes"]["decode-0"]
+                assert reads["transfers"] > 0 and reads["transfer_gbps"] > 0, reads
+                assert reads["descriptors_per_transfer"] >= 3, reads
+                assert p["nodes"]["prefill-0"]["transfers"] == 0
             assert 0 < p["goodput_rps"] <= p["throughput_rps"]
             assert p["throughput_rps"] <= p["requests"] / doc["load"]["duration_s"] + 1e-9
             for metric in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
