@@ -443,6 +443,22 @@ def test_gpu_chunk_meta_given_equals_built():
     assert torch.equal(pool_given, pool)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(state_block_p=32), dict(state_block_p=16, block_n=64)])
+def test_gpu_affine_chunks_and_state_blocks_equal_the_defaults(monkeypatch, options):
+    """The knobs built for the next sweep, compiled and checked at full size on varlen rows with an empty one:
+    STATE_AFFINE gives the default's bits; a smaller state_block_p / block_n agrees to a few ulps."""
+    params, tok, pool, meta = _full_case([3000, 1, 4000, 0, 1191], torch.bfloat16, torch.float32)
+    pools = {k: pool.clone() for k in ("default", "affine", "blocks")}
+    y = call(mamba_chunk_scan_varlen_triton, tok, params, pools["default"], meta, FULL_CHUNK)
+    y_blocks = call(mamba_chunk_scan_varlen_triton, tok, params, pools["blocks"], meta, FULL_CHUNK, **options)
+    monkeypatch.setattr(triton_ssd, "STATE_AFFINE", True)
+    y_affine = call(mamba_chunk_scan_varlen_triton, tok, params, pools["affine"], meta, FULL_CHUNK)
+    assert torch.equal(y_affine, y) and torch.equal(pools["affine"], pools["default"])
+    close(y_blocks, y, 2e-2, 2e-2)
+    close(pools["blocks"], pools["default"], 1e-4, 1e-4)
+
+
 def bench_ssd(tokens: int = 8192, rows: int = 4, dtype: torch.dtype = torch.bfloat16,
               pool_dtype: torch.dtype = torch.float32, chunk_size: int = FULL_CHUNK, warmup: int = 5,
               iters: int = 50, **options) -> float:  # fmt: skip
@@ -507,3 +523,23 @@ def test_state_kernel_block_of_p_apart_from_the_output_kernels(dtype):
         close(pool, out[0][1], 1e-5, 1e-5)
     with pytest.raises(ValueError, match="state_block_p expected a power of two >= 16, got 24"):
         call(mamba_chunk_scan_varlen_triton, tok, params, make_pool(torch.float32, **dims), meta, state_block_p=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_affine_chunk_addresses_equal_the_loaded_ones(monkeypatch, dtype):
+    """STATE_AFFINE (chunk starts computed from the row's first, not loaded per chunk) walks the same chunks: over
+    rows shorter than, equal to and longer than a chunk, an empty row and a partial last chunk, y and the pool come
+    out bit-identical, and both match the reference."""
+    params, tok = make_params(), make_tokens(sum(LENGTHS), dtype)
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+    out = {}
+    for affine in (False, True):
+        monkeypatch.setattr(triton_ssd, "STATE_AFFINE", affine)
+        pool = make_pool(torch.float32)
+        out[affine] = (call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta), pool)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    pool = make_pool(torch.float32)
+    y_ref = call(mamba_chunk_scan_varlen, tok, params, pool, meta)
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (5e-2, 2e-2)  # DTYPES' tolerances
+    close(out[True][0], y_ref, atol, rtol)
+    close(out[True][1], pool, atol, rtol)

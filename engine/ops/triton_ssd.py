@@ -79,6 +79,10 @@ _MIN_BLOCK = 16  # tl.dot's smallest tile side
 STATE_WARPS, STATE_STAGES = 8, 3
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
+# True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
+# each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
+# that A/B).
+STATE_AFFINE = False
 
 
 
@@ -182,7 +186,7 @@ def _ssd_state_kernel(
     pool_ptr, slots_ptr, init_ptr,
     chunk_start_ptr, chunk_len_ptr, row_chunk_ptr,
     states_ptr, dt_out_ptr, cs_out_ptr,
-    P, N, heads_per_group, dt_min,
+    P, N, heads_per_group, dt_min, chunk_size,
     s_x_t, s_x_h, s_x_p,
     s_dt_t, s_dt_h,
     s_B_t, s_B_g, s_B_n,
@@ -190,6 +194,7 @@ def _ssd_state_kernel(
     s_st_c, s_st_h, s_st_p, s_st_n,
     s_buf_h, s_buf_t,
     NATIVE_DOT: tl.constexpr,
+    AFFINE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -239,9 +244,21 @@ def _ssd_state_kernel(
     # the loop a Python int, so no `.to()` on it.
     c_lo = tl.load(row_chunk_ptr + r).to(tl.int64)
     c_hi = tl.load(row_chunk_ptr + r + 1).to(tl.int64)
+    # AFFINE: a row's chunks start every chunk_size tokens from its first (as build_chunk_meta lays them out), so
+    # the loop's addresses are affine in c instead of loaded from the metadata each chunk (which software
+    # pipelining can prefetch ahead of the chunk before). The row's bounds are read once (masked: an empty row's
+    # first chunk index may be past the metadata).
+    has_chunks = c_lo < c_hi
+    row_start = tl.load(chunk_start_ptr + c_lo, mask=has_chunks, other=0).to(tl.int64)
+    row_end = (tl.load(chunk_start_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64)
+               + tl.load(chunk_len_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64))
     for c in range(c_lo, c_hi):
-        start = tl.load(chunk_start_ptr + c).to(tl.int64)
-        length = tl.load(chunk_len_ptr + c)
+        if AFFINE:
+            start = row_start + (c - c_lo) * chunk_size
+            length = tl.minimum(row_end - start, chunk_size).to(tl.int32)
+        else:
+            start = tl.load(chunk_start_ptr + c).to(tl.int64)
+            length = tl.load(chunk_len_ptr + c)
         mask_l = offs_l < length
 
         dt = _discretized_dt(dt_head + start * s_dt_t, dt_bias, dt_min, offs_l, mask_l, s_dt_t)  # [BLOCK_L]
@@ -596,9 +613,9 @@ def mamba_chunk_scan_varlen_triton(
         ssm_state, state_slots, has_initial_state,
         *meta, chunk_meta.row_chunk,
         states, dt_buf, cs_buf,
-        P, N, H // G, float(dt_min),
+        P, N, H // G, float(dt_min), chunk_size,
         *x.stride(), *dt.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
-        NATIVE_DOT=native_dot, BLOCK_L=t.block_l, BLOCK_P=t.state_block_p, BLOCK_N=t.block_n,
+        NATIVE_DOT=native_dot, AFFINE=STATE_AFFINE, BLOCK_L=t.block_l, BLOCK_P=t.state_block_p, BLOCK_N=t.block_n,
         num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )  # fmt: skip
     if chunk_meta.num_chunks == 0:
