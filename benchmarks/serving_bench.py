@@ -426,7 +426,7 @@ class NodeLoad:
     # The READs it completed over the point (decode side; 0 in files written before these fields existed):
     transfers: int = 0
     transfer_gbps: float = 0.0             # their bytes / their summed wall time: one READ's mean bandwidth
-    descriptors_per_transfer: float = 0.0  # 3 when every pool's blocks were consecutive on both sides
+    descriptors_per_transfer: float = 0.0  # 3 (a hybrid model) when every pool's blocks were consecutive
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ class _TransferCollector(Collector):
                                   value=s.seconds)
         yield CounterMetricFamily("baton_node_transfer_descriptors",
                                   "Descriptors (runs of consecutive blocks, per pool) the READs issued (decode side): "
-                                  "3 per READ when every pool's blocks are consecutive on both sides; more when "
-                                  "they are scattered, which costs bandwidth", value=s.descriptors)
+                                  "one per pool (3 for a hybrid model) when its blocks are consecutive on both "
+                                  "sides; more when they are scattered, which costs bandwidth", value=s.descriptors)
         yield CounterMetricFamily("baton_node_transfer_failures",
                                   "READs that ended in an error or a timeout (decode side)", value=s.failures)
         yield CounterMetricFamily("baton_node_lease_expiries",

@@ -576,10 +576,10 @@ def mamba_chunk_scan_varlen_triton(
     rows from it alone (query_start_loc is only shape-checked); None builds it from
     `query_start_loc.tolist()` (a host sync). state_block_p / block_n tile the state kernel's [P, N] state
     (state_block_p defaults to block_p, the output kernel's block of P), block_m / block_k the output
-    kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third launch, into a [chunks, G,
-    chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path computes, unrounded)
-    that the output kernel reads; False: each head's output program recomputes it (the old path, kept for
-    comparison). Returns y [T, H, P] in x.dtype.
+    kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third
+    launch, into a [chunks, G, chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path
+    computes, unrounded) that the output kernel reads; False: each head's output program recomputes it (the
+    old path, kept for comparison). Returns y [T, H, P] in x.dtype.
     """
     _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_slots, has_initial_state,
                 chunk_size, chunk_meta)  # fmt: skip
