@@ -248,10 +248,11 @@ def _ssd_state_kernel(
     # the loop's addresses are affine in c instead of loaded from the metadata each chunk (which software
     # pipelining can prefetch ahead of the chunk before). The row's bounds are read once (masked: an empty row's
     # first chunk index may be past the metadata).
-    has_chunks = c_lo < c_hi
-    row_start = tl.load(chunk_start_ptr + c_lo, mask=has_chunks, other=0).to(tl.int64)
-    row_end = (tl.load(chunk_start_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64)
-               + tl.load(chunk_len_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64))
+    if AFFINE:
+        has_chunks = c_lo < c_hi
+        row_start = tl.load(chunk_start_ptr + c_lo, mask=has_chunks, other=0).to(tl.int64)
+        row_end = (tl.load(chunk_start_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64)
+                   + tl.load(chunk_len_ptr + c_hi - 1, mask=has_chunks, other=0).to(tl.int64))
     for c in range(c_lo, c_hi):
         if AFFINE:
             start = row_start + (c - c_lo) * chunk_size
@@ -532,10 +533,11 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
     64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles.
     """
+    out_block_p = _pow2_block(block_p, 32 if fp32 else 64, P, "block_p")
     return _Tiles(
         block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
-        block_p=_pow2_block(block_p, 32 if fp32 else 64, P, "block_p"),
-        state_block_p=_pow2_block(state_block_p, block_p or (32 if fp32 else 64), P, "state_block_p"),
+        block_p=out_block_p,
+        state_block_p=_pow2_block(state_block_p, out_block_p, P, "state_block_p"),
         block_n=_pow2_block(block_n, 32 if fp32 else 128, N, "block_n"),
         block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
         block_k=_pow2_block(block_k, 32, chunk_size, "block_k"),
