@@ -917,17 +917,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
     """Refuses engine flags the nodes would refuse, before any process starts (ValueError)."""
-    from baton.cli.engine_args import add_engine_args, engine_config_from_args
+    from baton.cli.engine_args import engine_config_from_args, parse_engine_flags
 
-    p = argparse.ArgumentParser(prog="--engine-args", add_help=False, exit_on_error=False)
-    add_engine_args(p)
-    try:
-        a, unknown = p.parse_known_args(list(engine_args))
-    except argparse.ArgumentError as e:
-        raise ValueError(f"--engine-args: expected engine flags, got {' '.join(engine_args)!r}: {e}") from None
-    if unknown:
-        raise ValueError(f"--engine-args: expected engine flags only, got unknown {' '.join(unknown)!r}")
-    engine_config_from_args(a)
+    engine_config_from_args(parse_engine_flags(engine_args, "--engine-args"))
 
 
 def check_model_len(cfg: BenchConfig, model: ModelSummary) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+from collections.abc import Sequence
 
 from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
 from baton.engine.sampling_params import SamplingParams
@@ -52,6 +54,29 @@ def engine_flags(a: argparse.Namespace) -> list[str]:
         if v is not None:
             out += [_OPTIONS.get(name, "--" + name.replace("_", "-")), str(v)]
     return out
+
+
+def parse_engine_flags(flags: Sequence[str], option: str) -> argparse.Namespace:
+    """Engine flags from a list (e.g. a role's `--prefill-engine-args` split into words). Raises ValueError naming
+    `option` for anything else; values are checked by `engine_config_from_args`."""
+    p = argparse.ArgumentParser(prog=option, add_help=False, exit_on_error=False)
+    add_engine_args(p)
+    try:
+        a, unknown = p.parse_known_args(list(flags))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"{option}: expected engine flags, got {' '.join(flags)!r}: {e}") from None
+    if unknown:
+        raise ValueError(f"{option}: expected engine flags only, got unknown {' '.join(unknown)!r}")
+    return a
+
+
+def role_engine_flags(text: str, option: str, common: Sequence[str] = ()) -> tuple[str, ...]:
+    """One role's extra engine flags (`baton up --prefill-engine-args "--max-num-batched-tokens 8192"`), split into
+    words and checked on top of the flags every node gets (`common`; a later flag wins, as on the node's command
+    line): unknown flags and values the engine would refuse raise ValueError before any process starts."""
+    flags = tuple(shlex.split(text))
+    engine_config_from_args(parse_engine_flags((*common, *flags), option))
+    return flags
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -38,6 +38,7 @@ LISTEN_ATTEMPTS = 3  # starts of one server whose picked-free port was taken mea
 
 def register(sub: argparse._SubParsersAction) -> None:
     from baton.cli.engine_args import add_engine_args
+    from baton.cli.up_cmd import add_role_engine_args
 
     p = sub.add_parser("ray", help="run Baton on a Ray cluster")
     rsub = p.add_subparsers(dest="ray_command", required=True)
@@ -65,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="each server writes DIR/<name>.log on its Ray node (default: Ray's worker logs, "
                          "which Ray also forwards to this terminal)")
     add_engine_args(up)
+    add_role_engine_args(up)
     up.set_defaults(run=run)
 
 
@@ -229,7 +231,8 @@ class RayCluster:
                  http_port: int | None = None, namespace: str | None = None,
                  local_prefill_threshold: int = 0, engine_args: tuple[str, ...] = (),
                  gpus_per_node: float | None = None, cpus_per_node: float = 1.0,
-                 log_dir: str | None = None, prefill_queue_limit_tokens: int = 0) -> None:
+                 log_dir: str | None = None, prefill_queue_limit_tokens: int = 0,
+                 prefill_engine_args: tuple[str, ...] = (), decode_engine_args: tuple[str, ...] = ()) -> None:
         if decode_workers < 1:
             raise ValueError(f"decode_workers: expected at least 1, got {decode_workers}")
         if prefill_workers < 0:
@@ -240,6 +243,8 @@ class RayCluster:
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_queue_limit_tokens = prefill_queue_limit_tokens
         self.engine_args = tuple(engine_args)
+        # Each role's own engine flags, after engine_args (a later flag wins).
+        self.role_engine_args = {"prefill": tuple(prefill_engine_args), "decode": tuple(decode_engine_args)}
         self.gpus_per_node, self.cpus_per_node = gpus_per_node, cpus_per_node
         self.log_dir = log_dir
         self.actors: dict[str, Any] = {}
@@ -278,7 +283,8 @@ class RayCluster:
                         name=name, namespace=self.namespace, scheduling_strategy="SPREAD", num_gpus=gpus,
                         num_cpus=self.cpus_per_node).remote(name)
                     starts[name] = self.actors[name].start.remote(
-                        role, ["--model", self.model, "--engine-id", name, *engine_args], self.log_dir)
+                        role, ["--model", self.model, "--engine-id", name, *engine_args,
+                               *self.role_engine_args[role]], self.log_dir)
             router_args = ["--ray-namespace", self.namespace, "--ray-address", "{gcs}",
                            "--local-prefill-threshold", str(self.local_prefill_threshold),
                            "--prefill-queue-limit-tokens", str(self.prefill_queue_limit_tokens)]
@@ -338,17 +344,20 @@ class RayCluster:
 
 
 def run(a: argparse.Namespace) -> int:
-    from baton.cli.engine_args import engine_flags
+    from baton.cli.engine_args import engine_flags, role_engine_flags
 
     try:
         import ray
     except ImportError:
         raise ValueError("ray is not installed: pip install 'baton-serve[ray]'") from None
+    common = tuple(engine_flags(a))
     cluster = RayCluster(str(Path(a.model).resolve()), a.prefill_workers, a.decode_workers, port=a.port,
                          http_port=a.http_port, namespace=a.namespace, local_prefill_threshold=a.local_prefill_threshold,
-                         engine_args=tuple(engine_flags(a)), gpus_per_node=a.gpus_per_node,
+                         engine_args=common, gpus_per_node=a.gpus_per_node,
                          cpus_per_node=a.cpus_per_node, log_dir=a.log_dir,
-                         prefill_queue_limit_tokens=a.prefill_queue_limit_tokens)
+                         prefill_queue_limit_tokens=a.prefill_queue_limit_tokens,
+                         prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common),
+                         decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common))
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.
     stop = threading.Event()

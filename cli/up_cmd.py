@@ -7,7 +7,7 @@ import signal
 import threading
 
 from baton.cli.cluster import Cluster
-from baton.cli.engine_args import add_engine_args, engine_flags
+from baton.cli.engine_args import add_engine_args, engine_flags, role_engine_flags
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -45,17 +45,34 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="GPU nodes: move caches between them through CUDA IPC mappings instead of NIXL's UCX copy "
                         "(every node gets --cuda-ipc)")
     add_engine_args(p)
+    add_role_engine_args(p)
     p.set_defaults(run=run)
 
 
+def add_role_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-engine-args", default="", metavar="FLAGS",
+                   help="engine flags of the prefill nodes only, after the engine flags above (a later flag wins), "
+                        "e.g. '--max-num-batched-tokens 8192': their steps carry no decode rows")
+    p.add_argument("--decode-engine-args", default="", metavar="FLAGS",
+                   help="engine flags of the decode nodes only, after the engine flags above")
+
+
+def cluster_from_args(a: argparse.Namespace) -> Cluster:
+    """The (not yet started) cluster `baton up` runs; bad engine flags raise ValueError here."""
+    common = tuple(engine_flags(a))
+    return Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
+                   http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
+                   engine_args=common, node_args=("--cuda-ipc",) if a.cuda_ipc else (),
+                   prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common),
+                   decode_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
+                   log_dir=a.log_dir, node_gpus=a.node_gpus,
+                   router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
+                   + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))
+                      if a.prefill_queue_limit_tokens else ()))
+
+
 def run(a: argparse.Namespace) -> int:
-    cluster = Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
-                      http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
-                      engine_args=tuple(engine_flags(a)), node_args=("--cuda-ipc",) if a.cuda_ipc else (),
-                      log_dir=a.log_dir, node_gpus=a.node_gpus,
-                      router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
-                      + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))
-                         if a.prefill_queue_limit_tokens else ()))
+    cluster = cluster_from_args(a)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -226,8 +226,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                              decode_workers=decode)
 
     def workers(self) -> list[dict]:
-        """`/v1/workers`: every configured worker with its role, address, health and metrics URL (None until
-        it has answered Info with an HTTP port). Read from the HTTP thread: objects are only read."""
+        """`/v1/workers`: every configured worker with its role, address, health, metrics URL (None until it has
+        answered Info with an HTTP port) and step budget (`max_num_batched_tokens`, None until Info). Read from the
+        HTTP thread: objects are only read."""
         out = []
         for pool in (self.prefill_pool, self.decode_pool):
             for w in tuple(pool.workers):
@@ -236,7 +237,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 http_port = info.http_port if info is not None else 0
                 out.append({"role": w.role.value, "address": w.addr, "healthy": w.healthy,
                             "engine_id": info.engine_id if info is not None else None,
-                            "metrics_url": f"http://{host}:{http_port}/metrics" if http_port else None})
+                            "metrics_url": f"http://{host}:{http_port}/metrics" if http_port else None,
+                            "max_num_batched_tokens": info.max_num_batched_tokens if info is not None else None})
         return out
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,

@@ -175,3 +175,37 @@ def test_up_serves_until_interrupted_then_stops_every_process(model_dir, tmp_pat
     for p in (port, port + 1, port + 2, port + 3, port + 2002, port + 2003):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", p), timeout=2).close()
+
+
+def test_up_role_engine_args_reach_their_role_only_and_win_over_the_common_flags():
+    """`baton up --prefill-engine-args / --decode-engine-args`: each role's node command line ends with its own
+    flags, which its parser reads back over the common ones (a later flag wins)."""
+    from baton.cli.up_cmd import cluster_from_args
+    from baton.node.serve import node_parser
+
+    a = build_parser().parse_args(["up", "--model", "m", "--max-num-batched-tokens", "2048",
+                                   "--prefill-engine-args", "--max-num-batched-tokens 8192 --max-num-seqs 64",
+                                   "--decode-engine-args", "--long-prefill-token-threshold 256"])
+    cluster = cluster_from_args(a)
+    assert cluster.prefill_args == ("--max-num-batched-tokens", "8192", "--max-num-seqs", "64")
+    assert cluster.decode_args == ("--long-prefill-token-threshold", "256")
+    for name, want in (("prefill-0", EngineConfig(max_num_batched_tokens=8192, max_num_seqs=64)),
+                       ("decode-0", EngineConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=256))):
+        role = name.split("-")[0]
+        node = node_parser(role).parse_args(cluster.node_argv(name))
+        assert engine_config_from_args(node) == want
+    plain = cluster_from_args(build_parser().parse_args(["up", "--model", "m"]))
+    assert plain.prefill_args == plain.decode_args == ()
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--prefill-engine-args", "--bogus 1", "--prefill-engine-args: expected engine flags only, got unknown '--bogus 1'"),
+    ("--decode-engine-args", "--max-num-seqs x", "--decode-engine-args: expected engine flags, got '--max-num-seqs x'"),
+    # Checked together with the common flags: a budget below the role's --max-num-seqs is refused.
+    ("--prefill-engine-args", "--max-num-seqs 64 --max-num-batched-tokens 32",
+     "engine field 'max_num_batched_tokens'"),
+])
+def test_up_refuses_bad_role_engine_args_before_starting_anything(flag, value, message):
+    proc = baton("up", "--model", "m", flag, value, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("baton up: error: ") and message in proc.stderr, proc.stderr

@@ -103,7 +103,8 @@ def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
         proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli.main", "ray", "up", "--address", cluster.address,
              "--model", str(model), "--prefill-workers", "1", "--decode-workers", "1", "--port", "0",
-             "--local-prefill-threshold", str(THRESHOLD), *ENGINE_ARGS],
+             "--local-prefill-threshold", str(THRESHOLD), *ENGINE_ARGS,
+             "--prefill-engine-args", "--max-num-batched-tokens 48"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         placement, lines = None, []
         deadline = time.monotonic() + 240
@@ -128,6 +129,9 @@ def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
         http = f"http://{placement['router']['ip']}:{placement['router']['http_port']}"
         metrics = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
         assert 'baton_router_routing_decisions_total{decision="disaggregated"} 1.0' in metrics
+        # --prefill-engine-args reached the prefill node only (its Info, as the router lists it).
+        workers = json.loads(urllib.request.urlopen(f"{http}/v1/workers", timeout=10).read())
+        assert {w["role"]: w["max_num_batched_tokens"] for w in workers} == {"prefill": 48, "decode": 32}
 
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
