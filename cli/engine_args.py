@@ -74,7 +74,10 @@ def role_engine_flags(text: str, option: str, common: Sequence[str] = ()) -> tup
     """One role's extra engine flags (`baton up --prefill-engine-args "--max-num-batched-tokens 8192"`), split into
     words and checked on top of the flags every node gets (`common`; a later flag wins, as on the node's command
     line): unknown flags and values the engine would refuse raise ValueError before any process starts."""
-    flags = tuple(shlex.split(text))
+    try:
+        flags = tuple(shlex.split(text))
+    except ValueError as e:  # an unclosed quote
+        raise ValueError(f"{option}: expected shell words, got {text!r}: {e}") from None
     engine_config_from_args(parse_engine_flags((*common, *flags), option))
     return flags
 

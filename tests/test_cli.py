@@ -201,6 +201,7 @@ def test_up_role_engine_args_reach_their_role_only_and_win_over_the_common_flags
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--prefill-engine-args", "--bogus 1", "--prefill-engine-args: expected engine flags only, got unknown '--bogus 1'"),
     ("--decode-engine-args", "--max-num-seqs x", "--decode-engine-args: expected engine flags, got '--max-num-seqs x'"),
+    ("--decode-engine-args", "--device 'cuda", "--decode-engine-args: expected shell words, got \"--device 'cuda\""),
     # Checked together with the common flags: a budget below the role's --max-num-seqs is refused.
     ("--prefill-engine-args", "--max-num-seqs 64 --max-num-batched-tokens 32",
      "engine field 'max_num_batched_tokens'"),
