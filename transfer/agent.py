@@ -30,7 +30,7 @@ from baton.transfer.plan import (
     block_ids,
     check_pair,
     join,
-    plan_blocks,
+    plan_checked_blocks,
     plan_request,
     plan_slots,
 )
@@ -239,7 +239,7 @@ class TransferAgent:
             raise
         if len(lo) and kv.item_bytes:
             self._copier.copy(ipc, "kv", lo, re, kv.item_bytes)
-        return join(plan_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers),
+        return join(plan_checked_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers),
                     plan_slots(self.regions, remote.regions, local_slot, remote_slot))
 
     def poll(self, pending: PendingRead) -> bool:

@@ -96,8 +96,15 @@ def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], 
 def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_blocks: Ids,
                 remote_blocks: Ids, coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
     """A request's KV blocks: one descriptor per run of consecutive ids on both sides (see `plan_request`)."""
+    lo_ids, re_ids = block_ids(local["kv"], remote["kv"], local_blocks, remote_blocks)
+    return plan_checked_blocks(local, remote, lo_ids, re_ids, coalesced, split_layers)
+
+
+def plan_checked_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], lo_ids: np.ndarray,
+                        re_ids: np.ndarray, coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
+    """`plan_blocks` of ids `block_ids` returned (checked, int64): a caller that checked them already plans
+    without checking twice."""
     lo, re = local["kv"], remote["kv"]
-    lo_ids, re_ids = block_ids(lo, re, local_blocks, remote_blocks)
     if not len(lo_ids) or not lo.item_bytes:  # a pool with no attention layers moves nothing
         empty = np.zeros((0, 3), dtype=np.int64)
         return TransferPlan(local=empty, remote=empty, num_bytes=0)
