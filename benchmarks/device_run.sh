@@ -2,7 +2,8 @@
 # One device call: install the carried wheels and Baton, then run the stages named in STAGES (comma-separated,
 # in this order), each printing its table; results land under $OUT.
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
-#   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate (8b-like, ~45 GB)
+#   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like,
+#             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
 #             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
@@ -30,7 +31,7 @@ for w in .whl/*.whl .whl-mtp/*.whl .whl-slim/*.whl .whl-serve/*.whl; do
 done
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv,noheader
 echo "commit ${BATON_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -44,7 +45,7 @@ if stage tests; then
     | tee "$OUT/gpu_tests.txt"
 fi
 if stage engine; then
-  python3 benchmarks/engine_bench.py --device cuda --no-progress --out "$OUT/engine" 2>&1 | tail -24
+  python3 benchmarks/engine_bench.py --device cuda --no-progress ${ENGINE_BENCH_ARGS:-} --out "$OUT/engine" 2>&1 | tail -36
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80

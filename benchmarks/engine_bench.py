@@ -37,6 +37,12 @@
     half (prefix KV and initial states, as a chunked prompt's later chunk) beside a fresh prompt of tokens/2;
     its tok/s against the one-prompt step's (a prefill node's steps mix such rows).
 
+Mixed steps (unless --mixed-batch 0): `--mixed-batch` decode rows at `--context`, decode-only (CUDA-graphed where
+    graphs run, then the same steps eager), then beside a prompt's chunk of each `--mixed-prompt-tokens` size in
+    every step (eager: graphs hold decode-only steps). Per kind: wall ms per step with async scheduling and the
+    median host ms of one step() call; host close to wall means the host, not the GPU, sets the step's length
+    (what a decode node taking prompts, or an aggregated server's chunked prefill, pays per step).
+
   python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
   python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
   python benchmarks/engine_bench.py --plot /tmp/engine/engine_bench.json     # PNG: step time vs batch + roofline
@@ -52,7 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -73,6 +79,7 @@ from benchmarks.run_info import device_name, git_commit  # noqa: E402
 JSON_NAME = "engine_bench.json"
 DECODE_GOALS = {1: 1.2, 256: 1.3}  # batch -> step / roofline goal (issue #7)
 MFU_GOAL = 0.5
+MIXED_CHUNKS = 6  # chunks of the prompt timed beside the decode rows, per prompt size
 # Linear layers (their FLOPs are counted for MFU).
 _MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
                   "o_proj.weight", "up_proj.weight", "down_proj.weight", "experts.up_proj", "experts.down_proj",
@@ -94,6 +101,10 @@ class BenchConfig:
     # Also time a serving-like prefill step: a prompt's last prefill_tokens/2 continuing after its first half
     # (prefix KV and initial states) beside a fresh prompt of prefill_tokens/2.
     prefill_continued: bool = True
+    # Mixed steps: `mixed_batch` decode rows (0 = skip) alone (graphed, then eager) and beside a prompt's chunk of
+    # each of `mixed_prompt_tokens` (eager: only decode-only steps have graphs).
+    mixed_batch: int = 64
+    mixed_prompt_tokens: tuple[int, ...] = (128, 512)
     copy_mib: int = 1024          # device-to-device copy size for the bandwidth
     matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
@@ -107,7 +118,9 @@ class BenchConfig:
             raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
-        for name in ("batches", "prefill_splits"):
+        if not isinstance(self.mixed_batch, int) or self.mixed_batch < 0:
+            raise ValueError(f"--mixed-batch: expected an integer >= 0, got {self.mixed_batch!r}")
+        for name in ("batches", "prefill_splits", "mixed_prompt_tokens"):
             v = getattr(self, name)
             if not v or any(not isinstance(b, int) or b < 1 for b in v):
                 raise ValueError(f"--{name.replace('_', '-')}: expected positive integers, got {v!r}")
@@ -131,9 +144,11 @@ class BenchConfig:
 
 DEFAULTS = {
     "cuda": {"preset": "8b-like", "batches": "1,32,256", "context": 1024, "steps": 20, "prefill_tokens": 8192,
-             "prefill_splits": "1,4", "reps": 3, "copy_mib": 1024, "matmul_n": 8192},
+             "prefill_splits": "1,4", "reps": 3, "copy_mib": 1024, "matmul_n": 8192, "mixed_batch": 64,
+             "mixed_prompt_tokens": "128,512"},
     "smoke": {"preset": "tiny", "batches": "1,4", "context": 24, "steps": 3, "prefill_tokens": 64,
-              "prefill_splits": "1,4", "reps": 2, "copy_mib": 8, "matmul_n": 128},
+              "prefill_splits": "1,4", "reps": 2, "copy_mib": 8, "matmul_n": 128, "mixed_batch": 3,
+              "mixed_prompt_tokens": "4,8"},
 }
 
 
@@ -230,9 +245,14 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     if bc.prefill_continued:  # prompt A (head + tail) and two fresh ones of `tail`
         head, tail = continued_lengths(bc.prefill_tokens)
         blocks_prefill = max(blocks_prefill, -(-(head + tail) // bs) + 1 + 2 * (-(-tail // bs) + 1))
-    seqs = max(*bc.batches, *bc.prefill_splits, 2)
-    budget = max(bc.prefill_tokens, seqs)
-    max_len = max(seq_len, bc.prefill_tokens) + bs
+    # Mixed steps: B decode rows through warm-up, graphed, eager and mixed steps, beside one prompt at a time.
+    mixed_len = bc.context + 4 * bc.steps + (MIXED_CHUNKS + 4) * len(bc.mixed_prompt_tokens) + 8
+    mixed_prompt = (MIXED_CHUNKS + 1) * max(bc.mixed_prompt_tokens)
+    if bc.mixed_batch:
+        blocks_decode = max(blocks_decode, bc.mixed_batch * (-(-mixed_len // bs) + 1) + -(-mixed_prompt // bs) + 1)
+    seqs = max(*bc.batches, *bc.prefill_splits, bc.mixed_batch + 1, 2)
+    budget = max(bc.prefill_tokens, seqs, bc.mixed_batch + max(bc.mixed_prompt_tokens))
+    max_len = max(seq_len, bc.prefill_tokens, *((mixed_len, mixed_prompt) if bc.mixed_batch else ())) + bs
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                          num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
     plan = plan_cache(cfg, probe, dtype, ssm_dtype)
@@ -659,6 +679,100 @@ def bench_prefill_continued(engine: LLMEngine, bc: BenchConfig) -> ContinuedPref
                                   step_ms_min=min(times))
 
 
+# ---- mixed steps: decode rows beside a prompt's chunk ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class MixedStep:
+    """Steps of one kind: wall ms per step with async scheduling (run time / steps, one sync at the end) and the
+    median host ms of one `engine.step()` call (the host's share: when it is close to the wall time, the host
+    sets the pace, not the device)."""
+    label: str
+    decode_rows: int
+    prompt_tokens: int  # per step (0: decode-only)
+    graphed: bool
+    steps: int
+    step_ms: float
+    host_ms: float
+
+
+@dataclass(frozen=True)
+class MixedResult:
+    batch: int
+    context: int
+    rows: list[MixedStep]
+
+
+def _timed_calls(engine: LLMEngine, device: torch.device, n: int | None, until: Callable[[], bool] | None = None,
+                 check: Callable[[], None] | None = None) -> tuple[int, float, float]:
+    """engine.step() calls as a server makes them (n of them, or until `until()`): (calls, wall ms per call with one
+    sync at the end, median host ms per call)."""
+    host = []
+    sync(device)
+    t_start = time.perf_counter()
+    while (len(host) < n) if n is not None else not until():
+        t0 = time.perf_counter()
+        engine.step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if check is not None:
+            check()
+    sync(device)
+    return len(host), (time.perf_counter() - t_start) * 1e3 / len(host), statistics.median(host)
+
+
+def bench_mixed(engine: LLMEngine, bc: BenchConfig) -> MixedResult:
+    """B decode rows at `--context` (as in (a)): decode-only steps graphed (where graphs run) and eager, then with a
+    prompt's chunk of P tokens beside them in every step (the scheduler's chunk cap set to P for the run; its
+    first chunk untimed), for each P of `mixed_prompt_tokens`. Such steps run eagerly: these rows say what a
+    decode node that takes prompts, or an aggregated server, pays per step."""
+    device = torch.device(bc.device)
+    b = bc.mixed_batch
+    ids = enter_decode(engine, b, bc.context, max_tokens=10**6, seed=bc.seed + 7919, device=device,
+                       progress=bc.progress)
+    for _ in range(bc.steps):
+        engine.step()
+
+    def decode_only() -> None:
+        _check_decode_step(engine, b)
+
+    graphed = engine.runner.graphs is not None
+    rows = []
+    n, ms, host = _timed_calls(engine, device, bc.steps, check=decode_only)
+    rows.append(MixedStep("decode", b, 0, graphed, n, ms, host))
+    if graphed:
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        try:
+            _timed_calls(engine, device, 2, check=decode_only)  # warm-up
+            n, ms, host = _timed_calls(engine, device, bc.steps, check=decode_only)
+        finally:
+            engine.runner.graphs = graphs
+        rows.append(MixedStep("decode, eager", b, 0, False, n, ms, host))
+    sched = engine.scheduler
+    base = sched.config
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(bc.mixed_prompt_tokens):
+        rid = f"mixed-{p}"
+        prompt = _prompts(1, (MIXED_CHUNKS + 1) * p, engine.model_config.vocab_size, bc.seed + 31 * i)[0]
+        sched.config = replace(base, long_prefill_token_threshold=p)
+        try:
+            engine.add_request(prompt, params, request_id=rid)
+            _timed_calls(engine, device, 2)  # its first chunk (admission) and the step after: untimed
+
+            def mixed() -> None:
+                if engine.stats.row_kinds[-1] != (b, 1):
+                    raise RuntimeError(f"mixed step: expected {b} decode rows and one prompt chunk, got "
+                                       f"(decodes, prefills) = {engine.stats.row_kinds[-1]}")
+
+            n, ms, host = _timed_calls(engine, device, MIXED_CHUNKS - 2, check=mixed)
+        finally:
+            sched.config = base
+        while any(r.request_id == rid for r in (*sched.running, *sched.waiting)):
+            engine.step()
+        rows.append(MixedStep(f"decode + {p} prompt tokens", b, p, False, n, ms, host))
+    for rid in ids:
+        engine.abort(rid)
+    return MixedResult(batch=b, context=bc.context, rows=rows)
+
+
 def bench_prefill(engine: LLMEngine, bc: BenchConfig, splits: int, matmul: float) -> PrefillResult:
     device = torch.device(bc.device)
     length = bc.prefill_tokens // splits
@@ -688,6 +802,7 @@ class Report:
     decode: list[DecodeResult] = field(default_factory=list)
     prefill: list[PrefillResult] = field(default_factory=list)
     prefill_continued: ContinuedPrefillResult | None = None
+    mixed: MixedResult | None = None
 
 
 def _with_props(obj: object) -> dict:
@@ -707,7 +822,8 @@ def report_dict(r: Report) -> dict:
     return {"meta": r.meta, "copy_gbps": r.copy_gbps, "matmul_tflops": r.matmul_tflops,
             "matmul_dtype": r.matmul_dtype, "cache": r.cache,
             "decode": [_with_props(d) for d in r.decode], "prefill": [_with_props(p) for p in r.prefill],
-            "prefill_continued": None if r.prefill_continued is None else _with_props(r.prefill_continued)}
+            "prefill_continued": None if r.prefill_continued is None else _with_props(r.prefill_continued),
+            "mixed": None if r.mixed is None else asdict(r.mixed)}
 
 
 def _gb(x: float) -> str:
@@ -749,6 +865,13 @@ def table(r: Report) -> str:
         lines += ["", f"Serving-like step: {c.tail} tokens continuing a prompt after its first {c.head} (prefix KV + "
                   f"state) beside a fresh prompt of {c.tail}: {c.step_ms_median:.1f} ms, {c.tokens_per_s:,.0f} "
                   f"tok/s{vs}."]
+    if (mx := r.mixed) is not None:
+        lines += ["", f"Mixed steps: {mx.batch} decode rows at context ~{mx.context}, alone and beside a prompt's chunk "
+                  "(wall ms per step with async scheduling; host ms per `step()` call, median):", "",
+                  "| step | graphed | ms per step | host ms per call | host / step |", "| --- | --- | ---: | ---: | ---: |"]
+        for row in mx.rows:
+            lines.append(f"| {row.label} | {'yes' if row.graphed else 'no'} | {row.step_ms:.2f} | {row.host_ms:.2f} "
+                         f"| {row.host_ms / row.step_ms:.0%} |")
     return "\n".join(lines)
 
 
@@ -805,6 +928,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--reps", type=int, help="timed prefill steps per shape")
     ap.add_argument("--no-prefill-continued", action="store_true",
                     help="skip the serving-like prefill step (a prompt continuing after a prefix, beside a fresh one)")
+    ap.add_argument("--mixed-batch", type=int,
+                    help="decode rows of the mixed-step rows (default 64; 0 = skip them)")
+    ap.add_argument("--mixed-prompt-tokens", help="prompt tokens beside them per step, comma-separated (default 128,512)")
     ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
     ap.add_argument("--matmul-n", type=int, help="n of the n^3 matmul for the peak rate (default 8192)")
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
@@ -834,7 +960,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
                      prefill_splits=_int_list("--prefill-splits", str(pick("prefill_splits"))), reps=pick("reps"),
                      copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, seed=args.seed,
-                     prefill_continued=not args.no_prefill_continued,
+                     prefill_continued=not args.no_prefill_continued, mixed_batch=pick("mixed_batch"),
+                     mixed_prompt_tokens=_int_list("--mixed-prompt-tokens", str(pick("mixed_prompt_tokens"))),
                      progress=not args.no_progress)
     return args, bc
 
@@ -865,11 +992,12 @@ def run(bc: BenchConfig, command: str) -> Report:
     decode = [bench_decode(engine, bc, b, copy) for b in bc.batches]
     prefill = [bench_prefill(engine, bc, s, mm) for s in bc.prefill_splits]
     continued = bench_prefill_continued(engine, bc) if bc.prefill_continued else None
+    mixed = bench_mixed(engine, bc) if bc.mixed_batch else None
     for d in decode:
         if d.traffic != d.traffic_from_tensors:
             raise RuntimeError(f"decode traffic B={d.batch}: formula {d.traffic} != tensors {d.traffic_from_tensors}")
     return Report(meta=meta, copy_gbps=copy, matmul_tflops=mm, matmul_dtype=str(mm_dtype).split(".")[-1],
-                  cache=cache, decode=decode, prefill=prefill, prefill_continued=continued)
+                  cache=cache, decode=decode, prefill=prefill, prefill_continued=continued, mixed=mixed)
 
 
 def _json_path(out: Path) -> Path:

@@ -117,6 +117,29 @@ def test_continued_prefill_step(smoke):
     assert c["tokens_per_s"] == pytest.approx(c["tokens"] / (c["step_ms_median"] / 1e3))
 
 
+def test_mixed_steps(smoke):
+    """The mixed-step rows ran (their RuntimeErrors check each timed step's rows: B decode rows alone, then B decode
+    rows and one prompt chunk): one decode row (no graphs on the CPU, so no eager copy of it), then one per prompt
+    size, each with its own step and host times."""
+    mx, bc = smoke["mixed"], smoke["meta"]["bench_config"]
+    assert mx["batch"] == bc["mixed_batch"] > 0 and mx["context"] == bc["context"]
+    assert [(r["prompt_tokens"], r["graphed"]) for r in mx["rows"]] == [(0, False)] + [
+        (p, False) for p in bc["mixed_prompt_tokens"]]
+    for r in mx["rows"]:
+        assert r["decode_rows"] == mx["batch"] and r["steps"] >= 1 and r["step_ms"] > 0 and r["host_ms"] > 0
+    assert mx["rows"][0]["steps"] == bc["steps"] and mx["rows"][1]["steps"] == eb.MIXED_CHUNKS - 2
+
+
+def test_mixed_steps_can_be_skipped(tmp_path):
+    argv = ["--smoke", "--batches", "1", "--prefill-splits", "1", "--no-prefill-continued", "--no-progress"]
+    tiny = ModelConfig.from_hf_dict(build_config("tiny"))
+    for mixed, seqs in ((None, eb.DEFAULTS["smoke"]["mixed_batch"] + 1), ("0", 2)):
+        _, bc = eb.parse_args(argv + (["--mixed-batch", mixed] if mixed else []))
+        assert eb.engine_setup(tiny, bc, torch.float32, torch.float32).max_num_seqs == seqs  # B rows + the prompt
+    assert eb.main(argv + ["--mixed-batch", "0", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / eb.JSON_NAME).read_text())["mixed"] is None
+
+
 def test_8b_like_traffic_is_the_known_size():
     cfg = ModelConfig.from_hf_dict(build_config("8b-like"))
     t = eb.decode_traffic(cfg, torch.bfloat16, torch.float32, batch=256, context_tokens=256 * 1024)
@@ -138,6 +161,8 @@ def test_8b_like_traffic_is_the_known_size():
     ["--smoke", "--steps", "0"],
     ["--smoke", "--preset", "huge"],
     ["--smoke", "--device", "cuda"],
+    ["--smoke", "--mixed-batch", "-1"],
+    ["--smoke", "--mixed-prompt-tokens", "8,0"],
 ])
 def test_bad_flags(argv):
     with pytest.raises(ValueError, match="expected"):
