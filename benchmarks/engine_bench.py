@@ -39,9 +39,10 @@
 
 Mixed steps (unless --mixed-batch 0): `--mixed-batch` decode rows at `--context`, decode-only (CUDA-graphed where
     graphs run, then the same steps eager), then beside a prompt's chunk of each `--mixed-prompt-tokens` size in
-    every step (eager: graphs hold decode-only steps). Per kind: wall ms per step with async scheduling and the
-    median host ms of one step() call; host close to wall means the host, not the GPU, sets the step's length
-    (what a decode node taking prompts, or an aggregated server's chunked prefill, pays per step).
+    every step: replayed as a CUDA graph where the engine's `--mixed-graph-tokens` covers the chunk, and eager.
+    Per kind: wall ms per step with async scheduling and the median host ms of one step() call; host close to
+    wall means the host, not the GPU, sets the step's length (what a decode node taking prompts, or an
+    aggregated server's chunked prefill, pays per step).
 
   python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
   python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
@@ -105,6 +106,8 @@ class BenchConfig:
     # each of `mixed_prompt_tokens` (eager: only decode-only steps have graphs).
     mixed_batch: int = 64
     mixed_prompt_tokens: tuple[int, ...] = (128, 512)
+    # The engine's mixed_graph_tokens: mixed steps of at most this many prompt tokens also replay a CUDA graph.
+    mixed_graph_tokens: int = 512
     copy_mib: int = 1024          # device-to-device copy size for the bandwidth
     matmul_n: int = 8192          # n of the n x n x n matmul for the peak rate
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
@@ -118,8 +121,10 @@ class BenchConfig:
             raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
         if self.preset not in PRESET_NAMES:
             raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
-        if not isinstance(self.mixed_batch, int) or self.mixed_batch < 0:
-            raise ValueError(f"--mixed-batch: expected an integer >= 0, got {self.mixed_batch!r}")
+        for name in ("mixed_batch", "mixed_graph_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= 0, got {v!r}")
         for name in ("batches", "prefill_splits", "mixed_prompt_tokens"):
             v = getattr(self, name)
             if not v or any(not isinstance(b, int) or b < 1 for b in v):
@@ -145,10 +150,10 @@ class BenchConfig:
 DEFAULTS = {
     "cuda": {"preset": "8b-like", "batches": "1,32,256", "context": 1024, "steps": 20, "prefill_tokens": 8192,
              "prefill_splits": "1,4", "reps": 3, "copy_mib": 1024, "matmul_n": 8192, "mixed_batch": 64,
-             "mixed_prompt_tokens": "128,512"},
+             "mixed_prompt_tokens": "128,512", "mixed_graph_tokens": 512},
     "smoke": {"preset": "tiny", "batches": "1,4", "context": 24, "steps": 3, "prefill_tokens": 64,
               "prefill_splits": "1,4", "reps": 2, "copy_mib": 8, "matmul_n": 128, "mixed_batch": 3,
-              "mixed_prompt_tokens": "4,8"},
+              "mixed_prompt_tokens": "4,8", "mixed_graph_tokens": 8},
 }
 
 
@@ -265,7 +270,8 @@ def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
     return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs,
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
-                        device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens)
+                        device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
+                        mixed_graph_tokens=bc.mixed_graph_tokens)
 
 
 def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:
@@ -749,25 +755,30 @@ def bench_mixed(engine: LLMEngine, bc: BenchConfig) -> MixedResult:
     sched = engine.scheduler
     base = sched.config
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    mixed_graphs = engine.runner.mixed_graphs
+
+    def mixed() -> None:
+        if engine.stats.row_kinds[-1] != (b, 1):
+            raise RuntimeError(f"mixed step: expected {b} decode rows and one prompt chunk, got "
+                               f"(decodes, prefills) = {engine.stats.row_kinds[-1]}")
+
     for i, p in enumerate(bc.mixed_prompt_tokens):
-        rid = f"mixed-{p}"
-        prompt = _prompts(1, (MIXED_CHUNKS + 1) * p, engine.model_config.vocab_size, bc.seed + 31 * i)[0]
-        sched.config = replace(base, long_prefill_token_threshold=p)
-        try:
-            engine.add_request(prompt, params, request_id=rid)
-            _timed_calls(engine, device, 2)  # its first chunk (admission) and the step after: untimed
-
-            def mixed() -> None:
-                if engine.stats.row_kinds[-1] != (b, 1):
-                    raise RuntimeError(f"mixed step: expected {b} decode rows and one prompt chunk, got "
-                                       f"(decodes, prefills) = {engine.stats.row_kinds[-1]}")
-
-            n, ms, host = _timed_calls(engine, device, MIXED_CHUNKS - 2, check=mixed)
-        finally:
-            sched.config = base
-        while any(r.request_id == rid for r in (*sched.running, *sched.waiting)):
-            engine.step()
-        rows.append(MixedStep(f"decode + {p} prompt tokens", b, p, False, n, ms, host))
+        # Graphed where the engine has mixed graphs for chunks of p tokens, then eager.
+        for graphed in (True, False) if mixed_graphs is not None and p <= mixed_graphs.Q else (False,):
+            rid = f"mixed-{p}-{graphed}"
+            prompt = _prompts(1, (MIXED_CHUNKS + 1) * p, engine.model_config.vocab_size, bc.seed + 31 * i)[0]
+            sched.config = replace(base, long_prefill_token_threshold=p)
+            engine.runner.mixed_graphs = mixed_graphs if graphed else None
+            try:
+                engine.add_request(prompt, params, request_id=rid)
+                _timed_calls(engine, device, 2)  # its first chunk (admission) and the step after: untimed
+                n, ms, host = _timed_calls(engine, device, MIXED_CHUNKS - 2, check=mixed)
+            finally:
+                sched.config = base
+                engine.runner.mixed_graphs = mixed_graphs
+            while any(r.request_id == rid for r in (*sched.running, *sched.waiting)):
+                engine.step()
+            rows.append(MixedStep(f"decode + {p} prompt tokens", b, p, graphed, n, ms, host))
     for rid in ids:
         engine.abort(rid)
     return MixedResult(batch=b, context=bc.context, rows=rows)
@@ -931,6 +942,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--mixed-batch", type=int,
                     help="decode rows of the mixed-step rows (default 64; 0 = skip them)")
     ap.add_argument("--mixed-prompt-tokens", help="prompt tokens beside them per step, comma-separated (default 128,512)")
+    ap.add_argument("--mixed-graph-tokens", type=int,
+                    help="the engine's mixed_graph_tokens: mixed steps of at most this many prompt tokens are also "
+                         "timed as CUDA graphs (default 512; 0 = eager only)")
     ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
     ap.add_argument("--matmul-n", type=int, help="n of the n^3 matmul for the peak rate (default 8192)")
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
@@ -961,6 +975,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
                      copy_mib=pick("copy_mib"), matmul_n=pick("matmul_n"), ssm_state_dtype=args.ssm_state_dtype,
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, seed=args.seed,
                      prefill_continued=not args.no_prefill_continued, mixed_batch=pick("mixed_batch"),
+                     mixed_graph_tokens=pick("mixed_graph_tokens"),
                      mixed_prompt_tokens=_int_list("--mixed-prompt-tokens", str(pick("mixed_prompt_tokens"))),
                      progress=not args.no_progress)
     return args, bc

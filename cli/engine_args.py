@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
                         "before each fused in (0 = off; default 1 on an H100, where it pays at one row, else 0; "
                         "2 and more are slower than cuBLAS)")
+    g.add_argument("--mixed-graph-tokens", type=int, metavar="Q",
+                   help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
+                        "CUDA graph instead of running eagerly (0 = off, the default; K = 0 only)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -39,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens")
+                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 

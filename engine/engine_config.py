@@ -59,6 +59,13 @@ class EngineConfig:
     # `llm_engine.resolved_fused_gemv_max_tokens`. From 2 rows up the GEMV is 2-22x slower than cuBLAS
     # (`benchmarks/gemv_bench.py`; RESULTS.md, sessions 7 and 8).
     fused_gemv_max_tokens: int | None = None
+    # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays
+    # a CUDA graph (`mixed_graphs.py`; the chunk padded to Q) instead of running eagerly, where it is bound by the
+    # host (H200, 8b-like, 64 decode rows: 8.8 ms graphed, 34-36 ms eager with 128-512 prompt tokens beside
+    # them; benchmarks/RESULTS.md, session 11). For decode nodes that take prompts (the router's prefill
+    # overflow, short prompts) and aggregated servers under a TPOT bound. Steps without decode rows are not
+    # limited. 0 (the default): off. With CUDA graphs on a CUDA device, K = 0 only.
+    mixed_graph_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -79,7 +86,13 @@ class EngineConfig:
         g = self.fused_gemv_max_tokens
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
             raise ValueError(f"engine field 'fused_gemv_max_tokens': expected an integer >= 0 or None, got {g!r}")
+        q = self.mixed_graph_tokens
+        if not isinstance(q, int) or isinstance(q, bool) or q < 0:
+            raise ValueError(f"engine field 'mixed_graph_tokens': expected an integer >= 0, got {q!r}")
         k = self.num_speculative_tokens
+        if q and k:
+            raise ValueError(f"engine field 'mixed_graph_tokens': expected 0 with speculative decoding "
+                             f"(num_speculative_tokens = {k}), got {q}")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "
                              f"0..{MAX_SPECULATIVE_TOKENS}, got {k!r}")

@@ -21,8 +21,10 @@ from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
+from baton.engine.mixed_graphs import MixedStepGraphs
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
+from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
@@ -118,6 +120,8 @@ class LLMEngine:
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
+        if self.runner.graphs is not None and config.mixed_graph_tokens and dispatch.use_triton(self.pools.ssm):
+            self.runner.mixed_graphs = self.make_mixed_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
         # Steps launched and not read yet (at most one with async scheduling), oldest first.
@@ -169,10 +173,21 @@ class LLMEngine:
         graphs.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         return graphs
 
+    def make_mixed_graphs(self, device: torch.device) -> MixedStepGraphs:
+        """The graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens; on a CPU device they run
+        their static layout eagerly)."""
+        cfg = self.config
+        max_blocks = -(-self.max_model_len // cfg.block_size) + 1
+        return MixedStepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
+                               cfg.mixed_graph_tokens)
+
     def capture_graphs(self) -> int:
-        """Capture the CUDA graph of every decode (verify) batch size now, as a server does before taking
-        traffic, so that no request waits on a capture; returns how many were captured (0 without graphs)."""
-        return 0 if self.runner.graphs is None else self.runner.graphs.capture_all()
+        """Capture the CUDA graph of every decode (verify) batch size now, and of every mixed step size with
+        `mixed_graph_tokens`, as a server does before taking traffic, so that no request waits on a capture;
+        returns how many were captured (0 without graphs)."""
+        mixed = self.runner.mixed_graphs
+        return (0 if self.runner.graphs is None else self.runner.graphs.capture_all()) + (
+            0 if mixed is None else mixed.capture_all())
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:

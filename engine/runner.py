@@ -19,6 +19,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
+from baton.engine.mixed_graphs import MixedStepGraphs
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, fill_pending
@@ -52,6 +53,8 @@ class ModelRunner:
         self.model = model
         # CUDA graphs of decode (or verify) steps, set by the engine where they can run; None: all eager.
         self.graphs: StepGraphs | None = None
+        # CUDA graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens); None: those run eagerly.
+        self.mixed_graphs: MixedStepGraphs | None = None
         # Steps of at most this many tokens run the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
         self.fused_gemv_max_tokens = 0
         self.pools = pools
@@ -168,6 +171,8 @@ class ModelRunner:
         fill = self._pending_inputs(out, prev)
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
+        elif self._mixed_graphable(out):
+            logits = self._mixed_graph(out, fill=fill)
         else:
             input_ids, batch = self.build_batch(out)
             if fill is not None:
@@ -208,6 +213,36 @@ class ModelRunner:
         g = self.graphs
         return (g is not None and out.num_decodes == len(out.rows) and g.size_for(len(out.rows)) is not None
                 and all(r.num_tokens <= g.T for r in out.rows))
+
+    def _mixed_graphable(self, out: SchedulerOutput) -> bool:
+        """A step that a mixed graph can run: decode rows of one token, each sampling, then one prompt chunk of at
+        most the graphs' Q tokens."""
+        g = self.mixed_graphs
+        nd = out.num_decodes
+        return (g is not None and nd >= 1 and len(out.rows) == nd + 1 and g.size_for(nd) is not None
+                and out.rows[nd].num_tokens <= g.Q and all(r.num_tokens == 1 and r.sample for r in out.rows[:nd]))
+
+    def _mixed_graph(self, out: SchedulerOutput, fill: tuple | None = None) -> torch.Tensor:
+        """Replay the mixed graph of a mixed-graphable step: the logits of its sampling rows [R_s, V] (the decode
+        rows, then the chunk's when it completes its prompt)."""
+        bs, nd = self.block_size, out.num_decodes
+        ids: list[int] = []
+        slot_mapping: list[int] = []
+        seq_lens: list[int] = []
+        for r in out.rows[:nd]:
+            start = r.num_computed_tokens
+            ids += r.token_ids
+            slot_mapping += kv_slots(r.block_ids, start, start + 1, bs)
+            seq_lens.append(start + 1)
+        c = out.rows[nd]
+        start, L = c.num_computed_tokens, c.num_tokens
+        chunk = {"ids": list(c.token_ids), "slot_mapping": list(kv_slots(c.block_ids, start, start + L, bs)),
+                 "seq_len": start + L, "state_slot": c.state_slot, "has_initial_state": c.has_initial_state,
+                 "block_table": c.block_ids}
+        dec = {"ids": ids, "slot_mapping": slot_mapping, "seq_lens": seq_lens,
+               "state_slots": [r.state_slot for r in out.rows[:nd]], "block_tables": [r.block_ids for r in out.rows[:nd]]}
+        logits, n = self.mixed_graphs.run(dec, chunk, fill=fill)
+        return torch.cat([logits[:nd], logits[n:]]) if c.sample else logits[:nd]
 
     def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list[int]) -> torch.Tensor:
         """Replay the graph of a graphable step: logits [R, V] (decode), or the spec runner's packed results."""

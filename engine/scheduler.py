@@ -10,6 +10,8 @@ Per step (R5):
 2. running requests still prefilling get a chunk each: min(remaining, budget left, chunk cap);
 3. waiting requests are admitted in arrival order while budget, sequence slots, state slots and KV
    blocks last; the first that does not fit stops admission (no overtaking).
+With `mixed_graph_tokens` = Q and decode rows in the step, 2 and 3 give one prompt chunk at most, of at most Q
+tokens (such a step replays a CUDA graph: `mixed_graphs.py`).
 
 Async scheduling (K = 0, or a prefill-only engine; `LLMEngine`): step n+1 is scheduled while step n still runs
 on the GPU. `advance(out)` accounts for a launched step at once (computed tokens, and a PENDING output token
@@ -166,6 +168,10 @@ class Scheduler:
                 planned[req.request_id] = n
                 decoding.append(req)
                 budget -= n
+        # One prompt chunk of at most Q tokens beside decode rows (EngineConfig.mixed_graph_tokens).
+        one_chunk = bool(self.config.mixed_graph_tokens and decoding)
+        if one_chunk:
+            cap = min(cap, self.config.mixed_graph_tokens)
 
         # 2. running prefills (chunked). Every planned request is running (victims are never planned ones): when
         # all running requests are planned, none is left to prefill.
@@ -186,7 +192,7 @@ class Scheduler:
             if n > 0:
                 self._allocate_for(req, n)
                 planned[req.request_id] = n
-                budget -= n
+                budget = 0 if one_chunk else budget - n
 
         # 3. admission, FCFS; none in a step that had to preempt (it would only thrash). A request is
         # admitted only if the blocks for its whole prefill are free now, not just for its first chunk.
@@ -208,7 +214,7 @@ class Scheduler:
             self._allocate_for(req, n, self.lookahead if self._last_chunk(req, n) else 0)
             self._insert_running(req)
             planned[req.request_id] = n
-            budget -= n
+            budget = 0 if one_chunk else budget - n
 
         # Decodes first, each group in arrival order. A decode row stays in `running` (only unplanned requests are
         # preempted, and a prefill or admission never turns a request into a decode within the step).

@@ -288,6 +288,17 @@ def test_engine_settings_through_configmap():
     assert after["checksum/engine"] != before
 
 
+def test_mixed_graph_tokens_reach_the_decode_nodes_only():
+    vals = values("all")
+    vals["engine"]["speculative-tokens"] = None  # mixed graphs are for K = 0
+    vals["decode"]["engine"]["mixed-graph-tokens"] = 256
+    docs = render(vals)
+    decode = arg_map(expand(container(one(docs, "StatefulSet", "decode")), docs))
+    prefill = arg_map(expand(container(one(docs, "StatefulSet", "prefill")), docs))
+    assert decode["--mixed-graph-tokens"] == ["256"] and "--mixed-graph-tokens" not in prefill
+    assert "--speculative-tokens" not in decode
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"decode": {"replicas": 0}}, "replicas"),
     ({"decode": {"engine": {"block-size": 32}}}, "block-size"),
@@ -295,6 +306,7 @@ def test_engine_settings_through_configmap():
     ({"engine": {"max-num-sequences": 8}}, "max-num-sequences"),
     ({"decode": {"engine": {"cuda-graphs": "yes"}}}, "cuda-graphs"),
     ({"engine": {"fused-gemv-max-tokens": -1}}, "fused-gemv-max-tokens"),
+    ({"decode": {"engine": {"mixed-graph-tokens": -8}}}, "mixed-graph-tokens"),
     ({"model": {"source": "s3"}}, "source"),
     ({"router": {"discovery": "consul"}}, "discovery"),
 ])

@@ -155,3 +155,21 @@ def test_r7_randomized_200_requests_with_aborts_and_preemptions_leak_nothing():
         assert steps < 20000
     assert s.num_preemptions > 0 and mixed > 0
     assert s.blocks.num_free == 40 and s.slots.num_free == 8
+
+
+def test_mixed_graph_tokens_give_one_chunk_of_at_most_q_beside_decode_rows():
+    # With decode rows running: one prompt chunk per step, of at most Q tokens (running prefills first, then
+    # admission); without decode rows the budget and chunk cap apply as usual.
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=40, mixed_graph_tokens=6)
+    s = Scheduler(cfg, num_blocks=64, num_slots=8)
+    s.add(make_req("a", 10))
+    s.add(make_req("b", 12))
+    first = run_step(s)  # no decode rows yet: both prompts whole
+    assert [(r.request_id, r.num_tokens) for r in first.rows] == [("a", 10), ("b", 12)]
+    s.add(make_req("long", 15))
+    s.add(make_req("next", 4))
+    shapes = []
+    for _ in range(4):
+        out = run_step(s)
+        shapes.append([(r.request_id, r.is_decode, r.num_tokens) for r in out.rows if not r.is_decode])
+    assert shapes == [[("long", False, 6)], [("long", False, 6)], [("long", False, 3)], [("next", False, 4)]]

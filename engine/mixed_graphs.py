@@ -1,0 +1,216 @@
+"""CUDA graphs of mixed steps: R decode rows (one token each, K = 0) and one prompt chunk of at most Q tokens.
+
+A step with prompt tokens cannot replay a decode graph, and run eagerly it is bound by the host: on an H200 the
+8b-like model's 64 decode rows take 8.8 ms as a graph, 22.9 ms eager and 34-36 ms with 128-512 prompt tokens
+beside them, while the GPU's kernels take ~11 ms (`benchmarks/engine_bench.py`'s mixed steps, RESULTS.md
+session 11). With `EngineConfig.mixed_graph_tokens` = Q the scheduler gives a step with decode rows at most one
+prompt chunk of at most Q tokens, and such a step replays one of these graphs:
+
+- tokens: the decode rows' first (row i's token is token i, padded to the graph's size n as decode graphs pad),
+  then the chunk's, padded to Q. Only the chunk's real length L changes from step to step, and it is a device
+  input: the query starts are [0, 1, ..., n, n + L], the scan's chunk lengths and the row's chunk count are
+  written from it, and every kernel bounds the row by them. The padding tokens past L belong to no row: their
+  KV goes to the scratch block (slot mapping), attention gives them no program, the conv and the scan write no
+  state from them, and their outputs (unused) stay in their own rows of every activation (row-wise ops);
+- the attention kernel's program map is built once per size for a chunk of Q tokens (spare programs past L
+  read and write nothing), the scan's chunk layout once for Q tokens (chunks past L have length 0);
+- the logits are gathered on the device from the decode rows and the chunk's last real token (n + L - 1).
+
+Inputs go in one non-blocking copy from pinned memory (`host_copy.to_device`), then into the static buffers; a
+decode row's PENDING token (async scheduling) is taken on the device from the step in flight, as for decode
+graphs. On a CPU device the same static, padded layout runs eagerly (no capture), which the tests compare with
+steps built the usual way. Graphs are captured lazily, the first time a size is needed, or all at once by
+`capture_all`, into one memory pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.engine.cache_pools import CachePools
+from baton.engine.cuda_graphs import graph_sizes
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.host_copy import to_device
+from baton.engine.model import NemotronHForCausalLM
+from baton.engine.ops import dispatch
+from baton.engine.pending_step import fill_pending
+
+
+class MixedStepGraphs:
+    def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
+                 max_blocks: int, device: torch.device, chunk_tokens: int) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"mixed step graphs: expected chunk_tokens >= 1, got {chunk_tokens}")
+        self.model = model
+        self.pools = pools
+        self.block_size = block_size
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        self.device = device
+        self.Q = Q = chunk_tokens
+        self.sizes = graph_sizes(max_rows)
+        n, dev = max_rows, device
+        # Static inputs, sized for the largest graph; a graph of n decode rows uses the first n + Q tokens and
+        # n + 1 rows (the chunk's row last).
+        self.ids = torch.zeros(n + Q, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(n + Q, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.state_slots = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        self.has_initial_state = torch.ones(n + 1, dtype=torch.bool, device=dev)
+        self.last = torch.zeros(n + 1, dtype=torch.int64, device=dev)  # rows' last tokens, for the logits
+        self.block_tables = torch.zeros(n + 1, max_blocks, dtype=torch.int64, device=dev)
+        # Per size: its query starts [0..n, n + L] (their own tensor: the attention map is tied to it) and the map.
+        self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
+        self.chunk_meta = None
+        cfg = model.cfg
+        if cfg.mamba_layer_ids and dispatch.use_triton(self.ids):
+            from baton.engine.ops.triton_ssd import build_chunk_meta
+            self.chunk_meta = build_chunk_meta([0, Q], cfg.chunk_size, dev)
+        self.capture = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def size_for(self, rows: int) -> int | None:
+        """The graph size a step of `rows` decode rows runs in, or None when it is larger than any."""
+        return next((s for s in self.sizes if s >= rows), None)
+
+    def _query_starts(self, n: int) -> tuple[torch.Tensor, object | None]:
+        if n not in self._starts:
+            host = [*range(n + 1), n + self.Q]
+            qsl, meta = to_device(host, torch.int64, self.device), None
+            cfg = self.model.cfg
+            if cfg.attention_layer_ids and dispatch.use_triton(qsl):
+                from baton.engine.ops.triton_attention import build_attention_meta
+                meta = build_attention_meta(host, qsl, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            self._starts[n] = (qsl, meta)
+        return self._starts[n]
+
+    def _batch(self, n: int) -> ForwardBatch:
+        qsl, attention_meta = self._query_starts(n)
+        return ForwardBatch(
+            num_decodes=n,
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens[:n + 1],
+            block_tables=self.block_tables[:n + 1],
+            slot_mapping=self.slot_mapping[:n + self.Q],
+            state_slots=self.state_slots[:n + 1],
+            has_initial_state=self.has_initial_state[:n + 1],
+            kv_caches=self.pools.kv_layers(),
+            conv_states=self.pools.conv_layers(),
+            ssm_states=self.pools.ssm_layers(),
+            num_decode_tokens=n,
+            prefill_chunk_meta=self.chunk_meta,
+            attention_meta=attention_meta,
+        )
+
+    def _forward(self, n: int) -> torch.Tensor:
+        hidden = self.model(self.ids[:n + self.Q], self._batch(n))
+        return self.model.logits(hidden[self.last[:n + 1]])
+
+    def _write(self, n: int, flat: list[int], width: int, chunk_len: int) -> None:
+        """The step's inputs from host ints into the static buffers: one copy to the device, then slices."""
+        Q = self.Q
+        staged = to_device(flat, torch.int64, self.device)
+        at = 0
+        for dst, size in ((self.ids, n + Q), (self.slot_mapping, n + Q), (self.seq_lens, n + 1),
+                          (self.state_slots, n + 1), (self.has_initial_state, n + 1), (self.last, n + 1)):
+            dst[:size] = staged[at:at + size]
+            at += size
+        qsl, _ = self._query_starts(n)
+        qsl[n + 1] = staged[at]
+        at += 1
+        if self.chunk_meta is not None:
+            m = self.chunk_meta
+            m.chunk_len.copy_(staged[at:at + m.num_chunks])
+            m.row_chunk[1] = staged[at + m.num_chunks]
+        at += chunk_len
+        self.block_tables[:n + 1, :width] = staged[at:].view(n + 1, width)
+
+    def _inputs(self, n: int, dec: dict, chunk: dict) -> tuple[list[int], int, int]:
+        """Host ints of a step (see `run`), padded to size n: (flat list, block-table width, chunk-length entries)."""
+        Q, bs = self.Q, self.block_size
+        scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
+        rows = len(dec["state_slots"])
+        pad = n - rows
+        L = len(chunk["ids"])
+        width = max(1, *(len(b) for b in (*dec["block_tables"], chunk["block_table"])))
+        chunk_lens: list[int] = []
+        row_chunks: list[int] = []
+        if self.chunk_meta is not None:
+            cs = self.chunk_meta.chunk_size
+            chunk_lens = [max(0, min(cs, L - c * cs)) for c in range(self.chunk_meta.num_chunks)]
+            row_chunks = [-(-L // cs)]
+        flat = [
+            *dec["ids"], *[0] * pad, *chunk["ids"], *[0] * (Q - L),
+            *dec["slot_mapping"], *[scratch_block * bs] * pad, *chunk["slot_mapping"], *[scratch_block * bs] * (Q - L),
+            *dec["seq_lens"], *[1] * pad, chunk["seq_len"],
+            *dec["state_slots"], *[scratch_slot] * pad, chunk["state_slot"],
+            *[1] * n, int(chunk["has_initial_state"]),
+            *range(n), n + L - 1,
+            n + L,
+            *chunk_lens, *row_chunks,
+        ]
+        for b in (*dec["block_tables"], *[()] * pad, chunk["block_table"]):
+            flat += b
+            flat += [scratch_block] * (width - len(b))
+        return flat, width, len(chunk_lens) + len(row_chunks)
+
+    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up and capture on padding only: every row on the scratch block and slot, a chunk of Q tokens from zeros.
+        self._pad(n)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(n)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(n)
+        return graph, out
+
+    def _pad(self, n: int) -> None:
+        bs, scratch_block = self.block_size, self.pools.scratch_block
+        chunk = {"ids": [0] * self.Q, "slot_mapping": [scratch_block * bs] * self.Q, "seq_len": self.Q,
+                 "state_slot": self.pools.scratch_slot, "has_initial_state": False, "block_table": ()}
+        empty = {"ids": [], "slot_mapping": [], "seq_lens": [], "state_slots": [], "block_tables": []}
+        self._write(n, *self._inputs(n, empty, chunk))
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every size now (largest first); returns how many were captured."""
+        if not self.capture:
+            return 0
+        todo = [n for n in reversed(self.sizes) if n not in self.graphs]
+        for n in todo:
+            self.graphs[n] = self._capture(n)
+        return len(todo)
+
+    @torch.inference_mode()
+    def run(self, dec: dict, chunk: dict, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
+        """Replay the graph for R decode rows and one chunk. dec: per decode row "ids" (its one token),
+        "slot_mapping", "seq_lens", "state_slots", "block_tables"; chunk: "ids" and "slot_mapping" of its L tokens
+        (1 <= L <= Q), "seq_len", "state_slot", "has_initial_state", "block_table". fill: PENDING decode tokens
+        taken on the device (`pending_step.fill_pending`). Returns (logits [n + 1, V] float32: the decode rows
+        (then padding) and last the chunk's last token, n)."""
+        rows, L = len(dec["state_slots"]), len(chunk["ids"])
+        n = self.size_for(rows)
+        if n is None or not 1 <= L <= self.Q:
+            raise ValueError(f"mixed step graphs: expected at most {self.max_rows} decode rows and a chunk of 1.."
+                             f"{self.Q} tokens, got {rows} rows and {L} tokens")
+        width = max(len(b) for b in (*dec["block_tables"], chunk["block_table"]))
+        if width > self.max_blocks:
+            raise ValueError(f"mixed step graphs: expected block tables of at most {self.max_blocks} blocks, got "
+                             f"{width}")
+        if self.capture and n not in self.graphs:
+            self.graphs[n] = self._capture(n)
+        flat, width, chunk_len = self._inputs(n, dec, chunk)
+        self._write(n, flat, width, chunk_len)
+        if fill is not None:
+            fill_pending(self.ids, *fill)
+        if self.capture:
+            graph, out = self.graphs[n]
+            graph.replay()
+        else:
+            out = self._forward(n)
+        return out, n

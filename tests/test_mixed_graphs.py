@@ -1,0 +1,93 @@
+"""CUDA graphs of mixed steps (engine/mixed_graphs.py): decode rows plus one prompt chunk padded to Q tokens give the
+tokens of steps built the usual way; the scheduler gives such steps one chunk of at most Q tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.sampling_params import SamplingParams
+from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model, spec_model  # noqa: F401
+
+Q = 20  # more than the tiny model's scan chunk (16): a padded chunk spans two scan chunks
+
+
+def _arrivals():
+    # Short prompts start decoding; longer ones arrive while they decode and go in chunks of up to Q tokens
+    # (45 = 20 + 20 + 5: chunks shorter than Q too, and the last one samples).
+    lengths = [(3,), (11,), (45, 1), (6,), (37,), (2, 23), (9,), (), (30,)]
+    return [[("local", f"n{n}-{i}", prompt_of(n, i)) for n in group] for i, group in enumerate(lengths)]
+
+
+def test_mixed_graph_tokens_is_validated():
+    with pytest.raises(ValueError, match="mixed_graph_tokens': expected an integer >= 0, got -1"):
+        EngineConfig(mixed_graph_tokens=-1)
+    with pytest.raises(ValueError, match="mixed_graph_tokens': expected 0 with speculative decoding"):
+        EngineConfig(mixed_graph_tokens=64, num_speculative_tokens=2, max_num_batched_tokens=512)
+
+
+def test_mixed_graphs_are_off_on_cpu_and_without_the_option(small_spec_model):  # noqa: F811
+    assert new_engine(small_spec_model, 0, mixed_graph_tokens=Q).runner.mixed_graphs is None  # no graphs on a CPU
+    assert new_engine(small_spec_model, 0).runner.mixed_graphs is None
+
+
+def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch):  # noqa: F811
+    """Decode rows and one chunk in the graphs' static layout (decode rows padded to the graph size on the scratch
+    block and slot, the chunk padded to Q tokens with its real length a device input), run eagerly on the CPU
+    on the Triton kernels (interpreted), give the tokens and rows of the same steps built the usual way."""
+    pytest.importorskip("triton")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = {"mixed_graph_tokens": Q, "long_prefill_token_threshold": None}
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    ref_engine = new_engine(small_spec_model, 0, **kw)
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, _arrivals(), params)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    engine = new_engine(small_spec_model, 0, **kw)
+    engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
+    mixed = engine.runner.mixed_graphs = engine.make_mixed_graphs(torch.device("cpu"))
+    calls = []
+    static_run = mixed.run
+
+    def counting_run(dec, chunk, fill=None):
+        calls.append((len(dec["state_slots"]), len(chunk["ids"]), fill is not None))
+        return static_run(dec, chunk, fill=fill)
+
+    mixed.run = counting_run
+    log = Log(engine)
+    got = run(engine, _arrivals(), params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert log.rows == ref_log.rows
+    # Mixed steps of several decode-row counts (padded: 3, 5, 6 or 7 rows run as 4 or 8), chunks of Q tokens and
+    # shorter ones, some with PENDING decode tokens taken from the step in flight.
+    assert len(calls) > 5 and {n for n, _, _ in calls} - {1, 2, 4, 8}
+    assert {L for _, L, _ in calls} >= {Q, 5} and any(f for _, _, f in calls)
+    # Every step with decode rows carried one chunk at most, of at most Q tokens.
+    for out in log.steps:
+        if out.num_decodes:
+            assert out.num_prefills <= 1 and all(r.num_tokens <= Q for r in out.rows[out.num_decodes:])
+
+
+def _engine(model, dtype: str, q: int):
+    cfg, weights = model
+    from baton.engine.llm_engine import LLMEngine
+
+    return LLMEngine(cfg, weights, EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96,
+                                                dtype=dtype, num_kv_blocks=256, device="cuda", mixed_graph_tokens=q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype):  # noqa: F811
+    """On the GPU, the same schedule (one chunk of at most Q tokens beside decode rows) with mixed steps replayed
+    as CUDA graphs and run eagerly gives the same greedy tokens; graphs of several sizes were captured."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager_engine = _engine(spec_model, dtype, Q)
+    eager_engine.runner.mixed_graphs = None
+    eager = run(eager_engine, _arrivals(), params)
+    engine = _engine(spec_model, dtype, Q)
+    assert engine.runner.mixed_graphs is not None
+    got = run(engine, _arrivals(), params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
+    assert len(engine.runner.mixed_graphs.graphs) >= 2
