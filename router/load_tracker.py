@@ -4,6 +4,12 @@ Polls are periodic, so on their own every request arriving between two polls wou
 and go to the same worker. The tracker adds the work this router has sent that the last poll could not
 have counted yet: a request is counted iff it was sent after that poll *began* (an epoch check), and
 until it is answered. Work sent before the poll began is already in the worker's own numbers.
+
+A prefill worker's numbers also go stale the other way: a prompt the last poll counted as outstanding and whose
+Prefill call has since returned is done, yet would stay in the estimate until the next poll — at ~35k prompt
+tokens/s (one H200) a 0.5 s poll interval overstates the queue by up to ~17k tokens, enough to trip the router's
+`prefill_queue_limit_tokens` overflow while the worker idles. So the prefill tokens of such returned requests are
+taken off the last poll's number (never below 0) until the next poll answers.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class LoadTracker:
         self._snapshot = LoadSnapshot()
         self._snapshot_epoch = 0
         self._sent: dict[str, _Sent] = {}
+        # Prefill tokens of requests the last poll counted that have returned since (prefill workers).
+        self._returned = 0
 
     def begin_poll(self) -> int:
         """Call right before sending `Load`; pass the result to `end_poll` with the answer."""
@@ -48,6 +56,7 @@ class LoadTracker:
         # An answer older than the one we hold describes an older state: keep the newer one.
         if epoch >= self._snapshot_epoch:
             self._snapshot, self._snapshot_epoch = snapshot, epoch
+            self._returned = 0
 
     def add(self, request_id: str, prompt_tokens: int, prefill_tokens: int | None = None) -> None:
         """A request sent: its prompt tokens, and of them the ones the worker prefills (default all)."""
@@ -55,7 +64,10 @@ class LoadTracker:
                                        prompt_tokens if prefill_tokens is None else prefill_tokens)
 
     def remove(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+        """A request answered (a prefill worker: its Prefill call returned, done or failed)."""
+        sent = self._sent.pop(request_id, None)
+        if sent is not None and self.role is Role.PREFILL and sent.epoch < self._snapshot_epoch:
+            self._returned += sent.prefill_tokens  # the last poll counted it; it is no longer queued there
 
     @property
     def in_flight(self) -> int:
@@ -66,7 +78,8 @@ class LoadTracker:
         snap = self._snapshot
         if self.role is Role.PREFILL:
             tokens = sum(s.prompt_tokens for s in unseen)
-            return WorkerLoad(healthy, outstanding_prefill_tokens=snap.outstanding_prefill_tokens + tokens)
+            polled = max(0, snap.outstanding_prefill_tokens - self._returned)
+            return WorkerLoad(healthy, outstanding_prefill_tokens=polled + tokens)
         bs = self.block_size
         blocks = sum(-(-s.prompt_tokens // bs) for s in unseen) if bs > 0 else 0
         return WorkerLoad(healthy, free_state_slots=snap.free_state_slots - len(unseen),

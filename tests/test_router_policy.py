@@ -131,6 +131,32 @@ def test_tracker_counts_work_sent_since_the_poll_began():
     assert t.load(False).healthy is False
 
 
+def test_prefill_tracker_takes_returned_prompts_off_the_last_poll():
+    # Prompts the last poll counted and whose Prefill calls returned since are no longer queued on the worker: the
+    # estimate drops at once instead of at the next poll (which would trip the overflow limit while it idles).
+    t = LoadTracker(Role.PREFILL)
+    t.add("a", 4000)
+    t.add("b", 3000)
+    epoch = t.begin_poll()
+    t.add("c", 500)  # after the poll began: counted on top of the answer
+    t.end_poll(epoch, LoadSnapshot(outstanding_prefill_tokens=6000))  # a (partly computed) and b
+    assert t.load(True).outstanding_prefill_tokens == 6500
+    t.remove("a")
+    assert t.load(True).outstanding_prefill_tokens == 2500
+    t.remove("b")  # 7000 returned against 6000 polled: never below 0
+    assert t.load(True).outstanding_prefill_tokens == 500
+    t.end_poll(t.begin_poll(), LoadSnapshot(outstanding_prefill_tokens=300))  # the worker's count takes over
+    assert t.load(True).outstanding_prefill_tokens == 300
+    t.remove("c")  # counted by that poll: taken off it
+    assert t.load(True).outstanding_prefill_tokens == 0
+    # A decode worker's requests return when they finish decoding, long after their prompt: no such correction.
+    d = LoadTracker(Role.DECODE)
+    d.add("x", 100)
+    d.end_poll(d.begin_poll(), LoadSnapshot(outstanding_prefill_tokens=100, free_state_slots=4))
+    d.remove("x")
+    assert d.load(True).outstanding_prefill_tokens == 100
+
+
 def test_tracker_ignores_an_older_poll_answer():
     t = LoadTracker(Role.PREFILL)
     old, new = t.begin_poll(), t.begin_poll()
