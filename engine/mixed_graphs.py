@@ -25,6 +25,9 @@ steps built the usual way. Graphs are captured lazily, the first time a size is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from baton.engine.cache_pools import CachePools
@@ -34,6 +37,32 @@ from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import fill_pending
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A mixed step's decode rows as host ints, one entry per row: its token, KV slot, sequence length (context + 1),
+    state slot and block table."""
+    ids: Sequence[int]
+    slot_mapping: Sequence[int]
+    seq_lens: Sequence[int]
+    state_slots: Sequence[int]
+    block_tables: Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A mixed step's prompt chunk as host ints: its L tokens and their KV slots, the row's sequence length
+    (context + L), state slot, whether it starts from that slot's state, and its block table."""
+    ids: Sequence[int]
+    slot_mapping: Sequence[int]
+    seq_len: int
+    state_slot: int
+    has_initial_state: bool
+    block_table: Sequence[int]
+
+
+_NO_ROWS = DecodeRows((), (), (), (), ())
 
 
 class MixedStepGraphs:
@@ -126,14 +155,14 @@ class MixedStepGraphs:
         at += chunk_len
         self.block_tables[:n + 1, :width] = staged[at:].view(n + 1, width)
 
-    def _inputs(self, n: int, dec: dict, chunk: dict) -> tuple[list[int], int, int]:
+    def _inputs(self, n: int, dec: DecodeRows, chunk: PromptChunk) -> tuple[list[int], int, int]:
         """Host ints of a step (see `run`), padded to size n: (flat list, block-table width, chunk-length entries)."""
         Q, bs = self.Q, self.block_size
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
-        rows = len(dec["state_slots"])
+        rows = len(dec.state_slots)
         pad = n - rows
-        L = len(chunk["ids"])
-        width = max(1, *(len(b) for b in (*dec["block_tables"], chunk["block_table"])))
+        L = len(chunk.ids)
+        width = max(1, *(len(b) for b in (*dec.block_tables, chunk.block_table)))
         chunk_lens: list[int] = []
         row_chunks: list[int] = []
         if self.chunk_meta is not None:
@@ -141,16 +170,16 @@ class MixedStepGraphs:
             chunk_lens = [max(0, min(cs, L - c * cs)) for c in range(self.chunk_meta.num_chunks)]
             row_chunks = [-(-L // cs)]
         flat = [
-            *dec["ids"], *[0] * pad, *chunk["ids"], *[0] * (Q - L),
-            *dec["slot_mapping"], *[scratch_block * bs] * pad, *chunk["slot_mapping"], *[scratch_block * bs] * (Q - L),
-            *dec["seq_lens"], *[1] * pad, chunk["seq_len"],
-            *dec["state_slots"], *[scratch_slot] * pad, chunk["state_slot"],
-            *[1] * n, int(chunk["has_initial_state"]),
+            *dec.ids, *[0] * pad, *chunk.ids, *[0] * (Q - L),
+            *dec.slot_mapping, *[scratch_block * bs] * pad, *chunk.slot_mapping, *[scratch_block * bs] * (Q - L),
+            *dec.seq_lens, *[1] * pad, chunk.seq_len,
+            *dec.state_slots, *[scratch_slot] * pad, chunk.state_slot,
+            *[1] * n, int(chunk.has_initial_state),
             *range(n), n + L - 1,
             n + L,
             *chunk_lens, *row_chunks,
         ]
-        for b in (*dec["block_tables"], *[()] * pad, chunk["block_table"]):
+        for b in (*dec.block_tables, *[()] * pad, chunk.block_table):
             flat += b
             flat += [scratch_block] * (width - len(b))
         return flat, width, len(chunk_lens) + len(row_chunks)
@@ -171,10 +200,9 @@ class MixedStepGraphs:
 
     def _pad(self, n: int) -> None:
         bs, scratch_block = self.block_size, self.pools.scratch_block
-        chunk = {"ids": [0] * self.Q, "slot_mapping": [scratch_block * bs] * self.Q, "seq_len": self.Q,
-                 "state_slot": self.pools.scratch_slot, "has_initial_state": False, "block_table": ()}
-        empty = {"ids": [], "slot_mapping": [], "seq_lens": [], "state_slots": [], "block_tables": []}
-        self._write(n, *self._inputs(n, empty, chunk))
+        chunk = PromptChunk(ids=[0] * self.Q, slot_mapping=[scratch_block * bs] * self.Q, seq_len=self.Q,
+                            state_slot=self.pools.scratch_slot, has_initial_state=False, block_table=())
+        self._write(n, *self._inputs(n, _NO_ROWS, chunk))
 
     @torch.inference_mode()
     def capture_all(self) -> int:
@@ -187,18 +215,16 @@ class MixedStepGraphs:
         return len(todo)
 
     @torch.inference_mode()
-    def run(self, dec: dict, chunk: dict, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
-        """Replay the graph for R decode rows and one chunk. dec: per decode row "ids" (its one token),
-        "slot_mapping", "seq_lens", "state_slots", "block_tables"; chunk: "ids" and "slot_mapping" of its L tokens
-        (1 <= L <= Q), "seq_len", "state_slot", "has_initial_state", "block_table". fill: PENDING decode tokens
+    def run(self, dec: DecodeRows, chunk: PromptChunk, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
+        """Replay the graph for R decode rows and one chunk of L tokens (1 <= L <= Q). fill: PENDING decode tokens
         taken on the device (`pending_step.fill_pending`). Returns (logits [n + 1, V] float32: the decode rows
         (then padding) and last the chunk's last token, n)."""
-        rows, L = len(dec["state_slots"]), len(chunk["ids"])
+        rows, L = len(dec.state_slots), len(chunk.ids)
         n = self.size_for(rows)
         if n is None or not 1 <= L <= self.Q:
             raise ValueError(f"mixed step graphs: expected at most {self.max_rows} decode rows and a chunk of 1.."
                              f"{self.Q} tokens, got {rows} rows and {L} tokens")
-        width = max(len(b) for b in (*dec["block_tables"], chunk["block_table"]))
+        width = max(len(b) for b in (*dec.block_tables, chunk.block_table))
         if width > self.max_blocks:
             raise ValueError(f"mixed step graphs: expected block tables of at most {self.max_blocks} blocks, got "
                              f"{width}")

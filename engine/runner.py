@@ -19,7 +19,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
-from baton.engine.mixed_graphs import MixedStepGraphs
+from baton.engine.mixed_graphs import DecodeRows, MixedStepGraphs, PromptChunk
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, fill_pending
@@ -236,11 +236,12 @@ class ModelRunner:
             seq_lens.append(start + 1)
         c = out.rows[nd]
         start, L = c.num_computed_tokens, c.num_tokens
-        chunk = {"ids": list(c.token_ids), "slot_mapping": list(kv_slots(c.block_ids, start, start + L, bs)),
-                 "seq_len": start + L, "state_slot": c.state_slot, "has_initial_state": c.has_initial_state,
-                 "block_table": c.block_ids}
-        dec = {"ids": ids, "slot_mapping": slot_mapping, "seq_lens": seq_lens,
-               "state_slots": [r.state_slot for r in out.rows[:nd]], "block_tables": [r.block_ids for r in out.rows[:nd]]}
+        chunk = PromptChunk(ids=c.token_ids, slot_mapping=kv_slots(c.block_ids, start, start + L, bs),
+                            seq_len=start + L, state_slot=c.state_slot, has_initial_state=c.has_initial_state,
+                            block_table=c.block_ids)
+        dec = DecodeRows(ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens,
+                         state_slots=[r.state_slot for r in out.rows[:nd]],
+                         block_tables=[r.block_ids for r in out.rows[:nd]])
         logits, n = self.mixed_graphs.run(dec, chunk, fill=fill)
         return torch.cat([logits[:nd], logits[n:]]) if c.sample else logits[:nd]
 

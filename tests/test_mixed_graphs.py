@@ -51,7 +51,7 @@ def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, 
     static_run = mixed.run
 
     def counting_run(dec, chunk, fill=None):
-        calls.append((len(dec["state_slots"]), len(chunk["ids"]), fill is not None))
+        calls.append((len(dec.state_slots), len(chunk.ids), fill is not None))
         return static_run(dec, chunk, fill=fill)
 
     mixed.run = counting_run
