@@ -54,6 +54,8 @@ class RequestOutput:
 class EngineStats:
     steps: int = 0
     mixed_steps: int = 0      # steps whose batch held decode rows and prefill chunks together
+    graph_steps: int = 0      # steps replayed as a CUDA graph of decode (verify) rows
+    mixed_graph_steps: int = 0  # steps replayed as a CUDA graph of decode rows + one prompt chunk
     prompt_tokens: int = 0    # prefill tokens computed (recomputes after preemption included)
     decode_tokens: int = 0    # tokens fed by decode rows (the last token + drafts to verify)
     preemptions: int = 0
@@ -370,6 +372,7 @@ class LLMEngine:
                 s.spec_accepted += len(emitted) - 1
         s.steps += 1
         s.mixed_steps += out.is_mixed
+        s.graph_steps, s.mixed_graph_steps = self.runner.graph_steps, self.runner.mixed_graph_steps
         s.decode_tokens += decode_tokens
         s.prompt_tokens += out.num_tokens - decode_tokens
         s.preemptions = self.scheduler.num_preemptions

@@ -55,6 +55,9 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         # CUDA graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens); None: those run eagerly.
         self.mixed_graphs: MixedStepGraphs | None = None
+        # Steps replayed as a decode (verify) graph and as a mixed graph, since start; the others ran eagerly.
+        self.graph_steps = 0
+        self.mixed_graph_steps = 0
         # Steps of at most this many tokens run the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
         self.fused_gemv_max_tokens = 0
         self.pools = pools
@@ -243,6 +246,7 @@ class ModelRunner:
                          state_slots=[r.state_slot for r in out.rows[:nd]],
                          block_tables=[r.block_ids for r in out.rows[:nd]])
         logits, n = self.mixed_graphs.run(dec, chunk, fill=fill)
+        self.mixed_graph_steps += 1
         return torch.cat([logits[:nd], logits[n:]]) if c.sample else logits[:nd]
 
     def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list[int]) -> torch.Tensor:
@@ -265,6 +269,7 @@ class ModelRunner:
                 slot_mapping += [scratch] * (T - k)
             seq_lens.append(start + T)
             counts.append(k)
+        self.graph_steps += 1
         return self.graphs.run(
             input_ids=ids, slot_mapping=slot_mapping, seq_lens=seq_lens,
             state_slots=[r.state_slot for r in rows],

@@ -77,6 +77,11 @@ class NodeMetrics:
         self.slots_total = Gauge("baton_node_state_total_slots", "Mamba state slots in the pool", registry=r)
         self.slots_ratio = Gauge("baton_node_state_usage_ratio", "State slots in use / in the pool", registry=r)
         self.steps = Counter("baton_node_engine_steps", "Engine steps that ran a batch", registry=r)
+        self.step_paths = Counter("baton_node_path_steps", "Engine steps by how they ran: decode_graph (a CUDA graph "
+                                  "of decode / verify rows), mixed_graph (decode rows + one prompt chunk, "
+                                  "--mixed-graph-tokens) or eager (host-bound on a GPU)", ["path"], registry=r)
+        for path in ("decode_graph", "mixed_graph", "eager"):
+            self.step_paths.labels(path=path)
         self.step_seconds = Histogram("baton_node_step_duration_seconds", "Wall time of one engine step",
                                       buckets=STEP_SECONDS_BUCKETS, registry=r)
         self.step_tokens = Histogram("baton_node_step_tokens", "Tokens computed in one engine step",
@@ -95,7 +100,8 @@ class NodeMetrics:
         if held_leases is not None:
             Gauge("baton_node_held_leases", "Finished prefills whose caches are leased, waiting for their READ "
                   "(prefill side)", registry=r).set_function(held_leases)
-        self._seen = (0, 0.0, 0, 0, 0, 0)  # steps, step_seconds, prompt, decode, drafted, accepted
+        # steps, step_seconds, prompt, decode, drafted, accepted, decode-graph steps, mixed-graph steps
+        self._seen = (0, 0.0, 0, 0, 0, 0, 0, 0)
 
     def on_step(self, engine: LLMEngine) -> None:
         """Step hook (engine thread). Cheap: a few ints into gauges; observations only after a real step."""
@@ -111,12 +117,17 @@ class NodeMetrics:
         self.slots_used.set(slots_used)
         self.slots_ratio.set(slots_used / slots_total if slots_total else 0.0)
         st = engine.stats
-        now = (st.steps, st.step_seconds, st.prompt_tokens, st.decode_tokens, st.spec_drafted, st.spec_accepted)
+        now = (st.steps, st.step_seconds, st.prompt_tokens, st.decode_tokens, st.spec_drafted, st.spec_accepted,
+               st.graph_steps, st.mixed_graph_steps)
         if now[0] == self._seen[0]:
             return
-        steps, seconds, prompt, decode, drafted, accepted = (a - b for a, b in zip(now, self._seen, strict=True))
+        steps, seconds, prompt, decode, drafted, accepted, graphed, mixed_graphed = (
+            a - b for a, b in zip(now, self._seen, strict=True))
         self._seen = now
         self.steps.inc(steps)
+        self.step_paths.labels(path="decode_graph").inc(graphed)
+        self.step_paths.labels(path="mixed_graph").inc(mixed_graphed)
+        self.step_paths.labels(path="eager").inc(steps - graphed - mixed_graphed)
         # The hook runs after every step, so `steps` is 1 (more only if the hook was added late).
         for _ in range(steps):
             self.step_seconds.observe(seconds / steps)

@@ -70,6 +70,7 @@ NODE_METRICS = {  # in both nodes
     "baton_node_state_total_slots": "positive",
     "baton_node_state_usage_ratio": "positive",
     "baton_node_engine_steps_total": "positive",
+    "baton_node_path_steps_total": "positive",  # eager on the CPU (no graphs there)
     "baton_node_step_duration_seconds_count": "positive",
     "baton_node_step_duration_seconds_sum": "positive",
     "baton_node_step_tokens_count": "positive",

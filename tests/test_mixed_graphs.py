@@ -67,6 +67,17 @@ def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, 
     for out in log.steps:
         if out.num_decodes:
             assert out.num_prefills <= 1 and all(r.num_tokens <= Q for r in out.rows[out.num_decodes:])
+    # The engine counts the steps each graph replayed; a node exports them by path, the rest as eager steps.
+    st = engine.stats
+    assert st.mixed_graph_steps == len(calls) and st.graph_steps > 0 and st.graph_steps + len(calls) < st.steps
+    from baton.node.metrics import NodeMetrics
+
+    metrics = NodeMetrics("decode", "d0")
+    metrics.on_step(engine)
+    paths = {s.labels["path"]: s.value for fam in metrics.registry.collect() if fam.name == "baton_node_path_steps"
+             for s in fam.samples if s.name.endswith("_total")}
+    assert paths == {"decode_graph": st.graph_steps, "mixed_graph": len(calls),
+                     "eager": st.steps - st.graph_steps - len(calls)}
 
 
 def _engine(model, dtype: str, q: int):
