@@ -307,6 +307,8 @@ def test_mixed_graph_tokens_reach_the_decode_nodes_only():
     ({"decode": {"engine": {"cuda-graphs": "yes"}}}, "cuda-graphs"),
     ({"engine": {"fused-gemv-max-tokens": -1}}, "fused-gemv-max-tokens"),
     ({"decode": {"engine": {"mixed-graph-tokens": -8}}}, "mixed-graph-tokens"),
+    ({"engine": {"speculative-tokens": 2}, "decode": {"engine": {"mixed-graph-tokens": 128}}},
+     "mixed-graph-tokens must be 0 or unset with speculative-tokens > 0 \\(decode"),
     ({"model": {"source": "s3"}}, "source"),
     ({"router": {"discovery": "consul"}}, "discovery"),
 ])
