@@ -427,6 +427,8 @@ class NodeLoad:
     transfers: int = 0
     transfer_gbps: float = 0.0             # their bytes / their summed wall time: one READ's mean bandwidth
     descriptors_per_transfer: float = 0.0  # 3 (a hybrid model) when every pool's blocks were consecutive
+    # Steps that ran eagerly, neither a decode nor a mixed CUDA graph (host-bound on a GPU; all of them on a CPU).
+    eager_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -510,11 +512,12 @@ def routing_decisions(metrics_url: str) -> dict[str, float]:
 NODE_COUNTERS = {"steps": "baton_node_engine_steps_total", "step_s": "baton_node_step_duration_seconds_sum",
                  "prompt": "baton_node_prompt_tokens_total", "decode": "baton_node_decode_tokens_total"}
 TRANSFER_COUNTERS = {"reads": "baton_node_transfers_total", "read_bytes": "baton_node_transfer_bytes_total",
-                     "read_s": "baton_node_transfer_seconds_total", "descs": "baton_node_transfer_descriptors_total"}
+                     "read_s": "baton_node_transfer_seconds_total", "descs": "baton_node_transfer_descriptors_total",
+                     "eager": 'baton_node_path_steps_total{path="eager"}'}
 
 
 def node_counters(metrics_url: str) -> dict[str, float]:
-    """NODE_COUNTERS' and TRANSFER_COUNTERS' values (unlabelled series) scraped from a node's /metrics."""
+    """NODE_COUNTERS' and TRANSFER_COUNTERS' values scraped from a node's /metrics (0 for those it lacks)."""
     values = {}
     for line in _scrape(metrics_url).splitlines():
         name, _, value = line.partition(" ")
@@ -537,7 +540,8 @@ def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s:
                     prompt_tok_s=(after["prompt"] - before["prompt"]) / window_s,
                     decode_tok_s=(after["decode"] - before["decode"]) / window_s, transfers=reads,
                     transfer_gbps=read_bytes / read_s / 1e9 if read_s > 0 else 0.0,
-                    descriptors_per_transfer=descs / reads if reads else 0.0)
+                    descriptors_per_transfer=descs / reads if reads else 0.0,
+                    eager_steps=int(after.get("eager", 0.0) - before.get("eager", 0.0)))
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -755,10 +759,11 @@ def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
                          f"| {_ms(p.tpot_s, 'p50')} | {e2e} |")
     loads = [(p, n, ld) for ps in points.values() for p in ps for n, ld in p.nodes.items()]
     if loads:
-        lines += ["", "| config | offered req/s | node | engine busy | steps | step ms | prompt tok/s | decode tok/s "
-                      "| READs | READ GB/s | descriptors / READ |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} | {ld.step_ms:.2f} "
+        lines += ["", "| config | offered req/s | node | engine busy | steps | eager steps | step ms | prompt tok/s "
+                      "| decode tok/s | READs | READ GB/s | descriptors / READ |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} "
+                  f"| {100 * ld.eager_steps / ld.steps if ld.steps else 0:.0f} % | {ld.step_ms:.2f} "
                   f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} | {ld.transfers} "
                   + (f"| {ld.transfer_gbps:.1f} | {ld.descriptors_per_transfer:.1f} |" if ld.transfers else "| – | – |")
                   for p, n, ld in loads]

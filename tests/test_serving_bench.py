@@ -164,10 +164,11 @@ def test_goodput_at_another_slo_from_the_per_request_records(tmp_path, capsys):
 
 def test_node_load_from_counter_deltas_with_and_without_transfer_counters():
     before = {"steps": 10, "step_s": 1.0, "prompt": 100, "decode": 50, "reads": 2, "read_bytes": 1e9, "read_s": 0.01,
-              "descs": 6}
+              "descs": 6, "eager": 4}
     after = {"steps": 30, "step_s": 3.0, "prompt": 500, "decode": 250, "reads": 6, "read_bytes": 3e9, "read_s": 0.03,
-             "descs": 30}
+             "descs": 30, "eager": 9}
     ld = sb.node_load(before, after, window_s=4.0)
+    assert ld.eager_steps == 5  # of 20: the other 15 replayed CUDA graphs
     assert (ld.steps, ld.busy, ld.step_ms, ld.prompt_tok_s, ld.decode_tok_s) == (20, 0.5, 100.0, 100.0, 50.0)
     assert ld.transfers == 4 and ld.transfer_gbps == pytest.approx(100.0)
     assert ld.descriptors_per_transfer == pytest.approx(6.0)  # 24 descriptors over 4 READs
@@ -290,6 +291,7 @@ def test_smoke_run_end_to_end(tmp_path):
             assert set(p["nodes"]) == nodes
             for n, load in p["nodes"].items():
                 assert 0 <= load["busy"] <= 1.5 and load["steps"] >= 0, (n, load)
+                assert load["eager_steps"] == load["steps"], (n, load)  # no CUDA graphs on the CPU
             assert sum(ld["decode_tok_s"] for ld in p["nodes"].values()) > 0
             if name == "disagg":
                 assert p["nodes"]["prefill-0"]["prompt_tok_s"] > 0 and p["nodes"]["prefill-0"]["decode_tok_s"] == 0
