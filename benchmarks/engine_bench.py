@@ -103,7 +103,7 @@ class BenchConfig:
     # (prefix KV and initial states) beside a fresh prompt of prefill_tokens/2.
     prefill_continued: bool = True
     # Mixed steps: `mixed_batch` decode rows (0 = skip) alone (graphed, then eager) and beside a prompt's chunk of
-    # each of `mixed_prompt_tokens` (eager: only decode-only steps have graphs).
+    # each of `mixed_prompt_tokens` (graphed where `mixed_graph_tokens` covers it, and eager).
     mixed_batch: int = 64
     mixed_prompt_tokens: tuple[int, ...] = (128, 512)
     # The engine's mixed_graph_tokens: mixed steps of at most this many prompt tokens also replay a CUDA graph.
@@ -708,14 +708,14 @@ class MixedResult:
     rows: list[MixedStep]
 
 
-def _timed_calls(engine: LLMEngine, device: torch.device, n: int | None, until: Callable[[], bool] | None = None,
+def _timed_calls(engine: LLMEngine, device: torch.device, n: int,
                  check: Callable[[], None] | None = None) -> tuple[int, float, float]:
-    """engine.step() calls as a server makes them (n of them, or until `until()`): (calls, wall ms per call with one
-    sync at the end, median host ms per call)."""
+    """n engine.step() calls as a server makes them, `check()` after each: (calls, wall ms per call with one sync at
+    the end, median host ms per call)."""
     host = []
     sync(device)
     t_start = time.perf_counter()
-    while (len(host) < n) if n is not None else not until():
+    while len(host) < n:
         t0 = time.perf_counter()
         engine.step()
         host.append((time.perf_counter() - t0) * 1e3)
@@ -728,8 +728,9 @@ def _timed_calls(engine: LLMEngine, device: torch.device, n: int | None, until: 
 def bench_mixed(engine: LLMEngine, bc: BenchConfig) -> MixedResult:
     """B decode rows at `--context` (as in (a)): decode-only steps graphed (where graphs run) and eager, then with a
     prompt's chunk of P tokens beside them in every step (the scheduler's chunk cap set to P for the run; its
-    first chunk untimed), for each P of `mixed_prompt_tokens`. Such steps run eagerly: these rows say what a
-    decode node that takes prompts, or an aggregated server, pays per step."""
+    first chunk untimed), for each P of `mixed_prompt_tokens`: replayed as mixed graphs where the engine has them
+    for P tokens, and eager (the scheduler's one-chunk policy off: chunks of P even past `mixed_graph_tokens`).
+    These rows say what a decode node that takes prompts, or an aggregated server, pays per step."""
     device = torch.device(bc.device)
     b = bc.mixed_batch
     ids = enter_decode(engine, b, bc.context, max_tokens=10**6, seed=bc.seed + 7919, device=device,
@@ -756,23 +757,32 @@ def bench_mixed(engine: LLMEngine, bc: BenchConfig) -> MixedResult:
     base = sched.config
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     mixed_graphs = engine.runner.mixed_graphs
-
-    def mixed() -> None:
-        if engine.stats.row_kinds[-1] != (b, 1):
-            raise RuntimeError(f"mixed step: expected {b} decode rows and one prompt chunk, got "
-                               f"(decodes, prefills) = {engine.stats.row_kinds[-1]}")
-
     for i, p in enumerate(bc.mixed_prompt_tokens):
         # Graphed where the engine has mixed graphs for chunks of p tokens, then eager.
         for graphed in (True, False) if mixed_graphs is not None and p <= mixed_graphs.Q else (False,):
             rid = f"mixed-{p}-{graphed}"
             prompt = _prompts(1, (MIXED_CHUNKS + 1) * p, engine.model_config.vocab_size, bc.seed + 31 * i)[0]
-            sched.config = replace(base, long_prefill_token_threshold=p)
+            sched.config = replace(base, long_prefill_token_threshold=p,
+                                   mixed_graph_tokens=base.mixed_graph_tokens if graphed else 0)
             engine.runner.mixed_graphs = mixed_graphs if graphed else None
+            seen = [engine.stats.prompt_tokens]
+
+            def mixed(p: int = p, seen: list[int] = seen) -> None:
+                kinds, prompt_tokens = engine.stats.row_kinds[-1], engine.stats.prompt_tokens - seen[0]
+                seen[0] = engine.stats.prompt_tokens
+                if kinds != (b, 1) or prompt_tokens != p:
+                    raise RuntimeError(f"mixed step: expected {b} decode rows and a prompt chunk of {p} tokens, got "
+                                       f"(decodes, prefills) = {kinds} and {prompt_tokens} prompt tokens")
+
             try:
                 engine.add_request(prompt, params, request_id=rid)
                 _timed_calls(engine, device, 2)  # its first chunk (admission) and the step after: untimed
+                seen[0] = engine.stats.prompt_tokens
+                replays = engine.runner.mixed_graph_steps
                 n, ms, host = _timed_calls(engine, device, MIXED_CHUNKS - 2, check=mixed)
+                if engine.runner.mixed_graph_steps - replays != (n if graphed else 0):
+                    raise RuntimeError(f"mixed steps of {p} tokens: expected {n if graphed else 0} mixed-graph replays, "
+                                       f"got {engine.runner.mixed_graph_steps - replays}")
             finally:
                 sched.config = base
                 engine.runner.mixed_graphs = mixed_graphs
