@@ -64,7 +64,8 @@ class EngineConfig:
     # host (H200, 8b-like, 64 decode rows: 8.8 ms graphed, 34-36 ms eager with 128-512 prompt tokens beside
     # them; benchmarks/RESULTS.md, session 11). For decode nodes that take prompts (the router's prefill
     # overflow, short prompts) and aggregated servers under a TPOT bound. Steps without decode rows are not
-    # limited. 0 (the default): off. With CUDA graphs on a CUDA device, K = 0 only.
+    # limited. 0 (the default): off. K = 0 only. Where no graphs run (a CPU, `cuda_graphs` off, MoE layers, the
+    # torch kernels) only the one-chunk scheduling applies.
     mixed_graph_tokens: int = 0
 
     def __post_init__(self) -> None:
