@@ -46,6 +46,22 @@ from baton.engine.ops import dispatch
 from baton.engine.pending_step import fill_pending
 
 
+def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device,
+                  pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `forward()` into a CUDA graph in `pool`: (the graph, its output tensor). It runs twice first on a side
+    stream (Triton compiles, cuBLAS picks its kernels), as capture requires; those runs really execute."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 def graph_sizes(max_rows: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows)."""
     sizes = [n for n in (1, 2, 4) if n < max_rows] + list(range(8, max_rows, 8))
@@ -175,17 +191,7 @@ class StepGraphs:
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
         self._pad(n)
-        # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels), as capture requires.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(n)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(n)
-        return graph, out
+        return capture_graph(lambda: self._forward(n), self.device, self.pool)
 
     @torch.inference_mode()
     def capture_all(self) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.cache_pools import CachePools
-from baton.engine.cuda_graphs import graph_sizes
+from baton.engine.cuda_graphs import capture_graph, graph_sizes
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
@@ -187,16 +187,7 @@ class MixedStepGraphs:
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up and capture on padding only: every row on the scratch block and slot, a chunk of Q tokens from zeros.
         self._pad(n)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(n)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(n)
-        return graph, out
+        return capture_graph(lambda: self._forward(n), self.device, self.pool)
 
     def _pad(self, n: int) -> None:
         bs, scratch_block = self.block_size, self.pools.scratch_block
