@@ -13,7 +13,8 @@
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   transfer  transfer_bench.py on cuda (2 GPUs: NIXL and CUDA IPC, progress delay 1000 and 0 us, PROGRESS_DELAYS) and on cpu
-#   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve)
+#   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several
+#             configurations in one call: benchmarks/serving_variants.sh
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
 #   both under the device tool's 64 MiB only with nixl-cu13's unused modules dropped from its wheel:

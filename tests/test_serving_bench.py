@@ -308,3 +308,25 @@ def test_smoke_run_end_to_end(tmp_path):
             assert p["ttft_s"]["p99"] <= p["e2e_s"]["p99"] + 1e-9
     summary = json.loads((out / sb.SUMMARY_FILE).read_text())
     assert set(summary["max_goodput_rps"]) == {"agg", "disagg"} and summary["goodput_ratio"] > 0
+
+
+def test_serving_variants_script_builds_one_run_per_line():
+    """benchmarks/serving_variants.sh (DRY=1: commands only): one serving_bench.py run per variant line, the line's
+    engine flags appended to the shared ones, its other flags split as shell words (quotes kept together)."""
+    import os
+    import shlex
+
+    root = Path(__file__).resolve().parent.parent
+    variants = ("a|10,13||--configs agg\n"
+                'b|18|--mixed-graph-tokens 256|--configs disagg --disagg-decode-engine-args '
+                '"--mixed-graph-tokens 128 --max-num-seqs 64"')
+    env = {**os.environ, "DRY": "1", "OUT": "/tmp/o", "VARIANTS": variants}
+    out = subprocess.run(["bash", "benchmarks/serving_variants.sh"], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    cmds = [shlex.split(line) for line in out.splitlines() if line.startswith("python3")]
+    assert len(cmds) == 2
+    a, b = ({c[i]: c[i + 1] for i in range(2, len(c) - 1) if c[i].startswith("--")} for c in cmds)
+    assert a["--out"] == "/tmp/o/a" and a["--rates"] == "10,13" and a["--configs"] == "agg"
+    assert a["--engine-args"].endswith("--max-model-len 16384") and a["--slo-tpot-ms"] == "15"
+    assert b["--engine-args"].endswith("--max-model-len 16384 --mixed-graph-tokens 256")
+    assert b["--disagg-decode-engine-args"] == "--mixed-graph-tokens 128 --max-num-seqs 64"

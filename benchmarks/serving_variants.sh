@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# (e) variants in one device call on one multi-GPU machine: each line of $VARIANTS, "NAME|RATES|ENGINE FLAGS|FLAGS",
+# is one serving_bench.py run with the shared settings below (8b-like model, prompts 1,024-4,096 tokens, outputs
+# 128-512, 20 s of Poisson arrivals per rate, SLO TTFT <= 2 s and TPOT <= $TPOT_MS ms, every node's engine flags $E
+# plus the line's ENGINE FLAGS, 1P1D's prefill node with an 8,192-token budget). FLAGS (shell words) go to
+# serving_bench.py as given, e.g. --configs agg, or --disagg-decode-engine-args "--mixed-graph-tokens 128".
+# Results under $OUT/NAME; each run's table rows are printed. DRY=1 prints the commands only.
+#   VARIANTS=$'agg|10,13||--configs agg\ndisagg|16,18||--configs disagg' bash benchmarks/serving_variants.sh
+# Carry .whl-slim and .whl-serve (benchmarks/device_run.sh).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+TPOT_MS=${TPOT_MS:-15}
+E="--device cuda --dtype bfloat16 --max-num-seqs 128 --max-num-batched-tokens 2048 --cache-memory-mb 32768 --max-model-len 16384"
+# The default: the aggregated pair as it was measured, then with mixed graphs, and 1P1D taking the overflow on its
+# decode node with mixed graphs (benchmarks/RESULTS.md, session 11).
+# (~8 minutes on 2 x H200: within one device call.)
+DEFAULT=$'agg|10,13||--configs agg
+agg_mixed256|10,13|--mixed-graph-tokens 256|--configs agg
+disagg_mixed128|18,21||--configs disagg --disagg-prefill-queue-limit-tokens 16384 --disagg-decode-engine-args "--mixed-graph-tokens 128"'
+VARIANTS=${VARIANTS:-$DEFAULT}
+
+if [ -z "${DRY:-}" ]; then
+  STAGES=none bash benchmarks/device_run.sh >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+status=0
+while IFS='|' read -r name rates engine flags; do
+  [ -z "$name" ] && continue
+  eval "set -- $flags"  # the line's shell words, quotes respected
+  cmd=(python3 benchmarks/serving_bench.py --out "$OUT/$name" --model-preset 8b-like --model-dir .bench-model/8b-like
+       --log-dir "/tmp/serving-logs/$name" --no-progress --duration-s 20 --prompt-min 1024 --prompt-max 4096
+       --output-min 128 --output-max 512 --slo-tpot-ms "$TPOT_MS" --engine-args "$E${engine:+ $engine}"
+       --prefill-engine-args "--max-num-batched-tokens 8192" --rates "$rates" "$@")
+  echo "== $name ($(date +%T))"
+  if [ -n "${DRY:-}" ]; then
+    printf '%q ' "${cmd[@]}"; echo
+    continue
+  fi
+  timeout "${T:-190}" "${cmd[@]}" 2>&1 | grep -E "^\[|^\| (agg|disagg) " | grep -v "warm-up" || status=1
+done <<< "$VARIANTS"
+exit $status
