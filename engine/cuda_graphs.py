@@ -62,6 +62,16 @@ def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device,
     return graph, out
 
 
+def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], sizes: list[int],
+                    capture: Callable[[int], tuple[torch.cuda.CUDAGraph, torch.Tensor]]) -> int:
+    """Capture every size not in `graphs` yet, largest first (so that the smaller ones reuse its memory pool);
+    returns how many were captured."""
+    todo = [n for n in reversed(sizes) if n not in graphs]
+    for n in todo:
+        graphs[n] = capture(n)
+    return len(todo)
+
+
 def graph_sizes(max_rows: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows)."""
     sizes = [n for n in (1, 2, 4) if n < max_rows] + list(range(8, max_rows, 8))
@@ -197,12 +207,7 @@ class StepGraphs:
     def capture_all(self) -> int:
         """Capture every size now (largest first, so that the smaller ones reuse its memory pool) rather
         than at each size's first step; returns how many were captured."""
-        if not self.capture:
-            return 0
-        todo = [n for n in reversed(self.sizes) if n not in self.graphs]
-        for n in todo:
-            self.graphs[n] = self._capture(n)
-        return len(todo)
+        return capture_missing(self.graphs, self.sizes, self._capture) if self.capture else 0
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],

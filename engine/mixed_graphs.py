@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.cache_pools import CachePools
-from baton.engine.cuda_graphs import capture_graph, graph_sizes
+from baton.engine.cuda_graphs import capture_graph, capture_missing, graph_sizes
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
@@ -198,12 +198,7 @@ class MixedStepGraphs:
     @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every size now (largest first); returns how many were captured."""
-        if not self.capture:
-            return 0
-        todo = [n for n in reversed(self.sizes) if n not in self.graphs]
-        for n in todo:
-            self.graphs[n] = self._capture(n)
-        return len(todo)
+        return capture_missing(self.graphs, self.sizes, self._capture) if self.capture else 0
 
     @torch.inference_mode()
     def run(self, dec: DecodeRows, chunk: PromptChunk, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
