@@ -245,6 +245,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def prefill_tokens_not_handed_back(self) -> int:
+        """Prefill tokens (N-1 a prompt) of every prefill-only request not handed back yet: waiting, running, or
+        finished by a step in flight (its output comes when that step is read). A router counts a prompt until
+        its Prefill call returns: a count that dropped it at launch would disagree with it for two steps."""
+        s = self.scheduler
+        n = sum(r.num_tokens - 1 for r in s.waiting if r.prefill_only)
+        n += sum(r.num_prefill_tokens for r in s.running if r.prefill_only)
+        done = sum(r.num_prefill_tokens for step in self._in_flight
+                   for row, r in zip(step.out.rows, step.reqs, strict=True)
+                   if r.status is RequestStatus.FINISHED_PREFILLED and _last_chunk(row, r))
+        return n + done
+
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
         self.scheduler.free_held(block_ids, state_slot)

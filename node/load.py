@@ -9,8 +9,12 @@ from baton.proto.v1 import worker_pb2 as wk
 
 def load_response(engine: LLMEngine, role: str, held_leases: int = 0) -> wk.LoadResponse:
     s = engine.scheduler
-    outstanding = sum(r.num_prefill_tokens - r.num_computed_tokens for r in s.running if not r.in_decode)
-    outstanding += sum(r.num_tokens for r in s.waiting)
+    if engine.config.prefill_only:
+        # Counted until handed back, as the router counts a Prefill call until it returns (then takes it off).
+        outstanding = engine.prefill_tokens_not_handed_back()
+    else:
+        outstanding = sum(r.num_prefill_tokens - r.num_computed_tokens for r in s.running if not r.in_decode)
+        outstanding += sum(r.num_tokens for r in s.waiting)
     return wk.LoadResponse(
         role=role, waiting=len(s.waiting), running=len(s.running), outstanding_prefill_tokens=outstanding,
         free_kv_blocks=s.blocks.num_free, total_kv_blocks=s.blocks.capacity,
