@@ -50,8 +50,9 @@ class RouterConfig:
     # a transfer costs more than recomputing. Length 1 always does (there are no N-1 tokens to prefill).
     local_prefill_threshold: int = 0
     # Queue-aware disaggregation: when every healthy prefill worker has more than this many prompt tokens
-    # queued (its last Load plus what this router sent since), a new request is prefilled on its decode node
-    # instead of waiting there ("prefill_overflow"). The decode node's spare compute then serves past the prefill
+    # queued (its last Load plus what this router sent since, less the two steps it may have in flight:
+    # `policy.queued_prefill_tokens`), a new request is prefilled on its decode node instead of waiting there
+    # ("prefill_overflow"). The decode node's spare compute then serves past the prefill
     # nodes' capacity, at some cost in its decode steps. 0: off (prefill nodes take every long prompt).
     prefill_queue_limit_tokens: int = 0
     load_poll_interval_s: float = 0.5

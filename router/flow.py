@@ -17,7 +17,7 @@ from baton.router import metrics as rm
 from baton.router.config import RouterConfig
 from baton.router.errors import RequestAborted, RouterError, describe
 from baton.router.inflight import InFlight
-from baton.router.policy import Role
+from baton.router.policy import Role, queued_prefill_tokens
 from baton.router.validation import ValidatedRequest
 from baton.router.workers import Worker, WorkerPool
 
@@ -91,15 +91,15 @@ class Flow:
     def route(self, prompt_len: int) -> str:
         """Where a prompt is prefilled (a `router.metrics` decision): conditional disaggregation. Short prompts
         are cheaper to prefill on the decode node (local_prefill); so is every prompt while all healthy prefill
-        workers have more than `prefill_queue_limit_tokens` queued (prefill_overflow); no healthy prefill
-        worker: fallback; else disaggregated."""
+        workers have more than `prefill_queue_limit_tokens` queued, past the steps they have in flight
+        (prefill_overflow); no healthy prefill worker: fallback; else disaggregated."""
         if prompt_len == 1 or prompt_len <= self.config.local_prefill_threshold:
             return rm.LOCAL_PREFILL
         loads = [w.tracker.load(True) for w in self.prefill_pool.workers if w.healthy]
         if not loads:
             return rm.FALLBACK
         limit = self.config.prefill_queue_limit_tokens
-        if limit and min(load.outstanding_prefill_tokens for load in loads) > limit:
+        if limit and min(queued_prefill_tokens(load) for load in loads) > limit:
             return rm.PREFILL_OVERFLOW
         return rm.DISAGGREGATED
 

@@ -9,7 +9,9 @@ A prefill worker's numbers also go stale the other way: a prompt the last poll c
 Prefill call has since returned is done, yet would stay in the estimate until the next poll — at ~35k prompt
 tokens/s (one H200) a 0.5 s poll interval overstates the queue by up to ~17k tokens, enough to trip the router's
 `prefill_queue_limit_tokens` overflow while the worker idles. So the prefill tokens of such returned requests are
-taken off the last poll's number (never below 0) until the next poll answers.
+taken off the last poll's number (never below 0) until the next poll answers. That is exact because a prefill node
+counts a prompt until it hands its handle back (`LLMEngine.prefill_tokens_not_handed_back`), launched or not: the
+estimate is then what the worker holds, queued or in flight (`policy.queued_prefill_tokens` takes the latter off).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class LoadTracker:
         if self.role is Role.PREFILL:
             tokens = sum(s.prompt_tokens for s in unseen)
             polled = max(0, snap.outstanding_prefill_tokens - self._returned)
-            return WorkerLoad(healthy, outstanding_prefill_tokens=polled + tokens)
+            return WorkerLoad(healthy, outstanding_prefill_tokens=polled + tokens, step_tokens=self.step_tokens)
         bs = self.block_size
         blocks = sum(-(-s.prompt_tokens // bs) for s in unseen) if bs > 0 else 0
         return WorkerLoad(healthy, free_state_slots=snap.free_state_slots - len(unseen),

@@ -34,6 +34,19 @@ class WorkerLoad:
     step_tokens: int = 0
 
 
+# Steps a prefill worker has launched and not answered yet: with async scheduling, the one on the device and the
+# next, launched behind it. The router counts a prompt until its Prefill call returns (and so does the worker's
+# Load), so up to this many steps of the worker's budget in that count are being computed, not waiting.
+PREFILL_STEPS_IN_FLIGHT = 2
+
+
+def queued_prefill_tokens(load: WorkerLoad) -> int:
+    """A prefill worker's prompt tokens waiting for a step: its outstanding ones less the steps it has in flight
+    (all of them outstanding while its step budget is unknown). A worker with that much outstanding is saturated,
+    so its steps are full; one with less has nothing waiting."""
+    return max(0, load.outstanding_prefill_tokens - PREFILL_STEPS_IN_FLIGHT * load.step_tokens)
+
+
 def score(load: WorkerLoad, role: Role) -> tuple[int, ...]:
     """Higher is better. Prefill: fewest tokens queued ahead. Decode: a free state slot is what admits a
     request, so having one comes first; then the fewest whole steps of prompt tokens it has queued to prefill

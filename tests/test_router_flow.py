@@ -70,14 +70,15 @@ def test_prefill_overflow_routes_to_the_decode_node_while_every_prefill_queue_is
         def setup(c):
             for p in c.prefill:
                 p.prefill_delay_s = 2.0  # prefills stay queued while the next requests arrive
+                p.max_num_batched_tokens = 8  # two steps in flight: 16 of a worker's tokens are not queued
 
         # No poll after the first: the router's own count of what it sent is all it knows of the queues.
         async with cluster(2, 1, configure=setup, prefill_queue_limit_tokens=100, load_poll_interval_s=60.0) as c:
             (p0, p1), (d,) = c.prefill, c.decode
-            prompt = list(range(10, 70))  # 60 tokens: the router counts 59 queued per prefill it sends
+            prompt = list(range(10, 70))  # 60 tokens: the router counts 59 outstanding per prefill it sends
             first = [asyncio.create_task(c.generate(prompt, request_id=f"r{i}")) for i in range(4)]
             await eventually(lambda: len(p0.prefills) + len(p1.prefills) == 4, what="four prefills")
-            # Each worker has 2 x 59 = 118 > 100 queued: the fifth request is prefilled on the decode node.
+            # Each worker has 2 x 59 - 16 = 102 > 100 queued: the fifth request is prefilled on the decode node.
             assert sorted((len(p0.prefills), len(p1.prefills))) == [2, 2]
             late = await c.generate(list(range(100, 160)), request_id="late")
             _check_answer(late, list(range(100, 160)))
@@ -89,6 +90,30 @@ def test_prefill_overflow_routes_to_the_decode_node_while_every_prefill_queue_is
             await c.generate(prompt, request_id="after")
             assert d.decodes[-1].HasField("handle") and len(p0.prefills) + len(p1.prefills) == 5
             assert decisions(c)["disaggregated"] == 5
+    run(go())
+
+
+def test_prefill_overflow_does_not_count_the_steps_a_prefill_worker_has_in_flight():
+    """The router counts a prompt until its Prefill call returns, yet a prefill node computing with async scheduling
+    has up to two steps launched (one on the device, the next queued behind it) and the prompts in them are not
+    waiting. Only what lies past two steps of the worker's budget is queued against prefill_queue_limit_tokens:
+    otherwise a limit of two steps overflows prompts while the worker's queue is empty, and it idles."""
+    async def go():
+        def setup(c):
+            c.prefill[0].prefill_delay_s = 2.0  # prefills stay outstanding while the next requests arrive
+
+        async with cluster(1, 1, configure=setup, prefill_queue_limit_tokens=100, load_poll_interval_s=60.0) as c:
+            (p,), (d,) = c.prefill, c.decode
+            assert p.max_num_batched_tokens == 64  # its Info: up to 2 x 64 tokens in flight
+            prompt = list(range(10, 70))  # 59 tokens outstanding per prefill
+            first = [asyncio.create_task(c.generate(prompt, request_id=f"r{i}")) for i in range(4)]
+            # 3 x 59 - 128 = 49 queued when the fourth arrives: it is prefilled there too.
+            await eventually(lambda: len(p.prefills) == 4, what="four prefills")
+            # 4 x 59 - 128 = 108 > 100: the fifth goes to the decode node.
+            await c.generate(list(range(100, 160)), request_id="late")
+            assert not d.decodes[-1].HasField("handle") and d.decodes[-1].request_id == "late"
+            for t in first:
+                _check_answer(await t, prompt)
     run(go())
 
 

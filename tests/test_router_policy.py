@@ -9,7 +9,7 @@ import pytest
 
 from baton.router.config import RouterConfig
 from baton.router.load_tracker import LoadSnapshot, LoadTracker
-from baton.router.policy import Role, WorkerLoad, pick
+from baton.router.policy import Role, WorkerLoad, pick, queued_prefill_tokens
 
 # ---- RouterConfig --------------------------------------------------------------------------------
 
@@ -100,6 +100,19 @@ def test_two_choices_never_pick_the_worst_of_many():
     loads = [WorkerLoad(True, outstanding_prefill_tokens=t) for t in (0, 10, 20, 30, 40)]
     counts = Counter(pick(loads, rng, Role.PREFILL) for _ in range(2000))
     assert counts[4] == 0 and counts[0] > counts[1] > counts[2] > counts[3] > 0
+
+
+def test_a_prefill_workers_queue_leaves_out_the_two_steps_it_may_have_in_flight():
+    def queued(outstanding, step):
+        return queued_prefill_tokens(WorkerLoad(True, outstanding_prefill_tokens=outstanding, step_tokens=step))
+
+    assert queued(20_000, 8192) == 20_000 - 2 * 8192
+    assert queued(10_000, 8192) == 0  # all of it in the step on the device and the one behind it
+    assert queued(10_000, 0) == 10_000  # budget unknown (no Info yet): all of it
+    t = LoadTracker(Role.PREFILL)
+    t.step_tokens = 512
+    t.add("a", 2000)
+    assert t.load(True).step_tokens == 512 and queued_prefill_tokens(t.load(True)) == 2000 - 1024
 
 
 # ---- LoadTracker ---------------------------------------------------------------------------------
