@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "2 and more are slower than cuBLAS)")
     g.add_argument("--mixed-graph-tokens", type=int, metavar="Q",
                    help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
-                        "CUDA graph instead of running eagerly (0 = off, the default; K = 0 only)")
+                        "CUDA graph instead of running eagerly (0 = off; default 256 where decode steps replay "
+                        "CUDA graphs and K = 0, else 0)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")

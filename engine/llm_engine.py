@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -99,6 +99,24 @@ def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -
     return int(any(gpu in name for gpu in FUSED_GEMV_GPUS))
 
 
+# The default mixed-step graph size (EngineConfig.mixed_graph_tokens = None): the prompt tokens a step with decode
+# rows may carry and still replay a graph. Session 12, 2 x H200, 8b-like, two aggregated replicas at TTFT <= 2 s and
+# TPOT <= 15 ms: 12.07 req/s of goodput with 256 against 5.96 with eager mixed steps (benchmarks/RESULTS.md).
+AUTO_MIXED_GRAPH_TOKENS = 256
+
+
+def resolved_mixed_graph_tokens(config: EngineConfig, device: torch.device, graphable: bool) -> int:
+    """`EngineConfig.mixed_graph_tokens`, its default (None) decided: AUTO_MIXED_GRAPH_TOKENS (at most the step
+    budget) where decode steps replay CUDA graphs and mixed ones can too (CUDA, `cuda_graphs` on, an engine that
+    decodes, K = 0, `graphable`: capturable layers and the Triton kernels), else 0."""
+    if config.mixed_graph_tokens is not None:
+        return config.mixed_graph_tokens
+    graphs = device.type == "cuda" and config.cuda_graphs and not config.prefill_only
+    if not (graphs and graphable and not config.num_speculative_tokens):
+        return 0
+    return min(AUTO_MIXED_GRAPH_TOKENS, config.max_num_batched_tokens)
+
+
 def _last_chunk(row: ScheduledRow, req: Request) -> bool:
     """Whether this row completed req's prefill."""
     return row.num_computed_tokens + row.num_tokens == req.num_prefill_tokens
@@ -117,6 +135,10 @@ class LLMEngine:
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
         self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
+        graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.ssm)
+        q = resolved_mixed_graph_tokens(config, device, graphable)
+        if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
+            self.config = config = replace(config, mixed_graph_tokens=q)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
         self.runner = self._make_runner(weights, device)
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import AUTO_MIXED_GRAPH_TOKENS, resolved_mixed_graph_tokens
 from baton.engine.sampling_params import SamplingParams
 from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model, spec_model  # noqa: F401
 
@@ -21,7 +22,7 @@ def _arrivals():
 
 
 def test_mixed_graph_tokens_is_validated():
-    with pytest.raises(ValueError, match="mixed_graph_tokens': expected an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="mixed_graph_tokens': expected an integer >= 0 or None, got -1"):
         EngineConfig(mixed_graph_tokens=-1)
     with pytest.raises(ValueError, match="mixed_graph_tokens': expected 0 with speculative decoding"):
         EngineConfig(mixed_graph_tokens=64, num_speculative_tokens=2, max_num_batched_tokens=512)
@@ -29,7 +30,25 @@ def test_mixed_graph_tokens_is_validated():
 
 def test_mixed_graphs_are_off_on_cpu_and_without_the_option(small_spec_model):  # noqa: F811
     assert new_engine(small_spec_model, 0, mixed_graph_tokens=Q).runner.mixed_graphs is None  # no graphs on a CPU
-    assert new_engine(small_spec_model, 0).runner.mixed_graphs is None
+    engine = new_engine(small_spec_model, 0)
+    assert engine.runner.mixed_graphs is None
+    assert engine.config.mixed_graph_tokens == 0  # the default, decided: no decode graphs on a CPU
+
+
+@pytest.mark.parametrize("fields,device,graphable,expected", [
+    ({}, "cuda", True, AUTO_MIXED_GRAPH_TOKENS),               # where decode steps replay graphs
+    ({"max_num_batched_tokens": 192, "max_num_seqs": 64}, "cuda", True, 192),  # at most the step budget
+    ({}, "cpu", True, 0),                                     # no CUDA graphs on a CPU
+    ({}, "cuda", False, 0),                                   # MoE layers or the torch kernels
+    ({"cuda_graphs": False}, "cuda", True, 0),
+    ({"prefill_only": True}, "cuda", True, 0),                # never decodes
+    ({"num_speculative_tokens": 2, "max_num_batched_tokens": 512}, "cuda", True, 0),  # K = 0 only
+    ({"mixed_graph_tokens": 0}, "cuda", True, 0),             # given: as given
+    ({"mixed_graph_tokens": 64}, "cpu", False, 64),
+])  # fmt: skip
+def test_the_default_mixed_graph_tokens_is_decided_by_where_graphs_run(fields, device, graphable, expected):
+    cfg = EngineConfig(**fields)
+    assert resolved_mixed_graph_tokens(cfg, torch.device(device), graphable) == expected
 
 
 def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch):  # noqa: F811
