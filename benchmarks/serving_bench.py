@@ -49,7 +49,9 @@ of KV + state pool, max length 16384. `--prefill-engine-args` adds flags for the
 a larger step budget: its steps carry no decode rows whose latency a long step would hurt).
 
 Per rate point each node's engine work is also recorded (`nodes`, from its /metrics before and after the point):
-how busy its engine loop was, its mean step time, prompt and decode tokens/s — where a node is host-bound.
+how busy its engine loop was, its mean step time, prompt and decode tokens/s — where a node is host-bound; and,
+from its gauges sampled every 0.5 s while the point runs, its mean queue (waiting requests), the peak share of its
+state slots in use and its peak of held leases (finished prefills waiting for their READ) — why a node idles.
 
 Output: `OUT/serving_<config>.json` per configuration (written after every rate point), `OUT/serving_summary.json`,
 markdown tables last on stdout; node and router logs under `--log-dir` (default TMP/baton-serving-logs).
@@ -73,6 +75,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -429,6 +432,13 @@ class NodeLoad:
     descriptors_per_transfer: float = 0.0  # 3 (a hybrid model) when every pool's blocks were consecutive
     # Steps that ran eagerly, neither a decode nor a mixed CUDA graph (host-bound on a GPU; all of them on a CPU).
     eager_steps: int = 0
+    # From its gauges sampled while the point ran (`GaugeSampler`; 0 without samples): the mean of its waiting
+    # requests, the peak share of its state slots in use, the peak of its held leases (a prefill node's finished
+    # prompts whose caches wait for the decode node's READ: at the state pool's size it admits no more prompts).
+    mean_waiting: float = 0.0
+    peak_state_slots: float = 0.0
+    peak_held_leases: int = 0
+    gauge_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -529,7 +539,46 @@ def node_counters(metrics_url: str) -> dict[str, float]:
             **{k: float(values.get(m, 0.0)) for k, m in TRANSFER_COUNTERS.items()}}
 
 
-def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s: float) -> NodeLoad:
+# The node gauges sampled while a rate point runs (`node/metrics.py`; held leases only on a prefill node, 0 elsewhere).
+NODE_GAUGES = {"waiting": "baton_node_waiting_requests", "slots_used": "baton_node_state_used_slots",
+               "slots_total": "baton_node_state_total_slots", "held": "baton_node_held_leases"}
+GAUGE_INTERVAL_S = 0.5
+
+
+def node_gauges(text: str) -> dict[str, float]:
+    """NODE_GAUGES' values in a node's /metrics text (0 for those it lacks)."""
+    values = dict(line.partition(" ")[::2] for line in text.splitlines() if line and not line.startswith("#"))
+    return {k: float(values.get(m, 0.0)) for k, m in NODE_GAUGES.items()}
+
+
+class GaugeSampler:
+    """Scrapes each node's gauges every `interval_s` on a thread while a rate point runs (`with` block); a scrape
+    that fails is skipped (a node busy past the 10 s timeout leaves a gap, not an error)."""
+
+    def __init__(self, urls: Mapping[str, str], interval_s: float = GAUGE_INTERVAL_S) -> None:
+        self.urls = dict(urls)
+        self.interval_s = interval_s
+        self.samples: dict[str, list[dict[str, float]]] = {n: [] for n in self.urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gauge-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for name, url in self.urls.items():
+                with contextlib.suppress(OSError, ValueError):
+                    self.samples[name].append(node_gauges(_scrape(url)))
+
+    def __enter__(self) -> GaugeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s: float,
+              samples: Sequence[Mapping[str, float]] = ()) -> NodeLoad:
     steps = int(after["steps"] - before["steps"])
     step_s = after["step_s"] - before["step_s"]
     reads = int(after.get("reads", 0.0) - before.get("reads", 0.0))
@@ -541,7 +590,11 @@ def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s:
                     decode_tok_s=(after["decode"] - before["decode"]) / window_s, transfers=reads,
                     transfer_gbps=read_bytes / read_s / 1e9 if read_s > 0 else 0.0,
                     descriptors_per_transfer=descs / reads if reads else 0.0,
-                    eager_steps=int(after.get("eager", 0.0) - before.get("eager", 0.0)))
+                    eager_steps=int(after.get("eager", 0.0) - before.get("eager", 0.0)),
+                    mean_waiting=sum(g["waiting"] for g in samples) / len(samples) if samples else 0.0,
+                    peak_state_slots=max((g["slots_used"] / g["slots_total"] for g in samples if g["slots_total"]),
+                                         default=0.0),
+                    peak_held_leases=int(max((g["held"] for g in samples), default=0.0)), gauge_samples=len(samples))
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -661,9 +714,11 @@ def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tupl
         for i, rate in enumerate(rates):
             reqs = make_requests(cfg.load, rate, vocab_size, salt=i)
             before = {n: node_counters(u) for n, u in node_urls.items()}
-            results = asyncio.run(run_schedule(cluster.router_addr, reqs, cfg.drain_s))
+            with GaugeSampler(node_urls) as gauges:
+                results = asyncio.run(run_schedule(cluster.router_addr, reqs, cfg.drain_s))
             p = rate_point(spec.name, rate, cfg.load.duration_s, results, cfg.slo)
-            p = replace(p, nodes={n: node_load(before[n], node_counters(u), p.window_s) for n, u in node_urls.items()})
+            p = replace(p, nodes={n: node_load(before[n], node_counters(u), p.window_s, gauges.samples[n])
+                                  for n, u in node_urls.items()})
             points.append(p)
             save(ConfigResult(spec, start_s, warmup_s, capacity, tuple(points), {}, node_gpus))
             bar.write(f"[{spec.name}] {rate:.3f} req/s offered: {p.completed}/{p.requests} done, "
@@ -760,12 +815,15 @@ def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
     loads = [(p, n, ld) for ps in points.values() for p in ps for n, ld in p.nodes.items()]
     if loads:
         lines += ["", "| config | offered req/s | node | engine busy | steps | eager steps | step ms | prompt tok/s "
-                      "| decode tok/s | READs | READ GB/s | descriptors / READ |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "| decode tok/s | READs | READ GB/s | descriptors / READ | waiting (mean) | state slots (peak) "
+                      "| held leases (peak) |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: |"]
         lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} "
                   f"| {100 * ld.eager_steps / ld.steps if ld.steps else 0:.0f} % | {ld.step_ms:.2f} "
                   f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} | {ld.transfers} "
-                  + (f"| {ld.transfer_gbps:.1f} | {ld.descriptors_per_transfer:.1f} |" if ld.transfers else "| – | – |")
+                  + (f"| {ld.transfer_gbps:.1f} | {ld.descriptors_per_transfer:.1f} " if ld.transfers else "| – | – ")
+                  + f"| {ld.mean_waiting:.1f} | {100 * ld.peak_state_slots:.0f} % | {ld.peak_held_leases} |"
                   for p, n, ld in loads]
     s = summary_of(points)
     lines.append("")

@@ -9,6 +9,7 @@ import math
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,40 @@ def test_node_load_from_counter_deltas_with_and_without_transfer_counters():
     assert sb.NodeLoad(**old).transfers == 0
 
 
+def test_node_gauges_sampled_over_a_point():
+    text = ("# HELP baton_node_waiting_requests Requests waiting\n# TYPE baton_node_waiting_requests gauge\n"
+            "baton_node_waiting_requests 3.0\nbaton_node_state_used_slots 24.0\n"
+            "baton_node_state_total_slots 128.0\nbaton_node_info{role=\"prefill\",engine_id=\"e\"} 1.0\n")
+    g = sb.node_gauges(text)
+    assert g == {"waiting": 3.0, "slots_used": 24.0, "slots_total": 128.0, "held": 0.0}  # no held leases: 0
+    samples = [g, {**g, "waiting": 1.0, "slots_used": 96.0, "held": 7.0}, {**g, "slots_total": 0.0}]
+    core = {"steps": 0, "step_s": 0.0, "prompt": 0, "decode": 0}
+    ld = sb.node_load(core, {**core, "steps": 4, "step_s": 0.4}, 1.0, samples)
+    assert ld.mean_waiting == pytest.approx(7 / 3)
+    assert ld.peak_state_slots == pytest.approx(0.75) and ld.peak_held_leases == 7 and ld.gauge_samples == 3
+    ld = sb.node_load(core, core, 1.0)  # no samples (a point shorter than the interval)
+    assert (ld.mean_waiting, ld.peak_state_slots, ld.peak_held_leases) == (0.0, 0.0, 0)
+
+
+def test_gauge_sampler_scrapes_until_the_block_ends_and_skips_failures(monkeypatch):
+    calls = []
+
+    def scrape(url):
+        calls.append(url)
+        if url == "bad":
+            raise OSError("connection refused")
+        return "baton_node_waiting_requests 2\n"
+
+    monkeypatch.setattr(sb, "_scrape", scrape)
+    with sb.GaugeSampler({"a": "good", "b": "bad"}, interval_s=0.01) as g:
+        time.sleep(0.2)
+    n = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == n  # stopped with the block
+    assert len(g.samples["a"]) >= 3 and g.samples["b"] == []
+    assert g.samples["a"][0]["waiting"] == 2.0
+
+
 def test_summary_ratio_and_json_round_trip():
     a = [sb.rate_point("agg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 5), SLO) for r in (1.0, 2.0)]
     d = [sb.rate_point("disagg", r, 5.0, [_result(0, 0.0, 0.5, [0.05] * 4)] * int(r * 10), SLO) for r in (1.0, 2.0)]
@@ -293,6 +328,10 @@ def test_smoke_run_end_to_end(tmp_path):
                 assert 0 <= load["busy"] <= 1.5 and load["steps"] >= 0, (n, load)
                 assert load["eager_steps"] == load["steps"], (n, load)  # no CUDA graphs on the CPU
             assert sum(ld["decode_tok_s"] for ld in p["nodes"].values()) > 0
+            # Gauges sampled while the point ran (every 0.5 s over a few seconds), each a share or a count.
+            for n, load in p["nodes"].items():
+                assert load["gauge_samples"] >= 2 and 0 <= load["peak_state_slots"] <= 1, (n, load)
+                assert load["mean_waiting"] >= 0 and load["peak_held_leases"] >= 0, (n, load)
             if name == "disagg":
                 assert p["nodes"]["prefill-0"]["prompt_tok_s"] > 0 and p["nodes"]["prefill-0"]["decode_tok_s"] == 0
                 # The decode node's READs over the point (NIXL on the CPU): at least one descriptor per pool.
