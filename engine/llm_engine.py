@@ -21,7 +21,7 @@ from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
-from baton.engine.mixed_graphs import MixedStepGraphs
+from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.ops import dispatch
@@ -197,13 +197,14 @@ class LLMEngine:
         graphs.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         return graphs
 
-    def make_mixed_graphs(self, device: torch.device) -> MixedStepGraphs:
-        """The graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens; on a CPU device they run
-        their static layout eagerly)."""
+    def make_mixed_graphs(self, device: torch.device, buckets: tuple[int, ...] | None = None) -> MixedGraphBuckets:
+        """The graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens = Q), for chunks of each
+        size of `buckets` (default `mixed_graph_buckets.bucket_sizes(Q)`); on a CPU device they run their static
+        layout eagerly."""
         cfg = self.config
         max_blocks = -(-self.max_model_len // cfg.block_size) + 1
-        return MixedStepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
-                               cfg.mixed_graph_tokens)
+        return MixedGraphBuckets(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
+                                 cfg.mixed_graph_tokens, buckets)
 
     def capture_graphs(self) -> int:
         """Capture the CUDA graph of every decode (verify) batch size now, and of every mixed step size with

@@ -20,7 +20,7 @@ Inputs go in one non-blocking copy from pinned memory (`host_copy.to_device`), t
 decode row's PENDING token (async scheduling) is taken on the device from the step in flight, as for decode
 graphs. On a CPU device the same static, padded layout runs eagerly (no capture), which the tests compare with
 steps built the usual way. Graphs are captured lazily, the first time a size is needed, or all at once by
-`capture_all`, into one memory pool.
+`capture_all`, into one memory pool. The engine keeps these for several chunk sizes (`mixed_graph_buckets.py`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ _NO_ROWS = DecodeRows((), (), (), (), ())
 
 class MixedStepGraphs:
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
-                 max_blocks: int, device: torch.device, chunk_tokens: int) -> None:
+                 max_blocks: int, device: torch.device, chunk_tokens: int, pool: tuple | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"mixed step graphs: expected chunk_tokens >= 1, got {chunk_tokens}")
         self.model = model
@@ -96,7 +96,8 @@ class MixedStepGraphs:
             from baton.engine.ops.triton_ssd import build_chunk_meta
             self.chunk_meta = build_chunk_meta([0, Q], cfg.chunk_size, dev)
         self.capture = device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # Graphs' memory: `pool` (shared with other graphs replayed one at a time), or a pool of their own.
+        self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, rows: int) -> int | None:

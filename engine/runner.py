@@ -19,7 +19,8 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
-from baton.engine.mixed_graphs import DecodeRows, MixedStepGraphs, PromptChunk
+from baton.engine.mixed_graph_buckets import MixedGraphBuckets
+from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, fill_pending
@@ -54,7 +55,7 @@ class ModelRunner:
         # CUDA graphs of decode (or verify) steps, set by the engine where they can run; None: all eager.
         self.graphs: StepGraphs | None = None
         # CUDA graphs of decode rows + one prompt chunk (EngineConfig.mixed_graph_tokens); None: those run eagerly.
-        self.mixed_graphs: MixedStepGraphs | None = None
+        self.mixed_graphs: MixedGraphBuckets | None = None
         # Steps replayed as a decode (verify) graph and as a mixed graph, since start; the others ran eagerly.
         self.graph_steps = 0
         self.mixed_graph_steps = 0

@@ -193,7 +193,7 @@ def test_capture_graphs_captures_every_size_up_front(spec_model):  # noqa: F811
     engine = _engine(spec_model, True)
     mixed = engine.runner.mixed_graphs
     assert mixed is not None  # on by default where decode steps replay graphs (K = 0)
-    assert engine.capture_graphs() == len(graph_sizes(12)) + len(mixed.sizes)
+    assert engine.capture_graphs() == len(graph_sizes(12)) * (1 + len(mixed.buckets))  # mixed: every chunk size
     assert engine.capture_graphs() == 0  # already there
     got = run(engine, [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
     ref = run(_engine(spec_model, False), [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))

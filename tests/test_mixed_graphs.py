@@ -8,6 +8,7 @@ import torch
 
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import AUTO_MIXED_GRAPH_TOKENS, resolved_mixed_graph_tokens
+from baton.engine.mixed_graph_buckets import bucket_sizes
 from baton.engine.sampling_params import SamplingParams
 from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model, spec_model  # noqa: F401
 
@@ -26,6 +27,23 @@ def test_mixed_graph_tokens_is_validated():
         EngineConfig(mixed_graph_tokens=-1)
     with pytest.raises(ValueError, match="mixed_graph_tokens': expected 0 with speculative decoding"):
         EngineConfig(mixed_graph_tokens=64, num_speculative_tokens=2, max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("q,expected", [(256, (16, 64, 256)), (128, (32, 128)), (64, (16, 64)), (63, (63,)),
+                                        (20, (20,)), (1, (1,))])
+def test_bucket_sizes(q, expected):
+    assert bucket_sizes(q) == expected
+
+
+def test_bad_buckets_are_refused(small_spec_model):  # noqa: F811
+    engine = new_engine(small_spec_model, 0, mixed_graph_tokens=Q)
+    for bad in ((8, 16), (0, Q), ()):
+        with pytest.raises(ValueError, match=f"expected chunk sizes in 1..{Q}, the largest {Q}"):
+            engine.make_mixed_graphs(torch.device("cpu"), bad)
+    mixed = engine.make_mixed_graphs(torch.device("cpu"), (4, Q))
+    assert [mixed.bucket_for(n) for n in (1, 4, 5, Q)] == [4, 4, Q, Q]
+    with pytest.raises(ValueError, match=f"expected a chunk of 1..{Q} tokens, got {Q + 1}"):
+        mixed.bucket_for(Q + 1)
 
 
 def test_mixed_graphs_are_off_on_cpu_and_without_the_option(small_spec_model):  # noqa: F811
@@ -51,12 +69,15 @@ def test_the_default_mixed_graph_tokens_is_decided_by_where_graphs_run(fields, d
     assert resolved_mixed_graph_tokens(cfg, torch.device(device), graphable) == expected
 
 
-def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("q,buckets", [(Q, None), (48, (16, 48))])
+def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch, q, buckets):  # noqa: F811
     """Decode rows and one chunk in the graphs' static layout (decode rows padded to the graph size on the scratch
-    block and slot, the chunk padded to Q tokens with its real length a device input), run eagerly on the CPU
-    on the Triton kernels (interpreted), give the tokens and rows of the same steps built the usual way."""
+    block and slot, the chunk padded to its bucket's size with its real length a device input), run eagerly on the
+    CPU on the Triton kernels (interpreted), give the tokens and rows of the same steps built the usual way; with
+    two buckets each chunk goes to the smallest that holds it."""
     pytest.importorskip("triton")
     params = SamplingParams(max_tokens=10, ignore_eos=True)
+    Q = q  # noqa: N806 (the module's Q in the first case)
     kw = {"mixed_graph_tokens": Q, "long_prefill_token_threshold": None}
     monkeypatch.setenv("BATON_KERNELS", "torch")
     ref_engine = new_engine(small_spec_model, 0, **kw)
@@ -65,15 +86,16 @@ def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, 
     monkeypatch.setenv("BATON_KERNELS", "triton")
     engine = new_engine(small_spec_model, 0, **kw)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
-    mixed = engine.runner.mixed_graphs = engine.make_mixed_graphs(torch.device("cpu"))
+    mixed = engine.runner.mixed_graphs = engine.make_mixed_graphs(torch.device("cpu"), buckets)
     calls = []
-    static_run = mixed.run
+    used: list[tuple[int, int]] = []  # (bucket, chunk length)
+    for q_b, graphs in mixed.buckets.items():
+        def counting_run(dec, chunk, fill=None, _run=graphs.run, _q=q_b):
+            calls.append((len(dec.state_slots), len(chunk.ids), fill is not None))
+            used.append((_q, len(chunk.ids)))
+            return _run(dec, chunk, fill=fill)
 
-    def counting_run(dec, chunk, fill=None):
-        calls.append((len(dec.state_slots), len(chunk.ids), fill is not None))
-        return static_run(dec, chunk, fill=fill)
-
-    mixed.run = counting_run
+        graphs.run = counting_run
     log = Log(engine)
     got = run(engine, _arrivals(), params)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
@@ -81,7 +103,12 @@ def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, 
     # Mixed steps of several decode-row counts (padded: 3, 5, 6 or 7 rows run as 4 or 8), chunks of Q tokens and
     # shorter ones, some with PENDING decode tokens taken from the step in flight.
     assert len(calls) > 5 and {n for n, _, _ in calls} - {1, 2, 4, 8}
-    assert {L for _, L, _ in calls} >= {Q, 5} and any(f for _, _, f in calls)
+    assert any(f for _, _, f in calls)
+    if buckets is None:  # one bucket: chunks of Q and shorter
+        assert {L for _, L, _ in calls} >= {Q, 5}
+    # Each chunk replayed the smallest bucket holding it (with two buckets, both were used).
+    sizes = sorted(mixed.buckets)
+    assert all(b == min(s for s in sizes if s >= L) for b, L in used) and {b for b, _ in used} == set(sizes)
     # Every step with decode rows carried one chunk at most, of at most Q tokens.
     for out in log.steps:
         if out.num_decodes:
@@ -108,16 +135,19 @@ def _engine(model, dtype: str, q: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype):  # noqa: F811
+@pytest.mark.parametrize("dtype,q", [("float32", Q), ("bfloat16", Q), ("bfloat16", 64)])
+def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype, q):  # noqa: F811
     """On the GPU, the same schedule (one chunk of at most Q tokens beside decode rows) with mixed steps replayed
-    as CUDA graphs and run eagerly gives the same greedy tokens; graphs of several sizes were captured."""
+    as CUDA graphs and run eagerly gives the same greedy tokens; graphs of several sizes were captured (Q = 64: in
+    two buckets, 16 and 64)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    eager_engine = _engine(spec_model, dtype, Q)
+    eager_engine = _engine(spec_model, dtype, q)
     eager_engine.runner.mixed_graphs = None
     eager = run(eager_engine, _arrivals(), params)
-    engine = _engine(spec_model, dtype, Q)
-    assert engine.runner.mixed_graphs is not None
+    engine = _engine(spec_model, dtype, q)
+    mixed = engine.runner.mixed_graphs
+    assert mixed is not None and sorted(mixed.buckets) == list(bucket_sizes(q))
     got = run(engine, _arrivals(), params)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
-    assert len(engine.runner.mixed_graphs.graphs) >= 2
+    assert mixed.num_graphs >= 2
+    assert all(g.graphs for g in mixed.buckets.values())  # every bucket replayed
