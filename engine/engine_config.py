@@ -60,7 +60,7 @@ class EngineConfig:
     # (`benchmarks/gemv_bench.py`; RESULTS.md, sessions 7 and 8).
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays
-    # a CUDA graph (`mixed_graphs.py`; the chunk padded to the smallest of Q, Q/4, ... down to 16 tokens that
+    # a CUDA graph (`mixed_graphs.py`; the chunk padded to the smallest of Q, Q/4, ... down to 32 tokens that
     # holds it, `mixed_graph_buckets.py`) instead of running eagerly, where it is bound by the host (H200,
     # 8b-like, 64 decode rows: 8.8 ms graphed, 34-36 ms eager with 128-512 prompt tokens beside them;
     # benchmarks/RESULTS.md, session 11). For decode nodes that take prompts (the router's prefill

@@ -29,7 +29,7 @@ def test_mixed_graph_tokens_is_validated():
         EngineConfig(mixed_graph_tokens=64, num_speculative_tokens=2, max_num_batched_tokens=512)
 
 
-@pytest.mark.parametrize("q,expected", [(256, (16, 64, 256)), (128, (32, 128)), (64, (16, 64)), (63, (63,)),
+@pytest.mark.parametrize("q,expected", [(512, (32, 128, 512)), (256, (64, 256)), (128, (32, 128)), (64, (64,)),
                                         (20, (20,)), (1, (1,))])
 def test_bucket_sizes(q, expected):
     assert bucket_sizes(q) == expected
@@ -135,11 +135,11 @@ def _engine(model, dtype: str, q: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,q", [("float32", Q), ("bfloat16", Q), ("bfloat16", 64)])
+@pytest.mark.parametrize("dtype,q", [("float32", Q), ("bfloat16", Q), ("bfloat16", 128)])
 def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype, q):  # noqa: F811
     """On the GPU, the same schedule (one chunk of at most Q tokens beside decode rows) with mixed steps replayed
-    as CUDA graphs and run eagerly gives the same greedy tokens; graphs of several sizes were captured (Q = 64: in
-    two buckets, 16 and 64)."""
+    as CUDA graphs and run eagerly gives the same greedy tokens; graphs of several sizes were captured (Q = 128: in
+    two buckets, 32 and 128)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     eager_engine = _engine(spec_model, dtype, q)
     eager_engine.runner.mixed_graphs = None
