@@ -51,7 +51,8 @@ a larger step budget: its steps carry no decode rows whose latency a long step w
 Per rate point each node's engine work is also recorded (`nodes`, from its /metrics before and after the point):
 how busy its engine loop was, its mean step time, prompt and decode tokens/s — where a node is host-bound; and,
 from its gauges sampled every 0.5 s while the point runs, its mean queue (waiting requests), the peak share of its
-state slots in use and its peak of held leases (finished prefills waiting for their READ) — why a node idles.
+state slots in use and its peak of held leases (finished prefills waiting for their READ) — why a node idles;
+and the router's routing decisions over the point (`routing`: disaggregated, prefill_overflow, ...).
 
 Output: `OUT/serving_<config>.json` per configuration (written after every rate point), `OUT/serving_summary.json`,
 markdown tables last on stdout; node and router logs under `--log-dir` (default TMP/baton-serving-logs).
@@ -463,6 +464,8 @@ class RatePoint:
     per_request: tuple[tuple[float | None, float | None], ...] = ()
     # Node name -> its engine work over this point (empty in files written before this field existed).
     nodes: Mapping[str, NodeLoad] = field(default_factory=dict)
+    # The router's routing decisions over this point (`baton_router_routing_decisions_total` deltas), by decision.
+    routing: Mapping[str, float] = field(default_factory=dict)
 
 
 def meets(ttft_s: float | None, tpot_s: float | None, slo: Slo) -> bool:
@@ -710,23 +713,27 @@ def run_config(cfg: BenchConfig, spec: ClusterSpec, vocab_size: int, rates: tupl
                       f"{rates[0]:.3f} req/s")
         addrs = cluster.prefill_addrs + cluster.decode_addrs  # in node_names' order
         node_urls = {n: cluster.node_http_url(a) + "/metrics" for n, a in zip(cluster.node_names, addrs, strict=True)}
+        router_url = cluster.router_http_url + "/metrics"
         points: list[RatePoint] = []
         for i, rate in enumerate(rates):
             reqs = make_requests(cfg.load, rate, vocab_size, salt=i)
             before = {n: node_counters(u) for n, u in node_urls.items()}
+            routed = routing_decisions(router_url)
             with GaugeSampler(node_urls) as gauges:
                 results = asyncio.run(run_schedule(cluster.router_addr, reqs, cfg.drain_s))
             p = rate_point(spec.name, rate, cfg.load.duration_s, results, cfg.slo)
             p = replace(p, nodes={n: node_load(before[n], node_counters(u), p.window_s, gauges.samples[n])
-                                  for n, u in node_urls.items()})
+                                  for n, u in node_urls.items()},
+                        routing={k: v - routed.get(k, 0.0) for k, v in routing_decisions(router_url).items()})
             points.append(p)
             save(ConfigResult(spec, start_s, warmup_s, capacity, tuple(points), {}, node_gpus))
             bar.write(f"[{spec.name}] {rate:.3f} req/s offered: {p.completed}/{p.requests} done, "
                       f"{p.throughput_rps:.3f} req/s, goodput {p.goodput_rps:.3f} req/s, TTFT p50 "
-                      f"{_ms(p.ttft_s, 'p50')} ms, ITL p50 {_ms(p.itl_s, 'p50')} ms")
+                      f"{_ms(p.ttft_s, 'p50')} ms, ITL p50 {_ms(p.itl_s, 'p50')} ms; routed "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p.routing.items()) if v))
             bar.update(1)
         result = ConfigResult(spec, start_s, warmup_s, capacity, tuple(points),
-                              routing_decisions(cluster.router_http_url + "/metrics"), node_gpus)
+                              routing_decisions(router_url), node_gpus)
     save(result)
     return result
 

@@ -328,6 +328,8 @@ def test_smoke_run_end_to_end(tmp_path):
                 assert 0 <= load["busy"] <= 1.5 and load["steps"] >= 0, (n, load)
                 assert load["eager_steps"] == load["steps"], (n, load)  # no CUDA graphs on the CPU
             assert sum(ld["decode_tok_s"] for ld in p["nodes"].values()) > 0
+            # The router's decisions over the point: one per request, all of this configuration's kind.
+            assert p["routing"][route] == p["requests"] and sum(p["routing"].values()) == p["requests"], p["routing"]
             # Gauges sampled while the point ran (every 0.5 s over a few seconds), each a share or a count.
             for n, load in p["nodes"].items():
                 assert load["gauge_samples"] >= 2 and 0 <= load["peak_state_slots"] <= 1, (n, load)
