@@ -54,8 +54,8 @@ class EngineConfig:
     # Steps of at most this many tokens (decode batches) run the linear layers and the lm_head as Triton GEMVs
     # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of
     # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). None (the default): 1 on the
-    # GPUs where that was measured faster (H100: a batch-1 8b-like step 5.90 ms vs 6.32 ms, its kernels chained by
-    # programmatic dependent launch, `ops.triton_common.pdl`), 0 elsewhere (H200: slower);
+    # GPUs where that was measured faster (a batch-1 8b-like step, its kernels chained by programmatic dependent
+    # launch, `ops.triton_common.pdl`: H100 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms), 0 elsewhere;
     # `llm_engine.resolved_fused_gemv_max_tokens`. From 2 rows up the GEMV is 2-22x slower than cuBLAS
     # (`benchmarks/gemv_bench.py`; RESULTS.md, sessions 7 and 8).
     fused_gemv_max_tokens: int | None = None

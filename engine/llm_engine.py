@@ -83,9 +83,9 @@ class _Launched:
 
 
 # GPUs (by name) where a batch-1 decode step is faster with the fused GEMVs than with cuBLAS, measured with
-# benchmarks/engine_bench.py (RESULTS.md, session 8): H100 5.90 vs 6.32 ms. Not on an H200 (5.13 vs 4.49 ms: no
-# one-row tile of gemv_bench's sweep reads as fast as cuBLAS there).
-FUSED_GEMV_GPUS = ("H100",)
+# benchmarks/engine_bench.py with the persistent one-row GEMV (RESULTS.md, session 13): H100 5.56 vs 6.33 ms,
+# H200 4.09 vs 4.52 ms (before it: H100 5.90 vs 6.32, H200 5.13 vs 4.49, slower).
+FUSED_GEMV_GPUS = ("H100", "H200")
 
 
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:

@@ -77,6 +77,46 @@ def test_strided_inputs_bias_and_ragged_tiles(prologue):
         check(fused_linear_triton(a, w, b, tiles=tiles, **kw), ref, 2e-2)
 
 
+PERSISTENT = [  # (tiles, N, K, group size): several blocks of N per program; block_k >= K: f(a) held resident
+    pytest.param(GemvTiles(1, 8, 16, 4, programs_per_sm=2), 40, 96, 32, id="even"),
+    pytest.param(GemvTiles(1, 16, 16, 4, programs_per_sm=3), 37, 120, 24, id="ragged"),  # ragged N, K, groups
+    pytest.param(GemvTiles(1, 4, 64, 4, programs_per_sm=64), 12, 48, 16, id="more-programs-than-blocks"),
+    pytest.param(GemvTiles(1, 8, 128, 4, programs_per_sm=2), 40, 96, 32, id="resident"),
+    pytest.param(GemvTiles(1, 16, 128, 4, programs_per_sm=3), 37, 120, 24, id="resident-ragged"),  # gated: steps
+]
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("tiles, n, k, gs", PERSISTENT)
+def test_persistent_one_row_kernel_matches_reference(tiles, n, k, gs, prologue, dtype, tol):
+    a, w, b, kw = args_for(prologue, 1, n, k, dtype, group_size=gs, bias=True, strided=True)
+    with torch.no_grad():
+        got = fused_linear_triton(a, w, b, tiles=tiles, **kw)
+        check(got, fused_linear(a, w, b, **kw), tol)
+        # the same products, norms and roundings as one program per block of N with the tile the persistent kernel
+        # takes: all of K (resident), one group (gated_norm), or block_k
+        pow2 = gs & (gs - 1) == 0
+        resident = tiles.block_k >= k and (prologue != "gated_norm" or pow2)
+        block_k = (1 << (k - 1).bit_length() if resident
+                   else 1 << (gs - 1).bit_length() if prologue == "gated_norm" else tiles.block_k)
+        plain = fused_linear_triton(a, w, b, tiles=GemvTiles(1, tiles.block_n, block_k, 4), **kw)
+    # interpreted: bit for bit, but the resident gated norm's groups, added as a tree (compiled, the two kernels'
+    # reductions may be laid out apart)
+    if DEVICE == "cpu" and not (resident and prologue == "gated_norm"):
+        for x, y in zip(got if isinstance(got, tuple) else (got,), plain if isinstance(plain, tuple) else (plain,),
+                        strict=True):
+            assert torch.equal(x, y)
+    else:
+        check(got, plain, tol)
+
+
+def test_persistent_tiles_take_one_row_only():
+    a, w, _, _ = args_for("none", 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="programs_per_sm > 0 expected one row, got 2 rows"):
+        fused_linear_triton(a, w, tiles=GemvTiles(1, 4, 16, 4, programs_per_sm=1))
+
+
 def test_add_norm_residual_is_exact_and_written_once_per_row():
     a, w, _, kw = args_for("add_norm", 6, 70, 64, torch.bfloat16)
     y, s = fused_linear_triton(a, w, tiles=GemvTiles(1, 16, 32, 4), **kw)  # 5 blocks of N: one stores s
@@ -121,7 +161,10 @@ def test_empty_and_bad_arguments():
 def test_default_tiles_depend_on_m_only_through_block_m():
     for n, k in ((4096, 8192), (18560, 4096), (4096, 21504)):
         assert {default_tiles(m, n, k, True).block_m for m in (1, 2, 3, 4, 5, 16, 17, 64, 256)} == {1, 2, 4, 16, 32, 64}
-        assert default_tiles(1, n, k, True) == default_tiles(1, 7, 3, True)
+        assert default_tiles(1, n, k, True) == default_tiles(1, 7, k, True)
+        assert default_tiles(1, n, k, True).programs_per_sm > 0  # one row: persistent on the GPU
+        assert (default_tiles(1, n, k, True).block_k >= k) == (k <= 8192)  # f(a) held resident up to 8192
+        assert all(default_tiles(m, n, k, True).programs_per_sm == 0 for m in (2, 16, 64))
 
 
 # ---- full size on the GPU: the 8b-like layers' linear shapes at decode batch sizes --------------------------

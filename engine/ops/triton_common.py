@@ -53,6 +53,22 @@ except ImportError:  # a Triton without grid dependency control: never launched 
 
 
 @triton.jit
+def pdl_wait_only(PDL: tl.constexpr):
+    """Wait for the kernels before this one (PDL launches only); the kernel lets the next one launch itself
+    (`pdl_launch_next`), e.g. at its end: a persistent kernel's programs stream until then, and the next kernel's
+    programs, launched early, would sit on their SMs waiting."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    """Let the next kernel launch (PDL launches only)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the kernels before this one (PDL launches only), then let the next one launch."""
     if PDL:

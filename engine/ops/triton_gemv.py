@@ -25,6 +25,14 @@ tensor needs no copy); the last dimension must be unit-stride. No host reads of 
 launches can be captured in a CUDA graph. Launch shape (`GemvTiles`) depends on M only through BLOCK_M.
 On Hopper (`triton_common.pdl`) each program loads its first W tile before it waits for the kernel before it,
 then lets the next kernel launch: a chain of GEMVs streams W with no launch gap between them.
+
+One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gemv_row_kernel` instead: a
+persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
+K = 8192 each program computes f(a), its norm weights and RMS scale once and holds them in registers, so the
+loop streams nothing but W; past that the loop is flattened over (block of N, block of K). It waits for the
+kernel before it at its start and lets the next one launch at its end. On an H200 the 8b-like layers at one row
+read 3,256-4,526 GB/s this way against 1,700-2,800 for one program per block (and ahead of cuBLAS), on an H100
+2,511-3,130 GB/s (benchmarks/RESULTS.md, session 13).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
+from baton.engine.ops.triton_common import pdl, pdl_launch_next, pdl_wait, pdl_wait_only, round_to
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
@@ -128,6 +136,120 @@ def _gemv_kernel(
              mask=rmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _row_prologue(a_ptr, r_ptr, g_ptr, s_ptr, offs, mask, store_mask, PRO: tl.constexpr):
+    """`_prologue_raw` for one row, as a [BLOCK_K] vector (s stored where store_mask)."""
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PRO == 1:
+        r = tl.maximum(a, 0.0)
+        a = round_to(r * r, a_ptr.dtype.element_ty).to(tl.float32)
+    elif PRO == 3:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = round_to(a + r, a_ptr.dtype.element_ty)
+        tl.store(s_ptr + offs, a, mask=store_mask)
+        a = a.to(tl.float32)
+    elif PRO == 4:
+        z = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = a * tl.math.div_rn(z, 1.0 + tl.exp(-z))
+    return a
+
+
+@triton.jit
+def _gemv_row_kernel(
+    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr,
+    N, K, num_programs,
+    s_w_n,
+    width, eps,
+    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, STEP: tl.constexpr, RESIDENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One row, persistent: `num_programs` programs, program p computing the blocks of N p, p + num_programs, ...
+    in one loop, so that the software pipeliner keeps loading W across blocks (what a grid of short programs, one
+    per block, cannot: their K loops are 2-4 tiles).
+
+    RESIDENT (BLOCK_K >= K): f(a), its norm weights and RMS scale are computed once per program and stay in
+    registers; each step is one [BLOCK_N, K] block of W. Otherwise the loop is flattened over (block of N, block
+    of K), each step taking the next STEP channels of K in a BLOCK_K tile: STEP = BLOCK_K, or for gated_norm the
+    group size (BLOCK_K >= it), one group per step; f(a) is recomputed per step (from L2).
+
+    The products, norms and roundings are `_gemv_kernel`'s at BLOCK_M = 1 (flattened: in the same order;
+    resident: the whole row's products summed at once and, for gated_norm, the groups' scaled sums added as a
+    tree instead of one by one)."""
+    pid = tl.program_id(0)
+    pdl_wait_only(PDL)
+    NORM: tl.constexpr = PRO >= 2
+    GATED: tl.constexpr = PRO == 4
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    dtype = a_ptr.dtype.element_ty
+    if RESIDENT:
+        offs = tl.arange(0, BLOCK_K)
+        kmask = offs < K
+        x = _row_prologue(a_ptr, r_ptr, g_ptr, s_ptr, offs, kmask, kmask & (offs < tl.where(pid == 0, K, 0)), PRO)
+        if NORM:
+            nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+            xw = round_to(nw * x, dtype).to(tl.float32)
+            if GATED:  # one RMS scale per group of STEP channels
+                ss_g = tl.sum(tl.reshape(x * x, (BLOCK_K // STEP, STEP)), axis=1)
+                scale = tl.math.rsqrt(tl.math.div_rn(ss_g, width) + eps)
+            else:
+                scale = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=0), width) + eps)
+        else:
+            xw = x
+        for tile in tl.range(pid, n_tiles, num_programs, num_stages=STAGES):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * s_w_n + offs[None, :],
+                        mask=(cols < N)[:, None] & kmask[None, :], other=0.0)
+            prod = w.to(tl.float32) * xw[None, :]
+            if GATED:
+                acc = tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // STEP, STEP)), axis=2) * scale[None, :],
+                             axis=1)
+            elif NORM:
+                acc = tl.sum(prod, axis=1) * scale
+            else:
+                acc = tl.sum(prod, axis=1)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + cols, round_to(acc, y_ptr.dtype.element_ty), mask=cols < N)
+    else:
+        k_tiles = tl.cdiv(K, STEP)
+        my_tiles = tl.cdiv(n_tiles - pid, num_programs)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        ss = 0.0
+        for it in tl.range(0, my_tiles * k_tiles, num_stages=STAGES):
+            ki = it % k_tiles
+            tile = pid + (it // k_tiles) * num_programs
+            offs = ki * STEP + tl.arange(0, BLOCK_K)
+            if STEP == BLOCK_K:
+                kmask = offs < K
+            else:
+                kmask = (tl.arange(0, BLOCK_K) < STEP) & (offs < K)
+            x = _row_prologue(a_ptr, r_ptr, g_ptr, s_ptr, offs, kmask, kmask & (offs < tl.where(tile == 0, K, 0)),
+                              PRO)
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * s_w_n + offs[None, :],
+                        mask=(cols < N)[:, None] & kmask[None, :], other=0.0)
+            if NORM:
+                nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+                xw = round_to(nw * x, dtype).to(tl.float32)
+                if GATED:  # this step is the group: its RMS scales its products at once
+                    acc += tl.sum(w.to(tl.float32) * xw[None, :], axis=1) * tl.math.rsqrt(
+                        tl.math.div_rn(tl.sum(x * x, axis=0), width) + eps)
+                else:
+                    ss += tl.sum(x * x, axis=0)
+                    acc += tl.sum(w.to(tl.float32) * xw[None, :], axis=1)
+            else:
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if ki == k_tiles - 1:  # the block of N's last step
+                if NORM and not GATED:
+                    acc = acc * tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)
+                    ss = 0.0
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+                tl.store(y_ptr + cols, round_to(acc, y_ptr.dtype.element_ty), mask=cols < N)
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    pdl_launch_next(PDL)
+
+
 @dataclass(frozen=True)
 class GemvTiles:
     block_m: int
@@ -136,6 +258,9 @@ class GemvTiles:
     num_warps: int
     # Software-pipeline stages of the K loop (3: Triton's own default on CUDA, what every tile was tuned with).
     num_stages: int = 3
+    # > 0: one row only, `_gemv_row_kernel` with this many programs per SM (one under the interpreter), each
+    # looping over blocks of N; 0: one program per block of N.
+    programs_per_sm: int = 0
 
 
 def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
@@ -144,14 +269,28 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)
-    if m == 1:  # the best of gemv_bench's sweep on an H100 with PDL, on every 8b-like layer but down_proj (within 2 %)
-        return GemvTiles(1, 4, 2048, 4)
+    if m == 1:  # persistent, f(a) resident up to K = 8192; the best of a sweep on an H200 (RESULTS.md, session 13)
+        kp = triton.next_power_of_2(k)
+        return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
     if m <= 4:
         return GemvTiles(triton.next_power_of_2(m), 16, 256, 4)
     if m <= 16:
         return GemvTiles(16, 32, 128, 4)
     # One block of rows up to 64, so that W is read once (each block of rows reads all of it again).
     return GemvTiles(32, 32, 128, 4) if m <= 32 else GemvTiles(64, 32, 64, 4)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (cached); 1 on CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -173,10 +312,27 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
     g = a if gate is None else _rows(gate)
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     s = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == "add_norm" else None
+    t = tiles or default_tiles(m, n, k, a.is_cuda)
+    if t.programs_per_sm and m > 1:
+        raise ValueError(f"{fn}: tiles with programs_per_sm > 0 expected one row, got {m} rows")
     if m and n:
-        t = tiles or default_tiles(m, n, k, a.is_cuda)
         group = group_size if prologue == "gated_norm" else max(k, 1)
         nw = norm_weight.contiguous() if norm_weight is not None else a
+        gated = prologue == "gated_norm"
+        # resident: the tile covers K (gated_norm: in whole groups of a power-of-two size); else gated_norm takes one
+        # group per step, in a tile of at least its size
+        resident = t.block_k >= k and (not gated or group & (group - 1) == 0)
+        block_k = triton.next_power_of_2(k) if resident else triton.next_power_of_2(group) if gated else t.block_k
+        if t.programs_per_sm and block_k * t.block_n <= 32768:
+            programs = min(triton.cdiv(n, t.block_n), t.programs_per_sm * _num_sms(a.device))
+            _gemv_row_kernel[(programs,)](
+                a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
+                n, k, programs, w.stride(0), float(group), eps,
+                PRO=_CODES[prologue], HAS_BIAS=bias is not None, STEP=group if gated else block_k, RESIDENT=resident,
+                BLOCK_N=t.block_n, BLOCK_K=block_k, STAGES=t.num_stages,
+                num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
+            )  # fmt: skip
+            return y if s is None else (y, s)
         _gemv_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
             a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
             m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
