@@ -30,9 +30,9 @@ One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gem
 persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
 K = 8192 each program computes f(a), its norm weights and RMS scale once and holds them in registers, so the
 loop streams nothing but W; past that the loop is flattened over (block of N, block of K). It waits for the
-kernel before it at its start and lets the next one launch at its end. On an H200 the 8b-like layers at one row
-read 3,256-4,526 GB/s this way against 1,700-2,800 for one program per block (and ahead of cuBLAS), on an H100
-2,511-3,130 GB/s (benchmarks/RESULTS.md, session 13).
+kernel before it at its start and lets the next one launch at its end. A batch-1 8b-like step's layers take
+3,522 µs this way on an H200, against 3,765 for the separate ops + cuBLAS and ~5,900 for one program per block
+chained by PDL; on an H100 4,849 against 5,422 (benchmarks/RESULTS.md, session 13).
 """
 
 from __future__ import annotations
