@@ -12,12 +12,13 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 TPOT_MS=${TPOT_MS:-15}
 E="--device cuda --dtype bfloat16 --max-num-seqs 128 --max-num-batched-tokens 2048 --cache-memory-mb 32768 --max-model-len 16384"
-# The default: the aggregated pair at the engine's defaults (mixed-step graphs of 256 tokens on a GPU) and with
-# eager mixed steps, and 1P1D taking the overflow on its decode node with mixed graphs of 128 (benchmarks/RESULTS.md,
-# session 12). (~8 minutes on 2 x H200: within one device call.)
-DEFAULT=$'agg|13,16||--configs agg
-agg_eager_mixed|10,13|--mixed-graph-tokens 0|--configs agg
-disagg_mixed128|18,21||--configs disagg --disagg-prefill-queue-limit-tokens 16384 --disagg-decode-engine-args "--mixed-graph-tokens 128"'
+# The default: the aggregated pair and 1P1D at the engine's defaults over rates from well within to past their
+# capacity (the summary's SLO sweep scores both from TPOT <= 6 ms up), and 1P1D taking the overflow on its decode
+# node with mixed graphs of 128 at the rate where it pays (benchmarks/RESULTS.md, session 13). (~6.5 minutes on
+# 2 x H200: within one device call.)
+DEFAULT=$'agg|8,11,14||--configs agg
+disagg|11,14,17||--configs disagg
+disagg_ovf|17||--configs disagg --disagg-prefill-queue-limit-tokens 16384 --disagg-decode-engine-args "--mixed-graph-tokens 128"'
 VARIANTS=${VARIANTS:-$DEFAULT}
 
 if [ -z "${DRY:-}" ]; then
