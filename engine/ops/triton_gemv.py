@@ -323,7 +323,7 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
         # group per step, in a tile of at least its size
         resident = t.block_k >= k and (not gated or group & (group - 1) == 0)
         block_k = triton.next_power_of_2(k) if resident else triton.next_power_of_2(group) if gated else t.block_k
-        if t.programs_per_sm and block_k * t.block_n <= 32768:
+        if t.programs_per_sm and block_k * t.block_n <= 32768:  # else the tile outgrows a program: one per block
             programs = min(triton.cdiv(n, t.block_n), t.programs_per_sm * _num_sms(a.device))
             _gemv_row_kernel[(programs,)](
                 a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
