@@ -7,7 +7,8 @@ weights rotated over enough copies that L2 holds none of them between calls:
                and then cuBLAS (`F.linear`), what a decode step runs without `fused_gemv_max_tokens`; for
                o_proj and lm_head (no op before them, cuBLAS in the engine either way) cuBLAS alone
     cublas     cuBLAS alone (the weight read, no prologue): the GEMM's own share of `separate`
-    fused      one fused_linear_triton launch, default tiles, and the best of a tile sweep (`--sweep-batches`)
+    fused      one fused_linear_triton launch, default tiles, and the best of a tile sweep (`--sweep-batches`; one
+               row: the persistent kernel's programs per SM kept, its blocks of K swept)
 
 GB/s counts the weight bytes only (what a decode step must read); copy = device-to-device copy, read + written.
 Last, a decode step's sum over the layers the engine fuses (8b-like: 24 Mamba2, 4 attention, 24 MLP) for each
@@ -157,7 +158,7 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
     if sweep:
         for bn, bk, nw, st in itertools.product(*SWEEP.values(), stages):
-            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st)
+            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st, d.programs_per_sm)
             if d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
                 continue
             us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
