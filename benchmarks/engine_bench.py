@@ -960,7 +960,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--ssm-state-dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--fused-gemv-max-tokens", type=int,
                     help="the engine's fused_gemv_max_tokens: decode steps of at most this many tokens run the "
-                         "fused-prologue GEMVs (default: the engine's, 1 on an H100, else 0)")
+                         "fused-prologue GEMVs (default: the engine's, 1 on an H100 or H200, else 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, small numbers (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME} (or a .json file path)")

@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="profiled steps per batch (and as many warm-up)")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--fused-gemv-max-tokens", type=int, default=None,
-                    help="the engine's (default: its own, 1 on an H100, else 0)")
+                    help="the engine's (default: its own, 1 on an H100 or H200, else 0)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step n+1 while step n runs on the device; K = 0 and prefill nodes (on)")
     g.add_argument("--fused-gemv-max-tokens", type=int, metavar="N",
                    help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
-                        "before each fused in (0 = off; default 1 on an H100, where it pays at one row, else 0; "
+                        "before each fused in (0 = off; default 1 on an H100 or H200, where it pays at one row, else 0; "
                         "2 and more are slower than cuBLAS)")
     g.add_argument("--mixed-graph-tokens", type=int, metavar="Q",
                    help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
