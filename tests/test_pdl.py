@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (`ops.triton_common.pdl`): on Hopper the decode-step kernels launch while the one
-before them finishes and wait for it before touching its data. Off on the CPU and in the interpreter."""
+"""Programmatic dependent launch (`ops.triton_common.pdl`): on Hopper the kernels of small steps (at most
+PDL_MAX_ROWS rows) launch while the one before them finishes and wait for it before touching its data. Off on the
+CPU and in the interpreter."""
 
 from __future__ import annotations
 
@@ -74,9 +75,49 @@ def test_fused_gemv_default_is_decided_by_the_device():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_gemv_default_is_one_on_an_h100_only():
+def test_gpu_fused_gemv_default_is_one_on_the_measured_gpus():
     from baton.engine.engine_config import EngineConfig
-    from baton.engine.llm_engine import resolved_fused_gemv_max_tokens
+    from baton.engine.llm_engine import FUSED_GEMV_GPUS, resolved_fused_gemv_max_tokens
 
-    h100 = "H100" in torch.cuda.get_device_name()
-    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == int(h100)
+    measured = any(gpu in torch.cuda.get_device_name() for gpu in FUSED_GEMV_GPUS)
+    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == int(measured)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_only_up_to_max_rows(monkeypatch):
+    """Kernels over more than PDL_MAX_ROWS rows launch without PDL; a graph mixing both kinds of launch (a
+    one-row GEMV chain feeding a wide norm and back) gives the bits of the serial chain."""
+    from baton.engine.ops.triton_common import PDL_MAX_ROWS
+    from baton.engine.ops.triton_gemv import fused_linear_triton
+    from baton.engine.ops.triton_norm import gated_rms_norm_triton
+
+    if not _hopper():
+        pytest.skip("PDL needs compute capability 9.0")
+    monkeypatch.setenv("BATON_PDL", "1")
+    assert pdl(torch.zeros(PDL_MAX_ROWS, 8, device="cuda"))["launch_pdl"] is True
+    assert pdl(torch.zeros(PDL_MAX_ROWS + 1, 8, device="cuda")) == {"PDL": False, "launch_pdl": False}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k, n = 1024, 2048
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / 32
+    gw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain(x):
+        for _ in range(3):
+            up = fused_linear_triton(x, w)  # one row: PDL
+            wide = up.reshape(-1, k).repeat(PDL_MAX_ROWS, 1)  # 2 * PDL_MAX_ROWS rows: no PDL
+            h = gated_rms_norm_triton(wide, wide, gw, 256, 1e-5)
+            x = h[-1:].contiguous()
+        return x
+
+    def run(flag: str):
+        monkeypatch.setenv("BATON_PDL", flag)
+        chain(x0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    assert torch.equal(run("0"), run("1"))

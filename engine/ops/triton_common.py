@@ -79,12 +79,22 @@ def pdl_wait(PDL: tl.constexpr):
 _PDL_DEVICES: dict[int, bool] = {}
 
 
+# Kernels over more rows than this (dim 0 of the tensor given to `pdl`: tokens or decode rows) launch without PDL.
+# On an H200, 8b-like decode steps (interleaved A/B, 2026-11-28): batch 1 4.09 ms with PDL against 4.18-4.19
+# without; batch 32 6.60-6.61 either way; batch 256 22.13-22.16 with against 21.84-21.96 without. There the
+# kernels are long, and launching each one early (its programs then wait on the SMs) costs more than it hides.
+PDL_MAX_ROWS = 64
+
+
 def pdl(t: Tensor) -> dict[str, bool]:
     """Launch keywords for a kernel that calls `pdl_wait(PDL)`: programmatic dependent launch on a CUDA device of
-    compute capability 9.0 or later (not in the interpreter), unless BATON_PDL=0. `PDL` and `launch_pdl` always
-    travel together: a kernel launched with the attribute and without its wait would race."""
+    compute capability 9.0 or later (not in the interpreter), for at most `PDL_MAX_ROWS` rows (`t`'s dim 0), unless
+    BATON_PDL=0. `PDL` and `launch_pdl` always travel together: a kernel launched with the attribute and without
+    its wait would race."""
     on = False
-    if t.is_cuda and gdc_wait is not None and not interpreted() and os.environ.get("BATON_PDL", "1") != "0":
+    rows = t.shape[0] if t.dim() else 1
+    if (t.is_cuda and rows <= PDL_MAX_ROWS and gdc_wait is not None and not interpreted()
+            and os.environ.get("BATON_PDL", "1") != "0"):
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         if index not in _PDL_DEVICES:
             _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9

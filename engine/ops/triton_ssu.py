@@ -2,13 +2,13 @@
 (T = 1+K tokens per row, by replay), beside their torch references.
 
 Same signatures, semantics and return values as `selective_state_update` (selective_state_update.py) and
-`selective_state_update_verify` (spec_state_update.py); see those for the math and the replay. One program
-per (row, head, block of BLOCK_P head-dim rows) holds its [BLOCK_P, N] state tile in fp32 registers and
-reads it from the row's slot once. Decode advances it by the token and stores it back. Verify first replays
-the slot's `replay[b]` pending positions (each rounded to the pool dtype, as a decode step stores it) and
-stores that committed state once, then steps over the row's T positions in registers only: a verify step
-moves one state read and one state write per row, whatever K is. Each position's output y reads the fp32
-state before rounding, as the references do. Head h reads the B/C group h // (H // G).
+`selective_state_update_verify` (spec_state_update.py); see those for the math and the replay. One program per
+(row, head, block of BLOCK_P head-dim rows), numbered head-major (`_program_tile`), holds its [BLOCK_P, N]
+state tile in fp32 registers and reads it from the row's slot once. Decode advances it by the token and stores
+it back. Verify first replays the slot's `replay[b]` pending positions (each rounded to the pool dtype, as a
+decode step stores it) and stores that committed state once, then steps over the row's T positions in
+registers only: a verify step moves one state read and one state write per row, whatever K is. Each position's
+output y reads the fp32 state before rounding, as the references do. Head h reads the B/C group h // (H // G).
 
 No host reads of device tensors: only shapes are checked here; index values are the caller's contract,
 unchecked (an out-of-range slot is an out-of-bounds access on the GPU): slots are distinct values in
@@ -39,9 +39,20 @@ def _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min):
 
 
 @triton.jit
+def _program_tile(H, P, BLOCK_P: tl.constexpr):
+    """(block of P, head, row) of this program in the 1-D grid: the block of P varies fastest, then the head,
+    so consecutive programs walk one slot's [H, P, N] state contiguously. With rows varying fastest (4 MB
+    apart at the 8b-like size, 100 MB in the engine's pool) a batch-256 layer took 552 us on an H200 against
+    533 in this order (the engine's pool layout, 2026-11-28)."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(P, BLOCK_P)
+    return pid % n_blocks, (pid // n_blocks) % H, pid // (n_blocks * H)
+
+
+@triton.jit
 def _ssu_decode_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, slot_ptr, y_ptr,
-    P, N, heads_per_group, dt_min,
+    H, P, N, heads_per_group, dt_min,
     s_state_slot, s_state_h, s_state_p, s_state_n,
     s_x_b, s_x_h, s_x_p,
     s_dt_b, s_dt_h,
@@ -52,9 +63,7 @@ def _ssu_decode_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pid_p = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    pid_p, h, b = _program_tile(H, P, BLOCK_P)
     g = h // heads_per_group
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -87,7 +96,7 @@ def _ssu_decode_kernel(
 def _ssu_verify_kernel(
     state_ptr, px_ptr, pB_ptr, pdt_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
     slot_ptr, replay_ptr, num_tokens_ptr, y_ptr,
-    T, P, N, heads_per_group, dt_min,
+    T, H, P, N, heads_per_group, dt_min,
     s_state_slot, s_state_h, s_state_p, s_state_n,
     s_px_slot, s_px_t, s_px_h, s_px_p,
     s_pB_slot, s_pB_t, s_pB_g, s_pB_n,
@@ -101,9 +110,7 @@ def _ssu_verify_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_p = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    pid_p, h, b = _program_tile(H, P, BLOCK_P)
     g = h // heads_per_group
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P]
@@ -164,7 +171,7 @@ def _launch_config(P: int, N: int, verify: bool = False) -> tuple[int, int, int]
     """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for decode
     and 2048 for verify, 2 warps. Measured best on an H200 at the 8b-like size (P=64, N=128; sweep of BLOCK_P
     8..64 x 2/4/8 warps, session of 2026-11-26): decode 3,880 GB/s at batch 256 (4 warps, 2048: 3,743),
-    verify T=5 1,804 GB/s (4 warps: 1,581)."""
+    verify T=5 1,804 GB/s (4 warps: 1,581). One warp measured within 1-2 % of two either way (2026-11-28)."""
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 2
@@ -215,9 +222,9 @@ def selective_state_update_triton(
     y = torch.empty_like(x)
     if batch:
         block_p, block_n, num_warps = _launch_config(P, N)
-        _ssu_decode_kernel[(triton.cdiv(P, block_p), batch, H)](
+        _ssu_decode_kernel[(triton.cdiv(P, block_p) * H * batch,)](
             ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
-            P, N, H // G, float(dt_min),
+            H, P, N, H // G, float(dt_min),
             *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
             BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, **pdl(x),
         )  # fmt: skip
@@ -317,10 +324,10 @@ def selective_state_update_verify_triton(
     y = torch.empty_like(x)
     if batch:
         block_p, block_n, num_warps = _launch_config(P, N, verify=True)
-        _ssu_verify_kernel[(triton.cdiv(P, block_p), batch, H)](
+        _ssu_verify_kernel[(triton.cdiv(P, block_p) * H * batch,)](
             ssm_state, pending_x, pending_B, pending_dt, x, dt, A, B, C, D, dt_bias,
             slots, replay, slots if num_tokens is None else num_tokens, y,
-            T, P, N, H // G, float(dt_min),
+            T, H, P, N, H // G, float(dt_min),
             *ssm_state.stride(), *pending_x.stride(), *pending_B.stride(), *pending_dt.stride(),
             *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
             HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
