@@ -5,14 +5,14 @@ cache layout and the math. Query i of row r sits at absolute position ctx + i (c
 sees keys 0 .. ctx + i; query head h reads KV head h // (Hq // Hkv). Scores, softmax and the P @ V sum
 accumulate in fp32; the output is in q.dtype.
 
-One program per (query block, KV head) (and per split, below), KV heads numbered fastest. A query block is up
-to BLOCK_Q consecutive queries of one row; the program stacks them with the KV head's `group = Hq // Hkv`
-query heads into one tile of BLOCK_M >= BLOCK_Q * group rows (row m = query m // group, head m % group), so
-every key and value of the KV head is read once per query block, not once per query head. The program then
-walks the row's keys 0 .. (its last query's position) in tiles of BLOCK_N tokens, each token's block id read
-from `block_tables`, with an online (flash-attention) softmax: scores by `tl.dot`, the causal mask per row of
-the tile, running max and sum in fp32. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so a decode row is
-one program per KV head holding its `group` query heads.
+One program per (query block, KV head) (and per split, below); decode tiles number KV heads fastest. A query
+block is up to BLOCK_Q consecutive queries of one row; the program stacks them with the KV head's `group = Hq
+// Hkv` query heads into one tile of BLOCK_M >= BLOCK_Q * group rows (row m = query m // group, head m %
+group), so every key and value of the KV head is read once per query block, not once per query head. The
+program then walks the row's keys 0 .. (its last query's position) in tiles of BLOCK_N tokens, each token's
+block id read from `block_tables`, with an online (flash-attention) softmax: scores by `tl.dot`, the causal
+mask per row of the tile, running max and sum in fp32. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so
+a decode row is one program per KV head holding its `group` query heads.
 
 The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
 query-block counts and a searchsorted over it), from a grid whose size depends on shapes only
@@ -141,10 +141,16 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
-    # KV heads vary fastest: the programs of one query block read the same KV blocks' interleaved heads
-    # side by side (256 decode rows of the 8b-like layer on an H200: 332 us against 340 with rows fastest).
-    pid = tl.program_id(0) // kv_heads
-    kvh = tl.program_id(0) % kv_heads
+    if BLOCK_Q == 1:
+        # Decode tiles: KV heads vary fastest, so the programs of one row read the same KV blocks' interleaved
+        # heads side by side (256 decode rows of the 8b-like layer on an H200: 332 us against 340).
+        pid = tl.program_id(0) // kv_heads
+        kvh = tl.program_id(0) % kv_heads
+    else:
+        # Query blocks vary fastest: each KV head's longest (last, causal) blocks do not all come at the end.
+        grid_m = tl.num_programs(0) // kv_heads
+        pid = tl.program_id(0) % grid_m
+        kvh = tl.program_id(0) // grid_m
     split = tl.program_id(1)
     row, tok, head, q_pos, md_mask, kv_end = _query_tile(
         pid,
