@@ -296,7 +296,7 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 
 
 # Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): 256 rows x 1,065 keys of the 8b-like
-# layer took 291 us with 2 stages against 332 with Triton's default 3 (H200, 2026-11-28). Other tiles keep 3.
+# layer took 291 us with 2 stages against 332 with Triton's default 3 (H200, 2026-11-27). Other tiles keep 3.
 DECODE_STAGES = 2
 
 

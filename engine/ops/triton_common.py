@@ -80,7 +80,7 @@ _PDL_DEVICES: dict[int, bool] = {}
 
 
 # Kernels over more rows than this (dim 0 of the tensor given to `pdl`: tokens or decode rows) launch without PDL.
-# On an H200, 8b-like decode steps (interleaved A/B, 2026-11-28): batch 1 4.09 ms with PDL against 4.18-4.19
+# On an H200, 8b-like decode steps (interleaved A/B, 2026-11-27): batch 1 4.09 ms with PDL against 4.18-4.19
 # without; batch 32 6.60-6.61 either way; batch 256 22.13-22.16 with against 21.84-21.96 without. There the
 # kernels are long, and launching each one early (its programs then wait on the SMs) costs more than it hides.
 PDL_MAX_ROWS = 64

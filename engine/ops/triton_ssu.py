@@ -43,7 +43,7 @@ def _program_tile(H, P, BLOCK_P: tl.constexpr):
     """(block of P, head, row) of this program in the 1-D grid: the block of P varies fastest, then the head,
     so consecutive programs walk one slot's [H, P, N] state contiguously. With rows varying fastest (4 MB
     apart at the 8b-like size, 100 MB in the engine's pool) a batch-256 layer took 552 us on an H200 against
-    533 in this order (the engine's pool layout, 2026-11-28)."""
+    533 in this order (the engine's pool layout, 2026-11-27)."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(P, BLOCK_P)
     return pid % n_blocks, (pid // n_blocks) % H, pid // (n_blocks * H)
@@ -171,7 +171,7 @@ def _launch_config(P: int, N: int, verify: bool = False) -> tuple[int, int, int]
     """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for decode
     and 2048 for verify, 2 warps. Measured best on an H200 at the 8b-like size (P=64, N=128; sweep of BLOCK_P
     8..64 x 2/4/8 warps, session of 2026-11-26): decode 3,880 GB/s at batch 256 (4 warps, 2048: 3,743),
-    verify T=5 1,804 GB/s (4 warps: 1,581). One warp measured within 1-2 % of two either way (2026-11-28)."""
+    verify T=5 1,804 GB/s (4 warps: 1,581). One warp measured within 1-2 % of two either way (2026-11-27)."""
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 2
