@@ -10,7 +10,7 @@
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
-#   kernels   kernels_bench.py: state / conv update vs copy bandwidth
+#   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   transfer  transfer_bench.py on cuda (2 GPUs: NIXL and CUDA IPC, progress delay 1000 and 0 us, PROGRESS_DELAYS) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several

@@ -24,6 +24,7 @@ from baton.engine.ops.triton_conv import (  # noqa: E402
     causal_conv1d_update_triton,
     causal_conv1d_update_verify_triton,
 )
+from tests.cuda_timing import time_call_ms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCH, CHANNELS, NUM_SLOTS = 3, 24, 16
@@ -362,11 +363,13 @@ def test_gpu_full_size_verify(batch, T, pool_dtype):
 
 
 def bench_conv(batch, T=1, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, channels=CONV_DIM,
-               width=CONV_WIDTH, iters=100, warmup=10):
+               width=CONV_WIDTH, iters=100, warmup=10, graph_launches=0):
     """Time one Triton conv update of `batch` rows on CUDA. T=1: the decode op. T>1: the verify op in its
     worst steady state, every row replaying replay = T recorded inputs (L = T) before its T tokens.
     Returns (ms per call, GB/s of compulsory traffic: x in, y out, weight, bias, each row's window read
-    once and written once, and for verify the T replayed inputs read and the T new ones recorded)."""
+    once and written once, and for verify the T replayed inputs read and the T new ones recorded).
+    graph_launches > 0 times the op inside a CUDA graph of that many back-to-back launches, replayed `iters`
+    times (`tests/cuda_timing.py`); 0 times eager launches."""
     g = torch.Generator().manual_seed(0)
     weight, bias = make_layer(width, dtype, channels=channels, device="cuda")
     num_slots = 2 * batch
@@ -387,16 +390,7 @@ def bench_conv(batch, T=1, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, chan
         def call():
             causal_conv1d_update_verify_triton(x, weight, bias, pool, pending, slots, replay)
 
-    for _ in range(warmup):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    ms = time_call_ms(call, warmup=warmup, iters=iters, graph_launches=graph_launches)
     xs, ps = x.element_size(), pool.element_size()
     nbytes = (
         2 * batch * T * channels * xs  # x in, y out
@@ -411,4 +405,6 @@ def bench_conv(batch, T=1, dtype=torch.bfloat16, pool_dtype=torch.bfloat16, chan
 @pytest.mark.parametrize("T", [1, 5])
 def test_gpu_bench_conv_runs(T):
     ms, gbps = bench_conv(32, T=T, iters=5, warmup=2)
+    assert ms > 0 and gbps > 0
+    ms, gbps = bench_conv(32, T=T, iters=2, warmup=1, graph_launches=3)
     assert ms > 0 and gbps > 0

@@ -26,6 +26,7 @@ from baton.engine.ops.triton_ssu import (  # noqa: E402
     selective_state_update_triton,
     selective_state_update_verify_triton,
 )
+from tests.cuda_timing import time_call_ms  # noqa: E402
 
 H, P, N, G = 4, 8, 16, 2
 NUM_SLOTS = 24
@@ -468,7 +469,8 @@ def test_gpu_verify_full_size(batch, dtype, state_dtype, atol, rtol):
 
 
 def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
-              state_dtype: torch.dtype = torch.float32, warmup: int = 10, iters: int = 100) -> tuple[float, float]:  # fmt: skip
+              state_dtype: torch.dtype = torch.float32, warmup: int = 10, iters: int = 100,
+              graph_launches: int = 0) -> tuple[float, float]:  # fmt: skip
     """Time one launch of the Triton kernel at the full model size (H=128, P=64, N=128, G=8) on CUDA.
 
     T=1 times `selective_state_update_triton` (read + write of each row's state). T>1 times
@@ -476,7 +478,8 @@ def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
     positions (pending length L = T) then runs its T tokens, all valid. Returns (ms per call, GB/s of the
     bytes it must move) from CUDA events. Bytes: each row's state read once and written once, x, dt, B, C
     in and y out, slots (and for verify: replay, the T replayed positions' recorded x, B, dt read and this
-    step's T positions written back).
+    step's T positions written back). graph_launches > 0 times the kernel inside a CUDA graph of that many
+    back-to-back launches, replayed `iters` times (`tests/cuda_timing.py`); 0 times eager launches.
     """
     params, tok, pool = _full_case(batch, None if T == 1 else T, dtype, state_dtype, 2)
     slots = torch.arange(batch, device="cuda")
@@ -489,15 +492,7 @@ def bench_ssu(batch: int, T: int = 1, dtype: torch.dtype = torch.bfloat16,
         run = lambda: call_verify(TRITON_VERIFY, pool, pend, tok, params, slots, replay)  # noqa: E731
         per_position = sum(v[0, 0].numel() * v.element_size() for v in pend.values())  # x, B, dt
         pending_bytes = 2 * batch * T * per_position  # T read for the replay, T written
-    for _ in range(warmup):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    ms = time_call_ms(run, warmup=warmup, iters=iters, graph_launches=graph_launches)
     state_bytes = FULL["heads"] * FULL["head_dim"] * FULL["state"] * pool.element_size()
     token_bytes = (
         sum(t.numel() * t.element_size() for t in tok.values()) + tok["x"].numel() * tok["x"].element_size()
@@ -513,3 +508,6 @@ def test_gpu_bench_ssu_runs():
     assert ms > 0 and gbps > 0
     ms, gbps = bench_ssu(8, T=5, warmup=1, iters=3)
     assert ms > 0 and gbps > 0
+    for T in (1, 5):
+        ms, gbps = bench_ssu(8, T=T, warmup=1, iters=2, graph_launches=3)
+        assert ms > 0 and gbps > 0
