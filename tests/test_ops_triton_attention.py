@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 
 from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
 from baton.engine.ops.triton_attention import build_attention_meta, paged_attention_triton  # noqa: E402
+from tests.cuda_timing import time_call_ms  # noqa: E402
 
 # (context tokens already cached, query tokens this step) per row: a whole-sequence prefill, a decode step
 # with a long context, a prefill chunk after a prefix, a one-token prompt, a decode step right after a
@@ -277,15 +278,7 @@ def bench_attention(batch: int, ctx: int, q_len: int = 1, dtype: torch.dtype = t
             num_splits=num_splits,
         )
 
-    for _ in range(warmup):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    ms = time_call_ms(run, warmup=warmup, iters=iters)
     kv_bytes = batch * seq_len * 2 * hkv * d * kv_cache.element_size()
     return ms, kv_bytes / (ms * 1e-3) / 1e9
 
