@@ -16,8 +16,12 @@
     then the same B requests re-admitted with those caches (`add_computed_request`), so that every request
     enters decode with the same context; `--steps` untimed warm-up decode steps (Triton JIT per shape), then
     `--steps` timed engine steps as a server runs them: with async scheduling (the engine's default) each
-    call launches step n+1 and then reads step n, with no sync in between, and the step time is the run's
-    wall time / steps (`step_ms`); then `--steps` steps one at a time (schedule -> launch -> read,
+    call launches step n+1 and then reads step n, with no sync in between. The step time (`step_ms`) is the
+    steady state: on CUDA the device's time from the end of the first timed step to the end of the last,
+    / (steps - 1), from events queued before each call (idle gaps between steps count); on the CPU (nothing
+    queued) the run's wall time / steps. `step_ms_mean` is the run's wall time / steps on every device, which
+    also holds the first step's launch latency (the device idles until it); then `--steps` steps one at a
+    time (schedule -> launch -> read,
     synchronised around each step: `step_ms_one_at_a_time`, host and device time added up), and for the same
     batch the model forward + lm_head alone (`forward`, repeated on one built batch).
 
@@ -381,6 +385,7 @@ class DecodeResult:
     step_ms_min: float
     step_ms_one_at_a_time: float  # median, each step synchronised (no overlap of host and device)
     async_scheduling: bool        # whether step_ms_* are pipelined steps (the engine's default)
+    step_ms_steady: float | None  # pipelined, CUDA: device time per step between the first and last timed step
     forward_ms: float             # model forward + lm_head on one decode batch, repeated
     copy_gbps: float
     traffic: Traffic
@@ -388,8 +393,11 @@ class DecodeResult:
 
     @property
     def step_ms(self) -> float:
-        """The engine's step time: pipelined wall time / steps with async scheduling, else the median step."""
-        return self.step_ms_mean if self.async_scheduling else self.step_ms_median
+        """The engine's step time: with async scheduling the steady state (device-timed on CUDA, else wall time /
+        steps), else the median synchronised step."""
+        if not self.async_scheduling:
+            return self.step_ms_median
+        return self.step_ms_mean if self.step_ms_steady is None else self.step_ms_steady
 
     @property
     def roofline_ms(self) -> float:
@@ -497,21 +505,37 @@ def _check_decode_step(engine: LLMEngine, batch: int) -> None:
 
 
 def pipelined_step_times(engine: LLMEngine, batch: int, steps: int, device: torch.device,
-                         contexts: list[int]) -> tuple[list[float], float]:
+                         contexts: list[int]) -> tuple[list[float], float, float | None]:
     """`steps` engine steps with async scheduling, as a server runs them (no sync between them: a call launches
-    step n+1, then reads step n): (each call's ms, total ms / steps with one sync at the end). Appends the
-    context (computed tokens) of each launched step to `contexts`."""
+    step n+1, then reads step n): (each call's ms, total ms / steps with one sync at the end, steady-state ms
+    per step on CUDA else None). Appends the context (computed tokens) of each launched step to `contexts`.
+
+    Steady state: an event queued before call i (i >= 1) fires when the device has finished the timed step
+    launched by call i-1, one queued after the loop when it has finished the last; their span / (steps - 1)
+    is the device's time per step, idle gaps between steps included, without the first launch's latency."""
+    if steps < 2:
+        raise ValueError(f"steps: expected at least 2 timed steps, got {steps}")
+    gpu = device.type == "cuda"
+    marks = []
     times = []
     sync(device)
     t_start = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
         contexts.append(_running_context(engine))
+        if gpu and i == 1:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
         t0 = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
         _check_decode_step(engine, batch)
+    if gpu:
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
     sync(device)
-    return times, (time.perf_counter() - t_start) * 1e3 / steps
+    mean = (time.perf_counter() - t_start) * 1e3 / steps
+    steady = marks[0].elapsed_time(marks[1]) / (steps - 1) if gpu else None
+    return times, mean, steady
 
 
 def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) -> DecodeResult:
@@ -521,7 +545,7 @@ def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) ->
     for _ in tqdm(range(bc.steps), desc=f"warm-up B={batch}", disable=not bc.progress):
         engine.step()
     contexts: list[int] = []
-    pipelined, pipelined_mean = pipelined_step_times(engine, batch, bc.steps, device, contexts)
+    pipelined, pipelined_mean, steady = pipelined_step_times(engine, batch, bc.steps, device, contexts)
     # The same steps one at a time (schedule -> launch -> read, synchronised around each step): the host's work
     # then adds to the device's instead of overlapping it.
     async_on = engine.depth > 0
@@ -543,6 +567,7 @@ def bench_decode(engine: LLMEngine, bc: BenchConfig, batch: int, copy: float) ->
         batch=batch, context=bc.context, steps=bc.steps, mean_context_tokens=ctx / batch,
         step_ms_median=statistics.median(step_times), step_ms_mean=pipelined_mean if async_on else statistics.fmean(times),
         step_ms_min=min(step_times), step_ms_one_at_a_time=statistics.median(times), async_scheduling=async_on,
+        step_ms_steady=steady if async_on else None,
         forward_ms=fwd, copy_gbps=copy,
         traffic=decode_traffic(engine.model_config, dtype, ssm_dtype, batch, ctx),
         traffic_from_tensors=traffic_from_tensors(engine, batch, ctx))
@@ -862,14 +887,15 @@ def table(r: Report) -> str:
              f"blocks) + {r.cache['state_bytes'] / 2**30:.2f} GiB state ({r.cache['num_slots']} slots)"
              + (f"; engine fused_gemv_max_tokens = {fg}." if (fg := m.get("fused_gemv_max_tokens",
                  m["bench_config"].get("fused_gemv_max_tokens"))) else "."), "",
-             "| batch | mean context | step ms | one at a time ms | forward ms | roofline ms | step / roofline | goal "
-             "| forward / roofline | tok/s | GB: weights / SSM / conv / KV |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| batch | mean context | step ms | wall / steps ms | one at a time ms | forward ms | roofline ms "
+             "| step / roofline | goal | forward / roofline | tok/s | GB: weights / SSM / conv / KV |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for d in r.decode:
         t = d.traffic
         g = DECODE_GOALS.get(d.batch)
         goal = "–" if g is None else f"≤ {g}× {'met' if d.ratio <= g else 'missed'}"
-        lines.append(f"| {d.batch} | {d.mean_context_tokens:.0f} | {d.step_ms:.3f} | {d.step_ms_one_at_a_time:.3f} "
+        lines.append(f"| {d.batch} | {d.mean_context_tokens:.0f} | {d.step_ms:.3f} | {d.step_ms_mean:.3f} "
+                     f"| {d.step_ms_one_at_a_time:.3f} "
                      f"| {d.forward_ms:.3f} "
                      f"| {d.roofline_ms:.3f} | {d.ratio:.2f}× | {goal} | {d.forward_ratio:.2f}× "
                      f"| {d.tokens_per_s:,.0f} | {_gb(t.weights + t.embedding_rows)} / {_gb(t.ssm_state)} / "

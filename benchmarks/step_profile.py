@@ -171,7 +171,8 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
             engine.step()
         sync(device)
         wall_us = (time.perf_counter() - t0) * 1e6
-    ctx = sum(r.num_computed_tokens for r in engine.scheduler.running) / max(1, len(engine.scheduler.running))
+    # decode_traffic takes the batch's context summed over its requests (the KV every row reads).
+    ctx = sum(r.num_computed_tokens for r in engine.scheduler.running)
     for rid in ids:
         engine.abort(rid)
     t = decode_traffic(engine.model_config, engine.dtype, engine.ssm_dtype, batch, ctx)

@@ -196,7 +196,7 @@ class StepGraphs:
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
                                 self.verify_base[:n])
         batch = self._batch(n)
-        return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv)
+        return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv, upcast=False)
 
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
@@ -218,7 +218,7 @@ class StepGraphs:
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
-        Returns the logits [R, V] float32 (decode), or with a step_fn (verify) its whole packed output for the
+        Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed output for the
         graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)

@@ -135,7 +135,7 @@ class MixedStepGraphs:
 
     def _forward(self, n: int) -> torch.Tensor:
         hidden = self.model(self.ids[:n + self.Q], self._batch(n))
-        return self.model.logits(hidden[self.last[:n + 1]])
+        return self.model.logits(hidden[self.last[:n + 1]], upcast=False)
 
     def _write(self, n: int, flat: list[int], width: int, chunk_len: int) -> None:
         """The step's inputs from host ints into the static buffers: one copy to the device, then slices."""
@@ -204,8 +204,8 @@ class MixedStepGraphs:
     @torch.inference_mode()
     def run(self, dec: DecodeRows, chunk: PromptChunk, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
         """Replay the graph for R decode rows and one chunk of L tokens (1 <= L <= Q). fill: PENDING decode tokens
-        taken on the device (`pending_step.fill_pending`). Returns (logits [n + 1, V] float32: the decode rows
-        (then padding) and last the chunk's last token, n)."""
+        taken on the device (`pending_step.fill_pending`). Returns (logits [n + 1, V] in the model's dtype: the
+        decode rows (then padding) and last the chunk's last token, n)."""
         rows, L = len(dec.state_slots), len(chunk.ids)
         n = self.size_for(rows)
         if n is None or not 1 <= L <= self.Q:

@@ -62,13 +62,18 @@ class NemotronHForCausalLM(nn.Module):
         """Final hidden states of every token: [T, hidden]."""
         return self.model(input_ids, batch)
 
-    def logits(self, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """[T, vocab] float32; `fused` (a step of `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel,
-        which beat cuBLAS on this shape at one row (`benchmarks/gemv_bench.py`)."""
+    def logits(self, hidden: torch.Tensor, fused: bool = False, upcast: bool = True) -> torch.Tensor:
+        """[T, vocab], float32 unless `upcast` is False (then the weights' dtype: the samplers take the argmax of
+        those values, which a float32 copy would not change, and upcast only the rows they draw from; at 256
+        decode rows the copy of the 8b-like logits alone took 100 µs of a step). `fused` (a step of
+        `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel, which beat cuBLAS on this shape at one
+        row (`benchmarks/gemv_bench.py`)."""
         weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
         if fused:
-            return dispatch.fused_linear(hidden)(hidden, weight).float()
-        return torch.nn.functional.linear(hidden, weight).float()
+            out = dispatch.fused_linear(hidden)(hidden, weight)
+        else:
+            out = torch.nn.functional.linear(hidden, weight)
+        return out.float() if upcast else out
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,

@@ -74,7 +74,7 @@ class RejectionSampler:
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, generators)
         Kmax, dev = K1 - 1, target_logits.device
-        logits = target_logits.float()
+        logits = target_logits  # the argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below
         nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
         valid = torch.arange(Kmax, device=dev)[None, :] < nd[:, None]  # [R, Kmax]
         # Padding ids may be -1 or garbage; zero them so gathers stay in range (they are never accepted).
@@ -89,7 +89,7 @@ class RejectionSampler:
         if rows:
             idx = to_device(rows, torch.int64, dev)
             acc_s, final_s = self._stochastic(
-                logits[idx], drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
+                logits[idx].float(), drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
                 [params[i] for i in rows], [generators[i] for i in rows])
             accepted[idx] = acc_s
             final[idx] = final_s

@@ -189,9 +189,9 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)
             if not sample_rows:
                 return PendingStep([], None, self.device)
-            logits = self.model.logits(hidden[last], fused=batch.fused_gemv)  # [R_s, V] float32
+            logits = self.model.logits(hidden[last], fused=batch.fused_gemv, upcast=False)  # [R_s, V]
         ids = [out.rows[i].request_id for i in sample_rows]
-        return PendingStep(ids, self.sample(logits, ids), self.device, logits if return_logits else None)
+        return PendingStep(ids, self.sample(logits, ids), self.device, logits.float() if return_logits else None)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:

@@ -42,13 +42,13 @@ class Sampler:
         if len(params) != R or len(generators) != R:
             raise ValueError(f"expected one SamplingParams and one generator per row ({R} rows), "
                              f"got {len(params)} params and {len(generators)} generators")
-        logits = logits.float()
-        # argmax returns the first maximum, so ties go to the lowest id on every device.
+        # argmax returns the first maximum, so ties go to the lowest id on every device; 16-bit logits give the
+        # argmax of their float32 copy (the same values), so only the rows that draw are upcast.
         out = logits.argmax(dim=-1)  # [R]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = to_device(rows, torch.int64, logits.device)
-            probs = self._probs(logits[idx], [params[i] for i in rows])  # [r, V]
+            probs = self._probs(logits[idx].float(), [params[i] for i in rows])  # [r, V]
             out[idx] = self._draw(probs, [generators[i] for i in rows])
         return out
 

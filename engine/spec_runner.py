@@ -101,7 +101,8 @@ class SpecRunner(ModelRunner):
 
         # -- prefill rows that sample ----------------------------------------------------------------------
         if prefill_sampling:
-            tokens = self.sample(self.model.logits(hidden[last]), [rows[i].request_id for i in prefill_sampling])
+            tokens = self.sample(self.model.logits(hidden[last], upcast=False),
+                                 [rows[i].request_id for i in prefill_sampling])
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
@@ -144,7 +145,7 @@ class SpecRunner(ModelRunner):
         Tv = idx.shape[1]
         uniform = batch.spec_uniform  # (row, t) is token row * Tv + t: views, no gathers
         rows_hidden = hidden[:nd * Tv] if uniform else hidden[idx.reshape(-1)]
-        logits = self.model.logits(rows_hidden).view(nd, Tv, -1)  # [Rd, Tv, V]
+        logits = self.model.logits(rows_hidden, upcast=False).view(nd, Tv, -1)  # [Rd, Tv, V]
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
@@ -169,11 +170,11 @@ class SpecRunner(ModelRunner):
         drafter on its own output, one position further each time. Returns [D, K]."""
         emb = self.model.model.embeddings
         h = h[anchor]
-        tok = self.model.logits(h).argmax(dim=-1)  # [D] draft 1
+        tok = self.model.logits(h, upcast=False).argmax(dim=-1)  # [D] draft 1
         chain = [tok]
         for k in range(1, self.num_spec):
             h = self.mtp(h, tok, emb, self._draft_batch(mtp_batch, tables, pos + k), step=k)
-            tok = self.model.logits(h).argmax(dim=-1)
+            tok = self.model.logits(h, upcast=False).argmax(dim=-1)
             chain.append(tok)
         return torch.stack(chain, dim=1)
 

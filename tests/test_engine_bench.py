@@ -73,12 +73,29 @@ def test_decode_ratios_follow_from_the_measurements(smoke):
         assert lo <= d["mean_context_tokens"] <= hi
         roof = d["traffic"]["total"] / (smoke["copy_gbps"] * 1e9) * 1e3
         assert d["roofline_ms"] == pytest.approx(roof)
-        assert d["async_scheduling"] and d["step_ms"] == d["step_ms_mean"]
+        # On the CPU nothing is queued: the steady state is the run's wall time / steps.
+        assert d["async_scheduling"] and d["step_ms_steady"] is None and d["step_ms"] == d["step_ms_mean"]
         assert d["ratio"] == pytest.approx(d["step_ms"] / roof)
         assert d["forward_ratio"] == pytest.approx(d["forward_ms"] / roof)
         assert d["tokens_per_s"] == pytest.approx(d["batch"] / (d["step_ms"] / 1e3))
         assert 0 < d["step_ms_min"] <= d["step_ms_median"] and d["forward_ms"] > 0 and d["step_ms_one_at_a_time"] > 0
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_steady_step_time_is_a_device_span_inside_the_wall_time(tmp_path):
+    """On CUDA the step time is the device's span from the end of the first timed step to the end of the last:
+    positive, and (steps - 1) of it fit inside the run's wall time."""
+    out = tmp_path / "e.json"
+    assert eb.main(["--device", "cuda", "--preset", "tiny", "--batches", "1,4", "--context", "24", "--steps", "6",
+                    "--prefill-tokens", "64", "--prefill-splits", "1", "--reps", "1", "--mixed-batch", "0",
+                    "--no-prefill-continued", "--copy-mib", "8", "--matmul-n", "256", "--no-progress",
+                    "--out", str(out)]) == 0
+    for d in json.loads(out.read_text())["decode"]:
+        steady, steps = d["step_ms_steady"], d["steps"]
+        assert d["async_scheduling"] and steady is not None and steady > 0 and d["step_ms"] == steady
+        assert steady * (steps - 1) <= d["step_ms_mean"] * steps * 1.001 + 0.05
 
 def test_prefill_flops_and_mfu(smoke, engine):
     cfg = engine.model_config

@@ -223,6 +223,28 @@ def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
     assert len({len(t) for t in alone}) > 1  # the test means something only if acceptance varies
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_16_bit_target_logits_verify_as_their_float32_copy(device: str) -> None:
+    """The verify step hands over the lm_head's bf16 logits: greedy and seeded stochastic rows must accept and
+    emit exactly what the float32 copy of the same values gives."""
+    R, Kmax, V = 6, 3, 40
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 3).to(torch.bfloat16)
+    drafts = logits.float().argmax(-1)[:, :Kmax].clone()  # greedy rows accept until a draft is changed
+    drafts[0, 1] = (drafts[0, 1] + 1) % V
+    logits[2, 0, [3, 17]] = 50.0  # a tie: the lowest id wins
+    drafts[2, 0] = 3
+    logits, drafts = logits.to(device), drafts.to(device)
+    params = [GREEDY, GREEDY, GREEDY, SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.6, top_k=8, seed=2), SamplingParams(temperature=1.4, top_p=0.9, seed=3)]
+    nd = torch.tensor([3, 3, 2, 3, 1, 2])
+    rs = RejectionSampler(max_draft=Kmax)
+    got = rs.verify(logits, drafts, None, nd, params, [make_generator(p.seed, device) for p in params])
+    want = rs.verify(logits.float(), drafts, None, nd, params, [make_generator(p.seed, device) for p in params])
+    assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
+    assert got.accepted_counts.tolist()[:3] == [1, 3, 2]
+
+
 # ---- outputs and arguments ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -44,6 +44,22 @@ def test_greedy_is_argmax_with_ties_to_lowest_id(device: str) -> None:
     assert out[3].item() == 7
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_16_bit_logits_sample_as_their_float32_copy(device: str) -> None:
+    """The engine hands the sampler the lm_head's bf16 logits: greedy rows (ties included) and seeded draws
+    must come out as from the float32 copy of the same values."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16).to(device)
+    logits[1, [5, 77, 299]] = 60.0  # a three-way tie for the max, exact in bf16
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.9, seed=11),
+              SamplingParams(temperature=1.3, top_k=40, seed=12), SamplingParams(temperature=0.7, top_p=0.8, seed=13),
+              SamplingParams()]
+    got = sampler.sample(logits, params, [make_generator(p.seed, device) for p in params])
+    want = sampler.sample(logits.float(), params, [make_generator(p.seed, device) for p in params])
+    assert got.tolist() == want.tolist()
+    assert got[1].item() == 5
+
+
 @pytest.mark.parametrize("temperature", [0.05, 1.0, 20.0])
 def test_top_k_1_is_greedy(temperature: float) -> None:
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
