@@ -5,7 +5,11 @@
    row of `--tokens` tokens at the 8b-like layer size (H=128, P=64, N=128, G=8), bf16 activations, fp32
    state, an initial state, the final state returned, dt softplus with dt_bias, D skip. Both outputs are
    compared (relative max error) before timing. The reference runs at its own best chunk size among 128
-   and 256; ours at the model's (128).
+   and 256; ours at the model's (128). Timed as device time: `--calls` calls queued back to back between two
+   events (median of 7), so the host stays ahead of the GPU, as inside a model's forward. The single-call
+   latency (events around one call on an idle GPU, median of 30) is printed beside it: it also holds the host's
+   launch work, which for the reference (several launches and tensor reshuffles in Python) exceeded its kernels'
+   time on an H200 (benchmarks/RESULTS.md, session 15), so it is no measure of the kernels.
 2. State update (decode) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` back-to-back launches
    (as the engine's decode graphs run it: no per-launch host cost), in GB/s of the bytes it must move
    against a device-to-device copy measured in the run.
@@ -54,7 +58,7 @@ def load_reference(root: Path) -> Callable:
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median ms of `fn` over `iters` CUDA-event-timed calls."""
+    """Median ms of `fn` over `iters` CUDA-event-timed single calls (latency: the host's launch work included)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -65,6 +69,23 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def device_ms(fn: Callable[[], object], calls: int = 20, reps: int = 7, warmup: int = 3) -> float:
+    """Device ms per call of `fn`: `calls` calls queued back to back between two events, median over `reps`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
     return statistics.median(times)
 
 
@@ -83,7 +104,7 @@ def scan_inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
     )
 
 
-def bench_scan(ref: Callable, tokens: int, chunk: int) -> dict[str, float]:
+def bench_scan(ref: Callable, tokens: int, chunk: int, calls: int = 20) -> dict[str, float]:
     t = scan_inputs(tokens)
     pool = torch.zeros(2, H, P, N, dtype=torch.float32, device="cuda")
     qsl = torch.tensor([0, tokens], device="cuda")
@@ -109,12 +130,13 @@ def bench_scan(ref: Callable, tokens: int, chunk: int) -> dict[str, float]:
     y_ref, final_ref = reference(256)()
     err_y = ((y.float() - y_ref[0].float()).abs().max() / y_ref.float().abs().max()).item()
     err_s = ((final - final_ref[0].float()).abs().max() / final_ref.float().abs().max()).item()
-    ms_ours = time_ms(ours)
-    ms_per_head_cb = time_ms(lambda: ours(share_cb=False))
-    ref_ms = {c: time_ms(reference(c)) for c in (128, 256)}
+    ms_ours = device_ms(ours, calls)
+    ms_per_head_cb = device_ms(lambda: ours(share_cb=False), calls)
+    ref_ms = {c: device_ms(reference(c), calls) for c in (128, 256)}
     best = min(ref_ms, key=ref_ms.get)
-    return dict(ours_ms=ms_ours, ours_per_head_cb_ms=ms_per_head_cb, ref_ms=ref_ms[best], ref_chunk=best, ref_ms_128=ref_ms[128], ref_ms_256=ref_ms[256],
-                speedup=ref_ms[best] / ms_ours, err_y=err_y, err_state=err_s)
+    return dict(ours_ms=ms_ours, ours_per_head_cb_ms=ms_per_head_cb, ref_ms=ref_ms[best], ref_chunk=best,
+                ref_ms_128=ref_ms[128], ref_ms_256=ref_ms[256], speedup=ref_ms[best] / ms_ours, err_y=err_y,
+                err_state=err_s, ours_latency_ms=time_ms(ours), ref_latency_ms=time_ms(reference(best)))
 
 
 def bench_state_update_graph(batch: int, launches: int, copy: float) -> dict[str, float]:
@@ -149,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=128, help="our chunk size (the 8b-like preset's)")
     p.add_argument("--graph-launches", type=int, default=100)
+    p.add_argument("--calls", type=int, default=20, help="scan calls queued back to back per timing")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("scan_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     ref = load_reference(a.ref)
     copy = copy_gbps()
-    s = bench_scan(ref, a.tokens, a.chunk)
+    s = bench_scan(ref, a.tokens, a.chunk, a.calls)
     ups = [bench_state_update_graph(b, a.graph_launches, copy) for b in (1, 32, 256)]
     print(f"\n## Mamba2 kernels vs reference — {torch.cuda.get_device_name()}, copy {copy:,.0f} GB/s\n")
     print("| kernel | shape | Baton ms | reference ms | speedup | goal | max rel. error y / state |")
@@ -164,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| chunked scan | {a.tokens} tokens, chunk {a.chunk} (ref best chunk {s['ref_chunk']}: "
           f"128 → {s['ref_ms_128']:.3f}, 256 → {s['ref_ms_256']:.3f} ms) | {s['ours_ms']:.3f} | {s['ref_ms']:.3f} | "
           f"{s['speedup']:.2f}× | ≥ 1.5× {goal} | {s['err_y']:.1e} / {s['err_state']:.1e} |")
-    print(f"\n(C·Bᵀ computed once per group; per head instead: {s['ours_per_head_cb_ms']:.3f} ms)")
+    print(f"\n(Device time, {a.calls} calls queued back to back. C·Bᵀ computed once per group; per head instead: "
+          f"{s['ours_per_head_cb_ms']:.3f} ms. Single-call latency, the host's launch work included: Baton "
+          f"{s['ours_latency_ms']:.3f} ms, reference {s['ref_latency_ms']:.3f} ms.)")
     print("\n| state update (fp32 state), CUDA graph | batch | µs | GB/s | vs copy | goal |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for u in ups:
