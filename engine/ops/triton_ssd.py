@@ -76,7 +76,12 @@ _MIN_BLOCK = 16  # tl.dot's smallest tile side
 # session 10): the output kernel without pipelining (1 stage: less shared memory, more programs per SM) and
 # the state kernel with 3 stages took the scan from 0.724-0.727 to 0.609-0.614 ms; the tiles' sweep had kept
 # 2 and 2. Stages change the schedule, not the math: the outputs are bit-identical.
-STATE_WARPS, STATE_STAGES = 8, 3
+# Session 15 (device time, calls queued back to back, 24 state-kernel settings; `benchmarks/RESULTS.md`): a state
+# block of 32 x 128 (two programs per head) with 4 warps and 2 stages took the scan from 0.531 to 0.494 ms on one
+# 8k row and from 0.545 to 0.491 ms on 4 x 2k rows, against 8 warps, 3 stages and a 64 x 128 block; y and the
+# final states bit for bit the same (each element sums the same terms in the same order).
+STATE_WARPS, STATE_STAGES = 4, 2
+STATE_BLOCK_P = 32
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
@@ -537,7 +542,7 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     return _Tiles(
         block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
         block_p=out_block_p,
-        state_block_p=_pow2_block(state_block_p, out_block_p, P, "state_block_p"),
+        state_block_p=_pow2_block(state_block_p, STATE_BLOCK_P, P, "state_block_p"),
         block_n=_pow2_block(block_n, 32 if fp32 else 128, N, "block_n"),
         block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
         block_k=_pow2_block(block_k, 32, chunk_size, "block_k"),
@@ -577,7 +582,7 @@ def mamba_chunk_scan_varlen_triton(
     `build_chunk_meta(query_start_loc as host ints, chunk_size, device)`, and then the kernels read the
     rows from it alone (query_start_loc is only shape-checked); None builds it from
     `query_start_loc.tolist()` (a host sync). state_block_p / block_n tile the state kernel's [P, N] state
-    (state_block_p defaults to block_p, the output kernel's block of P), block_m / block_k the output
+    (state_block_p defaults to `STATE_BLOCK_P`, apart from block_p), block_m / block_k the output
     kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third
     launch, into a [chunks, G, chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path
     computes, unrounded) that the output kernel reads; False: each head's output program recomputes it (the
