@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
 from baton.engine.ops.triton_ssu import selective_state_update_triton  # noqa: E402
 from benchmarks.kernels_bench import copy_gbps  # noqa: E402
+from tests.cuda_timing import time_call_ms  # noqa: E402
 
 H, P, N, G = 128, 64, 128, 8
 DT_MIN = 1e-4
@@ -74,19 +75,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float
 
 def device_ms(fn: Callable[[], object], calls: int = 20, reps: int = 7, warmup: int = 3) -> float:
     """Device ms per call of `fn`: `calls` calls queued back to back between two events, median over `reps`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return statistics.median(times)
+    return statistics.median(time_call_ms(fn, warmup=warmup if i == 0 else 0, iters=calls) for i in range(reps))
 
 
 def scan_inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -153,13 +142,7 @@ def bench_state_update_graph(batch: int, launches: int, copy: float) -> dict[str
     def once():
         selective_state_update_triton(pool, x, dt, A, B, C, D, dt_bias, slots, DT_MIN)
 
-    once()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            once()
-    ms = time_ms(graph.replay, warmup=2, iters=10) / launches
+    ms = time_call_ms(once, warmup=1, iters=10, graph_launches=launches)
     nbytes = batch * (2 * H * P * N * 4 + (2 * H * P + H + 2 * G * N) * 2 + 8)
     gbps = nbytes / (ms / 1e3) / 1e9
     return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy)
