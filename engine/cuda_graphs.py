@@ -218,8 +218,8 @@ class StepGraphs:
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
-        Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed output for the
-        graph's padded size."""
+        Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed
+        output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:
