@@ -8,8 +8,9 @@ Per step:
 
     kind          kernels / step, GPU µs / step, share of the step's wall time, effective GB/s where the bytes
                   are known (GEMMs: the weights; the state update: its state read + write)
-    busy          sum of all kernel times; wall = the steps' wall time / steps; the weights' bytes over the time
-                  of all GEMMs (cuBLAS and the fused GEMVs)
+    busy          sum of all kernel times; wall = on the GPU the device's span over the steps' kernels (first
+                  start to last end) / steps, on the CPU the steps' wall time / steps; the weights' bytes over the
+                  time of all GEMMs (cuBLAS and the fused GEMVs)
     idle          wall - busy: gaps between kernels (launch latency inside a graph, host time not hidden)
 
 Kinds come from kernel names (`KINDS`, first match wins): our Triton kernels by their function names, cuBLAS /
@@ -99,6 +100,14 @@ def trace_kernels(trace: dict, gpu: bool) -> list[Kernel]:
     return sorted(out, key=lambda k: k.ts_us)
 
 
+def device_span_us(kernels: Sequence[Kernel]) -> float:
+    """From the first kernel's start to the last one's end: the device's time over the traced steps, without the
+    host's latency before the first launch (the device idles after the sync until then)."""
+    if not kernels:
+        raise ValueError("device_span_us: expected at least one kernel, got none")
+    return max(k.ts_us + k.dur_us for k in kernels) - min(k.ts_us for k in kernels)
+
+
 @dataclass(frozen=True)
 class KindRow:
     kind: str
@@ -177,7 +186,10 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
         engine.abort(rid)
     t = decode_traffic(engine.model_config, engine.dtype, engine.ssm_dtype, batch, ctx)
     kind_bytes = {"state update": t.ssm_state, "conv": t.conv_state, "attention": t.kv_read}
-    p = profile_of(trace_kernels(_trace(prof), gpu), batch, bc.steps, wall_us, kind_bytes)
+    kernels = trace_kernels(_trace(prof), gpu)
+    if gpu and kernels:
+        wall_us = device_span_us(kernels)  # idle gaps between the steps count, the first launch's latency not
+    p = profile_of(kernels, batch, bc.steps, wall_us, kind_bytes)
     gemm_us = sum(r.us_per_step for r in p.rows if r.kind in ("gemm", "fused gemv"))
     return dataclasses.replace(p, weights_gbps=t.weights / gemm_us / 1e3 if gemm_us else None)
 

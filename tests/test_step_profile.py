@@ -74,6 +74,15 @@ def test_profile_of_groups_per_step():
         sp.profile_of(ks, batch=1, steps=0, wall_us=1.0)
 
 
+
+def test_device_span_runs_from_the_first_start_to_the_last_end():
+    """Overlapping kernels (PDL) and an early-ending long one: the span is max(end) - min(start), not a sum."""
+    ks = [sp.Kernel("a", 100.0, 50.0), sp.Kernel("b", 120.0, 10.0), sp.Kernel("c", 140.0, 5.0)]
+    assert sp.device_span_us(ks) == 50.0
+    assert sp.device_span_us(ks[1:]) == 25.0
+    with pytest.raises(ValueError, match="at least one kernel"):
+        sp.device_span_us([])
+
 def test_smoke_run_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-progress",
                         "--batches", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
