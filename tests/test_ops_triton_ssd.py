@@ -292,6 +292,44 @@ def test_16bit_cb_buffer(dtype, cb_dtype, atol, rtol):
     close(pool, ref_pool, atol, rtol)
 
 
+@pytest.mark.parametrize("dtype,atol,rtol", [
+    pytest.param(torch.float32, 1e-4, 1e-4, id="fp32"),
+    pytest.param(torch.bfloat16, 5e-2, 2e-2, id="bf16"),
+])  # fmt: skip
+@pytest.mark.parametrize("share_cb", SHARE_CB)
+def test_factored_in_chunk_decay_against_the_exact_path(monkeypatch, dtype, atol, rtol, share_cb):
+    """The output kernel's factored decay (row and column scales around the block's middle running sum) against
+    its exact per-entry exp (FACTOR_RANGE < 0) and the reference. Slow decays (|dt * A| small): every block takes
+    the factored path, so the bits differ from the exact path's, both within tolerance of the reference. Fast
+    decays (A = -1e3: every block spans more than FACTOR_RANGE) and A > 0 (the sums rise along the chunk) take the
+    exact path: the same bits as with it forced."""
+    tok = make_tokens(sum(LENGTHS), dtype)
+    meta = make_rows(LENGTHS, SLOTS, HAS_INIT)
+
+    def run(params, factor_range):
+        monkeypatch.setattr(triton_ssd, "FACTOR_RANGE", factor_range)
+        pool = make_pool(torch.float32)
+        y = call(mamba_chunk_scan_varlen_triton, tok, params, pool, meta, share_cb=share_cb)
+        return y, pool
+
+    slow = make_params()
+    slow["A"] = -torch.linspace(0.01, 0.5, H)
+    y_f, pool_f = run(slow, triton_ssd.FACTOR_RANGE)
+    y_e, pool_e = run(slow, -1.0)
+    assert not torch.equal(y_f, y_e)  # the factored path ran
+    assert torch.equal(pool_f, pool_e)  # (the states never go through the output kernel)
+    ref_pool = make_pool(torch.float32)
+    y_ref = call(mamba_chunk_scan_varlen, tok, slow, ref_pool, meta)
+    close(y_f, y_ref, atol, rtol)
+    close(y_e, y_ref, atol, rtol)
+    for A in (torch.full((H,), -1e3), torch.linspace(0.01, 0.2, H)):
+        params = dict(make_params(), A=A)
+        y_d, _ = run(params, triton_ssd.FACTOR_RANGE)
+        y_x, _ = run(params, -1.0)
+        assert torch.equal(y_d, y_x)
+        assert torch.isfinite(y_d.float()).all()
+
+
 @pytest.mark.parametrize("dt_bias,dt_min", [(-20.0, 0.05), (25.0, DT_MIN), (0.0, 0.0)])
 def test_softplus_and_dt_min_clamp(dt_bias, dt_min):
     """dt_bias -20: every step is the clamped dt_min; 25: past softplus's threshold; 0: no clamp."""

@@ -23,15 +23,20 @@ when the activations are bf16/fp16, and fp32 with IEEE precision when they are f
    memory (they would be an fp32 [chunks, H, P, N] buffer written once and read once).
 2. (share_cb, the default) `_ssd_cb_kernel`, one program per (chunk, group, block of BLOCK_M chunk
    positions): C_m @ B_k^T for the source blocks k up to the diagonal, into a [chunks, G, chunk_size,
-   chunk_size] buffer (fp32 by default, as state-spaces/mamba keeps its CB; only the causal entries are
-   written). The heads of a group share B and C, so this is computed once per group instead of once per
-   head (H // G times over, 16 at the 8B-like size).
+   chunk_size] buffer padded to whole tiles (fp32 by default, as state-spaces/mamba keeps its CB; the tiles
+   up to the diagonal are written whole, zero above it). The heads of a group share B and C, so this is
+   computed once per group instead of once per head (H // G times over, 16 at the 8B-like size).
 3. `_ssd_output_kernel`, one program per (chunk, block of BLOCK_M chunk positions x block of P, head):
        y_m = (C_m @ S^T) * exp(cs_m) + sum over source blocks k <= m of
              ((C_m @ B_k^T) * exp(cs_m - cs_k) * dt_k, causal) @ x_k  + D * x_m
    with S the chunk's start state. Only source blocks up to the diagonal are visited. The C_m @ B_k^T
    tile is read from launch 2's buffer (share_cb) or recomputed per head (share_cb=False, the old path).
-   With the same tiles and an fp32 buffer both give the same products.
+   With the same tiles and an fp32 buffer both give the same products. The in-chunk decay is factored
+   where that is safe (A <= 0 and the block's running sums span <= FACTOR_RANGE, so nothing overflows):
+   exp(cs_m - cs_k) = exp(cs_m - c) * exp(c - cs_k) around the middle c of the block's sums, a column scale
+   on the C·B^T tile and a row scale on the result, instead of an exp and a causal mask per tile entry (the
+   kernel was bound by those integer and special-function instructions). The same roundings as the exact
+   path (the product C·B^T * scale * dt once to the dot dtype), so the same accuracy; else the exact path.
 
 No host reads of device tensors when `chunk_meta` is given: the grids of launches 2 and 3 need the
 number of chunks over all rows, which `build_chunk_meta` computes from host ints (the runner has them).
@@ -48,8 +53,8 @@ terms), so results agree with the reference to a few fp32 ulps of the state (plu
 dot operands and of the chunk-start states), not bit for bit.
 
 Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 1 reads x once per N block and writes the
-bf16 chunk-start states (~134 MB); launch 2 reads B and C once and writes the causal half of the fp32
-CB (~17 MB of 34 MB allocated); launch 3 reads x, the start states and writes y (~400 MB in all), and
+bf16 chunk-start states (~134 MB); launch 2 reads B and C once and writes the tiles up to the diagonal of
+the fp32 CB (~25 MB of 34 MB allocated at 64 x 32 tiles); launch 3 reads x, the start states and writes y (~400 MB in all), and
 per head reads the CB tiles (from L2 mostly: as many bytes as the B tiles the per-head path reads, but
 without its C·B tl.dot, ~45% of that kernel's tensor-core work). block_p / block_n / block_m / block_k
 are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
@@ -88,6 +93,10 @@ OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
 # that A/B).
 STATE_AFFINE = False
+# The output kernel's factored in-chunk decay (see there) is taken for a block of chunk positions whose running sums
+# of dt * A span at most this much (its factors then stay below exp(FACTOR_RANGE / 2) = 1e13); else the exact
+# per-entry exp. A negative value turns the factored path off.
+FACTOR_RANGE = 60.0
 
 
 
@@ -315,8 +324,8 @@ def _ssd_cb_kernel(
 ):  # fmt: skip
     """C_m @ B_k^T of one (chunk, group, block of BLOCK_M chunk positions), for the source blocks up to the
     diagonal, stored in cb_ptr's dtype (the output kernel's tiles and operand rounding: with the same
-    BLOCK_M / BLOCK_K these are the very products its per-head path computes). Only entries with k <= m <
-    length are stored; the output kernel reads no others."""
+    BLOCK_M / BLOCK_K these are the very products its per-head path computes). Every entry of those tiles is
+    stored: zero above the diagonal and past the chunk's end."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -347,20 +356,18 @@ def _ssd_cb_kernel(
             other=0.0,
         )  # [BLOCK_N, BLOCK_K]
         cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K] fp32
-        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
-        tl.store(
-            cb_tile + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k,
-            round_to(cb, cb_ptr.dtype.element_ty),
-            mask=causal,
-        )
+        # The whole tile, zero above the diagonal (the buffer is padded to whole tiles): the output kernel's
+        # factored path reads it unmasked. Past the chunk's end C and B were loaded as zeros, so are these.
+        cb = tl.where(offs_m[:, None] >= offs_k[None, :], cb, 0.0)
+        tl.store(cb_tile + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k, round_to(cb, cb_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _ssd_output_kernel(
-    x_ptr, B_ptr, C_ptr, D_ptr,
+    x_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
     chunk_start_ptr, chunk_len_ptr,
     states_ptr, dt_buf_ptr, cs_buf_ptr, y_ptr, cb_ptr,
-    P, N, heads_per_group,
+    P, N, heads_per_group, factor_range,
     s_x_t, s_x_h, s_x_p,
     s_B_t, s_B_g, s_B_n,
     s_C_t, s_C_g, s_C_n,
@@ -420,33 +427,72 @@ def _ssd_output_kernel(
     # Within the chunk: causal, decay-weighted C·B over the source blocks up to the diagonal.
     # (None for a block past the end of a short last chunk: its rows are all masked off.)
     k_hi = tl.where(m0 < length, tl.minimum(m0 + BLOCK_M, length), 0)
-    for k0 in range(0, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < length
-        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
-        if SHARE_CB:
-            # The group's C·B tile, computed once by _ssd_cb_kernel (only its causal part was stored).
-            cb = tl.load(
-                cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k, mask=causal, other=0.0
-            ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        else:
-            Bt_k = tl.load(
-                B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
-                mask=mask_n[:, None] & mask_k[None, :],
+    # Factored path: exp(cs_m - cs_k) = exp(cs_m - c) * exp(c - cs_k), with c the middle of the block's running
+    # sums. The decay then scales x's rows before the dot and y's rows after it, instead of a [BLOCK_M, BLOCK_K]
+    # exp and causal mask per source block (C·B^T comes zero above the diagonal). Safe when A <= 0 (the sums
+    # fall along the chunk: every factor for an earlier block is <= 1) and the block's own sums span at most
+    # factor_range (its factors stay <= exp(factor_range / 2)); otherwise the exact per-entry path below.
+    # (With A <= 0 the block's first running sum is its largest and its last the smallest.)
+    has_rows = m0 < length
+    cs_hi = tl.load(cs_chunk + m0 * s_buf_t, mask=has_rows, other=0.0)
+    cs_lo = tl.load(cs_chunk + (tl.minimum(m0 + BLOCK_M, length) - 1) * s_buf_t, mask=has_rows, other=0.0)
+    A_h = tl.load(A_ptr + h).to(tl.float32)
+    if has_rows & (A_h <= 0.0) & (cs_hi - cs_lo <= factor_range):
+        c_mid = 0.5 * (cs_hi + cs_lo)
+        acc_in = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        for k0 in range(0, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < length
+            if SHARE_CB:
+                # Whole tiles, zero above the diagonal and past the chunk's end (_ssd_cb_kernel).
+                cb = tl.load(cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k)
+            else:
+                Bt_k = tl.load(
+                    B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+                    mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0,
+                )  # [BLOCK_N, BLOCK_K]
+                cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+                cb = tl.where(offs_m[:, None] >= offs_k[None, :], cb, 0.0)
+            cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+            dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+            x_k = tl.load(
+                x_chunk + offs_k[:, None] * s_x_t + offs_p[None, :] * s_x_p,
+                mask=mask_k[:, None] & mask_p[None, :],
                 other=0.0,
-            )  # [BLOCK_N, BLOCK_K]
-            cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
-        cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
-        dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
-        # -inf above the diagonal: exp() is 0 there and never overflows.
-        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
-        w = cb * decay * dt_k[None, :]
-        x_k = tl.load(
-            x_chunk + offs_k[:, None] * s_x_t + offs_p[None, :] * s_x_p,
-            mask=mask_k[:, None] & mask_p[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_P]
-        acc += _mma(_operand(w, dot_dtype, NATIVE_DOT), _operand(x_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)
+            )  # [BLOCK_K, BLOCK_P]
+            # The column scale goes on C·B^T (one rounding of the product; x as given, as in the exact path).
+            w = cb.to(tl.float32) * (tl.exp(c_mid - cs_k) * dt_k)[None, :]
+            acc_in += _mma(_operand(w, dot_dtype, NATIVE_DOT), _operand(x_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)
+        acc += tl.exp(tl.where(mask_m, cs_m - c_mid, 0.0))[:, None] * acc_in  # (rows past the end: stored masked)
+    else:
+        for k0 in range(0, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < length
+            causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :] & mask_m[:, None]
+            if SHARE_CB:
+                # The group's C·B tile, computed once by _ssd_cb_kernel.
+                cb = tl.load(
+                    cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k, mask=causal, other=0.0
+                ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+            else:
+                Bt_k = tl.load(
+                    B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+                    mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0,
+                )  # [BLOCK_N, BLOCK_K]
+                cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+            cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+            dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
+            # -inf above the diagonal: exp() is 0 there and never overflows.
+            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+            w = cb * decay * dt_k[None, :]
+            x_k = tl.load(
+                x_chunk + offs_k[:, None] * s_x_t + offs_p[None, :] * s_x_p,
+                mask=mask_k[:, None] & mask_p[None, :],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_P]
+            acc += _mma(_operand(w, dot_dtype, NATIVE_DOT), _operand(x_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)
 
     # The skip connection, in fp32 from x as given.
     mask_mp = mask_m[:, None] & mask_p[None, :]
@@ -631,8 +677,10 @@ def mamba_chunk_scan_varlen_triton(
     block_n_out = max(_MIN_BLOCK, triton.next_power_of_2(N))  # C·B and C·S contract over the whole state
     m_blocks = triton.cdiv(chunk_size, t.block_m)
     if share_cb:
-        # Only the causal part of each chunk's [chunk_size, chunk_size] tile is written (and read).
-        cb = torch.empty((chunk_meta.num_chunks, G, chunk_size, chunk_size), dtype=cb_dtype, device=x.device)
+        # Each chunk's [chunk_size, chunk_size] C·B^T, padded to whole tiles; only the tiles on and below the
+        # diagonal are written (and read).
+        side = triton.cdiv(chunk_size, max(t.block_m, t.block_k)) * max(t.block_m, t.block_k)
+        cb = torch.empty((chunk_meta.num_chunks, G, side, side), dtype=cb_dtype, device=x.device)
         _ssd_cb_kernel[(chunk_meta.num_chunks, G, m_blocks)](
             B, C, *meta, cb, states,
             N,
@@ -645,10 +693,10 @@ def mamba_chunk_scan_varlen_triton(
     cb_strides = cb.stride() if share_cb else (0, 0, 0, 0)
     grid = (chunk_meta.num_chunks, m_blocks * triton.cdiv(P, t.block_p), H)
     _ssd_output_kernel[grid](
-        x, B, C, D,
+        x, A, B, C, D,
         *meta,
         states, dt_buf, cs_buf, y, cb,
-        P, N, H // G,
+        P, N, H // G, FACTOR_RANGE,
         *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(), *cb_strides,
         NATIVE_DOT=native_dot, SHARE_CB=share_cb, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p,
         BLOCK_N=block_n_out, num_warps=OUTPUT_WARPS, num_stages=OUTPUT_STAGES,
