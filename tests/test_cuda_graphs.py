@@ -44,6 +44,7 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
     assert engine.runner.graphs is None
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k, fused", [(0, False), (2, False), (0, True)], ids=["0", "2", "0-fused-gemv"])
 def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k, fused, monkeypatch):  # noqa: F811
     """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole

@@ -11,6 +11,7 @@ from baton.engine.ops import dispatch  # noqa: E402
 from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, small_spec_model  # noqa: E402, F401
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k", [0, 2])
 def test_engine_on_triton_kernels_equals_the_references(small_spec_model, k, monkeypatch):  # noqa: F811
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
@@ -50,6 +51,7 @@ def test_bad_kernel_mode_is_refused(monkeypatch):
         dispatch.use_triton(torch.zeros(1))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("k", [0, 2])
 def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch):  # noqa: F811
     """Steps of at most 4 tokens run every linear layer with its add + norm / relu2 / gated norm fused in

@@ -69,6 +69,7 @@ def test_the_default_mixed_graph_tokens_is_decided_by_where_graphs_run(fields, d
     assert resolved_mixed_graph_tokens(cfg, torch.device(device), graphable) == expected
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("q,buckets", [(Q, None), (48, (16, 48))])
 def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch, q, buckets):  # noqa: F811
     """Decode rows and one chunk in the graphs' static layout (decode rows padded to the graph size on the scratch

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
+pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
 from baton.engine.ops.triton_attention import build_attention_meta, paged_attention_triton  # noqa: E402

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops.fused_linear import PROLOGUES, fused_linear  # noqa: E402
 from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton  # noqa: E402

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
 from baton.engine.ops import dispatch  # noqa: E402

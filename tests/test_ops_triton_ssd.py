@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
+pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops import dispatch, triton_ssd  # noqa: E402
 from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen  # noqa: E402

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
+pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops.selective_state_update import selective_state_update  # noqa: E402
 from baton.engine.ops.spec_state_update import selective_state_update_verify  # noqa: E402
