@@ -54,10 +54,10 @@ dot operands and of the chunk-start states), not bit for bit.
 
 Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 1 reads x once per N block and writes the
 bf16 chunk-start states (~134 MB); launch 2 reads B and C once and writes the tiles up to the diagonal of
-the fp32 CB (~25 MB of 34 MB allocated at 64 x 32 tiles); launch 3 reads x, the start states and writes y (~400 MB in all), and
-per head reads the CB tiles (from L2 mostly: as many bytes as the B tiles the per-head path reads, but
-without its C·B tl.dot, ~45% of that kernel's tensor-core work). block_p / block_n / block_m / block_k
-are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
+the fp32 CB (~25 MB of 34 MB allocated at 64 x 32 tiles); launch 3 reads x, the start states and writes y
+(~400 MB in all), and per head reads the CB tiles (from L2 mostly: as many bytes as the B tiles the per-head
+path reads, but without its C·B tl.dot, ~45% of that kernel's tensor-core work). block_p / block_n / block_m /
+block_k are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
 """
 
 from __future__ import annotations
@@ -428,8 +428,8 @@ def _ssd_output_kernel(
     # (None for a block past the end of a short last chunk: its rows are all masked off.)
     k_hi = tl.where(m0 < length, tl.minimum(m0 + BLOCK_M, length), 0)
     # Factored path: exp(cs_m - cs_k) = exp(cs_m - c) * exp(c - cs_k), with c the middle of the block's running
-    # sums. The decay then scales x's rows before the dot and y's rows after it, instead of a [BLOCK_M, BLOCK_K]
-    # exp and causal mask per source block (C·B^T comes zero above the diagonal). Safe when A <= 0 (the sums
+    # sums. The decay then scales C·B^T's columns before the dot and y's rows after it, instead of a [BLOCK_M,
+    # BLOCK_K] exp and causal mask per source block (C·B^T comes zero above the diagonal). Safe when A <= 0 (the sums
     # fall along the chunk: every factor for an earlier block is <= 1) and the block's own sums span at most
     # factor_range (its factors stay <= exp(factor_range / 2)); otherwise the exact per-entry path below.
     # (With A <= 0 the block's first running sum is its largest and its last the smallest.)
