@@ -293,11 +293,11 @@ def test_16bit_cb_buffer(dtype, cb_dtype, atol, rtol):
     close(pool, ref_pool, atol, rtol)
 
 
-@pytest.mark.parametrize("dtype,atol,rtol", [
-    pytest.param(torch.float32, 1e-4, 1e-4, id="fp32"),
-    pytest.param(torch.bfloat16, 5e-2, 2e-2, id="bf16"),
+@pytest.mark.parametrize("dtype,atol,rtol,share_cb", [
+    pytest.param(torch.float32, 1e-4, 1e-4, True, id="fp32-shared-cb"),
+    pytest.param(torch.bfloat16, 5e-2, 2e-2, True, id="bf16-shared-cb"),
+    pytest.param(torch.bfloat16, 5e-2, 2e-2, False, id="bf16-per-head-cb"),
 ])  # fmt: skip
-@pytest.mark.parametrize("share_cb", SHARE_CB)
 def test_factored_in_chunk_decay_against_the_exact_path(monkeypatch, dtype, atol, rtol, share_cb):
     """The output kernel's factored decay (row and column scales around the block's middle running sum) against
     its exact per-entry exp (FACTOR_RANGE < 0) and the reference. Slow decays (|dt * A| small): every block takes
