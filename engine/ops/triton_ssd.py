@@ -311,6 +311,19 @@ def _ssd_state_kernel(
 
 
 @triton.jit
+def _cb_tile(C_m, B_chunk, offs_k, offs_n, mask_k, mask_n, s_B_t, s_B_n, dot_dtype: tl.constexpr,
+             NATIVE_DOT: tl.constexpr):  # fmt: skip
+    """C_m @ B_k^T [BLOCK_M, BLOCK_K] in fp32: C_m (a dot operand already) against the chunk's B rows offs_k,
+    loaded transposed (zero past the chunk's end)."""
+    Bt_k = tl.load(
+        B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
+        mask=mask_n[:, None] & mask_k[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_K]
+    return _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)
+
+
+@triton.jit
 def _ssd_cb_kernel(
     B_ptr, C_ptr, chunk_start_ptr, chunk_len_ptr, cb_ptr, dot_ref_ptr,
     N,
@@ -350,12 +363,7 @@ def _ssd_cb_kernel(
     for k0 in range(0, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < length
-        Bt_k = tl.load(
-            B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K]
-        cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K] fp32
+        cb = _cb_tile(C_m, B_chunk, offs_k, offs_n, mask_k, mask_n, s_B_t, s_B_n, dot_dtype, NATIVE_DOT)
         # The whole tile, zero above the diagonal (the buffer is padded to whole tiles): the output kernel's
         # factored path reads it unmasked. Past the chunk's end C and B were loaded as zeros, so are these.
         cb = tl.where(offs_m[:, None] >= offs_k[None, :], cb, 0.0)
@@ -447,12 +455,7 @@ def _ssd_output_kernel(
                 # Whole tiles, zero above the diagonal and past the chunk's end (_ssd_cb_kernel).
                 cb = tl.load(cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k)
             else:
-                Bt_k = tl.load(
-                    B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
-                    mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_K]
-                cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+                cb = _cb_tile(C_m, B_chunk, offs_k, offs_n, mask_k, mask_n, s_B_t, s_B_n, dot_dtype, NATIVE_DOT)
                 cb = tl.where(offs_m[:, None] >= offs_k[None, :], cb, 0.0)
             cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
             dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
@@ -476,12 +479,7 @@ def _ssd_output_kernel(
                     cb_chunk + offs_m[:, None] * s_cb_m + offs_k[None, :] * s_cb_k, mask=causal, other=0.0
                 ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
             else:
-                Bt_k = tl.load(
-                    B_chunk + offs_k[None, :] * s_B_t + offs_n[:, None] * s_B_n,
-                    mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_K]
-                cb = _mma(C_m, _operand(Bt_k, dot_dtype, NATIVE_DOT), NATIVE_DOT)  # [BLOCK_M, BLOCK_K]
+                cb = _cb_tile(C_m, B_chunk, offs_k, offs_n, mask_k, mask_n, s_B_t, s_B_n, dot_dtype, NATIVE_DOT)
             cs_k = tl.load(cs_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
             dt_k = tl.load(dt_chunk + offs_k * s_buf_t, mask=mask_k, other=0.0)
             # -inf above the diagonal: exp() is 0 there and never overflows.
