@@ -52,7 +52,10 @@ lint: $(STAMP)
 
 test: $(STAMP) $(GRAFANA_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	# Tests of Triton kernels in the interpreter are pure CPU work (no ports, no clocks): two workers share them, then
+	# the rest run one at a time (servers, clusters and timeouts on a 2-core box).
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and interpreter"
+	$(BIN)/python -m pytest -q -m "not slow and not interpreter"
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache $(GRAFANA)/node_modules

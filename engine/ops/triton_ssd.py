@@ -89,6 +89,10 @@ STATE_WARPS, STATE_STAGES = 4, 2
 STATE_BLOCK_P = 32
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
+# Session 17 (H200, device time, 8k tokens and 4 x 2k; `benchmarks/RESULTS.md`): the output kernel took 146 registers
+# a thread, so three programs per SM (18.75 % occupancy; ncu: 41 % of issue slots busy, latency-bound). Capped at 128,
+# four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits. (96: 0.53 ms.)
+OUTPUT_MAXNREG = 128
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
 # each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
 # that A/B).
@@ -697,6 +701,6 @@ def mamba_chunk_scan_varlen_triton(
         P, N, H // G, FACTOR_RANGE,
         *x.stride(), *B.stride(), *C.stride(), *states.stride(), *dt_buf.stride(), *y.stride(), *cb_strides,
         NATIVE_DOT=native_dot, SHARE_CB=share_cb, BLOCK_M=t.block_m, BLOCK_K=t.block_k, BLOCK_P=t.block_p,
-        BLOCK_N=block_n_out, num_warps=OUTPUT_WARPS, num_stages=OUTPUT_STAGES,
+        BLOCK_N=block_n_out, num_warps=OUTPUT_WARPS, num_stages=OUTPUT_STAGES, maxnreg=OUTPUT_MAXNREG,
     )  # fmt: skip
     return y
