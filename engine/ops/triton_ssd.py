@@ -91,7 +91,8 @@ CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # Session 17 (H200, device time, 8k tokens and 4 x 2k; `benchmarks/RESULTS.md`): the output kernel took 146 registers
 # a thread, so three programs per SM (18.75 % occupancy; ncu: 41 % of issue slots busy, latency-bound). Capped at 128,
-# four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits. (96: 0.53 ms.)
+# four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits (96: 0.53 ms;
+# H100: 0.54 -> 0.50 ms). None: no cap.
 OUTPUT_MAXNREG = 128
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
 # each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
