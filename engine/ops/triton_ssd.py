@@ -94,6 +94,9 @@ OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits (96: 0.53 ms;
 # H100: 0.54 -> 0.50 ms). None: no cap.
 OUTPUT_MAXNREG = 128
+# Session 18 (H200, device time): P, N and the heads per group are compile-time constants of all three kernels (a model
+# has one layer shape), and a block's P / N mask is all-true without a compare where whole blocks tile P / N: 0.453 ->
+# 0.433 ms (8k), 0.444 -> 0.433 ms (4 x 2k), 0.487 -> 0.476 ms (1k + 3k + 4k rows), the same bits.
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
 # each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
 # that A/B).
@@ -192,6 +195,15 @@ def _mma(a, b, NATIVE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _in_bounds(offs, size: tl.constexpr, BLOCK: tl.constexpr):
+    """offs < size for a block of BLOCK offsets; all true, with no compare, where whole blocks tile size."""
+    if size % BLOCK == 0:
+        return tl.full([BLOCK], 1, tl.int1)
+    else:
+        return offs < size
+
+
+@triton.jit
 def _discretized_dt(dt_ptr, dt_bias, dt_min, offs, mask, s_dt_t):
     """fp32 max(softplus(dt + dt_bias), dt_min) of one head at `offs` tokens past dt_ptr, 0 where masked
     (padding)."""
@@ -205,7 +217,7 @@ def _ssd_state_kernel(
     pool_ptr, slots_ptr, init_ptr,
     chunk_start_ptr, chunk_len_ptr, row_chunk_ptr,
     states_ptr, dt_out_ptr, cs_out_ptr,
-    P, N, heads_per_group, dt_min, chunk_size,
+    P: tl.constexpr, N: tl.constexpr, heads_per_group: tl.constexpr, dt_min, chunk_size,
     s_x_t, s_x_h, s_x_p,
     s_dt_t, s_dt_h,
     s_B_t, s_B_g, s_B_n,
@@ -229,8 +241,8 @@ def _ssd_state_kernel(
     offs_l = tl.arange(0, BLOCK_L)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
+    mask_p = _in_bounds(offs_p, P, BLOCK_P)
+    mask_n = _in_bounds(offs_n, N, BLOCK_N)
     mask_pn = mask_p[:, None] & mask_n[None, :]
 
     A = tl.load(A_ptr + h).to(tl.float32)
@@ -331,7 +343,7 @@ def _cb_tile(C_m, B_chunk, offs_k, offs_n, mask_k, mask_n, s_B_t, s_B_n, dot_dty
 @triton.jit
 def _ssd_cb_kernel(
     B_ptr, C_ptr, chunk_start_ptr, chunk_len_ptr, cb_ptr, dot_ref_ptr,
-    N,
+    N: tl.constexpr,
     s_B_t, s_B_g, s_B_n,
     s_C_t, s_C_g, s_C_n,
     s_cb_c, s_cb_g, s_cb_m, s_cb_k,
@@ -354,7 +366,7 @@ def _ssd_cb_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     mask_m = offs_m < length
-    mask_n = offs_n < N
+    mask_n = _in_bounds(offs_n, N, BLOCK_N)
     B_chunk = B_ptr + g.to(tl.int64) * s_B_g + start * s_B_t
     C_chunk = C_ptr + g.to(tl.int64) * s_C_g + start * s_C_t
     cb_tile = cb_ptr + c.to(tl.int64) * s_cb_c + g.to(tl.int64) * s_cb_g
@@ -380,7 +392,7 @@ def _ssd_output_kernel(
     x_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
     chunk_start_ptr, chunk_len_ptr,
     states_ptr, dt_buf_ptr, cs_buf_ptr, y_ptr, cb_ptr,
-    P, N, heads_per_group, factor_range,
+    P: tl.constexpr, N: tl.constexpr, heads_per_group: tl.constexpr, factor_range,
     s_x_t, s_x_h, s_x_p,
     s_B_t, s_B_g, s_B_n,
     s_C_t, s_C_g, s_C_n,
@@ -410,8 +422,8 @@ def _ssd_output_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_m = offs_m < length
-    mask_p = offs_p < P
-    mask_n = offs_n < N
+    mask_p = _in_bounds(offs_p, P, BLOCK_P)
+    mask_n = _in_bounds(offs_n, N, BLOCK_N)
 
     # 64-bit scalar base pointers at the chunk's first token, 32-bit offsets within the tiles.
     x_chunk = x_ptr + h.to(tl.int64) * s_x_h + start * s_x_t
