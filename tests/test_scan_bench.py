@@ -39,6 +39,7 @@ def test_gpu_device_time_leaves_out_the_hosts_launch_work():
 def test_gpu_scan_bench_runs(capsys):
     from benchmarks.scan_bench import main
 
-    assert main(["--ref", str(REF), "--tokens", "1024", "--calls", "3", "--graph-launches", "5"]) == 0
+    assert main(["--ref", str(REF), "--tokens", "1024", "--calls", "3", "--graph-launches", "5",
+                 "--ref-tunings", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| chunked scan | 1024 tokens" in out and "Single-call latency" in out
+    assert "| chunked scan | 1024 tokens" in out and "Single-call latency" in out and "after each of 2 tunings" in out
