@@ -582,3 +582,22 @@ def test_affine_chunk_addresses_equal_the_loaded_ones(monkeypatch, dtype):
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (5e-2, 2e-2)  # DTYPES' tolerances
     close(out[True][0], y_ref, atol, rtol)
     close(out[True][1], pool, atol, rtol)
+
+
+def test_state_block_widens_only_when_its_programs_take_a_second_wave():
+    """The state kernel's default block of P (8b-like layer: H 128, P 64, N 128, block_n 128; a 132-SM GPU holds 264
+    programs at once): one row's 256 programs fit and keep the narrow block; two rows' 512 do not, and the wide block
+    halves them. No GPU (sms None): always the narrow block. The tiles passed to the kernels follow it unless a
+    state_block_p is given."""
+    pick = triton_ssd.default_state_block_p
+    narrow, wide = triton_ssd.STATE_BLOCK_P, triton_ssd.STATE_BLOCK_P_WIDE
+    assert narrow < wide
+    assert pick(1, 128, 64, 128, 128, 132) == narrow
+    assert pick(2, 128, 64, 128, 128, 132) == wide
+    assert pick(16, 128, 64, 128, 128, 132) == wide
+    assert pick(2, 128, 64, 128, 128, 264) == narrow  # twice the SMs: 512 programs fit
+    assert pick(16, 128, 64, 128, 128, None) == narrow
+    assert triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == wide
+    assert triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, 16, rows=2, H=128, sms=132).state_block_p == 16
+    assert triton_ssd._tiles(True, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == narrow
+    assert triton_ssd._tiles(False, 16, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == 16

@@ -87,6 +87,14 @@ _MIN_BLOCK = 16  # tl.dot's smallest tile side
 # final states bit for bit the same (each element sums the same terms in the same order).
 STATE_WARPS, STATE_STAGES = 4, 2
 STATE_BLOCK_P = 32
+# Session 18 (H200, 8k tokens over 1-16 rows; `benchmarks/RESULTS.md`): a row's chunks are walked one after another, so
+# a second wave of state programs doubles the walk. Two programs fit on an SM at once (their shared memory at 2 stages):
+# while the rows' programs at STATE_BLOCK_P fit (rows x H x P / 32 x N / 128 <= 2 x SMs), STATE_BLOCK_P, else the wide
+# block, half as many programs: 2 x 4k rows 0.458 -> 0.403 ms, 4 x 2k 0.436 -> 0.416, 8 x 1k 0.461 -> 0.444, 16 x 512
+# 0.500 -> 0.485, rows of 1k + 3k + 4k 0.479 -> 0.474; 7k beside four short rows 0.506 -> 0.515 (its long walk
+# dominates). One 8k row keeps STATE_BLOCK_P (0.437; the wide block 0.471).
+STATE_BLOCK_P_WIDE = 64
+STATE_PROGRAMS_PER_SM = 2
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # Session 17 (H200, device time, 8k tokens and 4 x 2k; `benchmarks/RESULTS.md`): the output kernel took 146 registers
@@ -593,18 +601,31 @@ class _Tiles:
     block_k: int
 
 
+def default_state_block_p(rows: int, H: int, P: int, N: int, block_n: int, sms: int | None) -> int:
+    """The state kernel's block of P: STATE_BLOCK_P while its programs all fit on the GPU at once (at most
+    STATE_PROGRAMS_PER_SM per SM), else STATE_BLOCK_P_WIDE (fewer programs, each a wider tile). sms None (no GPU):
+    STATE_BLOCK_P."""
+    if sms is None:
+        return STATE_BLOCK_P
+    programs = rows * H * triton.cdiv(P, STATE_BLOCK_P) * triton.cdiv(N, block_n)
+    return STATE_BLOCK_P if programs <= sms * STATE_PROGRAMS_PER_SM else max(STATE_BLOCK_P, STATE_BLOCK_P_WIDE)
+
+
 def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k,
-           state_block_p=None) -> _Tiles:
+           state_block_p=None, rows: int = 1, H: int = 1, sms: int | None = None) -> _Tiles:
     """Default tiles. 16-bit: the best of a sweep (block_p 32/64 x block_n 32/64/128 x block_m 32/64/128 x
     block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
     64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles.
     """
     out_block_p = _pow2_block(block_p, 32 if fp32 else 64, P, "block_p")
+    state_block_n = _pow2_block(block_n, 32 if fp32 else 128, N, "block_n")
+    # (sms: 16-bit dots on a GPU, where the rule was measured; the fp32 path keeps STATE_BLOCK_P.)
+    state_default = default_state_block_p(rows, H, P, N, state_block_n, None if fp32 else sms)
     return _Tiles(
         block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
         block_p=out_block_p,
-        state_block_p=_pow2_block(state_block_p, STATE_BLOCK_P, P, "state_block_p"),
-        block_n=_pow2_block(block_n, 32 if fp32 else 128, N, "block_n"),
+        state_block_p=_pow2_block(state_block_p, state_default, P, "state_block_p"),
+        block_n=state_block_n,
         block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
         block_k=_pow2_block(block_k, 32, chunk_size, "block_k"),
     )
@@ -643,7 +664,7 @@ def mamba_chunk_scan_varlen_triton(
     `build_chunk_meta(query_start_loc as host ints, chunk_size, device)`, and then the kernels read the
     rows from it alone (query_start_loc is only shape-checked); None builds it from
     `query_start_loc.tolist()` (a host sync). state_block_p / block_n tile the state kernel's [P, N] state
-    (state_block_p defaults to `STATE_BLOCK_P`, apart from block_p), block_m / block_k the output
+    (state_block_p defaults to `default_state_block_p`, apart from block_p), block_m / block_k the output
     kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third
     launch, into a [chunks, G, chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path
     computes, unrounded) that the output kernel reads; False: each head's output program recomputes it (the
@@ -654,7 +675,9 @@ def mamba_chunk_scan_varlen_triton(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = state_slots.shape[0]
-    t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k, state_block_p)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+    t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k, state_block_p,
+               rows=R, H=H, sms=sms)
     if cb_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{_FN}: cb_dtype expected float32, float16 or bfloat16, got {cb_dtype}")
     if chunk_meta is None:
