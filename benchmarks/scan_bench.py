@@ -9,10 +9,11 @@
    configurations by timing them at the first call, and that pick varies between processes (0.59-0.87 ms for the
    same scan on H200s, benchmarks/RESULTS.md, sessions 15-18). So it is tuned `--ref-tunings` times (its tuning
    caches cleared in between) and timed after each, ours timed as often in between; each side's fastest counts.
-   Timed as device time: `--calls` calls queued back to back between two events (median of 7), so the host stays ahead of the GPU, as inside a model's forward. The single-call
-   latency (events around one call on an idle GPU, median of 30) is printed beside it: it also holds the host's
-   launch work, which for the reference (several launches and tensor reshuffles in Python) exceeded its kernels'
-   time on an H200 (benchmarks/RESULTS.md, session 15), so it is no measure of the kernels.
+   Timed as device time: `--calls` calls queued back to back between two events (median of 7), so the host
+   stays ahead of the GPU, as inside a model's forward. The single-call latency (events around one call on an
+   idle GPU, median of 30) is printed beside it: it also holds the host's launch work, which for the reference
+   (several launches and tensor reshuffles in Python) exceeded its kernels' time on an H200
+   (benchmarks/RESULTS.md, session 15), so it is no measure of the kernels.
 2. State update (decode) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` back-to-back launches
    (as the engine's decode graphs run it: no per-launch host cost), in GB/s of the bytes it must move
    against a device-to-device copy measured in the run.
@@ -141,7 +142,8 @@ def bench_scan(ref: Callable, tokens: int, chunk: int, calls: int = 20, ref_tuni
         ours_ms.append(device_ms(ours, calls))
         for c in tuned:
             if retune_reference() == 0:
-                raise ValueError("scan_bench: expected the reference's autotuned kernels in mamba_ssm.ops.triton, found none")
+                raise ValueError("scan_bench: expected the reference's autotuned kernels in mamba_ssm.ops.triton, "
+                                 "found none")
             fn = reference(c)
             fn()  # tunes (and compiles) with this process's timings
             tuned[c].append(device_ms(fn, calls))

@@ -90,9 +90,9 @@ STATE_BLOCK_P = 32
 # Session 18 (H200, 8k tokens over 1-16 rows; `benchmarks/RESULTS.md`): a row's chunks are walked one after another, so
 # a second wave of state programs doubles the walk. Two programs fit on an SM at once (their shared memory at 2 stages):
 # while the rows' programs at STATE_BLOCK_P fit (rows x H x P / 32 x N / 128 <= 2 x SMs), STATE_BLOCK_P, else the wide
-# block, half as many programs: 2 x 4k rows 0.458 -> 0.403 ms, 4 x 2k 0.436 -> 0.416, 8 x 1k 0.461 -> 0.444, 16 x 512
-# 0.500 -> 0.485, rows of 1k + 3k + 4k 0.479 -> 0.474; 7k beside four short rows 0.506 -> 0.515 (its long walk
-# dominates). One 8k row keeps STATE_BLOCK_P (0.437; the wide block 0.471).
+# block, half as many programs: 2 x 4k rows 0.459 -> 0.400 ms, 4 x 2k 0.430 -> 0.409, 8 x 1k 0.454 -> 0.434, 16 x 512
+# 0.501 -> 0.475, rows of 1k + 3k + 4k 0.468 -> 0.462; 7k beside four short rows 0.496 -> 0.504 (its long walk
+# dominates). One 8k row keeps STATE_BLOCK_P (0.430; the wide block 0.471).
 STATE_BLOCK_P_WIDE = 64
 STATE_PROGRAMS_PER_SM = 2
 CB_WARPS, CB_STAGES = 4, 2
@@ -102,9 +102,6 @@ OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits (96: 0.53 ms;
 # H100: 0.54 -> 0.50 ms). None: no cap.
 OUTPUT_MAXNREG = 128
-# Session 18 (H200, device time): P, N and the heads per group are compile-time constants of all three kernels (a model
-# has one layer shape), and a block's P / N mask is all-true without a compare where whole blocks tile P / N: 0.453 ->
-# 0.433 ms (8k), 0.444 -> 0.433 ms (4 x 2k), 0.487 -> 0.476 ms (1k + 3k + 4k rows), the same bits.
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
 # each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
 # that A/B).
@@ -202,6 +199,10 @@ def _mma(a, b, NATIVE_DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
 
 
+# P, N and the heads per group are compile-time constants of the three kernels (a model has one layer shape), and a
+# block's P / N mask is all-true without a compare where whole blocks tile P / N. Session 18 (H200, device time;
+# `benchmarks/RESULTS.md`): 0.453 -> 0.433 ms (8k), 0.444 -> 0.433 ms (4 x 2k), 0.487 -> 0.476 ms (1k + 3k + 4k rows),
+# the same bits.
 @triton.jit
 def _in_bounds(offs, size: tl.constexpr, BLOCK: tl.constexpr):
     """offs < size for a block of BLOCK offsets; all true, with no compare, where whole blocks tile size."""
