@@ -44,7 +44,6 @@ so there both dots run in fp32 on the upcast inputs instead (the GPU-only path i
 tests).
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +53,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
+from baton.engine.ops.triton_common import pdl, pdl_wait, round_to, sm_count
 
 
 @dataclass(frozen=True)
@@ -300,17 +299,12 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 DECODE_STAGES = 2
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _auto_splits(device: torch.device, programs: int, block_q: int, max_keys: int, block_n: int) -> int:
     """Split-K only for decode tiles (BLOCK_Q 1) too few to fill the GPU: about two programs per SM, each
     split at least 8 key tiles of the longest possible row (max_blocks * block_size keys), at most 32."""
     if device.type != "cuda" or block_q != 1:
         return 1
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * sm_count(device)
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_keys, 8 * block_n), 32))
 
 

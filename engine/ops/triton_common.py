@@ -1,6 +1,7 @@
 """Device helpers shared by the Triton kernels (`@triton.jit` functions, inlined where they are called), and
 `interpreted()` for their host sides."""
 
+import functools
 import os
 
 import torch
@@ -13,6 +14,16 @@ def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (its own test of the variable): there tl.dot takes no
     16-bit operands (numpy has none)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's number of SMs (cached per device)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import pdl, pdl_launch_next, pdl_wait, pdl_wait_only, round_to
+from baton.engine.ops.triton_common import pdl, pdl_launch_next, pdl_wait, pdl_wait_only, round_to, sm_count
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
@@ -280,17 +280,9 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
     return GemvTiles(32, 32, 128, 4) if m <= 32 else GemvTiles(64, 32, 64, 4)
 
 
-_SMS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
     """The device's SM count (cached); 1 on CPU (the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return sm_count(device) if device.type == "cuda" else 1
 
 
 def _rows(t: Tensor) -> Tensor:

@@ -71,7 +71,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import round_to, softplus
+from baton.engine.ops.triton_common import round_to, sm_count, softplus
 
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -676,7 +676,7 @@ def mamba_chunk_scan_varlen_triton(
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = state_slots.shape[0]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+    sms = sm_count(x.device) if x.is_cuda else None
     t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k, state_block_p,
                rows=R, H=H, sms=sms)
     if cb_dtype not in _FLOAT_DTYPES:
