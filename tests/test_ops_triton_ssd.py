@@ -342,6 +342,31 @@ def test_softplus_and_dt_min_clamp(dt_bias, dt_min):
     close(pool, ref_pool, 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("dt_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_dt_cumsum_against_torch(dt_dtype):
+    """Launch 0 (the dt and running-sum buffers the state walk and the output kernel read) against torch: dt as
+    `discretize_dt`, and the running sums restart at every chunk's first token (rows' partial last chunks included),
+    over more heads than one block of DT_BLOCK_H and a strided dt."""
+    from baton.engine.ops.selective_state_update import discretize_dt
+
+    heads = triton_ssd.DT_BLOCK_H + 3
+    params = make_params(heads)
+    T = sum(LENGTHS)
+    g = torch.Generator().manual_seed(3)
+    dt = (torch.randn(T, 2 * heads, generator=g)[:, ::2] - 1.0).to(dt_dtype)  # strided, as a view into in_proj's
+    starts = [0]
+    for n in LENGTHS:
+        starts.append(starts[-1] + n)
+    meta = build_chunk_meta(starts, CHUNK, "cpu")
+    dt_buf, cs_buf = triton_ssd.chunk_dt_cumsum_triton(dt, params["A"], params["dt_bias"], DT_MIN, meta)
+    want_dt = discretize_dt(dt, params["dt_bias"], DT_MIN)  # [T, H]
+    want_cs = torch.empty_like(want_dt)
+    for c0, n in zip(meta.chunk_start.tolist(), meta.chunk_len.tolist(), strict=True):
+        want_cs[c0 : c0 + n] = torch.cumsum(want_dt[c0 : c0 + n] * params["A"], dim=0)
+    torch.testing.assert_close(dt_buf, want_dt.T, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cs_buf, want_cs.T, atol=1e-5, rtol=1e-5)
+
+
 def test_dispatch_picks_the_kernel_when_forced(monkeypatch):
     x = torch.zeros(1)
     monkeypatch.setenv("BATON_KERNELS", "auto")
@@ -484,16 +509,17 @@ def test_gpu_chunk_meta_given_equals_built():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(state_block_p=32), dict(state_block_p=16, block_n=64)])
-def test_gpu_affine_chunks_and_state_blocks_equal_the_defaults(monkeypatch, options):
-    """The knobs built for the next sweep, compiled and checked at full size on varlen rows with an empty one:
-    STATE_AFFINE gives the default's bits; a smaller state_block_p / block_n agrees to a few ulps."""
+def test_gpu_loaded_chunks_and_state_blocks_equal_the_defaults(monkeypatch, options):
+    """The state kernel's knobs, compiled and checked at full size on varlen rows with an empty one: chunk starts
+    loaded from the metadata (STATE_AFFINE off) give the default's (affine) bits; a smaller state_block_p / block_n
+    agrees to a few ulps."""
     params, tok, pool, meta = _full_case([3000, 1, 4000, 0, 1191], torch.bfloat16, torch.float32)
-    pools = {k: pool.clone() for k in ("default", "affine", "blocks")}
+    pools = {k: pool.clone() for k in ("default", "loaded", "blocks")}
     y = call(mamba_chunk_scan_varlen_triton, tok, params, pools["default"], meta, FULL_CHUNK)
     y_blocks = call(mamba_chunk_scan_varlen_triton, tok, params, pools["blocks"], meta, FULL_CHUNK, **options)
-    monkeypatch.setattr(triton_ssd, "STATE_AFFINE", True)
-    y_affine = call(mamba_chunk_scan_varlen_triton, tok, params, pools["affine"], meta, FULL_CHUNK)
-    assert torch.equal(y_affine, y) and torch.equal(pools["affine"], pools["default"])
+    monkeypatch.setattr(triton_ssd, "STATE_AFFINE", not triton_ssd.STATE_AFFINE)
+    y_loaded = call(mamba_chunk_scan_varlen_triton, tok, params, pools["loaded"], meta, FULL_CHUNK)
+    assert torch.equal(y_loaded, y) and torch.equal(pools["loaded"], pools["default"])
     close(y_blocks, y, 2e-2, 2e-2)
     close(pools["blocks"], pools["default"], 1e-4, 1e-4)
 

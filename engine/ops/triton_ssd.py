@@ -8,17 +8,20 @@ back in x.dtype with the D * x skip, and the row's final state goes into its slo
 An empty row writes its initial state (or zeros) back, as the reference does. Head h uses the B/C group
 h // (H // G).
 
-Two or three launches, stream-ordered (fp32 math, fp32 accumulators; `tl.dot` takes 16-bit operands
+Three or four launches, stream-ordered (fp32 math, fp32 accumulators; `tl.dot` takes 16-bit operands
 when the activations are bf16/fp16, and fp32 with IEEE precision when they are fp32):
 
+0. `_ssd_dt_kernel`, one program per (chunk, block of heads), all chunks at once: the discretized dt and
+   the running sums of a = dt * A from the chunk's start, into fp32 [H, T] buffers for launches 1 and 3.
+   (Taken out of launch 1's sequential walk, where each chunk's scan and reductions lay on the path from
+   one chunk to the next.)
 1. `_ssd_state_kernel`, one program per (row, head, block of P, block of N), sequential over the row's
    chunks. It holds its [BLOCK_P, BLOCK_N] state tile in fp32 registers, starting from the slot (or
-   zeros). Per chunk it discretizes dt, takes the running sum of a = dt * A in registers, stores the
-   tile as the chunk's START state (in the dot dtype: what phase 3 multiplies with), then advances it:
+   zeros). Per chunk it loads dt and the running sums, stores the tile as the chunk's START state (in the
+   dot dtype: what phase 3 multiplies with), then advances it:
        s = exp(sum a) * s + (x * dt * exp(decay to chunk end))^T @ B          (one tl.dot)
-   After the row's last chunk it stores the tile into the row's slot, rounded to the pool dtype. The
-   programs of the first (P, N) block also store the discretized dt and the running sums [H, T] in fp32
-   for launch 3. A program reads the slot tile it later overwrites, and no other program touches it.
+   After the row's last chunk it stores the tile into the row's slot, rounded to the pool dtype. A
+   program reads the slot tile it later overwrites, and no other program touches it.
    Fusing the chunk-state and state-passing phases means the per-chunk contributions never go through
    memory (they would be an fp32 [chunks, H, P, N] buffer written once and read once).
 2. (share_cb, the default) `_ssd_cb_kernel`, one program per (chunk, group, block of BLOCK_M chunk
@@ -38,26 +41,27 @@ when the activations are bf16/fp16, and fp32 with IEEE precision when they are f
    kernel was bound by those integer and special-function instructions). The same roundings as the exact
    path (the product C·B^T * scale * dt once to the dot dtype), so the same accuracy; else the exact path.
 
-No host reads of device tensors when `chunk_meta` is given: the grids of launches 2 and 3 need the
+No host reads of device tensors when `chunk_meta` is given: the grids of launches 0, 2 and 3 need the
 number of chunks over all rows, which `build_chunk_meta` computes from host ints (the runner has them).
 Without it, the op reads query_start_loc back (`.tolist()`, a sync) and builds the metadata itself.
 Only shapes and dtypes are checked; slot values are the caller's contract, unchecked (distinct, in [0, S): an
 out-of-range slot is an out-of-bounds access, two rows on one slot race). The reference checks them.
 
 All tensors are addressed through their strides, so x, B, C and dt may be views into the in_proj / conv
-output. Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs both
+output. Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs all the
 launches on CPU tensors; its tl.dot mishandles bf16 (numpy has none), so there the 16-bit operands are
 rounded as on the GPU and multiplied in fp32 (`_operand`). On the GPU, `tl.exp` is the fast ex2.approx
 path and the in-chunk decays come from differences of running sums (the reference sums the masked
 terms), so results agree with the reference to a few fp32 ulps of the state (plus the 16-bit rounding of
 dot operands and of the chunk-start states), not bit for bit.
 
-Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 1 reads x once per N block and writes the
-bf16 chunk-start states (~134 MB); launch 2 reads B and C once and writes the tiles up to the diagonal of
-the fp32 CB (~25 MB of 34 MB allocated at 64 x 32 tiles); launch 3 reads x, the start states and writes y
-(~400 MB in all), and per head reads the CB tiles (from L2 mostly: as many bytes as the B tiles the per-head
-path reads, but without its C·B tl.dot, ~45% of that kernel's tensor-core work). block_p / block_n / block_m /
-block_k are exposed for tuning; launch 2 uses launch 3's block_m / block_k.
+Cost model (8B-like layer, 8k bf16 tokens, chunk 128): launch 0 reads dt and writes dt and the running
+sums (~10 MB); launch 1 reads x once per N block and writes the bf16 chunk-start states (~134 MB); launch 2
+reads B and C once and writes the tiles up to the diagonal of the fp32 CB (~25 MB of 34 MB allocated at
+64 x 32 tiles); launch 3 reads x, the start states and writes y (~400 MB in all), and per head reads the CB
+tiles (from L2 mostly: as many bytes as the B tiles the per-head path reads, but without its C·B tl.dot,
+~45% of that kernel's tensor-core work). block_p / block_n / block_m / block_k are exposed for tuning;
+launch 2 uses launch 3's block_m / block_k.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ _MIN_BLOCK = 16  # tl.dot's smallest tile side
 # block of 32 x 128 (two programs per head) with 4 warps and 2 stages took the scan from 0.531 to 0.494 ms on one
 # 8k row and from 0.545 to 0.491 ms on 4 x 2k rows, against 8 warps, 3 stages and a 64 x 128 block; y and the
 # final states bit for bit the same (each element sums the same terms in the same order).
+# Session 19 (H200): with launch 0 taking dt's discretization and running sums off the walk, 2, 3 and 4 stages are
+# alike (147-148 µs for the state kernel at 8k, was 164-173 µs).
 STATE_WARPS, STATE_STAGES = 4, 2
 STATE_BLOCK_P = 32
 # Session 18 (H200, 8k tokens over 1-16 rows; `benchmarks/RESULTS.md`): a row's chunks are walked one after another, so
@@ -103,13 +109,17 @@ OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # H100: 0.54 -> 0.50 ms). None: no cap.
 OUTPUT_MAXNREG = 128
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
-# each chunk's from the metadata: same chunks, same results. Off until timed on a GPU (built in session 10 for
-# that A/B).
-STATE_AFFINE = False
+# each chunk's from the metadata: same chunks, same bits. Session 19 (H200, state kernel alone, after launch 0 took
+# the scans off its walk): 147.3 -> 145.6 µs (8k), 118.2 -> 116.3 (4 x 2k), 160.9 -> 157.7 (1k + 3k + 4k), 195.8 ->
+# 190.9 (7k + 4 x 256), at 2 stages (at 3 and 4 stages it is slower: 160-330 µs; without it 2, 3, 4 are alike).
+STATE_AFFINE = True
 # The output kernel's factored in-chunk decay (see there) is taken for a block of chunk positions whose running sums
 # of dt * A span at most this much (its factors then stay below exp(FACTOR_RANGE / 2) = 1e13); else the exact
 # per-entry exp. A negative value turns the factored path off.
 FACTOR_RANGE = 60.0
+# The dt launch's block of heads (contiguous in dt's rows) and warps. Session 19 (H200): 8, 16 and 32 heads within
+# noise; the launch takes ~6 µs of the 8k scan.
+DT_BLOCK_H, DT_WARPS = 16, 4
 
 
 
@@ -213,22 +223,39 @@ def _in_bounds(offs, size: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _discretized_dt(dt_ptr, dt_bias, dt_min, offs, mask, s_dt_t):
-    """fp32 max(softplus(dt + dt_bias), dt_min) of one head at `offs` tokens past dt_ptr, 0 where masked
-    (padding)."""
-    dt = tl.load(dt_ptr + offs * s_dt_t, mask=mask, other=0.0).to(tl.float32) + dt_bias
-    return tl.where(mask, tl.maximum(softplus(dt), dt_min), 0.0)
+def _ssd_dt_kernel(
+    dt_ptr, A_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr, dt_out_ptr, cs_out_ptr,
+    H, dt_min, s_dt_t, s_dt_h, s_buf_h, s_buf_t,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One (chunk, block of heads): the discretized dt, max(softplus(dt + dt_bias), dt_min), and the running sums cs
+    of dt * A from the chunk's start (inclusive), into fp32 [H, T] buffers; nothing past the chunk's end."""
+    c = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, BLOCK_L)
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    mask_h = offs_h < H
+    mask = (offs_l < length)[:, None] & mask_h[None, :]
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + start * s_dt_t + offs_l[:, None] * s_dt_t + offs_h[None, :] * s_dt_h, mask=mask, other=0.0)
+    dt = tl.where(mask, tl.maximum(softplus(dt.to(tl.float32) + dt_bias[None, :]), dt_min), 0.0)  # [BLOCK_L, BLOCK_H]
+    cs = tl.cumsum(dt * A[None, :], axis=0)
+    buf = start * s_buf_t + offs_l[:, None] * s_buf_t + offs_h[None, :] * s_buf_h
+    tl.store(dt_out_ptr + buf, dt, mask=mask)
+    tl.store(cs_out_ptr + buf, cs, mask=mask)
 
 
 @triton.jit
 def _ssd_state_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, dt_bias_ptr,
+    x_ptr, B_ptr,
     pool_ptr, slots_ptr, init_ptr,
     chunk_start_ptr, chunk_len_ptr, row_chunk_ptr,
-    states_ptr, dt_out_ptr, cs_out_ptr,
-    P: tl.constexpr, N: tl.constexpr, heads_per_group: tl.constexpr, dt_min, chunk_size,
+    states_ptr, dt_ptr, cs_ptr,
+    P: tl.constexpr, N: tl.constexpr, heads_per_group: tl.constexpr, chunk_size,
     s_x_t, s_x_h, s_x_p,
-    s_dt_t, s_dt_h,
     s_B_t, s_B_g, s_B_n,
     s_pool_slot, s_pool_h, s_pool_p, s_pool_n,
     s_st_c, s_st_h, s_st_p, s_st_n,
@@ -254,8 +281,6 @@ def _ssd_state_kernel(
     mask_n = _in_bounds(offs_n, N, BLOCK_N)
     mask_pn = mask_p[:, None] & mask_n[None, :]
 
-    A = tl.load(A_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     dot_dtype = states_ptr.dtype.element_ty
 
     # The initial state; without has_initial_state the slot is masked off entirely (never read).
@@ -264,21 +289,17 @@ def _ssd_state_kernel(
     slot = tl.load(slots_ptr + r).to(tl.int64)
     pool_head = pool_ptr + slot * s_pool_slot + h.to(tl.int64) * s_pool_h
     pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n  # [BLOCK_P, BLOCK_N]
-    # The initial state; without has_initial_state the slot is masked off entirely (never read).
     init = tl.load(init_ptr + r).to(tl.int32)
     p_init = tl.where(init != 0, P, 0)
     init_mask = (offs_p < p_init)[:, None] & mask_n[None, :]
     s = tl.load(pool_head + pn_pool, mask=init_mask, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
 
-    # Only the first (P, N) block's programs store dt and the running sums for the output kernel. (A
-    # comparison rather than `mask & scalar`: the interpreter promotes the latter to int32.)
-    buf_limit = tl.where(pid_pn == 0, BLOCK_L, 0)
     x_head = x_ptr + h.to(tl.int64) * s_x_h
-    dt_head = dt_ptr + h.to(tl.int64) * s_dt_h
     B_group = B_ptr + g.to(tl.int64) * s_B_g
     st_head = states_ptr + h.to(tl.int64) * s_st_h
-    dt_out_head = dt_out_ptr + h.to(tl.int64) * s_buf_h
-    cs_out_head = cs_out_ptr + h.to(tl.int64) * s_buf_h
+    st_tile = offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
+    dt_head = dt_ptr + h.to(tl.int64) * s_buf_h
+    cs_head = cs_ptr + h.to(tl.int64) * s_buf_h
 
     # int64 bounds make the chunk index (and the offsets from it) 64-bit on the GPU; the interpreter hands
     # the loop a Python int, so no `.to()` on it.
@@ -302,17 +323,13 @@ def _ssd_state_kernel(
             length = tl.load(chunk_len_ptr + c)
         mask_l = offs_l < length
 
-        dt = _discretized_dt(dt_head + start * s_dt_t, dt_bias, dt_min, offs_l, mask_l, s_dt_t)  # [BLOCK_L]
-        cs = tl.cumsum(dt * A, axis=0)  # decay exponent from the chunk's start to l, inclusive
-        # ... to the chunk's end: the last running sum itself (a separate tl.sum could round differently,
-        # and the last token's decay to the end must be exactly exp(0) = 1).
-        total = tl.sum(tl.where(offs_l == length - 1, cs, 0.0), axis=0)
-        buf_mask = offs_l < tl.minimum(length, buf_limit)
-        tl.store(dt_out_head + start * s_buf_t + offs_l * s_buf_t, dt, mask=buf_mask)
-        tl.store(cs_out_head + start * s_buf_t + offs_l * s_buf_t, cs, mask=buf_mask)
+        # dt and the running sums from _ssd_dt_kernel (the walk has no scan or reduction on it); the chunk's decay is
+        # its last running sum itself (the last token's decay to the chunk's end must be exactly exp(0) = 1).
+        dt = tl.load(dt_head + start * s_buf_t + offs_l * s_buf_t, mask=mask_l, other=0.0)  # [BLOCK_L]
+        cs = tl.load(cs_head + start * s_buf_t + offs_l * s_buf_t, mask=mask_l, other=0.0)
+        total = tl.load(cs_head + (start + length - 1) * s_buf_t)
 
         # The state at the chunk's start, for the output kernel.
-        st_tile = offs_p[:, None] * s_st_p + offs_n[None, :] * s_st_n
         tl.store(st_head + c * s_st_c + st_tile, round_to(s, dot_dtype), mask=mask_pn)
 
         # The chunk's own contribution: token l's input, decayed to the chunk's end.
@@ -332,7 +349,6 @@ def _ssd_state_kernel(
         )  # [BLOCK_P, BLOCK_N]
         s = tl.exp(total) * s + contrib
 
-    pn_pool = offs_p[:, None] * s_pool_p + offs_n[None, :] * s_pool_n
     tl.store(pool_head + pn_pool, round_to(s, pool_ptr.dtype.element_ty), mask=mask_pn)
 
 
@@ -632,6 +648,23 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     )
 
 
+def chunk_dt_cumsum_triton(dt: Tensor, A: Tensor, dt_bias: Tensor, dt_min: float, chunk_meta: ChunkMeta
+                           ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Launch 0 on its own: the discretized dt (`discretize_dt`) and, per chunk of `chunk_meta`, the running sums of
+    dt * A from the chunk's first token (inclusive), as fp32 [H, max(T, 1)] tensors (column 0 unwritten when T = 0).
+    dt [T, H] raw; A, dt_bias [H]. Shapes are the caller's (mamba_chunk_scan_varlen_triton checks them)."""
+    T, H = dt.shape
+    dt_buf = torch.empty((H, max(T, 1)), dtype=torch.float32, device=dt.device)
+    cs_buf = torch.empty_like(dt_buf)
+    if chunk_meta.num_chunks:
+        _ssd_dt_kernel[(chunk_meta.num_chunks, triton.cdiv(H, DT_BLOCK_H))](
+            dt, A, dt_bias, chunk_meta.chunk_start, chunk_meta.chunk_len, dt_buf, cs_buf, H, float(dt_min),
+            *dt.stride(), *dt_buf.stride(), BLOCK_L=max(_MIN_BLOCK, triton.next_power_of_2(chunk_meta.chunk_size)),
+            BLOCK_H=DT_BLOCK_H, num_warps=DT_WARPS,
+        )  # fmt: skip
+    return dt_buf, cs_buf
+
+
 def mamba_chunk_scan_varlen_triton(
     x: Tensor,
     dt: Tensor,
@@ -694,21 +727,20 @@ def mamba_chunk_scan_varlen_triton(
     # Chunk-start states in the dtype phase 3's tl.dot takes them in: x's for 16-bit activations.
     # (At least one element each: no null data pointers reach the launcher.)
     states = torch.empty((max(chunk_meta.num_chunks, 1), H, P, N), dtype=x.dtype, device=x.device)
-    dt_buf = torch.empty((H, max(T, 1)), dtype=torch.float32, device=x.device)
-    cs_buf = torch.empty_like(dt_buf)
+    dt_buf, cs_buf = chunk_dt_cumsum_triton(dt, A, dt_bias, dt_min, chunk_meta)
     # Only empty rows (T == 0): x, dt and B are never read; stand-ins keep null pointers out.
-    x_in, dt_in, B_in = (x, dt, B) if T else (dt_buf, dt_buf, dt_buf)
+    x_in, B_in = (x, B) if T else (dt_buf, dt_buf)
 
     meta = (chunk_meta.chunk_start, chunk_meta.chunk_len)
     _ssd_state_kernel[(R, H, triton.cdiv(P, t.state_block_p) * triton.cdiv(N, t.block_n))](
-        x_in, dt_in, A, B_in, dt_bias,
+        x_in, B_in,
         ssm_state, state_slots, has_initial_state,
         *meta, chunk_meta.row_chunk,
         states, dt_buf, cs_buf,
-        P, N, H // G, float(dt_min), chunk_size,
-        *x.stride(), *dt.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
-        NATIVE_DOT=native_dot, AFFINE=STATE_AFFINE, BLOCK_L=t.block_l, BLOCK_P=t.state_block_p, BLOCK_N=t.block_n,
-        num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+        P, N, H // G, chunk_size,
+        *x.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
+        NATIVE_DOT=native_dot, AFFINE=STATE_AFFINE, BLOCK_L=t.block_l,
+        BLOCK_P=t.state_block_p, BLOCK_N=t.block_n, num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )  # fmt: skip
     if chunk_meta.num_chunks == 0:
         return y  # only empty rows: their slots are written, there is no output
