@@ -80,7 +80,7 @@ from baton.engine.ops.triton_common import round_to, sm_count, softplus
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
-# Warps and software-pipeline stages of the three launches (module constants, so that a sweep can set them).
+# Warps and software-pipeline stages of the launches (module constants, so that a sweep can set them).
 # Measured on an H200, 8k tokens at the 8b-like layer size, four interleaved rounds (`benchmarks/RESULTS.md`,
 # session 10): the output kernel without pipelining (1 stage: less shared memory, more programs per SM) and
 # the state kernel with 3 stages took the scan from 0.724-0.727 to 0.609-0.614 ms; the tiles' sweep had kept
@@ -343,7 +343,8 @@ def _ssd_state_kernel(
             mask=mask_l[:, None] & mask_n[None, :],
             other=0.0,
         )  # [BLOCK_L, BLOCK_N]
-        w = x * (dt * tl.exp(total - cs))[:, None]
+        # Past the chunk's end dt is 0 and the decay exp(0): a zero weight even where exp(total) would overflow (A > 0).
+        w = x * (dt * tl.exp(tl.where(mask_l, total - cs, 0.0)))[:, None]
         contrib = _mma(
             tl.trans(_operand(w, dot_dtype, NATIVE_DOT)), _operand(Bm, dot_dtype, NATIVE_DOT), NATIVE_DOT
         )  # [BLOCK_P, BLOCK_N]
