@@ -729,7 +729,7 @@ def mamba_chunk_scan_varlen_triton(
     # (At least one element each: no null data pointers reach the launcher.)
     states = torch.empty((max(chunk_meta.num_chunks, 1), H, P, N), dtype=x.dtype, device=x.device)
     dt_buf, cs_buf = chunk_dt_cumsum_triton(dt, A, dt_bias, dt_min, chunk_meta)
-    # Only empty rows (T == 0): x, dt and B are never read; stand-ins keep null pointers out.
+    # Only empty rows (T == 0): x and B are never read (nor dt: launch 0 has no chunks); stand-ins keep null pointers out.
     x_in, B_in = (x, B) if T else (dt_buf, dt_buf)
 
     meta = (chunk_meta.chunk_start, chunk_meta.chunk_len)
