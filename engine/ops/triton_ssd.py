@@ -600,6 +600,11 @@ def _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_sl
             raise ValueError(f"{_FN}: chunk_meta expected on {x.device}, got {chunk_meta.row_chunk.device}")
 
 
+def _block_l(chunk_size: int) -> int:
+    """A whole chunk's block of positions (the dt launch's and the state walk's)."""
+    return max(_MIN_BLOCK, triton.next_power_of_2(chunk_size))
+
+
 def _pow2_block(requested: int | None, default: int, size: int, name: str) -> int:
     """A requested tile side (checked), else `default` capped at `size` rounded up to a power of two."""
     if requested is not None:
@@ -640,7 +645,7 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     # (sms: 16-bit dots on a GPU, where the rule was measured; the fp32 path keeps STATE_BLOCK_P.)
     state_default = default_state_block_p(rows, H, P, N, state_block_n, None if fp32 else sms)
     return _Tiles(
-        block_l=max(_MIN_BLOCK, triton.next_power_of_2(chunk_size)),
+        block_l=_block_l(chunk_size),
         block_p=out_block_p,
         state_block_p=_pow2_block(state_block_p, state_default, P, "state_block_p"),
         block_n=state_block_n,
@@ -660,7 +665,7 @@ def chunk_dt_cumsum_triton(dt: Tensor, A: Tensor, dt_bias: Tensor, dt_min: float
     if chunk_meta.num_chunks:
         _ssd_dt_kernel[(chunk_meta.num_chunks, triton.cdiv(H, DT_BLOCK_H))](
             dt, A, dt_bias, chunk_meta.chunk_start, chunk_meta.chunk_len, dt_buf, cs_buf, H, float(dt_min),
-            *dt.stride(), *dt_buf.stride(), BLOCK_L=max(_MIN_BLOCK, triton.next_power_of_2(chunk_meta.chunk_size)),
+            *dt.stride(), *dt_buf.stride(), BLOCK_L=_block_l(chunk_meta.chunk_size),
             BLOCK_H=DT_BLOCK_H, num_warps=DT_WARPS,
         )  # fmt: skip
     return dt_buf, cs_buf
