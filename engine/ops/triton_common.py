@@ -26,15 +26,23 @@ def sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Whether fp32 -> bf16 casts round by hand (`round_to`): only in Triton's interpreter, which `triton.jit` itself
+# chose from the same variable when the kernels were defined.
+_BF16_BY_HAND = tl.constexpr(interpreted())
+
+
 @triton.jit
 def round_to(v, dtype: tl.constexpr):
     """fp32 `v` cast to `dtype`, round to nearest even. Triton's interpreter truncates fp32 -> bf16 in
-    `.to()`, so bf16 rounds here by hand (exact; the cast that follows only drops zero bits); on the GPU this
-    is what the cast does anyway. fp16 and fp32 casts round correctly in both modes. NaN stays NaN."""
+    `.to()`, so there bf16 rounds here by hand (exact; the cast that follows only drops zero bits). On the GPU the
+    cast itself rounds to nearest even (one cvt.rn per two values; by hand it took ~7 integer instructions per
+    value, a quarter of the scan's state-walk instructions). fp16 and fp32 casts round correctly in both modes.
+    NaN stays NaN."""
     if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+        if _BF16_BY_HAND:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
     return v.to(dtype)
 
 
