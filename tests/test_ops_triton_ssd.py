@@ -610,20 +610,31 @@ def test_affine_chunk_addresses_equal_the_loaded_ones(monkeypatch, dtype):
     close(out[True][1], pool, atol, rtol)
 
 
-def test_state_block_widens_only_when_its_programs_take_a_second_wave():
-    """The state kernel's default block of P (8b-like layer: H 128, P 64, N 128, block_n 128; a 132-SM GPU holds 264
-    programs at once): one row's 256 programs fit and keep the narrow block; two rows' 512 do not, and the wide block
-    halves them. No GPU (sms None): always the narrow block. The tiles passed to the kernels follow it unless a
-    state_block_p is given."""
-    pick = triton_ssd.default_state_block_p
-    narrow, wide = triton_ssd.STATE_BLOCK_P, triton_ssd.STATE_BLOCK_P_WIDE
-    assert narrow < wide
-    assert pick(1, 128, 64, 128, 128, 132) == narrow
+def test_state_launch_by_how_many_programs_the_gpu_holds_at_once():
+    """The state kernel's default launch (8b-like layer: H 128, P 64, N 128, block_n 128). On a 132-SM GPU one row's
+    128 wide programs fit one per SM: the wide block with the one-wave warps and stages. Two rows' 256 do not, while
+    their 512 narrow ones do not fit two per SM either: the wide block at the default warps and stages. The narrow
+    block where its programs fit two per SM but not one per SM (P of at most one narrow block). No GPU
+    (sms None): the narrow block. The tiles passed to the kernels follow it; a state_block_p given runs at the
+    default warps and stages."""
+    pick = triton_ssd.default_state_launch
+    narrow = triton_ssd.StateLaunch(triton_ssd.STATE_BLOCK_P, triton_ssd.STATE_WARPS, triton_ssd.STATE_STAGES)
+    wide = triton_ssd.StateLaunch(triton_ssd.STATE_BLOCK_P_WIDE, triton_ssd.STATE_WARPS, triton_ssd.STATE_STAGES)
+    one_wave = triton_ssd.StateLaunch(triton_ssd.STATE_BLOCK_P_WIDE, triton_ssd.STATE_ONE_WAVE_WARPS,
+                                      triton_ssd.STATE_ONE_WAVE_STAGES)
+    assert narrow.block_p < wide.block_p and one_wave != wide
+    assert pick(1, 128, 64, 128, 128, 132) == one_wave
     assert pick(2, 128, 64, 128, 128, 132) == wide
     assert pick(16, 128, 64, 128, 128, 132) == wide
-    assert pick(2, 128, 64, 128, 128, 264) == narrow  # twice the SMs: 512 programs fit
+    assert pick(2, 128, 64, 128, 128, 264) == one_wave  # twice the SMs: 256 wide programs fit
+    assert pick(2, 128, 32, 128, 128, 132) == narrow  # P 32, one block either way: 256 programs, two per SM
+    assert pick(2, 128, 64, 128, 64, 132) == wide  # two blocks of N: 512 wide programs
     assert pick(16, 128, 64, 128, 128, None) == narrow
-    assert triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == wide
-    assert triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, 16, rows=2, H=128, sms=132).state_block_p == 16
-    assert triton_ssd._tiles(True, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == narrow
+    tiles = triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, None, rows=1, H=128, sms=132)
+    assert (tiles.state_block_p, tiles.state_warps, tiles.state_stages) == (one_wave.block_p, one_wave.warps,
+                                                                            one_wave.stages)
+    assert triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == wide.block_p
+    given = triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, 16, rows=1, H=128, sms=132)
+    assert (given.state_block_p, given.state_warps, given.state_stages) == (16, narrow.warps, narrow.stages)
+    assert triton_ssd._tiles(True, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == narrow.block_p
     assert triton_ssd._tiles(False, 16, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == 16

@@ -38,11 +38,10 @@ def round_to(v, dtype: tl.constexpr):
     cast itself rounds to nearest even (one cvt.rn per two values; by hand it took ~7 integer instructions per
     value, a quarter of the scan's state-walk instructions). fp16 and fp32 casts round correctly in both modes.
     NaN stays NaN."""
-    if dtype == tl.bfloat16:
-        if _BF16_BY_HAND:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-            v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    if dtype == tl.bfloat16 and _BF16_BY_HAND:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
     return v.to(dtype)
 
 

@@ -98,9 +98,14 @@ STATE_BLOCK_P = 32
 # while the rows' programs at STATE_BLOCK_P fit (rows x H x P / 32 x N / 128 <= 2 x SMs), STATE_BLOCK_P, else the wide
 # block, half as many programs: 2 x 4k rows 0.459 -> 0.400 ms, 4 x 2k 0.430 -> 0.409, 8 x 1k 0.454 -> 0.434, 16 x 512
 # 0.501 -> 0.475, rows of 1k + 3k + 4k 0.468 -> 0.462; 7k beside four short rows 0.496 -> 0.504 (its long walk
-# dominates). One 8k row keeps STATE_BLOCK_P (0.430; the wide block 0.471).
+# dominates). One 8k row kept STATE_BLOCK_P (0.430; the wide block at 4 warps 0.471), until session 20 (below).
 STATE_BLOCK_P_WIDE = 64
 STATE_PROGRAMS_PER_SM = 2
+# Session 20 (H200; `benchmarks/RESULTS.md`): with bf16 rounded by the cast itself (triton_common.round_to), a wide
+# block with 8 warps and 3 stages walks one 8k row in 112-115 µs against 140-142 for the narrow block at 4 warps and
+# 2 stages (170 at 8 warps and 2 stages; same bits). Its 150 KB of shared memory hold one program per SM, so it is
+# taken while the rows' wide programs fit on the GPU at once (rows x H x P / 64 x N / 128 <= SMs).
+STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES = 8, 3
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
 # Session 17 (H200, device time, 8k tokens and 4 x 2k; `benchmarks/RESULTS.md`): the output kernel took 146 registers
@@ -619,35 +624,63 @@ class _Tiles:
     block_l: int  # a whole chunk (state kernel)
     block_p: int  # the output kernel's block of P
     state_block_p: int  # the state kernel's (its program count: H x P / state_block_p x N / block_n per row)
+    state_warps: int
+    state_stages: int
     block_n: int  # state kernel's block of N (the output kernel contracts over all of N)
     block_m: int
     block_k: int
 
 
-def default_state_block_p(rows: int, H: int, P: int, N: int, block_n: int, sms: int | None) -> int:
-    """The state kernel's block of P: STATE_BLOCK_P while its programs all fit on the GPU at once (at most
-    STATE_PROGRAMS_PER_SM per SM), else STATE_BLOCK_P_WIDE (fewer programs, each a wider tile). sms None (no GPU):
-    STATE_BLOCK_P."""
+@dataclass(frozen=True)
+class StateLaunch:
+    """The state kernel's block of P, warps and pipeline stages."""
+
+    block_p: int
+    warps: int
+    stages: int
+
+
+def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: int | None) -> StateLaunch:
+    """The state kernel's launch by how many of its programs the GPU holds at once (a row's chunks are walked one
+    after another, so a second wave doubles the walk):
+    - its wide programs (STATE_BLOCK_P_WIDE) all fit, one per SM: the wide block with STATE_ONE_WAVE_WARPS and
+      STATE_ONE_WAVE_STAGES (shared memory for one program per SM);
+    - else its narrow programs (STATE_BLOCK_P) fit STATE_PROGRAMS_PER_SM to an SM: the narrow block;
+    - else the wide block (half as many programs), both with STATE_WARPS and STATE_STAGES.
+    sms None (no GPU): the narrow block."""
+    narrow = StateLaunch(STATE_BLOCK_P, STATE_WARPS, STATE_STAGES)
     if sms is None:
-        return STATE_BLOCK_P
-    programs = rows * H * triton.cdiv(P, STATE_BLOCK_P) * triton.cdiv(N, block_n)
-    return STATE_BLOCK_P if programs <= sms * STATE_PROGRAMS_PER_SM else max(STATE_BLOCK_P, STATE_BLOCK_P_WIDE)
+        return narrow
+    wide_p = max(STATE_BLOCK_P, STATE_BLOCK_P_WIDE)
+    per_row_head = triton.cdiv(N, block_n)
+    if rows * H * triton.cdiv(P, wide_p) * per_row_head <= sms:
+        return StateLaunch(wide_p, STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES)
+    if rows * H * triton.cdiv(P, STATE_BLOCK_P) * per_row_head <= sms * STATE_PROGRAMS_PER_SM:
+        return narrow
+    return StateLaunch(wide_p, STATE_WARPS, STATE_STAGES)
 
 
 def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k,
            state_block_p=None, rows: int = 1, H: int = 1, sms: int | None = None) -> _Tiles:
     """Default tiles. 16-bit: the best of a sweep (block_p 32/64 x block_n 32/64/128 x block_m 32/64/128 x
     block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
-    64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles.
+    64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles. A state_block_p
+    given runs with STATE_WARPS and STATE_STAGES.
     """
     out_block_p = _pow2_block(block_p, 32 if fp32 else 64, P, "block_p")
     state_block_n = _pow2_block(block_n, 32 if fp32 else 128, N, "block_n")
-    # (sms: 16-bit dots on a GPU, where the rule was measured; the fp32 path keeps STATE_BLOCK_P.)
-    state_default = default_state_block_p(rows, H, P, N, state_block_n, None if fp32 else sms)
+    # (sms: 16-bit dots on a GPU, where the rule was measured; the fp32 path keeps the narrow block.)
+    if state_block_p is not None:
+        state = StateLaunch(_pow2_block(state_block_p, STATE_BLOCK_P, P, "state_block_p"), STATE_WARPS, STATE_STAGES)
+    else:
+        state = default_state_launch(rows, H, P, N, state_block_n, None if fp32 else sms)
+        state = StateLaunch(_pow2_block(None, state.block_p, P, "state_block_p"), state.warps, state.stages)
     return _Tiles(
         block_l=_block_l(chunk_size),
         block_p=out_block_p,
-        state_block_p=_pow2_block(state_block_p, state_default, P, "state_block_p"),
+        state_block_p=state.block_p,
+        state_warps=state.warps,
+        state_stages=state.stages,
         block_n=state_block_n,
         block_m=_pow2_block(block_m, 32 if fp32 else 64, chunk_size, "block_m"),
         block_k=_pow2_block(block_k, 32, chunk_size, "block_k"),
@@ -704,7 +737,7 @@ def mamba_chunk_scan_varlen_triton(
     `build_chunk_meta(query_start_loc as host ints, chunk_size, device)`, and then the kernels read the
     rows from it alone (query_start_loc is only shape-checked); None builds it from
     `query_start_loc.tolist()` (a host sync). state_block_p / block_n tile the state kernel's [P, N] state
-    (state_block_p defaults to `default_state_block_p`, apart from block_p), block_m / block_k the output
+    (state_block_p defaults to `default_state_launch`'s, apart from block_p), block_m / block_k the output
     kernel's chunk positions; powers of two >= 16. share_cb: compute C·B^T once per (chunk, group) in a third
     launch, into a [chunks, G, chunk_size, chunk_size] buffer of cb_dtype (fp32: the products the per-head path
     computes, unrounded) that the output kernel reads; False: each head's output program recomputes it (the
@@ -746,7 +779,7 @@ def mamba_chunk_scan_varlen_triton(
         P, N, H // G, chunk_size,
         *x.stride(), *B.stride(), *ssm_state.stride(), *states.stride(), *dt_buf.stride(),
         NATIVE_DOT=native_dot, AFFINE=STATE_AFFINE, BLOCK_L=t.block_l,
-        BLOCK_P=t.state_block_p, BLOCK_N=t.block_n, num_warps=STATE_WARPS, num_stages=STATE_STAGES,
+        BLOCK_P=t.state_block_p, BLOCK_N=t.block_n, num_warps=t.state_warps, num_stages=t.state_stages,
     )  # fmt: skip
     if chunk_meta.num_chunks == 0:
         return y  # only empty rows: their slots are written, there is no output
