@@ -614,8 +614,8 @@ def test_state_launch_by_how_many_programs_the_gpu_holds_at_once():
     """The state kernel's default launch (8b-like layer: H 128, P 64, N 128, block_n 128). On a 132-SM GPU one row's
     128 wide programs fit one per SM: the wide block with the one-wave warps and stages. Two rows' 256 do not, while
     their 512 narrow ones do not fit two per SM either: the wide block at the default warps and stages. The narrow
-    block where its programs fit two per SM but not one per SM (P of at most one narrow block). No GPU
-    (sms None): the narrow block. The tiles passed to the kernels follow it; a state_block_p given runs at the
+    block where its programs fit two per SM but not one per SM (P of at most one narrow block), or where the device's
+    shared memory per program cannot hold the one-wave pipeline. No GPU (sms None): the narrow block. The tiles passed to the kernels follow it; a state_block_p given runs at the
     default warps and stages."""
     pick = triton_ssd.default_state_launch
     narrow = triton_ssd.StateLaunch(triton_ssd.STATE_BLOCK_P, triton_ssd.STATE_WARPS, triton_ssd.STATE_STAGES)
@@ -630,6 +630,11 @@ def test_state_launch_by_how_many_programs_the_gpu_holds_at_once():
     assert pick(2, 128, 32, 128, 128, 132) == narrow  # P 32, one block either way: 256 programs, two per SM
     assert pick(2, 128, 64, 128, 64, 132) == wide  # two blocks of N: 512 wide programs
     assert pick(16, 128, 64, 128, 128, None) == narrow
+    # The one-wave pipeline (~150 KB) needs a device that gives a program that much shared memory: an H100 / H200
+    # gives 227 KB, an Ada card 99 KB (there one row keeps the narrow block).
+    assert pick(1, 128, 64, 128, 128, 132, 128, 232_448) == one_wave
+    assert pick(1, 128, 64, 128, 128, 128, 128, 101_376) == narrow
+    assert pick(1, 128, 64, 128, 128, 132, 256, 232_448) == narrow  # chunks of 256: twice the tiles
     tiles = triton_ssd._tiles(False, 64, 128, 128, None, None, None, None, None, rows=1, H=128, sms=132)
     assert (tiles.state_block_p, tiles.state_warps, tiles.state_stages) == (one_wave.block_p, one_wave.warps,
                                                                             one_wave.stages)
@@ -638,3 +643,21 @@ def test_state_launch_by_how_many_programs_the_gpu_holds_at_once():
     assert (given.state_block_p, given.state_warps, given.state_stages) == (16, narrow.warps, narrow.stages)
     assert triton_ssd._tiles(True, 64, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == narrow.block_p
     assert triton_ssd._tiles(False, 16, 128, 128, None, None, None, None, None, rows=2, H=128, sms=132).state_block_p == 16
+
+
+def test_shared_memory_per_block_reads_the_opt_in_limit(monkeypatch):
+    """The state launch's shared-memory check reads torch's opt-in limit per program (227 KB on an H100 / H200); a
+    build without the property reads 0, so the one-wave launch is never taken there."""
+    from types import SimpleNamespace
+
+    from baton.engine.ops import triton_common
+
+    props = {0: SimpleNamespace(shared_memory_per_block_optin=232_448), 1: SimpleNamespace()}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props[index])
+    triton_common._shared_memory_of.cache_clear()
+    try:
+        assert triton_common.shared_memory_per_block(torch.device("cuda", 0)) == 232_448
+        assert triton_common.shared_memory_per_block(torch.device("cuda", 1)) == 0
+        assert triton_ssd.default_state_launch(1, 128, 64, 128, 128, 132, 128, 0).block_p == triton_ssd.STATE_BLOCK_P
+    finally:
+        triton_common._shared_memory_of.cache_clear()

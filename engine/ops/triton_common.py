@@ -26,6 +26,18 @@ def sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _shared_memory_of(index: int) -> int:
+    # (torch >= 2.6 on CUDA; a build without the property, e.g. ROCm's, reads 0: nothing large is assumed to fit)
+    return int(getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0))
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory one program (CUDA block) may take on the CUDA device, in bytes, with the opt-in Triton
+    takes (H100 / H200: 227 KB); 0 where torch does not say (cached per device)."""
+    return _shared_memory_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # Whether fp32 -> bf16 casts round by hand (`round_to`): only in Triton's interpreter, which `triton.jit` itself
 # chose from the same variable when the kernels were defined.
 _BF16_BY_HAND = tl.constexpr(interpreted())

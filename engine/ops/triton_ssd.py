@@ -75,7 +75,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import round_to, sm_count, softplus
+from baton.engine.ops.triton_common import round_to, shared_memory_per_block, sm_count, softplus
 
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -640,11 +640,20 @@ class StateLaunch:
     stages: int
 
 
-def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: int | None) -> StateLaunch:
+def _one_wave_shared_memory(block_l: int, block_p: int, block_n: int) -> int:
+    """Bytes of shared memory the one-wave launch takes: its pipeline's stages of 16-bit x and B chunk tiles, and 8 KB
+    for the rest (149.5 KB as compiled at the 8b-like size, where this gives 152)."""
+    return STATE_ONE_WAVE_STAGES * block_l * (block_p + block_n) * 2 + 8192
+
+
+def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: int | None, block_l: int = 128,
+                         shared_memory: int | None = None) -> StateLaunch:  # fmt: skip
     """The state kernel's launch by how many of its programs the GPU holds at once (a row's chunks are walked one
     after another, so a second wave doubles the walk):
-    - its wide programs (STATE_BLOCK_P_WIDE) all fit, one per SM: the wide block with STATE_ONE_WAVE_WARPS and
-      STATE_ONE_WAVE_STAGES (shared memory for one program per SM);
+    - its wide programs (STATE_BLOCK_P_WIDE) all fit, one per SM, and the device's `shared_memory` per program
+      (bytes; None: unknown, taken to suffice) holds the pipeline of STATE_ONE_WAVE_STAGES chunk tiles of block_l
+      positions (~150 KB at the 8b-like size; an H100 or H200 allows 227 KB): the wide block with
+      STATE_ONE_WAVE_WARPS and STATE_ONE_WAVE_STAGES;
     - else its narrow programs (STATE_BLOCK_P) fit STATE_PROGRAMS_PER_SM to an SM: the narrow block;
     - else the wide block (half as many programs), both with STATE_WARPS and STATE_STAGES.
     sms None (no GPU): the narrow block."""
@@ -653,7 +662,9 @@ def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: i
         return narrow
     wide_p = max(STATE_BLOCK_P, STATE_BLOCK_P_WIDE)
     per_row_head = triton.cdiv(N, block_n)
-    if rows * H * triton.cdiv(P, wide_p) * per_row_head <= sms:
+    fits = shared_memory is None or _one_wave_shared_memory(block_l, min(wide_p, triton.next_power_of_2(P)),
+                                                            block_n) <= shared_memory
+    if fits and rows * H * triton.cdiv(P, wide_p) * per_row_head <= sms:
         return StateLaunch(wide_p, STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES)
     if rows * H * triton.cdiv(P, STATE_BLOCK_P) * per_row_head <= sms * STATE_PROGRAMS_PER_SM:
         return narrow
@@ -661,7 +672,8 @@ def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: i
 
 
 def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k,
-           state_block_p=None, rows: int = 1, H: int = 1, sms: int | None = None) -> _Tiles:
+           state_block_p=None, rows: int = 1, H: int = 1, sms: int | None = None,
+           shared_memory: int | None = None) -> _Tiles:  # fmt: skip
     """Default tiles. 16-bit: the best of a sweep (block_p 32/64 x block_n 32/64/128 x block_m 32/64/128 x
     block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
     64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles. A state_block_p
@@ -673,7 +685,8 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
     if state_block_p is not None:
         state = StateLaunch(_pow2_block(state_block_p, STATE_BLOCK_P, P, "state_block_p"), STATE_WARPS, STATE_STAGES)
     else:
-        state = default_state_launch(rows, H, P, N, state_block_n, None if fp32 else sms)
+        state = default_state_launch(rows, H, P, N, state_block_n, None if fp32 else sms, _block_l(chunk_size),
+                                     shared_memory)
         state = StateLaunch(_pow2_block(None, state.block_p, P, "state_block_p"), state.warps, state.stages)
     return _Tiles(
         block_l=_block_l(chunk_size),
@@ -749,8 +762,9 @@ def mamba_chunk_scan_varlen_triton(
     G, N = B.shape[1], B.shape[2]
     R = state_slots.shape[0]
     sms = sm_count(x.device) if x.is_cuda else None
+    shared_memory = shared_memory_per_block(x.device) if x.is_cuda else None
     t = _tiles(x.dtype == torch.float32, P, N, chunk_size, block_p, block_n, block_m, block_k, state_block_p,
-               rows=R, H=H, sms=sms)
+               rows=R, H=H, sms=sms, shared_memory=shared_memory)
     if cb_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{_FN}: cb_dtype expected float32, float16 or bfloat16, got {cb_dtype}")
     if chunk_meta is None:
