@@ -21,9 +21,13 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """The CUDA device's number of SMs (cached per device)."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count_of(_index(device))
 
 
 @functools.cache
@@ -35,7 +39,7 @@ def _shared_memory_of(index: int) -> int:
 def shared_memory_per_block(device: torch.device) -> int:
     """The most shared memory one program (CUDA block) may take on the CUDA device, in bytes, with the opt-in Triton
     takes (H100 / H200: 227 KB); 0 where torch does not say (cached per device)."""
-    return _shared_memory_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _shared_memory_of(_index(device))
 
 
 # Whether fp32 -> bf16 casts round by hand (`round_to`): only in Triton's interpreter, which `triton.jit` itself
