@@ -64,6 +64,8 @@ LAYERS_SMOKE = (
     Layer("down_proj", "relu2", 32, 48, 1),
 )
 SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (4, 8)}  # each a Triton compile
+# 2+ rows on the tensor cores (block of rows >= 16): the block of N is the MMA's long side
+SWEEP_DOT = {"block_n": (16, 32, 64, 128), "block_k": (128, 256), "num_warps": (4,)}
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ def timer(device: torch.device, graphs: bool) -> Callable[[Callable[[int], objec
 
 def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, sweep: bool,
                 l2_bytes: int, stages: tuple[int, ...] = (3,)) -> Row:
+    # Imported here: the smoke run sets TRITON_INTERPRET before Triton loads.
+    from triton.runtime.errors import OutOfResources
+
     from baton.engine.ops import dispatch
     from baton.engine.ops.fused_linear import fused_linear
     from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton
@@ -157,11 +162,18 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     fused = time_us(lambda i: fused_linear_triton(a, ws[i], tiles=d, **kw), copies)
     best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
     if sweep:
-        for bn, bk, nw, st in itertools.product(*SWEEP.values(), stages):
-            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st, d.programs_per_sm)
-            if d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
+        dot = d.block_m >= 16
+        for bn, bk, nw, st in itertools.product(*(SWEEP_DOT if dot else SWEEP).values(), stages):
+            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st, d.programs_per_sm,
+                          d.prologue_apart)
+            if not dot and d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
                 continue
-            us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
+            if dot and (st * (bn + 2 * d.block_m) + d.block_m) * t.block_k * 2 > 232_448:  # shared memory: W, a
+                continue  # and the residual / gate per stage, the MMA's f(a) tile
+            try:
+                us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
+            except OutOfResources:
+                continue
             if us < best:
                 best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
     return Row(layer.name, m, sep, cub, fused, best, best_t, wbytes, err)

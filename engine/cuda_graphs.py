@@ -35,7 +35,9 @@ run eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -46,10 +48,29 @@ from baton.engine.ops import dispatch
 from baton.engine.pending_step import fill_pending
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's garbage collector off (after one collection) for the block, then back as it was. A collection
+    inside a capture can finalize objects that make CUDA calls a capturing stream forbids: an old CUDAGraph's
+    reset (an engine's graphs in a reference cycle), a Triton kernel's module unload. The capture then fails
+    (cudaErrorStreamCaptureInvalidated: seen once on an H200, RESULTS.md session 21). torch collected before each
+    capture up to 2.8 only (pytorch/pytorch#161037)."""
+    if not gc.isenabled():  # already paused (`capture_missing` around its captures) or off by the caller's choice
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device,
                   pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `forward()` into a CUDA graph in `pool`: (the graph, its output tensor). It runs twice first on a side
-    stream (Triton compiles, cuBLAS picks its kernels), as capture requires; those runs really execute."""
+    stream (Triton compiles, cuBLAS picks its kernels), as capture requires; those runs really execute. The
+    garbage collector is paused over the capture (`gc_paused`)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -57,7 +78,7 @@ def capture_graph(forward: Callable[[], torch.Tensor], device: torch.device,
             forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with gc_paused(), torch.cuda.graph(graph, pool=pool):
         out = forward()
     return graph, out
 
@@ -67,8 +88,9 @@ def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
     """Capture every size not in `graphs` yet, largest first (so that the smaller ones reuse its memory pool);
     returns how many were captured."""
     todo = [n for n in reversed(sizes) if n not in graphs]
-    for n in todo:
-        graphs[n] = capture(n)
+    with gc_paused():  # one collection for all of them
+        for n in todo:
+            graphs[n] = capture(n)
     return len(todo)
 
 

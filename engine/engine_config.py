@@ -53,11 +53,10 @@ class EngineConfig:
     async_scheduling: bool = True
     # Steps of at most this many tokens (decode batches) run the linear layers and the lm_head as Triton GEMVs
     # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of
-    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). None (the default): 1 on the
-    # GPUs where that was measured faster (a batch-1 8b-like step, its kernels chained by programmatic dependent
-    # launch, `ops.triton_common.pdl`: H100 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms), 0 elsewhere;
-    # `llm_engine.resolved_fused_gemv_max_tokens`. From 2 rows up the GEMV is 2-22x slower than cuBLAS
-    # (`benchmarks/gemv_bench.py`; RESULTS.md, sessions 7 and 8).
+    # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). From 2 rows up the GEMV runs
+    # on the tensor cores with the op before it as its own kernel (`ops.triton_gemv.default_tiles`). None (the
+    # default): per GPU where that was measured faster (`llm_engine.FUSED_GEMV_GPUS`: 1 on an H100 and an H200),
+    # 0 elsewhere; `llm_engine.resolved_fused_gemv_max_tokens`.
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays
     # a CUDA graph (`mixed_graphs.py`; the chunk padded to the smallest of Q, Q/4, ... down to 32 tokens that

@@ -82,21 +82,26 @@ class _Launched:
     pending: PendingStep
 
 
-# GPUs (by name) where a batch-1 decode step is faster with the fused GEMVs than with cuBLAS, measured with
-# benchmarks/engine_bench.py with the persistent one-row GEMV (RESULTS.md, session 13): H100 5.56 vs 6.33 ms,
-# H200 4.09 vs 4.52 ms (before it: H100 5.90 vs 6.32, H200 5.13 vs 4.49, slower).
-FUSED_GEMV_GPUS = ("H100", "H200")
+# GPUs (by name) where decode steps are faster with the fused GEMVs than with cuBLAS, and up to how many tokens,
+# measured with benchmarks/engine_bench.py: one row through the persistent row GEMV (RESULTS.md, session 13: H100
+# 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms). On an H200, 2-32 rows through the tensor-core GEMV (the op before it
+# apart) were faster too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), but in one of three runs of
+# the GPU tests with 32 here a graph capture failed (`test_capture_graphs_captures_every_size_up_front`: a CUDA
+# graph reset inside the capture, most likely the garbage collector finalizing an earlier engine's graph, which
+# `cuda_graphs.gc_paused` now prevents; not yet rerun on a GPU). The default stays at one row until the GPU tests
+# pass with 32 (`--fused-gemv-max-tokens 32` turns it on).
+FUSED_GEMV_GPUS = {"H100": 1, "H200": 1}
 
 
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:
-    """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: 1 on the GPUs of
-    `FUSED_GEMV_GPUS`, else 0."""
+    """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: `FUSED_GEMV_GPUS`'s
+    value for the GPU (by name), else 0."""
     if config.fused_gemv_max_tokens is not None:
         return config.fused_gemv_max_tokens
     if device.type != "cuda":
         return 0
     name = torch.cuda.get_device_name(device)
-    return int(any(gpu in name for gpu in FUSED_GEMV_GPUS))
+    return next((tokens for gpu, tokens in FUSED_GEMV_GPUS.items() if gpu in name), 0)
 
 
 # The default mixed-step graph size (EngineConfig.mixed_graph_tokens = None): the prompt tokens a step with decode

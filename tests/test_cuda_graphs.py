@@ -4,11 +4,12 @@ touch nothing but the scratch caches, and one graph per padded size."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
 
-from baton.engine.cuda_graphs import graph_sizes
+from baton.engine.cuda_graphs import capture_missing, gc_paused, graph_sizes
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
@@ -31,6 +32,55 @@ def test_graph_sizes_cover_every_batch_up_to_the_max():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
+
+
+class _Cycle:
+    """A reference cycle whose finalizer records that the collector ran (as a stale CUDAGraph's reset would)."""
+
+    def __init__(self, log: list[str]):
+        self.me, self.log = self, log
+
+    def __del__(self):
+        self.log.append("finalized")
+
+
+def test_gc_paused_keeps_finalizers_out_of_a_capture_and_restores_the_collector():
+    assert gc.isenabled()
+    threshold = gc.get_threshold()
+    log: list[str] = []
+    gc.set_threshold(1)  # a collection at almost every allocation, were the collector on
+    try:
+        _Cycle(log)  # garbage from before: collected on entry, not inside
+        with gc_paused():
+            assert log == ["finalized"] and not gc.isenabled()
+            for _ in range(1000):
+                _Cycle(log)
+            assert log == ["finalized"]
+            with gc_paused():  # nested (capture_missing around capture_graph): no collection, still off
+                assert not gc.isenabled() and log == ["finalized"]
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="boom"), gc_paused():
+            raise RuntimeError("boom")
+        assert gc.isenabled()
+        gc.disable()  # off by the caller's choice: left off
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+        gc.enable()
+        gc.collect()
+        assert log.count("finalized") == 1001
+    finally:
+        gc.set_threshold(*threshold)
+        gc.enable()
+
+
+def test_capture_missing_pauses_the_collector_over_all_captures():
+    seen: list[tuple[int, bool]] = []
+    graphs: dict = {2: "old"}
+    n = capture_missing(graphs, [1, 2, 4], lambda size: seen.append((size, gc.isenabled())) or f"g{size}")
+    assert n == 2 and seen == [(4, False), (1, False)] and graphs == {1: "g1", 2: "old", 4: "g4"}
+    assert gc.isenabled()
 
 
 def test_cuda_graphs_flag_is_validated():

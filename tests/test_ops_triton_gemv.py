@@ -74,7 +74,8 @@ def test_strided_inputs_bias_and_ragged_tiles(prologue):
     # K not a multiple of BLOCK_K, N not of BLOCK_N, group size not of BLOCK_K; inputs are slices.
     a, w, b, kw = args_for(prologue, 5, 37, 120, torch.bfloat16, group_size=24, bias=True, strided=True)
     ref = fused_linear(a, w, b, **kw)
-    for tiles in (GemvTiles(1, 16, 16, 4), GemvTiles(4, 16, 32, 4), GemvTiles(16, 16, 64, 4)):
+    for tiles in (GemvTiles(1, 16, 16, 4), GemvTiles(4, 16, 32, 4), GemvTiles(16, 16, 64, 4),
+                  GemvTiles(32, 32, 32, 4, 2)):  # the last two: y^T on tensor cores, rows padded
         check(fused_linear_triton(a, w, b, tiles=tiles, **kw), ref, 2e-2)
 
 
@@ -110,6 +111,18 @@ def test_persistent_one_row_kernel_matches_reference(tiles, n, k, gs, prologue, 
             assert torch.equal(x, y)
     else:
         check(got, plain, tol)
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_prologue_apart_is_the_separate_op_then_the_gemm(prologue):
+    # 2+ rows on the GPU: the op's own kernel, then the tensor-core GEMM with no prologue (strided inputs, bias)
+    a, w, b, kw = args_for(prologue, 5, 37, 120, torch.bfloat16, group_size=24, bias=True, strided=True)
+    ref = fused_linear(a, w, b, **kw)
+    for cublas in (False, True):  # the GEMM by our kernel or by F.linear
+        got = fused_linear_triton(a, w, b, tiles=GemvTiles(16, 16, 64, 4, prologue_apart=True, cublas=cublas), **kw)
+        check(got, ref, 2e-2)
+        if prologue == "add_norm":  # s is the add, exact
+            assert torch.equal(got[1], ref[1])
 
 
 def test_persistent_tiles_take_one_row_only():
@@ -161,11 +174,16 @@ def test_empty_and_bad_arguments():
 
 def test_default_tiles_depend_on_m_only_through_block_m():
     for n, k in ((4096, 8192), (18560, 4096), (4096, 21504)):
-        assert {default_tiles(m, n, k, True).block_m for m in (1, 2, 3, 4, 5, 16, 17, 64, 256)} == {1, 2, 4, 16, 32, 64}
+        # 2-64 rows: one block of rows, at least 16 (the tensor cores' short side)
+        assert {default_tiles(m, n, k, True).block_m for m in (1, 2, 3, 4, 5, 16, 17, 64, 256)} == {1, 16, 32, 64}
+        assert all(default_tiles(m, n, k, True).block_m >= m for m in range(2, 65))
         assert default_tiles(1, n, k, True) == default_tiles(1, 7, k, True)
         assert default_tiles(1, n, k, True).programs_per_sm > 0  # one row: persistent on the GPU
         assert (default_tiles(1, n, k, True).block_k >= k) == (k <= 8192)  # f(a) held resident up to 8192
         assert all(default_tiles(m, n, k, True).programs_per_sm == 0 for m in (2, 16, 64))
+        assert all(default_tiles(m, n, k, True).prologue_apart for m in (2, 16, 64))  # measured: faster apart
+        assert all(default_tiles(m, n, k, True).cublas == (k > 4096) for m in (2, 16, 64))
+        assert not default_tiles(1, n, k, True).prologue_apart and not default_tiles(5, n, k, False).prologue_apart
 
 
 # ---- full size on the GPU: the 8b-like layers' linear shapes at decode batch sizes --------------------------

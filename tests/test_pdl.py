@@ -75,12 +75,14 @@ def test_fused_gemv_default_is_decided_by_the_device():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_gemv_default_is_one_on_the_measured_gpus():
+def test_gpu_fused_gemv_default_is_the_measured_gpus_own():
     from baton.engine.engine_config import EngineConfig
     from baton.engine.llm_engine import FUSED_GEMV_GPUS, resolved_fused_gemv_max_tokens
 
-    measured = any(gpu in torch.cuda.get_device_name() for gpu in FUSED_GEMV_GPUS)
-    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == int(measured)
+    name = torch.cuda.get_device_name()
+    want = FUSED_GEMV_GPUS.get(next((g for g in FUSED_GEMV_GPUS if g in name), ""), 0)
+    assert want == (1 if "H100" in name or "H200" in name else 0)
+    assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == want
 
 
 @pytest.mark.gpu

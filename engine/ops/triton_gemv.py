@@ -16,15 +16,23 @@ streams its W rows once, in [BLOCK_N, BLOCK_K] tiles, and builds the f(a) tile i
 - relu2 is torch's relu(a).square() bit for bit; the inputs are a few KB per row, read from L2 by every
   program (M x inputs x K per program: for large M that outgrows the weight itself, so the engine uses this
   for few-token steps only); W, the bulk, is read once.
-- Products: BLOCK_M >= 16 uses tl.dot (16-bit operands, fp32 accumulator); smaller BLOCK_M (one or a few rows)
-  multiplies and sums in fp32 registers: the same products. Under Triton's interpreter tl.dot takes the
-  rounded values in fp32 (`NATIVE_DOT` off: numpy has no bf16).
+- Products: BLOCK_M >= 16 uses tl.dot as y^T = W f(a)^T (the block of N on the MMA's long side, the rows on its
+  short one; 16-bit operands, fp32 accumulator); smaller BLOCK_M (one or a few rows) multiplies and sums in fp32
+  registers: the same products. fp32 inputs, and everything under Triton's interpreter, take tl.dot in IEEE fp32
+  (`NATIVE_DOT` off: no TF32 rounding of an fp32 model; numpy has no bf16).
 
 The weight rows are addressed through their stride, a / residual / gate rows through theirs (a slice of a wider
 tensor needs no copy); the last dimension must be unit-stride. No host reads of device tensors, so a step's
 launches can be captured in a CUDA graph. Launch shape (`GemvTiles`) depends on M only through BLOCK_M.
-On Hopper (`triton_common.pdl`) each program loads its first W tile before it waits for the kernel before it,
-then lets the next kernel launch: a chain of GEMVs streams W with no launch gap between them.
+On Hopper (`triton_common.pdl`) each program waits for the kernel before it, then lets the next kernel launch;
+with fewer than 16 rows it loads its first W tile before the wait, so a chain of GEMVs streams W with no launch
+gap between them.
+
+2-64 rows on the GPU (`default_tiles`: `GemvTiles.prologue_apart`): the op before the layer runs as its own
+kernel (`triton_norm`, `triton_act`), then the tensor-core GEMM with no prologue, its a tile loaded straight into
+the MMA's operand; for K > 4096 the GEMM is cuBLAS's (`GemvTiles.cublas`). On an H200 at 2-32 rows the GEMM alone
+read the weights 4-10 % faster than cuBLAS at K = 4096 (lm_head 242-251 vs 261-269 µs) and slower at K = 8192 and
+21,504; with f(a) computed inside its K loop it lost to the separate op + cuBLAS (benchmarks/RESULTS.md, session 21).
 
 One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gemv_row_kernel` instead: a
 persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
@@ -37,6 +45,7 @@ chained by PDL; on an H100 4,849 against 5,422 (benchmarks/RESULTS.md, session 1
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +54,10 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
+from baton.engine.ops.triton_act import relu2_triton
 from baton.engine.ops.triton_common import interpreted as _interpreted
 from baton.engine.ops.triton_common import pdl, pdl_launch_next, pdl_wait, pdl_wait_only, round_to, sm_count
+from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
@@ -81,8 +92,13 @@ def _gemv_kernel(
     s_a_m, s_r_m, s_g_m, s_w_n, s_y_m,
     width, eps,
     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """One program per (block of N, block of rows). BLOCK_M >= 16 (DOT) computes y^T = W f(a)^T on the tensor
+    cores: the block of N is the MMA's long side and the few rows its short one (padded to 16), the accumulator
+    [BLOCK_N, BLOCK_M]. Smaller blocks of rows multiply and sum in fp32 registers, accumulator [BLOCK_M, BLOCK_N];
+    under PDL they load their first W tile before the wait (a branch on the loop's first step, which keeps the
+    pipeliner off the W loads: the DOT path waits first and pipelines them)."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,28 +107,42 @@ def _gemv_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[:, None]
     dtype = w_ptr.dtype.element_ty
-    if PDL:  # the first W tile (a constant) is loaded while the kernel before this one finishes
+    DOT: tl.constexpr = BLOCK_M >= 16
+    FIRST: tl.constexpr = PDL and not DOT
+    PLAIN: tl.constexpr = DOT and PRO == 0  # no prologue: a's tile goes to the MMA unconverted
+    if FIRST:  # the first W tile (a constant) is loaded while the kernel before this one finishes
         first = tl.arange(0, BLOCK_K)
         w_first = tl.load(w_ptr + cols64 * s_w_n + first[None, :], mask=cmask[:, None] & (first < tl.minimum(GROUP, K))[None, :],
                           other=0.0)
     pdl_wait(PDL)
     NORM: tl.constexpr = PRO >= 2
     store_s = pid_n == 0  # add_norm: the first block of N stores s = residual + a
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, K, GROUP):  # one group (all of K) but for gated_norm
         g_end = tl.minimum(g0 + GROUP, K)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DOT:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(g0, g_end, BLOCK_K):
+        for k0 in tl.range(g0, g_end, BLOCK_K, num_stages=STAGES):
             offs = k0 + tl.arange(0, BLOCK_K)
             kmask = offs < g_end
             mask = rmask[:, None] & kmask[None, :]
-            x = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K, store_s, PRO)
+            if PLAIN:  # the MMA's operand as stored: [BLOCK_K, BLOCK_M], straight into shared memory
+                xt = tl.load(a_ptr + rows.to(tl.int64)[None, :] * s_a_m + offs[:, None],
+                             mask=rmask[None, :] & kmask[:, None], other=0.0)
+            else:
+                x = _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, s_g_m, K, store_s,
+                                  PRO)
             if NORM:  # the RMS scales the dot product, after it: x is weighted here and rounded once
                 ss += tl.sum(x * x, axis=1)
                 nw = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
                 x = round_to(nw[None, :] * x, a_ptr.dtype.element_ty).to(tl.float32)
-            if PDL:
+            if FIRST:
                 if k0 == 0:
                     w = w_first
                 else:
@@ -120,20 +150,35 @@ def _gemv_kernel(
                                 other=0.0)
             else:
                 w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-            if BLOCK_M >= 16:
+            if PLAIN:
                 if NATIVE_DOT:
-                    part += tl.dot(x.to(dtype), tl.trans(w))
+                    part = tl.dot(w, xt, part)
                 else:
-                    part += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                    part = tl.dot(w.to(tl.float32), xt.to(tl.float32), part, input_precision="ieee")
+            elif DOT:
+                if NATIVE_DOT:
+                    part = tl.dot(w, tl.trans(x.to(dtype)), part)
+                else:
+                    part = tl.dot(w.to(tl.float32), tl.trans(x), part, input_precision="ieee")
             else:
                 part += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if NORM:
-            part = part * tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)[:, None]
+            scale = tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)
+            if DOT:  # noqa: SIM108 (a constexpr branch: the two shapes never meet in one expression)
+                part = part * scale[None, :]
+            else:
+                part = part * scale[:, None]
         acc += part
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows64 * s_y_m + cols[None, :], round_to(acc, y_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    if DOT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rows.to(tl.int64)[None, :] * s_y_m + cols[:, None], round_to(acc, y_ptr.dtype.element_ty),
+                 mask=rmask[None, :] & cmask[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows64 * s_y_m + cols[None, :], round_to(acc, y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -261,23 +306,48 @@ class GemvTiles:
     # > 0: one row only, `_gemv_row_kernel` with this many programs per SM (one under the interpreter), each
     # looping over blocks of N; 0: one program per block of N.
     programs_per_sm: int = 0
+    # True: the op before the layer runs as its own kernel (triton_norm / triton_act), then the GEMM with no
+    # prologue. On the tensor-core path (block_m >= 16) f(a) computed inside the K loop took 1.0-1.4x the separate
+    # op + cuBLAS on the 8b-like layers at 2-32 rows, the gated norm (one group at a time) up to 60x (H200,
+    # RESULTS.md session 21), while the GEMM alone beat cuBLAS.
+    prologue_apart: bool = False
+    # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is slower
+    # (K > 4096 on an H200: out_proj K = 8192 1.1-1.4x, down_proj K = 21504 1.04-1.08x of cuBLAS at 2-32 rows).
+    cublas: bool = False
 
 
 def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
-    """Tiles for M rows (untuned on the GPU beyond the usual GEMV shape: many programs, long K tiles; `gemv_bench.py`
-    sweeps them). Past 64 rows each block of rows reads the whole weight again: cuBLAS is the better choice there."""
+    """Tiles for M rows. One row on the GPU: the persistent row kernel. 2-64 rows: one block of rows (padded to
+    16, the MMA's short side), so that W is read once, on the tensor cores; wide layers (N > 8192) in blocks of
+    64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs): the best single tiles
+    of a sweep on an H200 (benchmarks/RESULTS.md, session 21); 33-64 rows all in 64 x 128 with 3 stages (each
+    stage holds the rows' inputs too: a and the residual or gate). Past 64 rows each block of rows reads the whole
+    weight again: cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)
     if m == 1:  # persistent, f(a) resident up to K = 8192; the best of a sweep on an H200 (RESULTS.md, session 13)
         kp = triton.next_power_of_2(k)
         return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
-    if m <= 4:
-        return GemvTiles(triton.next_power_of_2(m), 16, 256, 4)
-    if m <= 16:
-        return GemvTiles(16, 32, 128, 4)
-    # One block of rows up to 64, so that W is read once (each block of rows reads all of it again).
-    return GemvTiles(32, 32, 128, 4) if m <= 32 else GemvTiles(64, 32, 64, 4)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    cublas = k > 4096
+    if n > 8192 or block_m > 32:  # 64 rows: the narrow tile's 4 stages outgrow shared memory
+        return GemvTiles(block_m, 64, 128, 4, 3, prologue_apart=True, cublas=cublas)
+    return GemvTiles(block_m, 32, 256, 4, 4, prologue_apart=True, cublas=cublas)
+
+
+def _prologue_apart(a: Tensor, prologue: str, residual: Tensor | None, gate: Tensor | None,
+                    norm_weight: Tensor | None, eps: float, group_size: int | None) -> tuple[Tensor, Tensor | None]:
+    """f(a) by the op's own Triton kernel (the separate ops of a step without fused GEMVs), and s for add_norm."""
+    if prologue == "none":
+        return a, None
+    if prologue == "relu2":
+        return relu2_triton(a), None
+    if prologue == "norm":
+        return rms_norm_triton(a, norm_weight, eps), None
+    if prologue == "add_norm":
+        return add_rms_norm_triton(a, residual, norm_weight, eps)
+    return gated_rms_norm_triton(a, gate, norm_weight, group_size, eps).to(a.dtype), None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -307,6 +377,13 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
     t = tiles or default_tiles(m, n, k, a.is_cuda)
     if t.programs_per_sm and m > 1:
         raise ValueError(f"{fn}: tiles with programs_per_sm > 0 expected one row, got {m} rows")
+    if t.prologue_apart and (prologue != "none" or t.cublas):
+        x, s = _prologue_apart(a, prologue, residual, gate, norm_weight, eps, group_size)
+        if t.cublas:
+            y = torch.nn.functional.linear(x, weight, bias)
+        else:
+            y = fused_linear_triton(x, weight, bias, tiles=dataclasses.replace(t, prologue_apart=False))
+        return y if s is None else (y, s)
     if m and n:
         group = group_size if prologue == "gated_norm" else max(k, 1)
         nw = norm_weight.contiguous() if norm_weight is not None else a
@@ -329,8 +406,8 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
             a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
             m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
             float(group), eps,
-            PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=not _interpreted(),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+            PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=a.dtype != torch.float32 and not _interpreted(),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages, num_warps=t.num_warps,
             num_stages=t.num_stages, **pdl(a),
         )  # fmt: skip
     elif s is not None and m:
