@@ -97,8 +97,8 @@ def _gemv_kernel(
     """One program per (block of N, block of rows). BLOCK_M >= 16 (DOT) computes y^T = W f(a)^T on the tensor
     cores: the block of N is the MMA's long side and the few rows its short one (padded to 16), the accumulator
     [BLOCK_N, BLOCK_M]. Smaller blocks of rows multiply and sum in fp32 registers, accumulator [BLOCK_M, BLOCK_N];
-    under PDL they load their first W tile before the wait (a branch on the loop's first step, which keeps the
-    pipeliner off the W loads: the DOT path waits first and pipelines them)."""
+    under PDL they load their first W tile before the wait. The DOT path waits first and loads every W tile in
+    its software-pipelined K loop."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,7 +308,7 @@ class GemvTiles:
     programs_per_sm: int = 0
     # True: the op before the layer runs as its own kernel (triton_norm / triton_act), then the GEMM with no
     # prologue. On the tensor-core path (block_m >= 16) f(a) computed inside the K loop took 1.0-1.4x the separate
-    # op + cuBLAS on the 8b-like layers at 2-32 rows, the gated norm (one group at a time) up to 60x (H200,
+    # op + cuBLAS on the 8b-like layers at 2-32 rows, the gated norm (one group at a time) 4-60x (H200,
     # RESULTS.md session 21), while the GEMM alone beat cuBLAS.
     prologue_apart: bool = False
     # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is slower
