@@ -85,12 +85,9 @@ class _Launched:
 # GPUs (by name) where decode steps are faster with the fused GEMVs than with cuBLAS, and up to how many tokens,
 # measured with benchmarks/engine_bench.py: one row through the persistent row GEMV (RESULTS.md, session 13: H100
 # 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms). On an H200, 2-32 rows through the tensor-core GEMV (the op before it
-# apart) were faster too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), but in one of three runs of
-# the GPU tests with 32 here a graph capture failed (`test_capture_graphs_captures_every_size_up_front`: a CUDA
-# graph reset inside the capture, most likely the garbage collector finalizing an earlier engine's graph, which
-# `cuda_graphs.gc_paused` now prevents; not yet rerun on a GPU). The default stays at one row until the GPU tests
-# pass with 32 (`--fused-gemv-max-tokens 32` turns it on).
-FUSED_GEMV_GPUS = {"H100": 1, "H200": 1}
+# apart) too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), but not 64 rows (session 22: 9.07 vs
+# 8.47 ms); its GPU tests passed on two fresh machines with 32 here (session 22). The H100 is measured at one row only.
+FUSED_GEMV_GPUS = {"H100": 1, "H200": 32}
 
 
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:

@@ -383,7 +383,12 @@ class Scheduler:
         return max(0, total - len(req.block_ids))
 
     def _allocate_for(self, req: Request, n: int, lookahead: int = 0) -> None:
-        req.add_blocks(self.blocks.allocate(self._blocks_needed(req, n, lookahead)))
+        self._grow(req, self._blocks_needed(req, n, lookahead))
+
+    def _grow(self, req: Request, need: int) -> None:
+        """need more blocks for req, right after its last one where free (one run: one transfer descriptor)."""
+        if need:
+            req.add_blocks(self.blocks.allocate(need, after=req.block_ids[-1] if req.block_ids else None))
 
     def _fit(self, req: Request, n: int) -> int:
         """Largest m <= n whose blocks fit in the request's blocks plus the free pool."""
@@ -405,8 +410,7 @@ class Scheduler:
             if victim is req:
                 return False
         # Most decode steps stay inside the last block: nothing to allocate.
-        if need:
-            req.add_blocks(self.blocks.allocate(need))
+        self._grow(req, need)
         return True
 
     def _preempt(self, req: Request) -> None:

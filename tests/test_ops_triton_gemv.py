@@ -200,3 +200,11 @@ SHAPES_8B = [  # (prologue, N, K, group size): in_proj, qkv, up (after add+norm)
 def test_gpu_8b_like_shapes(prologue, n, k, gs, m):
     a, w, _, kw = args_for(prologue, m, n, k, torch.bfloat16, group_size=gs, strided=True)
     check(fused_linear_triton(a, w, **kw), fused_linear(a, w, **kw), 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [4, 32])
+def test_gpu_fp32_inputs_take_ieee_dots_not_tf32(m):
+    # TF32 keeps 10 mantissa bits: ~1e-3 of max |y| at K = 4096, a hundred times this tolerance.
+    a, w, _, kw = args_for("add_norm", m, 6144, 4096, torch.float32)
+    check(fused_linear_triton(a, w, **kw), fused_linear(a, w, **kw), 1e-5)

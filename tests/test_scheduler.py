@@ -173,3 +173,26 @@ def test_mixed_graph_tokens_give_one_chunk_of_at_most_q_beside_decode_rows():
         out = run_step(s)
         shapes.append([(r.request_id, r.is_decode, r.num_tokens) for r in out.rows if not r.is_decode])
     assert shapes == [[("long", False, 6)], [("long", False, 6)], [("long", False, 3)], [("next", False, 4)]]
+
+
+def test_decode_growth_continues_the_requests_run_and_newcomers_take_the_best_fitting_hole():
+    # A decoding request's next block goes right after its last one while that is free (a run of blocks is one
+    # transfer descriptor), not into the lowest free hole; a newcomer takes the hole that fits it.
+    cfg = EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    s = Scheduler(cfg, num_blocks=32, num_slots=4)
+    s.add(make_req("x", 8, max_tokens=1))
+    s.add(make_req("a", 8, max_tokens=30))
+    run_step(s)  # both prefill; x finishes at once and frees blocks 0 and 1
+    a = s.requests["a"]
+    assert "x" not in s.requests and a.block_ids == [2, 3] and s.blocks.free_runs() == [(0, 2), (4, 28)]
+    for _ in range(6):
+        run_step(s)
+    assert a.block_ids == [2, 3, 4, 5]  # lowest-first would have given it 0, then 1
+    s.add(make_req("b", 5, max_tokens=10))  # 2 blocks: 8 positions, computed in the next 4 steps
+    run_step(s)
+    assert s.requests["b"].block_ids == [0, 1] and a.block_ids == [2, 3, 4, 5]
+    assert s.blocks.free_runs() == [(6, 26)]
+    for _ in range(3):
+        run_step(s)
+    b = s.requests["b"]
+    assert a.block_ids == [2, 3, 4, 5, 6] and b.block_ids == [0, 1] and b.num_computed_tokens == 8
