@@ -17,6 +17,10 @@ reserves its blocks, and then the prefill node frees its copy. Same seed, same a
                longest runs first
   LowestFirst  the lowest free ids first (the engine's policy before; a heap)
 
+`served_request` places one large request amid this traffic and returns its block ids on both nodes;
+`transfer_bench.py --layouts served,served-lowest` READs a request laid out that way (NIXL's rate depends on the
+descriptor count on GPUs).
+
   python benchmarks/alloc_bench.py                  # 8b-like pool (17,408 blocks of 16), 3,000 requests
   python benchmarks/alloc_bench.py --smoke          # seconds
 """
@@ -95,6 +99,10 @@ class Workload:
     seed: int
 
 
+DEFAULTS = Workload(requests=3000, rate=0.15, prompt_mean=2500, out_min=32, out_max=1024, num_blocks=17408,
+                    block_size=16, prefill_tokens=8192, prefill_every=20, transfer_steps=2, decode_seqs=256, seed=0)
+
+
 @dataclass(frozen=True)
 class Result:
     allocator: str
@@ -107,69 +115,123 @@ class Result:
     leaked: int  # blocks and slots still used on either node once every request is done and every READ ended
 
 
-def simulate(w: Workload, allocator: str, progress: bool = True) -> Result:
-    rng = np.random.default_rng(w.seed)
-    sigma = 0.8
-    mu = np.log(w.prompt_mean) - sigma**2 / 2
-    pre = Scheduler(EngineConfig(block_size=w.block_size, max_num_seqs=w.decode_seqs, prefill_only=True,
-                                 max_num_batched_tokens=w.prefill_tokens), w.num_blocks, w.decode_seqs)
-    dec = Scheduler(EngineConfig(block_size=w.block_size, max_num_seqs=w.decode_seqs,
-                                 max_num_batched_tokens=max(w.decode_seqs, 512)), w.num_blocks, w.decode_seqs)
-    cls = ALLOCATORS[allocator]
-    pre.blocks, dec.blocks = cls(w.num_blocks, "prefill kv blocks"), cls(w.num_blocks, "decode kv blocks")
-    prefilled: list[Request] = []  # held on the prefill node, waiting for decode blocks
-    reading: list[tuple[int, Request]] = []  # (step the READ ends, request)
-    outputs: dict[str, int] = {}
-    counts: list[tuple[int, int]] = []
-    use: list[float] = []
-    host = 0.0
-    steps = arrived = done = 0
-    bar = tqdm(total=w.requests, desc=allocator, unit="req", disable=not progress, leave=False)
-    while done < w.requests:
-        for _ in range(min(int(rng.poisson(w.rate)), w.requests - arrived)):
-            n = int(min(16384, max(16, rng.lognormal(mu, sigma))))
-            rid = f"r{arrived}"
-            outputs[rid] = int(rng.integers(w.out_min, w.out_max + 1))
-            pre.add(Request(rid, [TOKEN] * n, SamplingParams(max_tokens=1), arrival=arrived, prefill_only=True))
-            arrived += 1
-        if steps % w.prefill_every == 0 and pre.has_unfinished():
+class Churn:
+    """The two nodes under the workload, one decode step per `step()`; `transfers` collects (prefill block ids,
+    decode block ids) of each request as the decode node reserves its blocks."""
+
+    def __init__(self, w: Workload, allocator: str) -> None:
+        self.w = w
+        self.rng = np.random.default_rng(w.seed)
+        self.sigma = 0.8
+        self.mu = np.log(w.prompt_mean) - self.sigma**2 / 2
+        self.pre = Scheduler(EngineConfig(block_size=w.block_size, max_num_seqs=w.decode_seqs, prefill_only=True,
+                                          max_num_batched_tokens=w.prefill_tokens), w.num_blocks, w.decode_seqs)
+        self.dec = Scheduler(EngineConfig(block_size=w.block_size, max_num_seqs=w.decode_seqs,
+                                          max_num_batched_tokens=max(w.decode_seqs, 512)), w.num_blocks,
+                             w.decode_seqs)
+        cls = ALLOCATORS[allocator]
+        self.pre.blocks = cls(w.num_blocks, "prefill kv blocks")
+        self.dec.blocks = cls(w.num_blocks, "decode kv blocks")
+        self.prefilled: list[Request] = []  # held on the prefill node, waiting for decode blocks
+        self.reading: list[tuple[int, Request]] = []  # (step the READ ends, request)
+        self.outputs: dict[str, int] = {}
+        self.transfers: dict[str, tuple[list[int], list[int]]] = {}
+        self.use: list[float] = []
+        self.host = 0.0
+        self.steps = self.arrived = self.done = 0
+
+    def add(self, rid: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.outputs[rid] = output_tokens
+        self.pre.add(Request(rid, [TOKEN] * prompt_tokens, SamplingParams(max_tokens=1), arrival=self.arrived,
+                             prefill_only=True))
+        self.arrived += 1
+
+    def step(self) -> None:
+        w, pre, dec = self.w, self.pre, self.dec
+        for _ in range(min(int(self.rng.poisson(w.rate)), w.requests - self.arrived)):
+            n = int(min(16384, max(16, self.rng.lognormal(self.mu, self.sigma))))
+            self.add(f"r{self.arrived}", n, int(self.rng.integers(w.out_min, w.out_max + 1)))
+        if self.steps % w.prefill_every == 0 and pre.has_unfinished():
             out = pre.schedule()
-            prefilled += [r for r in pre.update(out, {}) if r.status is RequestStatus.FINISHED_PREFILLED]
-        while prefilled:  # FCFS: the decode node takes prefilled requests in order, when it has room
-            req = prefilled[0]
+            self.prefilled += [r for r in pre.update(out, {}) if r.status is RequestStatus.FINISHED_PREFILLED]
+        while self.prefilled:  # FCFS: the decode node takes prefilled requests in order, when it has room
+            req = self.prefilled[0]
             got = dec.reserve(len(req.block_ids))
             if got is None:
                 break
             blocks, slot = got
-            starts, _ = runs(np.asarray(blocks), np.asarray(req.block_ids))
-            counts.append((len(blocks), len(starts)))
-            prefilled.pop(0)
-            reading.append((steps + w.transfer_steps, req))
+            self.transfers[req.request_id] = (list(req.block_ids), blocks)
+            self.prefilled.pop(0)
+            self.reading.append((self.steps + w.transfer_steps, req))
             d = Request(req.request_id, list(req.prompt_token_ids),
-                        SamplingParams(max_tokens=outputs[req.request_id], ignore_eos=True), arrival=req.arrival)
+                        SamplingParams(max_tokens=self.outputs[req.request_id], ignore_eos=True),
+                        arrival=req.arrival)
             dec.add_computed(d, blocks, slot, req.num_tokens - 1)
-        for item in [x for x in reading if x[0] <= steps]:
-            reading.remove(item)
+        for item in [x for x in self.reading if x[0] <= self.steps]:
+            self.reading.remove(item)
             pre.free_held(item[1].block_ids, item[1].state_slot)
         if dec.has_unfinished():
             t0 = time.perf_counter()
             out = dec.schedule()
-            finished = dec.update(out, {r.request_id: TOKEN for r in out.rows if r.sample})
-            host += time.perf_counter() - t0
-            done += len(finished)
-            bar.update(len(finished))
-            use.append(dec.blocks.num_used / w.num_blocks)
-        steps += 1
+            self.done += len(dec.update(out, {r.request_id: TOKEN for r in out.rows if r.sample}))
+            self.host += time.perf_counter() - t0
+            self.use.append(dec.blocks.num_used / w.num_blocks)
+        self.steps += 1
+
+    def leaked(self) -> int:
+        """Blocks and slots used on either node once every READ has ended (0 when all requests are done)."""
+        for _, req in self.reading:
+            self.pre.free_held(req.block_ids, req.state_slot)
+        self.reading = []
+        return sum(x.num_used for x in (self.pre.blocks, self.pre.slots, self.dec.blocks, self.dec.slots))
+
+
+def simulate(w: Workload, allocator: str, progress: bool = True) -> Result:
+    churn = Churn(w, allocator)
+    bar = tqdm(total=w.requests, desc=allocator, unit="req", disable=not progress, leave=False)
+    while churn.done < w.requests:
+        done = churn.done
+        churn.step()
+        bar.update(churn.done - done)
     bar.close()
-    for _, req in reading:
-        pre.free_held(req.block_ids, req.state_slot)
-    leaked = sum(x.num_used for x in (pre.blocks, pre.slots, dec.blocks, dec.slots))
+    leaked = churn.leaked()
+    counts = []
+    for rid in sorted(churn.transfers, key=lambda r: int(r[1:])):  # arrival order
+        remote, local = churn.transfers[rid]
+        counts.append((len(local), len(runs(np.asarray(local), np.asarray(remote))[0])))
     c = np.asarray(counts[len(counts) // 10:])  # past the warm-up: the first tenth starts on an empty pool
     d = c[:, 1]
     return Result(allocator, len(c), float(c[:, 0].mean()),
                   (float(d.mean()), float(np.percentile(d, 50)), float(np.percentile(d, 90)),
                    float(np.percentile(d, 99)), int(d.max())),
-                  float(c[:, 0].sum() / d.sum()), float(np.mean(use)), 1e6 * host / max(1, len(use)), leaked)
+                  float(c[:, 0].sum() / d.sum()), float(np.mean(churn.use)),
+                  1e6 * churn.host / max(1, len(churn.use)), leaked)
+
+
+def served_request(w: Workload, allocator: str, tokens: int) -> tuple[list[int], list[int]]:
+    """Where a request of `tokens` prompt tokens lands on both nodes in the middle of the workload (half of its
+    requests arrived first, the others keep arriving): (prefill block ids, decode block ids), as the nodes'
+    allocators place them."""
+    churn = Churn(w, allocator)
+    while churn.arrived < w.requests // 2:
+        churn.step()
+    churn.add("served", tokens + 1, 1)  # the prefill node computes all but the last token (R1)
+    for _ in range(100_000):
+        if "served" in churn.transfers:
+            return churn.transfers["served"]
+        churn.step()
+    raise RuntimeError(f"served_request: the {tokens}-token request never reached the decode node")
+
+
+def compact(ids: list[int]) -> list[int]:
+    """The same ids renumbered into [0, 2 * len(ids)): order kept, consecutive ids stay consecutive and any
+    gap shrinks to one id, so the runs (transfer descriptors) of a pair of id lists are unchanged."""
+    order = sorted(set(ids))
+    new, v = {}, 0
+    for j, i in enumerate(order):
+        v = 0 if j == 0 else v + (1 if i == order[j - 1] + 1 else 2)
+        new[i] = v
+    return [new[i] for i in ids]
 
 
 def table(w: Workload, results: list[Result]) -> str:
@@ -190,18 +252,19 @@ def table(w: Workload, results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> list[Result]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--rate", type=float, default=0.15, help="mean arrivals per decode step (Poisson)")
-    ap.add_argument("--prompt-mean", type=int, default=2500)
-    ap.add_argument("--out-min", type=int, default=32)
-    ap.add_argument("--out-max", type=int, default=1024)
-    ap.add_argument("--num-blocks", type=int, default=17408, help="8b-like on an H200: engine_bench's KV pool")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--prefill-every", type=int, default=20)
-    ap.add_argument("--transfer-steps", type=int, default=2)
-    ap.add_argument("--decode-seqs", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    d = DEFAULTS
+    ap.add_argument("--requests", type=int, default=d.requests)
+    ap.add_argument("--rate", type=float, default=d.rate, help="mean arrivals per decode step (Poisson)")
+    ap.add_argument("--prompt-mean", type=int, default=d.prompt_mean)
+    ap.add_argument("--out-min", type=int, default=d.out_min)
+    ap.add_argument("--out-max", type=int, default=d.out_max)
+    ap.add_argument("--num-blocks", type=int, default=d.num_blocks, help="8b-like on an H200: engine_bench's KV pool")
+    ap.add_argument("--block-size", type=int, default=d.block_size)
+    ap.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens)
+    ap.add_argument("--prefill-every", type=int, default=d.prefill_every)
+    ap.add_argument("--transfer-steps", type=int, default=d.transfer_steps)
+    ap.add_argument("--decode-seqs", type=int, default=d.decode_seqs)
+    ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--smoke", action="store_true", help="300 requests on a 2,048-block pool")
     ap.add_argument("--json", type=Path)

@@ -85,7 +85,7 @@ if stage transfer; then
     for d in ${PROGRESS_DELAYS:-1000 0}; do
       for ipc in "" --cuda-ipc; do
         echo "-- --nixl-progress-delay-us $d $ipc"
-        python3 benchmarks/transfer_bench.py --device cuda --layouts contiguous,scattered --reps 20 $ipc \
+        python3 benchmarks/transfer_bench.py --device cuda --layouts contiguous,served,served-lowest,scattered --reps 20 $ipc \
           --nixl-progress-delay-us "$d" 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/transfer_cuda.txt" | tail -9
       done
     done

@@ -12,7 +12,11 @@ Ways (each as one NIXL READ of the whole request):
 - per block per layer: one per block and attention layer (how peers with per-layer caches transfer).
 With --cuda-ipc there is one way: the state slot, then each run of blocks as a copy when the runs are few, else all
 blocks in one kernel launch (`transfer/cuda_ipc.py`); `descs` is then the plan's runs + 2.
-The prefill-side block ids are `--layout contiguous` (a fresh pool) or `scattered` (a shuffled free list).
+Block ids (`--layouts`): `contiguous` (fresh pools), `scattered` (the prefill side's a shuffled free list),
+`served` / `served-lowest`: where a request of `--tokens` lands on both nodes amid serving traffic, the two
+nodes' allocators being the engine's `FreeList` / lowest-free-id first (`alloc_bench.served_request`: two real
+schedulers under its default workload), renumbered into the bench's pools with their runs kept
+(`alloc_bench.compact`).
 
   python benchmarks/transfer_bench.py --device cpu        # DRAM <-> DRAM between two processes (UCX cma)
   python benchmarks/transfer_bench.py --device cuda       # cuda:0 -> cuda:1 (VRAM registration), 2 GPUs
@@ -44,6 +48,8 @@ from baton.engine.weights import TORCH_DTYPES
 from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
 from baton.transfer.plan import plan_request
 
+LAYOUTS = ("contiguous", "scattered", "served", "served-lowest")
+
 
 def make_pools(args, device: str) -> tuple[ModelConfig, CachePools]:
     cfg = ModelConfig.from_hf_dict(build_config(args.preset))
@@ -55,13 +61,27 @@ def make_pools(args, device: str) -> tuple[ModelConfig, CachePools]:
     return cfg, CachePools(cfg, plan, args.block_size, dtype, torch.float32, device)
 
 
-def request_ids(args, num_blocks: int) -> list[int]:
+def request_ids(args, num_blocks: int) -> tuple[list[int], list[int]]:
+    """(prefill-side ids, decode-side ids) of the request's blocks for `args.layout`."""
     n = -(-args.tokens // args.block_size)
     if args.layout == "contiguous":
-        return list(range(n))
-    ids = list(range(num_blocks))
-    random.Random(0).shuffle(ids)
-    return ids[:n]
+        return list(range(n)), list(range(n))
+    if args.layout == "scattered":
+        ids = list(range(num_blocks))
+        random.Random(0).shuffle(ids)
+        return ids[:n], list(range(n))
+    from dataclasses import replace
+
+    import alloc_bench  # benchmarks/ is the script's directory
+
+    allocator = {"served": "FreeList", "served-lowest": "LowestFirst"}[args.layout]
+    remote, local = alloc_bench.served_request(replace(alloc_bench.DEFAULTS, block_size=args.block_size),
+                                               allocator, args.tokens)
+    remote, local = alloc_bench.compact(remote), alloc_bench.compact(local)
+    if max(remote + local) >= num_blocks:
+        raise ValueError(f"{args.layout}: expected block ids below the pool's {num_blocks}, got "
+                         f"{max(remote + local)}")
+    return remote, local
 
 
 def fill(pools: CachePools, device: str) -> None:
@@ -128,7 +148,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--layouts", default="contiguous,scattered")
+    ap.add_argument("--layouts", default="contiguous,scattered",
+                    help="comma-separated, of " + ", ".join(LAYOUTS))
     ap.add_argument("--no-progress-thread", action="store_true", help="NIXL progresses only when polled")
     ap.add_argument("--nixl-threads", type=int, default=0, help="UCX backend worker threads (0: NIXL's default)")
     ap.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
@@ -137,6 +158,9 @@ def main() -> int:
     ap.add_argument("--cuda-ipc", action="store_true",
                     help="read through CUDA IPC mappings of the holder's pools (GPU pools on one host)")
     args = ap.parse_args()
+    for layout in args.layouts.split(","):
+        if layout not in LAYOUTS:
+            raise SystemExit(f"transfer_bench: --layouts: expected names from {', '.join(LAYOUTS)}, got {layout!r}")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("transfer_bench: --device cuda needs 2 GPUs, found", torch.cuda.device_count(), file=sys.stderr)
         return 2
@@ -164,8 +188,7 @@ def main() -> int:
         if args.cuda_ipc and path != "CUDA IPC copy":
             print("transfer_bench: --cuda-ipc given, but the peer is read through NIXL (host memory, or the "
                   "mapping failed: see the warning above)", file=sys.stderr)
-        remote = request_ids(args, meta.regions["kv"].num_items)
-        local = list(range(len(remote)))
+        remote, local = request_ids(args, meta.regions["kv"].num_items)
         ways = [("coalesced", True, False), ("per block", False, False), ("per block per layer", False, True)]
         if path == "CUDA IPC copy":  # descriptor lists are NIXL's; the copier moves runs or blocks by id
             ways = ways[:1]
@@ -203,12 +226,12 @@ def main() -> int:
     card = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"\ntransfer_bench: {args.preset}, {args.tokens} tokens = {nbytes / 2**20:.1f} MiB "
           f"(KV + conv + SSM state), device {args.device} ({card}), {path}, median (and best) of {args.reps}")
-    print(f"{'block ids':<11} {'plan':<21} {'descs':>6} {'ms':>8} {'GB/s':>7} {'best':>7} {'vs copy':>8} "
+    print(f"{'block ids':<13} {'plan':<21} {'descs':>6} {'ms':>8} {'GB/s':>7} {'best':>7} {'vs copy':>8} "
           f"{'plan ms':>8} {'post ms':>8}")
     for layout, name, descs, b, t, best, plan_t, post_t, copy_t in rows:
-        print(f"{layout:<11} {name:<21} {descs:>6} {1e3 * t:>8.2f} {b / t / 1e9:>7.1f} {b / best / 1e9:>7.1f} "
+        print(f"{layout:<13} {name:<21} {descs:>6} {1e3 * t:>8.2f} {b / t / 1e9:>7.1f} {b / best / 1e9:>7.1f} "
               f"{copy_t / t:>7.0%} {1e3 * plan_t:>8.3f} {1e3 * post_t:>8.3f}")
-    print(f"{'baseline':<11} {'torch copy':<21} {'':>6} {1e3 * nbytes / base / 1e9:>8.2f} {base:>7.1f} "
+    print(f"{'baseline':<13} {'torch copy':<21} {'':>6} {1e3 * nbytes / base / 1e9:>8.2f} {base:>7.1f} "
           f"{base_best:>7.1f} {'100%':>8}")
     return 0
 
