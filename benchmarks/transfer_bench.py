@@ -155,6 +155,8 @@ def main() -> int:
     ap.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
                     help="longest sleep of NIXL's progress thread between passes (0: it spins; default "
                          f"{DEFAULT_PROGRESS_DELAY_US})")
+    ap.add_argument("--state-first", action="store_true",
+                    help="NIXL: post the state slot's READ before planning the blocks (TransferAgent(state_first=True))")
     ap.add_argument("--cuda-ipc", action="store_true",
                     help="read through CUDA IPC mappings of the holder's pools (GPU pools on one host)")
     args = ap.parse_args()
@@ -181,10 +183,11 @@ def main() -> int:
         agent = TransferAgent("bench-decode", cfg, pools.by_name(),
                               args.block_size, progress_thread=not args.no_progress_thread,
                               num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc,
-                              progress_delay_us=args.nixl_progress_delay_us)
+                              progress_delay_us=args.nixl_progress_delay_us, state_first=args.state_first)
         meta = SideChannelClient(*address).metadata()
         agent.connect(meta)
-        path = "CUDA IPC copy" if agent.reads_by_cuda_ipc(meta.engine_id) else "NIXL READ"
+        path = ("CUDA IPC copy" if agent.reads_by_cuda_ipc(meta.engine_id)
+                else "NIXL READ, state slot first" if args.state_first else "NIXL READ")
         if args.cuda_ipc and path != "CUDA IPC copy":
             print("transfer_bench: --cuda-ipc given, but the peer is read through NIXL (host memory, or the "
                   "mapping failed: see the warning above)", file=sys.stderr)

@@ -40,14 +40,27 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def decode_side(model_dir, engine_kw: dict, name: str) -> tuple[LLMEngine, TransferAgent]:
+def decode_side(model_dir, engine_kw: dict, name: str, state_first: bool = False) -> tuple[LLMEngine, TransferAgent]:
     """This process's engine and its NIXL agent over the engine's pools."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**engine_kw))
-    return engine, TransferAgent(name, engine.model_config, engine.pools.by_name(), engine.config.block_size)
+    return engine, TransferAgent(name, engine.model_config, engine.pools.by_name(), engine.config.block_size,
+                                 state_first=state_first)
+
+
+# A read as one NIXL READ carrying the notification, or the state slot's READ first, then the blocks', then the
+# notification (`TransferAgent(state_first=True)`).
+READ_ORDERS = [pytest.param(False, id="one-read"), pytest.param(True, id="state-first")]
+
+
+@pytest.fixture(params=READ_ORDERS)
+def decode(model_dir, request):
+    engine, agent = decode_side(model_dir, {**ENGINE_KW, "num_kv_blocks": 300}, "decode-0", request.param)
+    yield engine, agent
+    agent.close()
 
 
 @pytest.fixture
-def decode(model_dir):
+def decode_plain(model_dir):
     engine, agent = decode_side(model_dir, {**ENGINE_KW, "num_kv_blocks": 300}, "decode-0")
     yield engine, agent
     agent.close()
@@ -116,8 +129,8 @@ def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer)
     assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
 
 
-def test_lease_expiry_frees_and_refuses_renewal(model_dir, decode):
-    _, agent = decode
+def test_lease_expiry_frees_and_refuses_renewal(model_dir, decode_plain):
+    _, agent = decode_plain
     proc, conn, address = start_peer(model_dir, ENGINE_KW, lease_seconds=0.5, engine_id="prefill-lease")
     try:
         (h,) = call(conn, "prefill", [[5, 6, 7, 8, 9]])
@@ -134,11 +147,12 @@ def test_lease_expiry_frees_and_refuses_renewal(model_dir, decode):
         proc.join(10)
 
 
-def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leaks_nothing(model_dir):
+@pytest.mark.parametrize("state_first", READ_ORDERS)
+def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leaks_nothing(model_dir, state_first):
     # Pools of 256 MiB on both sides; each READ moves 128 MiB in 16384 scattered blocks.
     big = {**ENGINE_KW, "num_kv_blocks": 32768}
     proc, conn, address = start_peer(model_dir, big, engine_id="prefill-doomed")
-    engine, agent = decode_side(model_dir, big, "decode-1")
+    engine, agent = decode_side(model_dir, big, "decode-1", state_first)
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "big", 16384)  # scattered over the fragmented pool
@@ -185,13 +199,14 @@ def test_incompatible_peer_is_refused_naming_the_field(model_dir, peer):
         agent.close()
 
 
-def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, monkeypatch):
+@pytest.mark.parametrize("state_first", READ_ORDERS)
+def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, monkeypatch, state_first):
     # Over UCX's tcp transport a READ needs the peer process to answer it; with the peer stopped (SIGSTOP)
     # it cannot finish, whatever the machine's speed. The decode side must give up at its deadline with a
     # typed error, release the handle, and read fine once the peer runs again.
     monkeypatch.setenv("UCX_TLS", "tcp")
     proc, conn, address = start_peer(model_dir, ENGINE_KW, engine_id="prefill-slow")
-    engine, agent = decode_side(model_dir, ENGINE_KW, "decode-2")
+    engine, agent = decode_side(model_dir, ENGINE_KW, "decode-2", state_first)
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "slow", 128)
@@ -217,13 +232,13 @@ def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, 
         proc.join(10)
 
 
-def test_an_idle_agent_does_not_spin_a_core_and_the_delay_is_checked(decode):
+def test_an_idle_agent_does_not_spin_a_core_and_the_delay_is_checked(decode_plain):
     """NIXL's progress thread sleeps in poll() between passes (`progress_delay_us`, default 1 ms): an idle agent costs
     a few percent of a core, not all of it (with NIXL's own delay of 0 it burned 1 s of CPU a second). The process's
     other threads are idle here too, so its CPU time over the second is the thread's."""
     import resource
 
-    engine, agent = decode
+    engine, agent = decode_plain
     before = resource.getrusage(resource.RUSAGE_SELF)
     time.sleep(1.0)
     after = resource.getrusage(resource.RUSAGE_SELF)

@@ -2,7 +2,8 @@
 
 The decode side pulls: `start_read` issues one NIXL READ for a request (coalesced descriptors, a
 notification naming the request id for the prefill side), `wait`/`poll` finish it within a deadline and
-always release the handle. The prefill side calls `notifications()` to learn which requests were read.
+always release the handle. With `state_first=True` it is two READs, the state slot's posted before the blocks are
+planned, and the agent sends the notification once both are done. The prefill side calls `notifications()` to learn which requests were read.
 
 With `cuda_ipc=True` on both sides and both on one host with GPU pools, the READ is instead a copy through
 the holder's pools mapped once at the handshake (`transfer.cuda_ipc`), followed by the same notification,
@@ -93,19 +94,27 @@ class PendingRead:
     state: str = "PROC"
     # A CUDA IPC copy (handle None): the event its copies complete.
     event: torch.cuda.Event | None = None
+    # State first (`TransferAgent(state_first=True)`): the state slot's own READ, posted before the blocks were
+    # planned (None once it is done, or when not used); `notify`: neither READ carries the notification, this
+    # agent sends it once both are done.
+    slot_handle: object = None
+    notify: bool = False
 
 
 class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> None:
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = False) -> None:
         """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
         this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs.
         `progress_delay_us`: the longest sleep of the progress thread between passes (0: it never sleeps, NIXL's own
-        default: one busy core per agent)."""
+        default: one busy core per agent). `state_first`: a NIXL read posts the request's state slot (a third of a
+        16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the blocks, so the
+        link starts while the host still works (the CUDA IPC path's order); the notification then follows both.
+        Not yet timed on GPUs: `transfer_bench.py --state-first`."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
@@ -121,6 +130,7 @@ class TransferAgent:
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
         compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
         self.cuda_ipc = cuda_ipc
+        self.state_first = state_first
         self.metadata = AgentMetadata(engine_id=engine_id, agent_name=self.agent_name,
                                       nixl_metadata=self._agent.get_agent_metadata(), compat=compat,
                                       compat_hash=compat_hash(compat), regions=self.regions, host_id=host_id(),
@@ -197,26 +207,75 @@ class TransferAgent:
                 event = self._copier.done()
                 self.stats.descriptors += plan.num_descriptors
                 return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, event=event)
+            if self.state_first:
+                return self._start_state_first(request_id, peer, name, remote, local_blocks, remote_blocks,
+                                               local_slot, remote_slot, coalesced, split_layers, t0, timeout)
             plan = plan_request(self.regions, remote.regions, local_blocks, remote_blocks, local_slot, remote_slot,
                                 coalesced=coalesced, split_layers=split_layers)
         except ValueError as e:  # ids outside a pool, or mismatched lists: nothing was left moving
             self.stats.failures += 1
             raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not be planned: {e}",
                                  request_id=request_id, peer=peer) from e
-        mem = self.regions["kv"].mem_type
-        try:
-            handle = self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(plan.local, mem),
-                self._agent.get_xfer_descs(plan.remote, remote.regions["kv"].mem_type), name,
-                request_id.encode())
-            state = self._agent.transfer(handle)
-        except Exception as e:
-            self.stats.failures += 1
-            raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not start: {type(e).__name__}: {e}",
-                                 request_id=request_id, peer=peer) from e
+        handle, state = self._post(request_id, peer, name, remote, plan, request_id.encode())
         pending = PendingRead(request_id, peer, plan, handle, t0, t0 + timeout, state)
         self.stats.descriptors += plan.num_descriptors
         return pending
+
+    def _post(self, request_id: str, peer: str, name: str, remote: AgentMetadata, plan: TransferPlan,
+              notif: bytes) -> tuple[object, str]:
+        """One NIXL READ of the plan's descriptors, posted: (handle, state). A failure is counted and raised typed,
+        the handle (if any) released."""
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(plan.local, self.regions["kv"].mem_type),
+                self._agent.get_xfer_descs(plan.remote, remote.regions["kv"].mem_type), name, notif)
+            return handle, self._agent.transfer(handle)
+        except Exception as e:
+            self.stats.failures += 1
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.release_xfer_handle(handle)
+            raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not start: {type(e).__name__}: {e}",
+                                 request_id=request_id, peer=peer) from e
+
+    def _start_state_first(self, request_id: str, peer: str, name: str, remote: AgentMetadata, local_blocks: list[int],
+                           remote_blocks: list[int], local_slot: int, remote_slot: int, coalesced: bool,
+                           split_layers: bool, t0: float, timeout: float) -> PendingRead:
+        """The state slot's READ first, then the blocks' (module docstring, `state_first`). Bad block ids raise
+        once the slot's READ has ended (landed, failed, or past the deadline): nothing is left writing into
+        memory the caller frees."""
+        slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)  # bad slot: ValueError, none posted
+        slot_handle, state = self._post(request_id, peer, name, remote, slots, b"")
+        try:
+            lo, re = block_ids(self.regions["kv"], remote.regions["kv"], local_blocks, remote_blocks)
+            blocks = plan_checked_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers)
+            handle, block_state = (self._post(request_id, peer, name, remote, blocks, b"") if blocks.num_descriptors
+                                   else (None, "DONE"))
+        except (ValueError, TransferFailed):
+            self._drain(slot_handle, state, t0 + timeout)
+            raise
+        plan = join(blocks, slots)
+        self.stats.descriptors += plan.num_descriptors
+        if handle is None:  # no blocks (a pool without attention layers): the slot's READ is the whole read
+            return PendingRead(request_id, peer, plan, slot_handle, t0, t0 + timeout, state, notify=True)
+        # Polled until both are done (NIXL keeps a done READ's state: checking it again is free).
+        failed = next((st for st in (state, block_state) if st not in ("PROC", "DONE")), None)
+        both = failed or ("DONE" if state == block_state == "DONE" else "PROC")
+        return PendingRead(request_id, peer, plan, handle, t0, t0 + timeout, both, slot_handle=slot_handle,
+                           notify=True)
+
+    def _drain(self, handle: object, state: str, deadline: float) -> None:
+        """Let a READ that its read gave up on end (landed, failed, or past the deadline), then release it;
+        counted as nothing: the read it belonged to fails as a whole."""
+        while state == "PROC" and time.monotonic() <= deadline:
+            time.sleep(0)
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception:
+                break
+        with contextlib.suppress(Exception):
+            self._agent.release_xfer_handle(handle)
 
     def _start_copy(self, ipc: IpcPeer, remote: AgentMetadata, local_blocks: list[int], remote_blocks: list[int],
                     local_slot: int, remote_slot: int, coalesced: bool, split_layers: bool) -> TransferPlan:
@@ -250,11 +309,19 @@ class TransferAgent:
             return True
         if pending.state == "PROC":
             try:
-                pending.state = self._agent.check_xfer_state(pending.handle)
+                pending.state = self._xfer_state(pending)
             except Exception as e:
                 pending.state = f"ERR ({type(e).__name__}: {e})"
         if pending.state == "DONE":
             self._release(pending)
+            if pending.notify:
+                try:
+                    self.notify(pending.peer, pending.request_id)
+                except Exception as e:
+                    self.stats.failures += 1
+                    raise TransferFailed(f"notifying {pending.peer!r} of the read of {pending.request_id!r}: "
+                                         f"{type(e).__name__}: {e}", request_id=pending.request_id,
+                                         peer=pending.peer) from e
             self.stats.transfers += 1
             self.stats.bytes += pending.plan.num_bytes
             self.stats.seconds += time.monotonic() - pending.started
@@ -269,6 +336,16 @@ class TransferAgent:
                                   f"{pending.deadline - pending.started:.1f} s",
                                   request_id=pending.request_id, peer=pending.peer)
         return False
+
+    def _xfer_state(self, pending: PendingRead) -> str:
+        """The read's NIXL state: the state slot's READ first (released once done), then the blocks'."""
+        if pending.slot_handle is not None:
+            state = self._agent.check_xfer_state(pending.slot_handle)
+            if state != "DONE":
+                return state
+            handle, pending.slot_handle = pending.slot_handle, None
+            self._agent.release_xfer_handle(handle)
+        return self._agent.check_xfer_state(pending.handle)
 
     def _poll_copy(self, pending: PendingRead) -> bool:
         """poll() of a CUDA IPC copy: once its event completed, the holder gets the READ's notification."""
@@ -324,13 +401,18 @@ class TransferAgent:
         self._release(pending)
 
     def _release(self, pending: PendingRead) -> None:
-        handle, pending.handle = pending.handle, None
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as e:
+        handles = [h for h in (pending.handle, pending.slot_handle) if h is not None]
+        pending.handle = pending.slot_handle = None
+        failed = None
+        for handle in handles:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
             # A handle NIXL refuses to release is reported, not leaked silently.
-            raise TransferError(f"releasing the READ handle of {pending.request_id!r}: {e}",
-                                request_id=pending.request_id, peer=pending.peer) from e
+            raise TransferError(f"releasing the READ handle of {pending.request_id!r}: {failed}",
+                                request_id=pending.request_id, peer=pending.peer) from failed
 
     # ---- prefill side: notifications ----------------------------------------------------------------
     def notifications(self) -> list[str]:
