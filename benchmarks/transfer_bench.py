@@ -12,7 +12,7 @@ Ways (each as one NIXL READ of the whole request):
 - per block per layer: one per block and attention layer (how peers with per-layer caches transfer).
 With --cuda-ipc there is one way: the state slot, then each run of blocks as a copy when the runs are few, else all
 blocks in one kernel launch (`transfer/cuda_ipc.py`); `descs` is then the plan's runs + 2.
-Block ids (`--layouts`): `contiguous` (fresh pools), `scattered` (the prefill side's a shuffled free list),
+Block ids (`--layouts`): `contiguous` (fresh pools), `scattered` (the prefill side's from a shuffled free list),
 `served` / `served-lowest`: where a request of `--tokens` lands on both nodes amid serving traffic, the two
 nodes' allocators being the engine's `FreeList` / lowest-free-id first (`alloc_bench.served_request`: two real
 schedulers under its default workload), renumbered into the bench's pools with their runs kept

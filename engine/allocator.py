@@ -11,7 +11,7 @@ the GPU peer copy, block by block at 12-18 %, benchmarks/RESULTS.md):
   2. the rest comes from the smallest free run that holds all of it (best fit, lowest start on ties), so
      small holes are filled by small requests and long runs stay whole for long ones;
   3. when no run holds it, the longest runs first (the fewest pieces).
-Taking the lowest free ids instead (this allocator until session 22) lets decode's one-block growth
+Taking the lowest free ids instead (the policy before issue #7's session 22) lets decode's one-block growth
 checkerboard the pool: `benchmarks/alloc_bench.py` measures the runs per transferred request under both.
 """
 

@@ -2,8 +2,9 @@
 
 The decode side pulls: `start_read` issues one NIXL READ for a request (coalesced descriptors, a
 notification naming the request id for the prefill side), `wait`/`poll` finish it within a deadline and
-always release the handle. With `state_first=True` it is two READs, the state slot's posted before the blocks are
-planned, and the agent sends the notification once both are done. The prefill side calls `notifications()` to learn which requests were read.
+always release the handle. With `state_first=True` it is two READs, the state slot's posted before the
+blocks are planned, and the agent sends the notification once both are done. The prefill side calls
+`notifications()` to learn which requests were read.
 
 With `cuda_ipc=True` on both sides and both on one host with GPU pools, the READ is instead a copy through
 the holder's pools mapped once at the handshake (`transfer.cuda_ipc`), followed by the same notification,
@@ -269,7 +270,7 @@ class TransferAgent:
         """Let a READ that its read gave up on end (landed, failed, or past the deadline), then release it;
         counted as nothing: the read it belonged to fails as a whole."""
         while state == "PROC" and time.monotonic() <= deadline:
-            time.sleep(0)
+            time.sleep(0.0002)
             try:
                 state = self._agent.check_xfer_state(handle)
             except Exception:
