@@ -196,8 +196,7 @@ def simulate(w: Workload, allocator: str, progress: bool = True) -> Result:
     bar.close()
     leaked = churn.leaked()
     counts = []
-    for rid in sorted(churn.transfers, key=lambda r: int(r[1:])):  # arrival order
-        remote, local = churn.transfers[rid]
+    for remote, local in churn.transfers.values():  # in transfer order: the decode node takes them FCFS
         counts.append((len(local), len(runs(np.asarray(local), np.asarray(remote))[0])))
     c = np.asarray(counts[len(counts) // 10:])  # past the warm-up: the first tenth starts on an empty pool
     d = c[:, 1]
