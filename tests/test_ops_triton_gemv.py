@@ -4,6 +4,7 @@ Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors at small sh
 compiled at the 8b-like layer sizes, for each prologue the layers use.
 """
 
+import math
 import os
 
 import torch
@@ -125,6 +126,32 @@ def test_prologue_apart_is_the_separate_op_then_the_gemm(prologue):
             assert torch.equal(got[1], ref[1])
 
 
+@pytest.mark.parametrize("m, n, k, split, block_k", [(5, 40, 300, 3, 64), (20, 33, 1000, 2, 128), (3, 64, 200, 8, 32)])
+def test_split_k_sums_the_partials_in_split_order(m, n, k, split, block_k):
+    """K split over programs (ragged K and rows; 7 tiles over 8 splits: the last one empty): the reference's y,
+    the K ranges' products summed in split order, and the tile counters back at zero for the next launch."""
+    from baton.engine.ops import triton_gemv
+
+    a, w, b, _ = args_for("none", m, n, k, torch.float32, bias=True)
+    tiles = GemvTiles(16, 32, block_k, 4, 1, split_k=split)
+    got = fused_linear_triton(a, w, b, tiles=tiles)
+    check(got, fused_linear(a, w, b), 1e-5)
+    per = math.ceil(math.ceil(k / block_k) / split) * block_k  # each split's whole tiles of K
+    plain = GemvTiles(16, 32, block_k, 4, 1)
+    parts = [fused_linear_triton(a[:, lo:lo + per], w[:, lo:lo + per], tiles=plain).double() for lo in range(0, k, per)]
+    assert torch.allclose(got.double(), sum(parts) + b.double(), rtol=1e-6, atol=1e-6)
+    assert not triton_gemv._COUNTERS[a.device].any()
+    assert torch.equal(fused_linear_triton(a, w, b, tiles=tiles), got)  # again: deterministic, counters reused
+
+
+def test_split_k_takes_the_tensor_core_path_without_a_prologue():
+    a, w, _, kw = args_for("relu2", 16, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="split_k > 1 expected block_m >= 16 and no prologue, got split_k 2"):
+        fused_linear_triton(a, w, tiles=GemvTiles(16, 32, 32, 4, split_k=2), **kw)
+    with pytest.raises(ValueError, match="block_m 4"):
+        fused_linear_triton(a, w, tiles=GemvTiles(4, 32, 32, 4, split_k=2))
+
+
 def test_persistent_tiles_take_one_row_only():
     a, w, _, _ = args_for("none", 2, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="programs_per_sm > 0 expected one row, got 2 rows"):
@@ -182,7 +209,12 @@ def test_default_tiles_depend_on_m_only_through_block_m():
         assert (default_tiles(1, n, k, True).block_k >= k) == (k <= 8192)  # f(a) held resident up to 8192
         assert all(default_tiles(m, n, k, True).programs_per_sm == 0 for m in (2, 16, 64))
         assert all(default_tiles(m, n, k, True).prologue_apart for m in (2, 16, 64))  # measured: faster apart
-        assert all(default_tiles(m, n, k, True).cublas == (k > 4096) for m in (2, 16, 64))
+        # K > 4096: our kernel up to 32 rows (K split in two past 8192), cuBLAS at 33-64
+        assert all(not default_tiles(m, n, k, True).cublas for m in (2, 16, 32))
+        assert default_tiles(64, n, k, True).cublas == (k > 4096)
+        assert all(default_tiles(m, n, k, True).split_k == (2 if k > 8192 else 1) for m in (2, 16, 32))
+        if k > 4096:  # 4-byte inputs: a K tile of half the length, the same bytes per pipeline stage
+            assert default_tiles(16, n, k, True, 4).block_k * 2 == default_tiles(16, n, k, True).block_k
         assert not default_tiles(1, n, k, True).prologue_apart and not default_tiles(5, n, k, False).prologue_apart
 
 

@@ -30,9 +30,11 @@ gap between them.
 
 2-64 rows on the GPU (`default_tiles`: `GemvTiles.prologue_apart`): the op before the layer runs as its own
 kernel (`triton_norm`, `triton_act`), then the tensor-core GEMM with no prologue, its a tile loaded straight into
-the MMA's operand; for K > 4096 the GEMM is cuBLAS's (`GemvTiles.cublas`). On an H200 at 2-32 rows the GEMM alone
-read the weights 4-10 % faster than cuBLAS at K = 4096 (lm_head 242-251 vs 261-269 µs) and slower at K = 8192 and
-21,504; with f(a) computed inside its K loop it lost to the separate op + cuBLAS (benchmarks/RESULTS.md, session 21).
+the MMA's operand. On an H200 at 2-32 rows the GEMM alone read the weights 4-10 % faster than cuBLAS at K = 4096
+(lm_head 242-251 vs 261-269 µs); with f(a) computed inside its K loop it lost to the separate op + cuBLAS
+(benchmarks/RESULTS.md, session 21). The layers with K > 4096 and N = 4096 (out_proj, down_proj) have few blocks of N
+for the SMs: they take wider K tiles, and past K = 8192 K is split over two programs per block of N whose partials
+the last to finish sums (`GemvTiles.split_k`); at 33-64 rows they stay cuBLAS's (`GemvTiles.cublas`).
 
 One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gemv_row_kernel` instead: a
 persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
@@ -87,18 +89,23 @@ def _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, 
 
 @triton.jit
 def _gemv_kernel(
-    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, GROUP,
+    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, GROUP, M_PAD,
     s_a_m, s_r_m, s_g_m, s_w_n, s_y_m,
     width, eps,
-    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (block of N, block of rows). BLOCK_M >= 16 (DOT) computes y^T = W f(a)^T on the tensor
     cores: the block of N is the MMA's long side and the few rows its short one (padded to 16), the accumulator
     [BLOCK_N, BLOCK_M]. Smaller blocks of rows multiply and sum in fp32 registers, accumulator [BLOCK_M, BLOCK_N];
     under PDL they load their first W tile before the wait. The DOT path waits first and loads every W tile in
-    its software-pipelined K loop."""
+    its software-pipelined K loop.
+
+    SPLIT > 1 (DOT, no prologue): program axis 2 splits K into SPLIT ranges of whole BLOCK_K tiles. Each program
+    stores its fp32 partial in the workspace ws [SPLIT, M_PAD, N] and counts itself in its tile's counter
+    (cnt_ptr, zero between launches); the tile's last program to arrive sums the partials in split order (the
+    same sum whichever arrives last), writes y and sets the counter back to 0. One launch, deterministic."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,8 +128,15 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, K, GROUP):  # one group (all of K) but for gated_norm
-        g_end = tl.minimum(g0 + GROUP, K)
+    if SPLIT > 1:  # this program's range of K (GROUP = K: no prologue)
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_lo = tl.program_id(2) * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
+    else:
+        k_lo = 0
+        k_hi = K
+    for g0 in range(k_lo, k_hi, GROUP):  # one group (all of K) but for gated_norm
+        g_end = tl.minimum(g0 + GROUP, k_hi)
         if DOT:
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
@@ -169,7 +183,23 @@ def _gemv_kernel(
             else:
                 part = part * scale[:, None]
         acc += part
-    if DOT:
+    if SPLIT > 1:
+        # Rows past M are in the workspace too (zeros: their a was masked), so the partials need no row mask.
+        ws_tile = (rows.to(tl.int64)[None, :] * N + cols[:, None])  # [BLOCK_N, BLOCK_M] within one split
+        tl.store(ws_ptr + tl.program_id(2).to(tl.int64) * M_PAD * N + ws_tile, acc, mask=cmask[:, None])
+        tile = tl.program_id(1) * tl.num_programs(0) + pid_n
+        # acq_rel: this partial is visible before the count, and the last one sees every other partial.
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in range(SPLIT):
+                acc += tl.load(ws_ptr + sp * M_PAD * N + ws_tile, mask=cmask[:, None], other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rows.to(tl.int64)[None, :] * s_y_m + cols[:, None],
+                     round_to(acc, y_ptr.dtype.element_ty), mask=rmask[None, :] & cmask[:, None])
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # for the next launch
+    elif DOT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr + rows.to(tl.int64)[None, :] * s_y_m + cols[:, None], round_to(acc, y_ptr.dtype.element_ty),
@@ -314,15 +344,20 @@ class GemvTiles:
     # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is slower
     # (K > 4096 on an H200: out_proj K = 8192 1.1-1.4x, down_proj K = 21504 1.04-1.08x of cuBLAS at 2-32 rows).
     cublas: bool = False
+    # > 1 (block_m >= 16, no prologue): K split over this many programs per block of N, their partials summed by
+    # the last to finish (`_gemv_kernel`); for layers with few blocks of N and a long K.
+    split_k: int = 1
 
 
-def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
-    """Tiles for M rows. One row on the GPU: the persistent row kernel. 2-64 rows: one block of rows (padded to
+def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> GemvTiles:
+    """Tiles for M rows of `itemsize`-byte inputs. One row on the GPU: the persistent row kernel. 2-64 rows: one block of rows (padded to
     16, the MMA's short side), so that W is read once, on the tensor cores; wide layers (N > 8192) in blocks of
     64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs): the best single tiles
-    of a sweep on an H200 (benchmarks/RESULTS.md, session 21); 33-64 rows all in 64 x 128 with 3 stages (each
-    stage holds the rows' inputs too: a and the residual or gate). Past 64 rows each block of rows reads the whole
-    weight again: cuBLAS is the better choice there."""
+    of a sweep on an H200 (benchmarks/RESULTS.md, session 21); narrow ones with K > 4096 (out_proj, down_proj) in
+    64 x 256 with 4, K split in two past 8192: at 8-32 rows 18.8-19.8 against cuBLAS's 21.0-22.0 µs (out_proj)
+    and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23); 33-64 rows all in 64 x 128
+    with 3 stages (each stage holds the rows' inputs too: a and the residual or gate), cuBLAS past K = 4096. Past
+    64 rows each block of rows reads the whole weight again: cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)
@@ -330,10 +365,12 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool) -> GemvTiles:
         kp = triton.next_power_of_2(k)
         return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    cublas = k > 4096
     if n > 8192 or block_m > 32:  # 64 rows: the narrow tile's 4 stages outgrow shared memory
-        return GemvTiles(block_m, 64, 128, 4, 3, prologue_apart=True, cublas=cublas)
-    return GemvTiles(block_m, 32, 256, 4, 4, prologue_apart=True, cublas=cublas)
+        return GemvTiles(block_m, 64, 128, 4, 3, prologue_apart=True, cublas=k > 4096)
+    if k > 4096:  # few blocks of N, long K: wider tiles, K split in two past 8192 (out_proj, down_proj); the
+        # same bytes per stage for 4-byte inputs (a K tile of 256 would outgrow shared memory)
+        return GemvTiles(block_m, 64, 512 // itemsize, 4, 4, prologue_apart=True, split_k=2 if k > 8192 else 1)
+    return GemvTiles(block_m, 32, 256, 4, 4, prologue_apart=True)
 
 
 def _prologue_apart(a: Tensor, prologue: str, residual: Tensor | None, gate: Tensor | None,
@@ -348,6 +385,33 @@ def _prologue_apart(a: Tensor, prologue: str, residual: Tensor | None, gate: Ten
     if prologue == "add_norm":
         return add_rms_norm_triton(a, residual, norm_weight, eps)
     return gated_rms_norm_triton(a, gate, norm_weight, group_size, eps).to(a.dtype), None
+
+
+# Split-K tile counters per device: zero between launches (each launch's last programs set theirs back). Kernels on
+# one stream run one after the other (under PDL each waits for the one before it before touching them).
+_COUNTERS: dict[torch.device, Tensor] = {}
+COUNTERS_MIN = 4096
+
+
+def _split_buffers(t: GemvTiles, placeholder: Tensor, grid: tuple[int, int, int], m_pad: int, n: int,
+                   prologue: str, fn: str) -> tuple[Tensor, Tensor]:
+    """(workspace [split, m_pad, n] fp32, tile counters) of a split-K launch; without a split, the placeholder
+    twice (never read)."""
+    device = placeholder.device
+    if t.split_k == 1:
+        return placeholder, placeholder
+    if t.split_k < 1 or t.block_m < 16 or prologue != "none":
+        raise ValueError(f"{fn}: split_k > 1 expected block_m >= 16 and no prologue, got split_k {t.split_k}, "
+                         f"block_m {t.block_m}, prologue {prologue!r}")
+    tiles = grid[0] * grid[1]
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # (a fresh buffer made inside a capture would be the graph's, zeroed by it on every replay)
+            raise RuntimeError(f"{fn}: the split-K counters for {tiles} tiles must exist before a CUDA graph "
+                               "capture: run the layer once first (the capture's warm-up does)")
+        cnt = _COUNTERS[device] = torch.zeros(max(COUNTERS_MIN, tiles), dtype=torch.int32, device=device)
+    return torch.empty((t.split_k, m_pad, n), dtype=torch.float32, device=device), cnt
 
 
 def _num_sms(device: torch.device) -> int:
@@ -374,7 +438,7 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
     g = a if gate is None else _rows(gate)
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     s = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == "add_norm" else None
-    t = tiles or default_tiles(m, n, k, a.is_cuda)
+    t = tiles or default_tiles(m, n, k, a.is_cuda, a.element_size())
     if t.programs_per_sm and m > 1:
         raise ValueError(f"{fn}: tiles with programs_per_sm > 0 expected one row, got {m} rows")
     if t.prologue_apart and (prologue != "none" or t.cublas):
@@ -402,13 +466,16 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
                 num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
             )  # fmt: skip
             return y if s is None else (y, s)
-        _gemv_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
-            a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
-            m, n, k, group, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
+        grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), t.split_k)
+        m_pad = grid[1] * t.block_m
+        ws, cnt = _split_buffers(t, a, grid, m_pad, n, prologue, fn)
+        _gemv_kernel[grid](
+            a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y, ws, cnt,
+            m, n, k, group, m_pad, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
             float(group), eps,
             PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=a.dtype != torch.float32 and not _interpreted(),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages, num_warps=t.num_warps,
-            num_stages=t.num_stages, **pdl(a),
+            SPLIT=t.split_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages,
+            num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
         )  # fmt: skip
     elif s is not None and m:
         s.copy_(residual + a)
