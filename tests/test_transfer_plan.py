@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from baton.transfer.layout import RegionLayout
-from baton.transfer.plan import block_ids, join, plan_blocks, plan_request, plan_slots, runs
+from baton.transfer.plan import (
+    _one_run,
+    block_ids,
+    join,
+    plan_blocks,
+    plan_checked_blocks,
+    plan_request,
+    plan_slots,
+    runs,
+)
 
 
 def regions(num_blocks=32, slots=4):
@@ -111,3 +120,41 @@ def test_a_request_plans_as_its_slot_plus_its_blocks_and_a_pool_without_layers_m
     no_state = {**local, "conv": RegionLayout.of("conv", torch.zeros(4, 0, 40, 3)),
                 "ssm": RegionLayout.of("ssm", torch.zeros(4, 0, 4, 8, 16))}
     assert plan_slots(no_state, no_state, 1, 3).num_descriptors == 0
+
+
+def test_one_run_on_both_sides_plans_from_host_ints_as_the_general_path_does():
+    """Lists that are one run on both sides (most transfers, `engine/allocator.py`) take a path without numpy; its
+    plan is the general path's. Anything else (a jump, numpy ids, a run past the pool, unequal lengths, another
+    layout) is left to the general path, which plans or refuses it."""
+    local, _ = regions(num_blocks=32)
+    remote, _ = regions(num_blocks=24)
+
+    def general(lo, re):
+        return plan_checked_blocks(local, remote, np.array(lo, dtype=np.int64), np.array(re, dtype=np.int64))
+
+    for lo, re in (([3], [20]), (list(range(32)), list(range(24)) + list(range(8))[:8]), (list(range(5, 29)),
+                                                                                         list(range(24)))):
+        fast = _one_run(local["kv"], remote["kv"], lo, re)
+        want = general(lo, re)
+        if len(runs(np.array(lo), np.array(re))[0]) != 1:
+            assert fast is None
+            continue
+        assert fast is not None and fast.num_bytes == want.num_bytes
+        assert np.array_equal(fast.local, want.local) and np.array_equal(fast.remote, want.remote)
+        assert fast.local.dtype == fast.remote.dtype == np.int64
+    kv, rkv = local["kv"], remote["kv"]
+    assert _one_run(kv, rkv, [0, 1, 3], [0, 1, 2]) is None  # a jump
+    assert _one_run(kv, rkv, [0, 2, 1, 3], [0, 1, 2, 3]) is None  # first and last fit, the middle does not
+    assert _one_run(kv, rkv, np.arange(4), [0, 1, 2, 3]) is None  # numpy: the general path
+    assert _one_run(kv, rkv, [0, 1], [23, 24]) is None  # past the remote pool: refused below
+    assert _one_run(kv, rkv, [0, 1], [0, 1, 2]) is None
+    other = RegionLayout.of("kv", torch.zeros(8, 3, 2, 4, 2, 4))
+    assert _one_run(kv, other, [0, 1], [0, 1]) is None
+    with pytest.raises(ValueError, match=r"kv item: expected an id in \[0, 24\), got 24"):
+        plan_blocks(local, remote, [0, 1], [23, 24])
+    with pytest.raises(ValueError, match="kv layout"):
+        plan_blocks(local, dict(remote, kv=other), [0, 1], [0, 1])
+    with pytest.raises(ValueError, match="as many local as remote"):
+        plan_blocks(local, remote, [0, 1], [0, 1, 2])
+    # Per block, and per block per layer, never take it.
+    assert plan_blocks(local, remote, [0, 1, 2], [4, 5, 6], coalesced=False).num_descriptors == 3

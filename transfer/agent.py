@@ -32,6 +32,7 @@ from baton.transfer.plan import (
     block_ids,
     check_pair,
     join,
+    plan_blocks,
     plan_checked_blocks,
     plan_request,
     plan_slots,
@@ -249,8 +250,7 @@ class TransferAgent:
         slots = plan_slots(self.regions, remote.regions, local_slot, remote_slot)  # bad slot: ValueError, none posted
         slot_handle, state = self._post(request_id, peer, name, remote, slots, b"")
         try:
-            lo, re = block_ids(self.regions["kv"], remote.regions["kv"], local_blocks, remote_blocks)
-            blocks = plan_checked_blocks(self.regions, remote.regions, lo, re, coalesced, split_layers)
+            blocks = plan_blocks(self.regions, remote.regions, local_blocks, remote_blocks, coalesced, split_layers)
             handle, block_state = (self._post(request_id, peer, name, remote, blocks, b"") if blocks.num_descriptors
                                    else (None, "DONE"))
         except (ValueError, TransferFailed):
