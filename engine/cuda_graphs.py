@@ -94,9 +94,18 @@ def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
     return len(todo)
 
 
-def graph_sizes(max_rows: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows)."""
-    sizes = [n for n in (1, 2, 4) if n < max_rows] + list(range(8, max_rows, 8))
+# Decode (verify) graphs come every FINE_STEP rows up to FINE_UP_TO rows, then every 8: a padding row costs about
+# what a real row does (its state-update programs: 7 padding rows took a 25-row 8b-like step from ~5.86 to 6.18 ms,
+# in the 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving decode node's batches sit
+# here. Mixed graphs (a capture per size and chunk bucket) keep every 8.
+FINE_STEP, FINE_UP_TO = 4, 64
+
+
+def graph_sizes(max_rows: int, fine: bool = False) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows); `fine`:
+    every multiple of FINE_STEP from 8 below FINE_UP_TO."""
+    sizes = [n for n in (1, 2, 4) if n < max_rows]
+    sizes += [n for n in range(8, max_rows) if n % (FINE_STEP if fine and n < FINE_UP_TO else 8) == 0]
     return [*sizes, max_rows]
 
 
@@ -125,7 +134,7 @@ class StepGraphs:
         self.T = T = tokens_per_row
         self.replay = replay
         self.step_fn = step_fn
-        self.sizes = graph_sizes(max_rows)
+        self.sizes = graph_sizes(max_rows, fine=True)
         # Sizes of at most this many tokens capture the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
         self.fused_gemv_max_tokens = 0
         n, dev = max_rows, device

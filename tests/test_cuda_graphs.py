@@ -32,6 +32,11 @@ def test_graph_sizes_cover_every_batch_up_to_the_max():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
+    # Decode (verify) graphs: every 4 rows below 64 (a padding row costs about a real row's state update), then 8.
+    assert graph_sizes(20, fine=True) == [1, 2, 4, 8, 12, 16, 20]
+    fine = graph_sizes(256, fine=True)
+    assert fine[:8] == [1, 2, 4, 8, 12, 16, 20, 24] and {60, 64, 72, 256} <= set(fine) and 68 not in fine
+    assert set(sizes) <= set(fine) and len(fine) == len(sizes) + 7
 
 
 class _Cycle:
@@ -244,7 +249,8 @@ def test_capture_graphs_captures_every_size_up_front(spec_model):  # noqa: F811
     engine = _engine(spec_model, True)
     mixed = engine.runner.mixed_graphs
     assert mixed is not None  # on by default where decode steps replay graphs (K = 0)
-    assert engine.capture_graphs() == len(graph_sizes(12)) * (1 + len(mixed.buckets))  # mixed: every chunk size
+    # decode graphs, and mixed ones for every chunk size
+    assert engine.capture_graphs() == len(graph_sizes(12, fine=True)) + len(graph_sizes(12)) * len(mixed.buckets)
     assert engine.capture_graphs() == 0  # already there
     got = run(engine, [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
     ref = run(_engine(spec_model, False), [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
