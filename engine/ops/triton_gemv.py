@@ -341,8 +341,8 @@ class GemvTiles:
     # op + cuBLAS on the 8b-like layers at 2-32 rows, the gated norm (one group at a time) 4-60x (H200,
     # RESULTS.md session 21), while the GEMM alone beat cuBLAS.
     prologue_apart: bool = False
-    # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is slower
-    # (K > 4096 on an H200: out_proj K = 8192 1.1-1.4x, down_proj K = 21504 1.04-1.08x of cuBLAS at 2-32 rows).
+    # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is not faster
+    # (K > 4096 at 33-64 rows on an H200: the best split tiles within 1-5 % of cuBLAS, RESULTS.md session 23).
     cublas: bool = False
     # > 1 (block_m >= 16, no prologue): K split over this many programs per block of N, their partials summed by
     # the last to finish (`_gemv_kernel`); for layers with few blocks of N and a long K.
