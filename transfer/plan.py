@@ -49,8 +49,12 @@ class TransferPlan:
         return int(self.local.shape[0])
 
 
+def same_item(local: RegionLayout, remote: RegionLayout) -> bool:
+    return (local.item_bytes, local.item_shape, local.dtype) == (remote.item_bytes, remote.item_shape, remote.dtype)
+
+
 def check_pair(local: RegionLayout, remote: RegionLayout) -> None:
-    if (local.item_bytes, local.item_shape, local.dtype) != (remote.item_bytes, remote.item_shape, remote.dtype):
+    if not same_item(local, remote):
         raise ValueError(f"{local.name} layout: expected the peer's item {remote.item_shape} {remote.dtype} "
                          f"({remote.item_bytes} B), got {local.item_shape} {local.dtype} ({local.item_bytes} B)")
 
@@ -122,8 +126,7 @@ def _one_run(lo: RegionLayout, re: RegionLayout, local_blocks: Ids, remote_block
     this ~15 us (`benchmarks/RESULTS.md`, session 23), on the READ's critical path."""
     first_l, first_r = _first_of_run(local_blocks), _first_of_run(remote_blocks)
     n = len(local_blocks)
-    if (first_l is None or first_r is None or n != len(remote_blocks) or not lo.item_bytes
-            or (lo.item_bytes, lo.item_shape, lo.dtype) != (re.item_bytes, re.item_shape, re.dtype)
+    if (first_l is None or first_r is None or n != len(remote_blocks) or not lo.item_bytes or not same_item(lo, re)
             or first_l < 0 or first_r < 0 or first_l + n > lo.num_items or first_r + n > re.num_items):
         return None
     size = n * lo.item_bytes

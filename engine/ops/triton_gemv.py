@@ -185,7 +185,7 @@ def _gemv_kernel(
         acc += part
     if SPLIT > 1:
         # Rows past M are in the workspace too (zeros: their a was masked), so the partials need no row mask.
-        ws_tile = (rows.to(tl.int64)[None, :] * N + cols[:, None])  # [BLOCK_N, BLOCK_M] within one split
+        ws_tile = rows.to(tl.int64)[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] within one split
         tl.store(ws_ptr + tl.program_id(2).to(tl.int64) * M_PAD * N + ws_tile, acc, mask=cmask[:, None])
         tile = tl.program_id(1) * tl.num_programs(0) + pid_n
         # acq_rel: this partial is visible before the count, and the last one sees every other partial.
@@ -350,14 +350,15 @@ class GemvTiles:
 
 
 def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> GemvTiles:
-    """Tiles for M rows of `itemsize`-byte inputs. One row on the GPU: the persistent row kernel. 2-64 rows: one block of rows (padded to
-    16, the MMA's short side), so that W is read once, on the tensor cores; wide layers (N > 8192) in blocks of
-    64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs): the best single tiles
-    of a sweep on an H200 (benchmarks/RESULTS.md, session 21); narrow ones with K > 4096 (out_proj, down_proj) in
-    64 x 256 with 4, K split in two past 8192: at 8-32 rows 18.8-19.8 against cuBLAS's 21.0-22.0 µs (out_proj)
-    and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23); 33-64 rows all in 64 x 128
-    with 3 stages (each stage holds the rows' inputs too: a and the residual or gate), cuBLAS past K = 4096. Past
-    64 rows each block of rows reads the whole weight again: cuBLAS is the better choice there."""
+    """Tiles for M rows of `itemsize`-byte inputs. One row on the GPU: the persistent row kernel. 2-64 rows: one
+    block of rows (padded to 16, the MMA's short side), so that W is read once, on the tensor cores; wide layers
+    (N > 8192) in blocks of 64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs):
+    the best single tiles of a sweep on an H200 (benchmarks/RESULTS.md, session 21); narrow ones with K > 4096
+    (out_proj, down_proj) in 64 x 256 with 4, K split in two past 8192: at 8-32 rows 18.8-19.8 against cuBLAS's
+    21.0-22.0 µs (out_proj) and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23); 33-64
+    rows all in 64 x 128 with 3 stages (each stage holds the rows' inputs too: a and the residual or gate), cuBLAS
+    past K = 4096. Past 64 rows each block of rows reads the whole weight again: cuBLAS is the better choice
+    there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)
@@ -397,9 +398,9 @@ def _split_buffers(t: GemvTiles, placeholder: Tensor, grid: tuple[int, int, int]
                    prologue: str, fn: str) -> tuple[Tensor, Tensor]:
     """(workspace [split, m_pad, n] fp32, tile counters) of a split-K launch; without a split, the placeholder
     twice (never read)."""
-    device = placeholder.device
     if t.split_k == 1:
         return placeholder, placeholder
+    device = placeholder.device
     if t.split_k < 1 or t.block_m < 16 or prologue != "none":
         raise ValueError(f"{fn}: split_k > 1 expected block_m >= 16 and no prologue, got split_k {t.split_k}, "
                          f"block_m {t.block_m}, prologue {prologue!r}")
