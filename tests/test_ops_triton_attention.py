@@ -20,7 +20,12 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
-from baton.engine.ops.triton_attention import build_attention_meta, paged_attention_triton  # noqa: E402
+from baton.engine.ops.triton_attention import (  # noqa: E402
+    WIDE_DECODE_ROWS,
+    _launch_config,
+    build_attention_meta,
+    paged_attention_triton,
+)
 from tests.cuda_timing import time_call_ms  # noqa: E402
 
 # (context tokens already cached, query tokens this step) per row: a whole-sequence prefill, a decode step
@@ -140,6 +145,25 @@ def test_decode_batch_matches_reference(max_query_len, dtype, atol, rtol):
     q, kv_cache, qsl, seq_lens, block_tables = make_case(DECODE_ROWS, 4, 2, 32, 8, dtype, seed=2)
     ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.2)
     out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.2, max_query_len=max_query_len)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [DTYPES[0], DTYPES[1]])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_wide_decode_tiles_match_reference(num_splits, dtype, atol, rtol):
+    """From WIDE_DECODE_ROWS decode rows on, keys go in tiles of 128 (8 blocks of 16 here, some rows ending
+    mid-tile, one on a tile boundary, one longer than two tiles); fewer rows keep 64 and prefill tiles are
+    unchanged."""
+    ctx = [(7 * r) % 300 for r in range(WIDE_DECODE_ROWS)]
+    ctx[:3] = [0, 127, 300]
+    rows = [(c, 1) for c in ctx]
+    assert _launch_config(2, 16, 1, len(rows), len(rows))[2] == 128
+    assert _launch_config(2, 16, 1, len(rows) - 1, len(rows) - 1)[2] == 64
+    assert _launch_config(2, 16, None, 4 * len(rows), len(rows))[2] == 64
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(rows, 4, 2, 16, 16, dtype, seed=6)
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.25, max_query_len=1,
+                                 num_splits=num_splits)
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 from baton.engine.ops.selective_state_update import selective_state_update  # noqa: E402
 from baton.engine.ops.spec_state_update import selective_state_update_verify  # noqa: E402
 from baton.engine.ops.triton_ssu import (  # noqa: E402
+    ONE_WARP_ROWS,
+    _launch_config,
     selective_state_update_triton,
     selective_state_update_verify_triton,
 )
@@ -149,6 +151,15 @@ def test_single_odd_sizes_and_strided_inputs():
     y_ref = call_single(selective_state_update, ref_pool, tok, params, slots)
     close(y, y_ref, 1e-5, 1e-5)
     close(pool, ref_pool, 1e-5, 1e-5)
+
+
+def test_launch_config_takes_one_warp_from_one_warp_rows_of_decode():
+    """Decode batches of ONE_WARP_ROWS rows or more run one warp per program (whole 8b-like steps were faster
+    there on an H200), fewer rows and verify keep two; the tile is the same."""
+    small = _launch_config(64, 128, batch=ONE_WARP_ROWS - 1)
+    large = _launch_config(64, 128, batch=ONE_WARP_ROWS)
+    assert small == (8, 128, 2) and large == (8, 128, 1)
+    assert _launch_config(64, 128, verify=True, batch=256)[2] == 2
 
 
 def test_single_empty_batch():

@@ -278,7 +278,7 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps).
 
     Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
-    decode row's KV head; otherwise about 64 query rows (queries x group heads) per program, fewer when
+    decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about 64 query rows (queries x group heads) per program, fewer when
     max_query_len says the rows are short. `tl.dot` needs every tile side >= 16.
     """
     decode = max_query_len == 1 or (max_query_len is None and T <= R)
@@ -291,7 +291,15 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
+    if decode and R >= WIDE_DECODE_ROWS and block_d <= 128:
+        block_n = 128
     return block_q, block_m, block_n, block_d, 4
+
+
+# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode steps
+# on an H200 (whole steps, CUDA graphs, the engine's KV pool; benchmarks/RESULTS.md session 24) the wider tile took
+# the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 48 0.3 %; at 1-32 rows it was within +-0.4 %.
+WIDE_DECODE_ROWS = 48
 
 
 # Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): 256 rows x 1,065 keys of the 8b-like
