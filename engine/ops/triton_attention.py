@@ -297,9 +297,10 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 
 
 # Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode steps
-# on an H200 (whole steps, CUDA graphs, the engine's KV pool; benchmarks/RESULTS.md session 24) the wider tile took
-# the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 48 0.3 %; at 1-32 rows it was within +-0.4 %.
-WIDE_DECODE_ROWS = 48
+# on an H200 (whole steps, CUDA graphs, the engine's KV pool: benchmarks/launch_probe.py, RESULTS.md session 24)
+# the wider tile took the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 40 and 48 0.3-0.7 %; at 1-32
+# rows it was within +-0.4 %.
+WIDE_DECODE_ROWS = 40
 
 
 # Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): 256 rows x 1,065 keys of the 8b-like
