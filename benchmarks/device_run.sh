@@ -5,6 +5,8 @@
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like,
 #             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
+#   launch    launch_probe.py: launch settings A/B'd in whole decode steps (LAUNCH_ARGS, default: the tree against
+#             session 24's previous decode settings at batch 40 and 256)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
 #             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
@@ -51,6 +53,10 @@ if stage engine; then
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80
+fi
+if stage launch; then
+  python3 benchmarks/launch_probe.py --no-progress ${LAUNCH_ARGS:---batches 40,256 --variants base,ssu.warps=2+attn.block_n=64} \
+    --json "$OUT/launch_probe.json" 2>&1 | tail -24 | tee "$OUT/launch_probe.txt"
 fi
 if stage gemv; then
   python3 benchmarks/gemv_bench.py --no-progress ${GEMV_ARGS:-} --json "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.txt" | tail -48
