@@ -153,7 +153,7 @@ def test_single_odd_sizes_and_strided_inputs():
     close(pool, ref_pool, 1e-5, 1e-5)
 
 
-def test_launch_config_takes_one_warp_from_one_warp_rows_of_decode():
+def test_decode_batches_from_one_warp_rows_take_one_warp():
     """Decode batches of ONE_WARP_ROWS rows or more run one warp per program (whole 8b-like steps were faster
     there on an H200), fewer rows and verify keep two; the tile is the same."""
     small = _launch_config(64, 128, batch=ONE_WARP_ROWS - 1)

@@ -278,8 +278,9 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps).
 
     Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
-    decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about 64 query rows (queries x group heads) per program, fewer when
-    max_query_len says the rows are short. `tl.dot` needs every tile side >= 16.
+    decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about 64 query rows
+    (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs every
+    tile side >= 16.
     """
     decode = max_query_len == 1 or (max_query_len is None and T <= R)
     if decode:
