@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from baton.engine.config import ModelConfig  # noqa: E402
 from benchmarks import engine_bench as eb  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
@@ -200,9 +201,25 @@ class Probe:
             self.engine.abort(rid)
 
 
-def summary(points: list[Point]) -> str:
-    lines = ["| batch | variant | step ms (rounds) | step / roofline (mean) | vs base |",
-             "| ---: | --- | --- | ---: | ---: |"]
+def tree_settings(cfg: ModelConfig, batch: int) -> str:
+    """What `base` runs at this batch: the state update's (rows per program, warps) and decode attention's key
+    tile and warps, as the tree picks them for the model's shapes."""
+    import baton.engine.ops.triton_attention as ta
+    import baton.engine.ops.triton_ssu as ts
+
+    bp, _, nw = ts._launch_config(cfg.mamba_head_dim, cfg.ssm_state_size, batch=batch)
+    _, _, bn, _, aw = ta._launch_config(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, 1,
+                                        batch, batch)
+    return f"ssu.block_p={bp}+ssu.warps={nw}+attn.block_n={bn}+attn.warps={aw}+attn.stages={ta.DECODE_STAGES}"
+
+
+def summary(points: list[Point], trees: dict[int, str] | None = None) -> str:
+    """The table: per batch and variant, the step times and the mean step / roofline against `base`'s; above it,
+    what `base` runs at each batch (`trees`)."""
+    lines = [f"- batch {b}: `base` = `{t}`" for b, t in (trees or {}).items()]
+    lines += [""] if lines else []
+    lines += ["| batch | variant | step ms (rounds) | step / roofline (mean) | vs base |",
+              "| ---: | --- | --- | ---: | ---: |"]
     for b in sorted({p.batch for p in points}):
         by: dict[str, list[Point]] = {}
         for p in points:
@@ -251,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                         progress=not a.no_progress)
     engine = eb.build_engine(bc)
     points: list[Point] = []
+    trees = {b: tree_settings(engine.model_config, b) for b in batches}
     for b in batches:
         probe = Probe(engine, b, context, tokens, copy, a.seed + b)
         todo = [(r, v) for r in range(a.rounds) for v in variants]
@@ -259,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         probe.close()
     meta = {"device_name": device_name(dev), "commit": git_commit(), "command": "python benchmarks/launch_probe.py "
             + " ".join(argv if argv is not None else sys.argv[1:]), "copy_gbps": copy, "preset": bc.preset,
-            "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture}
+            "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture, "base": trees}
     print(f"## Launch settings in whole decode steps — {meta['device_name']}, commit {meta['commit']}, {bc.preset}, "
           f"context {context}; copy {copy:.0f} GB/s\n\n`{meta['command']}`\n")
-    print(summary(points))
+    print(summary(points, trees))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"meta": meta, "points": [dataclasses.asdict(p) | {"ratio": p.ratio}

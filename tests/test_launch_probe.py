@@ -69,3 +69,7 @@ def test_smoke_measures_every_variant_in_every_round(tmp_path, capsys):
     assert all(p["batch"] == 4 and p["step_ms"] > 0 and p["ratio"] > 0 for p in points)
     table = capsys.readouterr().out
     assert "| 4 | `base` |" in table and "+0.00 %" in table
+    # What `base` ran, as the tree picks it at this batch (4 rows: two warps, key tiles of 64).
+    base = json.loads(out.read_text())["meta"]["base"]["4"]
+    assert parse_variant(base) and "ssu.warps=2" in base and "attn.block_n=64" in base
+    assert f"- batch 4: `base` = `{base}`" in table
