@@ -1,13 +1,13 @@
 """Which launch settings a decode step should take, decided by timing whole steps rather than kernels alone.
 
-A kernel timed alone misleads: tiles that won alone lost in the step (RESULTS.md session 23), and settings that
-tied alone won in it (session 24: one warp per state-update program, attention key tiles of 128). This probe
-builds one engine over engine_bench's in-memory model, puts B requests in decode, and for each variant patches
-the ops' launch settings, recaptures the batch's CUDA graph (on a GPU; a CPU engine runs its steps eagerly) and
-times `--steps` steady-state steps (engine_bench's `pipelined_step_times`). Variants alternate over `--rounds`;
-contexts grow as steps run, so each time is divided by the traffic roofline at its own context (engine_bench's
-`decode_traffic` over the copy bandwidth measured at the start), and a variant is compared with `base` (the
-tree's own settings) as the mean of those ratios.
+A kernel timed alone misleads: tiles that won alone lost in the step (RESULTS.md session 23), and settings
+that tied alone won in it (session 24: one warp per state-update program, attention key tiles of 128). This
+probe builds one engine over engine_bench's in-memory model, puts B requests in decode, and for each variant
+patches the ops' launch settings, recaptures the batch's CUDA graph (on a GPU; a CPU engine runs its steps
+eagerly) and times `--steps` steady-state steps (engine_bench's `pipelined_step_times`). Variants alternate
+over `--rounds`; contexts grow as steps run, so each time is divided by the traffic roofline at its own
+context (engine_bench's `decode_traffic` over the copy bandwidth measured at the start), and a variant is
+compared with `base` (the tree's own settings) as the mean of those ratios.
 
 A variant is `base` or settings joined by `+`, each `op.knob=value`:
 
@@ -15,11 +15,12 @@ A variant is `base` or settings joined by `+`, each `op.knob=value`:
     attn.block_n, attn.warps          decode attention (one query per row): key tile, warps
     attn.stages                       decode attention's software-pipeline stages
     conv.block_c, conv.warps          conv update: channels per program, warps
-    gemv.wide, gemv.narrow, gemv.longk  the 2-64-row tensor-core GEMV's tile BNxBKxWARPSxSTAGES[xSPLIT] for
-                                      layers with N > 8192 / N <= 8192 and K <= 4096 / K > 4096 (block of rows kept)
+    gemv.wide, gemv.narrow, gemv.longk  the 2-64-row tensor-core GEMV's tile BNxBKxWARPSxSTAGES[xSPLIT]
+                                      (its block of rows kept) for layers with N > 8192 / N <= 8192 and
+                                      K <= 4096 / K > 4096
 
   python benchmarks/launch_probe.py --batches 256 --variants base,ssu.warps=2,attn.block_n=64 --rounds 2
-  python benchmarks/launch_probe.py --smoke          # CPU, tiny preset: the plumbing only (no Triton, no graphs)
+  python benchmarks/launch_probe.py --smoke    # CPU, tiny preset: the plumbing only (no Triton, no graphs)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baton.engine.config import ModelConfig  # noqa: E402
+from baton.engine.llm_engine import LLMEngine  # noqa: E402
 from benchmarks import engine_bench as eb  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
@@ -68,10 +70,11 @@ def parse_variant(text: str) -> tuple[Setting, ...]:
         key, eq, value = part.partition("=")
         op, dot, knob = key.strip().partition(".")
         if not (eq and dot):
-            raise ValueError(f"variant {text!r}: expected 'base' or op.knob=value joined by '+', got {part!r}")
+            raise ValueError(f"variant {text!r}: expected 'base' or op.knob=value joined by '+', "
+                             f"got {part!r}")
         if op not in KNOBS or knob not in KNOBS[op]:
-            raise ValueError(f"variant {text!r}: expected one of "
-                             f"{', '.join(f'{o}.{k}' for o, ks in KNOBS.items() for k in ks)}, got {key.strip()!r}")
+            names = ", ".join(f"{o}.{k}" for o, ks in KNOBS.items() for k in ks)
+            raise ValueError(f"variant {text!r}: expected one of {names}, got {key.strip()!r}")
         try:
             ints = tuple(int(v) for v in value.strip().split("x"))
         except ValueError:
@@ -90,7 +93,8 @@ def _gemv_class(n: int, k: int) -> str:
 
 @contextlib.contextmanager
 def patched(settings: tuple[Setting, ...]) -> Iterator[None]:
-    """The ops' launch settings overridden inside the block (new launches and captures only), restored after."""
+    """The ops' launch settings overridden inside the block (new launches and captures only), restored
+    after."""
     import baton.engine.ops.triton_attention as ta
     import baton.engine.ops.triton_conv as tc
     import baton.engine.ops.triton_gemv as tg
@@ -156,11 +160,12 @@ class Point:
 class Probe:
     """One engine in decode at one batch size; `measure(variant)` recaptures its graph under the variant."""
 
-    def __init__(self, engine, batch: int, context: int, max_tokens: int, copy_gbps: float, seed: int) -> None:
+    def __init__(self, engine: LLMEngine, batch: int, context: int, max_tokens: int, copy_gbps: float,
+                 seed: int) -> None:
         self.engine, self.batch, self.copy = engine, batch, copy_gbps
         self.device = torch.device(engine.config.device)
-        self.ids = eb.enter_decode(engine, batch, context, max_tokens=max_tokens, seed=seed, device=self.device,
-                                   progress=False)
+        self.ids = eb.enter_decode(engine, batch, context, max_tokens=max_tokens, seed=seed,
+                                   device=self.device, progress=False)
         graphs = engine.runner.graphs
         self.graphs = graphs if graphs is not None and graphs.capture else None
         self.size = graphs.size_for(batch) if self.graphs is not None else None
@@ -169,6 +174,8 @@ class Probe:
         self.replaced: list = []
 
     def _recapture(self) -> None:
+        """The batch's decode graph captured afresh under the launch settings in force (none on a CPU
+        engine)."""
         from baton.engine.cuda_graphs import capture_graph
 
         with eb.one_step_at_a_time(self.engine):
@@ -182,12 +189,14 @@ class Probe:
             g.graphs[n] = capture_graph(lambda: g._forward(n), self.device, torch.cuda.graph_pool_handle())
 
     def measure(self, name: str, settings: tuple[Setting, ...], rnd: int, steps: int) -> Point:
+        # Patched through the timed steps too: an engine without graphs launches them with the variant's
+        # settings.
         with patched(settings):
             self._recapture()
-        for _ in range(2):
-            self.engine.step()
-        contexts: list[int] = []
-        _, mean, steady = eb.pipelined_step_times(self.engine, self.batch, steps, self.device, contexts)
+            for _ in range(2):
+                self.engine.step()
+            contexts: list[int] = []
+            _, mean, steady = eb.pipelined_step_times(self.engine, self.batch, steps, self.device, contexts)
         ctx = statistics.fmean(contexts)
         e = self.engine
         traffic = eb.decode_traffic(e.model_config, e.dtype, e.ssm_dtype, self.batch, ctx)
@@ -195,8 +204,7 @@ class Probe:
         return Point(name, self.batch, rnd, steady if steady is not None else mean, ctx / self.batch, roof)
 
     def close(self) -> None:
-        with patched(()):
-            self._recapture()  # the tree's own settings again
+        self._recapture()  # the tree's own settings again
         for rid in self.ids:
             self.engine.abort(rid)
 
@@ -214,8 +222,8 @@ def tree_settings(cfg: ModelConfig, batch: int) -> str:
 
 
 def summary(points: list[Point], trees: dict[int, str] | None = None) -> str:
-    """The table: per batch and variant, the step times and the mean step / roofline against `base`'s; above it,
-    what `base` runs at each batch (`trees`)."""
+    """The table: per batch and variant, the step times and the mean step / roofline against `base`'s;
+    above it, what `base` runs at each batch (`trees`)."""
     lines = [f"- batch {b}: `base` = `{t}`" for b, t in (trees or {}).items()]
     lines += [""] if lines else []
     lines += ["| batch | variant | step ms (rounds) | step / roofline (mean) | vs base |",
@@ -236,12 +244,15 @@ def summary(points: list[Point], trees: dict[int, str] | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset (plumbing only)")
-    ap.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default 256; smoke 4)")
+    ap.add_argument("--batches", default=None,
+                    help="decode batch sizes, comma-separated (default 256; smoke 4)")
     ap.add_argument("--variants", default="base,ssu.warps=2,attn.block_n=64",
                     help="comma-separated variants (module docstring); 'base' is added first if missing")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 30; smoke 3)")
-    ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 1024; smoke 24)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per measurement (default 30; smoke 3)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="prompt tokens per request (default 1024; smoke 24)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-progress", action="store_true")
@@ -258,14 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     context = a.context or (24 if device == "cpu" else 1024)
     if steps < 2:
         ap.error(f"--steps: expected >= 2, got {steps}")
-    # Each measurement runs: a drain step, 2 warm-up steps, `steps` timed; every batch's requests live through all.
+    # Each measurement runs a drain step, 2 warm-up steps and `steps` timed ones; every batch's requests live
+    # through all of them.
     tokens = len(variants) * a.rounds * (steps + 3) + 8
     dev = torch.device(device)
-    copy = eb.copy_gbps((1024 if device == "cuda" else 8) * 2**20, dev)
-    bc = eb.BenchConfig(device=device, preset="8b-like" if device == "cuda" else "tiny", batches=batches,
-                        context=context, steps=tokens // 2 + 1, prefill_tokens=8192 if device == "cuda" else 64,
-                        prefill_splits=(1,), prefill_continued=False, mixed_batch=0, seed=a.seed,
-                        progress=not a.no_progress)
+    gpu = device == "cuda"
+    copy = eb.copy_gbps((1024 if gpu else 8) * 2**20, dev)
+    bc = eb.BenchConfig(device=device, preset="8b-like" if gpu else "tiny", batches=batches, context=context,
+                        steps=tokens // 2 + 1, prefill_tokens=8192 if gpu else 64, prefill_splits=(1,),
+                        prefill_continued=False, mixed_batch=0, seed=a.seed, progress=not a.no_progress)
     engine = eb.build_engine(bc)
     points: list[Point] = []
     trees = {b: tree_settings(engine.model_config, b) for b in batches}
@@ -275,11 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         for r, v in tqdm(todo, desc=f"B={b}", disable=a.no_progress):
             points.append(probe.measure(v, variants[v], r, steps))
         probe.close()
-    meta = {"device_name": device_name(dev), "commit": git_commit(), "command": "python benchmarks/launch_probe.py "
-            + " ".join(argv if argv is not None else sys.argv[1:]), "copy_gbps": copy, "preset": bc.preset,
-            "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture, "base": trees}
-    print(f"## Launch settings in whole decode steps — {meta['device_name']}, commit {meta['commit']}, {bc.preset}, "
-          f"context {context}; copy {copy:.0f} GB/s\n\n`{meta['command']}`\n")
+    command = "python benchmarks/launch_probe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = {"device_name": device_name(dev), "commit": git_commit(), "command": command, "copy_gbps": copy,
+            "preset": bc.preset, "graphs": engine.runner.graphs is not None and engine.runner.graphs.capture,
+            "base": trees}
+    print(f"## Launch settings in whole decode steps — {meta['device_name']}, commit {meta['commit']}, "
+          f"{bc.preset}, context {context}; copy {copy:.0f} GB/s\n\n`{command}`\n")
     print(summary(points, trees))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """benchmarks/launch_probe.py: variants parse or fail naming what was expected, patch exactly the launch
-settings they name and restore them, and a smoke run (tiny preset, CPU) measures every variant in every round."""
+settings they name and restore them, and a smoke run (tiny preset, CPU) measures every variant in every
+round."""
 
 from __future__ import annotations
 
@@ -43,17 +44,20 @@ def test_patched_overrides_what_it_names_and_restores_everything():
     attn_decode = ta._launch_config(4, 128, 1, 256, 256)
     attn_prefill = ta._launch_config(4, 128, None, 4096, 2)
     wide_8 = tg.default_tiles(8, 18560, 4096, True)
-    with patched(parse_variant("ssu.warps=2+attn.block_n=64+attn.stages=3+conv.block_c=128+gemv.wide=32x256x4x3")):
+    variant = "ssu.warps=2+attn.block_n=64+attn.stages=3+conv.block_c=128+gemv.wide=32x256x4x3"
+    with patched(parse_variant(variant)):
         assert ts._launch_config(64, 128, batch=256) == (*ssu_256[:2], 2)
-        assert ts._launch_config(64, 128, verify=True, batch=256) == before[0](64, 128, verify=True, batch=256)
+        verify = before[0](64, 128, verify=True, batch=256)
+        assert ts._launch_config(64, 128, verify=True, batch=256) == verify
         assert ta._launch_config(4, 128, 1, 256, 256) == (*attn_decode[:2], 64, *attn_decode[3:])
         assert ta._launch_config(4, 128, None, 4096, 2) == attn_prefill  # prefill tiles untouched
         assert ta.DECODE_STAGES == 3 and tc._default_block_c(256, 10240) == 128
         assert tc._num_warps(256) == before[4](256)  # not named: the tree's
         t = tg.default_tiles(8, 18560, 4096, True)
         assert (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages) == (wide_8.block_m, 32, 256, 4, 3)
-        assert tg.default_tiles(1, 18560, 4096, True) == before[5](1, 18560, 4096, True)  # one row: its own kernel
-        assert tg.default_tiles(8, 4096, 8192, True) == before[5](8, 4096, 8192, True)  # another class of layer
+        # One row keeps its own kernel; another class of layer keeps its tile.
+        assert tg.default_tiles(1, 18560, 4096, True) == before[5](1, 18560, 4096, True)
+        assert tg.default_tiles(8, 4096, 8192, True) == before[5](8, 4096, 8192, True)
     after = [ts._launch_config, ta._launch_config, ta.DECODE_STAGES, tc._default_block_c, tc._num_warps,
              tg.default_tiles]
     assert all(a is b for a, b in zip(after, before, strict=True))

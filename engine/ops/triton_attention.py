@@ -279,8 +279,8 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 
     Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
     decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about 64 query rows
-    (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs every
-    tile side >= 16.
+    (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs
+    every tile side >= 16.
     """
     decode = max_query_len == 1 or (max_query_len is None and T <= R)
     if decode:
@@ -297,10 +297,10 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     return block_q, block_m, block_n, block_d, 4
 
 
-# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode steps
-# on an H200 (whole steps, CUDA graphs, the engine's KV pool: benchmarks/launch_probe.py, RESULTS.md session 24)
-# the wider tile took the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 40 and 48 0.3-0.7 %; at 1-32
-# rows it was within +-0.4 %.
+# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode
+# steps on an H200 (whole steps, CUDA graphs, the engine's KV pool: benchmarks/launch_probe.py, RESULTS.md
+# session 24) the wider tile took the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 40 and 48
+# 0.3-0.7 %; at 1-32 rows it was within +-0.4 %.
 WIDE_DECODE_ROWS = 40
 
 

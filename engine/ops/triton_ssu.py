@@ -172,13 +172,13 @@ ONE_WARP_ROWS = 40
 
 
 def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tuple[int, int, int]:
-    """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for decode
-    and 2048 for verify, 2 warps. Measured best on an H200 at the 8b-like size (P=64, N=128; sweep of BLOCK_P
-    8..64 x 2/4/8 warps, session of 2026-11-26): decode 3,880 GB/s at batch 256 (4 warps, 2048: 3,743),
-    verify T=5 1,804 GB/s (4 warps: 1,581). Alone, one warp measured within 1-2 % of two either way (2026-11-27);
-    in whole 8b-like decode steps (CUDA graphs, the engine's pool: benchmarks/launch_probe.py, RESULTS.md session 24)
-    one warp took the step at 256 rows 2.7 % shorter, at 128 rows 2.1 %, at 40-64 0.3-0.6 %, and at 1-32 rows 0-0.5 %
-    longer: decode batches of ONE_WARP_ROWS rows or more take one warp."""
+    """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for
+    decode and 2048 for verify, 2 warps. Measured best on an H200 at the 8b-like size (P=64, N=128; sweep of
+    BLOCK_P 8..64 x 2/4/8 warps, session of 2026-11-26): decode 3,880 GB/s at batch 256 (4 warps, 2048:
+    3,743), verify T=5 1,804 GB/s (4 warps: 1,581). Alone, one warp measured within 1-2 % of two either way
+    (2026-11-27); in whole 8b-like decode steps (CUDA graphs, the engine's pool: benchmarks/launch_probe.py,
+    RESULTS.md session 24) one warp took the step at 256 rows 2.7 % shorter, at 128 rows 2.1 %, at 40-64
+    0.3-0.6 %, and at 1-32 rows 0-0.5 % longer: decode batches of ONE_WARP_ROWS rows or more take one warp."""
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 1 if not verify and batch >= ONE_WARP_ROWS else 2
