@@ -49,7 +49,8 @@ of KV + state pool, max length 16384. `--prefill-engine-args` adds flags for the
 a larger step budget: its steps carry no decode rows whose latency a long step would hurt).
 
 Per rate point each node's engine work is also recorded (`nodes`, from its /metrics before and after the point):
-how busy its engine loop was, its mean step time, prompt and decode tokens/s — where a node is host-bound; and,
+how busy its engine loop was and how busy its GPU was (CUDA-event time of its steps), its mean step time, prompt and
+decode tokens/s — where a node is host-bound; and,
 from its gauges sampled every 0.5 s while the point runs, its mean queue (waiting requests), the peak share of its
 state slots in use and its peak of held leases (finished prefills waiting for their READ) — why a node idles;
 and the router's routing decisions over the point (`routing`: disaggregated, prefill_overflow, ...).
@@ -442,6 +443,9 @@ class NodeLoad:
     peak_state_slots: float = 0.0
     peak_held_leases: int = 0
     gauge_samples: int = 0
+    # GPU time of its steps / window (CUDA events, `baton_node_step_device_seconds`; 0 on CPU and in older files):
+    # well below 100 % while the engine loop is busy, the GPU waits on the host between or inside steps.
+    gpu_busy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -528,7 +532,8 @@ NODE_COUNTERS = {"steps": "baton_node_engine_steps_total", "step_s": "baton_node
                  "prompt": "baton_node_prompt_tokens_total", "decode": "baton_node_decode_tokens_total"}
 TRANSFER_COUNTERS = {"reads": "baton_node_transfers_total", "read_bytes": "baton_node_transfer_bytes_total",
                      "read_s": "baton_node_transfer_seconds_total", "descs": "baton_node_transfer_descriptors_total",
-                     "eager": 'baton_node_path_steps_total{path="eager"}'}
+                     "eager": 'baton_node_path_steps_total{path="eager"}',
+                     "gpu_s": "baton_node_step_device_seconds_total"}
 
 
 def node_counters(metrics_url: str) -> dict[str, float]:
@@ -599,7 +604,8 @@ def node_load(before: Mapping[str, float], after: Mapping[str, float], window_s:
                     mean_waiting=sum(g["waiting"] for g in samples) / len(samples) if samples else 0.0,
                     peak_state_slots=max((g["slots_used"] / g["slots_total"] for g in samples if g["slots_total"]),
                                          default=0.0),
-                    peak_held_leases=int(max((g["held"] for g in samples), default=0.0)), gauge_samples=len(samples))
+                    peak_held_leases=int(max((g["held"] for g in samples), default=0.0)), gauge_samples=len(samples),
+                    gpu_busy=(after.get("gpu_s", 0.0) - before.get("gpu_s", 0.0)) / window_s)
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -823,12 +829,14 @@ def markdown_table(points: Mapping[str, Sequence[RatePoint]], slo: Slo) -> str:
                          f"| {_ms(p.tpot_s, 'p50')} | {e2e} |")
     loads = [(p, n, ld) for ps in points.values() for p in ps for n, ld in p.nodes.items()]
     if loads:
-        lines += ["", "| config | offered req/s | node | engine busy | steps | eager steps | step ms | prompt tok/s "
+        lines += ["", "| config | offered req/s | node | engine busy | GPU busy | steps | eager steps | step ms "
+                      "| prompt tok/s "
                       "| decode tok/s | READs | READ GB/s | descriptors / READ | waiting (mean) | state slots (peak) "
                       "| held leases (peak) |",
                   "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: |"]
-        lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % | {ld.steps} "
+                  "| ---: | ---: |"]
+        lines += [f"| {p.config} | {p.offered_rps:.3f} | {n} | {100 * ld.busy:.0f} % "
+                  f"| {f'{100 * ld.gpu_busy:.0f} %' if ld.gpu_busy else '–'} | {ld.steps} "
                   f"| {100 * ld.eager_steps / ld.steps if ld.steps else 0:.0f} % | {ld.step_ms:.2f} "
                   f"| {ld.prompt_tok_s:,.0f} | {ld.decode_tok_s:,.0f} | {ld.transfers} "
                   + (f"| {ld.transfer_gbps:.1f} | {ld.descriptors_per_transfer:.1f} " if ld.transfers else "| – | – ")

@@ -45,7 +45,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
-from baton.engine.pending_step import fill_pending
+from baton.engine.pending_step import device_mark, fill_pending
 
 
 @contextlib.contextmanager
@@ -135,6 +135,8 @@ class StepGraphs:
         self.replay = replay
         self.step_fn = step_fn
         self.sizes = graph_sizes(max_rows, fine=True)
+        # The last run's start mark (`pending_step.device_mark`), recorded before its first GPU work.
+        self.started: torch.cuda.Event | None = None
         # Sizes of at most this many tokens capture the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).
         self.fused_gemv_max_tokens = 0
         n, dev = max_rows, device
@@ -287,6 +289,7 @@ class StepGraphs:
         if copied is not None:
             copied.synchronize()  # the copy of two steps ago: long done unless the host runs far ahead
         host[:end] = torch.tensor(flat, dtype=torch.int64)
+        self.started = device_mark(self.device)  # the step's first GPU work: the host's part is done
         # One copy from pinned memory: asynchronous, it does not wait for the GPU.
         self.staging[:end].copy_(host[:end], non_blocking=True)
         if self.capture:

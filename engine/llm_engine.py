@@ -60,6 +60,9 @@ class EngineStats:
     decode_tokens: int = 0    # tokens fed by decode rows (the last token + drafts to verify)
     preemptions: int = 0
     step_seconds: float = 0.0
+    # GPU time of the steps read so far (CUDA events from each step's first queued work to its last; 0.0 on CPU):
+    # against step_seconds, whether the GPU or the host sets the pace
+    device_seconds: float = 0.0
     max_rows: int = 0
     row_kinds: list[tuple[int, int]] = field(default_factory=list)  # (decodes, prefills) per step
     spec_drafted: int = 0       # draft tokens verified
@@ -339,6 +342,7 @@ class LLMEngine:
     def _read(self, done: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens; write them into its requests and return their outputs."""
         sampled, _ = done.pending.result()
+        self.stats.device_seconds += done.pending.device_seconds()
         sched = self.scheduler
         sched.step_done(done.step)
         outputs = []
@@ -369,6 +373,7 @@ class LLMEngine:
         reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
         before = [len(req.output_token_ids) for req in reqs]
         result = self.runner.execute(out)
+        self.stats.device_seconds += result.device_seconds
         finished = self.scheduler.update(out, result.sampled, result.drafts)
         self._record(out, time.perf_counter() - t0, result.sampled)
         for req in finished:

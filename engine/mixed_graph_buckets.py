@@ -45,6 +45,7 @@ class MixedGraphBuckets:
             raise ValueError(f"mixed step graphs: expected chunk sizes in 1..{chunk_tokens}, the largest "
                              f"{chunk_tokens}, got {buckets}")
         self.Q = chunk_tokens
+        self.started: torch.cuda.Event | None = None  # the last run's start mark (`pending_step.device_mark`)
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.buckets = {q: MixedStepGraphs(model, pools, block_size, max_rows, max_blocks, device, q, pool=pool)
                         for q in sizes}
@@ -69,5 +70,8 @@ class MixedGraphBuckets:
         return sum(self.buckets[q].capture_all() for q in sorted(self.buckets, reverse=True))
 
     def run(self, dec: DecodeRows, chunk: PromptChunk, fill: tuple | None = None) -> tuple[torch.Tensor, int]:
-        """`MixedStepGraphs.run` on the smallest bucket that holds the chunk."""
-        return self.buckets[self.bucket_for(len(chunk.ids))].run(dec, chunk, fill=fill)
+        """`MixedStepGraphs.run` on the smallest bucket that holds the chunk (its start mark then `started`)."""
+        graphs = self.buckets[self.bucket_for(len(chunk.ids))]
+        out = graphs.run(dec, chunk, fill=fill)
+        self.started = graphs.started
+        return out

@@ -36,7 +36,7 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
-from baton.engine.pending_step import fill_pending
+from baton.engine.pending_step import device_mark, fill_pending
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,8 @@ class MixedStepGraphs:
         self.device = device
         self.Q = Q = chunk_tokens
         self.sizes = graph_sizes(max_rows)
+        # The last run's start mark (`pending_step.device_mark`), recorded before its first GPU work.
+        self.started: torch.cuda.Event | None = None
         n, dev = max_rows, device
         # Static inputs, sized for the largest graph; a graph of n decode rows uses the first n + Q tokens and
         # n + 1 rows (the chunk's row last).
@@ -218,6 +220,7 @@ class MixedStepGraphs:
         if self.capture and n not in self.graphs:
             self.graphs[n] = self._capture(n)
         flat, width, chunk_len = self._inputs(n, dec, chunk)
+        self.started = device_mark(self.device)  # the step's first GPU work: the host's part is done
         self._write(n, flat, width, chunk_len)
         if fill is not None:
             fill_pending(self.ids, *fill)

@@ -4,6 +4,12 @@ Launching a step queues its work on the stream and returns; the tokens travel ba
 into pinned memory and an event recorded after it. `result()` waits on that event only, so the host can
 launch the next step first (async scheduling) and still read this step's tokens without waiting for the
 next one: a plain `.tolist()` would wait for everything queued on the stream.
+
+On CUDA a step also carries an event recorded just before its first GPU work (`device_mark`): once read,
+`device_seconds()` is the GPU's time from there to the step's end. Under async scheduling that event fires when the
+GPU finishes the step before, so it times this step alone; GPU time over wall time is how busy the GPU was, beside
+how busy the engine loop was (`baton_node_step_device_seconds`). It is a span: gaps inside an eager step, where the
+GPU waits for the host's next launch, count as GPU time.
 """
 
 from __future__ import annotations
@@ -13,14 +19,26 @@ import torch
 from baton.engine.host_copy import to_device
 
 
+def device_mark(device: torch.device | str) -> torch.cuda.Event | None:
+    """An event recorded now on the current stream, timing enabled (None off CUDA): a step's start, recorded once
+    the host has built its inputs, just before its first GPU work (else a GPU left waiting on the host would count
+    as busy)."""
+    if torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class PendingStep:
     def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, device: torch.device,
-                 logits: torch.Tensor | None = None) -> None:
+                 logits: torch.Tensor | None = None, started: torch.cuda.Event | None = None) -> None:
         """request_ids: the rows that sampled, in order; tokens [R] int64 on the device (None: no row sampled);
         logits [R, V] when the caller asked for them. Construct it after the step's last kernel is queued: on
         CUDA its event marks the step's end, tokens or not, and `result()` waits for it. A step that samples
         nothing (prefill chunks) is still waited for: its outputs hand caches over (a prefill node's finished
-        prompt is read by another process), which must not happen before they are written."""
+        prompt is read by another process), which must not happen before they are written. `started`: the
+        step's `device_mark`, for `device_seconds()`."""
         self.request_ids = request_ids
         self.tokens = tokens
         self.logits = logits
@@ -30,8 +48,9 @@ class PendingStep:
             if tokens is not None:
                 self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 self._host.copy_(tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=started is not None)
             self._event.record()
+        self._started = started
         self._row_of: dict[str, int] | None = None
 
     def row_of(self, request_id: str) -> int | None:
@@ -50,6 +69,18 @@ class PendingStep:
         sampled = dict(zip(self.request_ids, self._host.tolist(), strict=True))
         logits = None if self.logits is None else {r: self.logits[i] for i, r in enumerate(self.request_ids)}
         return sampled, logits
+
+    def device_seconds(self) -> float:
+        """The step's GPU time, from its start mark to its end (0.0 off CUDA, or without a mark); call it after
+        `result()`: it does not wait."""
+        if self._started is None or self._event is None or not self._event.query():
+            return 0.0
+        return self._started.elapsed_time(self._event) / 1e3
+
+
+def elapsed_seconds(started: torch.cuda.Event | None, ended: torch.cuda.Event | None) -> float:
+    """GPU seconds between two marks that have both completed (0.0 if either is None)."""
+    return 0.0 if started is None or ended is None else started.elapsed_time(ended) / 1e3
 
 
 def fill_pending(input_ids: torch.Tensor, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
-from baton.engine.pending_step import PendingStep, fill_pending
+from baton.engine.pending_step import PendingStep, device_mark, fill_pending
 from baton.engine.request import PENDING
 from baton.engine.sampling import Sampler, make_generator
 from baton.engine.sampling_params import SamplingParams
@@ -46,6 +46,7 @@ class StepOutput:
     sampled: dict[str, int] | dict[str, list[int]]
     logits: dict[str, torch.Tensor] | None = None  # request id -> [V] float32, when asked for
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> the next step's drafts
+    device_seconds: float = 0.0  # the step's GPU time (pending_step.device_mark), 0.0 off CUDA
 
 
 class ModelRunner:
@@ -161,8 +162,10 @@ class ModelRunner:
         """Run one step and wait for its tokens."""
         if not out.rows:
             return StepOutput(sampled={})
-        sampled, logits = self.launch(out, return_logits=return_logits).result()
-        return StepOutput(sampled=sampled, logits=(logits or {}) if return_logits else None)
+        pending = self.launch(out, return_logits=return_logits)
+        sampled, logits = pending.result()
+        return StepOutput(sampled=sampled, logits=(logits or {}) if return_logits else None,
+                          device_seconds=pending.device_seconds())
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
@@ -175,8 +178,10 @@ class ModelRunner:
         fill = self._pending_inputs(out, prev)
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
+            started = self.graphs.started
         elif self._mixed_graphable(out):
             logits = self._mixed_graph(out, fill=fill)
+            started = self.mixed_graphs.started
         else:
             input_ids, batch = self.build_batch(out)
             if fill is not None:
@@ -186,12 +191,14 @@ class ModelRunner:
                 # forward (indexing a device tensor with a host list would copy the list and wait).
                 starts = out.token_starts
                 last = self._t([starts[i + 1] - 1 for i in sample_rows])
+            started = device_mark(self.device)
             hidden = self.model(input_ids, batch)
             if not sample_rows:
-                return PendingStep([], None, self.device)
+                return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden[last], fused=batch.fused_gemv, upcast=False)  # [R_s, V]
         ids = [out.rows[i].request_id for i in sample_rows]
-        return PendingStep(ids, self.sample(logits, ids), self.device, logits.float() if return_logits else None)
+        return PendingStep(ids, self.sample(logits, ids), self.device, logits.float() if return_logits else None,
+                           started=started)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:

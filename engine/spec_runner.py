@@ -28,7 +28,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
-from baton.engine.pending_step import PendingStep
+from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
@@ -51,6 +51,9 @@ class SpecRunner(ModelRunner):
         if len(self._mtp_kv) != mtp.num_kv_layers:
             raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
         self.rejection = RejectionSampler(num_speculative_tokens)
+        # The last eager step's start mark (`pending_step.device_mark`): a prefill-only launch's PendingStep times
+        # from it.
+        self._started: torch.cuda.Event | None = None
 
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
                return_logits: bool = False) -> PendingStep:
@@ -59,9 +62,10 @@ class SpecRunner(ModelRunner):
         if self.draft:
             raise RuntimeError("SpecRunner.launch: expected a prefill-only runner (draft=False); a drafting runner "
                                "runs its steps with execute()")
+        self._started = None
         if self.execute(out, return_logits).sampled:
             raise RuntimeError("SpecRunner.launch: a prefill-only step sampled (a bug)")
-        return PendingStep([], None, self.device)
+        return PendingStep([], None, self.device, started=self._started)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
@@ -87,6 +91,7 @@ class SpecRunner(ModelRunner):
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
 
+        started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
 
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
@@ -119,8 +124,10 @@ class SpecRunner(ModelRunner):
 
         if not pieces:
             return StepOutput(sampled={})
+        ended = None if started is None else device_mark(self.device)
         host = torch.cat(pieces).tolist()  # the one device -> host read of the step
-        return self._unpack(host, out, prefill_sampling, drafts_out is not None)
+        return self._unpack(host, out, prefill_sampling, drafts_out is not None,
+                            seconds=elapsed_seconds(started, ended))
 
     @staticmethod
     def _successors(rows, width: int = 0) -> list[int]:
@@ -205,9 +212,11 @@ class SpecRunner(ModelRunner):
         n = self.graphs.size_for(R)
         packed = self._decode_graph(out, next_ids=self._successors(rows, T),
                                     verify_base=[r.num_computed_tokens for r in rows])
+        started = self.graphs.started
+        ended = None if started is None else device_mark(self.device)
         flat = packed.tolist()  # the one device -> host read of the step
         host = flat[:R] + flat[n:n + R * T] + flat[n + n * T:n + n * T + R * K]
-        return self._unpack(host, out, [], True, width=T)
+        return self._unpack(host, out, [], True, width=T, seconds=elapsed_seconds(started, ended))
 
     def _draft_batch(self, batch: ForwardBatch, tables: torch.Tensor, pos: torch.Tensor) -> ForwardBatch:
         """One drafter token per drafting row at positions `pos` [D] (computed on the device)."""
@@ -220,7 +229,7 @@ class SpecRunner(ModelRunner):
             spec_flat_index=None, verify_inputs=None, prefill_chunk_meta=None, attention_meta=None)
 
     def _unpack(self, host: list[int], out: SchedulerOutput, prefill_sampling: list[int],
-                drafted: bool, width: int = 0) -> StepOutput:
+                drafted: bool, width: int = 0, seconds: float = 0.0) -> StepOutput:
         """Per request, its emitted tokens and next drafts from the step's one read; `width`: the verify rows'
         padded token count (a graph's T), else their longest."""
         rows, nd = out.rows, out.num_decodes
@@ -244,4 +253,4 @@ class SpecRunner(ModelRunner):
             K = self.num_spec
             for j, rid in enumerate(order):
                 drafts[rid] = host[at + j * K:at + (j + 1) * K]
-        return StepOutput(sampled=sampled, drafts=drafts)
+        return StepOutput(sampled=sampled, drafts=drafts, device_seconds=seconds)

@@ -84,6 +84,10 @@ class NodeMetrics:
             self.step_paths.labels(path=path)
         self.step_seconds = Histogram("baton_node_step_duration_seconds", "Wall time of one engine step",
                                       buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.device_seconds = Counter("baton_node_step_device_seconds", "GPU time of engine steps: CUDA events from "
+                                      "each step's first queued work to its last (0 on CPU). Its rate is how busy "
+                                      "the GPU was; beside the rate of step_duration_seconds_sum (how busy the engine "
+                                      "loop was) it shows whether the GPU or the host sets the pace", registry=r)
         self.step_tokens = Histogram("baton_node_step_tokens", "Tokens computed in one engine step",
                                      buckets=STEP_TOKENS_BUCKETS, registry=r)
         self.prompt_tokens = Counter("baton_node_prompt_tokens", "Prefill tokens computed (recomputes included)",
@@ -100,8 +104,8 @@ class NodeMetrics:
         if held_leases is not None:
             Gauge("baton_node_held_leases", "Finished prefills whose caches are leased, waiting for their READ "
                   "(prefill side)", registry=r).set_function(held_leases)
-        # steps, step_seconds, prompt, decode, drafted, accepted, decode-graph steps, mixed-graph steps
-        self._seen = (0, 0.0, 0, 0, 0, 0, 0, 0)
+        # steps, step_seconds, prompt, decode, drafted, accepted, decode-graph steps, mixed-graph steps, GPU seconds
+        self._seen = (0, 0.0, 0, 0, 0, 0, 0, 0, 0.0)
 
     def on_step(self, engine: LLMEngine) -> None:
         """Step hook (engine thread). Cheap: a few ints into gauges; observations only after a real step."""
@@ -118,13 +122,14 @@ class NodeMetrics:
         self.slots_ratio.set(slots_used / slots_total if slots_total else 0.0)
         st = engine.stats
         now = (st.steps, st.step_seconds, st.prompt_tokens, st.decode_tokens, st.spec_drafted, st.spec_accepted,
-               st.graph_steps, st.mixed_graph_steps)
-        if now[0] == self._seen[0]:
+               st.graph_steps, st.mixed_graph_steps, st.device_seconds)
+        if now[0] == self._seen[0] and now[-1] == self._seen[-1]:
             return
-        steps, seconds, prompt, decode, drafted, accepted, graphed, mixed_graphed = (
+        steps, seconds, prompt, decode, drafted, accepted, graphed, mixed_graphed, device_s = (
             a - b for a, b in zip(now, self._seen, strict=True))
         self._seen = now
         self.steps.inc(steps)
+        self.device_seconds.inc(device_s)
         self.step_paths.labels(path="decode_graph").inc(graphed)
         self.step_paths.labels(path="mixed_graph").inc(mixed_graphed)
         self.step_paths.labels(path="eager").inc(steps - graphed - mixed_graphed)

@@ -6,6 +6,7 @@ freed while a step is in flight (R5/R7: nothing a step in flight may write is ha
 a pipelined step never synchronises the host with the device except through the event of its tokens."""
 
 import random
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
-from baton.engine.pending_step import PendingStep
+from baton.engine.pending_step import PendingStep, device_mark
 from baton.engine.request import PENDING
 from baton.engine.sampling_params import SamplingParams
 
@@ -114,6 +115,14 @@ def test_async_outputs_equal_one_step_at_a_time(tiny, seed):
     got_stop = serve(engine, stop_waves)
     assert summary(got_stop) == summary(ref_stop)
     assert_all_free(engine)
+
+
+def test_cpu_steps_count_no_gpu_time(tiny):
+    """GPU time (`EngineStats.device_seconds`) comes from CUDA events only: a CPU engine's steps count none."""
+    engine = new_engine(tiny, True)
+    serve(engine, workload(2, tiny[0].vocab_size))
+    assert engine.stats.steps > 0 and engine.stats.step_seconds > 0
+    assert engine.stats.device_seconds == 0.0
 
 
 def test_async_with_preemption_equals_one_step_at_a_time(tiny):
@@ -321,3 +330,36 @@ def test_gpu_a_step_that_samples_nothing_is_still_waited_for():
     pending = PendingStep([], None, torch.device("cuda"))
     assert pending.result() == ({}, None)
     assert torch.cuda.current_stream().query()
+
+
+@pytest.mark.gpu
+def test_gpu_step_device_seconds_time_the_work_between_the_marks():
+    """`device_seconds()` is the GPU's time from a step's start mark to its end event: a queued 20 ms spin reads
+    as about 20 ms, whatever the host did meanwhile; a step without a mark reads 0."""
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    cycles = int(0.02 * torch.cuda.clock_rate() * 1e6)  # clock_rate in MHz: ~20 ms of spinning
+    started = device_mark(dev)
+    torch.cuda._sleep(cycles)
+    pending = PendingStep([], None, dev, started=started)
+    assert pending.result() == ({}, None)
+    # The SM clock may run below clock_rate (power or thermal limits): longer, never much shorter.
+    assert 0.015 < pending.device_seconds() < 0.2
+    unmarked = PendingStep([], None, dev)
+    unmarked.result()
+    assert unmarked.device_seconds() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_engine_counts_the_gpu_time_of_its_steps(tiny, graphs):
+    """The engine sums its steps' GPU time (`EngineStats.device_seconds`): more than nothing, less than the wall
+    time the engine ran for."""
+    engine = new_engine(tiny, True, device="cuda", cuda_graphs=graphs)
+    waves = workload(4, tiny[0].vocab_size)
+    serve(engine, waves[:1])  # warm-up: Triton compiles and captures are host time, not GPU time
+    before = engine.stats.device_seconds
+    t0 = time.perf_counter()
+    serve(engine, waves)
+    wall = time.perf_counter() - t0
+    assert 0 < engine.stats.device_seconds - before < wall

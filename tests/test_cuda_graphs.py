@@ -242,6 +242,8 @@ def test_verify_graphs_equal_eager_verify_and_k0(dense_spec_model, k):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert log.rows == eager_log.rows  # drafts and emitted tokens, row by row
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+    # Verify steps (graphs and eager) count their GPU time (read with their tokens).
+    assert engine.stats.device_seconds > 0 and eager_engine.stats.device_seconds > 0
 
 
 @pytest.mark.gpu

@@ -76,6 +76,8 @@ NODE_METRICS = {  # in both nodes
     "baton_node_step_tokens_count": "positive",
     "baton_node_step_tokens_sum": "positive",
     "baton_node_prompt_tokens_total": "positive",
+    # CUDA-event time: 0 on this CPU cluster (test_async_scheduling.py checks it on a GPU).
+    "baton_node_step_device_seconds_total": "zero",
 }
 # The prefill node never decodes (so never verifies MTP drafts) and never READs: the decode side counts the
 # READs, the prefill side their leases (completed, expired, held).

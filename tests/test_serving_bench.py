@@ -165,18 +165,19 @@ def test_goodput_at_another_slo_from_the_per_request_records(tmp_path, capsys):
 
 def test_node_load_from_counter_deltas_with_and_without_transfer_counters():
     before = {"steps": 10, "step_s": 1.0, "prompt": 100, "decode": 50, "reads": 2, "read_bytes": 1e9, "read_s": 0.01,
-              "descs": 6, "eager": 4}
+              "descs": 6, "eager": 4, "gpu_s": 0.5}
     after = {"steps": 30, "step_s": 3.0, "prompt": 500, "decode": 250, "reads": 6, "read_bytes": 3e9, "read_s": 0.03,
-             "descs": 30, "eager": 9}
+             "descs": 30, "eager": 9, "gpu_s": 2.1}
     ld = sb.node_load(before, after, window_s=4.0)
     assert ld.eager_steps == 5  # of 20: the other 15 replayed CUDA graphs
+    assert ld.gpu_busy == pytest.approx(0.4)  # 1.6 s of GPU time in 4 s, the loop busy for 2 s of them
     assert (ld.steps, ld.busy, ld.step_ms, ld.prompt_tok_s, ld.decode_tok_s) == (20, 0.5, 100.0, 100.0, 50.0)
     assert ld.transfers == 4 and ld.transfer_gbps == pytest.approx(100.0)
     assert ld.descriptors_per_transfer == pytest.approx(6.0)  # 24 descriptors over 4 READs
     # A node without a transfer agent (or counters scraped before they existed): no READs, no division by zero.
     core = {k: before[k] for k in ("steps", "step_s", "prompt", "decode")}
     ld = sb.node_load(core, {**core, "steps": 11, "step_s": 1.5}, window_s=1.0)
-    assert (ld.transfers, ld.transfer_gbps, ld.descriptors_per_transfer) == (0, 0.0, 0.0)
+    assert (ld.transfers, ld.transfer_gbps, ld.descriptors_per_transfer, ld.gpu_busy) == (0, 0.0, 0.0, 0.0)
     # Files written before the fields existed load with their defaults.
     old = {"steps": 1, "busy": 0.5, "step_ms": 2.0, "prompt_tok_s": 3.0, "decode_tok_s": 4.0}
     assert sb.NodeLoad(**old).transfers == 0
