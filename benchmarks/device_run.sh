@@ -14,7 +14,7 @@
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
-#   transfer  transfer_bench.py on cuda (2 GPUs: NIXL as one READ and state slot first, and CUDA IPC; progress delay 1000
+#   transfer  transfer_bench.py on cuda (2 GPUs: NIXL state slot first and as one READ, and CUDA IPC; progress delay 1000
 #             and 0 us, PROGRESS_DELAYS; block ids contiguous, served / served-lowest, scattered) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several
 #             configurations in one call: benchmarks/serving_variants.sh
@@ -90,7 +90,7 @@ if stage transfer; then
   if [ "$gpus" -ge 2 ]; then
     # NIXL's progress thread: the default 1 ms sleep between passes, then spinning (NIXL's own 0), both paths.
     for d in ${PROGRESS_DELAYS:-1000 0}; do
-      for way in "" --state-first --cuda-ipc; do
+      for way in "" "--read-order one-read" --cuda-ipc; do
         echo "-- --nixl-progress-delay-us $d $way"
         python3 benchmarks/transfer_bench.py --device cuda --layouts contiguous,served,served-lowest,scattered --reps 20 $way \
           --nixl-progress-delay-us "$d" 2>&1 | grep -v "NIXL INFO" | tee -a "$OUT/transfer_cuda.txt" | tail -9

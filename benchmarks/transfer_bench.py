@@ -5,7 +5,8 @@ The request: `--tokens` (16k) of the `8b-like` preset (Nemotron-H-8B shape, bf16
 4 attention layers plus the conv and SSM state of all 24 Mamba layers (fp32 SSM state). A "prefill"
 process holds it in real engine cache pools; this process, the "decode" side, READs it into its own.
 
-Ways (each as one NIXL READ of the whole request):
+Ways (each a NIXL read of the whole request: the state slot's READ posted first, then the blocks' as the agent
+does by default; `--read-order one-read`: one READ of both):
 - coalesced: Baton's plan; with id-major pools the request's blocks are runs (1 descriptor per run, for all
   layers) + 1 conv + 1 SSM descriptor.
 - per block: one descriptor per KV block.
@@ -20,6 +21,7 @@ schedulers under its default workload), renumbered into the bench's pools with t
 
   python benchmarks/transfer_bench.py --device cpu        # DRAM <-> DRAM between two processes (UCX cma)
   python benchmarks/transfer_bench.py --device cuda       # cuda:0 -> cuda:1 (VRAM registration), 2 GPUs
+  python benchmarks/transfer_bench.py --device cuda --read-order one-read  # the same, blocks and state in one READ
   python benchmarks/transfer_bench.py --device cuda --cuda-ipc  # the same, copied through CUDA IPC mappings
                                                                 # (transfer/cuda_ipc.py) instead of UCX
 
@@ -45,7 +47,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
 from baton.engine.weights import TORCH_DTYPES
-from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
+from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US, READ_ORDERS
 from baton.transfer.plan import plan_request
 
 LAYOUTS = ("contiguous", "scattered", "served", "served-lowest")
@@ -155,8 +157,9 @@ def main() -> int:
     ap.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
                     help="longest sleep of NIXL's progress thread between passes (0: it spins; default "
                          f"{DEFAULT_PROGRESS_DELAY_US})")
-    ap.add_argument("--state-first", action="store_true",
-                    help="NIXL: post the state slot's READ before planning the blocks (TransferAgent(state_first=True))")
+    ap.add_argument("--read-order", choices=READ_ORDERS, default="state-first",
+                    help="NIXL: the state slot's READ posted before the blocks are planned (TransferAgent's default), "
+                         "or one READ of both")
     ap.add_argument("--cuda-ipc", action="store_true",
                     help="read through CUDA IPC mappings of the holder's pools (GPU pools on one host)")
     args = ap.parse_args()
@@ -183,11 +186,12 @@ def main() -> int:
         agent = TransferAgent("bench-decode", cfg, pools.by_name(),
                               args.block_size, progress_thread=not args.no_progress_thread,
                               num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc,
-                              progress_delay_us=args.nixl_progress_delay_us, state_first=args.state_first)
+                              progress_delay_us=args.nixl_progress_delay_us,
+                              state_first=args.read_order == "state-first")
         meta = SideChannelClient(*address).metadata()
         agent.connect(meta)
         path = ("CUDA IPC copy" if agent.reads_by_cuda_ipc(meta.engine_id)
-                else "NIXL READ, state slot first" if args.state_first else "NIXL READ")
+                else "NIXL READ, state slot first" if args.read_order == "state-first" else "NIXL READ, one READ")
         if args.cuda_ipc and path != "CUDA IPC copy":
             print("transfer_bench: --cuda-ipc given, but the peer is read through NIXL (host memory, or the "
                   "mapping failed: see the warning above)", file=sys.stderr)

@@ -6,6 +6,7 @@ gRPC service on P, and /metrics and /health over HTTP (port P+2000 unless --http
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,13 +22,22 @@ from baton.engine.llm_engine import LLMEngine
 from baton.node.metrics import NodeMetrics, start_node_http
 from baton.node.serve import add_port, default_engine_id, http_port_of, node_parser, run
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
-from baton.transfer.agent import TransferAgent
+from baton.transfer.agent import READ_ORDERS, TransferAgent
+
+
+def parser() -> argparse.ArgumentParser:
+    """The decode node's flags: every node's (`node_parser`), the engine's, and the NIXL reads'."""
+    p = node_parser("decode")
+    p.add_argument("--read-timeout", type=float, default=10.0, help="seconds one NIXL READ may take")
+    p.add_argument("--nixl-read-order", choices=READ_ORDERS, default="state-first",
+                   help="state-first (default): a NIXL read posts the request's state slot as its own READ before "
+                        "it plans and posts the KV blocks' (the link starts sooner); one-read: blocks and state in "
+                        "one READ")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = node_parser("decode")
-    p.add_argument("--read-timeout", type=float, default=10.0, help="seconds one NIXL READ may take")
-    a = p.parse_args(argv)
+    a = parser().parse_args(argv)
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
     engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
     # Capture every decode batch size's CUDA graph before taking traffic (no request waits on a capture).
@@ -37,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
                           num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
-                          progress_delay_us=a.nixl_progress_delay_us)
+                          progress_delay_us=a.nixl_progress_delay_us, state_first=a.nixl_read_order == "state-first")
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()

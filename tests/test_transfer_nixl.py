@@ -40,15 +40,16 @@ def model_dir(tmp_path_factory):
     return out
 
 
-def decode_side(model_dir, engine_kw: dict, name: str, state_first: bool = False) -> tuple[LLMEngine, TransferAgent]:
-    """This process's engine and its NIXL agent over the engine's pools."""
+def decode_side(model_dir, engine_kw: dict, name: str, state_first: bool = True) -> tuple[LLMEngine, TransferAgent]:
+    """This process's engine and its NIXL agent over the engine's pools (the agent's default read order unless
+    told)."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**engine_kw))
     return engine, TransferAgent(name, engine.model_config, engine.pools.by_name(), engine.config.block_size,
                                  state_first=state_first)
 
 
-# A read as one NIXL READ carrying the notification, or the state slot's READ first, then the blocks', then the
-# notification (`TransferAgent(state_first=True)`).
+# A read as one NIXL READ carrying the notification (`TransferAgent(state_first=False)`, a decode node's
+# --nixl-read-order one-read), or the state slot's READ first, then the blocks', then the notification (the default).
 READ_ORDERS = [pytest.param(False, id="one-read"), pytest.param(True, id="state-first")]
 
 
@@ -248,3 +249,15 @@ def test_an_idle_agent_does_not_spin_a_core_and_the_delay_is_checked(decode_plai
         with pytest.raises(ValueError, match="progress_delay_us: expected an integer >= 0"):
             TransferAgent("bad", engine.model_config, engine.pools.by_name(), engine.config.block_size,
                           progress_delay_us=bad)
+
+
+def test_decode_node_reads_state_first_by_default_and_refuses_an_unknown_order(capsys):
+    from baton.decode_node.server import parser
+
+    base = ["--model", "m", "--port", "1"]
+    assert parser().parse_args(base).nixl_read_order == "state-first"
+    assert parser().parse_args([*base, "--nixl-read-order", "one-read"]).nixl_read_order == "one-read"
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args([*base, "--nixl-read-order", "blocks-first"])
+    assert e.value.code == 2
+    assert "invalid choice: 'blocks-first' (choose from" in capsys.readouterr().err

@@ -2,9 +2,9 @@
 
 The decode side pulls: `start_read` issues one NIXL READ for a request (coalesced descriptors, a
 notification naming the request id for the prefill side), `wait`/`poll` finish it within a deadline and
-always release the handle. With `state_first=True` it is two READs, the state slot's posted before the
-blocks are planned, and the agent sends the notification once both are done. The prefill side calls
-`notifications()` to learn which requests were read.
+always release the handle. By default (`state_first=True`) it is two READs, the state slot's posted before the
+blocks are planned, and the agent sends the notification once both are done; `state_first=False` posts one READ of
+both. The prefill side calls `notifications()` to learn which requests were read.
 
 With `cuda_ipc=True` on both sides and both on one host with GPU pools, the READ is instead a copy through
 the holder's pools mapped once at the handshake (`transfer.cuda_ipc`), followed by the same notification,
@@ -41,6 +41,8 @@ from baton.transfer.stats import TransferStats
 
 log = logging.getLogger("baton.transfer")
 DEFAULT_TIMEOUT_S = 10.0
+# How a NIXL read is posted (`TransferAgent(state_first=...)`, a decode node's --nixl-read-order).
+READ_ORDERS = ("state-first", "one-read")
 SPIN_SECONDS = 0.005
 
 
@@ -107,16 +109,18 @@ class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = False) -> None:
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True) -> None:
         """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
         this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs.
         `progress_delay_us`: the longest sleep of the progress thread between passes (0: it never sleeps, NIXL's own
-        default: one busy core per agent). `state_first`: a NIXL read posts the request's state slot (a third of a
-        16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the blocks, so the
-        link starts while the host still works (the CUDA IPC path's order); the notification then follows both.
-        Not yet timed on GPUs: `transfer_bench.py --state-first`."""
+        default: one busy core per agent). `state_first` (default): a NIXL read posts the request's state slot (a
+        third of a 16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the
+        blocks, so the link starts while the host still works (the CUDA IPC path's order); the notification then
+        follows both. On 2 x H200 a 16k-token 8b-like request read at 84 % of a peer copy this way against 79 % as
+        one READ, with the block ids of a serving node (benchmarks/RESULTS.md, issue #7 session 25); False: one
+        READ of blocks and state."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
