@@ -4,7 +4,8 @@
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like,
 #             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048")
-#   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes)
+#   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
+#             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   launch    launch_probe.py: launch settings A/B'd in whole decode steps (LAUNCH_ARGS, default: the tree against
 #             session 24's previous decode settings at batch 40 and 256)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
@@ -52,7 +53,8 @@ if stage engine; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress ${ENGINE_BENCH_ARGS:-} --out "$OUT/engine" 2>&1 | tail -36
 fi
 if stage profile; then
-  python3 benchmarks/step_profile.py --no-progress --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" | tail -80
+  python3 benchmarks/step_profile.py --no-progress ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" \
+    | tail -120
 fi
 if stage launch; then
   python3 benchmarks/launch_probe.py --no-progress ${LAUNCH_ARGS:---batches 40,256 --variants base,ssu.warps=2+attn.block_n=64} \

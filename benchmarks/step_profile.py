@@ -1,4 +1,5 @@
-"""Where a decode step's GPU time goes: the kernels of engine steps at batch 1, 32, 256, grouped by kind.
+"""Where a decode (or prefill) step's GPU time goes: the kernels of engine steps at batch 1, 32, 256 (and of
+`--prefill` steps), grouped by kind.
 
 engine_bench (a) says how far a decode step is from its traffic roofline; this says what the rest is made of.
 Per batch size it enters decode as engine_bench does (B requests of `--context` prompt tokens, re-admitted on
@@ -16,7 +17,13 @@ Per step:
 Kinds come from kernel names (`KINDS`, first match wins): our Triton kernels by their function names, cuBLAS /
 CUTLASS GEMMs by their families, copies and sets, and the rest (torch elementwise ops, sampling) as `other`.
 
+Prefill (`--prefill 1x8192,4x2048`: prompts x tokens, each shape one step of fresh prompts that sample their last
+token, engine_bench's (c) step): after a warm-up step of the shape, `--steps` such steps under the profiler, the
+rows then carrying TFLOP/s where the FLOPs are known (GEMMs: linear layers + lm_head; scan; attention:
+`engine_bench.prefill_flops`) instead of GB/s. Where a prefill step falls short of the matmul rate, per kind.
+
   python benchmarks/step_profile.py --out /tmp/profile                      # 8b-like on one GPU
+  python benchmarks/step_profile.py --prefill 1x8192,4x2048 --no-decode     # its prefill steps only
   python benchmarks/step_profile.py --smoke --out /tmp/profile              # tiny preset on the CPU: aten ops
 """
 
@@ -39,10 +46,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_bench import (  # noqa: E402
     BenchConfig,
+    _prefill_step,
+    _prompts,
     build_engine,
     copy_gbps,
     decode_traffic,
     enter_decode,
+    prefill_flops,
     sync,
 )
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
@@ -115,6 +125,7 @@ class KindRow:
     us_per_step: float
     share: float            # of the step's wall time
     gbps: float | None      # bytes the kind must move / its time, where known
+    tflops: float | None = None  # FLOPs the kind must compute / its time, where known (prefill steps)
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,9 @@ class Profile:
     rows: tuple[KindRow, ...]
     top: tuple[tuple[str, int, float], ...]  # (name, kernels / step x steps, µs / step) of the costliest kernels
     weights_gbps: float | None = None  # the weights' bytes / the time of all GEMMs (cuBLAS and fused GEMVs)
+    # A prefill step's shape (0 for decode steps): its prompts and their tokens in all.
+    prompts: int = 0
+    prompt_tokens: int = 0
 
     @property
     def idle_us_per_step(self) -> float:
@@ -133,11 +147,14 @@ class Profile:
 
 
 def profile_of(kernels: Sequence[Kernel], batch: int, steps: int, wall_us: float,
-               kind_bytes: dict[str, float] | None = None, top: int = 8) -> Profile:
-    """Group `kernels` (those of `steps` steps taking `wall_us` in all) by kind, per step."""
+               kind_bytes: dict[str, float] | None = None, top: int = 8,
+               kind_flops: dict[str, float] | None = None) -> Profile:
+    """Group `kernels` (those of `steps` steps taking `wall_us` in all) by kind, per step; `kind_bytes` /
+    `kind_flops`: what one step's kernels of a kind must move / compute."""
     if steps < 1 or wall_us <= 0:
         raise ValueError(f"profile: expected steps >= 1 and a positive wall time, got {steps}, {wall_us}")
     kind_bytes = kind_bytes or {}
+    kind_flops = kind_flops or {}
     count: dict[str, int] = {}
     time_us: dict[str, float] = {}
     per_name: dict[str, list[float]] = {}
@@ -150,8 +167,9 @@ def profile_of(kernels: Sequence[Kernel], batch: int, steps: int, wall_us: float
     rows = []
     for kind in sorted(time_us, key=lambda k: -time_us[k]):
         us = time_us[kind] / steps
-        b = kind_bytes.get(kind)
-        rows.append(KindRow(kind, count[kind] / steps, us, us / wall, None if b is None or us == 0 else b / us / 1e3))
+        b, f = kind_bytes.get(kind), kind_flops.get(kind)
+        rows.append(KindRow(kind, count[kind] / steps, us, us / wall, None if b is None or us == 0 else b / us / 1e3,
+                            None if f is None or us == 0 else f / us / 1e6))
     costly = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return Profile(batch=batch, steps=steps, wall_us_per_step=wall, busy_us_per_step=sum(time_us.values()) / steps,
                    rows=tuple(rows),
@@ -194,22 +212,61 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
     return dataclasses.replace(p, weights_gbps=t.weights / gemm_us / 1e3 if gemm_us else None)
 
 
+def profile_prefill(engine, bc: BenchConfig, prompts: int, length: int, progress: bool) -> Profile:
+    """`bc.steps` prefill steps of `prompts` fresh prompts of `length` tokens each (after one warm-up step), by
+    kind; GEMMs, the scan and attention with their TFLOP/s."""
+    device = torch.device(bc.device)
+    gpu = device.type == "cuda"
+    ids = _prompts(prompts, length, engine.model_config.vocab_size, bc.seed + 7919 * prompts + length)
+    _prefill_step(engine, ids, f"profile-warm-{prompts}x{length}", device)
+    sync(device)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in tqdm(range(bc.steps), desc=f"prefill {prompts}x{length}", disable=not progress):
+            _prefill_step(engine, ids, f"profile-{prompts}x{length}-{i}", device)
+        sync(device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = trace_kernels(_trace(prof), gpu)
+    if gpu and kernels:
+        wall_us = device_span_us(kernels)  # the host's turn between steps (reading, adding prompts) counts as idle
+    f = prefill_flops(engine.model_config, [length] * prompts)
+    p = profile_of(kernels, prompts, bc.steps, wall_us,
+                   kind_flops={"gemm": f.linear + f.lm_head, "scan": f.ssd, "attention": f.attention})
+    return dataclasses.replace(p, prompts=prompts, prompt_tokens=prompts * length)
+
+
 def table(profiles: Iterable[Profile], meta: dict) -> str:
-    lines = [f"## Decode step profile — {meta['device_name']}, commit {meta['commit']}, preset {meta['preset']}, "
-             f"context {meta['context']}; copy {meta['copy_gbps']:.0f} GB/s", "", f"`{meta['command']}`", ""]
+    lines = [f"## Step profile — {meta['device_name']}, commit {meta['commit']}, preset {meta['preset']}, "
+             f"decode context {meta['context']}; copy {meta['copy_gbps']:.0f} GB/s", "", f"`{meta['command']}`", ""]
     for p in profiles:
-        lines += [f"batch {p.batch}: wall {p.wall_us_per_step:,.0f} µs/step, kernels busy {p.busy_us_per_step:,.0f} "
-                  f"µs, idle {p.idle_us_per_step:,.0f} µs ({p.idle_us_per_step / p.wall_us_per_step:.0%}); "
-                  f"weights read by all GEMMs at "
-                  f"{'–' if p.weights_gbps is None else format(p.weights_gbps, ',.0f')} GB/s", "",
-                  "| kind | kernels / step | µs / step | share of wall | GB/s |", "| --- | ---: | ---: | ---: | ---: |"]
+        head = (f"prefill {p.prompts} x {p.prompt_tokens // p.prompts:,} tokens" if p.prompts else f"batch {p.batch}")
+        tail = (f"{p.prompt_tokens / p.wall_us_per_step * 1e6:,.0f} tokens/s" if p.prompts else
+                f"weights read by all GEMMs at {'–' if p.weights_gbps is None else format(p.weights_gbps, ',.0f')} "
+                "GB/s")
+        unit = "TFLOP/s" if p.prompts else "GB/s"
+        lines += [f"{head}: wall {p.wall_us_per_step:,.0f} µs/step, kernels busy {p.busy_us_per_step:,.0f} "
+                  f"µs, idle {p.idle_us_per_step:,.0f} µs ({p.idle_us_per_step / p.wall_us_per_step:.0%}); {tail}", "",
+                  f"| kind | kernels / step | µs / step | share of wall | {unit} |", "| --- | ---: | ---: | ---: | ---: |"]
         for r in p.rows:
-            gbps = "–" if r.gbps is None else f"{r.gbps:,.0f}"
-            lines.append(f"| {r.kind} | {r.kernels_per_step:.0f} | {r.us_per_step:,.1f} | {r.share:.1%} | {gbps} |")
+            rate = r.tflops if p.prompts else r.gbps
+            rate_s = "–" if rate is None else f"{rate:,.0f}"
+            lines.append(f"| {r.kind} | {r.kernels_per_step:.0f} | {r.us_per_step:,.1f} | {r.share:.1%} | {rate_s} |")
         lines += ["", "| costliest kernels | launches | µs / step |", "| --- | ---: | ---: |"]
         lines += [f"| `{n}` | {c} | {us:,.1f} |" for n, c, us in p.top]
         lines.append("")
     return "\n".join(lines)
+
+
+def prefill_shapes(text: str) -> list[tuple[int, int]]:
+    """"1x8192,4x2048" -> [(1, 8192), (4, 2048)] (prompts, tokens each); "" -> []."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        n, sep, length = part.partition("x")
+        if not (sep and n.isdigit() and length.isdigit() and int(n) > 0 and int(length) > 0):
+            raise SystemExit(f"--prefill: expected PROMPTSxTOKENS with positive integers (e.g. 4x2048), got {part!r}")
+        shapes.append((int(n), int(length)))
+    return shapes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 1024)")
     ap.add_argument("--steps", type=int, default=None, help="profiled steps per batch (and as many warm-up)")
     ap.add_argument("--preset", default=None)
+    ap.add_argument("--prefill", default=None,
+                    help="prefill steps to profile, comma-separated PROMPTSxTOKENS (e.g. 1x8192,4x2048)")
+    ap.add_argument("--no-decode", action="store_true", help="profile the --prefill steps only")
     ap.add_argument("--fused-gemv-max-tokens", type=int, default=None,
                     help="the engine's (default: its own, 1 on an H100 or H200, else 0)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
@@ -236,16 +296,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("context", "steps", "preset"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
-    # Only the decode pools matter here: the prefill step of engine_bench is left small.
+    shapes = prefill_shapes(args.prefill or "")
+    if args.no_decode and not shapes:
+        raise SystemExit("step_profile: --no-decode expected --prefill shapes to profile, got none")
+    # The prefill budget holds the largest shape's tokens in one step (engine_bench's (c) step).
+    tokens = max((n * length for n, length in shapes), default=16)
     bc = BenchConfig(device=base["device"], preset=base["preset"], batches=base["batches"], context=base["context"],
-                     steps=base["steps"], prefill_tokens=16, prefill_splits=(1,), copy_mib=8 if args.smoke else 1024,
+                     steps=base["steps"], prefill_tokens=tokens, prefill_splits=(1,), copy_mib=8 if args.smoke else 1024,
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, progress=not args.no_progress)
     device = torch.device(bc.device)
     copy = copy_gbps(bc.copy_mib * 2**20, device)
     engine = build_engine(bc)
-    profiles = [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
+    profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
+    profiles += [profile_prefill(engine, bc, n, length, bc.progress) for n, length in shapes]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
+            "prefill": [f"{n}x{length}" for n, length in shapes],
             "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     print(table(profiles, meta))
     if args.out:

@@ -83,6 +83,39 @@ def test_device_span_runs_from_the_first_start_to_the_last_end():
     with pytest.raises(ValueError, match="at least one kernel"):
         sp.device_span_us([])
 
+def test_profile_of_rates_flops_where_known():
+    ks = [sp.Kernel("nvjet_gemm", 0, 100.0), sp.Kernel("_ssd_state_kernel", 101, 20.0), sp.Kernel("x", 130, 5.0)]
+    p = sp.profile_of(ks, batch=1, steps=1, wall_us=200.0, kind_flops={"gemm": 5e10, "scan": 1e9})
+    rows = {r.kind: r for r in p.rows}
+    assert rows["gemm"].tflops == pytest.approx(500.0)  # 5e10 FLOPs in 100 µs
+    assert rows["scan"].tflops == pytest.approx(50.0)
+    assert rows["other"].tflops is None and rows["gemm"].gbps is None
+
+
+def test_prefill_shapes_parse_and_refuse_bad_ones():
+    assert sp.prefill_shapes("1x8192, 4x2048") == [(1, 8192), (4, 2048)]
+    assert sp.prefill_shapes("") == []
+    for bad in ("8192", "0x16", "2x", "ax16", "2x-4"):
+        with pytest.raises(SystemExit, match="PROMPTSxTOKENS"):
+            sp.prefill_shapes(bad)
+
+
+def test_smoke_prefill_run_on_cpu(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-progress",
+                        "--prefill", "1x32,2x16", "--no-decode", "--steps", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / sp.JSON_NAME).read_text())
+    assert [(p["prompts"], p["prompt_tokens"]) for p in data["profiles"]] == [(1, 32), (2, 32)]
+    for p in data["profiles"]:
+        gemm = next(row for row in p["rows"] if row["kind"] == "gemm")
+        assert gemm["tflops"] > 0 and p["steps"] == 2
+    assert "prefill 2 x 16 tokens" in r.stdout and "| TFLOP/s |" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-decode",
+                          "--prefill", ""], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--no-decode expected --prefill shapes" in bad.stderr
+
+
 def test_smoke_run_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-progress",
                         "--batches", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
