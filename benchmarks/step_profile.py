@@ -299,10 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = prefill_shapes(args.prefill or "")
     if args.no_decode and not shapes:
         raise SystemExit("step_profile: --no-decode expected --prefill shapes to profile, got none")
-    # The prefill budget holds the largest shape's tokens in one step (engine_bench's (c) step).
+    # The prefill budget holds the largest shape's tokens in one step (engine_bench's (c) step), the running
+    # requests its most prompts.
     tokens = max((n * length for n, length in shapes), default=16)
     bc = BenchConfig(device=base["device"], preset=base["preset"], batches=base["batches"], context=base["context"],
-                     steps=base["steps"], prefill_tokens=tokens, prefill_splits=(1,), copy_mib=8 if args.smoke else 1024,
+                     steps=base["steps"], prefill_tokens=tokens,
+                     prefill_splits=tuple(sorted({n for n, _ in shapes})) or (1,), copy_mib=8 if args.smoke else 1024,
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, progress=not args.no_progress)
     device = torch.device(bc.device)
     copy = copy_gbps(bc.copy_mib * 2**20, device)
