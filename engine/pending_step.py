@@ -73,9 +73,9 @@ class PendingStep:
     def device_seconds(self) -> float:
         """The step's GPU time, from its start mark to its end (0.0 off CUDA, or without a mark); call it after
         `result()`: it does not wait."""
-        if self._started is None or self._event is None or not self._event.query():
+        if self._event is None or not self._event.query():
             return 0.0
-        return self._started.elapsed_time(self._event) / 1e3
+        return elapsed_seconds(self._started, self._event)
 
 
 def elapsed_seconds(started: torch.cuda.Event | None, ended: torch.cuda.Event | None) -> float:
