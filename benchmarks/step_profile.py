@@ -18,7 +18,8 @@ Kinds come from kernel names (`KINDS`, first match wins): our Triton kernels by 
 CUTLASS GEMMs by their families, copies and sets, and the rest (torch elementwise ops, sampling) as `other`.
 
 Prefill (`--prefill 1x8192,4x2048`: prompts x tokens, each shape one step of fresh prompts that sample their last
-token, engine_bench's (c) step): after a warm-up step of the shape, `--steps` such steps under the profiler, the
+token, engine_bench's (c) step): after a warm-up step of the shape, `--steps` such steps under the profiler (queued
+at once, stepped with async scheduling as a prefill node steps them), the
 rows then carrying TFLOP/s where the FLOPs are known (GEMMs: linear layers + lm_head; scan; attention:
 `engine_bench.prefill_flops`) instead of GB/s. Where a prefill step falls short of the matmul rate, per kind.
 
@@ -44,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from baton.engine.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.engine_bench import (  # noqa: E402
     BenchConfig,
     _prefill_step,
@@ -58,6 +60,7 @@ from benchmarks.engine_bench import (  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 JSON_NAME = "step_profile.json"
+GAP_MIN_US = 20.0  # an idle stretch this long is host time not hidden (launch latency is a few µs)
 # (kind, regex on the kernel name), first match wins. GPU kernel names, and aten op names for the CPU smoke run.
 KINDS: tuple[tuple[str, str], ...] = (
     ("state update", r"_ssu_|selective_state_update"),
@@ -110,6 +113,27 @@ def trace_kernels(trace: dict, gpu: bool) -> list[Kernel]:
     return sorted(out, key=lambda k: k.ts_us)
 
 
+@dataclass(frozen=True)
+class Gap:
+    """An idle stretch of the device between two kernels (the one ending last before it, the next to start)."""
+    us: float
+    before: str
+    after: str
+
+
+def gaps_of(kernels: Sequence[Kernel], min_us: float) -> list[Gap]:
+    """The device's idle stretches of at least `min_us` between `kernels` (sorted by start; overlapping kernels
+    merge), in time order."""
+    out: list[Gap] = []
+    end, last = None, None
+    for k in kernels:
+        if end is not None and k.ts_us - end >= min_us:
+            out.append(Gap(k.ts_us - end, last.name, k.name))
+        if end is None or k.ts_us + k.dur_us > end:
+            end, last = k.ts_us + k.dur_us, k
+    return out
+
+
 def device_span_us(kernels: Sequence[Kernel]) -> float:
     """From the first kernel's start to the last one's end: the device's time over the traced steps, without the
     host's latency before the first launch (the device idles after the sync until then)."""
@@ -140,6 +164,10 @@ class Profile:
     # A prefill step's shape (0 for decode steps): its prompts and their tokens in all.
     prompts: int = 0
     prompt_tokens: int = 0
+    # Idle stretches of at least GAP_MIN_US: their count and time per step, and the longest (µs, before, after).
+    long_gaps_per_step: float = 0.0
+    long_gap_us_per_step: float = 0.0
+    longest_gaps: tuple[tuple[float, str, str], ...] = ()
 
     @property
     def idle_us_per_step(self) -> float:
@@ -171,9 +199,13 @@ def profile_of(kernels: Sequence[Kernel], batch: int, steps: int, wall_us: float
         rows.append(KindRow(kind, count[kind] / steps, us, us / wall, None if b is None or us == 0 else b / us / 1e3,
                             None if f is None or us == 0 else f / us / 1e6))
     costly = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    gaps = gaps_of(kernels, GAP_MIN_US)
+    longest = sorted(gaps, key=lambda g: -g.us)[:8]
     return Profile(batch=batch, steps=steps, wall_us_per_step=wall, busy_us_per_step=sum(time_us.values()) / steps,
                    rows=tuple(rows),
-                   top=tuple((name[:90], len(d), sum(d) / steps) for name, d in costly))
+                   top=tuple((name[:90], len(d), sum(d) / steps) for name, d in costly),
+                   long_gaps_per_step=len(gaps) / steps, long_gap_us_per_step=sum(g.us for g in gaps) / steps,
+                   longest_gaps=tuple((g.us, g.before[:60], g.after[:60]) for g in longest))
 
 
 def _trace(prof: torch.profiler.profile) -> dict:
@@ -214,22 +246,34 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
 
 def profile_prefill(engine, bc: BenchConfig, prompts: int, length: int, progress: bool) -> Profile:
     """`bc.steps` prefill steps of `prompts` fresh prompts of `length` tokens each (after one warm-up step), by
-    kind; GEMMs, the scan and attention with their TFLOP/s."""
+    kind; GEMMs, the scan and attention with their TFLOP/s. The steps' prompts are queued at once and stepped as
+    a prefill node steps them (async scheduling: the host builds step n+1 while the device runs step n), so the
+    idle stretches left are those a serving node has."""
     device = torch.device(bc.device)
     gpu = device.type == "cuda"
     ids = _prompts(prompts, length, engine.model_config.vocab_size, bc.seed + 7919 * prompts + length)
     _prefill_step(engine, ids, f"profile-warm-{prompts}x{length}", device)
     sync(device)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i in range(bc.steps):
+        for j, p in enumerate(ids):
+            engine.add_request(p, params, request_id=f"profile-{prompts}x{length}-{i}-{j}")
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    done = 0
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        for i in tqdm(range(bc.steps), desc=f"prefill {prompts}x{length}", disable=not progress):
-            _prefill_step(engine, ids, f"profile-{prompts}x{length}-{i}", device)
+        with tqdm(total=bc.steps * prompts, desc=f"prefill {prompts}x{length}", disable=not progress) as bar:
+            while engine.has_unfinished():
+                finished = sum(o.finished for o in engine.step())
+                done += finished
+                bar.update(finished)
         sync(device)
         wall_us = (time.perf_counter() - t0) * 1e6
+    if done != bc.steps * prompts:
+        raise RuntimeError(f"prefill profile: expected {bc.steps * prompts} prompts done, got {done}")
     kernels = trace_kernels(_trace(prof), gpu)
     if gpu and kernels:
-        wall_us = device_span_us(kernels)  # the host's turn between steps (reading, adding prompts) counts as idle
+        wall_us = device_span_us(kernels)  # the host's turns the device waits for count as idle
     f = prefill_flops(engine.model_config, [length] * prompts)
     p = profile_of(kernels, prompts, bc.steps, wall_us,
                    kind_flops={"gemm": f.linear + f.lm_head, "scan": f.ssd, "attention": f.attention})
@@ -254,6 +298,11 @@ def table(profiles: Iterable[Profile], meta: dict) -> str:
             lines.append(f"| {r.kind} | {r.kernels_per_step:.0f} | {r.us_per_step:,.1f} | {r.share:.1%} | {rate_s} |")
         lines += ["", "| costliest kernels | launches | µs / step |", "| --- | ---: | ---: |"]
         lines += [f"| `{n}` | {c} | {us:,.1f} |" for n, c, us in p.top]
+        lines += ["", f"idle stretches of {GAP_MIN_US:.0f} µs or more: {p.long_gaps_per_step:.1f} per step, "
+                  f"{p.long_gap_us_per_step:,.0f} µs per step"]
+        if p.longest_gaps:
+            lines += ["", "| longest idle | after | before |", "| ---: | --- | --- |"]
+            lines += [f"| {us:,.0f} µs | `{a}` | `{b}` |" for us, a, b in p.longest_gaps]
         lines.append("")
     return "\n".join(lines)
 

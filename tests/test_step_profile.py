@@ -74,6 +74,19 @@ def test_profile_of_groups_per_step():
         sp.profile_of(ks, batch=1, steps=0, wall_us=1.0)
 
 
+def test_long_idle_stretches_are_counted_with_their_neighbours():
+    """Gaps of GAP_MIN_US or more between merged kernels: a kernel overlapping a longer one (PDL) closes no gap;
+    short gaps (launch latency) do not count."""
+    ks = [sp.Kernel("a", 0.0, 100.0), sp.Kernel("b", 50.0, 10.0), sp.Kernel("c", 130.0, 10.0),
+          sp.Kernel("d", 145.0, 5.0), sp.Kernel("e", 400.0, 1.0)]
+    assert sp.gaps_of(ks, 20.0) == [sp.Gap(30.0, "a", "c"), sp.Gap(250.0, "d", "e")]
+    assert sp.gaps_of(ks, 5.0)[1] == sp.Gap(5.0, "c", "d")
+    p = sp.profile_of(ks, batch=1, steps=2, wall_us=401.0)
+    assert (p.long_gaps_per_step, p.long_gap_us_per_step) == (1.0, 140.0)
+    assert p.longest_gaps == ((250.0, "d", "e"), (30.0, "a", "c"))
+    assert "idle stretches of 20 µs or more: 1.0 per step, 140 µs per step" in sp.table([p], {
+        "device_name": "x", "commit": "c", "preset": "tiny", "context": 1, "copy_gbps": 1.0, "command": "cmd"})
+
 
 def test_device_span_runs_from_the_first_start_to_the_last_end():
     """Overlapping kernels (PDL) and an early-ending long one: the span is max(end) - min(start), not a sum."""

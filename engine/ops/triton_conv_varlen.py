@@ -6,14 +6,17 @@ token come from its slot of the pool when has_initial_state (zeros otherwise, an
 read); afterwards the slot holds the row's last K-1 inputs in the pool's dtype (a row shorter than K-1
 keeps the newest part of its preceding window, and an empty row keeps the window itself, or zeros).
 
-Two launches on the stream, so that no row's final window is written before every program that reads
-the row's initial window has read it:
-  1. outputs: one program per (block of BLOCK_T tokens, block of BLOCK_C channels). Each token finds its
-     row by a binary search of query_start_loc (on the device, ceil(log2 R) vector steps), then each of
-     the K taps (K is a `tl.constexpr`, 2..4) loads its input from x when it lies within the row, or from
-     the row's initial window in the pool when has_initial_state (masked off, i.e. zero, otherwise).
-  2. states: one program per (row, block of channels) loads the row's last K-1 inputs (from x, or for a
-     short row partly from its initial window), all before storing them into the row's slot.
+Two launches on the stream:
+  1. outputs: one program per (block of BLOCK_T tokens, block of BLOCK_C channels) convolves x as if it were
+     one row: its K taps (K is a `tl.constexpr`, 2..4) are plain shifted loads of x, with no metadata read.
+     That is right for every token but a row's first K-1, whose taps reach into the row before (or before
+     x). Finding each token's row and gathering from the pool in every tile instead cost more than the tile's
+     whole traffic (1.6x the time of this split on an H200, benchmarks/RESULTS.md).
+  2. rows: one program per (row, block of channels) computes the row's first min(K-1, L) outputs again,
+     their taps before the row from its initial window in the pool when has_initial_state (zero otherwise),
+     overwriting launch 1's; then loads the row's last K-1 inputs (from x, or for a short row partly from
+     its initial window) and, all loaded, stores them into the row's slot. Only this program reads or
+     writes the row's slot at its channels, so the initial window is read before it is overwritten.
 All tensors are addressed through their strides, so views (e.g. x sliced out of an in_proj output) need
 no copy.
 
@@ -41,26 +44,14 @@ def _conv_varlen_out_kernel(
     x_ptr,  # [T, C]
     w_ptr,  # [C, K]
     bias_ptr,  # [C] (unused without HAS_BIAS)
-    state_ptr,  # [S, C, K-1]
-    qsl_ptr,  # [R+1]
-    slots_ptr,  # [R]
-    init_ptr,  # [R]
     y_ptr,  # [T, C]
     T,
     C,
-    R,
-    n_steps,  # ceil(log2(R)): binary search steps
     stride_xt,
     stride_xc,
     stride_wc,
     stride_wk,
     stride_bias,
-    stride_ss,
-    stride_sc,
-    stride_sk,
-    stride_qsl,
-    stride_slots,
-    stride_init,
     stride_yt,
     stride_yc,
     KW: tl.constexpr,
@@ -70,43 +61,16 @@ def _conv_varlen_out_kernel(
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tmask = toks < T
     cmask = cols < C
-    mask = tmask[:, None] & cmask[None, :]
-
-    # Row of each token: the largest r in [0, R) with query_start_loc[r] <= t (skips empty rows). The
-    # invariant qsl[lo] <= t < qsl[hi] (hi == R standing for T) holds; each step halves hi - lo, and
-    # once hi == lo + 1, mid == lo changes nothing. mid is always in [0, R).
-    lo = tl.full([BLOCK_T], 0, tl.int32)
-    hi = tl.full([BLOCK_T], 0, tl.int32) + R
-    for _ in range(n_steps):
-        mid = (lo + hi) // 2
-        go = tl.load(qsl_ptr + mid * stride_qsl) <= toks
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    row = lo
-    pos = toks - tl.load(qsl_ptr + row * stride_qsl)  # position within the row
-    slot = tl.load(slots_ptr + row * stride_slots).to(tl.int64)
-    init = tl.load(init_ptr + row * stride_init) != 0
-
+    mask = (toks < T)[:, None] & cmask[None, :]
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * stride_xt + cols[None, :] * stride_xc  # [BLOCK_T, BLOCK_C]
-    s_rows = state_ptr + slot[:, None] * stride_ss + cols[None, :] * stride_sc  # [BLOCK_T, BLOCK_C]
     acc = tl.full([BLOCK_T, BLOCK_C], 0.0, tl.float32)
-    # Tap k (oldest first) reads the input d = K-1-k tokens back: out_t = sum_k w[k] * u[t - (K-1) + k].
+    # Tap k (oldest first) reads the input d = K-1-k tokens back: out_t = sum_k w[k] * x[t - (K-1) + k], rows
+    # ignored (a row's first K-1 tokens are rewritten by the rows kernel).
     for k in tl.static_range(KW):
         d = KW - 1 - k  # a constexpr: KW and the static_range index are
         w = tl.load(w_ptr + cols * stride_wc + k * stride_wk, mask=cmask, other=0.0).to(tl.float32)
-        in_row = pos >= d
-        u = tl.load(x_rows - d * stride_xt, mask=mask & in_row[:, None], other=0.0).to(tl.float32)
-        if d > 0:
-            # Before the row: the initial window [K-1] (oldest first) holds the input d - pos tokens
-            # before the row's first one at index K-1 - (d - pos). Without initial state it is zero and
-            # the slot is not read.
-            from_state = (~in_row) & init
-            s = tl.load(
-                s_rows + (KW - 1 - d + pos)[:, None] * stride_sk, mask=mask & from_state[:, None], other=0.0
-            ).to(tl.float32)
-            u = tl.where(in_row[:, None], u, s)
+        u = tl.load(x_rows - d * stride_xt, mask=mask & (toks >= d)[:, None], other=0.0).to(tl.float32)
         acc += w[None, :] * u
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_bias, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -143,22 +107,42 @@ def _load_final_input(
 
 
 @triton.jit
-def _conv_varlen_state_kernel(
+def _initial_input(s_row, cols, cmask, init, j, stride_sk, KW: tl.constexpr):
+    """Entry j of the row's initial window (oldest first) in fp32: the input K-1-j tokens before its first one,
+    or zero without initial state (the slot is then not read)."""
+    if j < KW - 1:
+        v = tl.load(s_row + j * stride_sk, mask=cmask & ((cols * 0 + init) != 0), other=0.0).to(tl.float32)
+    else:
+        v = tl.full(cols.shape, 0.0, tl.float32)  # no such entry at this K
+    return v
+
+
+@triton.jit
+def _conv_varlen_rows_kernel(
     x_ptr,  # [T, C]
+    w_ptr,  # [C, K]
+    bias_ptr,  # [C] (unused without HAS_BIAS)
     state_ptr,  # [S, C, K-1]
     qsl_ptr,  # [R+1]
     slots_ptr,  # [R]
     init_ptr,  # [R]
+    y_ptr,  # [T, C]
     C,
     stride_xt,
     stride_xc,
+    stride_wc,
+    stride_wk,
+    stride_bias,
     stride_ss,
     stride_sc,
     stride_sk,
     stride_qsl,
     stride_slots,
     stride_init,
+    stride_yt,
+    stride_yc,
     KW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -171,7 +155,33 @@ def _conv_varlen_state_kernel(
     s_row = state_ptr + slot * stride_ss + cols * stride_sc
     pool_dtype = state_ptr.dtype.element_ty
 
-    # Every column is loaded before the first store: a short row's window reads the slot it overwrites.
+    # The row's first min(K-1, L) outputs, whose taps reach before the row: from its initial window.
+    win0 = _initial_input(s_row, cols, cmask, init, 0, stride_sk, KW)
+    win1 = _initial_input(s_row, cols, cmask, init, 1, stride_sk, KW)
+    win2 = _initial_input(s_row, cols, cmask, init, 2, stride_sk, KW)
+    x_row = x_ptr + start * stride_xt + cols * stride_xc
+    for p in tl.static_range(KW - 1):
+        keep = cmask & ((cols * 0 + p) < L)
+        acc = tl.full([BLOCK_C], 0.0, tl.float32)
+        for k in tl.static_range(KW):
+            d = KW - 1 - k  # p and d are constexprs: whether the tap is in the row or the window is too
+            w = tl.load(w_ptr + cols * stride_wc + k * stride_wk, mask=cmask, other=0.0).to(tl.float32)
+            if p >= d:
+                u = tl.load(x_row + (p - d) * stride_xt, mask=keep, other=0.0).to(tl.float32)
+            elif KW - 1 + p - d == 0:
+                u = win0
+            elif KW - 1 + p - d == 1:
+                u = win1
+            else:
+                u = win2
+            acc += w * u
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols * stride_bias, mask=cmask, other=0.0).to(tl.float32)
+        out = acc / (1.0 + tl.exp(-acc))  # silu
+        tl.store(y_ptr + (start + p) * stride_yt + cols * stride_yc, round_to(out, y_ptr.dtype.element_ty), mask=keep)
+
+    # The final window. Every column is loaded before the first store: a short row's window reads the slot it
+    # overwrites (this program is the only one reading or writing the row's slot at these channels).
     v0 = _load_final_input(
         x_ptr, s_row, cols, cmask, start, L, init, 0, stride_xt, stride_xc, stride_sk, KW, pool_dtype
     )
@@ -270,27 +280,29 @@ def causal_conv1d_varlen_triton(
     if T > 0:
         grid = (triton.cdiv(T, block_t), triton.cdiv(channels, block_c))
         _conv_varlen_out_kernel[grid](
-            x, weight, bias_arg, conv_state, query_start_loc, state_slots, init, y,
-            T, channels, rows, (rows - 1).bit_length(),
+            x, weight, bias_arg, y,
+            T, channels,
             x.stride(0), x.stride(1),
             weight.stride(0), weight.stride(1),
             bias.stride(0) if has_bias else 0,
-            conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-            *meta,
             y.stride(0), y.stride(1),
             KW=width, HAS_BIAS=has_bias, BLOCK_T=block_t, BLOCK_C=block_c,
             num_warps=4 if block_t * block_c >= 2048 else 2,
         )  # fmt: skip
 
-    # Second launch (stream-ordered after the first): final windows, after every initial window was read.
-    state_block = max(16, min(256, triton.next_power_of_2(channels)))
-    _conv_varlen_state_kernel[(rows, triton.cdiv(channels, state_block))](
-        x, conv_state, query_start_loc, state_slots, init,
+    # Second launch (stream-ordered after the first): each row's first K-1 outputs again, from its initial
+    # window, then its final window into the slot.
+    rows_block = max(16, min(256, triton.next_power_of_2(channels)))
+    _conv_varlen_rows_kernel[(rows, triton.cdiv(channels, rows_block))](
+        x, weight, bias_arg, conv_state, query_start_loc, state_slots, init, y,
         channels,
         x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1),
+        bias.stride(0) if has_bias else 0,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         *meta,
-        KW=width, BLOCK_C=state_block,
-        num_warps=max(1, min(4, state_block // 64)),
+        y.stride(0), y.stride(1),
+        KW=width, HAS_BIAS=has_bias, BLOCK_C=rows_block,
+        num_warps=max(1, min(4, rows_block // 64)),
     )  # fmt: skip
     return y
