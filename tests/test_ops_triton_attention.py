@@ -130,6 +130,24 @@ def test_host_built_program_map_equals_the_device_built_one(rows, hq, hkv, d, bl
                                attention_meta=dataclasses.replace(other, query_start_loc=qsl))
 
 
+@pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)], ids=["default", "small-tiles"])
+def test_prefill_tiles_below_the_diagonal_match_reference(block_m, block_n, monkeypatch):
+    """Prefill key tiles that every query of the block sees whole run without the causal mask: long rows with and
+    without prefixes put whole tiles below the diagonal (at small tiles many per program), one row ends a tile
+    exactly on its first query, and the last tiles near the diagonal stay masked."""
+    from baton.engine.ops import triton_attention as ta
+    if block_m is not None:
+        monkeypatch.setattr(ta, "PREFILL_BLOCK_M", block_m)
+        monkeypatch.setattr(ta, "PREFILL_BLOCK_N", block_n)
+    rows = [(130, 70), (0, 200), (64, 64), (1, 127), (47, 1)]
+    for dtype, atol, rtol in (param.values for param in DTYPES):
+        q, kv_cache, qsl, seq_lens, block_tables = make_case(rows, 4, 2, 16, 16, dtype, seed=8)
+        ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
+        out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.25, max_query_len=200)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("max_query_len", [None, 1, 3, 16])
 def test_tiling_does_not_change_the_result(max_query_len):
     """max_query_len only picks the query block; any value (even one below the truth) gives the same output."""

@@ -10,8 +10,9 @@ block is up to BLOCK_Q consecutive queries of one row; the program stacks them w
 // Hkv` query heads into one tile of BLOCK_M >= BLOCK_Q * group rows (row m = query m // group, head m %
 group), so every key and value of the KV head is read once per query block, not once per query head. The
 program then walks the row's keys 0 .. (its last query's position) in tiles of BLOCK_N tokens, each token's
-block id read from `block_tables`, with an online (flash-attention) softmax: scores by `tl.dot`, the causal
-mask per row of the tile, running max and sum in fp32. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so
+block id read from `block_tables`, with an online (flash-attention) softmax: scores by `tl.dot` (in log2 units,
+for exp2), running max and sum in fp32. Prefill blocks take the key tiles that all their queries see whole
+(below the causal diagonal) without a mask, and the causal mask per row of the tile only on the last ones. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so
 a decode row is one program per KV head holding its `group` query heads.
 
 The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
@@ -99,7 +100,8 @@ def _query_tile(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The program's query tile: row, per tile row its token, query head and absolute position, the
-    [BLOCK_M, BLOCK_D] validity mask, and kv_end (keys 0 .. kv_end - 1 are visible to some tile row)."""
+    [BLOCK_M, BLOCK_D] validity mask, kv_end (keys 0 .. kv_end - 1 are visible to some tile row) and
+    kv_all (keys 0 .. kv_all - 1 are visible to every tile row: up to the block's first query's position)."""
     row = tl.load(prog_row_ptr + pid).to(tl.int32)
     qblock = tl.load(prog_qblock_ptr + pid).to(tl.int32)
     q_start = tl.load(qsl_ptr + row).to(tl.int32)
@@ -119,7 +121,51 @@ def _query_tile(
     tok = (q_start + i).to(tl.int64)
     head = kvh * group + offs_m % group
     q_pos = ctx + i
-    return row, tok, head, q_pos, md_mask, kv_end
+    return row, tok, head, q_pos, md_mask, kv_end, tl.minimum(ctx + i0 + 1, kv_end)
+
+
+@triton.jit
+def _attend(
+    q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
+    s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):  # fmt: skip
+    """One key tile (keys start .. start + BLOCK_N - 1) into the online softmax; scores in log2 units
+    (qk_scale = scale * log2(e)). MASKED=False: every key is below kv_hi and visible to every row (no mask)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED:  # noqa: SIM108 (a compile-time branch)
+        n_mask = offs_n < kv_hi
+    else:
+        n_mask = tl.full([BLOCK_N], 1, tl.int1)
+    block_id = tl.load(bt_row + (offs_n // block_size) * s_bt_b, mask=n_mask, other=0).to(tl.int64)
+    kv_rows = kv_ptr + block_id * s_kv_blk + (offs_n % block_size) * s_kv_tok + kvh * s_kv_h  # [BLOCK_N]
+    nd_mask = n_mask[:, None] & d_mask[None, :]
+    kv_tile = kv_rows[:, None] + offs_d[None, :] * s_kv_d  # [BLOCK_N, BLOCK_D]
+    k = tl.load(kv_tile, mask=nd_mask, other=0.0)
+    v = tl.load(kv_tile + s_kv_kv, mask=nd_mask, other=0.0)
+
+    if NATIVE_DOT:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    s = s * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row that has seen no key yet (or never will: padding) keeps -inf; shift it by 0, not -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if NATIVE_DOT:  # noqa: SIM108 (a compile-time branch: the other one is never built)
+        pv = tl.dot(p.to(v.dtype), v)
+    else:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -151,7 +197,7 @@ def _paged_attention_kernel(
         pid = tl.program_id(0) % grid_m
         kvh = tl.program_id(0) // grid_m
     split = tl.program_id(1)
-    row, tok, head, q_pos, md_mask, kv_end = _query_tile(
+    row, tok, head, q_pos, md_mask, kv_end, kv_all = _query_tile(
         pid,
         kvh,
         prog_row_ptr,
@@ -178,36 +224,22 @@ def _paged_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     bt_row = bt_ptr + row.to(tl.int64) * s_bt_r
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_hi
-        block_id = tl.load(bt_row + (offs_n // block_size) * s_bt_b, mask=n_mask, other=0).to(tl.int64)
-        kv_rows = kv_ptr + block_id * s_kv_blk + (offs_n % block_size) * s_kv_tok + kvh * s_kv_h  # [BLOCK_N]
-        nd_mask = n_mask[:, None] & d_mask[None, :]
-        kv_tile = kv_rows[:, None] + offs_d[None, :] * s_kv_d  # [BLOCK_N, BLOCK_D]
-        k = tl.load(kv_tile, mask=nd_mask, other=0.0)
-        v = tl.load(kv_tile + s_kv_kv, mask=nd_mask, other=0.0)
-
-        if NATIVE_DOT:
-            s = tl.dot(q, tl.trans(k))
-        else:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        s = s * scale  # [BLOCK_M, BLOCK_N] fp32
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no key yet (or never will: padding) keeps -inf; shift it by 0, not -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if NATIVE_DOT:  # noqa: SIM108 (a compile-time branch: the other one is never built)
-            pv = tl.dot(p.to(v.dtype), v)
-        else:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+    masked_lo = kv_lo
+    if BLOCK_Q > 1:
+        # Prefill tiles: the key tiles every row of the block sees whole (below the causal diagonal, within
+        # the row) run without the mask; only the last one or two tiles near the diagonal take it.
+        masked_lo = tl.maximum(kv_lo, kv_lo + (tl.minimum(kv_all, kv_hi) - kv_lo) // BLOCK_N * BLOCK_N)
+        for start in range(kv_lo, masked_lo, BLOCK_N):
+            acc, m_i, l_i = _attend(
+                q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
+                s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, False, NATIVE_DOT,
+            )  # fmt: skip
+    for start in range(masked_lo, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend(
+            q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
+            s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, True, NATIVE_DOT,
+        )  # fmt: skip
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -238,7 +270,7 @@ def _combine_splits_kernel(
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    row, tok, head, q_pos, md_mask, kv_end = _query_tile(
+    row, tok, head, q_pos, md_mask, kv_end, _ = _query_tile(
         pid,
         kvh,
         prog_row_ptr,
@@ -264,8 +296,8 @@ def _combine_splits_kernel(
         acc_s = tl.load(acc_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
         m_new = tl.maximum(m_i, m_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        beta = tl.exp(m_s - m_safe)
+        alpha = tl.exp2(m_i - m_safe)  # the parts' maxima are in log2 units (_attend)
+        beta = tl.exp2(m_s - m_safe)
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         m_i = m_new
@@ -278,15 +310,15 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps).
 
     Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
-    decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about 64 query rows
-    (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs
+    decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about PREFILL_BLOCK_M query
+    rows (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs
     every tile side >= 16.
     """
     decode = max_query_len == 1 or (max_query_len is None and T <= R)
     if decode:
         block_q = 1
     else:
-        block_q = max(1, 64 // group)
+        block_q = max(1, PREFILL_BLOCK_M // group)
         if max_query_len is not None:
             block_q = max(1, min(block_q, max_query_len))
     block_m = max(16, triton.next_power_of_2(block_q * group))
@@ -294,7 +326,17 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     block_n = 64 if block_d <= 128 else 32
     if decode and R >= WIDE_DECODE_ROWS and block_d <= 128:
         block_n = 128
-    return block_q, block_m, block_n, block_d, 4
+    if not decode and block_d <= 128:
+        block_n = PREFILL_BLOCK_N
+    return block_q, block_m, block_n, block_d, 4 if decode else PREFILL_WARPS
+
+
+# Query rows (queries x group heads) per prefill program, its key tile, warps and software-pipeline stages. Measured
+# on an H200 at the 8b-like layer (32 / 8 heads of 128, blocks of 16; benchmarks/RESULTS.md, session 26), causal
+# TFLOP/s of 1 x 8k, 4 x 2k, 8 x 1k and four rows of 1-3k (two with prefixes): 64 rows, 4 warps, 3 stages and the
+# mask on every tile 177 / 150 / 132 / 157; the unmasked tiles below the diagonal alone 242 / 201 / 152 / 205; with
+# 128 rows, 8 warps and 2 stages 284 / 226 / 177 / 239 (128 rows at 4 warps and 3 stages: 300 / 236 / 98 / 248).
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 2
 
 
 # Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode
@@ -410,7 +452,7 @@ def paged_attention_triton(
         *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps,
-        num_stages=DECODE_STAGES if block_q == 1 else 3, **pdl(q),
+        num_stages=DECODE_STAGES if block_q == 1 else PREFILL_STAGES, **pdl(q),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(grid_m, kv_heads)](
