@@ -12,6 +12,7 @@
 #             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
+#   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
@@ -55,6 +56,10 @@ fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" \
     | tail -120
+fi
+if stage ab; then
+  python3 benchmarks/kernel_ab.py --rev "${AB_REV:?ab: set AB_REV, the commit whose kernels are the old side}" \
+    --out "$OUT/kernel_ab" 2>&1 | tail -20
 fi
 if stage launch; then
   python3 benchmarks/launch_probe.py --no-progress ${LAUNCH_ARGS:---batches 40,256 --variants base,ssu.warps=2+attn.block_n=64} \
