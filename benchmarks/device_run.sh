@@ -6,13 +6,13 @@
 #             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
+#   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
 #   launch    launch_probe.py: launch settings A/B'd in whole decode steps (LAUNCH_ARGS, default: the tree against
 #             session 24's previous decode settings at batch 40 and 256)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
 #             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
-#   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
