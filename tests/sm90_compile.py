@@ -1,0 +1,249 @@
+"""Compile the engine's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+The interpreter tests run the kernels' Python on CPU tensors; they do not compile them, so a kernel that the
+interpreter runs can still fail to compile (a loop-carried value changing type, an int64 where an int32 is
+carried, a GPU-only branch such as the 16-bit `tl.dot` or PDL). Here each op's wrapper is called on small CPU
+tensors shaped like the engine's (the paths a GPU step takes: 16-bit dots, PDL, decode / verify / prefill tiles),
+with Triton's driver replaced by one that reports an sm_90 device, and every launch compiled to a cubin for it
+(Triton's own ptxas) instead of run. Nothing is executed: the outputs are not computed.
+
+Run it in a process of its own, without TRITON_INTERPRET (`test_triton_sm90_compile.py` does); prints one line per
+compiled kernel specialization and exits 1 when any case fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+if os.environ.get("TRITON_INTERPRET"):
+    raise SystemExit("sm90_compile: expected TRITON_INTERPRET unset (the kernels are compiled, not interpreted)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 227 * 1024  # bytes of shared memory one block may take on an H100 / H200 (opt-in maximum)
+
+
+class _Sm90Driver:
+    """What JITFunction.run asks the driver for, answered for one sm_90 device (no launch follows)."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+COMPILED: list[str] = []
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    kernel = _RUN(self, *args, grid=grid, warmup=True, **kwargs)
+    consts = {k: v for k, v in kwargs.items() if k.isupper() and not isinstance(v, torch.Tensor)}
+    if kernel.metadata.shared > MAX_SHARED:
+        raise RuntimeError(f"{self.fn.__name__} {consts}: expected at most {MAX_SHARED} bytes of shared memory, got "
+                           f"{kernel.metadata.shared} (the launch would fail: out of resources)")
+    COMPILED.append(f"{self.fn.__name__} {consts} warps={kernel.metadata.num_warps} "
+                    f"shared={kernel.metadata.shared}")
+    return kernel
+
+
+_RUN = JITFunction.run
+
+
+def _g(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _idx(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def _with_pdl(fn: Callable[[], object]) -> Callable[[], object]:
+    """Run `fn` with every op module's `pdl()` on (as on an sm_90 device for few rows)."""
+    def run():
+        from baton.engine.ops import triton_attention, triton_conv, triton_gemv, triton_norm, triton_ssu
+        modules = [m for m in (triton_attention, triton_conv, triton_gemv, triton_norm, triton_ssu) if hasattr(m, "pdl")]
+        saved = [m.pdl for m in modules]
+        for m in modules:
+            m.pdl = lambda t: {"PDL": True, "launch_pdl": True}
+        try:
+            return fn()
+        finally:
+            for m, p in zip(modules, saved, strict=True):
+                m.pdl = p
+    return run
+
+
+# Layer sizes: Mamba heads of 64 with d_state 128 in 2 groups (the 8b-like head and state sizes), attention heads
+# of 128 in groups of 4 over blocks of 16, hidden 256.
+H, P, N, G = 4, 64, 128, 2
+CONV = H * P + 2 * G * N
+HQ, HKV, D, BLOCK = 8, 2, 128, 16
+HIDDEN = 256
+
+
+def _conv_varlen():
+    from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton
+    x = _g(96, CONV)
+    causal_conv1d_varlen_triton(x, _g(CONV, 4), _g(CONV), _g(6, CONV, 3), _idx([0, 40, 41, 96]), _idx([1, 4, 2]),
+                                torch.tensor([True, False, True]))
+
+
+def _conv_update():
+    from baton.engine.ops.triton_conv import causal_conv1d_update_triton, causal_conv1d_update_verify_triton
+    causal_conv1d_update_triton(_g(8, CONV), _g(CONV, 4), _g(CONV), _g(10, CONV, 3), _idx(list(range(8))))
+    pending = _g(10, 3, CONV)
+    causal_conv1d_update_verify_triton(_g(2, 3, CONV), _g(CONV, 4), _g(CONV), _g(10, CONV, 3), pending,
+                                       _idx([3, 7]), _idx([1, 3]), _idx([3, 2]))
+
+
+def _attention():
+    from baton.engine.ops.triton_attention import paged_attention_triton
+    rows = [(40, 100), (0, 70), (5, 1)]
+    blocks = 40
+    kv = _g(blocks, 2, BLOCK, HKV, D)
+    table = torch.arange(blocks, dtype=torch.int32)[:36].reshape(3, 12)
+    qsl = _idx([0, 100, 170, 171])
+    seq_lens = _idx([c + n for c, n in rows])
+    paged_attention_triton(_g(171, HQ, D), kv, qsl, seq_lens, table, D**-0.5, max_query_len=100)
+    decode_lens = _idx([130, 7, 64])
+    for splits in (1, 4):
+        paged_attention_triton(_g(3, HQ, D), kv, _idx([0, 1, 2, 3]), decode_lens, table, D**-0.5, max_query_len=1,
+                               num_splits=splits)
+
+
+def _kv_write():
+    from baton.engine.ops.triton_kv_write import write_kv_triton
+    write_kv_triton(_g(20, HKV, D), _g(20, HKV, D), _g(8, 2, BLOCK, HKV, D), torch.arange(20, dtype=torch.int64))
+
+
+def _norms():
+    from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+    rms_norm_triton(_g(32, HIDDEN), _g(HIDDEN), 1e-5)
+    add_rms_norm_triton(_g(32, HIDDEN), _g(32, HIDDEN), _g(HIDDEN), 1e-5)
+    gated_rms_norm_triton(_g(32, H * P), _g(32, H * P), _g(H * P), H * P // G, 1e-5)
+
+
+def _relu2():
+    from baton.engine.ops.triton_act import relu2_triton
+    relu2_triton(_g(32, 4 * HIDDEN))
+
+
+def _gemv():
+    from baton.engine.ops.triton_gemv import default_tiles, fused_linear_triton
+    for m, n, k in ((1, 512, HIDDEN), (8, 512, HIDDEN), (8, HIDDEN, 8192 + 512)):
+        tiles = default_tiles(m, n, k, True)
+        a, w = _g(m, k), _g(n, k)
+        fused_linear_triton(a, w, tiles=tiles)
+        if not tiles.cublas:
+            fused_linear_triton(a, w, prologue="relu2", tiles=tiles)
+    for m in (1, 8):
+        tiles = default_tiles(m, 512, HIDDEN, True)
+        fused_linear_triton(_g(m, HIDDEN), _g(512, HIDDEN), prologue="add_norm", residual=_g(m, HIDDEN),
+                            norm_weight=_g(HIDDEN), tiles=tiles)
+        fused_linear_triton(_g(m, HIDDEN), _g(512, HIDDEN), prologue="gated_norm", gate=_g(m, HIDDEN),
+                            norm_weight=_g(HIDDEN), group_size=HIDDEN // G, tiles=tiles)
+
+
+def _scan():
+    from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton
+    starts = [0, 300, 301, 361]  # rows of 300 (three chunks), 1 and 60 tokens
+    T = starts[-1]
+    for pool in (torch.float32, torch.bfloat16):
+        meta = build_chunk_meta(starts, 128, "cpu")
+        mamba_chunk_scan_varlen_triton(
+            _g(T, H, P), _g(T, H), -torch.rand(H), _g(T, G, N), _g(T, G, N), torch.ones(H), torch.zeros(H),
+            _idx(starts), _g(6, H, P, N, dtype=pool), _idx([0, 3, 5]), torch.tensor([True, False, True]), 128,
+            1e-3, meta)
+
+
+def _ssu():
+    from baton.engine.ops.triton_ssu import (
+        selective_state_update_triton,
+        selective_state_update_verify_triton,
+    )
+    for pool in (torch.float32, torch.bfloat16):
+        for batch in (1, 64):
+            selective_state_update_triton(_g(80, H, P, N, dtype=pool), _g(batch, H, P), _g(batch, H),
+                                          -torch.rand(H), _g(batch, G, N), _g(batch, G, N), torch.ones(H),
+                                          torch.zeros(H), _idx(list(range(batch))), 1e-3)
+        L, T, B = 4, 3, 2
+        selective_state_update_verify_triton(
+            _g(10, H, P, N, dtype=pool), _g(10, L, H, P), _g(10, L, G, N), _g(10, L, H), _g(B, T, H, P),
+            _g(B, T, H), -torch.rand(H), _g(B, T, G, N), _g(B, T, G, N), torch.ones(H), torch.zeros(H),
+            _idx([2, 7]), _idx([1, 4]), 1e-3, _idx([3, 2]))
+
+
+@triton.jit
+def _broken_kernel(x_ptr, n, STEPS: tl.constexpr):
+    # Runs under the interpreter; does not compile: `pos` is int32 on one side of a runtime branch and int64 on the
+    # other (the kind of slip an int64 metadata load makes).
+    offs = tl.arange(0, 16)
+    if n > STEPS:  # noqa: SIM108 (a runtime branch: the point of this kernel)
+        pos = offs
+    else:
+        pos = offs.to(tl.int64) + n
+    tl.store(x_ptr + pos, pos.to(tl.float32))
+
+
+def _broken():
+    x = torch.zeros(64)
+    _broken_kernel[(1,)](x, 2, STEPS=1)
+
+
+# Not among the cases run by default: it must fail (`test_triton_sm90_compile.py` checks that the harness says so).
+BROKEN = {"broken": _broken}
+
+CASES: dict[str, Callable[[], object]] = {
+    "conv varlen": _conv_varlen, "conv update": _conv_update, "conv update (PDL)": _with_pdl(_conv_update),
+    "attention": _attention, "attention (PDL)": _with_pdl(_attention), "kv write": _kv_write, "norms": _norms,
+    "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
+    "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(CASES)
+    cases = CASES | BROKEN
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise SystemExit(f"sm90_compile: expected cases among {', '.join(cases)}, got {', '.join(unknown)}")
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = _compile_only
+    torch.manual_seed(0)
+    failed = []
+    for name in names:
+        t0, before = time.perf_counter(), len(COMPILED)
+        try:
+            cases[name]()
+        except Exception:  # noqa: BLE001 (every case is reported, then the exit code says)
+            failed.append(name)
+            print(f"FAIL {name}:\n{traceback.format_exc()}", flush=True)
+            continue
+        print(f"ok   {name}: {len(COMPILED) - before} launches compiled in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        for line in COMPILED[before:]:
+            print(f"       {line}")
+    print(f"{len(names) - len(failed)} of {len(names)} cases compiled for sm_90"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
