@@ -301,7 +301,7 @@ def table(profiles: Iterable[Profile], meta: dict) -> str:
         lines += ["", f"idle stretches of {GAP_MIN_US:.0f} µs or more: {p.long_gaps_per_step:.1f} per step, "
                   f"{p.long_gap_us_per_step:,.0f} µs per step"]
         if p.longest_gaps:
-            lines += ["", "| longest idle | after | before |", "| ---: | --- | --- |"]
+            lines += ["", "| longest idle | kernel before | kernel after |", "| ---: | --- | --- |"]
             lines += [f"| {us:,.0f} µs | `{a}` | `{b}` |" for us, a, b in p.longest_gaps]
         lines.append("")
     return "\n".join(lines)

@@ -12,8 +12,9 @@ group), so every key and value of the KV head is read once per query block, not 
 program then walks the row's keys 0 .. (its last query's position) in tiles of BLOCK_N tokens, each token's
 block id read from `block_tables`, with an online (flash-attention) softmax: scores by `tl.dot` (in log2 units,
 for exp2), running max and sum in fp32. Prefill blocks take the key tiles that all their queries see whole
-(below the causal diagonal) without a mask, and the causal mask per row of the tile only on the last ones. Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so
-a decode row is one program per KV head holding its `group` query heads.
+(below the causal diagonal) without a mask, and the causal mask per row of the tile only on the last ones.
+Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so a decode row is one program per KV head holding its
+`group` query heads.
 
 The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
 query-block counts and a searchsorted over it), from a grid whose size depends on shapes only
