@@ -16,9 +16,11 @@ against the torch reference (and the old kernel's) before it is timed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import importlib.util
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,8 +72,10 @@ def module_at(rev: str, path: str, name: str) -> ModuleType:
                                 check=True, timeout=30).stdout
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"kernel_ab: expected {path} at revision {rev!r}, git said: {e.stderr.strip()}") from None
-    # Triton reads a kernel's source from its file: write it out rather than exec a string.
-    tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_")) / f"{name}.py"
+    # Triton reads a kernel's source from its file: write it out rather than exec a string (removed at exit).
+    directory = tempfile.mkdtemp(prefix="kernel_ab_")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    tmp = Path(directory) / f"{name}.py"
     tmp.write_text(source)
     spec = importlib.util.spec_from_file_location(name, tmp)
     module = importlib.util.module_from_spec(spec)
