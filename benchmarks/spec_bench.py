@@ -1,0 +1,325 @@
+"""Speculative decoding on the 8b-like model (issue #7 (d)): what a verify step costs against a decode step, measured in
+one run, and the output tokens/s that follows at a checkpoint's acceptance lengths.
+
+`mtp_bench.py` measures acceptance on a checkpoint it trains, but that model is 20M parameters: its steps last
+~0.5 ms, so they time the host, not the GPU. A decode step of the 8b-like model is bound by reading its weights and
+states, and a verify step reads the same bytes once for its 1+K tokens a row; whether drafting pays is decided here.
+
+Model: the 8b-like preset with one MTP layer (`make_model`'s `*-` block for this shape: attention and an MLP after
+`eh_proj`), random weights drawn on the device. For each K in `--ks` (0: plain decode) one LLMEngine, and for each
+batch B in `--batches`: B requests of `--context` prompt tokens enter decode (prefill-only, then re-admitted on their
+caches, as `engine_bench.py` does), `--steps` warm-up steps, then `--steps` timed engine steps as a server runs them.
+K = 0 steps run with async scheduling (step time: the device's steady state, idle gaps included); a verify step
+(K > 0: the target over 1+K tokens a row, K drafter passes and the greedy acceptance, one CUDA graph) is read before
+the next is scheduled, so its time is the wall time of a step() call, host work included; `gpu ms` is the
+device's span of the same steps.
+
+The weights are random, so almost no draft is accepted; a verify step's work does not depend on that (every row
+carries K drafts through fixed-shape graphs). Acceptance comes from a checkpoint: `--acceptance 1.6,1.8,...` (mean
+tokens emitted per verify row for K = 1, 2, ...) or `--acceptance-json` (mtp_bench.py's `--json`, measured on its
+trained model). Per (K, B):
+
+    break-even   step_K / step_0: the acceptance length at which K drafts give K = 0's tokens/s
+    speedup      tau_K x step_0 / step_K, at the checkpoint's acceptance length tau_K
+    floor        decode traffic (engine_bench.decode_traffic: weights, states, KV) + K x a draft pass's bytes
+                 (MTP layer weights, lm_head, the MTP attention's KV read), / the copy bandwidth measured in the
+                 run: what a verify step would take at the traffic roofline, the state read once whatever K
+                 (issue #7 item 2), the verify's extra query tokens free.
+
+  python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec   # 8b-like (~20 GB)
+  python benchmarks/spec_bench.py --smoke --out /tmp/spec                                         # tiny, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from baton.engine.config import ATTENTION, ModelConfig
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
+from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
+
+# `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.engine_bench import (  # noqa: E402
+    _check_decode_step,
+    _step,
+    copy_gbps,
+    decode_traffic,
+    enter_decode,
+    kv_bytes_per_token,
+    one_step_at_a_time,
+    pipelined_step_times,
+    sync,
+)
+from benchmarks.run_info import device_name, git_commit  # noqa: E402
+
+JSON_NAME = "spec_bench.json"
+MAX_K = 8  # EngineConfig's limit on num_speculative_tokens
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    device: str = "cuda"
+    preset: str = "8b-like"
+    ks: tuple[int, ...] = (0, 1, 2, 3, 4)
+    batches: tuple[int, ...] = (1, 8, 32)
+    context: int = 1024
+    steps: int = 20
+    # Mean tokens emitted per verify row for K = 1, 2, ... (index K-1); empty: none given (no speedup column).
+    acceptance: tuple[float, ...] = ()
+    copy_mib: int = 1024
+    block_size: int = 16
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+        if 0 not in self.ks or any(not isinstance(k, int) or not 0 <= k <= MAX_K for k in self.ks):
+            raise ValueError(f"--ks: expected integers in 0..{MAX_K} including 0 (the baseline), got {self.ks!r}")
+        if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
+            raise ValueError(f"--batches: expected positive integers, got {self.batches!r}")
+        if self.context < 2:
+            raise ValueError(f"--context: expected at least 2 tokens, got {self.context}")
+        if self.steps < 2:
+            raise ValueError(f"--steps: expected at least 2, got {self.steps}")
+        for k in self.ks:
+            if k and self.acceptance and len(self.acceptance) < k:
+                raise ValueError(f"--acceptance: expected a value for every K up to {max(self.ks)}, "
+                                 f"got {len(self.acceptance)}")
+        bad = [a for a in self.acceptance if not 1.0 <= a <= MAX_K + 1]
+        if bad:
+            raise ValueError(f"--acceptance: expected mean tokens per verify row in 1..{MAX_K + 1}, got {bad}")
+
+
+DEFAULTS = {
+    "cuda": {"preset": "8b-like", "batches": "1,8,32", "context": 1024, "steps": 20, "copy_mib": 1024},
+    "smoke": {"preset": "tiny", "batches": "1,3", "context": 24, "steps": 3, "copy_mib": 8},
+}
+
+
+def model_config(preset: str) -> tuple[ModelConfig, dict]:
+    hf = build_config(preset, mtp_layers=1)
+    return ModelConfig.from_hf_dict(hf), hf
+
+
+def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype, seed: int,
+                   progress: bool) -> dict[str, torch.Tensor]:
+    """Random weights of `cfg`, its MTP layer included, drawn on `device` as make_model draws them there."""
+    out: dict[str, torch.Tensor] = {}
+    shapes = expected_weight_shapes(cfg, include_mtp=True)
+    for name, shape in tqdm(shapes.items(), desc="weights", unit="tensor", disable=not progress):
+        want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        out[name] = init_tensor(name, shape, cfg, hf, seed, device).to(want)
+    return out
+
+
+def draft_pass_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, context_tokens: float) -> float:
+    """Bytes one drafter pass must read: the MTP layers' weights, the lm_head (the embedding table when tied), and
+    the MTP attention layers' KV of the batch's context (`context_tokens` summed over the rows)."""
+    shapes = expected_weight_shapes(cfg, include_mtp=True)
+    mtp = sum(math.prod(s) * (4 if n.endswith(FP32_SUFFIXES) else dtype.itemsize)
+              for n, s in shapes.items() if n.startswith("mtp."))
+    head = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    attn = sum(t == ATTENTION for t in cfg.mtp_layer_types)
+    kv = context_tokens * attn * kv_bytes_per_token(cfg, dtype) / max(len(cfg.attention_layer_ids), 1)
+    return mtp + head + kv
+
+
+def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], bc: SpecBenchConfig, k: int) -> LLMEngine:
+    """An engine drafting K tokens with pools for the largest batch: each request its context, its first token and
+    every warm-up and timed step's 1+K tokens (and K of lookahead), plus one prompt's prefill step."""
+    bs, b = bc.block_size, max(bc.batches)
+    seq = bc.context + (2 * bc.steps + 4) * (k + 1) + k + 1
+    blocks = b * (-(-seq // bs) + 1)
+    budget = max(b * (k + 1), bc.context, 64)
+    ec = EngineConfig(block_size=bs, max_num_seqs=b, max_num_batched_tokens=budget, max_model_len=seq + bs,
+                      num_kv_blocks=blocks, device=bc.device, num_speculative_tokens=k)
+    return LLMEngine(cfg, weights, ec)
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    k: int
+    batch: int
+    step_ms: float          # the engine's step time (K = 0: async steady state; K > 0: median step() wall time)
+    gpu_ms: float           # the device's span of a step (mean), host gaps inside a step included
+    tokens_per_step: float  # emitted per step in this run (random weights: ~batch, almost no draft accepted)
+    floor_ms: float         # the verify step's traffic floor (module docstring)
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.step_ms / self.floor_ms
+
+
+def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float) -> SpecResult:
+    device, k = torch.device(bc.device), engine.config.num_speculative_tokens
+    ids = enter_decode(engine, batch, bc.context, max_tokens=(2 * bc.steps + 4) * (k + 1), seed=bc.seed + batch,
+                       device=device, progress=bc.progress)
+    for _ in tqdm(range(bc.steps), desc=f"warm-up K={k} B={batch}", disable=not bc.progress):
+        _step(engine, device)
+    ctx: list[int] = []
+    st = engine.stats
+    rows0, accepted0, gpu0 = st.spec_verify_rows, st.spec_accepted, st.device_seconds
+    if engine.depth:  # K = 0: pipelined, as engine_bench times (a)
+        _, mean, steady = pipelined_step_times(engine, batch, bc.steps, device, ctx)
+        step_ms = steady if steady is not None else mean
+        with one_step_at_a_time(engine):
+            engine.step()  # reads the step left in flight
+        emitted = float(batch)
+    else:
+        times = []
+        for _ in tqdm(range(bc.steps), desc=f"K={k} B={batch}", disable=not bc.progress):
+            ctx.append(sum(r.num_computed_tokens for r in engine.scheduler.running))
+            times.append(_step(engine, device)[1])
+            _check_decode_step(engine, batch)
+        step_ms = statistics.median(times)
+        emitted = (st.spec_verify_rows - rows0 + st.spec_accepted - accepted0) / bc.steps
+    sync(device)
+    gpu_ms = (st.device_seconds - gpu0) * 1e3 / bc.steps
+    for rid in ids:
+        engine.abort(rid)
+    cfg, dtype = engine.model_config, engine.dtype
+    context = statistics.fmean(ctx)
+    floor = decode_traffic(cfg, dtype, engine.ssm_dtype, batch, context).total
+    floor += k * draft_pass_bytes(cfg, dtype, batch, context)
+    return SpecResult(k=k, batch=batch, step_ms=step_ms, gpu_ms=gpu_ms, tokens_per_step=emitted,
+                      floor_ms=floor / (copy * 1e9) * 1e3)
+
+
+@dataclass
+class Report:
+    meta: dict
+    copy_gbps: float
+    results: list[SpecResult] = field(default_factory=list)
+
+
+def acceptance_of(bc: SpecBenchConfig, k: int) -> float | None:
+    return bc.acceptance[k - 1] if k and len(bc.acceptance) >= k else (1.0 if not k else None)
+
+
+def table(r: Report, bc: SpecBenchConfig) -> str:
+    base = {x.batch: x.step_ms for x in r.results if x.k == 0}
+    lines = ["| K | batch | step ms | gpu ms | floor ms | step / floor | tokens / step here | break-even acceptance "
+             "| acceptance | speedup | output tok/s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for x in r.results:
+        tau = acceptance_of(bc, x.k)
+        be = x.step_ms / base[x.batch]
+        speed = "–" if tau is None else f"{tau * base[x.batch] / x.step_ms:.2f}×"
+        tok = "–" if tau is None else f"{x.batch * tau / x.step_ms * 1e3:,.0f}"
+        lines.append(f"| {x.k} | {x.batch} | {x.step_ms:.3f} | {x.gpu_ms:.3f} | {x.floor_ms:.3f} | "
+                     f"{x.floor_ratio:.2f}× | {x.tokens_per_step:.2f} | {be:.2f} | {'–' if tau is None else f'{tau:.3f}'} | {speed} | {tok} |")
+    return "\n".join(lines)
+
+
+def run(bc: SpecBenchConfig, command: str) -> Report:
+    device = torch.device(bc.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: expected a CUDA device, found none")
+    torch.manual_seed(bc.seed)
+    copy = copy_gbps(bc.copy_mib * 2**20, device)
+    cfg, hf = model_config(bc.preset)
+    dtype = TORCH_DTYPES[cfg.torch_dtype]
+    weights = random_weights(cfg, hf, device, dtype, bc.seed, bc.progress)
+    n_params = sum(v.numel() for v in weights.values())
+    print(f"copy {copy:.0f} GB/s; {bc.preset} + MTP {''.join(cfg.mtp_layer_types)}: {n_params / 1e9:.3f} B params",
+          flush=True)
+    report = Report(meta={"device_name": device_name(device), "commit": git_commit(), "torch": torch.__version__,
+                          "command": command, "params": n_params, "bench_config": asdict(bc)}, copy_gbps=copy)
+    for k in bc.ks:
+        engine = build_engine(cfg, weights, bc, k)
+        report.results += [bench_batch(engine, bc, b, copy) for b in bc.batches]
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+def _float_list(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def acceptance_from_json(path: Path) -> tuple[float, ...]:
+    """mtp_bench.py --json: mean acceptance length per K = 1, 2, ... (its rows must run K = 1 up without a gap)."""
+    rows = {r["k"]: r["mean_acceptance_length"] for r in json.loads(path.read_text())["mtp"] if r["k"]}
+    if sorted(rows) != list(range(1, len(rows) + 1)):
+        raise ValueError(f"{path}: expected mtp rows for K = 1..n, got K = {sorted(rows)}")
+    return tuple(rows[k] for k in sorted(rows))
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchConfig]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--preset", help="make_model preset (default 8b-like; tiny with --smoke)")
+    ap.add_argument("--ks", default="0,1,2,3,4", help="draft tokens per step, comma-separated, 0 included")
+    ap.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,8,32)")
+    ap.add_argument("--context", type=int, help="prompt tokens per request (default 1024)")
+    ap.add_argument("--steps", type=int, help="timed steps per (K, batch), after as many warm-up steps")
+    ap.add_argument("--copy-mib", type=int, help="copy size for the bandwidth (default 1024)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--acceptance", help="mean tokens per verify row for K = 1, 2, ..., comma-separated")
+    src.add_argument("--acceptance-json", type=Path, help="mtp_bench.py --json output: its acceptance lengths")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU (seconds)")
+    ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME}")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke and args.device == "cuda":
+        raise ValueError("--smoke: expected --device cpu (or none), got cuda")
+    device = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = DEFAULTS["smoke" if args.smoke or device == "cpu" else "cuda"]
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return d[name] if v is None else v
+
+    if args.acceptance_json is not None:
+        acceptance = acceptance_from_json(args.acceptance_json)
+    else:
+        acceptance = _float_list("--acceptance", args.acceptance) if args.acceptance else ()
+    ks = tuple(int(x) for x in _float_list("--ks", args.ks))
+    bc = SpecBenchConfig(device=device, preset=pick("preset"), ks=ks,
+                         batches=tuple(int(x) for x in _float_list("--batches", str(pick("batches")))),
+                         context=pick("context"), steps=pick("steps"), acceptance=acceptance,
+                         copy_mib=pick("copy_mib"), seed=args.seed, progress=not args.no_progress)
+    return args, bc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, bc = parse_args(argv)
+    command = " ".join(["python benchmarks/spec_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    report = run(bc, command)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / JSON_NAME
+        path.write_text(json.dumps({**asdict(report), "acceptance": list(bc.acceptance)}, indent=1) + "\n")
+        print(f"wrote {path}")
+    print()
+    print(f"## Speculative decoding steps — {report.meta['device_name']}, commit {report.meta['commit']}, "
+          f"{bc.preset} + 1 MTP layer, context {bc.context}; copy {report.copy_gbps:.0f} GB/s")
+    print()
+    print(f"`{command}`")
+    print()
+    print(table(report, bc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
