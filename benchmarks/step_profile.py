@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baton.engine.sampling_params import SamplingParams  # noqa: E402
+from baton.engine.weights import TORCH_DTYPES  # noqa: E402
 from benchmarks.engine_bench import (  # noqa: E402
     BenchConfig,
     _prefill_step,
@@ -58,12 +59,16 @@ from benchmarks.engine_bench import (  # noqa: E402
     sync,
 )
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
+from benchmarks.spec_bench import SpecBenchConfig  # noqa: E402
+from benchmarks.spec_bench import build_engine as spec_build_engine  # noqa: E402
+from benchmarks.spec_bench import model_config as spec_model_config  # noqa: E402
+from benchmarks.spec_bench import random_weights as spec_random_weights  # noqa: E402
 
 JSON_NAME = "step_profile.json"
 GAP_MIN_US = 20.0  # an idle stretch this long is host time not hidden (launch latency is a few µs)
 # (kind, regex on the kernel name), first match wins. GPU kernel names, and aten op names for the CPU smoke run.
 KINDS: tuple[tuple[str, str], ...] = (
-    ("state update", r"_ssu_|selective_state_update"),
+    ("state update", r"_ssu_|selective_state_update|_record_kernel"),
     ("conv", r"_conv_|conv1d"),
     ("scan", r"_ssd_|chunk_scan"),
     ("gated norm", r"_gated_rms_norm|gated_rms_norm"),
@@ -215,6 +220,16 @@ def _trace(prof: torch.profiler.profile) -> dict:
         return json.loads(path.read_text())
 
 
+def spec_engine(bc: BenchConfig, k: int):
+    """The preset with one MTP layer (random weights), drafting k tokens a step: spec_bench.py's engine."""
+    sbc = SpecBenchConfig(device=bc.device, preset=bc.preset, ks=(0, k), batches=bc.batches, context=bc.context,
+                          steps=bc.steps, progress=bc.progress)
+    cfg, hf = spec_model_config(bc.preset)
+    weights = spec_random_weights(cfg, hf, torch.device(bc.device), TORCH_DTYPES[cfg.torch_dtype], bc.seed,
+                                  bc.progress)
+    return spec_build_engine(cfg, weights, sbc, k)
+
+
 def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profile:
     device = torch.device(bc.device)
     gpu = device.type == "cuda"
@@ -281,7 +296,8 @@ def profile_prefill(engine, bc: BenchConfig, prompts: int, length: int, progress
 
 
 def table(profiles: Iterable[Profile], meta: dict) -> str:
-    lines = [f"## Step profile — {meta['device_name']}, commit {meta['commit']}, preset {meta['preset']}, "
+    spec = f" + MTP, K = {meta['spec']} (verify steps)" if meta.get("spec") else ""
+    lines = [f"## Step profile — {meta['device_name']}, commit {meta['commit']}, preset {meta['preset']}{spec}, "
              f"decode context {meta['context']}; copy {meta['copy_gbps']:.0f} GB/s", "", f"`{meta['command']}`", ""]
     for p in profiles:
         head = (f"prefill {p.prompts} x {p.prompt_tokens // p.prompts:,} tokens" if p.prompts else f"batch {p.batch}")
@@ -330,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-decode", action="store_true", help="profile the --prefill steps only")
     ap.add_argument("--fused-gemv-max-tokens", type=int, default=None,
                     help="the engine's (default: its own, 1 on an H100 or H200, else 0)")
+    ap.add_argument("--spec", type=int, default=0, metavar="K",
+                    help="decode steps drafting K tokens (the preset with one MTP layer, spec_bench.py's engine): "
+                         "verify steps")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -357,11 +376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                      fused_gemv_max_tokens=args.fused_gemv_max_tokens, progress=not args.no_progress)
     device = torch.device(bc.device)
     copy = copy_gbps(bc.copy_mib * 2**20, device)
-    engine = build_engine(bc)
+    if args.spec:
+        if shapes:
+            raise SystemExit("step_profile: --spec profiles decode (verify) steps; expected no --prefill")
+        engine = spec_engine(bc, args.spec)
+    else:
+        engine = build_engine(bc)
     profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
     profiles += [profile_prefill(engine, bc, n, length, bc.progress) for n, length in shapes]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
+            "spec": args.spec,
             "prefill": [f"{n}x{length}" for n, length in shapes],
             "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     print(table(profiles, meta))
