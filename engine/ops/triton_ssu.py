@@ -96,7 +96,7 @@ def _ssu_decode_kernel(
 def _ssu_verify_kernel(
     state_ptr, px_ptr, pB_ptr, pdt_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr,
     slot_ptr, replay_ptr, num_tokens_ptr, y_ptr,
-    H, P, N, heads_per_group, dt_min,
+    T, H, P, N, heads_per_group, dt_min,
     s_state_slot, s_state_h, s_state_p, s_state_n,
     s_px_slot, s_px_t, s_px_h, s_px_p,
     s_pB_slot, s_pB_t, s_pB_g, s_pB_n,
@@ -106,16 +106,10 @@ def _ssu_verify_kernel(
     s_B_b, s_B_t, s_B_g, s_B_n,
     s_C_b, s_C_t, s_C_g, s_C_n,
     s_y_b, s_y_t, s_y_h, s_y_p,
-    T: tl.constexpr,
-    L: tl.constexpr,
     HAS_NUM_TOKENS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
-    """T (this step's positions) and L (the recorded ones a replay may take) are compile-time: both loops are
-    unrolled, so every position's small loads (x, B, C, dt) can issue before the state walk that needs them
-    instead of one position after the other behind it. Replay positions past the row's count are masked."""
     pid_p, h, b = _program_tile(H, P, BLOCK_P)
     g = h // heads_per_group
 
@@ -126,14 +120,13 @@ def _ssu_verify_kernel(
     mask_pn = mask_p[:, None] & mask_n[None, :]
     tile = offs_p[:, None] * s_state_p + offs_n[None, :] * s_state_n  # [BLOCK_P, BLOCK_N]
 
-    A = tl.load(A_ptr + h).to(tl.float32)
-    D = tl.load(D_ptr + h).to(tl.float32)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    pdl_wait(PDL)  # (A, D and dt_bias above are constants)
     if HAS_NUM_TOKENS:  # noqa: SIM108 (a compile-time branch: the other one is never built)
         n_valid = tl.load(num_tokens_ptr + b).to(tl.int32)
     else:
         n_valid = T
+    A = tl.load(A_ptr + h).to(tl.float32)
+    D = tl.load(D_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
     slot = tl.load(slot_ptr + b).to(tl.int64)
     state_at = state_ptr + h.to(tl.int64) * s_state_h + slot * s_state_slot + tile
@@ -145,16 +138,12 @@ def _ssu_verify_kernel(
     px_row = px_ptr + slot * s_px_slot + h * s_px_h
     pB_row = pB_ptr + slot * s_pB_slot + g * s_pB_g
     pdt_row = pdt_ptr + slot * s_pdt_slot + h * s_pdt_h
-    for j in tl.static_range(L):
-        live = j < n_rep
-        # (Loads of a position past the count read nothing: every lane masked off.)
-        x = tl.load(px_row + j * s_px_t + offs_p * s_px_p, mask=offs_p < tl.where(live, P, 0),
-                    other=0.0).to(tl.float32)
-        Bv = tl.load(pB_row + j * s_pB_t + offs_n * s_pB_n, mask=offs_n < tl.where(live, N, 0),
-                     other=0.0).to(tl.float32)
-        dt_raw = tl.load(pdt_row + j * s_pdt_t).to(tl.float32)  # (j < L: inside the slot's record)
-        s_j, _ = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
-        s = tl.where(live, round_to(s_j, state_ptr.dtype.element_ty).to(tl.float32), s)
+    for j in range(n_rep):
+        x = tl.load(px_row + j * s_px_t + offs_p * s_px_p, mask=mask_p, other=0.0).to(tl.float32)
+        Bv = tl.load(pB_row + j * s_pB_t + offs_n * s_pB_n, mask=mask_n, other=0.0).to(tl.float32)
+        dt_raw = tl.load(pdt_row + j * s_pdt_t).to(tl.float32)
+        s, dt = _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min)
+        s = round_to(s, state_ptr.dtype.element_ty).to(tl.float32)
     p_limit = tl.where(n_rep > 0, P, 0)
     tl.store(state_at, round_to(s, state_ptr.dtype.element_ty),
              mask=(offs_p < p_limit)[:, None] & mask_n[None, :])
@@ -165,7 +154,7 @@ def _ssu_verify_kernel(
     B_row = B_ptr + b.to(tl.int64) * s_B_b + g * s_B_g
     C_row = C_ptr + b.to(tl.int64) * s_C_b + g * s_C_g
     y_row = y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
-    for t in tl.static_range(T):
+    for t in range(T):
         x = tl.load(x_row + t * s_x_t + offs_p * s_x_p, mask=mask_p, other=0.0).to(tl.float32)  # [BLOCK_P]
         Bv = tl.load(B_row + t * s_B_t + offs_n * s_B_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         Cv = tl.load(C_row + t * s_C_t + offs_n * s_C_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
@@ -345,11 +334,10 @@ def selective_state_update_verify_triton(
         _ssu_verify_kernel[(triton.cdiv(P, block_p) * H * batch,)](
             ssm_state, pending_x, pending_B, pending_dt, x, dt, A, B, C, D, dt_bias,
             slots, replay, slots if num_tokens is None else num_tokens, y,
-            H, P, N, H // G, float(dt_min),
+            T, H, P, N, H // G, float(dt_min),
             *ssm_state.stride(), *pending_x.stride(), *pending_B.stride(), *pending_dt.stride(),
             *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
-            T=T, L=pending_x.shape[1], HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n,
-            num_warps=num_warps, **pdl(x),
+            HAS_NUM_TOKENS=num_tokens is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
     # This step's inputs are the next step's pending ones. Written after the kernel (stream order): every
     # head's programs read the group's pending B, so an in-kernel write would race with their replay. One
