@@ -126,6 +126,10 @@ def _attention():
     for splits in (1, 4):
         paged_attention_triton(_g(3, HQ, D), kv, _idx([0, 1, 2, 3]), decode_lens, table, D**-0.5, max_query_len=1,
                                num_splits=splits)
+        # A verify step's rows of 1+K queries: short tiles (K = 1 and 4 at the group of 4: 16 and 32 rows).
+        for t in (2, 5):
+            paged_attention_triton(_g(3 * t, HQ, D), kv, _idx([0, t, 2 * t, 3 * t]), decode_lens, table, D**-0.5,
+                                   max_query_len=t, num_splits=splits)
 
 
 def _kv_write():

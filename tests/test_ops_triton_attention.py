@@ -21,6 +21,9 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 
 from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
 from baton.engine.ops.triton_attention import (  # noqa: E402
+    PREFILL_BLOCK_M,
+    PREFILL_WARPS,
+    SHORT_BLOCK_M,
     WIDE_DECODE_ROWS,
     _launch_config,
     build_attention_meta,
@@ -116,7 +119,9 @@ def test_host_built_program_map_equals_the_device_built_one(rows, hq, hkv, d, bl
     host_qsl = qsl.tolist()
     meta = build_attention_meta(host_qsl, qsl, hq, hkv, d)
     assert meta.prog_row.dtype == meta.prog_qblock.dtype == torch.int32 and meta.prog_row.numel() == meta.grid_m
-    ref = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5)
+    assert meta.max_query_len == max(max(n for _, n in rows), 1)
+    # The device-built path with the same bound on the rows' lengths tiles the batch the same way.
+    ref = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5, max_query_len=meta.max_query_len)
     out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5, attention_meta=meta)
     assert torch.equal(out, ref)
     # Given with another query_start_loc (a batch derived with other rows), or built for another batch
@@ -128,6 +133,46 @@ def test_host_built_program_map_equals_the_device_built_one(rows, hq, hkv, d, bl
     with pytest.raises(ValueError, match="attention_meta expected for BLOCK_Q"):
         paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, d**-0.5,
                                attention_meta=dataclasses.replace(other, query_start_loc=qsl))
+
+
+# Verify steps: rows of 1+K queries after long contexts (K = 1..4), several 64-key tiles each.
+VERIFY_ROWS = [(130, 2), (200, 5), (67, 3), (300, 4), (5, 2)]
+
+
+def test_verify_rows_take_short_decode_like_tiles():
+    """A batch whose rows hold a few queries each (a verify step) runs tiles of at most SHORT_BLOCK_M rows with
+    4 warps, as decode does, instead of the prefill tile of PREFILL_BLOCK_M rows and its 8 warps; and the
+    runner's host-built map carries the bound that picks them."""
+    group, d = 4, 128
+    for k in (1, 2, 4, 7):
+        t = 1 + k
+        block_q, block_m, block_n, _, warps = _launch_config(group, d, t, 8 * t, 8)
+        assert (block_q, block_m, block_n, warps) == (t, max(16, 1 << (t * group - 1).bit_length()), 64, 4)
+        assert block_m <= SHORT_BLOCK_M
+        host = list(range(0, 8 * t + 1, t))
+        meta = build_attention_meta(host, torch.tensor(host), 32, 8, d)
+        assert (meta.max_query_len, meta.block_q) == (t, t)
+    # Nine queries of a group of 4 no longer fit a short tile: the prefill tile and warps.
+    assert _launch_config(group, d, 9, 72, 8)[1] > SHORT_BLOCK_M
+    assert _launch_config(group, d, 9, 72, 8)[4] == PREFILL_WARPS
+    # Without a bound the batch is taken for a prefill one (the device-built path of an unknown batch).
+    assert _launch_config(group, d, None, 16, 8)[0] == PREFILL_BLOCK_M // group
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_verify_rows_in_short_split_tiles_match_reference(num_splits, dtype, atol, rtol):
+    """Short tiles of 2..5 queries per row, their keys split into parts (as on a GPU, where few programs
+    split), equal the reference; the tiles follow the host-built map's bound."""
+    hq, hkv, d, block_size = 8, 2, 16, 4
+    q, kv_cache, qsl, seq_lens, block_tables = make_case(VERIFY_ROWS, hq, hkv, d, block_size, dtype, seed=7)
+    meta = build_attention_meta(qsl.tolist(), qsl, hq, hkv, d)
+    assert meta.max_query_len == 5 and meta.block_q == 5
+    ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
+    out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.25, attention_meta=meta,
+                                 num_splits=num_splits)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)], ids=["default", "small-tiles"])

@@ -14,7 +14,8 @@ block id read from `block_tables`, with an online (flash-attention) softmax: sco
 for exp2), running max and sum in fp32. Prefill blocks take the key tiles that all their queries see whole
 (below the causal diagonal) without a mask, and the causal mask per row of the tile only on the last ones.
 Decode steps (`max_query_len == 1`) use BLOCK_Q = 1, so a decode row is one program per KV head holding its
-`group` query heads.
+`group` query heads. Rows of a few queries (a verify step's 1+K: tiles of at most SHORT_BLOCK_M rows) run as
+decode tiles do, with 4 warps and split-K.
 
 The mapping from program to (row, query block) is computed on the device (a cumulative sum of the rows'
 query-block counts and a searchsorted over it), from a grid whose size depends on shapes only
@@ -29,10 +30,11 @@ checks them with host reads; run it when in doubt): `query_start_loc` non-decrea
 `seq_lens[r] >= q_len[r]`; `block_tables[r, :cdiv(seq_len, block_size)]` valid block ids (an out-of-range
 id is an out-of-bounds access on the GPU). Entries past a row's last block are never read.
 
-`max_query_len` (optional, an upper bound on any row's query length known to the caller) only picks the
-tile sizes; the result does not depend on it. Without it, a batch with T <= R is taken for decode.
+`max_query_len` (optional, an upper bound on any row's query length known to the caller; else the one
+`attention_meta` carries) only picks the tile sizes; the result does not depend on it. Without either, a batch
+with T <= R is taken for decode and any other for prefill.
 
-Few, long decode rows (B * Hkv programs would leave most SMs idle) split each row's keys into
+Few, long decode (or short) rows (B * Hkv programs would leave most SMs idle) split each row's keys into
 NUM_SPLITS parts (flash-decoding's split-K): grid (programs x Hkv, NUM_SPLITS), each part's running max,
 sum and unnormalized fp32 accumulator go to scratch, and a second kernel merges them. The split count
 comes from shapes and the SM count only (see `_auto_splits`); `num_splits` overrides it.
@@ -69,17 +71,21 @@ class AttentionMeta:
     grid_m: int
     prog_row: Tensor     # [grid_m] int32
     prog_qblock: Tensor  # [grid_m] int32
+    max_query_len: int | None = None  # the batch's longest row (host-known): the kernel's tiles follow it
 
 
 def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tensor, q_heads: int, kv_heads: int,
                          head_dim: int) -> AttentionMeta:
-    """The mapping the kernel would build on the device for this batch (no `max_query_len`), built from the
-    host ints of `query_start_loc` and sent in one non-blocking copy. Spare programs map to the last row,
+    """The mapping the kernel would build on the device for this batch, built from the host ints of
+    `query_start_loc` and sent in one non-blocking copy, with the batch's longest row as `max_query_len` (the
+    kernel's tiles: a verify step's rows of 1+K queries take short tiles). Spare programs map to the last row,
     past its queries."""
     from baton.engine.host_copy import to_device
 
     T, R = query_start_loc_host[-1], len(query_start_loc_host) - 1
-    block_q = _launch_config(q_heads // kv_heads, head_dim, None, T, R)[0]
+    max_q = max((b - a for a, b in zip(query_start_loc_host, query_start_loc_host[1:], strict=False)), default=0)
+    max_q = max(max_q, 1)
+    block_q = _launch_config(q_heads // kv_heads, head_dim, max_q, T, R)[0]
     grid_m = min(T, triton.cdiv(T, block_q) + R)
     rows: list[int] = []
     qblocks: list[int] = []
@@ -92,7 +98,7 @@ def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tenso
     rows += [R - 1] * spare
     qblocks += range(last, last + spare)
     packed = to_device(rows + qblocks, torch.int32, query_start_loc.device)
-    return AttentionMeta(query_start_loc, block_q, grid_m, packed[:grid_m], packed[grid_m:])
+    return AttentionMeta(query_start_loc, block_q, grid_m, packed[:grid_m], packed[grid_m:], max_q)
 
 
 @triton.jit
@@ -323,13 +329,14 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
         if max_query_len is not None:
             block_q = max(1, min(block_q, max_query_len))
     block_m = max(16, triton.next_power_of_2(block_q * group))
+    short = not decode and block_m <= SHORT_BLOCK_M
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     if decode and R >= WIDE_DECODE_ROWS and block_d <= 128:
         block_n = 128
-    if not decode and block_d <= 128:
+    if not decode and not short and block_d <= 128:
         block_n = PREFILL_BLOCK_N
-    return block_q, block_m, block_n, block_d, 4 if decode else PREFILL_WARPS
+    return block_q, block_m, block_n, block_d, 4 if decode or short else PREFILL_WARPS
 
 
 # Query rows (queries x group heads) per prefill program, its key tile, warps and software-pipeline stages. Measured
@@ -338,6 +345,13 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 # mask on every tile 177 / 150 / 132 / 157; the unmasked tiles below the diagonal alone 242 / 201 / 152 / 205; with
 # 128 rows, 8 warps and 2 stages 284 / 226 / 177 / 239 (128 rows at 4 warps and 3 stages: 300 / 236 / 98 / 248).
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 2
+
+
+# Query tiles of at most this many rows (queries x group heads) that are not decode tiles, e.g. a verify step's rows
+# of 1+K queries, run as decode tiles do: 4 warps, DECODE_STAGES, split-K when they are few. With the prefill
+# tile (32 queries of a row at the 8b-like group of 4, 8 warps, no split) a verify step's attention layer at batch
+# 1, K = 1 took 44 us against 10 for a decode step's (H200, benchmarks/RESULTS.md session 27).
+SHORT_BLOCK_M = 32
 
 
 # Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode
@@ -352,10 +366,16 @@ WIDE_DECODE_ROWS = 40
 DECODE_STAGES = 2
 
 
-def _auto_splits(device: torch.device, programs: int, block_q: int, max_keys: int, block_n: int) -> int:
-    """Split-K only for decode tiles (BLOCK_Q 1) too few to fill the GPU: about two programs per SM, each
-    split at least 8 key tiles of the longest possible row (max_blocks * block_size keys), at most 32."""
-    if device.type != "cuda" or block_q != 1:
+def _decode_like(block_q: int, block_m: int) -> bool:
+    """Decode tiles (one query) and short ones (at most SHORT_BLOCK_M rows): DECODE_STAGES, split-K allowed."""
+    return block_q == 1 or block_m <= SHORT_BLOCK_M
+
+
+def _auto_splits(device: torch.device, programs: int, block_q: int, block_m: int, max_keys: int,
+                 block_n: int) -> int:
+    """Split-K only for decode and short tiles (`_decode_like`) too few to fill the GPU: about two programs per
+    SM, each split at least 8 key tiles of the longest possible row (max_blocks * block_size keys), at most 32."""
+    if device.type != "cuda" or not _decode_like(block_q, block_m):
         return 1
     target = 2 * sm_count(device)
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_keys, 8 * block_n), 32))
@@ -412,6 +432,8 @@ def paged_attention_triton(
     if T == 0 or R == 0:
         return out
     group = q_heads // kv_heads
+    if max_query_len is None and attention_meta is not None:
+        max_query_len = attention_meta.max_query_len
     block_q, block_m, block_n, block_d, num_warps = _launch_config(group, head_dim, max_query_len, T, R)
 
     # Program -> (row, query block) on the device. Each query block holds >= 1 query, so there are at most
@@ -439,7 +461,7 @@ def paged_attention_triton(
 
     if num_splits is None:
         num_splits = _auto_splits(
-            q.device, grid_m * kv_heads, block_q, block_tables.shape[1] * block_size, block_n
+            q.device, grid_m * kv_heads, block_q, block_m, block_tables.shape[1] * block_size, block_n
         )
     if num_splits > 1:
         m_part = torch.empty(grid_m, kv_heads, num_splits, block_m, dtype=torch.float32, device=q.device)
@@ -453,7 +475,7 @@ def paged_attention_triton(
         *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps,
-        num_stages=DECODE_STAGES if block_q == 1 else PREFILL_STAGES, **pdl(q),
+        num_stages=DECODE_STAGES if _decode_like(block_q, block_m) else PREFILL_STAGES, **pdl(q),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(grid_m, kv_heads)](
