@@ -159,6 +159,7 @@ class SpecResult:
     gpu_ms: float           # the device's span of a step (mean), host gaps inside a step included
     tokens_per_step: float  # emitted per step in this run (random weights: ~batch, almost no draft accepted)
     floor_ms: float         # the verify step's traffic floor (module docstring)
+    context_tokens: float   # the rows' computed tokens summed, mean over the timed steps (the floor's KV read)
 
     @property
     def floor_ratio(self) -> float:
@@ -197,7 +198,7 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     floor = decode_traffic(cfg, dtype, engine.ssm_dtype, batch, context).total
     floor += k * draft_pass_bytes(cfg, dtype, batch, context)
     return SpecResult(k=k, batch=batch, step_ms=step_ms, gpu_ms=gpu_ms, tokens_per_step=emitted,
-                      floor_ms=floor / (copy * 1e9) * 1e3)
+                      floor_ms=floor / (copy * 1e9) * 1e3, context_tokens=context)
 
 
 @dataclass

@@ -21,6 +21,8 @@ from benchmarks import step_profile as sp  # noqa: E402
     ("_rms_norm_kernel", "norm"),
     ("_relu2_kernel", "relu2"),
     ("_paged_attention_kernel", "attention"),
+    ("_ssu_verify_kernel", "state update"),
+    ("_record_kernel", "state update"),
     ("_write_kv_kernel", "kv write"),
     ("_ssd_output_kernel", "scan"),
     ("_gemv_kernel", "fused gemv"),
@@ -140,3 +142,17 @@ def test_smoke_run_on_cpu(tmp_path):
         assert "gemm" in kinds  # the linear layers ran
         assert p["busy_us_per_step"] > 0 and p["wall_us_per_step"] > 0 and p["weights_gbps"] > 0
     assert "| kind | kernels / step |" in r.stdout
+
+
+def test_smoke_spec_run_on_cpu(tmp_path):
+    """--spec K profiles verify steps of the preset with one MTP layer (spec_bench.py's engine)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--no-progress",
+                        "--batches", "2", "--spec", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / sp.JSON_NAME).read_text())
+    assert data["meta"]["spec"] == 2 and [p["batch"] for p in data["profiles"]] == [2]
+    assert "+ MTP, K = 2 (verify steps)" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--spec", "1",
+                          "--prefill", "1x16"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--spec profiles decode (verify) steps" in bad.stderr

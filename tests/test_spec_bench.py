@@ -1,0 +1,104 @@
+"""benchmarks/spec_bench.py in its smoke mode (tiny preset with one MTP layer, CPU): every (K, batch) is timed, a
+draft pass's bytes equal a count of the engine's real MTP and lm_head tensors, the table's break-even and speedup
+follow from the step times, and bad flags fail with a ValueError."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "spec_bench.py"
+_spec = importlib.util.spec_from_file_location("spec_bench", _PATH)
+sb = importlib.util.module_from_spec(_spec)
+sys.modules["spec_bench"] = sb  # dataclasses look their module up
+_spec.loader.exec_module(sb)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("spec_bench")
+    assert sb.main(["--smoke", "--ks", "0,1,2", "--acceptance", "1.5,1.75", "--out", str(out), "--no-progress"]) == 0
+    return json.loads((out / sb.JSON_NAME).read_text())
+
+
+def test_every_k_and_batch_is_timed(smoke):
+    bc = smoke["meta"]["bench_config"]
+    got = [(r["k"], r["batch"]) for r in smoke["results"]]
+    assert got == [(k, b) for k in bc["ks"] for b in bc["batches"]]
+    for r in smoke["results"]:
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0
+        if r["k"] == 0:
+            assert r["tokens_per_step"] == r["batch"]
+        else:  # a verify row emits its last token and the drafts accepted before the first rejection
+            assert r["batch"] <= r["tokens_per_step"] <= r["batch"] * (1 + r["k"])
+    assert smoke["acceptance"] == [1.5, 1.75]
+
+
+def test_floor_adds_k_draft_passes_of_the_real_tensors(smoke):
+    bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
+                            progress=False)
+    cfg, hf = sb.model_config("tiny")
+    weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
+    engine = sb.build_engine(cfg, weights, bc, 1)
+    module = engine.runner.mtp
+    mtp = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    head = engine.model.lm_head.weight
+    assert sb.draft_pass_bytes(cfg, engine.dtype, 2, 0) == mtp + head.numel() * head.element_size()
+    # The MTP attention layers' KV of the batch's context: its own pool layers, one token each.
+    kv = engine.pools.kv[0, engine.pools.num_target_kv_layers:]
+    per_token = kv.numel() * kv.element_size() // engine.config.block_size
+    assert per_token > 0
+    assert sb.draft_pass_bytes(cfg, engine.dtype, 2, 100) - sb.draft_pass_bytes(cfg, engine.dtype, 2, 0) \
+        == pytest.approx(100 * per_token)
+    # In the run: the decode traffic plus K draft passes at the steps' context, over the copy rate.
+    copy = smoke["copy_gbps"] * 1e9
+    for r in smoke["results"]:
+        ctx = r["context_tokens"]
+        assert ctx >= r["batch"] * smoke["meta"]["bench_config"]["context"]
+        want = sb.decode_traffic(cfg, torch.float32, torch.float32, r["batch"], ctx).total
+        want += r["k"] * sb.draft_pass_bytes(cfg, torch.float32, r["batch"], ctx)
+        assert r["floor_ms"] == pytest.approx(want / copy * 1e3, rel=1e-9)
+
+
+def test_table_break_even_and_speedup(smoke):
+    bc = sb.SpecBenchConfig(**{**smoke["meta"]["bench_config"], "ks": tuple(smoke["meta"]["bench_config"]["ks"]),
+                               "batches": tuple(smoke["meta"]["bench_config"]["batches"]),
+                               "acceptance": tuple(smoke["acceptance"])})
+    results = [sb.SpecResult(**r) for r in smoke["results"]]
+    text = sb.table(sb.Report(meta=smoke["meta"], copy_gbps=smoke["copy_gbps"], results=results), bc)
+    base = {r.batch: r.step_ms for r in results if r.k == 0}
+    for r in results:
+        tau = 1.0 if r.k == 0 else bc.acceptance[r.k - 1]
+        row = next(line for line in text.splitlines() if line.startswith(f"| {r.k} | {r.batch} |"))
+        assert f"| {r.step_ms / base[r.batch]:.2f} |" in row  # break-even acceptance
+        assert f"| {tau * base[r.batch] / r.step_ms:.2f}× |" in row  # speedup at the checkpoint's acceptance
+
+
+def test_acceptance_from_mtp_bench_json(tmp_path):
+    path = tmp_path / "mtp.json"
+    path.write_text(json.dumps({"mtp": [{"k": 0, "mean_acceptance_length": 0.0},
+                                        {"k": 1, "mean_acceptance_length": 1.47},
+                                        {"k": 2, "mean_acceptance_length": 1.63}]}))
+    assert sb.acceptance_from_json(path) == (1.47, 1.63)
+    path.write_text(json.dumps({"mtp": [{"k": 1, "mean_acceptance_length": 1.4},
+                                        {"k": 3, "mean_acceptance_length": 1.6}]}))
+    with pytest.raises(ValueError, match="expected mtp rows for K = 1..n"):
+        sb.acceptance_from_json(path)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--ks", "1,2"], "including 0"),
+    (["--ks", "0,9"], r"integers in 0\.\.8"),
+    (["--ks", "0,3", "--acceptance", "1.5,1.6"], "a value for every K up to 3"),
+    (["--acceptance", "0.5,1.6,1.7,1.8"], "mean tokens per verify row"),
+    (["--batches", "0"], "positive integers"),
+    (["--acceptance", "x"], "comma-separated numbers"),
+])
+def test_bad_flags(argv, match):
+    with pytest.raises(ValueError, match=match):
+        sb.parse_args(["--smoke", *argv])
