@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # (e) variants in one device call on one multi-GPU machine: each line of $VARIANTS, "NAME|RATES|ENGINE FLAGS|FLAGS",
 # is one serving_bench.py run with the shared settings below (8b-like model, prompts 1,024-4,096 tokens, outputs
-# 128-512, 20 s of Poisson arrivals per rate, SLO TTFT <= 2 s and TPOT <= $TPOT_MS ms, every node's engine flags $E
-# plus the line's ENGINE FLAGS, 1P1D's prefill node with an 8,192-token budget). FLAGS (shell words) go to
-# serving_bench.py as given, e.g. --configs agg, or --disagg-decode-engine-args "--mixed-graph-tokens 128".
+# 128-512, $DURATION_S (default 20) s of Poisson arrivals per rate, SLO TTFT <= 2 s and TPOT <= $TPOT_MS ms, every
+# node's engine flags $E plus the line's ENGINE FLAGS, 1P1D's prefill node with an 8,192-token budget). FLAGS (shell
+# words) go to serving_bench.py as given, e.g. --configs agg, or --disagg-decode-engine-args "--mixed-graph-tokens 128".
 # Results under $OUT/NAME; each run's table rows are printed. DRY=1 prints the commands only.
 #   VARIANTS=$'agg|10,13||--configs agg\ndisagg|16,18||--configs disagg' bash benchmarks/serving_variants.sh
 # Carry .whl-slim and .whl-serve (benchmarks/device_run.sh).
@@ -11,6 +11,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 TPOT_MS=${TPOT_MS:-15}
+# Goodput counts the drain after the last arrival in its window (serving_bench.py), a fixed few seconds that weigh
+# more on a short trace and on the faster configuration: a longer one (e.g. 60) measures closer to steady state.
+DURATION_S=${DURATION_S:-20}
 E="--device cuda --dtype bfloat16 --max-num-seqs 128 --max-num-batched-tokens 2048 --cache-memory-mb 32768 --max-model-len 16384"
 # The default: the aggregated pair and 1P1D at the engine's defaults over rates from well within to past their
 # capacity (the summary's SLO sweep scores both from TPOT <= 6 ms up), and 1P1D taking the overflow on its decode
@@ -30,7 +33,7 @@ while IFS='|' read -r name rates engine flags; do
   [ -z "$name" ] && continue
   eval "set -- $flags"  # the line's shell words, quotes respected
   cmd=(python3 benchmarks/serving_bench.py --out "$OUT/$name" --model-preset 8b-like --model-dir .bench-model/8b-like
-       --log-dir "/tmp/serving-logs/$name" --no-progress --duration-s 20 --prompt-min 1024 --prompt-max 4096
+       --log-dir "/tmp/serving-logs/$name" --no-progress --duration-s "$DURATION_S" --prompt-min 1024 --prompt-max 4096
        --output-min 128 --output-max 512 --slo-tpot-ms "$TPOT_MS" --engine-args "$E${engine:+ $engine}"
        --prefill-engine-args "--max-num-batched-tokens 8192" --rates "$rates" "$@")
   echo "== $name ($(date +%T))"

@@ -372,3 +372,9 @@ def test_serving_variants_script_builds_one_run_per_line():
     assert a["--engine-args"].endswith("--max-model-len 16384") and a["--slo-tpot-ms"] == "15"
     assert b["--engine-args"].endswith("--max-model-len 16384 --mixed-graph-tokens 256")
     assert b["--disagg-decode-engine-args"] == "--mixed-graph-tokens 128 --max-num-seqs 64"
+    assert a["--duration-s"] == b["--duration-s"] == "20"
+    env["DURATION_S"] = "60"
+    out = subprocess.run(["bash", "benchmarks/serving_variants.sh"], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert all(shlex.split(line)[shlex.split(line).index("--duration-s") + 1] == "60"
+               for line in out.splitlines() if line.startswith("python3"))
