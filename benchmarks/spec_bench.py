@@ -160,6 +160,7 @@ class SpecResult:
     tokens_per_step: float  # emitted per step in this run (random weights: ~batch, almost no draft accepted)
     floor_ms: float         # the verify step's traffic floor (module docstring)
     context_tokens: float   # the rows' computed tokens summed, mean over the timed steps (the floor's KV read)
+    graphed: float = 0.0    # the share of the timed steps replayed as a CUDA graph
 
     @property
     def floor_ratio(self) -> float:
@@ -175,6 +176,7 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     ctx: list[int] = []
     st = engine.stats
     rows0, accepted0, gpu0 = st.spec_verify_rows, st.spec_accepted, st.device_seconds
+    graphed0 = engine.runner.graph_steps
     if engine.depth:  # K = 0: pipelined, as engine_bench times (a)
         _, mean, steady = pipelined_step_times(engine, batch, bc.steps, device, ctx)
         step_ms = steady if steady is not None else mean
@@ -191,6 +193,7 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
         emitted = (st.spec_verify_rows - rows0 + st.spec_accepted - accepted0) / bc.steps
     sync(device)
     gpu_ms = (st.device_seconds - gpu0) * 1e3 / bc.steps
+    graphed = (engine.runner.graph_steps - graphed0) / bc.steps
     for rid in ids:
         engine.abort(rid)
     cfg, dtype = engine.model_config, engine.dtype
@@ -198,7 +201,7 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     floor = decode_traffic(cfg, dtype, engine.ssm_dtype, batch, context).total
     floor += k * draft_pass_bytes(cfg, dtype, batch, context)
     return SpecResult(k=k, batch=batch, step_ms=step_ms, gpu_ms=gpu_ms, tokens_per_step=emitted,
-                      floor_ms=floor / (copy * 1e9) * 1e3, context_tokens=context)
+                      floor_ms=floor / (copy * 1e9) * 1e3, context_tokens=context, graphed=graphed)
 
 
 @dataclass
@@ -214,15 +217,15 @@ def acceptance_of(bc: SpecBenchConfig, k: int) -> float | None:
 
 def table(r: Report, bc: SpecBenchConfig) -> str:
     base = {x.batch: x.step_ms for x in r.results if x.k == 0}
-    lines = ["| K | batch | step ms | gpu ms | floor ms | step / floor | tokens / step here | break-even acceptance "
-             "| acceptance | speedup | output tok/s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| K | batch | step ms | gpu ms | graphed | floor ms | step / floor | tokens / step here "
+             "| break-even acceptance | acceptance | speedup | output tok/s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in r.results:
         tau = acceptance_of(bc, x.k)
         be = x.step_ms / base[x.batch]
         speed = "–" if tau is None else f"{tau * base[x.batch] / x.step_ms:.2f}×"
         tok = "–" if tau is None else f"{x.batch * tau / x.step_ms * 1e3:,.0f}"
-        lines.append(f"| {x.k} | {x.batch} | {x.step_ms:.3f} | {x.gpu_ms:.3f} | {x.floor_ms:.3f} | "
+        lines.append(f"| {x.k} | {x.batch} | {x.step_ms:.3f} | {x.gpu_ms:.3f} | {x.graphed:.0%} | {x.floor_ms:.3f} | "
                      f"{x.floor_ratio:.2f}× | {x.tokens_per_step:.2f} | {be:.2f} | {'–' if tau is None else f'{tau:.3f}'} | {speed} | {tok} |")
     return "\n".join(lines)
 
