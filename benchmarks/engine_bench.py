@@ -93,6 +93,13 @@ _MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.
 
 # ---- configuration ------------------------------------------------------------------------------------------
 
+def check_device_and_preset(device: str, preset: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {preset!r}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     device: str = "cuda"
@@ -121,10 +128,7 @@ class BenchConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
-        if self.preset not in PRESET_NAMES:
-            raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+        check_device_and_preset(self.device, self.preset)
         for name in ("mixed_batch", "mixed_graph_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -216,9 +220,10 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, iters: int =
 # ---- the model, in memory ------------------------------------------------------------------------------------
 
 def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype,
-                   seed: int = 0, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Random weights of `cfg` (no MTP) drawn directly on `device`, as make_model draws them there."""
-    shapes = expected_weight_shapes(cfg, include_mtp=False)
+                   seed: int = 0, progress: bool = True, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights of `cfg` (its MTP layers only with `include_mtp`) drawn directly on `device`, as make_model
+    draws them there."""
+    shapes = expected_weight_shapes(cfg, include_mtp=include_mtp)
     out: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(shapes.items(), desc="weights", unit="tensor", disable=not progress):
         want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
@@ -963,6 +968,21 @@ def plot_decode_roofline(results_json_path: str | Path, png_path: str | Path) ->
 
 # ---- main -----------------------------------------------------------------------------------------------------
 
+def device_and_pick(args: argparse.Namespace, defaults: dict[str, dict]) -> tuple[str, Callable[[str], object]]:
+    """The device (`--smoke`: the CPU; else `--device`, or CUDA where there is one) and a lookup of each flag's
+    value: the one given, else `defaults`' for that device ("smoke" on the CPU, "cuda")."""
+    if args.smoke and args.device == "cuda":
+        raise ValueError("--smoke: expected --device cpu (or none), got cuda")
+    device = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = defaults["smoke" if args.smoke or device == "cpu" else "cuda"]
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return d[name] if v is None else v
+
+    return device, pick
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig | None]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"])
@@ -996,14 +1016,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     args = ap.parse_args(argv)
     if args.plot is not None:
         return args, None
-    if args.smoke and args.device == "cuda":
-        raise ValueError("--smoke: expected --device cpu (or none), got cuda")
-    device = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    d = DEFAULTS["smoke" if args.smoke or device == "cpu" else "cuda"]
-
-    def pick(name: str):
-        v = getattr(args, name)
-        return d[name] if v is None else v
+    device, pick = device_and_pick(args, DEFAULTS)
 
     bc = BenchConfig(device=device, preset=pick("preset"), batches=_int_list("--batches", str(pick("batches"))),
                      context=pick("context"), steps=pick("steps"), prefill_tokens=pick("prefill_tokens"),

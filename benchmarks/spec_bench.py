@@ -46,22 +46,26 @@ from tqdm import tqdm
 from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
-from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
+from baton.engine.make_model import build_config
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
 
 # `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_bench import (  # noqa: E402
     _check_decode_step,
+    _int_list,
     _step,
+    check_device_and_preset,
     copy_gbps,
     decode_traffic,
+    device_and_pick,
     enter_decode,
     kv_bytes_per_token,
     one_step_at_a_time,
     pipelined_step_times,
     sync,
 )
+from benchmarks.engine_bench import random_weights as engine_random_weights  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 JSON_NAME = "spec_bench.json"
@@ -84,10 +88,7 @@ class SpecBenchConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")
-        if self.preset not in PRESET_NAMES:
-            raise ValueError(f"--preset: expected one of {', '.join(PRESET_NAMES)}, got {self.preset!r}")
+        check_device_and_preset(self.device, self.preset)
         if 0 not in self.ks or any(not isinstance(k, int) or not 0 <= k <= MAX_K for k in self.ks):
             raise ValueError(f"--ks: expected integers in 0..{MAX_K} including 0 (the baseline), got {self.ks!r}")
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
@@ -119,12 +120,7 @@ def model_config(preset: str) -> tuple[ModelConfig, dict]:
 def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype, seed: int,
                    progress: bool) -> dict[str, torch.Tensor]:
     """Random weights of `cfg`, its MTP layer included, drawn on `device` as make_model draws them there."""
-    out: dict[str, torch.Tensor] = {}
-    shapes = expected_weight_shapes(cfg, include_mtp=True)
-    for name, shape in tqdm(shapes.items(), desc="weights", unit="tensor", disable=not progress):
-        want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-        out[name] = init_tensor(name, shape, cfg, hf, seed, device).to(want)
-    return out
+    return engine_random_weights(cfg, hf, device, dtype, seed, progress, include_mtp=True)
 
 
 def draft_pass_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, context_tokens: float) -> float:
@@ -285,22 +281,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.smoke and args.device == "cuda":
-        raise ValueError("--smoke: expected --device cpu (or none), got cuda")
-    device = "cpu" if args.smoke else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    d = DEFAULTS["smoke" if args.smoke or device == "cpu" else "cuda"]
-
-    def pick(name: str):
-        v = getattr(args, name)
-        return d[name] if v is None else v
+    device, pick = device_and_pick(args, DEFAULTS)
 
     if args.acceptance_json is not None:
         acceptance = acceptance_from_json(args.acceptance_json)
     else:
         acceptance = _float_list("--acceptance", args.acceptance) if args.acceptance else ()
-    ks = tuple(int(x) for x in _float_list("--ks", args.ks))
-    bc = SpecBenchConfig(device=device, preset=pick("preset"), ks=ks,
-                         batches=tuple(int(x) for x in _float_list("--batches", str(pick("batches")))),
+    bc = SpecBenchConfig(device=device, preset=pick("preset"), ks=_int_list("--ks", args.ks),
+                         batches=_int_list("--batches", str(pick("batches"))),
                          context=pick("context"), steps=pick("steps"), acceptance=acceptance,
                          copy_mib=pick("copy_mib"), seed=args.seed, progress=not args.no_progress)
     return args, bc
