@@ -528,8 +528,12 @@ def benchmark(model_dir: Path, prompts: list[list[int]], ks: list[int], max_toke
     rows: list[BenchRow] = []
     for k in tqdm(ks, desc="benchmark K", disable=not progress):
         engine = make_engine(cfg, weights, device, dtype, len(prompts), max(len(p) for p in prompts) + max_tokens, k)
-        # Warm-up on the same prompts: every Triton kernel shape and CUDA graph size the timed run uses is
-        # compiled and captured here, not inside the timing.
+        # Every CUDA graph size captured first, as a server does before taking traffic (`capture_graphs`): graphs
+        # are otherwise captured on a size's first step, and the timed run's batch shrinks as its requests finish
+        # at different steps (K > 0: acceptance differs per request), which the warm-up's may not have.
+        engine.capture_graphs()
+        # Warm-up on the same prompts: every Triton kernel shape the timed run uses is compiled here, not inside
+        # the timing.
         run_greedy(engine, prompts, min(max_tokens, 16), device)
         engine.stats = EngineStats()
         graphed0 = engine.runner.graph_steps  # (a running count: stats copy it)

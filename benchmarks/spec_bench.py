@@ -242,6 +242,7 @@ def run(bc: SpecBenchConfig, command: str) -> Report:
                           "command": command, "params": n_params, "bench_config": asdict(bc)}, copy_gbps=copy)
     for k in bc.ks:
         engine = build_engine(cfg, weights, bc, k)
+        engine.capture_graphs()  # every batch size's graph, as a server does before taking traffic
         report.results += [bench_batch(engine, bc, b, copy) for b in bc.batches]
         del engine
         if device.type == "cuda":

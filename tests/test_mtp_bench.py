@@ -222,3 +222,26 @@ def test_bad_state_flag_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="--state-dtypes: expected .* got bf16"):
         mb.main(["--device", "cpu", "--state-dtypes", "bf16", "--out", str(tmp_path / "ckpt")])
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_benchmark_captures_every_graph_size_before_timing(tmp_path, monkeypatch):
+    """Each K's engine captures its graphs before its warm-up and timed run (as a server does), so that no timed
+    step pays a capture when the batch shrinks to a size the warm-up never ran."""
+    calls: list[int] = []
+    real = mb.LLMEngine.capture_graphs
+    real_run = mb.run_greedy
+
+    def capture(engine):
+        calls.append(engine.config.num_speculative_tokens)
+        return real(engine)
+
+    def run(engine, *args):
+        assert calls and calls[-1] == engine.config.num_speculative_tokens, "a step ran before the capture"
+        return real_run(engine, *args)
+
+    monkeypatch.setattr(mb.LLMEngine, "capture_graphs", capture)
+    monkeypatch.setattr(mb, "run_greedy", run)
+    out = tmp_path / "ckpt"
+    mb.make_model(out, preset="tiny", mtp_layers=1, overrides={"mtp_hybrid_override_pattern": "*-"}, progress=False)
+    rows = mb.benchmark(out, [[5, 6, 7, 8], [9, 10, 11]], [0, 1, 2], 6, CPU, "float32", progress=False)
+    assert calls == [0, 1, 2] and [r.k for r in rows] == [0, 1, 2]
