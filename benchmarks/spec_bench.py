@@ -176,8 +176,6 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     if engine.depth:  # K = 0: pipelined, as engine_bench times (a)
         _, mean, steady = pipelined_step_times(engine, batch, bc.steps, device, ctx)
         step_ms = steady if steady is not None else mean
-        with one_step_at_a_time(engine):
-            engine.step()  # reads the step left in flight
         emitted = float(batch)
     else:
         times = []
@@ -187,9 +185,13 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
             _check_decode_step(engine, batch)
         step_ms = statistics.median(times)
         emitted = (st.spec_verify_rows - rows0 + st.spec_accepted - accepted0) / bc.steps
-    sync(device)
+    # `steps` steps launched and as many read (K = 0: the first read is the one launched before the window).
     gpu_ms = (st.device_seconds - gpu0) * 1e3 / bc.steps
     graphed = (engine.runner.graph_steps - graphed0) / bc.steps
+    if engine.depth:
+        with one_step_at_a_time(engine):
+            engine.step()  # reads the step left in flight
+    sync(device)
     for rid in ids:
         engine.abort(rid)
     cfg, dtype = engine.model_config, engine.dtype

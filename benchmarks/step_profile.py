@@ -379,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spec:
         if shapes:
             raise SystemExit("step_profile: --spec profiles decode (verify) steps; expected no --prefill")
+        if args.fused_gemv_max_tokens is not None:
+            raise SystemExit("step_profile: --spec runs the engine's own fused-GEMV setting; expected no "
+                             "--fused-gemv-max-tokens")
         engine = spec_engine(bc, args.spec)
     else:
         engine = build_engine(bc)

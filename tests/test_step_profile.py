@@ -156,3 +156,6 @@ def test_smoke_spec_run_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--spec", "1",
                           "--prefill", "1x16"], capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "--spec profiles decode (verify) steps" in bad.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--smoke", "--spec", "1",
+                          "--fused-gemv-max-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "expected no --fused-gemv-max-tokens" in bad.stderr
