@@ -74,9 +74,11 @@ class MixedStepGraphs:
         self.pools = pools
         self.block_size = block_size
         self.max_rows = max_rows
-        self.max_blocks = max_blocks
         self.device = device
         self.Q = Q = chunk_tokens
+        # Room for the padding chunk of Q tokens the graphs are captured on, which may be longer than any real
+        # sequence (max_model_len < Q): its block table covers all Q.
+        self.max_blocks = max_blocks = max(max_blocks, -(-Q // block_size))
         self.sizes = graph_sizes(max_rows)
         # The last run's start mark (`pending_step.device_mark`), recorded before its first GPU work.
         self.started: torch.cuda.Event | None = None
@@ -195,7 +197,8 @@ class MixedStepGraphs:
     def _pad(self, n: int) -> None:
         bs, scratch_block = self.block_size, self.pools.scratch_block
         chunk = PromptChunk(ids=[0] * self.Q, slot_mapping=[scratch_block * bs] * self.Q, seq_len=self.Q,
-                            state_slot=self.pools.scratch_slot, has_initial_state=False, block_table=())
+                            state_slot=self.pools.scratch_slot, has_initial_state=False,
+                            block_table=(scratch_block,) * -(-self.Q // bs))
         self._write(n, *self._inputs(n, _NO_ROWS, chunk))
 
     @torch.inference_mode()

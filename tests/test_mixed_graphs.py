@@ -152,3 +152,43 @@ def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype, q):  # noqa
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
     assert mixed.num_graphs >= 2
     assert all(g.graphs for g in mixed.buckets.values())  # every bucket replayed
+
+
+@pytest.mark.interpreter
+def test_padding_chunk_fits_when_max_model_len_is_below_q(small_spec_model, monkeypatch):  # noqa: F811
+    """The graphs are captured on a padding chunk of Q tokens, which may be longer than any sequence the engine
+    takes (max_model_len 16 < Q = 48, as in mtp_bench's engines): its block table covers all Q tokens, so every
+    size's padded step runs on the Triton kernels (interpreted) within the static buffers and gives finite logits.
+    (Before, its attention read block ids past the block tables' end: a crash on the CPU, CUBLAS_STATUS_EXECUTION_
+    FAILED on an H200 in `capture_graphs`, session 28.)"""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    engine = new_engine(small_spec_model, 0, mixed_graph_tokens=48, long_prefill_token_threshold=None,
+                        max_model_len=16)
+    mixed = engine.make_mixed_graphs(torch.device("cpu"))
+    assert sorted(mixed.buckets) == [48]
+    graphs = mixed.buckets[48]
+    assert graphs.max_blocks * engine.config.block_size >= 48
+    with torch.inference_mode():
+        for n in graphs.sizes:
+            graphs._pad(n)
+            assert torch.isfinite(graphs._forward(n)).all()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_graphs_when_max_model_len_is_below_q(spec_model):  # noqa: F811
+    """`capture_graphs` captures every mixed size of an engine whose max_model_len is below Q, and the engine then
+    serves the usual schedule with the same tokens as without mixed graphs."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cfg, weights = spec_model
+    from baton.engine.llm_engine import LLMEngine
+
+    def engine_of(q: int) -> LLMEngine:
+        return LLMEngine(cfg, weights, EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96,
+                                                    dtype="float32", num_kv_blocks=256, device="cuda",
+                                                    mixed_graph_tokens=q, max_model_len=60))
+    engine = engine_of(64)
+    assert engine.capture_graphs() > len(engine.runner.graphs.sizes)
+    ref = run(engine_of(0), _arrivals(), params)
+    got = run(engine, _arrivals(), params)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
