@@ -138,8 +138,9 @@ class MixedStepGraphs:
         )
 
     def _forward(self, n: int) -> torch.Tensor:
-        hidden = self.model(self.ids[:n + self.Q], self._batch(n))
-        return self.model.logits(hidden[self.last[:n + 1]], upcast=False)
+        # Only the rows' last tokens run past the last cache-writing layer (`pre_norm_stack`'s keep).
+        hidden = self.model(self.ids[:n + self.Q], self._batch(n), keep=self.last[:n + 1])
+        return self.model.logits(hidden, upcast=False)
 
     def _write(self, n: int, flat: list[int], width: int, chunk_len: int) -> None:
         """The step's inputs from host ints into the static buffers: one copy to the device, then slices."""

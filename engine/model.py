@@ -46,9 +46,15 @@ class Backbone(nn.Module):
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        # The last layer that writes a cache (attention's KV, Mamba's state): past its mixer a token's hidden
+        # state reaches only its own output (`pre_norm_stack`'s keep).
+        self.last_cache_layer = max((i for i, k in enumerate(cfg.layer_types) if k in (MAMBA, ATTENTION)),
+                                    default=None)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return pre_norm_stack(self.embeddings(input_ids), self.layers, self.norm_f, batch)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return pre_norm_stack(self.embeddings(input_ids), self.layers, self.norm_f, batch, keep,
+                              self.last_cache_layer)
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -58,9 +64,12 @@ class NemotronHForCausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states of every token: [T, hidden]."""
-        return self.model(input_ids, batch)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Final hidden states of every token [T, hidden], or of the tokens `keep` lists [len(keep), hidden] (the
+        layers past the last cache-writing one then run on those alone: `pre_norm_stack`). The caches are
+        written either way."""
+        return self.model(input_ids, batch, keep)
 
     def logits(self, hidden: torch.Tensor, fused: bool = False, upcast: bool = True) -> torch.Tensor:
         """[T, vocab], float32 unless `upcast` is False (then the weights' dtype: the samplers take the argmax of

@@ -186,16 +186,17 @@ class ModelRunner:
             input_ids, batch = self.build_batch(out)
             if fill is not None:
                 fill_pending(input_ids, *fill)
-            if sample_rows:
-                # The logits gather: the last token of every row that samples (R5); from host ints, before the
-                # forward (indexing a device tensor with a host list would copy the list and wait).
-                starts = out.token_starts
-                last = self._t([starts[i + 1] - 1 for i in sample_rows])
+            # The logits gather: the last token of every row that samples (R5); from host ints, before the
+            # forward (indexing a device tensor with a host list would copy the list and wait). Only those
+            # tokens go through the layers past the last cache-writing one (none: a step of prompt chunks that
+            # sample nothing writes its caches only).
+            starts = out.token_starts
+            last = self._t([starts[i + 1] - 1 for i in sample_rows])
             started = device_mark(self.device)
-            hidden = self.model(input_ids, batch)
+            hidden = self.model(input_ids, batch, keep=last)  # [R_s, hidden]
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
-            logits = self.model.logits(hidden[last], fused=batch.fused_gemv, upcast=False)  # [R_s, V]
+            logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
         ids = [out.rows[i].request_id for i in sample_rows]
         return PendingStep(ids, self.sample(logits, ids), self.device, logits.float() if return_logits else None,
                            started=started)

@@ -61,11 +61,13 @@ class Attention(nn.Module):
             start += w.shape[0]
         return qkv
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output [T, hidden]; with `keep`, only those tokens' [len(keep), hidden] (the KV cache is
+        written for all)."""
         qkv_w = self._fused()
         if qkv_w is not None:
-            return self._attend(*self._split(nn.functional.linear(x, qkv_w)), batch)
-        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), batch)
+            return self._attend(*self._split(nn.functional.linear(x, qkv_w)), batch, keep)
+        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), batch, keep)
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in the q/k/v GEMV."""
@@ -80,7 +82,8 @@ class Attention(nn.Module):
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return qkv.split([nq, nkv, nkv], dim=-1)  # views: the kernels take row strides
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -90,4 +93,5 @@ class Attention(nn.Module):
         meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
         out = dispatch.paged_attention(q)(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                           self.scale, **meta)
-        return project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), batch)
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return project(self.o_proj, out if keep is None else out[keep], batch)

@@ -51,8 +51,10 @@ class Mamba2Mixer(nn.Module):
         """Derive the per-step constants from the loaded weights (once, not in every step)."""
         self.A = -torch.exp(self.A_log.float())  # [H]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self._mix(self.in_proj(x), batch)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The mixer's output [T, hidden]; with `keep`, only those tokens' [len(keep), hidden] (the state and conv
+        window are written for all)."""
+        return self._mix(self.in_proj(x), batch, keep)
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in in_proj's GEMV. The gated norm stays a kernel of its own
@@ -61,7 +63,7 @@ class Mamba2Mixer(nn.Module):
         zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
         return self._mix(zxbcdt, batch), residual
 
-    def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """in_proj's output -> the mixer's output (out_proj's)."""
         x = zxbcdt  # (its dtype and row count are the block input's)
         t = x.shape[0]
@@ -94,7 +96,12 @@ class Mamba2Mixer(nn.Module):
             parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
                                                 init, self.chunk_size, self.dt_min, **meta))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
-        y = self.norm(y.reshape(t, self.intermediate), gate).to(x.dtype)
+        y = y.reshape(t, self.intermediate)
+        if keep is not None:
+            if not keep.shape[0]:
+                return x.new_empty(0, self.out_proj.out_features)
+            y, gate = y[keep], gate[keep]
+        y = self.norm(y, gate).to(x.dtype)
         return project(self.out_proj, y, batch)
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,

@@ -1,0 +1,76 @@
+"""The layers past the last cache-writing one run on the sampled tokens only (`pre_norm_stack`'s keep): a prefill
+step gets the same logits and writes the same caches as when every token runs every layer, and the tail's linear
+layers see one row per sampling row."""
+
+import pytest
+import torch
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.loader import load_checkpoint
+from baton.engine.make_model import make_model
+from baton.engine.sampling_params import SamplingParams
+
+# (pattern, the last cache-writing layer, the tail's MLP layers)
+PATTERNS = {"M*M-MM*-": (6, [7]), "M-M*-M-M-": (7, [8]), "M*-MMM*": (6, [])}
+
+
+@pytest.fixture(scope="module", params=sorted(PATTERNS))
+def model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tail")
+    make_model(out, preset="tiny", seed=7, overrides={"hybrid_override_pattern": request.param}, dtype="float32",
+               progress=False)
+    return request.param, load_checkpoint(out)
+
+
+def _caches(engine: LLMEngine) -> list[torch.Tensor]:
+    p = engine.pools
+    return [t.clone() for t in (*p.kv_layers(), *p.conv_layers(), *p.ssm_layers())]
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_tail_runs_on_the_kept_tokens_only(model, kernels, monkeypatch):
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("BATON_KERNELS", kernels)
+    pattern, (cfg, weights) = model
+    cache_layer, tail = PATTERNS[pattern]
+    engine = LLMEngine(cfg, weights, EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, block_size=8))
+    assert engine.model.model.last_cache_layer == cache_layer
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 17, 40):
+        engine.add_request(torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), SamplingParams(max_tokens=2))
+    out = engine.scheduler.schedule()
+    assert len(out.rows) == 3 and all(r.sample for r in out.rows)
+    starts = out.token_starts
+    keep = torch.tensor([starts[i + 1] - 1 for i in range(3)])
+    layers = engine.model.model.layers
+    seen: dict[int, int] = {}
+
+    def hook(i):
+        def record(module, args):
+            seen[i] = args[0].shape[0]
+        return record
+
+    handles = [layers[i].mixer.register_forward_pre_hook(hook(i)) for i in tail]
+    last = layers[cache_layer].mixer
+    proj = last.out_proj if hasattr(last, "out_proj") else last.o_proj
+    handles.append(proj.register_forward_pre_hook(hook(-1)))
+    with torch.inference_mode():
+        ids, batch = engine.runner.build_batch(out)
+        full = engine.model(ids, batch)
+        seen_full = dict(seen)
+        caches = _caches(engine)
+        ids, batch = engine.runner.build_batch(out)
+        kept = engine.model(ids, batch, keep=keep)
+        seen_kept = dict(seen)
+        assert all(torch.equal(a, b) for a, b in zip(caches, _caches(engine), strict=True))
+        ids, batch = engine.runner.build_batch(out)
+        none = engine.model(ids, batch, keep=keep[:0])
+    for h in handles:
+        h.remove()
+    assert kept.shape == (3, cfg.hidden_size) and none.shape == (0, cfg.hidden_size)
+    torch.testing.assert_close(engine.model.logits(kept), engine.model.logits(full[keep]), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(engine), strict=True))  # also with nothing kept
+    # The tail and the last cache layer's output projection ran on all 62 tokens, then on the 3 kept ones.
+    assert seen_full == {i: 62 for i in (*tail, -1)} and seen_kept == {i: 3 for i in (*tail, -1)}
