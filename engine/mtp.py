@@ -103,13 +103,15 @@ class MTPModule(nn.Module):
         self.num_kv_layers = kv  # how many KV pool layers the drafter needs (its own, not the target's)
 
     def forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, embeddings: nn.Embedding,
-                batch: ForwardBatch, step: int = 0) -> torch.Tensor:
+                batch: ForwardBatch, step: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step at every token of `batch`.
 
         hidden [T, hidden]: the target's post-`norm_f` state h_i (step 0) or this module's previous output;
         next_token_ids [T]: t_{i+1}; embeddings: the target's (shared) table; batch: the target's metadata for
         positions i with `kv_caches` = the MTP's pool layers. Returns [T, hidden], after `final_layernorm`: the
-        input of the shared `lm_head` and the `hidden` of the next draft step.
+        input of the shared `lm_head` and the `hidden` of the next draft step. keep (token indices, on the
+        device): only those tokens' outputs [len(keep), hidden]; the layers past the step's last attention layer
+        run on them alone (`pre_norm_stack`), its KV is written for every token.
         """
         n = self.pattern_len
         j0 = (step % self.cfg.num_nextn_predict_layers) * n
@@ -118,7 +120,8 @@ class MTPModule(nn.Module):
         dtype = first.eh_proj.weight.dtype
         e = embeddings(next_token_ids).to(dtype)  # [T, hidden]
         h = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
-        return pre_norm_stack(h, layers, layers[-1].final_layernorm, batch)
+        keep_from = max((i for i, layer in enumerate(layers) if layer.kind == ATTENTION), default=None)
+        return pre_norm_stack(h, layers, layers[-1].final_layernorm, batch, keep, keep_from)
 
     @staticmethod
     def with_kv_caches(batch: ForwardBatch, mtp_kv_caches: list[torch.Tensor]) -> ForwardBatch:

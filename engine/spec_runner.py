@@ -51,6 +51,7 @@ class SpecRunner(ModelRunner):
         if len(self._mtp_kv) != mtp.num_kv_layers:
             raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
         self.rejection = RejectionSampler(num_speculative_tokens)
+        self._no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)  # the drafter's keep, not drafting
         # The last eager step's start mark (`pending_step.device_mark`): a prefill-only launch's PendingStep times
         # from it.
         self._started: torch.cuda.Event | None = None
@@ -115,11 +116,12 @@ class SpecRunner(ModelRunner):
             anchor_rows.append(prefill_rows)
 
         # -- the drafter: catch up over every position (fills its KV, R8), then K drafts per sampling row ---
-        h, mtp_batch = self._catch_up(hidden, next_ids, batch)
+        drafting = self.draft and bool(anchors)
+        h, mtp_batch = self._catch_up(hidden, next_ids, batch, torch.cat(anchors) if drafting else self._no_tokens)
         drafts_out = None
-        if self.draft and anchors:
+        if drafting:
             tables = batch.block_tables[torch.cat(anchor_rows)]  # [D, max_blocks]
-            drafts_out = self._chain(h, mtp_batch, torch.cat(anchors), torch.cat(anchor_pos), tables)
+            drafts_out = self._chain(h, mtp_batch, torch.cat(anchor_pos), tables)
             pieces.append(drafts_out.reshape(-1))
 
         if not pieces:
@@ -165,18 +167,19 @@ class SpecRunner(ModelRunner):
         anchor = batch.query_start_loc[:nd] + res.accepted_counts
         return [res.num_emitted, emitted.reshape(-1)], anchor, verify_base + res.accepted_counts
 
-    def _catch_up(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch
+    def _catch_up(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, anchor: torch.Tensor
                   ) -> tuple[torch.Tensor, ForwardBatch]:
-        """The drafter over every position of the batch with (h_i, t_{i+1}): fills its KV (R8)."""
+        """The drafter over every position of the batch with (h_i, t_{i+1}): fills its KV (R8). Returns its output
+        at the drafting rows' anchors [D, hidden] (their last accepted position: where draft 1 comes from; the
+        drafter's layers past its attention run on those alone) and its batch."""
         mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
-        return self.mtp(hidden, next_ids, self.model.model.embeddings, mtp_batch, step=0), mtp_batch
+        return self.mtp(hidden, next_ids, self.model.model.embeddings, mtp_batch, step=0, keep=anchor), mtp_batch
 
-    def _chain(self, h: torch.Tensor, mtp_batch: ForwardBatch, anchor: torch.Tensor, pos: torch.Tensor,
-               tables: torch.Tensor) -> torch.Tensor:
-        """K drafts per drafting row: draft 1 from the catch-up's output at the row's anchor, then the
-        drafter on its own output, one position further each time. Returns [D, K]."""
+    def _chain(self, h: torch.Tensor, mtp_batch: ForwardBatch, pos: torch.Tensor, tables: torch.Tensor
+               ) -> torch.Tensor:
+        """K drafts per drafting row: draft 1 from the catch-up's output at the row's anchor (h [D, hidden]), then
+        the drafter on its own output, one position further each time. Returns [D, K]."""
         emb = self.model.model.embeddings
-        h = h[anchor]
         tok = self.model.logits(h, upcast=False).argmax(dim=-1)  # [D] draft 1
         chain = [tok]
         for k in range(1, self.num_spec):
@@ -202,8 +205,8 @@ class SpecRunner(ModelRunner):
         num_draft = batch.spec_num_tokens - 1
         pieces, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
                                            [GREEDY] * n, [None] * n)
-        h, mtp_batch = self._catch_up(hidden, next_ids, batch)
-        drafts = self._chain(h, mtp_batch, anchor, pos, batch.block_tables)
+        h, mtp_batch = self._catch_up(hidden, next_ids, batch, anchor)
+        drafts = self._chain(h, mtp_batch, pos, batch.block_tables)
         return torch.cat([*pieces, drafts.reshape(-1)])
 
     def _graph_step(self, out: SchedulerOutput) -> StepOutput:

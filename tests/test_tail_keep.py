@@ -9,7 +9,9 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
+from baton.engine.mtp import MTPModule
 from baton.engine.sampling_params import SamplingParams
+from tests.test_spec_decode import new_engine, run, spec_model, staggered  # noqa: F401
 
 # (pattern, the last cache-writing layer, the tail's MLP layers)
 PATTERNS = {"M*M-MM*-": (6, [7]), "M-M*-M-M-": (7, [8]), "M*-MMM*": (6, [])}
@@ -74,3 +76,44 @@ def test_tail_runs_on_the_kept_tokens_only(model, kernels, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(caches, _caches(engine), strict=True))  # also with nothing kept
     # The tail and the last cache layer's output projection ran on all 62 tokens, then on the 3 kept ones.
     assert seen_full == {i: 62 for i in (*tail, -1)} and seen_kept == {i: 3 for i in (*tail, -1)}
+
+
+def _recording(engine: LLMEngine) -> tuple[list[dict], list[int]]:
+    """Every step's drafts, and the rows the drafter's last layer (its MoE, past its attention) ran on."""
+    drafts: list[dict] = []
+    rows: list[int] = []
+    execute = engine.runner.execute
+
+    def record(out, return_logits=False):
+        res = execute(out, return_logits)
+        drafts.append(dict(res.drafts or {}))
+        return res
+
+    engine.runner.execute = record
+    engine.runner.mtp.layers[-1].mixer.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    return drafts, rows
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafter_tail_runs_on_the_anchors_only(spec_model, k):  # noqa: F811
+    """The drafter's catch-up over every position writes its KV there, but only the drafting rows' anchors (a
+    verify row's last accepted position, a prefill's last token) go past its attention layer: the same drafts,
+    step by step, as a drafter whose every layer runs on every token, with one row per drafting row in its tail."""
+    engine = new_engine(spec_model, k)
+    drafts, rows = _recording(engine)
+    ref = new_engine(spec_model, k)
+    ref_drafts, ref_rows = _recording(ref)
+    mtp = ref.runner.mtp
+
+    def every_token(*args, keep=None, **kw):  # the whole drafter on every token, then the anchors' outputs
+        out = MTPModule.forward(mtp, *args, **kw)
+        return out if keep is None else out[keep]
+
+    mtp.forward = every_token
+    got, want = run(engine, staggered(k)), run(ref, staggered(k))
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+    assert drafts == ref_drafts and sum(len(d) for d in drafts) > 10
+    # The catch-up's tail: one row per drafting row (the chain's steps after it: one each too); the reference's
+    # took every token of the step, prompt chunks included.
+    assert max(rows) <= engine.config.max_num_seqs < max(ref_rows)
+    assert sum(rows) < sum(ref_rows)
