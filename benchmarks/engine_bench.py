@@ -70,7 +70,7 @@ import torch
 from tqdm import tqdm
 
 from baton.engine.cache_pools import CachePlan, plan_cache
-from baton.engine.config import ModelConfig
+from baton.engine.config import ATTENTION, MAMBA, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
@@ -592,11 +592,18 @@ class Flops:
         return self.linear + self.lm_head + self.attention + self.ssd
 
 
-def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights a token multiplies in the layers (lm_head and embeddings apart; routed experts: top_k of E)."""
+def matmul_params_per_token(cfg: ModelConfig, tail: bool | None = None) -> int:
+    """Weights a token multiplies in the layers (lm_head and embeddings apart; routed experts: top_k of E). tail
+    True: only the tail's, which a prefill runs on its sampled tokens alone (the last cache-writing layer's output
+    projection and every layer after it: `layers.norms.pre_norm_stack`); False: all but the tail's."""
+    last = max(i for i, k in enumerate(cfg.layer_types) if k in (MAMBA, ATTENTION))
     total = 0
     for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
         if not name.startswith("model.layers.") or not name.endswith(_MATMUL_LEAVES):
+            continue
+        layer = int(name.split(".")[2])
+        in_tail = layer > last or (layer == last and name.endswith(("out_proj.weight", "o_proj.weight")))
+        if tail is not None and in_tail != tail:
             continue
         n = math.prod(shape)
         if ".mixer.experts." in name:
@@ -606,13 +613,15 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 
 
 def prefill_flops(cfg: ModelConfig, lengths: Sequence[int]) -> Flops:
-    """FLOPs of one prefill step over fresh rows of these lengths, each sampling its last token."""
+    """FLOPs of one prefill step over fresh rows of these lengths, each sampling its last token: the layers' tail
+    (`matmul_params_per_token`) on those last tokens only, as the engine runs it."""
     t = sum(lengths)
     h, p, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size
     q, g = cfg.chunk_size, cfg.n_groups
     per_layer_attn = sum(4 * cfg.num_attention_heads * cfg.head_dim * L * (L + 1) // 2 for L in lengths)
     return Flops(
-        linear=2 * t * matmul_params_per_token(cfg),
+        linear=2 * (t * matmul_params_per_token(cfg, tail=False)
+                    + len(lengths) * matmul_params_per_token(cfg, tail=True)),
         lm_head=2 * len(lengths) * cfg.vocab_size * cfg.hidden_size,
         attention=len(cfg.attention_layer_ids) * per_layer_attn,
         ssd=len(cfg.mamba_layer_ids) * t * (4 * h * p * n + (q + 1) * (g * n + h * p)),

@@ -99,16 +99,22 @@ def test_gpu_steady_step_time_is_a_device_span_inside_the_wall_time(tmp_path):
 
 def test_prefill_flops_and_mfu(smoke, engine):
     cfg = engine.model_config
-    # Linear weights a token multiplies, counted from the modules (the tiny preset has no MoE layer).
-    linear_params = sum(m.weight.numel() for m in engine.model.model.layers.modules()
-                        if isinstance(m, torch.nn.Linear))
+    # Linear weights a token multiplies, counted from the modules (the tiny preset has no MoE layer); the tail
+    # (the last cache-writing layer's output projection and the layers after it) runs on the sampled tokens only.
+    layers = engine.model.model.layers
+    last = engine.model.model.last_cache_layer
+    tail_modules = [layers[last].mixer.out_proj if hasattr(layers[last].mixer, "out_proj") else layers[last].mixer.o_proj,
+                    *layers[last + 1:].modules()]
+    tail_params = sum(m.weight.numel() for m in tail_modules if isinstance(m, torch.nn.Linear))
+    linear_params = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    assert 0 < tail_params < linear_params
     bc = smoke["meta"]["bench_config"]
     assert [p["prompts"] for p in smoke["prefill"]] == list(bc["prefill_splits"])
     for p in smoke["prefill"]:
         n, T = p["prompts"], p["tokens"]
         L = T // n
         f = p["flops"]
-        assert f["linear"] == 2 * T * linear_params
+        assert f["linear"] == 2 * (T * (linear_params - tail_params) + n * tail_params)
         assert f["lm_head"] == 2 * n * tensor_bytes(engine.model.lm_head.weight) // engine.dtype.itemsize
         assert f["attention"] == len(cfg.attention_layer_ids) * n * 2 * cfg.num_attention_heads * cfg.head_dim \
             * L * (L + 1)
@@ -166,7 +172,12 @@ def test_8b_like_traffic_is_the_known_size():
     assert t.ssm_state == 2 * 256 * 24 * 128 * 64 * 128 * 4
     assert t.kv_read == 256 * 1024 * 4 * 2 * 8 * 128 * 2
     flops = eb.prefill_flops(cfg, [8192])
-    assert flops.linear == 2 * 8192 * eb.matmul_params_per_token(cfg)
+    # The tail: the last Mamba layer's out_proj (8192 x 4096) and the MLP after it (2 x 4096 x 21504), 3 % of all.
+    tail = eb.matmul_params_per_token(cfg, tail=True)
+    assert tail == 8192 * 4096 + 2 * 4096 * 21504
+    assert tail + eb.matmul_params_per_token(cfg, tail=False) == eb.matmul_params_per_token(cfg)
+    assert math.isclose(tail / eb.matmul_params_per_token(cfg), 0.030, abs_tol=0.001)
+    assert flops.linear == 2 * (8192 * (eb.matmul_params_per_token(cfg) - tail) + tail)
     assert math.isclose(flops.total / (2 * 8192 * 8.1e9), 1.0, rel_tol=0.15)
 
 
