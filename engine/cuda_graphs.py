@@ -43,6 +43,7 @@ import torch
 
 from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.host_copy import host_tensor
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
@@ -288,7 +289,7 @@ class StepGraphs:
         host, copied = self.host[turn], self._host_copied[turn]
         if copied is not None:
             copied.synchronize()  # the copy of two steps ago: long done unless the host runs far ahead
-        host[:end] = torch.tensor(flat, dtype=torch.int64)
+        host[:end] = host_tensor(flat, torch.int64)
         self.started = device_mark(self.device)  # the step's first GPU work: the host's part is done
         # One copy from pinned memory: asynchronous, it does not wait for the GPU.
         self.staging[:end].copy_(host[:end], non_blocking=True)

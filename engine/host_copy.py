@@ -5,18 +5,44 @@ the stream has finished everything queued before it, i.e. the step in flight. Bu
 copied with `non_blocking=True`, the copy is queued on the stream like a kernel and the host goes on. The
 caching host allocator keeps a pinned block alive until the copies queued from it have run, so the block is
 never rewritten under a pending copy (R5's async-copy rule).
+
+A step's inputs are flat lists of Python ints (a decode step of 256 rows: ~17k, its block tables most of them).
+`torch.tensor` converts one int at a time (~50 ns each on the 2-core CPU box: ~1 ms for 20k); `array.array`
+packs them ~3.5x faster, and the tensor is a view of its buffer (`host_tensor`).
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
+
+# array.array type codes of the integer dtypes a step's index inputs use (both 8 / 4 bytes on Linux x86-64).
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a CPU tensor of `dtype`: a flat list or tuple of ints to an integer dtype through
+    `array.array`, anything else (nested lists, floats, bools to a bool dtype) through `torch.tensor`; the same
+    values either way, and the same errors for values the dtype cannot hold."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and isinstance(values, (list, tuple)):
+        if not values:
+            return torch.empty(0, dtype=dtype)
+        try:
+            return torch.frombuffer(array.array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):
+            pass  # nested, non-integer or out-of-range values: torch.tensor decides (and raises its error)
+    return torch.tensor(values, dtype=dtype)
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (ints, bools or floats, nested lists allowed) as a `dtype` tensor on `device`; on CUDA, queued
     on the current stream without a host wait."""
+    host = host_tensor(values, dtype)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
