@@ -189,11 +189,11 @@ class ModelRunner:
             # The logits gather: the last token of every row that samples (R5); from host ints, before the
             # forward (indexing a device tensor with a host list would copy the list and wait). Only those
             # tokens go through the layers past the last cache-writing one (none: a step of prompt chunks that
-            # sample nothing writes its caches only).
+            # sample nothing writes its caches only; all, with no gather, when every token samples: decode rows).
             starts = out.token_starts
-            last = self._t([starts[i + 1] - 1 for i in sample_rows])
+            keep = None if len(sample_rows) == starts[-1] else self._t([starts[i + 1] - 1 for i in sample_rows])
             started = device_mark(self.device)
-            hidden = self.model(input_ids, batch, keep=last)  # [R_s, hidden]
+            hidden = self.model(input_ids, batch, keep=keep)  # [R_s, hidden]
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
