@@ -4,9 +4,9 @@ A decode step at a large batch is one CUDA-graph replay on the GPU plus Python w
 not overlap it: the scheduler's `schedule()`, building the graph's input lists (`ModelRunner._decode_graph`
 and the flattening in `StepGraphs.run`), then `scheduler.update()` and the `RequestOutput`s. This benchmark
 times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.launch` (K = 0;
-`runner.execute` with drafts) is replaced by a stand-in that runs the real `_decode_graph` against a graph
-object doing only the host side of `StepGraphs.run` (no tensors to a device, no model), and returns fixed
-tokens. With K = 0 the engine's async scheduling runs as on a GPU (step n+1 launched before step n is read).
+`runner.execute` with drafts) is replaced by a stand-in that runs the real `_decode_graph` (verify steps: the
+whole `SpecRunner._graph_step`, its one read and unpacking included) against a graph object doing only the host
+side of `StepGraphs.run` (the input list into a tensor; no copy to a device, no model), and returns fixed tokens. With K = 0 the engine's async scheduling runs as on a GPU (step n+1 launched before step n is read).
 
 B requests of C prompt tokens are prefilled (by the stand-in: no model runs), then N decode steps are timed
 and split into schedule / launch-or-execute host / update+outputs (the rest of `LLMEngine.step`).
@@ -45,11 +45,13 @@ TOKEN = 5  # every sampled and drafted token (never a stop id: requests ignore E
 
 class HostOnlyGraphs:
     """Stands in for `StepGraphs`: the same sizes and host-side list flattening as `StepGraphs.run`, then
-    nothing (no pinned copy, no replay)."""
+    nothing (no pinned copy, no replay). A verify step (T > 1) returns what the whole greedy verify step's graph
+    does, as a CPU tensor: every draft accepted, TOKEN everywhere."""
 
     def __init__(self, max_rows: int, tokens_per_row: int) -> None:
         self.T = tokens_per_row
         self.max_rows = max_rows
+        self.started = None  # (no device marks)
 
     def size_for(self, rows: int) -> int | None:
         return rows if rows <= self.max_rows else None
@@ -63,6 +65,14 @@ class HostOnlyGraphs:
             flat += b
             flat += [0] * (width - len(b))
         host_tensor(flat, torch.int64)  # the list into the pinned buffer's tensor: host work too
+        if self.T == 1:
+            return None
+        # The packed results of `SpecRunner.graph_step_fn` for n = len(rows): emitted counts [n], emitted [n, T]
+        # (-1 past the count), drafts [n, K].
+        counts = extra["num_tokens"]
+        n, T = len(counts), self.T
+        emitted = [TOKEN if t < c else -1 for c in counts for t in range(T)]
+        return torch.tensor(counts + emitted + [TOKEN] * (n * (T - 1)), dtype=torch.int64)
 
 
 def fake_launch(engine: LLMEngine):
@@ -81,10 +91,13 @@ def fake_launch(engine: LLMEngine):
 
 
 def fake_execute(engine: LLMEngine, k: int):
-    """runner.execute without a model: the real graph input building on decode steps, fixed tokens out."""
+    """runner.execute without a model: the real graph input building on decode steps, fixed tokens out; with K
+    drafts, verify steps run `SpecRunner._graph_step` against the stand-in graph."""
     runner = engine.runner
 
     def execute(out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
+        if k and runner._whole_step_graphable(out):
+            return runner._graph_step(out)  # the real verify step's host side: inputs, the one read, unpacking
         if runner._graphable(out):
             runner._decode_graph(out)
         ids = [r.request_id for r in out.rows if r.sample]

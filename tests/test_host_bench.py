@@ -71,3 +71,24 @@ def test_fast_rows_and_outputs_equal_the_dataclass_init(tmp_path, spec):
         _same_as_init(o, RequestOutput)
         req = engine.scheduler.requests[o.request_id]
         assert o.token_ids == tuple(req.output_token_ids) and o.new_token_ids
+
+
+def test_verify_steps_run_the_real_graph_step(tmp_path):
+    """With drafts, the timed steps are `SpecRunner._graph_step` on the stand-in graph's packed results: every draft
+    accepted, so each request gains 1 + K tokens a step."""
+    from baton.engine.make_model import make_model
+
+    make_model(tmp_path, "tiny", mtp_layers=1, progress=False, tokenizer=False)
+    k = 2
+    engine = hb.build(tmp_path, batch=4, context=20, steps=6, k=k)
+    calls = []
+    graph_step = engine.runner._graph_step
+    engine.runner._graph_step = lambda out: calls.append(len(out.rows)) or graph_step(out)
+    running = list(engine.scheduler.running)
+    before = {r.request_id: len(r.output_token_ids) for r in running}
+    drafted, accepted = engine.stats.spec_drafted, engine.stats.spec_accepted
+    for _ in range(3):
+        engine.step()
+    assert calls == [4, 4, 4]
+    assert all(len(r.output_token_ids) - before[r.request_id] == 3 * (1 + k) for r in running)
+    assert engine.stats.spec_accepted - accepted == engine.stats.spec_drafted - drafted == 3 * 4 * k
