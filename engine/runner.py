@@ -70,6 +70,8 @@ class ModelRunner:
         self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
         self._verify_inputs = pools.verify_layers()
         self._mamba = bool(self._ssm)
+        # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
+        self._no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         # Per state slot: how many recorded positions of its last verify were accepted (1 + accepted drafts),
         # to be replayed into the state by the next step. Written only by steps on the device (R3); 0 for a
         # fresh, prefilled or transferred request. (One more entry: the scratch slot of graph padding rows.)
@@ -191,7 +193,8 @@ class ModelRunner:
             # tokens go through the layers past the last cache-writing one (none: a step of prompt chunks that
             # sample nothing writes its caches only; all, with no gather, when every token samples: decode rows).
             starts = out.token_starts
-            keep = None if len(sample_rows) == starts[-1] else self._t([starts[i + 1] - 1 for i in sample_rows])
+            keep = (None if len(sample_rows) == starts[-1] else self._no_tokens if not sample_rows
+                    else self._t([starts[i + 1] - 1 for i in sample_rows]))
             started = device_mark(self.device)
             hidden = self.model(input_ids, batch, keep=keep)  # [R_s, hidden]
             if not sample_rows:

@@ -51,7 +51,6 @@ class SpecRunner(ModelRunner):
         if len(self._mtp_kv) != mtp.num_kv_layers:
             raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
         self.rejection = RejectionSampler(num_speculative_tokens)
-        self._no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)  # the drafter's keep, not drafting
         # The last eager step's start mark (`pending_step.device_mark`): a prefill-only launch's PendingStep times
         # from it.
         self._started: torch.cuda.Event | None = None
