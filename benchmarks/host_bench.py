@@ -5,8 +5,10 @@ not overlap it: the scheduler's `schedule()`, building the graph's input lists (
 and the flattening in `StepGraphs.run`), then `scheduler.update()` and the `RequestOutput`s. This benchmark
 times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.launch` (K = 0;
 `runner.execute` with drafts) is replaced by a stand-in that runs the real `_decode_graph` (verify steps: the
-whole `SpecRunner._graph_step`, its one read and unpacking included) against a graph object doing only the host
-side of `StepGraphs.run` (the input list into a tensor; no copy to a device, no model), and returns fixed tokens. With K = 0 the engine's async scheduling runs as on a GPU (step n+1 launched before step n is read).
+real `SpecRunner.launch_verify` / `launch_chained` / `read_verify`, the one read and unpacking included) against a
+graph object doing only the host side of `StepGraphs.run` / `run_chained` (the input lists into a tensor; no copy to
+a device, no model), and returns fixed tokens. The engine's async scheduling runs as on a GPU (K = 0: step n+1
+launched before step n is read; verify steps chained on the one in flight).
 
 B requests of C prompt tokens are prefilled (by the stand-in: no model runs), then N decode steps are timed
 and split into schedule / launch-or-execute host / update+outputs (the rest of `LLMEngine.step`).
@@ -52,6 +54,7 @@ class HostOnlyGraphs:
         self.T = tokens_per_row
         self.max_rows = max_rows
         self.started = None  # (no device marks)
+        self.runs = 0
 
     def size_for(self, rows: int) -> int | None:
         return rows if rows <= self.max_rows else None
@@ -65,14 +68,29 @@ class HostOnlyGraphs:
             flat += b
             flat += [0] * (width - len(b))
         host_tensor(flat, torch.int64)  # the list into the pinned buffer's tensor: host work too
+        self.runs += 1
         if self.T == 1:
             return None
         # The packed results of `SpecRunner.graph_step_fn` for n = len(rows): emitted counts [n], emitted [n, T]
         # (-1 past the count), drafts [n, K].
-        counts = extra["num_tokens"]
+        return self._packed(extra["num_tokens"])
+
+    def _packed(self, counts: list[int]) -> torch.Tensor:
         n, T = len(counts), self.T
         emitted = [TOKEN if t < c else -1 for c in counts for t in range(T)]
         return torch.tensor(counts + emitted + [TOKEN] * (n * (T - 1)), dtype=torch.int64)
+
+    def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
+                    block_tables: list[list[int]]) -> torch.Tensor:
+        """`StepGraphs.run_chained`'s host side (its per-row lists into one tensor); every row gets K drafts."""
+        width = max(len(b) for b in block_tables)
+        flat = state_slots + rooms + ([] if src == list(range(len(src))) else src)
+        for b in block_tables:
+            flat += b
+            flat += [0] * (width - len(b))
+        host_tensor(flat, torch.int64)
+        self.runs += 1
+        return self._packed([self.T] * len(src))
 
 
 def fake_launch(engine: LLMEngine):
@@ -153,11 +171,14 @@ def build(model_dir: Path, batch: int, context: int, steps: int, k: int) -> LLME
 def measure(engine: LLMEngine, steps: int, profile: bool) -> tuple[float, Split, pstats.Stats | None]:
     split = Split()
     sched, runner = engine.scheduler, engine.runner
-    # Pipelined steps (K = 0) launch; speculative ones execute.
-    name = "launch" if engine.pipelined else "execute"
-    schedule, execute = sched.schedule, getattr(runner, name)
+    # Pipelined steps (K = 0) launch; verify steps launch (chained on the one in flight, with async scheduling)
+    # and read, or execute (one at a time).
+    names = (["launch"] if engine.pipelined else ["launch_verify", "launch_chained", "read_verify"] if engine.depth
+             else ["execute"])
+    schedule, methods = sched.schedule, {name: getattr(runner, name) for name in names}
     sched.schedule = _timed(schedule, split, "schedule")
-    setattr(runner, name, _timed(execute, split, "execute"))
+    for name, fn in methods.items():
+        setattr(runner, name, _timed(fn, split, "execute"))
     prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if prof:
@@ -171,7 +192,8 @@ def measure(engine: LLMEngine, steps: int, profile: bool) -> tuple[float, Split,
     total = time.perf_counter() - t
     split.update = total - split.schedule - split.execute
     sched.schedule = schedule
-    setattr(runner, name, execute)
+    for name, fn in methods.items():
+        setattr(runner, name, fn)
     return total, split, pstats.Stats(prof) if prof else None
 
 

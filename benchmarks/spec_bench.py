@@ -9,10 +9,11 @@ Model: the 8b-like preset with one MTP layer (`make_model`'s `*-` block for this
 `eh_proj`), random weights drawn on the device. For each K in `--ks` (0: plain decode) one LLMEngine, and for each
 batch B in `--batches`: B requests of `--context` prompt tokens enter decode (prefill-only, then re-admitted on their
 caches, as `engine_bench.py` does), `--steps` warm-up steps, then `--steps` timed engine steps as a server runs them.
-K = 0 steps run with async scheduling (step time: the device's steady state, idle gaps included); a verify step
-(K > 0: the target over 1+K tokens a row, K drafter passes and the greedy acceptance, one CUDA graph) is read before
-the next is scheduled, so its time is the wall time of a step() call, host work included; `gpu ms` is the
-device's span of the same steps.
+Steps run with async scheduling (step time: the device's steady state, idle gaps included): a verify step (K > 0:
+the target over 1+K tokens a row, K drafter passes and the greedy acceptance, one CUDA graph) is chained on the one in
+flight, its inputs taken on the device from that one's results (`LLMEngine._step_verify`). `one at a time` is the
+median step() wall time of as many verify steps each read before the next is launched (host work between them
+included: what chaining saves); `gpu ms` is the device's span of the timed steps.
 
 The weights are random, so almost no draft is accepted; a verify step's work does not depend on that (every row
 carries K drafts through fixed-shape graphs). Acceptance comes from a checkpoint: `--acceptance 1.6,1.8,...` (mean
@@ -151,12 +152,16 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], bc: SpecBen
 class SpecResult:
     k: int
     batch: int
-    step_ms: float          # the engine's step time (K = 0: async steady state; K > 0: median step() wall time)
+    step_ms: float          # the engine's step time: async steady state (K > 0: chained verify steps; median step()
+                            # wall time with async scheduling off)
     gpu_ms: float           # the device's span of a step (mean), host gaps inside a step included
     tokens_per_step: float  # emitted per step in this run (random weights: ~batch, almost no draft accepted)
     floor_ms: float         # the verify step's traffic floor (module docstring)
     context_tokens: float   # the rows' computed tokens summed, mean over the timed steps (the floor's KV read)
     graphed: float = 0.0    # the share of the timed steps replayed as a CUDA graph
+    # K > 0 with async scheduling: the median step() wall time of as many steps run one at a time after them (each
+    # read before the next is launched, host work between them included): what chaining verify steps saves
+    one_at_a_time_ms: float = 0.0
 
     @property
     def floor_ratio(self) -> float:
@@ -173,10 +178,10 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     st = engine.stats
     rows0, accepted0, gpu0 = st.spec_verify_rows, st.spec_accepted, st.device_seconds
     graphed0 = engine.runner.graph_steps
-    if engine.depth:  # K = 0: pipelined, as engine_bench times (a)
+    if engine.depth:  # async scheduling, as a server runs (K > 0: verify steps chained on the one in flight)
         _, mean, steady = pipelined_step_times(engine, batch, bc.steps, device, ctx)
         step_ms = steady if steady is not None else mean
-        emitted = float(batch)
+        emitted = (st.spec_verify_rows - rows0 + st.spec_accepted - accepted0) / bc.steps if k else float(batch)
     else:
         times = []
         for _ in tqdm(range(bc.steps), desc=f"K={k} B={batch}", disable=not bc.progress):
@@ -188,9 +193,12 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     # `steps` steps launched and as many read (K = 0: the first read is the one launched before the window).
     gpu_ms = (st.device_seconds - gpu0) * 1e3 / bc.steps
     graphed = (engine.runner.graph_steps - graphed0) / bc.steps
+    one_ms = 0.0
     if engine.depth:
         with one_step_at_a_time(engine):
             engine.step()  # reads the step left in flight
+            if k:
+                one_ms = statistics.median(_step(engine, device)[1] for _ in range(bc.steps))
     sync(device)
     for rid in ids:
         engine.abort(rid)
@@ -199,7 +207,8 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
     floor = decode_traffic(cfg, dtype, engine.ssm_dtype, batch, context).total
     floor += k * draft_pass_bytes(cfg, dtype, batch, context)
     return SpecResult(k=k, batch=batch, step_ms=step_ms, gpu_ms=gpu_ms, tokens_per_step=emitted,
-                      floor_ms=floor / (copy * 1e9) * 1e3, context_tokens=context, graphed=graphed)
+                      floor_ms=floor / (copy * 1e9) * 1e3, context_tokens=context, graphed=graphed,
+                      one_at_a_time_ms=one_ms)
 
 
 @dataclass
@@ -215,15 +224,16 @@ def acceptance_of(bc: SpecBenchConfig, k: int) -> float | None:
 
 def table(r: Report, bc: SpecBenchConfig) -> str:
     base = {x.batch: x.step_ms for x in r.results if x.k == 0}
-    lines = ["| K | batch | step ms | gpu ms | graphed | floor ms | step / floor | tokens / step here "
+    lines = ["| K | batch | step ms | one at a time ms | gpu ms | graphed | floor ms | step / floor | tokens / step here "
              "| break-even acceptance | acceptance | speedup | output tok/s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in r.results:
         tau = acceptance_of(bc, x.k)
         be = x.step_ms / base[x.batch]
         speed = "–" if tau is None else f"{tau * base[x.batch] / x.step_ms:.2f}×"
         tok = "–" if tau is None else f"{x.batch * tau / x.step_ms * 1e3:,.0f}"
-        lines.append(f"| {x.k} | {x.batch} | {x.step_ms:.3f} | {x.gpu_ms:.3f} | {x.graphed:.0%} | {x.floor_ms:.3f} | "
+        one = f"{x.one_at_a_time_ms:.3f}" if x.one_at_a_time_ms else "–"
+        lines.append(f"| {x.k} | {x.batch} | {x.step_ms:.3f} | {one} | {x.gpu_ms:.3f} | {x.graphed:.0%} | {x.floor_ms:.3f} | "
                      f"{x.floor_ratio:.2f}× | {x.tokens_per_step:.2f} | {be:.2f} | {'–' if tau is None else f'{tau:.3f}'} | {speed} | {tok} |")
     return "\n".join(lines)
 

@@ -24,6 +24,10 @@ fixed addresses, so:
   target's forward: rejection sampling, the replay counts it writes, the drafter's catch-up and its K-1
   chained steps; two more inputs then travel with the step: each position's host-known successor token
   and each row's position of its last token.
+- a verify step can also be chained on the one before it while that one's tokens are not read yet
+  (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
+  results on the device (its last emitted token, its K drafts, its position advanced by its emitted count,
+  the KV slots there from its block table); only state slots and block tables travel from the host.
 
 On a CPU device the same static, padded layout runs eagerly (no capture): the tests check the padding and
 the static inputs there, against steps built the usual way.
@@ -170,6 +174,10 @@ class StepGraphs:
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._offsets = torch.arange(T, dtype=torch.int64, device=dev)
+        # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
+        self.runs = 0
+        self._last: tuple[int, int, int, torch.Tensor] | None = None
 
     def size_for(self, rows: int) -> int | None:
         """The graph size a step of `rows` rows runs in, or None when it is larger than any."""
@@ -284,6 +292,21 @@ class StepGraphs:
             flat += b
             flat += [scratch_block] * (width - len(b))
         flat += [scratch_block] * (pad * width)
+        end = self._stage(flat)
+        at = 0
+        for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.next_ids, n * T), (self.seq_lens, n),
+                          (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
+            dst[:size] = self.staging[at:at + size]
+            at += size
+        self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
+        if fill is not None:
+            fill_pending(self.ids, *fill)
+        out = self._replay(n, rows)
+        return out if self.step_fn is not None else out[:rows]
+
+    def _stage(self, flat: list[int]) -> int:
+        """Move `flat` into `staging` with one asynchronous copy from a pinned buffer (two, used in turn); marks the
+        step's start (`started`) first. Returns its length."""
         end = len(flat)
         turn = self._turn = 1 - self._turn
         host, copied = self.host[turn], self._host_copied[turn]
@@ -296,17 +319,85 @@ class StepGraphs:
         if self.capture:
             copied = self._host_copied[turn] = torch.cuda.Event()
             copied.record()
-        at = 0
-        for dst, size in ((self.ids, n * T), (self.slot_mapping, n * T), (self.next_ids, n * T), (self.seq_lens, n),
-                          (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
-            dst[:size] = self.staging[at:at + size]
-            at += size
-        self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
-        if fill is not None:
-            fill_pending(self.ids, *fill)
+        return end
+
+    def _replay(self, n: int, rows: int) -> torch.Tensor:
         if self.capture:
             graph, out = self.graphs[n]
             graph.replay()
         else:
             out = self._forward(n)
-        return out if self.step_fn is not None else out[:rows]
+        self.runs += 1
+        self._last = (self.runs, n, rows, out)
+        return out
+
+    @torch.inference_mode()
+    def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
+                    block_tables: list[list[int]]) -> torch.Tensor:
+        """Replay the verify graph for a step chained on run `prev_run` (the last run, its tokens maybe not read
+        yet): row i continues that run's row src[i]. Its inputs are taken on the device from that run's packed
+        results: the row's last emitted token then its first k drafts, at its last-token position advanced by its
+        emitted count c (the KV slots there from `block_tables`, which must already cover 1+K tokens there and the
+        drafter's lookahead), with k = min(K, max(0, rooms[i] - c)): rooms[i] is the row's output room before that
+        run (tokens it may still emit, minus one), so k is what the scheduler gives it once c is known; its
+        other K - k tokens are padding. state_slots / rooms / block_tables: per row, from the host. Returns the
+        packed results."""
+        if self.step_fn is None:
+            raise RuntimeError("step graphs: run_chained needs verify graphs (a step_fn)")
+        if self._last is None or self._last[0] != prev_run:
+            raise ValueError(f"step graphs: expected a step chained on the last run ({self.runs}), got run {prev_run}")
+        _, m, prev_rows, prev = self._last
+        T, K, rows = self.T, self.T - 1, len(src)
+        if not rows or len(state_slots) != rows or len(rooms) != rows or len(block_tables) != rows:
+            raise ValueError(f"step graphs: expected as many state slots, rooms and block tables as rows ({rows}), "
+                             f"got {len(state_slots)}, {len(rooms)} and {len(block_tables)}")
+        if not all(0 <= j < prev_rows for j in src):
+            raise ValueError(f"step graphs: expected rows of the last run (0..{prev_rows - 1}), got {src}")
+        n = self.size_for(rows)
+        width = max(len(b) for b in block_tables)
+        if width > self.max_blocks:
+            raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
+        base = self.verify_base[:prev_rows]
+        if self.capture and n not in self.graphs:
+            base = base.clone()  # a capture pads the static inputs first
+            self.graphs[n] = self._capture(n)
+        scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
+        identity = src == list(range(rows))
+        flat = state_slots + [scratch_slot] * (n - rows) + rooms + ([] if identity else src)
+        for b in block_tables:
+            flat += b
+            flat += [scratch_block] * (width - len(b))
+        flat += [scratch_block] * ((n - rows) * width)
+        end = self._stage(flat)
+        at = n + rows + (0 if identity else rows)
+        # The previous run's results [m counts | m*T emitted | m*K drafts] and inputs, for the rows that go on: read
+        # before this step's inputs overwrite the buffers they share.
+        r = rows if identity else prev_rows  # identity: rows 0..rows-1 of the last run, as views
+        counts, base = prev[:r], base[:r]
+        emitted = prev[m:m + m * T].view(m, T)[:r]
+        drafts = prev[m + m * T:m + m * T + m * K].view(m, K)[:r]
+        if not identity:
+            idx = self.staging[n + rows:at]
+            counts, base, emitted, drafts = counts[idx], base[idx], emitted[idx], drafts[idx]
+        last = emitted.gather(1, (counts - 1).clamp_min(0).unsqueeze(1))  # [rows, 1]
+        base = base + counts  # [rows]: each row's position after its emitted tokens
+        num_tokens = 1 + (self.staging[n:n + rows] - counts).clamp(0, K)  # [rows]: 1 + its drafts
+        real = self._offsets < num_tokens.unsqueeze(1)  # [rows, T]: False for a row's padding tokens
+        self.state_slots[:n] = self.staging[:n]
+        self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
+        pos = base.unsqueeze(1) + self._offsets  # [rows, T]
+        bs = self.block_size
+        slots = self.block_tables[:rows].gather(1, pos // bs) * bs + pos % bs
+        # Padding tokens as `ModelRunner._decode_graph` pads them: token 0, the scratch block.
+        self.ids[:rows * T] = torch.cat([last, drafts], dim=1).masked_fill_(~real, 0).view(-1)
+        self.slot_mapping[:rows * T] = slots.masked_fill_(~real, scratch_block * bs).view(-1)
+        self.seq_lens[:rows] = base + T
+        self.verify_base[:rows] = base
+        self.num_tokens[:rows] = num_tokens
+        if n > rows:  # rows the last run used beyond this step's: padding again
+            self.ids[rows * T:n * T] = 0
+            self.slot_mapping[rows * T:n * T] = scratch_block * bs
+            self.seq_lens[rows:n] = T
+            self.verify_base[rows:n] = 0
+            self.num_tokens[rows:n] = T
+        return self._replay(n, rows)

@@ -4,6 +4,11 @@ With async scheduling (K = 0, or a prefill-only engine) a call of `step()` sched
 first, accounts for it (`scheduler.advance`), and only then reads step n's tokens (`scheduler.resolve`) and
 returns step n's outputs: the host's scheduling, input building and output handling of one step run while the
 device computes the previous one. Step n+1's decode rows whose input is step n's token take it on the device.
+
+With drafts (K > 0) how far a verify step advances each row is known only once its tokens are read. Where the
+next step can only be the same greedy rows verifying K drafts each (`Scheduler.chain`), a call of `step()`
+chains step n+1 on step n's results on the device (the verify graph's `run_chained`) before reading step n;
+otherwise it launches and reads one step.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from baton.engine.spec_runner import SpecRunner
+from baton.engine.spec_runner import SpecRunner, VerifyFlight
 from baton.engine.weights import TORCH_DTYPES
 
 
@@ -83,6 +88,14 @@ class _Launched:
     reqs: list[Request]                 # per row
     index: list[int]                    # per row: where its PENDING token sits in the outputs (-1: no sample)
     pending: PendingStep
+
+
+@dataclass
+class _VerifyLaunched:
+    """A whole-graph verify step queued on the device whose tokens are not read yet."""
+    step: int                           # its number (Scheduler.step_launched)
+    out: SchedulerOutput                # its rows as the scheduler accounts them (None until known: chained)
+    flight: VerifyFlight
 
 
 # GPUs (by name) where decode steps are faster with the fused GEMVs than with cuBLAS, and up to how many tokens,
@@ -157,9 +170,12 @@ class LLMEngine:
         self._in_flight: deque[_Launched] = deque()
         k = config.num_speculative_tokens
         self.pipelined = not k or config.prefill_only  # a step's committed tokens are known when it is launched
-        # Steps left in flight when step() returns: 1 with async scheduling. Benchmarks set 0 between steps to
-        # time steps one at a time (the next step() then reads the one in flight).
-        self.depth = 1 if config.async_scheduling and self.pipelined else 0
+        # Steps left in flight when step() returns: 1 with async scheduling (with drafts: where a verify step can
+        # be chained). Benchmarks set 0 between steps to time steps one at a time (the next step() then reads the
+        # one in flight).
+        self.depth = 1 if config.async_scheduling else 0
+        # With drafts: the verify step chained on the last one read, still in flight.
+        self._verify_in_flight: _VerifyLaunched | None = None
         self._arrivals = itertools.count()
         self._ids = itertools.count()
 
@@ -271,7 +287,7 @@ class LLMEngine:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or self._verify_in_flight is not None
 
     def prefill_tokens_not_handed_back(self) -> int:
         """Prefill tokens (N-1 a prompt) of every prefill-only request not handed back yet: waiting, running, or
@@ -361,14 +377,21 @@ class LLMEngine:
         return outputs
 
     def _step_spec(self) -> list[RequestOutput]:
-        """A speculative decoding step (K > 0, drafting): schedule, run, read, update, one at a time."""
+        """A speculative decoding step (K > 0, drafting): schedule, run, read, update, one at a time; with async
+        scheduling, a whole-graph verify step chains the next one before it is read (`_step_verify`)."""
         t0 = time.perf_counter()
+        if self._verify_in_flight is not None:
+            return self._step_verify(self._verify_in_flight, t0)
         out = self.scheduler.schedule()
         self.last_step_rows = len(out.rows)
         if not out.rows:
             # Waiting requests that do not fit while blocks are held outside the scheduler (leases on a
             # prefill node, reservations for pulls on a decode node): nothing to do until those return.
             return []
+        runner = self.runner
+        if self.depth and isinstance(runner, SpecRunner) and runner.verify_graphable(out):
+            launched = _VerifyLaunched(self.scheduler.step_launched(), out, runner.launch_verify(out))
+            return self._step_verify(launched, t0)
         # Rows are one per request, so lists in row order stand for the request-keyed maps.
         reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
         before = [len(req.output_token_ids) for req in reqs]
@@ -381,6 +404,36 @@ class LLMEngine:
         sampled = result.sampled
         return [self._output(req, n, len(req.output_token_ids), req.status.finished)
                 for req, n in zip(reqs, before, strict=True) if req.request_id in sampled or req.status.finished]
+
+    def _step_verify(self, done: _VerifyLaunched, t0: float) -> list[RequestOutput]:
+        """Chain the next verify step on `done` where it can only be that (`Scheduler.chain`), then read `done`,
+        update its requests and return their outputs; the chained step stays in flight for the next call."""
+        sched, runner = self.scheduler, self.runner
+        assert isinstance(runner, SpecRunner)
+        chained = None
+        plan = sched.chain(done.out) if self.depth else None
+        if plan is not None:
+            ids, slots, rooms, tables = zip(*plan, strict=True)
+            flight = runner.launch_chained(done.flight, list(ids), list(slots), list(rooms), [list(t) for t in tables])
+            chained = _VerifyLaunched(sched.step_launched(), done.out, flight)
+        result = runner.read_verify(done.flight)
+        self.stats.device_seconds += result.device_seconds
+        sched.step_done(done.step)
+        # Requests aborted since the step was launched have no output (their consumer got the abort's).
+        live = [(row, sched.requests[row.request_id]) for row in done.out.rows
+                if row.request_id in sched.requests and sched.requests[row.request_id].status is RequestStatus.RUNNING]
+        before = [len(req.output_token_ids) for _, req in live]
+        finished = sched.update(done.out, result.sampled, result.drafts)
+        self._record(done.out, time.perf_counter() - t0, result.sampled)
+        for req in finished:
+            runner.remove_request(req.request_id)
+        self._verify_in_flight = None
+        if chained is not None:
+            chained.out = sched.chained_output(chained.flight.request_ids)
+            self._verify_in_flight = chained
+        self.last_step_rows = len(done.flight.request_ids)  # rows read (some may have finished before it ran)
+        return [self._output(req, n, len(req.output_token_ids), req.status.finished)
+                for (_, req), n in zip(live, before, strict=True)]
 
     @staticmethod
     def _output(req: Request, start: int, end: int, finished: bool) -> RequestOutput:

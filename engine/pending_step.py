@@ -70,6 +70,13 @@ class PendingStep:
         logits = None if self.logits is None else {r: self.logits[i] for i, r in enumerate(self.request_ids)}
         return sampled, logits
 
+    def values(self) -> list[int]:
+        """Wait for this step (not for steps launched after it) and return its whole token tensor, flattened (a
+        verify step's packed results)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [] if self.tokens is None else self._host.reshape(-1).tolist()
+
     def device_seconds(self) -> float:
         """The step's GPU time, from its start mark to its end (0.0 off CUDA, or without a mark); call it after
         `result()`: it does not wait."""

@@ -294,6 +294,45 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
         return True
 
+    def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
+        """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, greedy rows): the
+        next step is then `out`'s requests again, each verifying the drafts that `out` makes: K, or fewer as
+        `_num_draft` gives near a length limit once `out`'s emitted count is known (the device computes it from a
+        row's room). Only when that is what `schedule()` would give after reading `out` for every request that
+        does not finish there: no request waits or prefills, and every running one was in `out` (in order; rows
+        of requests aborted since are left out). Allocates the blocks of the worst case (every draft of `out`
+        accepted, the next step's 1+K tokens and the drafter's lookahead); None (nothing allocated) where any of
+        that fails. Returns each row's (request id, state slot, room: the outputs it may still emit minus one, block
+        table); `chained_output` gives the step's rows once `out` is read."""
+        live = [row for row in out.rows if row.request_id in self.requests]
+        if not self.num_spec or not live or self.waiting or len(self.running) != len(live):
+            return None
+        need: list[int] = []
+        for row, req in zip(live, self.running, strict=True):
+            if row.request_id != req.request_id or not row.is_decode or req.status is not RequestStatus.RUNNING:
+                return None
+            need.append(self._blocks_needed(req, row.num_tokens + 1 + self.num_spec, self.lookahead))
+        if not self.blocks.can_allocate(sum(need)):
+            return None
+        for req, b in zip(self.running, need, strict=True):
+            self._grow(req, b)
+        return [(req.request_id, req.state_slot, self._output_limit(req) - len(req.output_token_ids) - 1,
+                 req.block_table()) for req in self.running]
+
+    def chained_output(self, request_ids: list[str]) -> SchedulerOutput:
+        """The rows of a step chained by `chain` (its requests in launch order), once the step before it is read
+        and updated: a request that finished there has no row (its row's work is dropped)."""
+        rows = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if not req.in_decode or len(req.draft_token_ids) != self.num_spec:
+                raise RuntimeError(f"chained step: expected {rid!r} in decode with {self.num_spec} drafts, got "
+                                   f"{len(req.draft_token_ids)} (a bug)")
+            rows.append(self._decode_row(req, 1 + self._num_draft(req)))
+        return SchedulerOutput(rows=tuple(rows), preempted=())
+
     def step_launched(self) -> int:
         """A step was launched and is not done yet; returns its number."""
         self.launched += 1

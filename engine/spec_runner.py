@@ -37,6 +37,15 @@ from baton.engine.scheduler import SchedulerOutput
 GREEDY = SamplingParams()
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyFlight:
+    """A whole-graph verify step queued on the device, its results not read yet."""
+    request_ids: list[str]  # its rows, in order
+    size: int               # the graph size it replayed (its packed results' layout)
+    run: int                # its StepGraphs run number (a chained step names the run it continues)
+    pending: PendingStep    # the packed results' copy to the host
+
+
 class SpecRunner(ModelRunner):
     def __init__(self, model: NemotronHForCausalLM, mtp: MTPModule, pools: CachePools, block_size: int,
                  device: torch.device | str, num_speculative_tokens: int, draft: bool = True) -> None:
@@ -209,16 +218,51 @@ class SpecRunner(ModelRunner):
         return torch.cat([*pieces, drafts.reshape(-1)])
 
     def _graph_step(self, out: SchedulerOutput) -> StepOutput:
+        return self.read_verify(self.launch_verify(out))
+
+    def verify_graphable(self, out: SchedulerOutput) -> bool:
+        """Whether `launch_verify` can run the step: the whole greedy verify step replays a graph."""
+        return bool(out.rows) and self._whole_step_graphable(out)
+
+    def launch_verify(self, out: SchedulerOutput) -> VerifyFlight:
+        """Queue a whole greedy verify step's graph (`verify_graphable`) and return at once; `read_verify` waits
+        for its results."""
         rows = out.rows
-        R, T, K = len(rows), 1 + self.num_spec, self.num_spec
-        n = self.graphs.size_for(R)
+        T = 1 + self.num_spec
         packed = self._decode_graph(out, next_ids=self._successors(rows, T),
                                     verify_base=[r.num_computed_tokens for r in rows])
-        started = self.graphs.started
-        ended = None if started is None else device_mark(self.device)
-        flat = packed.tolist()  # the one device -> host read of the step
-        host = flat[:R] + flat[n:n + R * T] + flat[n + n * T:n + n * T + R * K]
-        return self._unpack(host, out, [], True, width=T, seconds=elapsed_seconds(started, ended))
+        return self._flight([r.request_id for r in rows], packed)
+
+    def launch_chained(self, prev: VerifyFlight, request_ids: list[str], state_slots: list[int], rooms: list[int],
+                       block_tables: list[list[int]]) -> VerifyFlight:
+        """Queue the verify step after `prev` (the last one launched, its results maybe not read yet) for these
+        of its requests: their inputs come from prev's results on the device (`StepGraphs.run_chained`, where
+        `rooms` is explained). The caller guarantees that each row's next step is exactly that and that
+        `block_tables` cover its worst case (`Scheduler.chain`)."""
+        row = {rid: i for i, rid in enumerate(prev.request_ids)}
+        src = [row[rid] for rid in request_ids]
+        packed = self.graphs.run_chained(prev.run, src, state_slots, rooms, block_tables)
+        self.graph_steps += 1
+        return self._flight(list(request_ids), packed)
+
+    def _flight(self, request_ids: list[str], packed: torch.Tensor) -> VerifyFlight:
+        g = self.graphs
+        # PendingStep copies the packed results to pinned memory behind the graph and marks the step's end.
+        pending = PendingStep([], packed, self.device, started=g.started)
+        return VerifyFlight(request_ids=request_ids, size=g.size_for(len(request_ids)), run=g.runs, pending=pending)
+
+    def read_verify(self, flight: VerifyFlight) -> StepOutput:
+        """Wait for a launched verify step (not for steps launched after it): per request, its emitted tokens and
+        its next K drafts."""
+        flat = flight.pending.values()  # the one device -> host read of the step
+        n, T, K = flight.size, 1 + self.num_spec, self.num_spec
+        sampled: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
+        at = n + n * T
+        for b, rid in enumerate(flight.request_ids):
+            sampled[rid] = flat[n + b * T:n + b * T + flat[b]]
+            drafts[rid] = flat[at + b * K:at + (b + 1) * K]
+        return StepOutput(sampled=sampled, drafts=drafts, device_seconds=flight.pending.device_seconds())
 
     def _draft_batch(self, batch: ForwardBatch, tables: torch.Tensor, pos: torch.Tensor) -> ForwardBatch:
         """One drafter token per drafting row at positions `pos` [D] (computed on the device)."""

@@ -1,0 +1,244 @@
+"""Verify steps chained on the one in flight (async scheduling with drafts, `LLMEngine._step_verify`).
+
+A chained step takes its inputs on the device from the previous step's results, before the host has read them.
+It must be the step the scheduler would have made after reading: the same tokens, drafts and accepted counts as
+one step at a time, for rows that go on; rows whose request finished (length, stop token) or was aborted in
+between are dropped, and their caches stay out of the free lists until the chained step is done. CPU: the graphs'
+static layout runs eagerly on the Triton kernels (interpreted), as on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.request import Request
+from baton.engine.runner import kv_slots
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler
+from tests.test_cuda_graphs import dense_spec_model  # noqa: F401
+from tests.test_spec_decode import Log, new_engine, prompt_of, small_spec_model  # noqa: F401
+
+
+def _graph_engine(model, k: int, **kw) -> LLMEngine:
+    engine = new_engine(model, k, **kw)
+    engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
+    return engine
+
+
+class Chains:
+    """Counts the chained launches (and those that dropped rows); after each step, checks the chained step's
+    inputs, built on the device, against the rows the scheduler gives it once its predecessor is read."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.count = self.dropped = self.checked = self.padded = 0
+        runner = engine.runner
+        launch = runner.launch_chained
+
+        def counted(prev, ids, slots, rooms, tables):
+            self.count += 1
+            self.dropped += len(ids) < len(prev.request_ids)
+            return launch(prev, ids, slots, rooms, tables)
+
+        runner.launch_chained = counted
+
+    def check(self, engine: LLMEngine) -> None:
+        launched = engine._verify_in_flight
+        if launched is None:
+            return
+        g, bs, T = engine.runner.graphs, engine.config.block_size, engine.runner.graphs.T
+        where = {rid: i for i, rid in enumerate(launched.flight.request_ids)}
+        scratch = engine.pools.scratch_block * bs
+        for row in launched.out.rows:
+            i, k = where[row.request_id], row.num_tokens
+            pad = T - k  # fewer drafts near a length limit: padded as ModelRunner._decode_graph pads them
+            assert g.ids[i * T:(i + 1) * T].tolist() == [*row.token_ids, *[0] * pad]
+            start = row.num_computed_tokens
+            assert g.slot_mapping[i * T:(i + 1) * T].tolist() == [*kv_slots(row.block_ids, start, start + k, bs),
+                                                                   *[scratch] * pad]
+            assert (g.seq_lens[i].item(), g.verify_base[i].item(), g.num_tokens[i].item()) == (start + T, start, k)
+            self.padded += pad > 0
+            assert g.state_slots[i].item() == row.state_slot
+            self.checked += 1
+
+
+def _arrivals():
+    """Staggered prompts; different max_tokens and a stop token, so that requests finish on different steps
+    (chained steps then drop rows) while others go on."""
+    lengths = (3, 11, 1, 6, 2, 9, 4, 7)
+    return [[("local", f"n{n}", prompt_of(n, n))] for n in lengths]
+
+
+def _params():
+    return {f"n{n}": SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=stop)
+            for n, m, stop in ((3, 9, ()), (11, 17, ()), (1, 13, (5,)), (6, 20, ()), (2, 7, ()), (9, 15, (2,)),
+                               (4, 19, ()), (7, 11, ()))}
+
+
+def _run(engine: LLMEngine, after_step=None) -> dict:
+    params = _params()
+    done, i = {}, 0
+    arrivals = _arrivals()
+    while i < len(arrivals) or engine.has_unfinished():
+        for a in arrivals[i] if i < len(arrivals) else ():
+            engine.add_request(a[2], params[a[1]], request_id=a[1])
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if after_step is not None:
+            after_step(engine)
+        i += 1
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.capacity  # R7
+    assert engine.scheduler.slots.num_free == engine.scheduler.slots.capacity
+    return done
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k", [1, 3])
+def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, monkeypatch):  # noqa: F811
+    pytest.importorskip("triton")
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    ref_engine = _graph_engine(small_spec_model, k, async_scheduling=False)
+    ref_log = Log(ref_engine)
+    ref = _run(ref_engine)
+    engine = _graph_engine(small_spec_model, k)
+    assert engine.depth == 1 and ref_engine.depth == 0
+    log = Log(engine)
+    chains = Chains(engine)
+    got = _run(engine, chains.check)
+    assert {r: (o.token_ids, o.finish_reason) for r, o in got.items()} == \
+        {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
+    assert {o.finish_reason for o in got.values()} == {"length", "stop"}
+    # Row by row (tokens fed, emitted, next drafts) as one step at a time; chained steps dropped finished rows.
+    assert log.rows == ref_log.rows
+    assert chains.count > 10 and chains.dropped > 0 and chains.checked > 20 and chains.padded > 0
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+    assert engine.stats.spec_accepted == ref_engine.stats.spec_accepted
+
+
+@pytest.mark.interpreter
+def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch):  # noqa: F811
+    """An aborted request's row still runs in the chained step: its blocks and slot stay out of the free lists
+    until that step is read, and it gets no output from it; the others go on unchanged."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = {f"r{i}": prompt_of(4 + i, i) for i in range(3)}
+
+    def start(engine: LLMEngine) -> None:
+        for rid, p in prompts.items():
+            engine.add_request(p, params, request_id=rid)
+
+    ref_engine = _graph_engine(small_spec_model, 2, async_scheduling=False)
+    start(ref_engine)
+    ref = {}
+    while ref_engine.has_unfinished():
+        ref.update({o.request_id: o for o in ref_engine.step() if o.finished})
+    engine = _graph_engine(small_spec_model, 2)
+    start(engine)
+    got = {}
+    while engine._verify_in_flight is None:
+        got.update({o.request_id: o for o in engine.step() if o.finished})
+    sched = engine.scheduler
+    free_blocks, free_slots = sched.blocks.num_free, sched.slots.num_free
+    assert engine.abort("r1")
+    assert (sched.blocks.num_free, sched.slots.num_free) == (free_blocks, free_slots)  # quarantined
+    after = engine.step()  # reads the chained step (after chaining the next one for r0 and r2)
+    assert all(o.request_id != "r1" for o in after) and engine._verify_in_flight is not None
+    assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
+    assert sched.slots.num_free == free_slots + 1  # back once the step that ran its row was read
+    got.update({o.request_id: o for o in after if o.finished})
+    while engine.has_unfinished():
+        got.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sched.blocks.num_free == sched.blocks.capacity and sched.slots.num_free == sched.slots.capacity
+    assert set(got) == {"r0", "r2"} and all(got[r].token_ids == ref[r].token_ids for r in got)
+
+
+def _sched(k: int = 2, blocks: int = 64) -> Scheduler:
+    cfg = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_speculative_tokens=k,
+                       num_kv_blocks=blocks)
+    return Scheduler(cfg, blocks, 8)
+
+
+def _decoding(s: Scheduler, specs: list[tuple[str, int, int]], outputs: int) -> list[Request]:
+    """Requests (id, prompt length, max_tokens) in decode with `outputs` tokens out and K = 2 drafts each, as after
+    a verify step."""
+    reqs = [Request(request_id=rid, prompt_token_ids=tuple(range(n)), sampling=SamplingParams(max_tokens=m),
+                    arrival=i, stop_ids=frozenset(), max_model_len=1000, prefill_only=False)
+            for i, (rid, n, m) in enumerate(specs)]
+    for req in reqs:
+        s.add(req)
+    s.update(s.schedule(), {r.request_id: 1 for r in reqs}, {r.request_id: [1, 1] for r in reqs})
+    for _ in range(outputs - 1):
+        s.update(s.schedule(), {r.request_id: [1] for r in reqs}, {r.request_id: [1, 1] for r in reqs})
+    assert all(req.in_decode and len(req.output_token_ids) == outputs for req in reqs)
+    return reqs
+
+
+def test_chain_allocates_the_worst_case_and_gives_the_rows_schedule_would():
+    s = _sched()
+    # b: 3 out of max_tokens 8: after `out`, maybe room for fewer than K drafts
+    a, b = _decoding(s, [("a", 5, 40), ("b", 9, 8)], 3)
+    out = s.schedule()
+    assert [r.num_draft for r in out.rows] == [2, 2]
+    plan = s.chain(out)
+    assert plan is not None and [p[:3] for p in plan] == [("a", a.state_slot, 40 - 3 - 1), ("b", b.state_slot, 8 - 3 - 1)]
+    for req, row, (*_, table) in zip((a, b), out.rows, plan, strict=True):
+        # every draft of `out` accepted, then 1 + K tokens and the drafter's K - 1 lookahead positions
+        worst = req.num_computed_tokens + row.num_tokens + 3 + 1
+        assert len(table) * 4 >= worst and table == req.block_table()
+    # after reading `out`, the chained step's rows are what schedule() gives
+    s.update(out, {"a": [1, 1], "b": [1, 1, 1]}, {"a": [3, 3], "b": [4, 4]})  # b: 3 emitted, 6 out
+    chained = s.chained_output(["a", "b"])
+    assert [(r.token_ids, r.num_computed_tokens, r.num_draft) for r in chained.rows] == \
+        [((1, 3, 3), a.num_computed_tokens, 2), ((1, 4), b.num_computed_tokens, 1)]
+    # what the device computes from b's room and its emitted count (3): the scheduler's draft count
+    assert min(2, max(0, plan[1][2] - 3)) == s._num_draft(b) == 1
+    # a finished request has no row
+    s.abort("a")
+    assert [r.request_id for r in s.chained_output(["a", "b"]).rows] == ["b"]
+
+
+def test_chain_refuses_a_waiting_request_a_prefill_and_missing_blocks():
+    s = _sched()
+    _decoding(s, [("a", 5, 40)], 3)
+    out = s.schedule()
+    s.add(Request(request_id="w", prompt_token_ids=(1, 2), sampling=SamplingParams(), arrival=9,
+                  stop_ids=frozenset(), max_model_len=1000, prefill_only=False))
+    assert s.chain(out) is None  # it would be admitted
+    s.schedule()  # admitted: a prefill row beside a's
+    assert s.chain(s.schedule()) is None
+    s = _sched(blocks=4)
+    _decoding(s, [("a", 3, 4), ("b", 3, 4)], 1)
+    out = s.schedule()
+    assert s.blocks.num_free == 0 and [r.num_draft for r in out.rows] == [2, 2]
+    free = s.blocks.num_free
+    assert s.chain(out) is None and s.blocks.num_free == free  # the worst case does not fit: nothing allocated
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k):  # noqa: F811
+    """On the GPU, with captured graphs: chained verify steps give the tokens, drafts and finish reasons of steps
+    run one at a time, and their device-built inputs are the scheduler's rows."""
+    cfg, weights = dense_spec_model
+    config = EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96, long_prefill_token_threshold=8,
+                          dtype="float32", num_kv_blocks=256, device="cuda", num_speculative_tokens=k)
+    ref_engine = LLMEngine(cfg, weights, dataclasses.replace(config, async_scheduling=False))
+    ref_log = Log(ref_engine)
+    ref = _run(ref_engine)
+    engine = LLMEngine(cfg, weights, config)
+    assert engine.runner.graphs is not None and engine.depth == 1
+    log = Log(engine)
+    chains = Chains(engine)
+    got = _run(engine, chains.check)
+    assert {r: (o.token_ids, o.finish_reason) for r, o in got.items()} == \
+        {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
+    assert log.rows == ref_log.rows
+    assert chains.count > 10 and chains.dropped > 0 and chains.checked > 20
+    assert engine.runner.graphs.graphs  # replayed captured graphs
