@@ -174,7 +174,7 @@ class StepGraphs:
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._offsets = torch.arange(T, dtype=torch.int64, device=dev)
+        self._prev_base = torch.zeros(n, dtype=torch.int64, device=dev)  # run_chained's copy of verify_base
         # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
         self.runs = 0
         self._last: tuple[int, int, int, torch.Tensor] | None = None
@@ -347,7 +347,7 @@ class StepGraphs:
         if self._last is None or self._last[0] != prev_run:
             raise ValueError(f"step graphs: expected a step chained on the last run ({self.runs}), got run {prev_run}")
         _, m, prev_rows, prev = self._last
-        T, K, rows = self.T, self.T - 1, len(src)
+        T, rows = self.T, len(src)
         if not rows or len(state_slots) != rows or len(rooms) != rows or len(block_tables) != rows:
             raise ValueError(f"step graphs: expected as many state slots, rooms and block tables as rows ({rows}), "
                              f"got {len(state_slots)}, {len(rooms)} and {len(block_tables)}")
@@ -357,47 +357,25 @@ class StepGraphs:
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
-        base = self.verify_base[:prev_rows]
+        # The previous run's last-token positions, copied out: this step's inputs (and a capture's padding, next)
+        # overwrite that buffer.
+        self._prev_base[:m].copy_(self.verify_base[:m])
         if self.capture and n not in self.graphs:
-            base = base.clone()  # a capture pads the static inputs first
             self.graphs[n] = self._capture(n)
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
-        identity = src == list(range(rows))
-        flat = state_slots + [scratch_slot] * (n - rows) + rooms + ([] if identity else src)
+        flat = state_slots + [scratch_slot] * (n - rows) + src + rooms
         for b in block_tables:
             flat += b
             flat += [scratch_block] * (width - len(b))
         flat += [scratch_block] * ((n - rows) * width)
         end = self._stage(flat)
-        at = n + rows + (0 if identity else rows)
-        # The previous run's results [m counts | m*T emitted | m*K drafts] and inputs, for the rows that go on: read
-        # before this step's inputs overwrite the buffers they share.
-        r = rows if identity else prev_rows  # identity: rows 0..rows-1 of the last run, as views
-        counts, base = prev[:r], base[:r]
-        emitted = prev[m:m + m * T].view(m, T)[:r]
-        drafts = prev[m + m * T:m + m * T + m * K].view(m, K)[:r]
-        if not identity:
-            idx = self.staging[n + rows:at]
-            counts, base, emitted, drafts = counts[idx], base[idx], emitted[idx], drafts[idx]
-        last = emitted.gather(1, (counts - 1).clamp_min(0).unsqueeze(1))  # [rows, 1]
-        base = base + counts  # [rows]: each row's position after its emitted tokens
-        num_tokens = 1 + (self.staging[n:n + rows] - counts).clamp(0, K)  # [rows]: 1 + its drafts
-        real = self._offsets < num_tokens.unsqueeze(1)  # [rows, T]: False for a row's padding tokens
+        at = n + 2 * rows
         self.state_slots[:n] = self.staging[:n]
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
-        pos = base.unsqueeze(1) + self._offsets  # [rows, T]
-        bs = self.block_size
-        slots = self.block_tables[:rows].gather(1, pos // bs) * bs + pos % bs
-        # Padding tokens as `ModelRunner._decode_graph` pads them: token 0, the scratch block.
-        self.ids[:rows * T] = torch.cat([last, drafts], dim=1).masked_fill_(~real, 0).view(-1)
-        self.slot_mapping[:rows * T] = slots.masked_fill_(~real, scratch_block * bs).view(-1)
-        self.seq_lens[:rows] = base + T
-        self.verify_base[:rows] = base
-        self.num_tokens[:rows] = num_tokens
-        if n > rows:  # rows the last run used beyond this step's: padding again
-            self.ids[rows * T:n * T] = 0
-            self.slot_mapping[rows * T:n * T] = scratch_block * bs
-            self.seq_lens[rows:n] = T
-            self.verify_base[rows:n] = 0
-            self.num_tokens[rows:n] = T
+        # Each row's inputs from the previous run's packed results [m counts | m*T emitted | m*K drafts]; rows past
+        # this step's up to its graph size become padding (`ops.chain_inputs`).
+        dispatch.chain_inputs(prev)(
+            prev, m, self.staging[n:n + rows], self.staging[n + rows:at], self._prev_base, self.block_tables[:n],
+            self.ids, self.slot_mapping, self.seq_lens, self.verify_base, self.num_tokens, n, T, self.block_size,
+            scratch_block)
         return self._replay(n, rows)

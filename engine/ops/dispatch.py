@@ -138,3 +138,11 @@ def fused_linear(t: torch.Tensor) -> Callable:
         return fused_linear_triton
     from baton.engine.ops.fused_linear import fused_linear as reference
     return reference
+
+
+def chain_inputs(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_chain_inputs import chain_inputs_triton
+        return chain_inputs_triton
+    from baton.engine.ops.chain_inputs import chain_inputs as reference
+    return reference
