@@ -125,7 +125,9 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
     ref_log = Log(ref_engine)
     ref = run(ref_engine, with_prefill(arrivals), params)
     monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0)
+    # (With drafts one step at a time, so that every verify step goes through `run`; verify steps chained on the one
+    # in flight: tests/test_chained_verify.py.)
+    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0, async_scheduling=not k)
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     used, counts = [], []
     static_run = engine.runner.graphs.run
