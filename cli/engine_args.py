@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", choices=("on", "off"),
                    help="replay decode steps as CUDA graphs on CUDA devices (on)")
     g.add_argument("--async-scheduling", choices=("on", "off"),
-                   help="schedule step n+1 while step n runs on the device; K = 0 and prefill nodes (on)")
+                   help="schedule step n+1 while step n runs on the device (with K drafts: greedy verify steps "
+                        "chained on the one in flight) (on)")
     g.add_argument("--fused-gemv-max-tokens", type=int, metavar="N",
                    help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
                         "before each fused in (0 = off; default 1 on an H100 or H200, where it pays at one row, else 0; "

@@ -48,8 +48,10 @@ class EngineConfig:
     # every step eagerly (for debugging, or a model whose layers cannot be captured).
     cuda_graphs: bool = True
     # Schedule and launch step n+1 while step n runs on the device, reading step n's tokens afterwards (its
-    # CPU work then overlaps the GPU's). Applies without drafts (K = 0) and on prefill-only engines; with K > 0
-    # a verify step's committed length is known only from its tokens, so those steps run one at a time.
+    # CPU work then overlaps the GPU's). With K > 0 a verify step's committed length is known only from its tokens:
+    # a whole-graph greedy verify step is chained on the one in flight (its inputs built on the device from that
+    # one's results) where the next step can only be the same requests verifying their drafts; other steps run
+    # one at a time.
     async_scheduling: bool = True
     # Steps of at most this many tokens (decode batches) run the linear layers and the lm_head as Triton GEMVs
     # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of

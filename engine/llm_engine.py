@@ -94,7 +94,8 @@ class _Launched:
 class _VerifyLaunched:
     """A whole-graph verify step queued on the device whose tokens are not read yet."""
     step: int                           # its number (Scheduler.step_launched)
-    out: SchedulerOutput                # its rows as the scheduler accounts them (None until known: chained)
+    out: SchedulerOutput                # its rows as the scheduler accounts them (chained: known once the step
+    reqs: list[Request]                 # before it is read), and their requests
     flight: VerifyFlight
 
 
@@ -390,7 +391,8 @@ class LLMEngine:
             return []
         runner = self.runner
         if self.depth and isinstance(runner, SpecRunner) and runner.verify_graphable(out):
-            launched = _VerifyLaunched(self.scheduler.step_launched(), out, runner.launch_verify(out))
+            reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
+            launched = _VerifyLaunched(self.scheduler.step_launched(), out, reqs, runner.launch_verify(out))
             return self._step_verify(launched, t0)
         # Rows are one per request, so lists in row order stand for the request-keyed maps.
         reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
@@ -410,26 +412,30 @@ class LLMEngine:
         update its requests and return their outputs; the chained step stays in flight for the next call."""
         sched, runner = self.scheduler, self.runner
         assert isinstance(runner, SpecRunner)
+        # Rows of requests aborted since the step was launched (their id maybe taken by a new request since) are
+        # dropped: no update, no output (their consumer got the abort's).
+        live = [(row, req) for row, req in zip(done.out.rows, done.reqs, strict=True)
+                if sched.requests.get(row.request_id) is req and req.status is RequestStatus.RUNNING]
+        out = done.out if len(live) == len(done.out.rows) else SchedulerOutput(rows=tuple(r for r, _ in live),
+                                                                               preempted=())
         chained = None
-        plan = sched.chain(done.out) if self.depth else None
+        plan = sched.chain(out) if self.depth else None
         if plan is not None:
             ids, slots, rooms, tables = zip(*plan, strict=True)
             flight = runner.launch_chained(done.flight, list(ids), list(slots), list(rooms), [list(t) for t in tables])
-            chained = _VerifyLaunched(sched.step_launched(), done.out, flight)
+            chained = _VerifyLaunched(sched.step_launched(), out, [], flight)
         result = runner.read_verify(done.flight)
         self.stats.device_seconds += result.device_seconds
         sched.step_done(done.step)
-        # Requests aborted since the step was launched have no output (their consumer got the abort's).
-        live = [(row, sched.requests[row.request_id]) for row in done.out.rows
-                if row.request_id in sched.requests and sched.requests[row.request_id].status is RequestStatus.RUNNING]
         before = [len(req.output_token_ids) for _, req in live]
-        finished = sched.update(done.out, result.sampled, result.drafts)
-        self._record(done.out, time.perf_counter() - t0, result.sampled)
+        finished = sched.update(out, result.sampled, result.drafts)
+        self._record(out, time.perf_counter() - t0, result.sampled)
         for req in finished:
             runner.remove_request(req.request_id)
         self._verify_in_flight = None
         if chained is not None:
             chained.out = sched.chained_output(chained.flight.request_ids)
+            chained.reqs = [sched.requests[r.request_id] for r in chained.out.rows]
             self._verify_in_flight = chained
         self.last_step_rows = len(done.flight.request_ids)  # rows read (some may have finished before it ran)
         return [self._output(req, n, len(req.output_token_ids), req.status.finished)

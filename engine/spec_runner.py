@@ -16,6 +16,10 @@ One step, all on the device until the single host read of its tokens at the end:
    row's last committed position gives draft 1.
 4. Drafts 2..K: the drafter on its own output, one position further each time (its KV there is rewritten
    by step 3 of a later step once the real tokens are known).
+
+A greedy verify step whose rows all verify replays one CUDA graph (`graph_step_fn`); with async scheduling the next
+such step can be chained on it before its results are read (`launch_chained`: its inputs come from those results on
+the device, `StepGraphs.run_chained`).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class SpecRunner(ModelRunner):
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
                return_logits: bool = False) -> PendingStep:
         """A prefill node's step (draft=False: it never samples), queued without a host read. A drafting runner's
-        steps are not pipelined: how many tokens a verify row commits is known only once its tokens are read."""
+        steps go through `execute`, or `launch_verify` / `launch_chained` / `read_verify` for whole-graph verify steps:
+        how many tokens a verify row commits is known only once its tokens are read (or on the device)."""
         if self.draft:
             raise RuntimeError("SpecRunner.launch: expected a prefill-only runner (draft=False); a drafting runner "
                                "runs its steps with execute()")

@@ -122,23 +122,27 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
 
 
 @pytest.mark.interpreter
-def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("reuse_id", [False, True], ids=["then-new-id", "id-reused-at-once"])
+def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, reuse_id):  # noqa: F811
     """An aborted request's row still runs in the chained step: its blocks and slot stay out of the free lists
-    until that step is read, and it gets no output from it; the others go on unchanged."""
+    until that step is read, and it gets no output from it; the others go on unchanged. A new request under the
+    same id, added at once or a step later, gets its own tokens."""
     pytest.importorskip("triton")
     monkeypatch.setenv("BATON_KERNELS", "triton")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     prompts = {f"r{i}": prompt_of(4 + i, i) for i in range(3)}
 
     def start(engine: LLMEngine) -> None:
         for rid, p in prompts.items():
             engine.add_request(p, params, request_id=rid)
 
+    again = prompt_of(5, 7)  # a new request under the aborted one's id, added while its row is in flight
     ref_engine = _graph_engine(small_spec_model, 2, async_scheduling=False)
     start(ref_engine)
     ref = {}
     while ref_engine.has_unfinished():
         ref.update({o.request_id: o for o in ref_engine.step() if o.finished})
+    ref["again"] = ref_engine.generate([again], params)[0]
     engine = _graph_engine(small_spec_model, 2)
     start(engine)
     got = {}
@@ -148,15 +152,22 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch):
     free_blocks, free_slots = sched.blocks.num_free, sched.slots.num_free
     assert engine.abort("r1")
     assert (sched.blocks.num_free, sched.slots.num_free) == (free_blocks, free_slots)  # quarantined
-    after = engine.step()  # reads the chained step (after chaining the next one for r0 and r2)
-    assert all(o.request_id != "r1" for o in after) and engine._verify_in_flight is not None
-    assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
+    if reuse_id:  # at once, while the old r1's row is in flight
+        engine.add_request(again, params, request_id="r1")
+    after = engine.step()  # reads the chained step (chaining the next one for r0 and r2 unless a request waits)
+    assert all(o.request_id != "r1" for o in after)
     assert sched.slots.num_free == free_slots + 1  # back once the step that ran its row was read
+    if reuse_id:
+        assert engine._verify_in_flight is None and sched.waiting[0].prompt_token_ids == tuple(again)
+    else:
+        assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
+        engine.add_request(again, params, request_id="r1")  # waits: the next step is scheduled, not chained
     got.update({o.request_id: o for o in after if o.finished})
     while engine.has_unfinished():
         got.update({o.request_id: o for o in engine.step() if o.finished})
     assert sched.blocks.num_free == sched.blocks.capacity and sched.slots.num_free == sched.slots.capacity
-    assert set(got) == {"r0", "r2"} and all(got[r].token_ids == ref[r].token_ids for r in got)
+    assert set(got) == {"r0", "r1", "r2"} and all(got[r].token_ids == ref[r].token_ids for r in ("r0", "r2"))
+    assert got["r1"].token_ids == ref["again"].token_ids and got["r1"].prompt_token_ids == tuple(again)
 
 
 def _sched(k: int = 2, blocks: int = 64) -> Scheduler:
