@@ -21,7 +21,7 @@ from baton.engine.runner import kv_slots
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
 from tests.test_cuda_graphs import dense_spec_model  # noqa: F401
-from tests.test_spec_decode import Log, new_engine, prompt_of, small_spec_model  # noqa: F401
+from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model  # noqa: F401
 
 
 def _graph_engine(model, k: int, **kw) -> LLMEngine:
@@ -81,21 +81,7 @@ def _params():
 
 
 def _run(engine: LLMEngine, after_step=None) -> dict:
-    params = _params()
-    done, i = {}, 0
-    arrivals = _arrivals()
-    while i < len(arrivals) or engine.has_unfinished():
-        for a in arrivals[i] if i < len(arrivals) else ():
-            engine.add_request(a[2], params[a[1]], request_id=a[1])
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        if after_step is not None:
-            after_step(engine)
-        i += 1
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.capacity  # R7
-    assert engine.scheduler.slots.num_free == engine.scheduler.slots.capacity
-    return done
+    return run(engine, _arrivals(), _params(), after_step)  # (R7: every block and slot back at the end)
 
 
 @pytest.mark.interpreter

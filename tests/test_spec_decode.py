@@ -110,14 +110,16 @@ def move_in(dec: LLMEngine, pre: LLMEngine, held, prompt: list[int], rid: str, p
 
 
 def run(engine: LLMEngine, arrivals: list[list[tuple]], params=GREEDY, after_step=None) -> dict[str, object]:
-    """arrivals[i]: requests added before step i, as ("local", rid, prompt) or ("moved", rid, prompt, (pre, held))."""
+    """arrivals[i]: requests added before step i, as ("local", rid, prompt) or ("moved", rid, prompt, (pre, held));
+    params: for all of them, or a dict by request id."""
     done, i = {}, 0
     while i < len(arrivals) or engine.has_unfinished():
         for a in arrivals[i] if i < len(arrivals) else ():
+            sp = params[a[1]] if isinstance(params, dict) else params
             if a[0] == "local":
-                engine.add_request(a[2], params, request_id=a[1])
+                engine.add_request(a[2], sp, request_id=a[1])
             else:
-                move_in(engine, *a[3], a[2], a[1], params)
+                move_in(engine, *a[3], a[2], a[1], sp)
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
