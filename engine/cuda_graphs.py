@@ -26,8 +26,9 @@ fixed addresses, so:
   and each row's position of its last token.
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
-  results on the device (its last emitted token, its K drafts, its position advanced by its emitted count,
-  the KV slots there from its block table); only state slots and block tables travel from the host.
+  results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position
+  advanced by its emitted count, the KV slots there from its block table; `ops.chain_inputs`); only state
+  slots, output rooms, row indices and block tables travel from the host.
 
 On a CPU device the same static, padded layout runs eagerly (no capture): the tests check the padding and
 the static inputs there, against steps built the usual way.
