@@ -74,18 +74,23 @@ def _arrivals():
     return [[("local", f"n{n}", prompt_of(n, n))] for n in lengths]
 
 
-def _params():
-    return {f"n{n}": SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=stop)
-            for n, m, stop in ((3, 9, ()), (11, 17, ()), (1, 13, (5,)), (6, 20, ()), (2, 7, ()), (9, 15, (2,)),
-                               (4, 19, ()), (7, 11, ()))}
+# (max_tokens per prompt length: short under the interpreter, longer on the GPU)
+SHORT = {3: 7, 11: 12, 1: 10, 6: 13, 2: 5, 9: 11, 4: 12, 7: 8}
+LONG = {3: 9, 11: 17, 1: 13, 6: 20, 2: 7, 9: 15, 4: 19, 7: 11}
 
 
-def _run(engine: LLMEngine, after_step=None) -> dict:
-    return run(engine, _arrivals(), _params(), after_step)  # (R7: every block and slot back at the end)
+def _params(max_tokens: dict[int, int]):
+    stops = {1: (5,), 9: (2,)}
+    return {f"n{n}": SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=stops.get(n, ()))
+            for n, m in max_tokens.items()}
+
+
+def _run(engine: LLMEngine, after_step=None, max_tokens: dict[int, int] = SHORT) -> dict:
+    return run(engine, _arrivals(), _params(max_tokens), after_step)  # (R7: every block and slot back at the end)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [2])
 def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, monkeypatch):  # noqa: F811
     pytest.importorskip("triton")
     monkeypatch.setenv("BATON_KERNELS", "triton")
@@ -102,7 +107,7 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
     assert {o.finish_reason for o in got.values()} == {"length", "stop"}
     # Row by row (tokens fed, emitted, next drafts) as one step at a time; chained steps dropped finished rows.
     assert log.rows == ref_log.rows
-    assert chains.count > 10 and chains.dropped > 0 and chains.checked > 20 and chains.padded > 0
+    assert chains.count >= 8 and chains.dropped > 0 and chains.checked > 20 and chains.padded > 0
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
     assert engine.stats.spec_accepted == ref_engine.stats.spec_accepted
 
@@ -228,12 +233,12 @@ def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k
                           dtype="float32", num_kv_blocks=256, device="cuda", num_speculative_tokens=k)
     ref_engine = LLMEngine(cfg, weights, dataclasses.replace(config, async_scheduling=False))
     ref_log = Log(ref_engine)
-    ref = _run(ref_engine)
+    ref = _run(ref_engine, max_tokens=LONG)
     engine = LLMEngine(cfg, weights, config)
     assert engine.runner.graphs is not None and engine.depth == 1
     log = Log(engine)
     chains = Chains(engine)
-    got = _run(engine, chains.check)
+    got = _run(engine, chains.check, max_tokens=LONG)
     assert {r: (o.token_ids, o.finish_reason) for r, o in got.items()} == \
         {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
     assert log.rows == ref_log.rows
