@@ -137,6 +137,16 @@ def _kv_write():
     write_kv_triton(_g(20, HKV, D), _g(20, HKV, D), _g(8, 2, BLOCK, HKV, D), torch.arange(20, dtype=torch.int64))
 
 
+def _chain_inputs():
+    from baton.engine.ops.triton_chain_inputs import chain_inputs_triton
+    n, T = 40, 3  # a verify step of K = 2 drafts, 37 rows chained on a 40-row graph (two programs of rows)
+    i64 = dict(dtype=torch.int64)
+    chain_inputs_triton(torch.zeros(2 * T * n, **i64), n, torch.arange(37, **i64), torch.zeros(37, **i64),
+                        torch.zeros(n, **i64), torch.zeros(n, 8, **i64), torch.zeros(n * T, **i64),
+                        torch.zeros(n * T, **i64), torch.zeros(n, **i64), torch.zeros(n, **i64), torch.zeros(n, **i64),
+                        n, T, BLOCK, 0)
+
+
 def _norms():
     from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
     rms_norm_triton(_g(32, HIDDEN), _g(HIDDEN), 1e-5)
@@ -218,7 +228,7 @@ CASES: dict[str, Callable[[], object]] = {
     "conv varlen": _conv_varlen, "conv update": _conv_update, "conv update (PDL)": _with_pdl(_conv_update),
     "attention": _attention, "attention (PDL)": _with_pdl(_attention), "kv write": _kv_write, "norms": _norms,
     "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
-    "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu),
+    "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
 }
 
 
