@@ -299,16 +299,15 @@ class Scheduler:
         next step is then `out`'s requests again, each verifying the drafts that `out` makes: K, or fewer as
         `_num_draft` gives near a length limit once `out`'s emitted count is known (the device computes it from a
         row's room). Only when that is what `schedule()` would give after reading `out` for every request that
-        does not finish there: no request waits or prefills, and every running one was in `out` (in order; rows
-        of requests aborted since are left out). Allocates the blocks of the worst case (every draft of `out`
-        accepted, the next step's 1+K tokens and the drafter's lookahead); None (nothing allocated) where any of
-        that fails. Returns each row's (request id, state slot, room: the outputs it may still emit minus one, block
-        table); `chained_output` gives the step's rows once `out` is read."""
-        live = [row for row in out.rows if row.request_id in self.requests]
-        if not self.num_spec or not live or self.waiting or len(self.running) != len(live):
+        does not finish there: no request waits or prefills, and the running ones are exactly `out`'s rows, in order
+        (the caller leaves out rows of requests aborted since). Allocates the blocks of the worst case (every draft
+        of `out` accepted, the next step's 1+K tokens and the drafter's lookahead); None (nothing allocated) where
+        any of that fails. Returns each row's (request id, state slot, room: the outputs it may still emit minus
+        one, block table); `chained_output` gives the step's rows once `out` is read."""
+        if not self.num_spec or not out.rows or self.waiting or len(self.running) != len(out.rows):
             return None
         need: list[int] = []
-        for row, req in zip(live, self.running, strict=True):
+        for row, req in zip(out.rows, self.running, strict=True):
             if row.request_id != req.request_id or not row.is_decode or req.status is not RequestStatus.RUNNING:
                 return None
             need.append(self._blocks_needed(req, row.num_tokens + 1 + self.num_spec, self.lookahead))
