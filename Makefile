@@ -12,6 +12,13 @@ TRITON_CPU := triton==3.9.0
 # npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
 GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
+# `pip install` with patience for a flaky network: pip's own retries and resumed downloads, then up to two more
+# whole attempts (a CI run once lost its 79 MB ray wheel at 60 MB six times in a row). The first call upgrades pip,
+# whose older releases lack --resume-retries.
+PIP_OPTS := --retries 10 --resume-retries 20
+pip = n=0; until $(BIN)/python -m pip install -q $(1); do n=$$((n + 1)); \
+	if [ $$n -ge 3 ]; then echo "pip install $(1) failed 3 times" >&2; exit 1; fi; \
+	echo "pip install failed; attempt $$((n + 1)) of 3 in 20 s" >&2; sleep 20; done
 
 .PHONY: venv demo test lint clean
 
@@ -19,21 +26,21 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(call pip,--upgrade pip)
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/python -m pip install -q 'torch>=2.9'; \
+		$(call pip,$(PIP_OPTS) 'torch>=2.9'); \
 	else \
-		$(BIN)/python -m pip install -q $(TORCH_CPU); \
+		$(call pip,$(PIP_OPTS) $(TORCH_CPU)); \
 	fi
 	# Pin the torch just installed so that nothing below replaces it with another build.
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt -e '.[dev]')
 	# NIXL: the CUDA-13 build of the core library (it also runs on CPU through UCX) plus the thin `nixl`
 	# front package without its dependency on every CUDA flavour (~460 MB).
-	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt $(NIXL_CORE)
-	$(BIN)/python -m pip install -q --no-deps $(NIXL_FRONT)
+	$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt $(NIXL_CORE))
+	$(call pip,$(PIP_OPTS) --no-deps $(NIXL_FRONT))
 	# Triton: CUDA builds of torch bring their own; on CPU the kernels' tests run in Triton's interpreter.
-	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q --no-deps $(TRITON_CPU)
+	$(BIN)/python -c "import triton" 2>/dev/null || { $(call pip,$(PIP_OPTS) --no-deps $(TRITON_CPU)); }
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
