@@ -12,13 +12,14 @@ TRITON_CPU := triton==3.9.0
 # npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
 GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
-# `pip install` with patience for a flaky network: pip's own retries and resumed downloads, then up to two more
-# whole attempts (a CI run once lost its 79 MB ray wheel at 60 MB six times in a row). The first call upgrades pip,
-# whose older releases lack --resume-retries.
+# Installs with patience for a flaky network (a CI run once lost its 79 MB ray wheel at 60 MB six times in a row):
+# pip's own retries and resumed downloads, then up to two more whole attempts of any install command. The first
+# pip call upgrades pip, whose older releases lack --resume-retries.
 PIP_OPTS := --retries 10 --resume-retries 20
-pip = n=0; until $(BIN)/python -m pip install -q $(1); do n=$$((n + 1)); \
-	if [ $$n -ge 3 ]; then echo "pip install $(1) failed 3 times" >&2; exit 1; fi; \
-	echo "pip install failed; attempt $$((n + 1)) of 3 in 20 s" >&2; sleep 20; done
+retry = n=0; until $(1); do n=$$((n + 1)); \
+	if [ $$n -ge 3 ]; then echo "failed 3 times: $(1)" >&2; exit 1; fi; \
+	echo "failed; attempt $$((n + 1)) of 3 in 20 s: $(1)" >&2; sleep 20; done
+pip = $(call retry,$(BIN)/python -m pip install -q $(1))
 
 .PHONY: venv demo test lint clean
 
@@ -51,7 +52,7 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 
 $(GRAFANA_STAMP): $(GRAFANA)/package.json $(GRAFANA)/package-lock.json
 	@command -v npm >/dev/null 2>&1 || { echo "npm not found: tests/test_grafana.py needs Node.js >= 18 and npm" >&2; exit 1; }
-	npm ci --prefix $(GRAFANA) --no-audit --no-fund
+	$(call retry,npm ci --prefix $(GRAFANA) --no-audit --no-fund)
 	touch $(GRAFANA_STAMP)
 
 lint: $(STAMP)
