@@ -14,9 +14,9 @@ GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
 # Installs with patience for a flaky network (a CI run once lost its 79 MB ray wheel at 60 MB six times in a row):
 # pip's own retries and resumed downloads, then up to two more whole attempts of any install command. The first
-# pip call upgrades pip, whose older releases lack --resume-retries.
+# pip call upgrades pip, whose older releases lack --resume-retries. Each prints its command alone.
 PIP_OPTS := --retries 10 --resume-retries 20
-retry = n=0; until $(1); do n=$$((n + 1)); \
+retry = echo "$(1)"; n=0; until $(1); do n=$$((n + 1)); \
 	if [ $$n -ge 3 ]; then echo "failed 3 times: $(1)" >&2; exit 1; fi; \
 	echo "failed; attempt $$((n + 1)) of 3 in 20 s: $(1)" >&2; sleep 20; done
 pip = $(call retry,$(BIN)/python -m pip install -q $(1))
@@ -27,21 +27,21 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(call pip,--upgrade pip)
-	if command -v nvidia-smi >/dev/null 2>&1; then \
+	@$(call pip,--upgrade pip)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
 		$(call pip,$(PIP_OPTS) 'torch>=2.9'); \
 	else \
 		$(call pip,$(PIP_OPTS) $(TORCH_CPU)); \
 	fi
 	# Pin the torch just installed so that nothing below replaces it with another build.
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
-	$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt -e '.[dev]')
+	@$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt -e '.[dev]')
 	# NIXL: the CUDA-13 build of the core library (it also runs on CPU through UCX) plus the thin `nixl`
 	# front package without its dependency on every CUDA flavour (~460 MB).
-	$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt $(NIXL_CORE))
-	$(call pip,$(PIP_OPTS) --no-deps $(NIXL_FRONT))
+	@$(call pip,$(PIP_OPTS) -c $(VENV)/constraints.txt $(NIXL_CORE))
+	@$(call pip,$(PIP_OPTS) --no-deps $(NIXL_FRONT))
 	# Triton: CUDA builds of torch bring their own; on CPU the kernels' tests run in Triton's interpreter.
-	$(BIN)/python -c "import triton" 2>/dev/null || { $(call pip,$(PIP_OPTS) --no-deps $(TRITON_CPU)); }
+	@$(BIN)/python -c "import triton" 2>/dev/null || { $(call pip,$(PIP_OPTS) --no-deps $(TRITON_CPU)); }
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
@@ -52,7 +52,7 @@ demo: $(STAMP) $(DEMO_MODEL)/config.json
 
 $(GRAFANA_STAMP): $(GRAFANA)/package.json $(GRAFANA)/package-lock.json
 	@command -v npm >/dev/null 2>&1 || { echo "npm not found: tests/test_grafana.py needs Node.js >= 18 and npm" >&2; exit 1; }
-	$(call retry,npm ci --prefix $(GRAFANA) --no-audit --no-fund)
+	@$(call retry,npm ci --prefix $(GRAFANA) --no-audit --no-fund)
 	touch $(GRAFANA_STAMP)
 
 lint: $(STAMP)
