@@ -16,15 +16,14 @@ position k scores the token after x_{k-1}, position K_r is the bonus position af
   rejection draw from p_k with x_k removed.
 
 Device-authoritative counts (DESIGN R3): `accepted_counts` is computed on the logits' device with no host
-sync, so the verify step can pick the state slot to resume from without a round trip. The greedy path is
-vectorised; stochastic rows draw their noise in a per-row loop (each from its own generator) and the rest is
-vectorised too.
+sync, so the verify step can pick the state slot to resume from without a round trip. Every row is decided by
+the same vectorised ops: no per-row loop and no generator.
 
-Reproducibility: a seeded row must verify the same way whatever batch it is in, and its generator must end
-in the same state, or the next step diverges. So every stochastic row consumes a fixed amount of noise per
-call, independent of the batch's Kmax and of its own K_r: V exponentials (the exponential race for the one
-non-draft token, drawn first and exactly as `Sampler` draws them) then `max_draft` uniforms (the accept
-tests). With `max_draft=0` a row therefore samples exactly as `Sampler` does.
+Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
+(`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
+row verifies the same way whatever batch it is in, whatever the batch's Kmax, and however its tokens were split
+into steps of drafts. A draw is by inverse CDF (one uniform against the cumulative distribution), so it costs one
+uniform per row, not one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
 from .sampling import Sampler
 from .sampling_params import SamplingParams
@@ -49,30 +49,42 @@ class VerifyResult:
     num_emitted: Tensor  # [R]: accepted_counts + 1
 
 
+def _draw(dist: Tensor, u: Tensor) -> Tensor:
+    """dist [r, V] >= 0, not all zero in a row (unnormalised), u [r] in [0, 1) -> [r]: the first id whose
+    cumulative mass exceeds u * total, i.e. id i with probability dist_i / total; never an id of mass 0."""
+    c = dist.cumsum(dim=-1)  # [r, V]
+    i = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True).squeeze(1)  # [r]
+    # Rounding can put u * total at the total: clamp to the last id with mass.
+    ids = torch.arange(dist.shape[1], device=dist.device)
+    last = torch.where(dist > 0, ids, 0).amax(dim=-1)  # [r]
+    return torch.minimum(i, last)
+
+
 def _prefix_len(accept: Tensor) -> Tensor:
     """accept [R, K] bool -> length of the all-True prefix of each row [R] int64 (0 when K = 0)."""
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
 class RejectionSampler:
-    """Stateless apart from `max_draft`; per-request state lives in the params and generators passed in."""
+    """Stateless apart from `max_draft`; per-request state lives in the params and seeds passed in."""
 
     def __init__(self, max_draft: int) -> None:
-        # The accept-test noise is sized by max_draft, not by the batch's Kmax, so a seed's stream does not
-        # depend on which other requests share the batch. Use the engine's --speculative-tokens.
+        # The widest batch accepted (the engine's --speculative-tokens).
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 0:
             raise ValueError(f"max_draft: expected an integer >= 0, got {max_draft!r}")
         self.max_draft = max_draft
 
     def verify(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-               num_draft: Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> VerifyResult:
+               num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None = None,
+               positions: Tensor | None = None) -> VerifyResult:
         """target_logits [R, Kmax+1, V], draft_token_ids [R, Kmax] (padding: any value, e.g. -1),
-        draft_probs [R, Kmax, V] or None, num_draft [R] (K_r <= Kmax; on the host or the device).
+        draft_probs [R, Kmax, V] or None, num_draft [R] (K_r <= Kmax; on the host or the device). With any
+        stochastic row: seeds [R] int64 (`counter_noise.seed_of`) and positions [R] int64, the position of the
+        token that column 0 decides (a row's last token's position + 1), both on the logits' device.
 
         num_draft values are range-checked only when it is a CPU tensor (checking a device tensor would sync).
         """
-        R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, generators)
+        R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
         Kmax, dev = K1 - 1, target_logits.device
         logits = target_logits  # the argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below
         nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
@@ -88,9 +100,10 @@ class RejectionSampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = to_device(rows, torch.int64, dev)
+            assert seeds is not None and positions is not None  # _check
             acc_s, final_s = self._stochastic(
                 logits[idx].float(), drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
-                [params[i] for i in rows], [generators[i] for i in rows])
+                [params[i] for i in rows], seeds[idx], positions[idx])
             accepted[idx] = acc_s
             final[idx] = final_s
 
@@ -100,16 +113,18 @@ class RejectionSampler:
         out = torch.where(j == accepted[:, None], final[:, None], out)  # [R, Kmax+1]
         return VerifyResult(output_token_ids=out, accepted_counts=accepted, num_emitted=accepted + 1)
 
-    def _stochastic(self, logits: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None,
-                    params: Sequence[SamplingParams],
-                    generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
-        """logits [r, Kmax+1, V], drafts/valid [r, Kmax], q [r, Kmax, V] | None -> (accepted [r], final [r])."""
+    @staticmethod
+    def _stochastic(logits: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None,
+                    params: Sequence[SamplingParams], seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """logits [r, Kmax+1, V], drafts/valid [r, Kmax], q [r, Kmax, V] | None, seeds/positions [r]
+        -> (accepted [r], final [r])."""
         r, K1, V = logits.shape
         Kmax = K1 - 1
         # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
         p = Sampler._probs(logits.reshape(r * K1, V), [pp for pp in params for _ in range(K1)])
         p = p.view(r, K1, V)
-        e, u = self._noise(r, V, logits.device, generators)  # [r, V], [r, max_draft]
+        cols = torch.arange(Kmax, device=logits.device)[None, :]  # [1, Kmax]
+        u = uniform(seeds[:, None], positions[:, None] + cols, ACCEPT)  # [r, Kmax]
 
         p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
         if q is None:
@@ -119,7 +134,7 @@ class RejectionSampler:
             # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
             ratio = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
         # u in [0, 1), so ratio >= 1 always accepts: q == p accepts every draft, as it should.
-        accepted = _prefix_len((u[:, :Kmax] < ratio) & valid)  # [r]
+        accepted = _prefix_len((u < ratio) & valid)  # [r]
 
         # p at the first rejected position, or at the bonus position when all K_r were accepted.
         p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
@@ -130,39 +145,17 @@ class RejectionSampler:
                 q_at = torch.zeros_like(p_at).scatter_(1, drafts.gather(1, k), 1.0)  # [r, V]
             else:
                 q_at = q.gather(1, k[:, :, None].expand(r, 1, V)).squeeze(1)  # [r, V]
-            resid = (p_at - q_at).clamp_min(0)  # unnormalised; the race below is scale-invariant
+            resid = (p_at - q_at).clamp_min(0)  # unnormalised: the draw below scales by the total
             # In exact arithmetic a rejection implies some p > q; rounding can still reject with an empty
-            # residual, and argmax over all-zero scores would pick id 0 whatever p says. Fall back to p.
+            # residual, which has nothing to draw from. Fall back to p.
             resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_at)
             rejected = accepted < valid.sum(dim=1)  # [r]
             dist = torch.where(rejected[:, None], resid, p_at)
-        # Exponential race, as Sampler._draw: argmax dist_i / E_i picks i with probability dist_i / sum(dist).
-        return accepted, (dist / e).argmax(dim=-1)
-
-    def _noise(self, r: int, V: int, device: torch.device,
-               generators: Sequence[torch.Generator | None]) -> tuple[Tensor, Tensor]:
-        """-> Exp(1) noise [r, V] and U[0, 1) noise [r, max_draft]; a fixed amount per row (module docstring)."""
-        e = torch.empty(r, V, device=device)
-        u = torch.empty(r, self.max_draft, device=device)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            # As in Sampler: rows without a generator share one draw from the global RNG.
-            ui = to_device(unseeded, torch.int64, device)
-            e[ui] = torch.empty(len(unseeded), V, device=device).exponential_()
-            u[ui] = torch.rand(len(unseeded), self.max_draft, device=device)
-        for i, g in enumerate(generators):
-            if g is not None:
-                if g.device.type != device.type:
-                    raise ValueError(f"generator of row {i}: expected one on {device.type}, got one on {g.device}")
-                e[i].exponential_(generator=g)  # first, and as Sampler does: max_draft=0 samples like Sampler
-                u[i].uniform_(generator=g)
-        # Exp(1) can round to 0; clamped, a zero-probability token scores 0 and loses to any kept one.
-        e.clamp_min_(torch.finfo(e.dtype).tiny)
-        return e, u
+        return accepted, _draw(dist, uniform(seeds, positions + accepted, DRAW))
 
     def _check(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-               num_draft: Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> tuple[int, int, int]:
+               num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,
+               positions: Tensor | None) -> tuple[int, int, int]:
         """Shape, dtype and length checks (host metadata only, no sync) -> (R, Kmax+1, V)."""
         if target_logits.dim() != 3 or target_logits.shape[1] < 1 or target_logits.shape[2] < 1:
             raise ValueError(f"target_logits: expected shape [R, Kmax+1, V] with Kmax+1 >= 1 and V >= 1, "
@@ -187,7 +180,14 @@ class RejectionSampler:
             lo, hi = int(num_draft.min()), int(num_draft.max())
             if lo < 0 or hi > K1 - 1:
                 raise ValueError(f"num_draft: expected values in [0, Kmax={K1 - 1}], got range [{lo}, {hi}]")
-        if len(params) != R or len(generators) != R:
-            raise ValueError(f"expected one SamplingParams and one generator per row ({R} rows), "
-                             f"got {len(params)} params and {len(generators)} generators")
+        if len(params) != R:
+            raise ValueError(f"params: expected one SamplingParams per row ({R} rows), got {len(params)}")
+        if any(not p.greedy for p in params):
+            for name, t in (("seeds", seeds), ("positions", positions)):
+                if t is None:
+                    raise ValueError(f"{name}: expected an int64 tensor of shape [R] = {(R,)} for the stochastic "
+                                     f"rows, got None")
+                if tuple(t.shape) != (R,) or t.dtype != torch.int64 or t.device != target_logits.device:
+                    raise ValueError(f"{name}: expected an int64 tensor of shape [R] = {(R,)} on "
+                                     f"{target_logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         return R, K1, V

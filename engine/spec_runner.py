@@ -29,6 +29,7 @@ import dataclasses
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.counter_noise import seed_of
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
@@ -99,6 +100,9 @@ class SpecRunner(ModelRunner):
         if nd:
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
+            params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
+            # The stochastic rows' noise seeds (`counter_noise`); greedy rows draw none.
+            seeds = None if all(p.greedy for p in params) else self._t([seed_of(g) for g in gens])
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
@@ -111,8 +115,7 @@ class SpecRunner(ModelRunner):
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
         anchors, anchor_pos, anchor_rows = [], [], []
         if nd:
-            params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
-            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, gens)
+            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, seeds)
             pieces += got
             anchors.append(anchor)
             anchor_pos.append(pos)
@@ -156,7 +159,7 @@ class SpecRunner(ModelRunner):
         return nxt
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
-                num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, gens: list
+                num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None
                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
         tokens written into `next_ids` as the drafter's successors. Returns (the results to read back:
@@ -170,7 +173,9 @@ class SpecRunner(ModelRunner):
         logits = self.model.logits(rows_hidden, upcast=False).view(nd, Tv, -1)  # [Rd, Tv, V]
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
-        res = self.rejection.verify(logits, drafts, None, num_draft, params, gens)
+        # Column t of a row decides the token at position verify_base + 1 + t.
+        res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
+                                    None if seeds is None else verify_base + 1)
         # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
         self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
         emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
@@ -217,7 +222,7 @@ class SpecRunner(ModelRunner):
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
         pieces, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
-                                           [GREEDY] * n, [None] * n)
+                                           [GREEDY] * n, None)
         h, mtp_batch = self._catch_up(hidden, next_ids, batch, anchor)
         drafts = self._chain(h, mtp_batch, pos, batch.block_tables)
         return torch.cat([*pieces, drafts.reshape(-1)])

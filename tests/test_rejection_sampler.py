@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baton.engine.counter_noise import ACCEPT, DRAW, uniform
 from baton.engine.rejection_sampler import RejectionSampler
-from baton.engine.sampling import Sampler, make_generator
+from baton.engine.sampling import Sampler
 from baton.engine.sampling_params import SamplingParams
 from tests.test_sampling import CHI2_999, chi_square
 
@@ -26,6 +27,10 @@ def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The non-speculative sampler's distribution for logits [..., V] (the reference p)."""
     flat = logits.reshape(-1, logits.shape[-1])
     return Sampler._probs(flat.float(), [params] * flat.shape[0]).view(logits.shape)
+
+
+def ints(values: list[int] | int, device: str = "cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def one_hot_logits(ids: list[int], V: int, seed: int = 0) -> torch.Tensor:
@@ -52,8 +57,7 @@ def test_greedy_hand_made_cases() -> None:
     drafts = torch.tensor([d for _, d, _ in cases])
     nd = torch.tensor([k for _, _, k in cases])
     R = len(cases)
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, nd, [GREEDY] * R,
-                                                 [make_generator(i, "cpu") for i in range(R)])
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, nd, [GREEDY] * R)
     assert res.accepted_counts.tolist() == [3, 1, 1, 0, 0, 2]
     assert res.num_emitted.tolist() == [4, 2, 2, 1, 1, 3]
     assert res.output_token_ids.tolist() == [
@@ -69,7 +73,7 @@ def test_greedy_matches_the_argmax_chain_on_random_batches() -> None:
     drafts = torch.where(corrupt, torch.randint(V, (R, Kmax), generator=g), argmax[:, :Kmax])
     nd = torch.randint(Kmax + 1, (R,), generator=g)
     q = torch.rand(R, Kmax, V, generator=g).softmax(-1)  # greedy rows ignore q
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, q, nd, [GREEDY] * R, [None] * R)
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, q, nd, [GREEDY] * R)
     for r in range(R):
         # Reference: non-speculative greedy emits argmax[k] at each step; drafts only say how far we get.
         emitted = []
@@ -120,14 +124,15 @@ STOCHASTIC = [
 
 
 @pytest.mark.parametrize("params", STOCHASTIC)
-@pytest.mark.parametrize(("deterministic_drafts", "seeded"), [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize(("deterministic_drafts", "one_seed"), [(False, False), (False, True), (True, False)])
 def test_emitted_tokens_are_distributed_as_the_target(params: SamplingParams, deterministic_drafts: bool,
-                                                      seeded: bool) -> None:
+                                                      one_seed: bool) -> None:
     logits, drafts, q = spec_batch(deterministic_drafts)
-    torch.manual_seed(77)
-    # Seeded: every row draws from one generator in turn, which exercises the per-row path.
-    gens = [make_generator(99, "cpu")] * N if seeded else [None] * N
-    res = RejectionSampler(max_draft=2).verify(logits, drafts, q, torch.full((N,), 2), [params] * N, gens)
+    # A seed per row at one position, or one seed at a position per row: the noise must be fresh either way.
+    seeds = torch.full((N,), 99) if one_seed else torch.arange(N) * 7919 + 5
+    positions = torch.arange(N) * 3 + 17 if one_seed else torch.full((N,), 17)
+    res = RejectionSampler(max_draft=2).verify(logits, drafts, q, torch.full((N,), 2), [params] * N, seeds,
+                                               positions)
     out, emitted = res.output_token_ids, res.num_emitted
     assert ((res.accepted_counts == 0) | (out[:, 0] == drafts[:, 0])).all()
     assert ((res.accepted_counts < 2) | (out[:, 1] == drafts[:, 1])).all()
@@ -155,7 +160,7 @@ def test_q_equal_to_p_accepts_every_draft() -> None:
     q = filtered(logits[:, :3], params)  # the drafter is the target: q == p exactly
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(R, 3)
     nd = torch.randint(4, (R,), generator=g)
-    res = RejectionSampler(max_draft=3).verify(logits, drafts, q, nd, [params] * R, [None] * R)
+    res = RejectionSampler(max_draft=3).verify(logits, drafts, q, nd, [params] * R, torch.arange(R), ints(R * [0]))
     assert res.accepted_counts.tolist() == nd.tolist()
 
 
@@ -164,9 +169,8 @@ def test_drafts_outside_the_target_filter_are_never_accepted_or_emitted() -> Non
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0]).expand(R, 2, V).contiguous()
     params = SamplingParams(temperature=2.0, top_k=3)  # keeps ids 0, 1, 2
     drafts = torch.arange(R)[:, None] % V  # [R, 1]: half of the drafts are filtered out by top-k
-    torch.manual_seed(0)
     res = RejectionSampler(max_draft=1).verify(logits, drafts, None, torch.ones(R, dtype=torch.long),
-                                               [params] * R, [None] * R)
+                                               [params] * R, torch.arange(R), torch.full((R,), 4))
     assert (res.accepted_counts[drafts[:, 0] >= 3] == 0).all()
     assert set(res.output_token_ids[:, 0].tolist()) == {0, 1, 2}
     kept_bonus = res.output_token_ids[res.accepted_counts == 1, 1]
@@ -175,16 +179,34 @@ def test_drafts_outside_the_target_filter_are_never_accepted_or_emitted() -> Non
 
 # ---- reproducibility ------------------------------------------------------------------------------------
 
-def test_max_draft_0_samples_exactly_like_the_sampler() -> None:
-    g = torch.Generator().manual_seed(8)
-    params = SamplingParams(temperature=1.1, top_k=20, top_p=0.9)
-    spec, plain = make_generator(42, "cpu"), make_generator(42, "cpu")
-    rs, sampler = RejectionSampler(max_draft=0), Sampler()
-    for _ in range(20):
-        logits = torch.randn(1, 50, generator=g) * 2
-        res = rs.verify(logits[:, None], torch.zeros(1, 0, dtype=torch.long), None,
-                        torch.zeros(1, dtype=torch.long), [params], [spec])
-        assert res.output_token_ids[0, 0].item() == sampler.sample(logits, [params], [plain]).item()
+def test_noise_is_a_function_of_seed_position_and_stream() -> None:
+    seeds = torch.tensor([0, 1, -5, 2**62 + 3, 2**40])
+    pos = torch.tensor([0, 7, 7, 2**31, 100])
+    u = uniform(seeds, pos, ACCEPT)
+    assert u.dtype == torch.float32 and ((u >= 0) & (u < 1)).all()
+    assert torch.equal(u, uniform(seeds.clone(), pos.clone(), ACCEPT))  # no hidden state
+    assert (u != uniform(seeds, pos, DRAW)).all()
+    assert (u != uniform(seeds + 1, pos, ACCEPT)).all()
+    assert (u != uniform(seeds, pos + 1, ACCEPT)).all()
+    assert (u != uniform(seeds + 2**32, pos, ACCEPT)).all()  # the seed's high half counts
+    # One seed along 100k positions: uniform enough (8 bins, chi-square at 99.9 %) and no repeats.
+    many = uniform(torch.tensor(42), torch.arange(100_000), DRAW)
+    assert many.unique().numel() > 99_000
+    assert_distributed_as((many * 8).long(), torch.full((8,), 1 / 8))
+    with pytest.raises(ValueError, match=r"seeds, positions: expected int64 tensors, got torch.int32"):
+        uniform(seeds.int(), pos, ACCEPT)
+    with pytest.raises(ValueError, match=r"stream: expected ACCEPT \(0\) or DRAW \(1\), got 2"):
+        uniform(seeds, pos, 2)
+
+
+def test_rows_without_drafts_draw_from_the_target() -> None:
+    """K = 0 rows (and the bonus position) draw the token by inverse CDF: distributed as p, never a filtered id."""
+    params = SamplingParams(temperature=1.1, top_k=4, top_p=0.95)
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.0, 0.0, 1.5]).expand(N, 1, 6).contiguous()
+    res = RejectionSampler(max_draft=0).verify(logits, torch.zeros(N, 0, dtype=torch.long), None,
+                                               torch.zeros(N, dtype=torch.long), [params] * N,
+                                               torch.full((N,), 3), torch.arange(N))
+    assert_distributed_as(res.output_token_ids[:, 0], filtered(logits[0, 0], params))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -194,18 +216,19 @@ def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
     target = SamplingParams(temperature=1.2, top_k=12, top_p=0.95, seed=42)
     others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8), GREEDY,
               SamplingParams(temperature=2.0, seed=42)]
-    other_gens = [make_generator(7, device), None, make_generator(None, device), make_generator(42, device)]
     rs = RejectionSampler(max_draft=max_draft)
-    alone_gen, batch_gen, other_seed = (make_generator(s, device) for s in (42, 42, 43))
     alone, batched, differs = [], [], []
+    pos = 30  # the position of the token column 0 decides: the emitted tokens' positions follow on
     for _ in range(steps):
         logits = (torch.randn(K + 1, V, generator=g) * 2).to(device)
         q_host = torch.rand(K, V, generator=g).softmax(-1)
         q = q_host.to(device)
         x = torch.multinomial(q_host, 1, generator=g).squeeze(1).to(device)
-        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], [alone_gen])
+        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], ints([42], device),
+                        ints([pos], device))
         alone.append(res.output_token_ids[0, :res.num_emitted[0]].tolist())
-        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], [other_seed])
+        res = rs.verify(logits[None], x[None], q[None], torch.tensor([K]), [target], ints([43], device),
+                        ints([pos], device))
         differs.append(res.output_token_ids[0, :res.num_emitted[0]].tolist())
 
         # The same request at row 2 of 5, in a batch with Kmax = 4 and rows of other K.
@@ -215,9 +238,11 @@ def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
         big_logits[2, :K + 1], big_q[2, :K], big_x[2, :K] = logits, q, x
         big_x[2, K:] = -1
         nd = torch.tensor([4, 0, K, 3, 1], device=device)  # num_draft may also live on the device
+        # Other rows share the seed or the position, not both.
         res = rs.verify(big_logits, big_x, big_q, nd, [*others[:2], target, *others[2:]],
-                        [*other_gens[:2], batch_gen, *other_gens[2:]])
+                        ints([7, 42, 42, 5, 42], device), ints([pos, pos + 1, pos, pos, pos - 1], device))
         batched.append(res.output_token_ids[2, :res.num_emitted[2]].tolist())
+        pos += len(alone[-1])
     assert batched == alone
     assert differs != alone
     assert len({len(t) for t in alone}) > 1  # the test means something only if acceptance varies
@@ -239,8 +264,9 @@ def test_16_bit_target_logits_verify_as_their_float32_copy(device: str) -> None:
               SamplingParams(temperature=0.6, top_k=8, seed=2), SamplingParams(temperature=1.4, top_p=0.9, seed=3)]
     nd = torch.tensor([3, 3, 2, 3, 1, 2])
     rs = RejectionSampler(max_draft=Kmax)
-    got = rs.verify(logits, drafts, None, nd, params, [make_generator(p.seed, device) for p in params])
-    want = rs.verify(logits.float(), drafts, None, nd, params, [make_generator(p.seed, device) for p in params])
+    seeds, pos = ints([0, 0, 0, 1, 2, 3], device), ints([5] * R, device)
+    got = rs.verify(logits, drafts, None, nd, params, seeds, pos)
+    want = rs.verify(logits.float(), drafts, None, nd, params, seeds, pos)
     assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
     assert got.accepted_counts.tolist()[:3] == [1, 3, 2]
 
@@ -253,8 +279,8 @@ def test_outputs_are_int64_on_the_logits_device(device: str) -> None:
     logits = torch.randn(R, Kmax + 1, V, device=device, dtype=torch.bfloat16)
     drafts = torch.randint(V, (R, Kmax), device=device, dtype=torch.int32)
     params = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, seed=1)]
-    gens = [None, None, make_generator(1, device)]
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, torch.tensor([2, 1, 0]), params, gens)
+    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, torch.tensor([2, 1, 0]), params,
+                                                  ints([0, 1, 1], device), ints([9, 9, 9], device))
     for t, shape in ((res.accepted_counts, (R,)), (res.num_emitted, (R,)), (res.output_token_ids, (R, Kmax + 1))):
         assert t.dtype == torch.int64 and t.device.type == torch.device(device).type and tuple(t.shape) == shape
     assert (res.num_emitted == res.accepted_counts + 1).all()
@@ -262,7 +288,7 @@ def test_outputs_are_int64_on_the_logits_device(device: str) -> None:
 
 def test_empty_batch() -> None:
     res = RejectionSampler(max_draft=2).verify(torch.zeros(0, 3, 4), torch.zeros(0, 2, dtype=torch.long), None,
-                                               torch.zeros(0, dtype=torch.long), [], [])
+                                               torch.zeros(0, dtype=torch.long), [])
     assert res.output_token_ids.shape == (0, 3) and res.accepted_counts.shape == (0,)
 
 
@@ -271,7 +297,8 @@ def _args(**over: object) -> dict[str, object]:
     args: dict[str, object] = dict(target_logits=torch.zeros(R, Kmax + 1, V),
                                    draft_token_ids=torch.zeros(R, Kmax, dtype=torch.long),
                                    draft_probs=torch.full((R, Kmax, V), 0.2), num_draft=torch.tensor([3, 1]),
-                                   params=[GREEDY] * R, generators=[None] * R)
+                                   params=[GREEDY, SamplingParams(temperature=1.0)], seeds=ints([1, 2]),
+                                   positions=ints([3, 3]))
     args.update(over)
     return args
 
@@ -286,7 +313,10 @@ def _args(**over: object) -> dict[str, object]:
     ({"num_draft": torch.tensor([3.0, 1.0])}, r"num_draft: expected an integer dtype, got torch.float32"),
     ({"num_draft": torch.tensor([4, 1])}, r"num_draft: expected values in \[0, Kmax=3\], got range \[1, 4\]"),
     ({"num_draft": torch.tensor([-1, 1])}, r"num_draft: expected values in \[0, Kmax=3\], got range \[-1, 1\]"),
-    ({"params": [GREEDY]}, r"one SamplingParams and one generator per row \(2 rows\), got 1 params"),
+    ({"params": [GREEDY]}, r"params: expected one SamplingParams per row \(2 rows\), got 1"),
+    ({"seeds": None}, r"seeds: expected an int64 tensor of shape \[R\] = \(2,\) for the stochastic rows, got None"),
+    ({"positions": ints([3])}, r"positions: expected an int64 tensor of shape \[R\] = \(2,\) on cpu, got torch.int64 \(1,\)"),
+    ({"seeds": torch.tensor([1, 2], dtype=torch.int32)}, r"seeds: expected .* got torch.int32 \(2,\) on cpu"),
 ])
 def test_invalid_arguments_name_the_argument(over: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
