@@ -437,15 +437,17 @@ def _step(engine: LLMEngine, device: torch.device) -> tuple[list, float]:
 
 
 def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, seed: int, device: torch.device,
-                 progress: bool) -> list[str]:
+                 progress: bool, temperature: float = 0.0) -> list[str]:
     """B requests of `context` prompt tokens, all in decode with the same context: prefill-only first (no
     decode rows run meanwhile), then re-admitted on their caches; their first step computes the last prompt
-    token from h(N-1) (R1) and samples. Returns the request ids."""
+    token from h(N-1) (R1) and samples (greedy, or at `temperature`, each request seeded). Returns the request
+    ids."""
     cfg = engine.model_config
     prompts = _prompts(batch, context, cfg.vocab_size, seed)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+                             seed=seed * 10007 + i if temperature else None) for i in range(batch)]
     for i, p in enumerate(prompts):
-        engine.add_request(p, params, request_id=f"b{batch}-p{i}", prefill_only=True)
+        engine.add_request(p, params[i], request_id=f"b{batch}-p{i}", prefill_only=True)
     held: dict[str, tuple[tuple[int, ...], int]] = {}
     start = engine.stats.prompt_tokens
     with tqdm(total=batch * (context - 1), desc=f"prefill B={batch}", unit="tok", disable=not progress) as bar:
@@ -458,7 +460,7 @@ def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, s
     ids = []
     for i, p in enumerate(prompts):
         blocks, slot = held[f"b{batch}-p{i}"]
-        ids.append(engine.add_computed_request(p, params, f"b{batch}-d{i}", list(blocks), slot, context - 1))
+        ids.append(engine.add_computed_request(p, params[i], f"b{batch}-d{i}", list(blocks), slot, context - 1))
     # With async scheduling the first token of a step comes back from the next step() call.
     first: set[str] = set()
     for _ in range(3):

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.engine_config import EngineConfig
-from baton.engine.host_copy import host_tensor
+from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
@@ -60,8 +60,10 @@ class HostOnlyGraphs:
         return rows if rows <= self.max_rows else None
 
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
-            block_tables: list[list[int]], fill: tuple | None = None, **extra: list[int] | None) -> None:
+            block_tables: list[list[int]], fill: tuple | None = None, **extra: list | None) -> None:
         width = max(len(b) for b in block_tables)
+        if extra.get("temperature") is not None:
+            extra["temperature"] = float_bits(extra["temperature"])
         parts = (input_ids, slot_mapping, seq_lens, state_slots, *(v for v in extra.values() if v is not None))
         flat = [v for p in parts for v in p]
         for b in block_tables:
@@ -81,10 +83,11 @@ class HostOnlyGraphs:
         return torch.tensor(counts + emitted + [TOKEN] * (n * (T - 1)), dtype=torch.int64)
 
     def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
-                    block_tables: list[list[int]]) -> torch.Tensor:
+                    block_tables: list[list[int]], temperature: list[float] | None = None,
+                    seeds: list[int] | None = None) -> torch.Tensor:
         """`StepGraphs.run_chained`'s host side (its per-row lists into one tensor); every row gets K drafts."""
         width = max(len(b) for b in block_tables)
-        flat = state_slots + rooms + ([] if src == list(range(len(src))) else src)
+        flat = state_slots + float_bits(temperature or []) + (seeds or []) + rooms + src
         for b in block_tables:
             flat += b
             flat += [0] * (width - len(b))

@@ -10,7 +10,7 @@ Model: the 8b-like preset with one MTP layer (`make_model`'s `*-` block for this
 batch B in `--batches`: B requests of `--context` prompt tokens enter decode (prefill-only, then re-admitted on their
 caches, as `engine_bench.py` does), `--steps` warm-up steps, then `--steps` timed engine steps as a server runs them.
 Steps run with async scheduling (step time: the device's steady state, idle gaps included): a verify step (K > 0:
-the target over 1+K tokens a row, K drafter passes and the greedy acceptance, one CUDA graph) is chained on the one in
+the target over 1+K tokens a row, K drafter passes and the acceptance, one CUDA graph) is chained on the one in
 flight, its inputs taken on the device from that one's results (`LLMEngine._step_verify`). `one at a time` is the
 median step() wall time of as many verify steps each read before the next is launched (host work between them
 included: what chaining saves); `gpu ms` is the device's span of the timed steps.
@@ -28,6 +28,7 @@ trained model). Per (K, B):
                  (issue #7 item 2), the verify's extra query tokens free.
 
   python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec   # 8b-like (~20 GB)
+  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --ks 0,1,2                     # sampled rows
   python benchmarks/spec_bench.py --smoke --out /tmp/spec                                         # tiny, CPU
 """
 
@@ -86,6 +87,9 @@ class SpecBenchConfig:
     copy_mib: int = 1024
     block_size: int = 16
     seed: int = 0
+    # 0: greedy rows (verify graphs of greedy rows); > 0: every request samples at it, seeded (the verify graphs
+    # of sampling rows, `RejectionSampler.verify_tempered`)
+    temperature: float = 0.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -98,6 +102,8 @@ class SpecBenchConfig:
             raise ValueError(f"--context: expected at least 2 tokens, got {self.context}")
         if self.steps < 2:
             raise ValueError(f"--steps: expected at least 2, got {self.steps}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"--temperature: expected 0 (greedy) to 100, got {self.temperature}")
         for k in self.ks:
             if k and self.acceptance and len(self.acceptance) < k:
                 raise ValueError(f"--acceptance: expected a value for every K up to {max(self.ks)}, "
@@ -171,7 +177,7 @@ class SpecResult:
 def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float) -> SpecResult:
     device, k = torch.device(bc.device), engine.config.num_speculative_tokens
     ids = enter_decode(engine, batch, bc.context, max_tokens=(2 * bc.steps + 4) * (k + 1), seed=bc.seed + batch,
-                       device=device, progress=bc.progress)
+                       device=device, progress=bc.progress, temperature=bc.temperature)
     for _ in tqdm(range(bc.steps), desc=f"warm-up K={k} B={batch}", disable=not bc.progress):
         _step(engine, device)
     ctx: list[int] = []
@@ -254,7 +260,8 @@ def run(bc: SpecBenchConfig, command: str) -> Report:
                           "command": command, "params": n_params, "bench_config": asdict(bc)}, copy_gbps=copy)
     for k in bc.ks:
         engine = build_engine(cfg, weights, bc, k)
-        engine.capture_graphs()  # every batch size's graph, as a server does before taking traffic
+        # Every batch size's graph, as a server does before taking traffic (the sampling rows' with --temperature).
+        engine.capture_graphs(sampled_verify=bc.temperature > 0)
         report.results += [bench_batch(engine, bc, b, copy) for b in bc.batches]
         del engine
         if device.type == "cuda":
@@ -290,6 +297,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
     src.add_argument("--acceptance", help="mean tokens per verify row for K = 1, 2, ..., comma-separated")
     src.add_argument("--acceptance-json", type=Path, help="mtp_bench.py --json output: its acceptance lengths")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request samples at this temperature, seeded (default 0: greedy)")
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
@@ -303,7 +312,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
     bc = SpecBenchConfig(device=device, preset=pick("preset"), ks=_int_list("--ks", args.ks),
                          batches=_int_list("--batches", str(pick("batches"))),
                          context=pick("context"), steps=pick("steps"), acceptance=acceptance,
-                         copy_mib=pick("copy_mib"), seed=args.seed, progress=not args.no_progress)
+                         copy_mib=pick("copy_mib"), seed=args.seed, temperature=args.temperature,
+                         progress=not args.no_progress)
     return args, bc
 
 
@@ -318,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
     print()
     print(f"## Speculative decoding steps — {report.meta['device_name']}, commit {report.meta['commit']}, "
-          f"{bc.preset} + 1 MTP layer, context {bc.context}; copy {report.copy_gbps:.0f} GB/s")
+          f"{bc.preset} + 1 MTP layer, context {bc.context}, "
+          f"{'greedy' if not bc.temperature else f'temperature {bc.temperature:g}'}; copy {report.copy_gbps:.0f} GB/s")
     print()
     print(f"`{command}`")
     print()

@@ -20,10 +20,12 @@ fixed addresses, so:
   its last block are never read;
 - a verify graph reads how many recorded positions each row replays from the runner's `replay` tensor
   on the device, inside the graph (R3: never from a host copy);
-- with a `step_fn` (the spec runner's greedy verify step) the graph holds the whole step, not only the
-  target's forward: rejection sampling, the replay counts it writes, the drafter's catch-up and its K-1
-  chained steps; two more inputs then travel with the step: each position's host-known successor token
-  and each row's position of its last token.
+- with a `step_fn` (the spec runner's verify step) the graph holds the whole step, not only the target's
+  forward: rejection sampling, the replay counts it writes, the drafter's catch-up and its K-1 chained steps;
+  more inputs then travel with the step: each position's host-known successor token, each row's position of
+  its last token, and its temperature and noise seed. Each size has two verify graphs: greedy rows only, and
+  rows that sample at a temperature (greedy ones among them), whose accept tests and draws the graph holds too
+  (`RejectionSampler.verify_tempered`);
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
   results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position
@@ -48,7 +50,7 @@ import torch
 
 from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.host_copy import host_tensor
+from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
@@ -118,16 +120,18 @@ def graph_sizes(max_rows: int, fine: bool = False) -> list[int]:
 class StepGraphs:
     """Graphs of steps whose R rows each feed `tokens_per_row` tokens (T) from their state and KV prefix.
 
-    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps, whose whole greedy step
+    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps, whose whole step
     `step_fn` captures (the layers run the verify state ops with `replay`, the runner's per-slot tensor, read on
-    the device); the output is step_fn's packed results.
+    the device), in two variants: greedy rows only, and rows sampling at a temperature; the output is step_fn's
+    packed results.
     """
 
     def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
                  max_blocks: int, device: torch.device, tokens_per_row: int = 1,
                  replay: torch.Tensor | None = None, step_fn: Callable | None = None) -> None:
-        """step_fn(input_ids, batch, next_ids, verify_base) -> packed tensor: a whole verify step to capture
-        instead of the forward alone (its output is returned unsliced; see `SpecRunner.graph_step_fn`)."""
+        """step_fn(input_ids, batch, next_ids, verify_base, sampling) -> packed tensor: a whole verify step to
+        capture instead of the forward alone (its output is returned unsliced; see `SpecRunner.graph_step_fn`);
+        sampling: None (greedy rows only) or the rows' (temperature [R] float32, seeds [R] int64)."""
         if tokens_per_row > 1 and (replay is None or step_fn is None):
             raise ValueError("step graphs: expected the runner's replay tensor and a step_fn for verify steps "
                              f"(tokens_per_row = {tokens_per_row} > 1)")
@@ -159,13 +163,16 @@ class StepGraphs:
         self.num_tokens = torch.full((n,), T, dtype=torch.int64, device=dev)  # per row: 1 + its drafts
         self.next_ids = torch.zeros(n * T, dtype=torch.int64, device=dev)
         self.verify_base = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: a greedy row
+        self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)  # noise seeds (`counter_noise`)
         # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
         # them, fixed like the starts themselves, so a captured step does not rebuild it in every attention layer.
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
-        # last-token positions, token counts (n each), then the block table [n, width].
-        self.staging = torch.empty(3 * n * T + 4 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        # last-token positions, token counts, temperatures (float32 bits), seeds (n each), then the block table
+        # [n, width].
+        self.staging = torch.empty(3 * n * T + 6 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
         # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
@@ -175,6 +182,7 @@ class StepGraphs:
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sampled_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # verify rows that sample
         self._prev_base = torch.zeros(n, dtype=torch.int64, device=dev)  # run_chained's copy of verify_base
         # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
         self.runs = 0
@@ -190,6 +198,8 @@ class StepGraphs:
         self.ids[:n * T] = 0
         self.next_ids[:n * T] = 0
         self.verify_base[:n] = 0
+        self.temperature[:n] = 0.0
+        self.seeds[:n] = 0
         self.num_tokens[:n] = T
         self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
         self.seq_lens[:n] = T
@@ -234,33 +244,46 @@ class StepGraphs:
             batch.verify_inputs = self.pools.verify_layers()
         return batch
 
-    def _forward(self, n: int) -> torch.Tensor:
+    def _forward(self, n: int, sampled: bool = False) -> torch.Tensor:
         if self.step_fn is not None:
+            sampling = (self.temperature[:n], self.seeds[:n]) if sampled else None
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
-                                self.verify_base[:n])
+                                self.verify_base[:n], sampling)
         batch = self._batch(n)
         return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv, upcast=False)
 
-    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, n: int, sampled: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
         self._pad(n)
-        return capture_graph(lambda: self._forward(n), self.device, self.pool)
+        return capture_graph(lambda: self._forward(n, sampled), self.device, self.pool)
+
+    def _graphs_of(self, sampled: bool) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+        return self.sampled_graphs if sampled else self.graphs
 
     @torch.inference_mode()
-    def capture_all(self) -> int:
-        """Capture every size now (largest first, so that the smaller ones reuse its memory pool) rather
-        than at each size's first step; returns how many were captured."""
-        return capture_missing(self.graphs, self.sizes, self._capture) if self.capture else 0
+    def capture_all(self, sampled: bool = True) -> int:
+        """Capture every size now (largest first, so that the smaller ones reuse its memory pool), both verify
+        variants (`sampled`: that of rows that sample too), rather than at each size's first step; returns how
+        many were captured."""
+        if not self.capture:
+            return 0
+        n = capture_missing(self.graphs, self.sizes, self._capture)
+        if self.step_fn is not None and sampled:
+            n += capture_missing(self.sampled_graphs, self.sizes, lambda size: self._capture(size, sampled=True))
+        return n
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]], next_ids: list[int] | None = None,
             verify_base: list[int] | None = None, num_tokens: list[int] | None = None,
-            fill: tuple | None = None) -> torch.Tensor:
+            fill: tuple | None = None, temperature: list[float] | None = None,
+            seeds: list[int] | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
+        temperature / seeds (verify graphs): per row, 0.0 for a greedy row; with any row above 0 the step runs the
+        graph of sampling rows.
         Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed
         output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
@@ -275,8 +298,10 @@ class StepGraphs:
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
-        if self.capture and n not in self.graphs:
-            self.graphs[n] = self._capture(n)
+        sampled = self._sampling_rows(rows, temperature, seeds)
+        graphs = self._graphs_of(sampled)
+        if self.capture and n not in graphs:
+            graphs[n] = self._capture(n, sampled)
         pad = n - rows
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         parts = (
@@ -287,6 +312,8 @@ class StepGraphs:
             state_slots + [scratch_slot] * pad,
             (verify_base or [0] * rows) + [0] * pad,
             (num_tokens or [T] * rows) + [T] * pad,
+            float_bits(temperature or [0.0] * rows) + [0] * pad,
+            (seeds or [0] * rows) + [0] * pad,
         )
         flat = [v for p in parts for v in p]
         for b in block_tables:
@@ -299,11 +326,28 @@ class StepGraphs:
                           (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
+        at = self._stage_sampling(at, n)
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         if fill is not None:
             fill_pending(self.ids, *fill)
-        out = self._replay(n, rows)
+        out = self._replay(n, rows, sampled)
         return out if self.step_fn is not None else out[:rows]
+
+    def _sampling_rows(self, rows: int, temperature: list[float] | None, seeds: list[int] | None) -> bool:
+        """Check a step's temperatures and seeds; whether any row samples (the step then runs the sampling graph)."""
+        if temperature is None and seeds is None:
+            return False
+        if (self.step_fn is None or temperature is None or seeds is None or len(temperature) != rows
+                or len(seeds) != rows):
+            raise ValueError(f"step graphs: expected a temperature and a seed for each of {rows} verify rows, got "
+                             f"{temperature} and {seeds}" + ("" if self.step_fn else " (decode graphs take none)"))
+        return any(t > 0 for t in temperature)
+
+    def _stage_sampling(self, at: int, n: int) -> int:
+        """Copy the staged temperatures (float32 bits) and seeds of n rows into place; returns the offset after."""
+        self.temperature[:n] = self.staging[at:at + n].to(torch.int32).view(torch.float32)
+        self.seeds[:n] = self.staging[at + n:at + 2 * n]
+        return at + 2 * n
 
     def _stage(self, flat: list[int]) -> int:
         """Move `flat` into `staging` with one asynchronous copy from a pinned buffer (two, used in turn); marks the
@@ -322,27 +366,28 @@ class StepGraphs:
             copied.record()
         return end
 
-    def _replay(self, n: int, rows: int) -> torch.Tensor:
+    def _replay(self, n: int, rows: int, sampled: bool = False) -> torch.Tensor:
         if self.capture:
-            graph, out = self.graphs[n]
+            graph, out = self._graphs_of(sampled)[n]
             graph.replay()
         else:
-            out = self._forward(n)
+            out = self._forward(n, sampled)
         self.runs += 1
         self._last = (self.runs, n, rows, out)
         return out
 
     @torch.inference_mode()
     def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
-                    block_tables: list[list[int]]) -> torch.Tensor:
+                    block_tables: list[list[int]], temperature: list[float] | None = None,
+                    seeds: list[int] | None = None) -> torch.Tensor:
         """Replay the verify graph for a step chained on run `prev_run` (the last run, its tokens maybe not read
         yet): row i continues that run's row src[i]. Its inputs are taken on the device from that run's packed
         results: the row's last emitted token then its first k drafts, at its last-token position advanced by its
         emitted count c (the KV slots there from `block_tables`, which must already cover 1+K tokens there and the
         drafter's lookahead), with k = min(K, max(0, rooms[i] - c)): rooms[i] is the row's output room before that
         run (tokens it may still emit, minus one), so k is what the scheduler gives it once c is known; its
-        other K - k tokens are padding. state_slots / rooms / block_tables: per row, from the host. Returns the
-        packed results."""
+        other K - k tokens are padding. state_slots / rooms / block_tables (and temperature / seeds, as in `run`):
+        per row, from the host. Returns the packed results."""
         if self.step_fn is None:
             raise RuntimeError("step graphs: run_chained needs verify graphs (a step_fn)")
         if self._last is None or self._last[0] != prev_run:
@@ -361,22 +406,28 @@ class StepGraphs:
         # The previous run's last-token positions, copied out: this step's inputs (and a capture's padding, next)
         # overwrite that buffer.
         self._prev_base[:m].copy_(self.verify_base[:m])
-        if self.capture and n not in self.graphs:
-            self.graphs[n] = self._capture(n)
+        sampled = self._sampling_rows(rows, temperature, seeds)
+        graphs = self._graphs_of(sampled)
+        if self.capture and n not in graphs:
+            graphs[n] = self._capture(n, sampled)
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
-        flat = state_slots + [scratch_slot] * (n - rows) + src + rooms
+        pad = [0] * (n - rows)
+        flat = (state_slots + [scratch_slot] * (n - rows) + float_bits(temperature or [0.0] * rows) + pad
+                + (seeds or [0] * rows) + pad + src + rooms)
         for b in block_tables:
             flat += b
             flat += [scratch_block] * (width - len(b))
         flat += [scratch_block] * ((n - rows) * width)
         end = self._stage(flat)
-        at = n + 2 * rows
         self.state_slots[:n] = self.staging[:n]
+        lists = self._stage_sampling(n, n)  # src, then rooms
+        at = lists + 2 * rows
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         # Each row's inputs from the previous run's packed results [m counts | m*T emitted | m*K drafts]; rows past
         # this step's up to its graph size become padding (`ops.chain_inputs`).
         dispatch.chain_inputs(prev)(
-            prev, m, self.staging[n:n + rows], self.staging[n + rows:at], self._prev_base, self.block_tables[:n],
+            prev, m, self.staging[lists:lists + rows], self.staging[lists + rows:at], self._prev_base,
+            self.block_tables[:n],
             self.ids, self.slot_mapping, self.seq_lens, self.verify_base, self.num_tokens, n, T, self.block_size,
             scratch_block)
-        return self._replay(n, rows)
+        return self._replay(n, rows, sampled)

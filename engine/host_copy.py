@@ -37,6 +37,12 @@ def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
+def float_bits(values: Sequence[float]) -> list[int]:
+    """Each value's float32 bit pattern as an int (int32 range): floats travel in an int64 buffer, and
+    `.to(torch.int32).view(torch.float32)` on the other side gives the float32 values back exactly."""
+    return list(array.array("i", array.array("f", values).tobytes()))
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (ints, bools or floats, nested lists allowed) as a `dtype` tensor on `device`; on CUDA, queued
     on the current stream without a host wait."""

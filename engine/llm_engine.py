@@ -6,7 +6,7 @@ returns step n's outputs: the host's scheduling, input building and output handl
 device computes the previous one. Step n+1's decode rows whose input is step n's token take it on the device.
 
 With drafts (K > 0) how far a verify step advances each row is known only once its tokens are read. Where the
-next step can only be the same greedy rows verifying K drafts each (`Scheduler.chain`), a call of `step()`
+next step can only be the same rows verifying K drafts each (`Scheduler.chain`), a call of `step()`
 chains step n+1 on step n's results on the device (the verify graph's `run_chained`) before reading step n;
 otherwise it launches and reads one step.
 """
@@ -212,7 +212,7 @@ class LLMEngine:
         k = cfg.num_speculative_tokens
         # Room for the longest sequence and a verify step's lookahead.
         max_blocks = -(-self.max_model_len // cfg.block_size) + k + 1
-        # With K drafts the graph holds the whole greedy verify step (SpecRunner.graph_step_fn).
+        # With K drafts the graph holds the whole verify step (SpecRunner.graph_step_fn).
         step_fn = self.runner.graph_step_fn if k else None
         graphs = StepGraphs(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
                             tokens_per_row=1 + k, replay=self.runner.replay, step_fn=step_fn)
@@ -228,12 +228,14 @@ class LLMEngine:
         return MixedGraphBuckets(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
                                  cfg.mixed_graph_tokens, buckets)
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, sampled_verify: bool = True) -> int:
         """Capture the CUDA graph of every decode (verify) batch size now, and of every mixed step size with
         `mixed_graph_tokens`, as a server does before taking traffic, so that no request waits on a capture;
-        returns how many were captured (0 without graphs)."""
+        returns how many were captured (0 without graphs). sampled_verify=False leaves out the verify graphs of
+        rows that sample (a greedy benchmark's)."""
         mixed = self.runner.mixed_graphs
-        return (0 if self.runner.graphs is None else self.runner.graphs.capture_all()) + (
+        graphs = self.runner.graphs
+        return (0 if graphs is None else graphs.capture_all(sampled_verify)) + (
             0 if mixed is None else mixed.capture_all())
 
     @classmethod

@@ -65,6 +65,66 @@ def _prefix_len(accept: Tensor) -> Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
+def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (drafts [R, Kmax] with padding zeroed, valid [R, Kmax], and every row's greedy decision: accepted [R],
+    final [R])."""
+    R, K1, _ = logits.shape
+    Kmax, dev = K1 - 1, logits.device
+    nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
+    valid = torch.arange(Kmax, device=dev)[None, :] < nd[:, None]  # [R, Kmax]
+    # Padding ids may be -1 or garbage; zero them so gathers stay in range (they are never accepted).
+    drafts = torch.where(valid, draft_token_ids.to(dev, torch.int64), 0)  # [R, Kmax]
+    argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; first maximum, as Sampler, so ties match
+    accepted = _prefix_len((drafts == argmax[:, :Kmax]) & valid)  # [R]
+    final = argmax.gather(1, accepted[:, None]).squeeze(1)  # [R], mismatch or bonus position
+    return drafts, valid, accepted, final
+
+
+def _stochastic(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None, seeds: Tensor, positions: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """p [r, Kmax+1, V] (the target's filtered distribution at each position), drafts/valid [r, Kmax],
+    q [r, Kmax, V] | None, seeds/positions [r] -> speculative sampling's (accepted [r], final [r])."""
+    r, K1, V = p.shape
+    Kmax = K1 - 1
+    cols = torch.arange(Kmax, device=p.device)[None, :]  # [1, Kmax]
+    u = uniform(seeds[:, None], positions[:, None] + cols, ACCEPT)  # [r, Kmax]
+    p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+    if q is None:
+        ratio = p_x  # one-hot q: q(x) = 1
+    else:
+        q = q.float()
+        # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
+        ratio = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+    # u in [0, 1), so ratio >= 1 always accepts: q == p accepts every draft, as it should.
+    accepted = _prefix_len((u < ratio) & valid)  # [r]
+
+    # p at the first rejected position, or at the bonus position when all K_r were accepted.
+    p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+    dist = p_at
+    if Kmax > 0:
+        k = accepted.clamp(max=Kmax - 1)[:, None]  # [r, 1]; clamped rows are all-accepted, masked below
+        if q is None:
+            q_at = torch.zeros_like(p_at).scatter_(1, drafts.gather(1, k), 1.0)  # [r, V]
+        else:
+            q_at = q.gather(1, k[:, :, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+        resid = (p_at - q_at).clamp_min(0)  # unnormalised: the draw below scales by the total
+        # In exact arithmetic a rejection implies some p > q; rounding can still reject with an empty
+        # residual, which has nothing to draw from. Fall back to p.
+        resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_at)
+        rejected = accepted < valid.sum(dim=1)  # [r]
+        dist = torch.where(rejected[:, None], resid, p_at)
+    return accepted, _draw(dist, uniform(seeds, positions + accepted, DRAW))
+
+
+def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
+    R, Kmax = drafts.shape
+    j = torch.arange(Kmax + 1, device=drafts.device)[None, :]  # [1, Kmax+1]
+    padded = torch.cat([drafts, drafts.new_zeros(R, 1)], dim=1)  # [R, Kmax+1]
+    out = torch.where(j < accepted[:, None], padded, -1)
+    out = torch.where(j == accepted[:, None], final[:, None], out)  # [R, Kmax+1]
+    return VerifyResult(output_token_ids=out, accepted_counts=accepted, num_emitted=accepted + 1)
+
+
 class RejectionSampler:
     """Stateless apart from `max_draft`; per-request state lives in the params and seeds passed in."""
 
@@ -85,73 +145,43 @@ class RejectionSampler:
         num_draft values are range-checked only when it is a CPU tensor (checking a device tensor would sync).
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
-        Kmax, dev = K1 - 1, target_logits.device
-        logits = target_logits  # the argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below
-        nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
-        valid = torch.arange(Kmax, device=dev)[None, :] < nd[:, None]  # [R, Kmax]
-        # Padding ids may be -1 or garbage; zero them so gathers stay in range (they are never accepted).
-        drafts = torch.where(valid, draft_token_ids.to(dev, torch.int64), 0)  # [R, Kmax]
-
-        # Greedy decisions for every row (cheap); stochastic rows overwrite theirs below.
-        argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; first maximum, as Sampler, so ties match
-        accepted = _prefix_len((drafts == argmax[:, :Kmax]) & valid)  # [R]
-        final = argmax.gather(1, accepted[:, None]).squeeze(1)  # [R], mismatch or bonus position
-
+        # The argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below.
+        drafts, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = to_device(rows, torch.int64, dev)
+            idx = to_device(rows, torch.int64, target_logits.device)
             assert seeds is not None and positions is not None  # _check
-            acc_s, final_s = self._stochastic(
-                logits[idx].float(), drafts[idx], valid[idx], None if draft_probs is None else draft_probs[idx],
-                [params[i] for i in rows], seeds[idx], positions[idx])
+            # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
+            r = len(rows)
+            p = Sampler._probs(target_logits[idx].float().reshape(r * K1, V),
+                               [params[i] for i in rows for _ in range(K1)])
+            acc_s, final_s = _stochastic(p.view(r, K1, V), drafts[idx], valid[idx],
+                                         None if draft_probs is None else draft_probs[idx], seeds[idx],
+                                         positions[idx])
             accepted[idx] = acc_s
             final[idx] = final_s
+        return _result(drafts, accepted, final)
 
-        j = torch.arange(K1, device=dev)[None, :]  # [1, Kmax+1]
-        padded = torch.cat([drafts, drafts.new_zeros(R, 1)], dim=1)  # [R, Kmax+1]
-        out = torch.where(j < accepted[:, None], padded, -1)
-        out = torch.where(j == accepted[:, None], final[:, None], out)  # [R, Kmax+1]
-        return VerifyResult(output_token_ids=out, accepted_counts=accepted, num_emitted=accepted + 1)
-
-    @staticmethod
-    def _stochastic(logits: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None,
-                    params: Sequence[SamplingParams], seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """logits [r, Kmax+1, V], drafts/valid [r, Kmax], q [r, Kmax, V] | None, seeds/positions [r]
-        -> (accepted [r], final [r])."""
-        r, K1, V = logits.shape
-        Kmax = K1 - 1
-        # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
-        p = Sampler._probs(logits.reshape(r * K1, V), [pp for pp in params for _ in range(K1)])
-        p = p.view(r, K1, V)
-        cols = torch.arange(Kmax, device=logits.device)[None, :]  # [1, Kmax]
-        u = uniform(seeds[:, None], positions[:, None] + cols, ACCEPT)  # [r, Kmax]
-
-        p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
-        if q is None:
-            ratio = p_x  # one-hot q: q(x) = 1
-        else:
-            q = q.float()
-            # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
-            ratio = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
-        # u in [0, 1), so ratio >= 1 always accepts: q == p accepts every draft, as it should.
-        accepted = _prefix_len((u < ratio) & valid)  # [r]
-
-        # p at the first rejected position, or at the bonus position when all K_r were accepted.
-        p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
-        dist = p_at
-        if Kmax > 0:
-            k = accepted.clamp(max=Kmax - 1)[:, None]  # [r, 1]; clamped rows are all-accepted, masked below
-            if q is None:
-                q_at = torch.zeros_like(p_at).scatter_(1, drafts.gather(1, k), 1.0)  # [r, V]
-            else:
-                q_at = q.gather(1, k[:, :, None].expand(r, 1, V)).squeeze(1)  # [r, V]
-            resid = (p_at - q_at).clamp_min(0)  # unnormalised: the draw below scales by the total
-            # In exact arithmetic a rejection implies some p > q; rounding can still reject with an empty
-            # residual, which has nothing to draw from. Fall back to p.
-            resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_at)
-            rejected = accepted < valid.sum(dim=1)  # [r]
-            dist = torch.where(rejected[:, None], resid, p_at)
-        return accepted, _draw(dist, uniform(seeds, positions + accepted, DRAW))
+    def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
+                        temperature: Tensor, seeds: Tensor, positions: Tensor) -> VerifyResult:
+        """`verify` of deterministic drafts (q one-hot) from device tensors alone, with no host read or host
+        list (what a CUDA graph holds): temperature [R] float32 (0: a greedy row), seeds / positions [R] int64 as
+        in `verify`. The other rows sample at their temperature with no top-k / top-p filter, as `verify` does
+        such `SamplingParams`: the same ops on the same values, for every row at once."""
+        R = target_logits.shape[0]
+        self._check(target_logits, draft_token_ids, None, num_draft, [SamplingParams()] * R, None, None)
+        for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
+                               ("positions", positions, torch.int64)):
+            if tuple(t.shape) != (R,) or t.dtype != dtype or t.device != target_logits.device:
+                raise ValueError(f"{name}: expected a {dtype} tensor of shape [R] = {(R,)} on "
+                                 f"{target_logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        drafts, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
+        sampled = temperature > 0  # [R]
+        x = target_logits.float()
+        # As Sampler._probs: the row max subtracted before dividing (a tiny temperature gives no inf - inf).
+        scaled = (x - x.amax(dim=-1, keepdim=True)) / torch.where(sampled, temperature, 1.0)[:, None, None]
+        acc_s, final_s = _stochastic(scaled.softmax(dim=-1), drafts, valid, None, seeds, positions)
+        return _result(drafts, torch.where(sampled, acc_s, accepted), torch.where(sampled, final_s, final))
 
     def _check(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,

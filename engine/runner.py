@@ -261,7 +261,7 @@ class ModelRunner:
         self.mixed_graph_steps += 1
         return torch.cat([logits[:nd], logits[n:]]) if c.sample else logits[:nd]
 
-    def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list[int]) -> torch.Tensor:
+    def _decode_graph(self, out: SchedulerOutput, fill: tuple | None = None, **extra: list) -> torch.Tensor:
         """Replay the graph of a graphable step: logits [R, V] (decode), or the spec runner's packed results."""
         bs, T = self.block_size, self.graphs.T
         rows = out.rows

@@ -295,7 +295,7 @@ class Scheduler:
         return True
 
     def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
-        """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, greedy rows): the
+        """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph step): the
         next step is then `out`'s requests again, each verifying the drafts that `out` makes: K, or fewer as
         `_num_draft` gives near a length limit once `out`'s emitted count is known (the device computes it from a
         row's room). Only when that is what `schedule()` would give after reading `out` for every request that
@@ -513,11 +513,10 @@ class Scheduler:
 
         With N-1 of N tokens computed (R1), that step is a decode row: token N from the transferred h(N-1) (R2:
         the request has its state), so it joins the decode batch (and its CUDA graph; with K > 0 a verify row
-        without drafts, padded in the graph) instead of making the step a mixed, eager one. Except a stochastic
-        request with K > 0: it stays a 1-token prefill chunk, so that its first token is drawn as the aggregated
-        engine's last prefill chunk draws it (a verify row also consumes its generator's accept-test noise,
-        R6); its steps are eager anyway (the verify graph is greedy). With fewer than N-1 computed, the rest of
-        the prompt is prefilled here first."""
+        without drafts, padded in the graph) instead of making the step a mixed, eager one. With K > 0 a sampled
+        token N is drawn there as the aggregated engine's last prefill chunk draws it (both from the request's
+        seed at position N, `SpecRunner._first_tokens`, R6). With fewer than N-1 computed, the rest of the
+        prompt is prefilled here first."""
         self._check_new(req)
         if not 0 < num_computed < req.num_tokens:
             raise ValueError(f"num_computed: expected 1..{req.num_tokens - 1} (prompt length - 1 at most), "
@@ -526,7 +525,7 @@ class Scheduler:
             raise ValueError(f"block_ids: expected room for {num_computed} tokens, got {len(block_ids)} blocks")
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
-        to_decode = num_computed == req.num_tokens - 1 and (not self.num_spec or req.sampling.greedy)
+        to_decode = num_computed == req.num_tokens - 1
         req.num_prefill_tokens = num_computed if to_decode else req.num_tokens
         req.set_blocks(list(block_ids))
         req.state_slot = state_slot

@@ -7,9 +7,10 @@ One step, all on the device until the single host read of its tokens at the end:
    this step's 1+k positions (R4: no unaccepted position ever reaches the state); prefill chunks and
    first-token recomputes run the chunked scan from the row's state.
 2. Logits: the last token of each prefill row that samples, every token of each verify row (R5). Prefill rows
-   sample as usual; verify rows go through the rejection sampler (greedy: accept while the target's argmax
-   matches), whose accepted counts + 1 are written straight into `replay[slot]` on the device (R3): the next
-   step replays that many recorded positions, whatever order its rows come in.
+   sample as a verify row without drafts would (`_first_tokens`); verify rows go through the rejection sampler
+   (greedy: accept while the target's argmax matches), whose accepted counts + 1 are written straight into
+   `replay[slot]` on the device (R3): the next step replays that many recorded positions, whatever order its
+   rows come in.
 3. Drafter catch-up: the MTP module runs once over every token of the batch with (h_i, t_{i+1}), writing its
    own KV at every position (R8: a prefill chunk's successor token is known from the prompt; a sampling row's
    last one is the token just sampled; a verify row's are the tokens it emitted). Its output at each drafting
@@ -17,9 +18,10 @@ One step, all on the device until the single host read of its tokens at the end:
 4. Drafts 2..K: the drafter on its own output, one position further each time (its KV there is rewritten
    by step 3 of a later step once the real tokens are known).
 
-A greedy verify step whose rows all verify replays one CUDA graph (`graph_step_fn`); with async scheduling the next
-such step can be chained on it before its results are read (`launch_chained`: its inputs come from those results on
-the device, `StepGraphs.run_chained`).
+A verify step whose rows all verify, greedy or sampling at a temperature, replays one CUDA graph (`graph_step_fn`);
+with async scheduling the next such step can be chained on it before its results are read (`launch_chained`: its
+inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take their noise from their
+seed and token positions (`counter_noise`), prompts' first tokens included (`_first_tokens`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams()
+
+
+def _graph_sampling(params: SamplingParams) -> bool:
+    """Whether a verify graph can sample a row: greedy, or a temperature alone (`RejectionSampler.verify_tempered`;
+    top-k / top-p rows run eagerly)."""
+    return params.greedy or (params.top_k == 0 and params.top_p >= 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +116,8 @@ class SpecRunner(ModelRunner):
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
+            p_params, p_gens = self.sampling_of([rows[i].request_id for i in prefill_sampling])
+            p_seeds = None if all(p.greedy for p in p_params) else self._t([seed_of(g) for g in p_gens])
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -123,8 +133,7 @@ class SpecRunner(ModelRunner):
 
         # -- prefill rows that sample ----------------------------------------------------------------------
         if prefill_sampling:
-            tokens = self.sample(self.model.logits(hidden[last], upcast=False),
-                                 [rows[i].request_id for i in prefill_sampling])
+            tokens = self._first_tokens(self.model.logits(hidden[last], upcast=False), p_params, p_seeds, last_pos)
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
@@ -147,6 +156,18 @@ class SpecRunner(ModelRunner):
         return self._unpack(host, out, prefill_sampling, drafts_out is not None,
                             seconds=elapsed_seconds(started, ended))
 
+    def _first_tokens(self, logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor | None,
+                      last_pos: torch.Tensor) -> torch.Tensor:
+        """The token after each prompt [P] from its last position's logits [P, V]: drawn as a verify row without
+        drafts draws it (the rejection sampler's draw at position last_pos + 1, `counter_noise`), so that a
+        transferred request's first decode step (a verify row of token N, R1) samples what the aggregated
+        engine's last prefill chunk does (R6)."""
+        n, dev = logits.shape[0], logits.device
+        none = torch.zeros(n, 0, dtype=torch.int64, device=dev)
+        res = self.rejection.verify(logits[:, None], none, None, torch.zeros(n, dtype=torch.int64, device=dev),
+                                    params, seeds, None if seeds is None else last_pos + 1)
+        return res.output_token_ids[:, 0]
+
     @staticmethod
     def _successors(rows, width: int = 0) -> list[int]:
         """The successor token of every position, for the drafter: the host-known ones (a verify row's
@@ -159,10 +180,13 @@ class SpecRunner(ModelRunner):
         return nxt
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
-                num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None
+                num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None,
+                tempered: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
-        tokens written into `next_ids` as the drafter's successors. Returns (the results to read back:
+        tokens written into `next_ids` as the drafter's successors. `tempered` (a graph's rows that sample):
+        the rows' (temperature, seeds) tensors, which `params` / `seeds` then stand aside for. Returns (the
+        results to read back:
         emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last committed position [Rd],
         its position [Rd])."""
         nd = batch.num_decodes
@@ -174,8 +198,11 @@ class SpecRunner(ModelRunner):
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         # Column t of a row decides the token at position verify_base + 1 + t.
-        res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
-                                    None if seeds is None else verify_base + 1)
+        if tempered is not None:
+            res = self.rejection.verify_tempered(logits, drafts, num_draft, *tempered, verify_base + 1)
+        else:
+            res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
+                                        None if seeds is None else verify_base + 1)
         # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
         self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
         emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
@@ -206,23 +233,36 @@ class SpecRunner(ModelRunner):
             chain.append(tok)
         return torch.stack(chain, dim=1)
 
-    # ---- the whole greedy verify step as one CUDA graph --------------------------------------------------
+    # ---- the whole verify step as one CUDA graph --------------------------------------------------------
     def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
-        """Verify rows only, each with at most K drafts (padded to K), all greedy, drafting: the step is a fixed
-        sequence of device ops (no per-request generators), so the graph holds all of it."""
-        return (self.draft and self._graphable(out)
-                and all(self._sampling[r.request_id][0].greedy for r in out.rows))
+        """Verify rows only, each with at most K drafts (padded to K), drafting, each greedy or sampling at a
+        temperature without top-k / top-p: the step is a fixed sequence of device ops, so a graph holds all of
+        it (`StepGraphs`' greedy or sampling variant)."""
+        return self.draft and self._graphable(out) and all(
+            _graph_sampling(self._sampling[r.request_id][0]) for r in out.rows)
+
+    def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
+        """A graph step's per-row temperatures and noise seeds (0 for greedy rows), as `StepGraphs.run` takes
+        them."""
+        temperature, seeds = [], []
+        for rid in request_ids:
+            params, gen = self._sampling[rid]
+            temperature.append(params.temperature)
+            seeds.append(0 if params.greedy else seed_of(gen))
+        return {"temperature": temperature, "seeds": seeds}
 
     def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
-                      verify_base: torch.Tensor) -> torch.Tensor:
-        """What the step graph captures: forward, verify, drafter catch-up and chain, for n greedy verify rows
-        of 1+K tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
-        padding). Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
+                      verify_base: torch.Tensor, sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
+        """What the step graph captures: forward, verify, drafter catch-up and chain, for n verify rows of 1+K
+        tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
+        padding); sampling: None for greedy rows only, else the rows' (temperature, seeds) tensors. Returns the
+        packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
         pieces, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
-                                           [GREEDY] * n, None)
+                                           [GREEDY] * n, None, sampling)
         h, mtp_batch = self._catch_up(hidden, next_ids, batch, anchor)
         drafts = self._chain(h, mtp_batch, pos, batch.block_tables)
         return torch.cat([*pieces, drafts.reshape(-1)])
@@ -231,17 +271,18 @@ class SpecRunner(ModelRunner):
         return self.read_verify(self.launch_verify(out))
 
     def verify_graphable(self, out: SchedulerOutput) -> bool:
-        """Whether `launch_verify` can run the step: the whole greedy verify step replays a graph."""
+        """Whether `launch_verify` can run the step: the whole verify step replays a graph."""
         return bool(out.rows) and self._whole_step_graphable(out)
 
     def launch_verify(self, out: SchedulerOutput) -> VerifyFlight:
-        """Queue a whole greedy verify step's graph (`verify_graphable`) and return at once; `read_verify` waits
-        for its results."""
+        """Queue a whole verify step's graph (`verify_graphable`) and return at once; `read_verify` waits for its
+        results."""
         rows = out.rows
         T = 1 + self.num_spec
+        ids = [r.request_id for r in rows]
         packed = self._decode_graph(out, next_ids=self._successors(rows, T),
-                                    verify_base=[r.num_computed_tokens for r in rows])
-        return self._flight([r.request_id for r in rows], packed)
+                                    verify_base=[r.num_computed_tokens for r in rows], **self._row_sampling(ids))
+        return self._flight(ids, packed)
 
     def launch_chained(self, prev: VerifyFlight, request_ids: list[str], state_slots: list[int], rooms: list[int],
                        block_tables: list[list[int]]) -> VerifyFlight:
@@ -251,7 +292,8 @@ class SpecRunner(ModelRunner):
         `block_tables` cover its worst case (`Scheduler.chain`)."""
         row = {rid: i for i, rid in enumerate(prev.request_ids)}
         src = [row[rid] for rid in request_ids]
-        packed = self.graphs.run_chained(prev.run, src, state_slots, rooms, block_tables)
+        packed = self.graphs.run_chained(prev.run, src, state_slots, rooms, block_tables,
+                                         **self._row_sampling(request_ids))
         self.graph_steps += 1
         return self._flight(list(request_ids), packed)
 

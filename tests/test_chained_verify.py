@@ -113,6 +113,40 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
 
 
 @pytest.mark.interpreter
+def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_model, monkeypatch):  # noqa: F811
+    """Rows that sample at a temperature (seeded) beside greedy ones: their verify steps replay the graph's
+    sampling variant (`RejectionSampler.verify_tempered`) and chain on the one in flight, and every request's
+    tokens, drafts and accepted counts equal eager steps one at a time (`RejectionSampler.verify` with the
+    SamplingParams). Rows with top-p still run eagerly."""
+    pytest.importorskip("triton")
+    temps = {3: 0.8, 11: 1.3, 6: 0.6, 9: 1.0, 4: 0.9}
+    params = {rid: dataclasses.replace(p, temperature=temps.get(int(rid[1:]), 0.0), seed=int(rid[1:]))
+              for rid, p in _params(SHORT).items()}
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    ref_engine = new_engine(small_spec_model, 2)  # no graphs: eager verify steps, one at a time
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, _arrivals(), params)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
+    engine = _graph_engine(small_spec_model, 2)
+    graphs = engine.runner.graphs
+    variants = []
+    forward = graphs._forward
+    graphs._forward = lambda n, sampled=False: variants.append(sampled) or forward(n, sampled)
+    log = Log(engine)
+    chains = Chains(engine)
+    got = run(engine, _arrivals(), params, chains.check)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert log.rows == ref_log.rows
+    assert variants.count(True) >= 5 and chains.count >= 5  # the sampling graph ran, chained too
+    assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
+    # A top-p row makes its steps eager (the graphs cannot filter): no graph run while it verifies.
+    top_p = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
+    runs = graphs.runs
+    engine.generate([prompt_of(5, 1)], top_p)
+    assert graphs.runs == runs
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("reuse_id", [False, True], ids=["then-new-id", "id-reused-at-once"])
 def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, reuse_id):  # noqa: F811
     """An aborted request's row still runs in the chained step: its blocks and slot stay out of the free lists
@@ -225,22 +259,29 @@ def test_chain_refuses_a_waiting_request_a_prefill_and_missing_blocks():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 3])
-def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k):  # noqa: F811
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k, sampled):  # noqa: F811
     """On the GPU, with captured graphs: chained verify steps give the tokens, drafts and finish reasons of steps
-    run one at a time, and their device-built inputs are the scheduler's rows."""
+    run one at a time, and their device-built inputs are the scheduler's rows. sampled: some rows sample at a
+    temperature (seeded), so steps replay the graphs of sampling rows; one at a time is then eager steps."""
     cfg, weights = dense_spec_model
     config = EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96, long_prefill_token_threshold=8,
                           dtype="float32", num_kv_blocks=256, device="cuda", num_speculative_tokens=k)
-    ref_engine = LLMEngine(cfg, weights, dataclasses.replace(config, async_scheduling=False))
+    params = _params(LONG)
+    if sampled:
+        # odd prompt lengths sample (all with one seed: their noise differs by position only), even ones are greedy
+        params = {rid: dataclasses.replace(p, temperature=0.5 + 0.1 * n if (n := int(rid[1:])) % 2 else 0.0, seed=7)
+                  for rid, p in params.items()}
+    ref_engine = LLMEngine(cfg, weights, dataclasses.replace(config, async_scheduling=False, cuda_graphs=not sampled))
     ref_log = Log(ref_engine)
-    ref = _run(ref_engine, max_tokens=LONG)
+    ref = run(ref_engine, _arrivals(), params)
     engine = LLMEngine(cfg, weights, config)
     assert engine.runner.graphs is not None and engine.depth == 1
     log = Log(engine)
     chains = Chains(engine)
-    got = _run(engine, chains.check, max_tokens=LONG)
+    got = run(engine, _arrivals(), params, chains.check)
     assert {r: (o.token_ids, o.finish_reason) for r, o in got.items()} == \
         {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
     assert log.rows == ref_log.rows
     assert chains.count > 10 and chains.dropped > 0 and chains.checked > 20
-    assert engine.runner.graphs.graphs  # replayed captured graphs
+    assert (engine.runner.graphs.sampled_graphs if sampled else engine.runner.graphs.graphs)  # captured, replayed

@@ -271,6 +271,34 @@ def test_16_bit_target_logits_verify_as_their_float32_copy(device: str) -> None:
     assert got.accepted_counts.tolist()[:3] == [1, 3, 2]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_tempered_equals_verify_of_the_same_rows(device: str) -> None:
+    """What a verify graph runs (temperatures, seeds and positions as tensors, no host list) decides every row as
+    `verify` does with the rows' SamplingParams: greedy rows by argmax, the others sampled at their temperature."""
+    R, Kmax, V = 96, 3, 11
+    g = torch.Generator().manual_seed(21)
+    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 2).to(torch.bfloat16)
+    drafts = torch.where(torch.rand(R, Kmax, generator=g) < 0.6, logits.float().argmax(-1)[:, :Kmax],
+                         torch.randint(V, (R, Kmax), generator=g))
+    nd = torch.randint(Kmax + 1, (R,), generator=g)
+    temps = [0.0 if i % 3 == 0 else (0.5, 1.0, 1.7, 1e-4)[i % 4] for i in range(R)]
+    params = [SamplingParams(temperature=t) for t in temps]
+    seeds, pos = torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g)
+    logits, drafts, seeds, pos = logits.to(device), drafts.to(device), seeds.to(device), pos.to(device)
+    rs = RejectionSampler(max_draft=Kmax)
+    want = rs.verify(logits, drafts, None, nd, params, seeds, pos)
+    got = rs.verify_tempered(logits, drafts, nd.to(device), torch.tensor(temps, device=device), seeds, pos)
+    assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
+    assert got.accepted_counts.tolist() == want.accepted_counts.tolist()
+    sampled = torch.tensor(temps) > 0.1
+    acc = want.accepted_counts.cpu()
+    assert 0 < acc[sampled].sum() < nd[sampled].sum()  # sampled rows accept some drafts and reject others
+    with pytest.raises(ValueError, match=r"temperature: expected a torch.float32 tensor of shape \[R\] = \(96,\)"):
+        rs.verify_tempered(logits, drafts, nd, torch.tensor(temps, dtype=torch.float64, device=device), seeds, pos)
+    with pytest.raises(ValueError, match=r"positions: expected a torch.int64 tensor of shape \[R\] = \(96,\)"):
+        rs.verify_tempered(logits, drafts, nd, torch.tensor(temps, device=device), seeds, pos[:3])
+
+
 # ---- outputs and arguments ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

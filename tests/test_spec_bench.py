@@ -98,7 +98,24 @@ def test_acceptance_from_mtp_bench_json(tmp_path):
     (["--acceptance", "0.5,1.6,1.7,1.8"], "mean tokens per verify row"),
     (["--batches", "0"], "positive integers"),
     (["--acceptance", "x"], "comma-separated numbers"),
+    (["--temperature", "-1"], r"--temperature: expected 0 \(greedy\) to 100, got -1"),
 ])
 def test_bad_flags(argv, match):
     with pytest.raises(ValueError, match=match):
         sb.parse_args(["--smoke", *argv])
+
+
+def test_temperature_times_seeded_sampling_rows():
+    """--temperature: every request samples at it with a seed of its own, and the steps are timed as greedy ones."""
+    bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
+                            temperature=0.8, progress=False)
+    cfg, hf = sb.model_config("tiny")
+    weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
+    engine = sb.build_engine(cfg, weights, bc, 1)
+    added = []
+    add = engine.runner.add_request
+    engine.runner.add_request = lambda rid, params: added.append(params) or add(rid, params)
+    r = sb.bench_batch(engine, bc, 2, copy=10.0)
+    assert r.step_ms > 0 and 2 <= r.tokens_per_step <= 4
+    decode = added[2:]  # (the first two: the prefill-only requests)
+    assert {p.temperature for p in added} == {0.8} and len({p.seed for p in decode}) == 2
