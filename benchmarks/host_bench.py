@@ -45,6 +45,11 @@ from baton.engine.scheduler import SchedulerOutput
 TOKEN = 5  # every sampled and drafted token (never a stop id: requests ignore EOS)
 
 
+def _sampling(temperature: list[float] | None, seeds: list[int] | None) -> tuple[list[int], ...]:
+    """What `StepGraphs` stages of a verify step's temperatures and seeds: both, where a row samples."""
+    return (float_bits(temperature), seeds) if temperature and seeds and any(t > 0 for t in temperature) else ()
+
+
 class HostOnlyGraphs:
     """Stands in for `StepGraphs`: the same sizes and host-side list flattening as `StepGraphs.run`, then
     nothing (no pinned copy, no replay). A verify step (T > 1) returns what the whole greedy verify step's graph
@@ -62,9 +67,9 @@ class HostOnlyGraphs:
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]], fill: tuple | None = None, **extra: list | None) -> None:
         width = max(len(b) for b in block_tables)
-        if extra.get("temperature") is not None:
-            extra["temperature"] = float_bits(extra["temperature"])
-        parts = (input_ids, slot_mapping, seq_lens, state_slots, *(v for v in extra.values() if v is not None))
+        parts = (input_ids, slot_mapping, seq_lens, state_slots, *_sampling(extra.pop("temperature", None),
+                                                                             extra.pop("seeds", None)),
+                 *(v for v in extra.values() if v is not None))
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
@@ -87,7 +92,7 @@ class HostOnlyGraphs:
                     seeds: list[int] | None = None) -> torch.Tensor:
         """`StepGraphs.run_chained`'s host side (its per-row lists into one tensor); every row gets K drafts."""
         width = max(len(b) for b in block_tables)
-        flat = state_slots + float_bits(temperature or []) + (seeds or []) + rooms + src
+        flat = [v for p in (state_slots, *_sampling(temperature, seeds), rooms, src) for v in p]
         for b in block_tables:
             flat += b
             flat += [0] * (width - len(b))

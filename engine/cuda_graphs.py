@@ -170,8 +170,8 @@ class StepGraphs:
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
-        # last-token positions, token counts, temperatures (float32 bits), seeds (n each), then the block table
-        # [n, width].
+        # last-token positions, token counts, with rows that sample their temperatures (float32 bits) and seeds (n
+        # each), then the block table [n, width].
         self.staging = torch.empty(3 * n * T + 6 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
@@ -312,9 +312,10 @@ class StepGraphs:
             state_slots + [scratch_slot] * pad,
             (verify_base or [0] * rows) + [0] * pad,
             (num_tokens or [T] * rows) + [T] * pad,
-            float_bits(temperature or [0.0] * rows) + [0] * pad,
-            (seeds or [0] * rows) + [0] * pad,
         )
+        if sampled:  # (the greedy graph reads neither)
+            assert temperature is not None and seeds is not None
+            parts += (float_bits(temperature) + [0] * pad, seeds + [0] * pad)
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
@@ -326,7 +327,8 @@ class StepGraphs:
                           (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
-        at = self._stage_sampling(at, n)
+        if sampled:
+            at = self._stage_sampling(at, n)
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         if fill is not None:
             fill_pending(self.ids, *fill)
@@ -411,16 +413,19 @@ class StepGraphs:
         if self.capture and n not in graphs:
             graphs[n] = self._capture(n, sampled)
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
-        pad = [0] * (n - rows)
-        flat = (state_slots + [scratch_slot] * (n - rows) + float_bits(temperature or [0.0] * rows) + pad
-                + (seeds or [0] * rows) + pad + src + rooms)
+        flat = state_slots + [scratch_slot] * (n - rows)
+        if sampled:  # (the greedy graph reads neither)
+            assert temperature is not None and seeds is not None
+            pad = [0] * (n - rows)
+            flat += float_bits(temperature) + pad + seeds + pad
+        flat += src + rooms
         for b in block_tables:
             flat += b
             flat += [scratch_block] * (width - len(b))
         flat += [scratch_block] * ((n - rows) * width)
         end = self._stage(flat)
         self.state_slots[:n] = self.staging[:n]
-        lists = self._stage_sampling(n, n)  # src, then rooms
+        lists = self._stage_sampling(n, n) if sampled else n  # where src, then rooms, start
         at = lists + 2 * rows
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         # Each row's inputs from the previous run's packed results [m counts | m*T emitted | m*K drafts]; rows past
