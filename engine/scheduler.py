@@ -295,15 +295,15 @@ class Scheduler:
         return True
 
     def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
-        """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph step): the
-        next step is then `out`'s requests again, each verifying the drafts that `out` makes: K, or fewer as
-        `_num_draft` gives near a length limit once `out`'s emitted count is known (the device computes it from a
-        row's room). Only when that is what `schedule()` would give after reading `out` for every request that
-        does not finish there: no request waits or prefills, and the running ones are exactly `out`'s rows, in order
-        (the caller leaves out rows of requests aborted since). Allocates the blocks of the worst case (every draft
-        of `out` accepted, the next step's 1+K tokens and the drafter's lookahead); None (nothing allocated) where
-        any of that fails. Returns each row's (request id, state slot, room: the outputs it may still emit minus
-        one, block table); `chained_output` gives the step's rows once `out` is read."""
+        """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph
+        step): the next step is then `out`'s requests again, each verifying the drafts that `out` makes: K, or fewer
+        as `_num_draft` gives near a length limit once `out`'s emitted count is known (the device computes it from a
+        row's room). Only when that is what `schedule()` would give after reading `out` for every request that does
+        not finish there: no request waits or prefills, and the running ones are exactly `out`'s rows, in order (the
+        caller leaves out rows of requests aborted since). Allocates the blocks of the worst case (every draft of
+        `out` accepted, the next step's 1+K tokens and the drafter's lookahead); None (nothing allocated) where any
+        of that fails. Returns each row's (request id, state slot, room: the outputs it may still emit minus one,
+        block table); `chained_output` gives the step's rows once `out` is read."""
         if not self.num_spec or not out.rows or self.waiting or len(self.running) != len(out.rows):
             return None
         need: list[int] = []

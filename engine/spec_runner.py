@@ -186,9 +186,8 @@ class SpecRunner(ModelRunner):
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
         tokens written into `next_ids` as the drafter's successors. `tempered` (a graph's rows that sample):
         the rows' (temperature, seeds) tensors, which `params` / `seeds` then stand aside for. Returns (the
-        results to read back:
-        emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last committed position [Rd],
-        its position [Rd])."""
+        results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last
+        committed position [Rd], its position [Rd])."""
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, Tv]
         Tv = idx.shape[1]
