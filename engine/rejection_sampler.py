@@ -21,9 +21,9 @@ the same vectorised ops: no per-row loop and no generator.
 
 Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
 (`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
-row verifies the same way whatever batch it is in, whatever the batch's Kmax, and however its tokens were split
-into steps of drafts. A draw is by inverse CDF (one uniform against the cumulative distribution), so it costs one
-uniform per row, not one per vocabulary entry.
+row verifies the same way whatever batch it is in and whatever the batch's Kmax (its own drafts decide which tests
+it makes). A draw is by inverse CDF (one uniform against the cumulative distribution), so it costs one uniform
+per row, not one per vocabulary entry.
 """
 
 from __future__ import annotations
