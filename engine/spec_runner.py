@@ -108,16 +108,13 @@ class SpecRunner(ModelRunner):
         if nd:
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
-            params, gens = self.sampling_of([r.request_id for r in rows[:nd]])
-            # The stochastic rows' noise seeds (`counter_noise`); greedy rows draw none.
-            seeds = None if all(p.greedy for p in params) else self._t([seed_of(g) for g in gens])
+            params, seeds = self._params_and_seeds([r.request_id for r in rows[:nd]])
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
-            p_params, p_gens = self.sampling_of([rows[i].request_id for i in prefill_sampling])
-            p_seeds = None if all(p.greedy for p in p_params) else self._t([seed_of(g) for g in p_gens])
+            p_params, p_seeds = self._params_and_seeds([rows[i].request_id for i in prefill_sampling])
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -155,6 +152,12 @@ class SpecRunner(ModelRunner):
         host = torch.cat(pieces).tolist()  # the one device -> host read of the step
         return self._unpack(host, out, prefill_sampling, drafts_out is not None,
                             seconds=elapsed_seconds(started, ended))
+
+    def _params_and_seeds(self, request_ids: list[str]) -> tuple[list[SamplingParams], torch.Tensor | None]:
+        """The rows' SamplingParams and, where any row samples, their noise seeds on the device (`counter_noise`;
+        built before the forward: a later host -> device copy would wait for the stream)."""
+        params, gens = self.sampling_of(request_ids)
+        return params, None if all(p.greedy for p in params) else self._t([seed_of(g) for g in gens])
 
     def _first_tokens(self, logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor | None,
                       last_pos: torch.Tensor) -> torch.Tensor:
