@@ -437,14 +437,14 @@ def _step(engine: LLMEngine, device: torch.device) -> tuple[list, float]:
 
 
 def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, seed: int, device: torch.device,
-                 progress: bool, temperature: float = 0.0) -> list[str]:
+                 progress: bool, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
     """B requests of `context` prompt tokens, all in decode with the same context: prefill-only first (no
     decode rows run meanwhile), then re-admitted on their caches; their first step computes the last prompt
-    token from h(N-1) (R1) and samples (greedy, or at `temperature`, each request seeded). Returns the request
-    ids."""
+    token from h(N-1) (R1) and samples (greedy, or at `temperature` and `top_p`, each request seeded). Returns
+    the request ids."""
     cfg = engine.model_config
     prompts = _prompts(batch, context, cfg.vocab_size, seed)
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=top_p,
                              seed=seed * 10007 + i if temperature else None) for i in range(batch)]
     for i, p in enumerate(prompts):
         engine.add_request(p, params[i], request_id=f"b{batch}-p{i}", prefill_only=True)

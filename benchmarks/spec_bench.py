@@ -29,6 +29,7 @@ trained model). Per (K, B):
 
   python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec   # 8b-like (~20 GB)
   python benchmarks/spec_bench.py --device cuda --temperature 0.8 --ks 0,1,2                     # sampled rows
+  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --top-p 0.95 --ks 0,1,2         # eager steps
   python benchmarks/spec_bench.py --smoke --out /tmp/spec                                         # tiny, CPU
 """
 
@@ -90,6 +91,9 @@ class SpecBenchConfig:
     # 0: greedy rows (verify graphs of greedy rows); > 0: every request samples at it, seeded (the verify graphs
     # of sampling rows, `RejectionSampler.verify_tempered`)
     temperature: float = 0.0
+    # < 1 (with a temperature): nucleus sampling too; such rows' verify steps run eagerly (the graphs sample at a
+    # temperature alone), so this times what they cost
+    top_p: float = 1.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -104,6 +108,9 @@ class SpecBenchConfig:
             raise ValueError(f"--steps: expected at least 2, got {self.steps}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"--temperature: expected 0 (greedy) to 100, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0 or (self.top_p < 1.0 and not self.temperature):
+            raise ValueError(f"--top-p: expected a value in (0, 1], below 1 only with a --temperature, got "
+                             f"{self.top_p} at temperature {self.temperature}")
         for k in self.ks:
             if k and self.acceptance and len(self.acceptance) < k:
                 raise ValueError(f"--acceptance: expected a value for every K up to {max(self.ks)}, "
@@ -177,7 +184,8 @@ class SpecResult:
 def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float) -> SpecResult:
     device, k = torch.device(bc.device), engine.config.num_speculative_tokens
     ids = enter_decode(engine, batch, bc.context, max_tokens=(2 * bc.steps + 4) * (k + 1), seed=bc.seed + batch,
-                       device=device, progress=bc.progress, temperature=bc.temperature)
+                       device=device, progress=bc.progress, temperature=bc.temperature,
+                       top_p=bc.top_p)
     for _ in tqdm(range(bc.steps), desc=f"warm-up K={k} B={batch}", disable=not bc.progress):
         _step(engine, device)
     ctx: list[int] = []
@@ -269,6 +277,12 @@ def run(bc: SpecBenchConfig, command: str) -> Report:
     return report
 
 
+def sampling_label(bc: SpecBenchConfig) -> str:
+    if not bc.temperature:
+        return "greedy"
+    return f"temperature {bc.temperature:g}" + (f", top-p {bc.top_p:g}" if bc.top_p < 1 else "")
+
+
 def _float_list(flag: str, text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(","))
@@ -299,6 +313,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request samples at this temperature, seeded (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="with --temperature: nucleus sampling too (< 1: verify steps run eagerly)")
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
@@ -313,7 +329,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
                          batches=_int_list("--batches", str(pick("batches"))),
                          context=pick("context"), steps=pick("steps"), acceptance=acceptance,
                          copy_mib=pick("copy_mib"), seed=args.seed, temperature=args.temperature,
-                         progress=not args.no_progress)
+                         top_p=args.top_p, progress=not args.no_progress)
     return args, bc
 
 
@@ -329,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"## Speculative decoding steps — {report.meta['device_name']}, commit {report.meta['commit']}, "
           f"{bc.preset} + 1 MTP layer, context {bc.context}, "
-          f"{'greedy' if not bc.temperature else f'temperature {bc.temperature:g}'}; copy {report.copy_gbps:.0f} GB/s")
+          f"{sampling_label(bc)}; copy {report.copy_gbps:.0f} GB/s")
     print()
     print(f"`{command}`")
     print()

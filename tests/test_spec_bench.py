@@ -99,6 +99,8 @@ def test_acceptance_from_mtp_bench_json(tmp_path):
     (["--batches", "0"], "positive integers"),
     (["--acceptance", "x"], "comma-separated numbers"),
     (["--temperature", "-1"], r"--temperature: expected 0 \(greedy\) to 100, got -1"),
+    (["--top-p", "0.9"], r"--top-p: expected a value in \(0, 1\], below 1 only with a --temperature, got 0.9"),
+    (["--temperature", "1", "--top-p", "0"], r"--top-p: .* got 0.0 at temperature 1"),
 ])
 def test_bad_flags(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -119,3 +121,18 @@ def test_temperature_times_seeded_sampling_rows():
     assert r.step_ms > 0 and 2 <= r.tokens_per_step <= 4
     decode = added[2:]  # (the first two: the prefill-only requests)
     assert {p.temperature for p in added} == {0.8} and len({p.seed for p in decode}) == 2
+    assert r.graphed == 0.0  # (the CPU runs no graphs)
+
+
+def test_top_p_rows_sample_with_the_nucleus_filter():
+    bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
+                            temperature=0.8, top_p=0.9, progress=False)
+    assert sb.sampling_label(bc) == "temperature 0.8, top-p 0.9"
+    cfg, hf = sb.model_config("tiny")
+    weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
+    engine = sb.build_engine(cfg, weights, bc, 1)
+    added = []
+    add = engine.runner.add_request
+    engine.runner.add_request = lambda rid, params: added.append(params) or add(rid, params)
+    r = sb.bench_batch(engine, bc, 2, copy=10.0)
+    assert r.step_ms > 0 and {(p.temperature, p.top_p) for p in added} == {(0.8, 0.9)}
