@@ -19,6 +19,10 @@ Device-authoritative counts (DESIGN R3): `accepted_counts` is computed on the lo
 sync, so the verify step can pick the state slot to resume from without a round trip. Every row is decided by
 the same vectorised ops: no per-row loop and no generator.
 
+Rows that sample at a temperature alone (no top-k / top-p, deterministic drafts) are decided by
+`tempered_decisions`, on the GPU by one Triton launch (`ops.triton_tempered_verify`) that makes none of the
+[R, Kmax+1, V] float32 copies of the torch path; `verify` and `verify_tempered` (a CUDA graph's) both decide them so.
+
 Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
 (`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
 row verifies the same way whatever batch it is in and whatever the batch's Kmax (its own drafts decide which tests
@@ -36,6 +40,7 @@ from torch import Tensor
 
 from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
+from .ops import dispatch
 from .sampling import Sampler
 from .sampling_params import SamplingParams
 
@@ -65,9 +70,10 @@ def _prefix_len(accept: Tensor) -> Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (drafts [R, Kmax] with padding zeroed, valid [R, Kmax], and every row's greedy decision: accepted [R],
-    final [R])."""
+def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (drafts [R, Kmax] with padding zeroed, num_draft [R] int64 on the logits' device, valid [R, Kmax], and
+    every row's greedy decision: accepted [R], final [R])."""
     R, K1, _ = logits.shape
     Kmax, dev = K1 - 1, logits.device
     nd = num_draft.to(device=dev, dtype=torch.int64, non_blocking=True)  # [R]
@@ -77,7 +83,7 @@ def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor) -> tuple
     argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; first maximum, as Sampler, so ties match
     accepted = _prefix_len((drafts == argmax[:, :Kmax]) & valid)  # [R]
     final = argmax.gather(1, accepted[:, None]).squeeze(1)  # [R], mismatch or bonus position
-    return drafts, valid, accepted, final
+    return drafts, nd, valid, accepted, final
 
 
 def _stochastic(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None, seeds: Tensor, positions: Tensor
@@ -116,6 +122,24 @@ def _stochastic(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None, seed
     return accepted, _draw(dist, uniform(seeds, positions + accepted, DRAW))
 
 
+def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
+                       positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Speculative sampling of deterministic drafts at a temperature with no top-k / top-p filter (the torch
+    reference of `ops.triton_tempered_verify`): logits [R, K+1, V], drafts [R, K] int64 (padding in range),
+    num_draft / seeds / positions [R] int64, temperature [R] float32 -> (accepted [R], final [R]), defined on the
+    rows whose temperature is above 0."""
+    valid = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < num_draft[:, None]
+    x = logits.float()
+    # As Sampler._probs: the row max subtracted before dividing (a tiny temperature gives no inf - inf).
+    scaled = (x - x.amax(dim=-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    return _stochastic(scaled.softmax(dim=-1), drafts, valid, None, seeds, positions)
+
+
+def is_tempered(p: SamplingParams) -> bool:
+    """A row that samples at a temperature alone: `tempered_decisions` (a kernel on the GPU) decides it."""
+    return not p.greedy and p.top_k == 0 and p.top_p >= 1.0
+
+
 def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
     R, Kmax = drafts.shape
     j = torch.arange(Kmax + 1, device=drafts.device)[None, :]  # [1, Kmax+1]
@@ -146,8 +170,14 @@ class RejectionSampler:
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
         # The argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below.
-        drafts, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+        drafts, nd, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
+        tempered = draft_probs is None and any(is_tempered(p) for p in params)
+        if tempered:  # as verify_tempered decides them, so a row gets the same tokens in a graph or not
+            assert seeds is not None and positions is not None  # _check
+            temp = to_device([p.temperature if is_tempered(p) else 0.0 for p in params], torch.float32,
+                             target_logits.device)
+            accepted, final = self._tempered(target_logits, drafts, nd, temp, seeds, positions, accepted, final)
+        rows = [i for i, p in enumerate(params) if not p.greedy and not (tempered and is_tempered(p))]
         if rows:
             idx = to_device(rows, torch.int64, target_logits.device)
             assert seeds is not None and positions is not None  # _check
@@ -166,8 +196,8 @@ class RejectionSampler:
                         temperature: Tensor, seeds: Tensor, positions: Tensor) -> VerifyResult:
         """`verify` of deterministic drafts (q one-hot) from device tensors alone, with no host read or host
         list (what a CUDA graph holds): temperature [R] float32 (0: a greedy row), seeds / positions [R] int64 as
-        in `verify`. The other rows sample at their temperature with no top-k / top-p filter, as `verify` does
-        such `SamplingParams`: the same ops on the same values, for every row at once."""
+        in `verify`. The other rows sample at their temperature with no top-k / top-p filter, decided by
+        `tempered_decisions` (one Triton launch on the GPU) as `verify` decides such `SamplingParams`."""
         R = target_logits.shape[0]
         self._check(target_logits, draft_token_ids, None, num_draft, [SamplingParams()] * R, None, None)
         for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
@@ -175,13 +205,18 @@ class RejectionSampler:
             if tuple(t.shape) != (R,) or t.dtype != dtype or t.device != target_logits.device:
                 raise ValueError(f"{name}: expected a {dtype} tensor of shape [R] = {(R,)} on "
                                  f"{target_logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-        drafts, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
-        sampled = temperature > 0  # [R]
-        x = target_logits.float()
-        # As Sampler._probs: the row max subtracted before dividing (a tiny temperature gives no inf - inf).
-        scaled = (x - x.amax(dim=-1, keepdim=True)) / torch.where(sampled, temperature, 1.0)[:, None, None]
-        acc_s, final_s = _stochastic(scaled.softmax(dim=-1), drafts, valid, None, seeds, positions)
-        return _result(drafts, torch.where(sampled, acc_s, accepted), torch.where(sampled, final_s, final))
+        drafts, nd, _, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
+        return _result(drafts, *self._tempered(target_logits, drafts, nd, temperature, seeds, positions, accepted,
+                                               final))
+
+    @staticmethod
+    def _tempered(logits: Tensor, drafts: Tensor, nd: Tensor, temperature: Tensor, seeds: Tensor,
+                  positions: Tensor, accepted: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
+        """The greedy decisions (accepted, final) with the rows whose temperature is above 0 decided by
+        `tempered_decisions` (the Triton kernel on the GPU)."""
+        acc_s, final_s = dispatch.tempered_decisions(logits)(logits, drafts, nd, temperature, seeds, positions)
+        sampled = temperature > 0
+        return torch.where(sampled, acc_s, accepted), torch.where(sampled, final_s, final)
 
     def _check(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,

@@ -36,7 +36,7 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
-from baton.engine.rejection_sampler import RejectionSampler
+from baton.engine.rejection_sampler import RejectionSampler, is_tempered
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
@@ -47,7 +47,7 @@ GREEDY = SamplingParams()
 def _graph_sampling(params: SamplingParams) -> bool:
     """Whether a verify graph can sample a row: greedy, or a temperature alone (`RejectionSampler.verify_tempered`;
     top-k / top-p rows run eagerly)."""
-    return params.greedy or (params.top_k == 0 and params.top_p >= 1.0)
+    return params.greedy or is_tempered(params)
 
 
 @dataclasses.dataclass(frozen=True)

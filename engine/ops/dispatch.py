@@ -1,7 +1,8 @@
 """Which implementation an op runs: the Triton kernels on CUDA tensors (when `triton` imports), the torch
 references elsewhere. Kernels exist for the decode / verify state updates, paged attention and its KV
 write, the prefill conv and the prefill chunked scan, the norms (a residual add fused into the next one),
-the MLP's relu2, and the few-token GEMV with the op before a linear layer fused in (`fused_linear`); MoE
+the MLP's relu2, the few-token GEMV with the op before a linear layer fused in (`fused_linear`), a chained
+verify step's inputs and the speculative sampling of rows at a temperature (`tempered_decisions`); MoE
 still runs the torch reference everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
@@ -145,4 +146,12 @@ def chain_inputs(t: torch.Tensor) -> Callable:
         from baton.engine.ops.triton_chain_inputs import chain_inputs_triton
         return chain_inputs_triton
     from baton.engine.ops.chain_inputs import chain_inputs as reference
+    return reference
+
+
+def tempered_decisions(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton
+        return tempered_decisions_triton
+    from baton.engine.rejection_sampler import tempered_decisions as reference
     return reference
