@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+from baton.engine.cuda_graphs import sampling_parts, sampling_variant
 from baton.engine.engine_config import EngineConfig
-from baton.engine.host_copy import float_bits, host_tensor
+from baton.engine.host_copy import host_tensor
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
@@ -45,9 +46,10 @@ from baton.engine.scheduler import SchedulerOutput
 TOKEN = 5  # every sampled and drafted token (never a stop id: requests ignore EOS)
 
 
-def _sampling(temperature: list[float] | None, seeds: list[int] | None) -> tuple[list[int], ...]:
-    """What `StepGraphs` stages of a verify step's temperatures and seeds: both, where a row samples."""
-    return (float_bits(temperature), seeds) if temperature and seeds and any(t > 0 for t in temperature) else ()
+def _sampling(temperature: list[float] | None = None, seeds: list[int] | None = None, top_k: list[int] | None = None,
+              top_p: list[float] | None = None) -> tuple[list[int], ...]:
+    """What `StepGraphs` stages of a verify step's sampling lists (its variant's)."""
+    return sampling_parts(sampling_variant(temperature, top_k, top_p), 0, temperature, seeds, top_k, top_p)
 
 
 class HostOnlyGraphs:
@@ -67,8 +69,8 @@ class HostOnlyGraphs:
     def run(self, input_ids: list[int], slot_mapping: list[int], seq_lens: list[int], state_slots: list[int],
             block_tables: list[list[int]], fill: tuple | None = None, **extra: list | None) -> None:
         width = max(len(b) for b in block_tables)
-        parts = (input_ids, slot_mapping, seq_lens, state_slots, *_sampling(extra.pop("temperature", None),
-                                                                             extra.pop("seeds", None)),
+        sampling = {k: extra.pop(k, None) for k in ("temperature", "seeds", "top_k", "top_p")}
+        parts = (input_ids, slot_mapping, seq_lens, state_slots, *_sampling(**sampling),
                  *(v for v in extra.values() if v is not None))
         flat = [v for p in parts for v in p]
         for b in block_tables:
@@ -88,11 +90,10 @@ class HostOnlyGraphs:
         return torch.tensor(counts + emitted + [TOKEN] * (n * (T - 1)), dtype=torch.int64)
 
     def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
-                    block_tables: list[list[int]], temperature: list[float] | None = None,
-                    seeds: list[int] | None = None) -> torch.Tensor:
+                    block_tables: list[list[int]], **sampling: list | None) -> torch.Tensor:
         """`StepGraphs.run_chained`'s host side (its per-row lists into one tensor); every row gets K drafts."""
         width = max(len(b) for b in block_tables)
-        flat = [v for p in (state_slots, *_sampling(temperature, seeds), rooms, src) for v in p]
+        flat = [v for p in (state_slots, *_sampling(**sampling), rooms, src) for v in p]
         for b in block_tables:
             flat += b
             flat += [0] * (width - len(b))

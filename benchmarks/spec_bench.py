@@ -40,6 +40,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -225,11 +226,39 @@ def bench_batch(engine: LLMEngine, bc: SpecBenchConfig, batch: int, copy: float)
                       one_at_a_time_ms=one_ms)
 
 
+@dataclass(frozen=True)
+class CaptureCost:
+    """What capturing an engine's verify graphs (every batch size up to the largest) took: the greedy variant,
+    then (sampled) the tempered and filtered ones; seconds and the growth of the allocator's reserved memory
+    (the graphs' pool: their intermediates)."""
+    k: int
+    greedy_s: float
+    greedy_mib: float
+    sampled_s: float = 0.0
+    sampled_mib: float = 0.0
+
+
+def capture(engine: LLMEngine, sampled: bool) -> CaptureCost:
+    """Capture every graph as a server does before taking traffic, timing the greedy variant and the sampling ones
+    apart (the sampling ones only when `sampled`)."""
+    device = torch.device(engine.config.device)
+    reserved = (lambda: torch.cuda.memory_reserved(device) / 2**20) if device.type == "cuda" else (lambda: 0.0)
+    costs = []
+    for variants in (False, True) if sampled else (False,):
+        sync(device)
+        t0, m0 = time.perf_counter(), reserved()
+        engine.capture_graphs(sampled_verify=variants)
+        sync(device)
+        costs += [time.perf_counter() - t0, reserved() - m0]
+    return CaptureCost(engine.config.num_speculative_tokens, *costs)
+
+
 @dataclass
 class Report:
     meta: dict
     copy_gbps: float
     results: list[SpecResult] = field(default_factory=list)
+    captures: list[CaptureCost] = field(default_factory=list)
 
 
 def acceptance_of(bc: SpecBenchConfig, k: int) -> float | None:
@@ -269,7 +298,7 @@ def run(bc: SpecBenchConfig, command: str) -> Report:
     for k in bc.ks:
         engine = build_engine(cfg, weights, bc, k)
         # Every batch size's graph, as a server does before taking traffic (the sampling rows' with --temperature).
-        engine.capture_graphs(sampled_verify=bc.temperature > 0)
+        report.captures.append(capture(engine, bc.temperature > 0))
         report.results += [bench_batch(engine, bc, b, copy) for b in bc.batches]
         del engine
         if device.type == "cuda":
@@ -350,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"`{command}`")
     print()
     print(table(report, bc))
+    print()
+    for c in report.captures:
+        line = f"K = {c.k}: greedy graphs captured in {c.greedy_s:.1f} s, pool +{c.greedy_mib:,.0f} MiB"
+        if bc.temperature:
+            line += f"; sampling graphs (tempered, filtered) +{c.sampled_s:.1f} s, +{c.sampled_mib:,.0f} MiB"
+        print(line)
     return 0
 
 

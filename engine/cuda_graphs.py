@@ -23,9 +23,10 @@ fixed addresses, so:
 - with a `step_fn` (the spec runner's verify step) the graph holds the whole step, not only the target's
   forward: rejection sampling, the replay counts it writes, the drafter's catch-up and its K-1 chained steps;
   more inputs then travel with the step: each position's host-known successor token, each row's position of
-  its last token, and its temperature and noise seed. Each size has two verify graphs: greedy rows only, and
-  rows that sample at a temperature (greedy ones among them), whose accept tests and draws the graph holds too
-  (`RejectionSampler.verify_tempered`);
+  its last token, and its temperature, noise seed, top-k and top-p. Each size has three verify graphs: greedy
+  rows only; rows that sample at a temperature (greedy ones among them), one Triton launch deciding them; and
+  rows with top-k / top-p among them too, whose filters sort FILTER_ROWS distributions at a time. The graph holds
+  every row's accept tests and draw (`RejectionSampler.verify_tempered`);
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
   results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position
@@ -54,6 +55,34 @@ from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
+
+# Verify graph variants, by the rows a step holds: greedy only; some sampling at a temperature; some with top-k or
+# top-p too. Each variant decides the rows of the ones before it as they do.
+GREEDY, TEMPERED, FILTERED = 0, 1, 2
+
+
+def sampling_variant(temperature: list[float] | None, top_k: list[int] | None, top_p: list[float] | None) -> int:
+    """The verify graph variant a step's rows need (temperature 0: greedy; top_k 0 and top_p 1: no filter)."""
+    if temperature is None:
+        return GREEDY
+    if top_k is not None and top_p is not None and any(
+            t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p, strict=True)):
+        return FILTERED
+    return TEMPERED if any(t > 0 for t in temperature) else GREEDY
+
+
+def sampling_parts(variant: int, pad: int, temperature: list[float] | None, seeds: list[int] | None,
+                   top_k: list[int] | None, top_p: list[float] | None) -> tuple[list[int], ...]:
+    """What a variant stages of its rows' sampling (the greedy graph reads none of it), padded by `pad` rows:
+    temperatures (float32 bits) and seeds, then (FILTERED) top-k and top-p (float32 bits)."""
+    if variant == GREEDY:
+        return ()
+    assert temperature is not None and seeds is not None
+    parts = (float_bits(temperature) + [0] * pad, seeds + [0] * pad)
+    if variant == FILTERED:
+        assert top_k is not None and top_p is not None
+        parts += (top_k + [0] * pad, float_bits(top_p) + float_bits([1.0]) * pad)
+    return parts
 
 
 @contextlib.contextmanager
@@ -122,7 +151,7 @@ class StepGraphs:
 
     T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps, whose whole step
     `step_fn` captures (the layers run the verify state ops with `replay`, the runner's per-slot tensor, read on
-    the device), in two variants: greedy rows only, and rows sampling at a temperature; the output is step_fn's
+    the device), in three variants (GREEDY, TEMPERED, FILTERED: the rows' sampling); the output is step_fn's
     packed results.
     """
 
@@ -165,14 +194,16 @@ class StepGraphs:
         self.verify_base = torch.zeros(n, dtype=torch.int64, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)  # 0: a greedy row
         self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)  # noise seeds (`counter_noise`)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=dev)  # 0: none
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)  # 1: none
         # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
         # them, fixed like the starts themselves, so a captured step does not rebuild it in every attention layer.
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
-        # last-token positions, token counts, with rows that sample their temperatures (float32 bits) and seeds (n
-        # each), then the block table [n, width].
-        self.staging = torch.empty(3 * n * T + 6 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        # last-token positions, token counts, with rows that sample their temperatures (float32 bits) and seeds, and
+        # with filtering rows their top-k and top-p (float32 bits) (n each), then the block table [n, width].
+        self.staging = torch.empty(3 * n * T + 8 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
         # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
@@ -181,8 +212,9 @@ class StepGraphs:
         self._host_copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sampled_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # verify rows that sample
+        # Per variant (GREEDY: decode graphs too, TEMPERED, FILTERED), per size: the graph and its output.
+        self.variants: tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], ...] = ({}, {}, {})
+        self.graphs = self.variants[GREEDY]
         self._prev_base = torch.zeros(n, dtype=torch.int64, device=dev)  # run_chained's copy of verify_base
         # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
         self.runs = 0
@@ -200,6 +232,8 @@ class StepGraphs:
         self.verify_base[:n] = 0
         self.temperature[:n] = 0.0
         self.seeds[:n] = 0
+        self.top_k[:n] = 0
+        self.top_p[:n] = 1.0
         self.num_tokens[:n] = T
         self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
         self.seq_lens[:n] = T
@@ -244,32 +278,32 @@ class StepGraphs:
             batch.verify_inputs = self.pools.verify_layers()
         return batch
 
-    def _forward(self, n: int, sampled: bool = False) -> torch.Tensor:
+    def _forward(self, n: int, variant: int = GREEDY) -> torch.Tensor:
         if self.step_fn is not None:
-            sampling = (self.temperature[:n], self.seeds[:n]) if sampled else None
+            sampling = ((self.temperature[:n], self.seeds[:n]) if variant == TEMPERED else
+                        (self.temperature[:n], self.seeds[:n], self.top_k[:n], self.top_p[:n]) if variant == FILTERED
+                        else None)
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
                                 self.verify_base[:n], sampling)
         batch = self._batch(n)
         return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv, upcast=False)
 
-    def _capture(self, n: int, sampled: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, n: int, variant: int = GREEDY) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
         self._pad(n)
-        return capture_graph(lambda: self._forward(n, sampled), self.device, self.pool)
-
-    def _graphs_of(self, sampled: bool) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
-        return self.sampled_graphs if sampled else self.graphs
+        return capture_graph(lambda: self._forward(n, variant), self.device, self.pool)
 
     @torch.inference_mode()
     def capture_all(self, sampled: bool = True) -> int:
-        """Capture every size now (largest first, so that the smaller ones reuse its memory pool), both verify
-        variants (`sampled`: that of rows that sample too), rather than at each size's first step; returns how
+        """Capture every size now (largest first, so that the smaller ones reuse its memory pool), every verify
+        variant (`sampled`: those of rows that sample too), rather than at each size's first step; returns how
         many were captured."""
         if not self.capture:
             return 0
         n = capture_missing(self.graphs, self.sizes, self._capture)
         if self.step_fn is not None and sampled:
-            n += capture_missing(self.sampled_graphs, self.sizes, lambda size: self._capture(size, sampled=True))
+            for v in (TEMPERED, FILTERED):
+                n += capture_missing(self.variants[v], self.sizes, lambda size, v=v: self._capture(size, v))
         return n
 
     @torch.inference_mode()
@@ -277,13 +311,14 @@ class StepGraphs:
             block_tables: list[list[int]], next_ids: list[int] | None = None,
             verify_base: list[int] | None = None, num_tokens: list[int] | None = None,
             fill: tuple | None = None, temperature: list[float] | None = None,
-            seeds: list[int] | None = None) -> torch.Tensor:
+            seeds: list[int] | None = None, top_k: list[int] | None = None,
+            top_p: list[float] | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
-        temperature / seeds (verify graphs): per row, 0.0 for a greedy row; with any row above 0 the step runs the
-        graph of sampling rows.
+        temperature / seeds / top_k / top_p (verify graphs): per row, temperature 0.0 for a greedy row, top_k 0 and
+        top_p 1.0 for none; the step runs the variant its rows need (GREEDY, TEMPERED, FILTERED).
         Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed
         output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
@@ -298,10 +333,10 @@ class StepGraphs:
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
-        sampled = self._sampling_rows(rows, temperature, seeds)
-        graphs = self._graphs_of(sampled)
+        variant = self._variant(rows, temperature, seeds, top_k, top_p)
+        graphs = self.variants[variant]
         if self.capture and n not in graphs:
-            graphs[n] = self._capture(n, sampled)
+            graphs[n] = self._capture(n, variant)
         pad = n - rows
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         parts = (
@@ -313,9 +348,7 @@ class StepGraphs:
             (verify_base or [0] * rows) + [0] * pad,
             (num_tokens or [T] * rows) + [T] * pad,
         )
-        if sampled:  # (the greedy graph reads neither)
-            assert temperature is not None and seeds is not None
-            parts += (float_bits(temperature) + [0] * pad, seeds + [0] * pad)
+        parts += sampling_parts(variant, pad, temperature, seeds, top_k, top_p)
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
@@ -327,29 +360,36 @@ class StepGraphs:
                           (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
-        if sampled:
-            at = self._stage_sampling(at, n)
+        at = self._stage_sampling(at, n, variant)
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         if fill is not None:
             fill_pending(self.ids, *fill)
-        out = self._replay(n, rows, sampled)
+        out = self._replay(n, rows, variant)
         return out if self.step_fn is not None else out[:rows]
 
-    def _sampling_rows(self, rows: int, temperature: list[float] | None, seeds: list[int] | None) -> bool:
-        """Check a step's temperatures and seeds; whether any row samples (the step then runs the sampling graph)."""
-        if temperature is None and seeds is None:
-            return False
-        if (self.step_fn is None or temperature is None or seeds is None or len(temperature) != rows
-                or len(seeds) != rows):
-            raise ValueError(f"step graphs: expected a temperature and a seed for each of {rows} verify rows, got "
-                             f"{temperature} and {seeds}" + ("" if self.step_fn else " (decode graphs take none)"))
-        return any(t > 0 for t in temperature)
+    def _variant(self, rows: int, temperature: list[float] | None, seeds: list[int] | None,
+                 top_k: list[int] | None, top_p: list[float] | None) -> int:
+        """Check a step's sampling inputs; which verify graph variant its rows need."""
+        if temperature is None and seeds is None and top_k is None and top_p is None:
+            return GREEDY
+        lists = (temperature, seeds) + ((top_k, top_p) if top_k is not None or top_p is not None else ())
+        if self.step_fn is None or any(v is None or len(v) != rows for v in lists):
+            raise ValueError(f"step graphs: expected a temperature and a seed (and with a top_k a top_p) for each "
+                             f"of {rows} verify rows, got {temperature}, {seeds}, {top_k} and {top_p}"
+                             + ("" if self.step_fn else " (decode graphs take none)"))
+        return sampling_variant(temperature, top_k, top_p)
 
-    def _stage_sampling(self, at: int, n: int) -> int:
-        """Copy the staged temperatures (float32 bits) and seeds of n rows into place; returns the offset after."""
+    def _stage_sampling(self, at: int, n: int, variant: int) -> int:
+        """Copy the staged sampling inputs of n rows (`_sampling_parts`) into place; returns the offset after."""
+        if variant == GREEDY:
+            return at
         self.temperature[:n] = self.staging[at:at + n].to(torch.int32).view(torch.float32)
         self.seeds[:n] = self.staging[at + n:at + 2 * n]
-        return at + 2 * n
+        if variant == TEMPERED:
+            return at + 2 * n
+        self.top_k[:n] = self.staging[at + 2 * n:at + 3 * n]
+        self.top_p[:n] = self.staging[at + 3 * n:at + 4 * n].to(torch.int32).view(torch.float32)
+        return at + 4 * n
 
     def _stage(self, flat: list[int]) -> int:
         """Move `flat` into `staging` with one asynchronous copy from a pinned buffer (two, used in turn); marks the
@@ -368,12 +408,12 @@ class StepGraphs:
             copied.record()
         return end
 
-    def _replay(self, n: int, rows: int, sampled: bool = False) -> torch.Tensor:
+    def _replay(self, n: int, rows: int, variant: int = GREEDY) -> torch.Tensor:
         if self.capture:
-            graph, out = self._graphs_of(sampled)[n]
+            graph, out = self.variants[variant][n]
             graph.replay()
         else:
-            out = self._forward(n, sampled)
+            out = self._forward(n, variant)
         self.runs += 1
         self._last = (self.runs, n, rows, out)
         return out
@@ -381,14 +421,15 @@ class StepGraphs:
     @torch.inference_mode()
     def run_chained(self, prev_run: int, src: list[int], state_slots: list[int], rooms: list[int],
                     block_tables: list[list[int]], temperature: list[float] | None = None,
-                    seeds: list[int] | None = None) -> torch.Tensor:
+                    seeds: list[int] | None = None, top_k: list[int] | None = None,
+                    top_p: list[float] | None = None) -> torch.Tensor:
         """Replay the verify graph for a step chained on run `prev_run` (the last run, its tokens maybe not read
         yet): row i continues that run's row src[i]. Its inputs are taken on the device from that run's packed
         results: the row's last emitted token then its first k drafts, at its last-token position advanced by its
         emitted count c (the KV slots there from `block_tables`, which must already cover 1+K tokens there and the
         drafter's lookahead), with k = min(K, max(0, rooms[i] - c)): rooms[i] is the row's output room before that
         run (tokens it may still emit, minus one), so k is what the scheduler gives it once c is known; its
-        other K - k tokens are padding. state_slots / rooms / block_tables (and temperature / seeds, as in `run`):
+        other K - k tokens are padding. state_slots / rooms / block_tables (and the sampling lists, as in `run`):
         per row, from the host. Returns the packed results."""
         if self.step_fn is None:
             raise RuntimeError("step graphs: run_chained needs verify graphs (a step_fn)")
@@ -408,16 +449,14 @@ class StepGraphs:
         # The previous run's last-token positions, copied out: this step's inputs (and a capture's padding, next)
         # overwrite that buffer.
         self._prev_base[:m].copy_(self.verify_base[:m])
-        sampled = self._sampling_rows(rows, temperature, seeds)
-        graphs = self._graphs_of(sampled)
+        variant = self._variant(rows, temperature, seeds, top_k, top_p)
+        graphs = self.variants[variant]
         if self.capture and n not in graphs:
-            graphs[n] = self._capture(n, sampled)
+            graphs[n] = self._capture(n, variant)
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         flat = state_slots + [scratch_slot] * (n - rows)
-        if sampled:  # (the greedy graph reads neither)
-            assert temperature is not None and seeds is not None
-            pad = [0] * (n - rows)
-            flat += float_bits(temperature) + pad + seeds + pad
+        for part in sampling_parts(variant, n - rows, temperature, seeds, top_k, top_p):
+            flat += part
         flat += src + rooms
         for b in block_tables:
             flat += b
@@ -425,7 +464,7 @@ class StepGraphs:
         flat += [scratch_block] * ((n - rows) * width)
         end = self._stage(flat)
         self.state_slots[:n] = self.staging[:n]
-        lists = self._stage_sampling(n, n) if sampled else n  # where src, then rooms, start
+        lists = self._stage_sampling(n, n, variant)  # where src, then rooms, start
         at = lists + 2 * rows
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         # Each row's inputs from the previous run's packed results [m counts | m*T emitted | m*K drafts]; rows past
@@ -435,4 +474,4 @@ class StepGraphs:
             self.block_tables[:n],
             self.ids, self.slot_mapping, self.seq_lens, self.verify_base, self.num_tokens, n, T, self.block_size,
             scratch_block)
-        return self._replay(n, rows, sampled)
+        return self._replay(n, rows, variant)

@@ -41,7 +41,7 @@ from torch import Tensor
 from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
 from .ops import dispatch
-from .sampling import Sampler
+from .sampling import Sampler, filtered_probs
 from .sampling_params import SamplingParams
 
 
@@ -86,40 +86,105 @@ def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor
     return drafts, nd, valid, accepted, final
 
 
-def _stochastic(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None, seeds: Tensor, positions: Tensor
-                ) -> tuple[Tensor, Tensor]:
-    """p [r, Kmax+1, V] (the target's filtered distribution at each position), drafts/valid [r, Kmax],
-    q [r, Kmax, V] | None, seeds/positions [r] -> speculative sampling's (accepted [r], final [r])."""
-    r, K1, V = p.shape
-    Kmax = K1 - 1
-    cols = torch.arange(Kmax, device=p.device)[None, :]  # [1, Kmax]
+def _accept(p_x: Tensor, valid: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """The accept tests: p_x [r, Kmax] (p(x) / q(x) of each draft; p(x) for a one-hot q), valid [r, Kmax],
+    seeds / positions [r] -> accepted [r], the length of the accepted prefix."""
+    cols = torch.arange(p_x.shape[1], device=p_x.device)[None, :]  # [1, Kmax]
     u = uniform(seeds[:, None], positions[:, None] + cols, ACCEPT)  # [r, Kmax]
-    p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
-    if q is None:
-        ratio = p_x  # one-hot q: q(x) = 1
-    else:
-        q = q.float()
-        # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
-        ratio = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
-    # u in [0, 1), so ratio >= 1 always accepts: q == p accepts every draft, as it should.
-    accepted = _prefix_len((u < ratio) & valid)  # [r]
+    # u in [0, 1), so a ratio >= 1 always accepts: q == p accepts every draft, as it should.
+    return _prefix_len((u < p_x) & valid)  # [r]
 
-    # p at the first rejected position, or at the bonus position when all K_r were accepted.
-    p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+
+def _final(p_at: Tensor, q_at: Tensor | None, accepted: Tensor, valid: Tensor, seeds: Tensor, positions: Tensor
+           ) -> Tensor:
+    """The token after the accepted drafts: p_at [r, V], p at the first rejected position or at the bonus
+    position when all were accepted; q_at [r, V] the draft distribution there (None when Kmax = 0) -> [r]."""
     dist = p_at
-    if Kmax > 0:
-        k = accepted.clamp(max=Kmax - 1)[:, None]  # [r, 1]; clamped rows are all-accepted, masked below
-        if q is None:
-            q_at = torch.zeros_like(p_at).scatter_(1, drafts.gather(1, k), 1.0)  # [r, V]
-        else:
-            q_at = q.gather(1, k[:, :, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+    if q_at is not None:
         resid = (p_at - q_at).clamp_min(0)  # unnormalised: the draw below scales by the total
         # In exact arithmetic a rejection implies some p > q; rounding can still reject with an empty
         # residual, which has nothing to draw from. Fall back to p.
         resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_at)
         rejected = accepted < valid.sum(dim=1)  # [r]
         dist = torch.where(rejected[:, None], resid, p_at)
-    return accepted, _draw(dist, uniform(seeds, positions + accepted, DRAW))
+    return _draw(dist, uniform(seeds, positions + accepted, DRAW))
+
+
+def _one_hot_at(drafts: Tensor, accepted: Tensor, like: Tensor) -> Tensor | None:
+    """The one-hot q of deterministic drafts at each row's decided position [r, V] (None when Kmax = 0);
+    all-accepted rows are clamped to their last draft and masked by `_final`."""
+    if drafts.shape[1] == 0:
+        return None
+    k = accepted.clamp(max=drafts.shape[1] - 1)[:, None]  # [r, 1]
+    return torch.zeros_like(like).scatter_(1, drafts.gather(1, k), 1.0)
+
+
+def _stochastic(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | None, seeds: Tensor, positions: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """p [r, Kmax+1, V] (the target's filtered distribution at each position), drafts/valid [r, Kmax],
+    q [r, Kmax, V] | None, seeds/positions [r] -> speculative sampling's (accepted [r], final [r])."""
+    r, K1, V = p.shape
+    Kmax = K1 - 1
+    p_x = p[:, :Kmax].gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+    if q is not None:
+        q = q.float()
+        # q(x) = 0 gives inf (accept) or 0/0 = NaN (reject: NaN compares False); both are the limit.
+        p_x = p_x / q.gather(-1, drafts[..., None]).squeeze(-1)  # [r, Kmax]
+    accepted = _accept(p_x, valid, seeds, positions)
+    p_at = p.gather(1, accepted[:, None, None].expand(r, 1, V)).squeeze(1)  # [r, V]
+    if q is None:
+        q_at = _one_hot_at(drafts, accepted, p_at)
+    else:
+        q_at = None if Kmax == 0 else q.gather(
+            1, accepted.clamp(max=Kmax - 1)[:, None, None].expand(r, 1, V)).squeeze(1)
+    return accepted, _final(p_at, q_at, accepted, valid, seeds, positions)
+
+
+# Rows of [*, V] a filtered distribution is computed for at a time: its sort and float32 copies then take
+# ~40 B x FILTER_ROWS x V (168 MB at V = 131,072) whatever the batch, also inside a CUDA graph's memory pool.
+FILTER_ROWS = 32
+
+
+def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, each) -> None:
+    """Call each(start, end, probs) for consecutive row ranges of logits [n, V] with their filtered
+    distributions (`sampling.filtered_probs`, FILTER_ROWS rows at a time)."""
+    for s in range(0, logits.shape[0], FILTER_ROWS):
+        e = min(s + FILTER_ROWS, logits.shape[0])
+        each(s, e, filtered_probs(logits[s:e].float(), temperature[s:e], top_k[s:e], top_p[s:e]))
+
+
+def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
+                       top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Speculative sampling of deterministic drafts under temperature, top-k and top-p (`verify`'s math for
+    such rows, from device tensors alone: what a CUDA graph holds), FILTER_ROWS distributions at a time so that
+    the sort's memory does not grow with the batch: logits [R, K+1, V], drafts [R, K] int64 (padding in range),
+    num_draft / top_k (0: none) / seeds / positions [R] int64, temperature / top_p [R] float32 -> (accepted [R],
+    final [R]), defined on the rows whose temperature is above 0."""
+    R, K1, V = logits.shape
+    K = K1 - 1
+    valid = torch.arange(K, device=drafts.device)[None, :] < num_draft[:, None]
+    temp = torch.where(temperature > 0, temperature, 1.0)
+    # The accept tests: p at each draft, the distributions of every position but the last.
+    flat = logits[:, :K].reshape(R * K, V)
+    ids = drafts.reshape(R * K, 1)
+    p_x = logits.new_empty(R * K, dtype=torch.float32)
+    rep = lambda t: t.repeat_interleave(K)  # noqa: E731 (a row's parameters at each of its positions)
+
+    def gather(s: int, e: int, probs: Tensor) -> None:
+        p_x[s:e] = probs.gather(1, ids[s:e]).squeeze(1)
+
+    _filtered_rows(flat, rep(temp), rep(top_k), rep(top_p), gather)
+    accepted = _accept(p_x.view(R, K), valid, seeds, positions)
+    # The draw: the distribution at each row's decided position only.
+    at = logits[torch.arange(R, device=logits.device), accepted]  # [R, V]
+    final = torch.empty_like(accepted)
+
+    def draw(s: int, e: int, probs: Tensor) -> None:
+        final[s:e] = _final(probs, _one_hot_at(drafts[s:e], accepted[s:e], probs), accepted[s:e], valid[s:e],
+                            seeds[s:e], positions[s:e])
+
+    _filtered_rows(at, temp, top_k, top_p, draw)
+    return accepted, final
 
 
 def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
@@ -179,35 +244,54 @@ class RejectionSampler:
             accepted, final = self._tempered(target_logits, drafts, nd, temp, seeds, positions, accepted, final)
         rows = [i for i, p in enumerate(params) if not p.greedy and not (tempered and is_tempered(p))]
         if rows:
-            idx = to_device(rows, torch.int64, target_logits.device)
+            dev = target_logits.device
+            idx = to_device(rows, torch.int64, dev)
             assert seeds is not None and positions is not None  # _check
-            # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
-            r = len(rows)
-            p = Sampler._probs(target_logits[idx].float().reshape(r * K1, V),
-                               [params[i] for i in rows for _ in range(K1)])
-            acc_s, final_s = _stochastic(p.view(r, K1, V), drafts[idx], valid[idx],
-                                         None if draft_probs is None else draft_probs[idx], seeds[idx],
-                                         positions[idx])
+            if draft_probs is None:  # top-k / top-p rows: as verify_filtered decides them
+                sub = [params[i] for i in rows]
+                acc_s, final_s = filtered_decisions(
+                    target_logits[idx], drafts[idx], nd[idx], to_device([p.temperature for p in sub], torch.float32, dev),
+                    to_device([p.top_k for p in sub], torch.int64, dev),
+                    to_device([p.top_p for p in sub], torch.float32, dev), seeds[idx], positions[idx])
+            else:
+                # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
+                r = len(rows)
+                p = Sampler._probs(target_logits[idx].float().reshape(r * K1, V),
+                                   [params[i] for i in rows for _ in range(K1)])
+                acc_s, final_s = _stochastic(p.view(r, K1, V), drafts[idx], valid[idx], draft_probs[idx],
+                                             seeds[idx], positions[idx])
             accepted[idx] = acc_s
             final[idx] = final_s
         return _result(drafts, accepted, final)
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
-                        temperature: Tensor, seeds: Tensor, positions: Tensor) -> VerifyResult:
+                        temperature: Tensor, seeds: Tensor, positions: Tensor, top_k: Tensor | None = None,
+                        top_p: Tensor | None = None) -> VerifyResult:
         """`verify` of deterministic drafts (q one-hot) from device tensors alone, with no host read or host
         list (what a CUDA graph holds): temperature [R] float32 (0: a greedy row), seeds / positions [R] int64 as
-        in `verify`. The other rows sample at their temperature with no top-k / top-p filter, decided by
-        `tempered_decisions` (one Triton launch on the GPU) as `verify` decides such `SamplingParams`."""
+        in `verify`, and optionally top_k [R] int64 (0: none) / top_p [R] float32. Rows at a temperature with no
+        filter are decided by `tempered_decisions` (one Triton launch on the GPU), those with one by
+        `filtered_decisions`, each as `verify` decides such `SamplingParams`."""
         R = target_logits.shape[0]
         self._check(target_logits, draft_token_ids, None, num_draft, [SamplingParams()] * R, None, None)
+        filters = (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32)) if top_k is not None else ()
+        if (top_k is None) != (top_p is None):
+            raise ValueError(f"top_k, top_p: expected both or neither, got {top_k} and {top_p}")
         for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
-                               ("positions", positions, torch.int64)):
+                               ("positions", positions, torch.int64), *filters):
             if tuple(t.shape) != (R,) or t.dtype != dtype or t.device != target_logits.device:
                 raise ValueError(f"{name}: expected a {dtype} tensor of shape [R] = {(R,)} on "
                                  f"{target_logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         drafts, nd, _, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
-        return _result(drafts, *self._tempered(target_logits, drafts, nd, temperature, seeds, positions, accepted,
-                                               final))
+        if top_k is None:
+            return _result(drafts, *self._tempered(target_logits, drafts, nd, temperature, seeds, positions,
+                                                   accepted, final))
+        assert top_p is not None
+        filtered = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
+        accepted, final = self._tempered(target_logits, drafts, nd, torch.where(filtered, 0.0, temperature), seeds,
+                                         positions, accepted, final)
+        acc_f, final_f = filtered_decisions(target_logits, drafts, nd, temperature, top_k, top_p, seeds, positions)
+        return _result(drafts, torch.where(filtered, acc_f, accepted), torch.where(filtered, final_f, final))
 
     @staticmethod
     def _tempered(logits: Tensor, drafts: Tensor, nd: Tensor, temperature: Tensor, seeds: Tensor,

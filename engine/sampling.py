@@ -55,30 +55,16 @@ class Sampler:
     @staticmethod
     def _probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         """logits [r, V] -> filtered, renormalised probabilities [r, V]."""
-        dev, V = logits.device, logits.shape[1]
+        dev = logits.device
         temp = to_device([p.temperature for p in params], torch.float32, dev)  # [r]
         # Subtract the row max before dividing: softmax is shift-invariant, and this keeps a tiny
         # temperature from turning the top logit into inf (inf - inf = NaN in softmax).
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp[:, None]  # [r, V]
         if all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
             return scaled.softmax(dim=-1)
-        # A stable descending sort orders equal logits by id, so which of several tied tokens survives
-        # a top-k cut is deterministic.
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [r, V]
-        pos = torch.arange(V, device=dev)  # [V]
-        k = to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64, dev)  # [r]
-        sorted_logits = sorted_logits.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
+        k = to_device([p.top_k for p in params], torch.int64, dev)  # [r]
         top_p = to_device([p.top_p for p in params], torch.float32, dev)  # [r]
-        sorted_probs = sorted_logits.softmax(dim=-1)  # [r, V], the top-k-renormalised distribution
-        # Mass strictly before each token: a token stays while that mass is < top_p, which keeps the
-        # smallest prefix reaching top_p and always the first token. Rows with top_p = 1 skip the cut,
-        # since rounding can push the cumsum to 1 before the tail and drop tokens that should stay.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-        # Scatter back to vocabulary order, so a seed's noise maps to token ids and not to ranks.
-        filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-        return filtered.softmax(dim=-1)
+        return _filter(scaled, k, top_p)
 
     @staticmethod
     def _draw(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
@@ -98,3 +84,32 @@ class Sampler:
         # and loses to any kept one (p > 0), and p / tiny stays finite for p <= 1.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
+
+
+def filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """`Sampler._probs` of rows with filters from device tensors alone (no host list: what a CUDA graph holds):
+    logits [r, V] float32, temperature [r] float32 (> 0), top_k [r] int64 (0: none), top_p [r] float32 ->
+    the filtered, renormalised probabilities [r, V]."""
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]  # [r, V]
+    return _filter(scaled, top_k, top_p)
+
+
+def _filter(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Top-k (0: none), then top-p on the top-k-renormalised distribution: scaled logits [r, V] -> [r, V]."""
+    V = scaled.shape[1]
+    # A stable descending sort orders equal logits by id, so which of several tied tokens survives
+    # a top-k cut is deterministic.
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [r, V]
+    pos = torch.arange(V, device=scaled.device)  # [V]
+    k = torch.where(top_k > 0, top_k, V)  # [r]
+    sorted_logits = sorted_logits.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)  # [r, V], the top-k-renormalised distribution
+    # Mass strictly before each token: a token stays while that mass is < top_p, which keeps the
+    # smallest prefix reaching top_p and always the first token. Rows with top_p = 1 skip the cut,
+    # since rounding can push the cumsum to 1 before the tail and drop tokens that should stay.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+    # Scatter back to vocabulary order, so a seed's noise maps to token ids and not to ranks.
+    filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

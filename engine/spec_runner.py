@@ -18,7 +18,8 @@ One step, all on the device until the single host read of its tokens at the end:
 4. Drafts 2..K: the drafter on its own output, one position further each time (its KV there is rewritten
    by step 3 of a later step once the real tokens are known).
 
-A verify step whose rows all verify, greedy or sampling at a temperature, replays one CUDA graph (`graph_step_fn`);
+A verify step whose rows all verify, greedy or sampling (at a temperature, with top-k / top-p), replays one CUDA
+graph (`graph_step_fn`);
 with async scheduling the next such step can be chained on it before its results are read (`launch_chained`: its
 inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take their noise from their
 seed and token positions (`counter_noise`), prompts' first tokens included (`_first_tokens`).
@@ -36,18 +37,12 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
-from baton.engine.rejection_sampler import RejectionSampler, is_tempered
+from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams()
-
-
-def _graph_sampling(params: SamplingParams) -> bool:
-    """Whether a verify graph can sample a row: greedy, or a temperature alone (`RejectionSampler.verify_tempered`;
-    top-k / top-p rows run eagerly)."""
-    return params.greedy or is_tempered(params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +179,12 @@ class SpecRunner(ModelRunner):
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                 num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None,
-                tempered: tuple[torch.Tensor, torch.Tensor] | None = None
+                tempered: tuple[torch.Tensor, ...] | None = None
                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
         tokens written into `next_ids` as the drafter's successors. `tempered` (a graph's rows that sample):
-        the rows' (temperature, seeds) tensors, which `params` / `seeds` then stand aside for. Returns (the
+        the rows' (temperature, seeds) tensors, with top-k / top-p ones (temperature, seeds, top_k, top_p), which
+        `params` / `seeds` then stand aside for. Returns (the
         results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last
         committed position [Rd], its position [Rd])."""
         nd = batch.num_decodes
@@ -201,7 +197,8 @@ class SpecRunner(ModelRunner):
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         # Column t of a row decides the token at position verify_base + 1 + t.
         if tempered is not None:
-            res = self.rejection.verify_tempered(logits, drafts, num_draft, *tempered, verify_base + 1)
+            res = self.rejection.verify_tempered(logits, drafts, num_draft, *tempered[:2], verify_base + 1,
+                                                 *tempered[2:])
         else:
             res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
                                         None if seeds is None else verify_base + 1)
@@ -237,28 +234,29 @@ class SpecRunner(ModelRunner):
 
     # ---- the whole verify step as one CUDA graph --------------------------------------------------------
     def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
-        """Verify rows only, each with at most K drafts (padded to K), drafting, each greedy or sampling at a
-        temperature without top-k / top-p: the step is a fixed sequence of device ops, so a graph holds all of
-        it (`StepGraphs`' greedy or sampling variant)."""
-        return self.draft and self._graphable(out) and all(
-            _graph_sampling(self._sampling[r.request_id][0]) for r in out.rows)
+        """Verify rows only, each with at most K drafts (padded to K), drafting: the step is a fixed sequence of
+        device ops, so a graph holds all of it (`StepGraphs`' greedy, tempered or filtered variant)."""
+        return self.draft and self._graphable(out)
 
     def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
-        """A graph step's per-row temperatures and noise seeds (0 for greedy rows), as `StepGraphs.run` takes
-        them."""
-        temperature, seeds = [], []
+        """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
+        `StepGraphs.run` takes them."""
+        temperature, seeds, top_k, top_p = [], [], [], []
         for rid in request_ids:
             params, gen = self._sampling[rid]
             temperature.append(params.temperature)
             seeds.append(0 if params.greedy else seed_of(gen))
-        return {"temperature": temperature, "seeds": seeds}
+            top_k.append(params.top_k)
+            top_p.append(params.top_p)
+        return {"temperature": temperature, "seeds": seeds, "top_k": top_k, "top_p": top_p}
 
     def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
-                      verify_base: torch.Tensor, sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+                      verify_base: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None = None
                       ) -> torch.Tensor:
         """What the step graph captures: forward, verify, drafter catch-up and chain, for n verify rows of 1+K
         tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
-        padding); sampling: None for greedy rows only, else the rows' (temperature, seeds) tensors. Returns the
+        padding); sampling: None for greedy rows only, else the rows' (temperature, seeds[, top_k, top_p])
+        tensors. Returns the
         packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from baton.engine.cuda_graphs import FILTERED, GREEDY, TEMPERED
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import Request
@@ -114,14 +115,17 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
 
 @pytest.mark.interpreter
 def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_model, monkeypatch):  # noqa: F811
-    """Rows that sample at a temperature (seeded) beside greedy ones: their verify steps replay the graph's
-    sampling variant (`RejectionSampler.verify_tempered`) and chain on the one in flight, and every request's
-    tokens, drafts and accepted counts equal eager steps one at a time (`RejectionSampler.verify` with the
-    SamplingParams). Rows with top-p still run eagerly."""
+    """Rows that sample at a temperature (seeded), some with top-k / top-p, beside greedy ones: their verify steps
+    replay the graph's tempered and filtered variants (`RejectionSampler.verify_tempered`) and chain on the one in
+    flight, and every request's tokens, drafts and accepted counts equal eager steps one at a time
+    (`RejectionSampler.verify` with the SamplingParams)."""
     pytest.importorskip("triton")
     temps = {3: 0.8, 11: 1.3, 6: 0.6, 9: 1.0, 4: 0.9}
-    params = {rid: dataclasses.replace(p, temperature=temps.get(int(rid[1:]), 0.0), seed=int(rid[1:]))
-              for rid, p in _params(SHORT).items()}
+    filters = {6: dict(top_k=3), 9: dict(top_p=0.7), 4: dict(top_k=4, top_p=0.9)}  # 6 finishes last (13 tokens)
+    params = {}
+    for rid, p in _params(SHORT).items():
+        n = int(rid[1:])
+        params[rid] = dataclasses.replace(p, temperature=temps.get(n, 0.0), seed=n, **filters.get(n, {}))
     monkeypatch.setenv("BATON_KERNELS", "torch")
     ref_engine = new_engine(small_spec_model, 2)  # no graphs: eager verify steps, one at a time
     ref_log = Log(ref_engine)
@@ -131,19 +135,20 @@ def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_mo
     graphs = engine.runner.graphs
     variants = []
     forward = graphs._forward
-    graphs._forward = lambda n, sampled=False: variants.append(sampled) or forward(n, sampled)
+    graphs._forward = lambda n, variant=GREEDY: variants.append(variant) or forward(n, variant)
     log = Log(engine)
     chains = Chains(engine)
     got = run(engine, _arrivals(), params, chains.check)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
     assert log.rows == ref_log.rows
-    assert variants.count(True) >= 5 and chains.count >= 5  # the sampling graph ran, chained too
+    assert variants.count(FILTERED) >= 5 and chains.count >= 5  # the sampling graphs ran, chained too
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
-    # A top-p row makes its steps eager (the graphs cannot filter): no graph run while it verifies.
-    top_p = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
-    runs = graphs.runs
-    engine.generate([prompt_of(5, 1)], top_p)
-    assert graphs.runs == runs
+    # Alone, a top-p row's verify steps replay the filtered graph, a temperature row's the tempered one.
+    for sampling, variant in ((dict(top_p=0.9), FILTERED), ({}, TEMPERED)):
+        variants.clear()
+        engine.generate([prompt_of(5, 1)], SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True,
+                                                          **sampling))
+        assert variant in variants and set(variants) <= {variant}
 
 
 @pytest.mark.interpreter
@@ -263,14 +268,16 @@ def test_chain_refuses_a_waiting_request_a_prefill_and_missing_blocks():
 def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k, sampled):  # noqa: F811
     """On the GPU, with captured graphs: chained verify steps give the tokens, drafts and finish reasons of steps
     run one at a time, and their device-built inputs are the scheduler's rows. sampled: some rows sample at a
-    temperature (seeded), so steps replay the graphs of sampling rows; one at a time is then eager steps."""
+    temperature (seeded), some with top-k / top-p, so steps replay the graphs of sampling rows; one at a time is
+    then eager steps."""
     cfg, weights = dense_spec_model
     config = EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96, long_prefill_token_threshold=8,
                           dtype="float32", num_kv_blocks=256, device="cuda", num_speculative_tokens=k)
     params = _params(LONG)
     if sampled:
         # odd prompt lengths sample (all with one seed: their noise differs by position only), even ones are greedy
-        params = {rid: dataclasses.replace(p, temperature=0.5 + 0.1 * n if (n := int(rid[1:])) % 2 else 0.0, seed=7)
+        params = {rid: dataclasses.replace(p, temperature=0.5 + 0.1 * n if (n := int(rid[1:])) % 2 else 0.0, seed=7,
+                                           top_k=5 if n == 3 else 0, top_p=0.8 if n == 9 else 1.0)
                   for rid, p in params.items()}
     ref_engine = LLMEngine(cfg, weights, dataclasses.replace(config, async_scheduling=False, cuda_graphs=not sampled))
     ref_log = Log(ref_engine)
@@ -284,4 +291,5 @@ def test_gpu_chained_verify_graphs_equal_steps_one_at_a_time(dense_spec_model, k
         {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
     assert log.rows == ref_log.rows
     assert chains.count > 10 and chains.dropped > 0 and chains.checked > 20
-    assert (engine.runner.graphs.sampled_graphs if sampled else engine.runner.graphs.graphs)  # captured, replayed
+    variants = engine.runner.graphs.variants
+    assert (variants[TEMPERED] and variants[FILTERED]) if sampled else variants[GREEDY]  # captured, replayed

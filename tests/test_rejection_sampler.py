@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
-from baton.engine.rejection_sampler import RejectionSampler
+from baton.engine.rejection_sampler import RejectionSampler, _stochastic
 from baton.engine.sampling import Sampler
 from baton.engine.sampling_params import SamplingParams
 from tests.test_sampling import CHI2_999, chi_square
@@ -356,3 +356,46 @@ def test_more_drafts_than_max_draft_is_refused() -> None:
         RejectionSampler(max_draft=2).verify(**_args())
     with pytest.raises(ValueError, match=r"max_draft: expected an integer >= 0, got -1"):
         RejectionSampler(max_draft=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str) -> None:
+    """With top_k / top_p tensors (a verify graph's third variant) every row is decided as `verify` decides it:
+    greedy rows by argmax, rows at a temperature alone by `tempered_decisions`, top-k / top-p rows by
+    `filtered_decisions`, which computes FILTER_ROWS distributions at a time (here 96 x 4 of them)."""
+    R, Kmax, V = 96, 3, 23
+    g = torch.Generator().manual_seed(22)
+    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 2).to(torch.bfloat16)
+    drafts = torch.where(torch.rand(R, Kmax, generator=g) < 0.6, logits.float().argmax(-1)[:, :Kmax],
+                         torch.randint(V, (R, Kmax), generator=g))
+    nd = torch.randint(Kmax + 1, (R,), generator=g)
+    kinds = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=0.7, top_k=3),
+             dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, top_k=5, top_p=0.6), dict(temperature=1.5)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(R)]
+    seeds, pos = torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g)
+    logits, drafts, seeds, pos = logits.to(device), drafts.to(device), seeds.to(device), pos.to(device)
+    rs = RejectionSampler(max_draft=Kmax)
+    want = rs.verify(logits, drafts, None, nd, params, seeds, pos)
+    t = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=device)  # noqa: E731
+    got = rs.verify_tempered(logits, drafts, nd.to(device), t([p.temperature for p in params], torch.float32), seeds,
+                             pos, t([p.top_k for p in params], torch.int64), t([p.top_p for p in params], torch.float32))
+    assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
+    # The filtered rows as `_stochastic` decides them from the full distributions (`Sampler._probs`).
+    rows = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1]
+    idx = torch.tensor(rows, device=device)
+    p = Sampler._probs(logits[idx].float().reshape(len(rows) * (Kmax + 1), V),
+                       [params[i] for i in rows for _ in range(Kmax + 1)]).view(len(rows), Kmax + 1, V)
+    valid = torch.arange(Kmax)[None, :] < nd[rows][:, None]
+    d = torch.where(valid.to(device), drafts[idx], 0)
+    acc, final = _stochastic(p, d, valid.to(device), None, seeds[idx], pos[idx])
+    assert got.accepted_counts[idx].tolist() == acc.tolist()
+    assert got.output_token_ids[idx].gather(1, acc[:, None]).squeeze(1).tolist() == final.tolist()
+    assert 0 < acc.sum() < nd[rows].sum()
+    # Top-k 3 rows draw only among their three most likely tokens at the decided position.
+    acc_all = got.accepted_counts.cpu()
+    for i in (i for i, p in enumerate(params) if p.top_k == 3):
+        top3 = logits[i, acc_all[i]].float().topk(3).indices.tolist()
+        assert got.output_token_ids[i, acc_all[i]].item() in top3
+    with pytest.raises(ValueError, match="top_k, top_p: expected both or neither"):
+        rs.verify_tempered(logits, drafts, nd, t([1.0] * R, torch.float32), seeds, pos,
+                           t([0] * R, torch.int64), None)
