@@ -49,8 +49,3 @@ def uniform(seeds: Tensor, positions: Tensor, stream: int) -> Tensor:
     x = _mix32(x ^ ((seeds >> 32) & MASK32))
     return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
-
-def seed_of(generator: torch.Generator) -> int:
-    """A request's noise seed from its sampling generator (seeded by `SamplingParams.seed`, or at random when
-    none is given), as a non-negative int64."""
-    return generator.initial_seed() & (2**63 - 1)

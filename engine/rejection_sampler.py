@@ -9,7 +9,7 @@ position k scores the token after x_{k-1}, position K_r is the bonus position af
 - Stochastic rows use speculative sampling (Leviathan et al. 2023, Chen et al. 2023): accept x_k with
   probability min(1, p_k(x_k) / q_k(x_k)); at the first rejection emit a draw from norm(max(0, p_k - q_k));
   when all K_r are accepted emit a draw from p_{K_r}. Each emitted token is then distributed as a plain draw
-  from p. p is the target distribution after temperature / top-k / top-p (`Sampler._probs`, so the filtering
+  from p. p is the target distribution after temperature / top-k / top-p (`sampling.probs`, so the filtering
   is the non-speculative sampler's); q is the distribution each draft was actually drawn from, passed as
   `draft_probs` (already filtered, as the drafter sampled it). `draft_probs=None` means deterministic drafts
   (e.g. the MTP drafter's argmax), i.e. q is one-hot on x_k: accept with probability p_k(x_k), and on
@@ -41,7 +41,7 @@ from torch import Tensor
 from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
 from .ops import dispatch
-from .sampling import Sampler, filtered_probs
+from .sampling import filtered_probs, probs
 from .sampling_params import SamplingParams
 
 
@@ -80,7 +80,7 @@ def _greedy(logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor
     valid = torch.arange(Kmax, device=dev)[None, :] < nd[:, None]  # [R, Kmax]
     # Padding ids may be -1 or garbage; zero them so gathers stay in range (they are never accepted).
     drafts = torch.where(valid, draft_token_ids.to(dev, torch.int64), 0)  # [R, Kmax]
-    argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; first maximum, as Sampler, so ties match
+    argmax = logits.argmax(dim=-1)  # [R, Kmax+1]; the first maximum, so ties go to the lowest id
     accepted = _prefix_len((drafts == argmax[:, :Kmax]) & valid)  # [R]
     final = argmax.gather(1, accepted[:, None]).squeeze(1)  # [R], mismatch or bonus position
     return drafts, nd, valid, accepted, final
@@ -146,7 +146,7 @@ FILTER_ROWS = 32
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, each) -> None:
-    """Call each(start, end, probs) for consecutive row ranges of logits [n, V] with their filtered
+    """Call each(start, end, dist) for consecutive row ranges of logits [n, V] with their filtered
     distributions (`sampling.filtered_probs`, FILTER_ROWS rows at a time)."""
     for s in range(0, logits.shape[0], FILTER_ROWS):
         e = min(s + FILTER_ROWS, logits.shape[0])
@@ -170,8 +170,8 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     p_x = logits.new_empty(R * K, dtype=torch.float32)
     rep = lambda t: t.repeat_interleave(K)  # noqa: E731 (a row's parameters at each of its positions)
 
-    def gather(s: int, e: int, probs: Tensor) -> None:
-        p_x[s:e] = probs.gather(1, ids[s:e]).squeeze(1)
+    def gather(s: int, e: int, dist: Tensor) -> None:
+        p_x[s:e] = dist.gather(1, ids[s:e]).squeeze(1)
 
     _filtered_rows(flat, rep(temp), rep(top_k), rep(top_p), gather)
     accepted = _accept(p_x.view(R, K), valid, seeds, positions)
@@ -179,8 +179,8 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     at = logits[torch.arange(R, device=logits.device), accepted]  # [R, V]
     final = torch.empty_like(accepted)
 
-    def draw(s: int, e: int, probs: Tensor) -> None:
-        final[s:e] = _final(probs, _one_hot_at(drafts[s:e], accepted[s:e], probs), accepted[s:e], valid[s:e],
+    def draw(s: int, e: int, dist: Tensor) -> None:
+        final[s:e] = _final(dist, _one_hot_at(drafts[s:e], accepted[s:e], dist), accepted[s:e], valid[s:e],
                             seeds[s:e], positions[s:e])
 
     _filtered_rows(at, temp, top_k, top_p, draw)
@@ -195,7 +195,7 @@ def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     rows whose temperature is above 0."""
     valid = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < num_draft[:, None]
     x = logits.float()
-    # As Sampler._probs: the row max subtracted before dividing (a tiny temperature gives no inf - inf).
+    # As sampling.probs: the row max subtracted before dividing (a tiny temperature gives no inf - inf).
     scaled = (x - x.amax(dim=-1, keepdim=True)) / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
     return _stochastic(scaled.softmax(dim=-1), drafts, valid, None, seeds, positions)
 
@@ -228,13 +228,13 @@ class RejectionSampler:
                positions: Tensor | None = None) -> VerifyResult:
         """target_logits [R, Kmax+1, V], draft_token_ids [R, Kmax] (padding: any value, e.g. -1),
         draft_probs [R, Kmax, V] or None, num_draft [R] (K_r <= Kmax; on the host or the device). With any
-        stochastic row: seeds [R] int64 (`counter_noise.seed_of`) and positions [R] int64, the position of the
+        stochastic row: seeds [R] int64 (`sampling.request_seed`) and positions [R] int64, the position of the
         token that column 0 decides (a row's last token's position + 1), both on the logits' device.
 
         num_draft values are range-checked only when it is a CPU tensor (checking a device tensor would sync).
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
-        # The argmax needs no float32 copy (Sampler.sample); stochastic rows upcast below.
+        # The argmax needs no float32 copy (16-bit logits give their float32 copy's); stochastic rows upcast below.
         drafts, nd, valid, accepted, final = _greedy(target_logits, draft_token_ids, num_draft)
         tempered = draft_probs is None and any(is_tempered(p) for p in params)
         if tempered:  # as verify_tempered decides them, so a row gets the same tokens in a graph or not
@@ -254,15 +254,30 @@ class RejectionSampler:
                     to_device([p.top_k for p in sub], torch.int64, dev),
                     to_device([p.top_p for p in sub], torch.float32, dev), seeds[idx], positions[idx])
             else:
-                # Every position of a row uses that row's params: flatten positions into rows for Sampler._probs.
+                # Every position of a row uses that row's params: flatten positions into rows for probs.
                 r = len(rows)
-                p = Sampler._probs(target_logits[idx].float().reshape(r * K1, V),
+                p = probs(target_logits[idx].float().reshape(r * K1, V),
                                    [params[i] for i in rows for _ in range(K1)])
                 acc_s, final_s = _stochastic(p.view(r, K1, V), drafts[idx], valid[idx], draft_probs[idx],
                                              seeds[idx], positions[idx])
             accepted[idx] = acc_s
             final[idx] = final_s
         return _result(drafts, accepted, final)
+
+    def sample(self, logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,
+               positions: Tensor | None) -> Tensor:
+        """The next token of rows without drafts: logits [R, V] -> [R] int64 on their device, the argmax of
+        greedy rows, the others drawn from their filtered distribution as `verify` draws a row's bonus token
+        (seeds / positions as there: the position of the token drawn; None when every row is greedy)."""
+        if seeds is None and all(p.greedy for p in params):
+            if len(params) != logits.shape[0]:
+                raise ValueError(f"params: expected one SamplingParams per row ({logits.shape[0]} rows), "
+                                 f"got {len(params)}")
+            return logits.argmax(dim=-1)
+        n, dev = logits.shape[0], logits.device
+        res = self.verify(logits[:, None], torch.zeros(n, 0, dtype=torch.int64, device=dev), None,
+                          torch.zeros(n, dtype=torch.int64, device=dev), params, seeds, positions)
+        return res.output_token_ids[:, 0]
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
                         temperature: Tensor, seeds: Tensor, positions: Tensor, top_k: Tensor | None = None,

@@ -24,8 +24,9 @@ from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
+from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.request import PENDING
-from baton.engine.sampling import Sampler, make_generator
+from baton.engine.sampling import request_seed
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
 
@@ -65,8 +66,9 @@ class ModelRunner:
         self.pools = pools
         self.block_size = block_size
         self.device = torch.device(device)
-        self.sampler = Sampler()
-        self._sampling: dict[str, tuple[SamplingParams, torch.Generator]] = {}
+        # Draws each row's next token (`RejectionSampler.sample`); a spec runner's verifies drafts too.
+        self.rejection = RejectionSampler(0)
+        self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
         self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
         self._verify_inputs = pools.verify_layers()
         self._mamba = bool(self._ssm)
@@ -79,7 +81,7 @@ class ModelRunner:
 
     # ---- per-request sampling state -------------------------------------------------------------
     def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self._sampling[request_id] = (params, make_generator(params.seed, self.device))
+        self._sampling[request_id] = (params, request_seed(params.seed))
 
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
@@ -177,6 +179,10 @@ class ModelRunner:
         A decode row whose last token is PENDING (sampled by `prev`, a step launched before this one whose
         tokens are not read yet) takes it from prev's token tensor on the device."""
         sample_rows = [i for i, r in enumerate(out.rows) if r.sample]
+        # Built before the forward: the sampling rows' noise seeds and the positions of the tokens they draw.
+        rows_s = [out.rows[i] for i in sample_rows]
+        params, seeds = self.sampling_of([r.request_id for r in rows_s])
+        positions = None if seeds is None else self._t([r.num_computed_tokens + r.num_tokens for r in rows_s])
         fill = self._pending_inputs(out, prev)
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
@@ -200,9 +206,9 @@ class ModelRunner:
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
-        ids = [out.rows[i].request_id for i in sample_rows]
-        return PendingStep(ids, self.sample(logits, ids), self.device, logits.float() if return_logits else None,
-                           started=started)
+        ids = [r.request_id for r in rows_s]
+        return PendingStep(ids, self.rejection.sample(logits, params, seeds, positions), self.device,
+                           logits.float() if return_logits else None, started=started)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:
@@ -288,11 +294,10 @@ class ModelRunner:
             block_tables=[r.block_ids for r in rows], num_tokens=counts if T > 1 else None, fill=fill, **extra,
         )
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
-        """logits [R, V] of the given requests -> one token each [R], on the device."""
+    def sampling_of(self, request_ids: list[str]) -> tuple[list[SamplingParams], torch.Tensor | None]:
+        """The rows' SamplingParams and, where any row samples, their noise seeds on the device (`counter_noise`;
+        built before the forward: a later host -> device copy would wait for the stream)."""
         params = [self._sampling[r][0] for r in request_ids]
-        gens = [self._sampling[r][1] for r in request_ids]
-        return self.sampler.sample(logits, params, gens)
-
-    def sampling_of(self, request_ids: list[str]) -> tuple[list[SamplingParams], list[torch.Generator]]:
-        return [self._sampling[r][0] for r in request_ids], [self._sampling[r][1] for r in request_ids]
+        if all(p.greedy for p in params):
+            return params, None
+        return params, self._t([self._sampling[r][1] for r in request_ids])

@@ -515,7 +515,7 @@ class Scheduler:
         the request has its state), so it joins the decode batch (and its CUDA graph; with K > 0 a verify row
         without drafts, padded in the graph) instead of making the step a mixed, eager one. With K > 0 a sampled
         token N is drawn there as the aggregated engine's last prefill chunk draws it (both from the request's
-        seed at position N, `SpecRunner._first_tokens`, R6). With fewer than N-1 computed, the rest of the
+        seed at position N, `RejectionSampler.sample`, R6). With fewer than N-1 computed, the rest of the
         prompt is prefilled here first."""
         self._check_new(req)
         if not 0 < num_computed < req.num_tokens:

@@ -7,7 +7,7 @@ One step, all on the device until the single host read of its tokens at the end:
    this step's 1+k positions (R4: no unaccepted position ever reaches the state); prefill chunks and
    first-token recomputes run the chunked scan from the row's state.
 2. Logits: the last token of each prefill row that samples, every token of each verify row (R5). Prefill rows
-   sample as a verify row without drafts would (`_first_tokens`); verify rows go through the rejection sampler
+   sample as a verify row without drafts would (`RejectionSampler.sample`, as every engine samples); verify rows go through the rejection sampler
    (greedy: accept while the target's argmax matches), whose accepted counts + 1 are written straight into
    `replay[slot]` on the device (R3): the next step replays that many recorded positions, whatever order its
    rows come in.
@@ -19,10 +19,9 @@ One step, all on the device until the single host read of its tokens at the end:
    by step 3 of a later step once the real tokens are known).
 
 A verify step whose rows all verify, greedy or sampling (at a temperature, with top-k / top-p), replays one CUDA
-graph (`graph_step_fn`);
-with async scheduling the next such step can be chained on it before its results are read (`launch_chained`: its
-inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take their noise from their
-seed and token positions (`counter_noise`), prompts' first tokens included (`_first_tokens`).
+graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
+(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take
+their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import dataclasses
 import torch
 
 from baton.engine.cache_pools import CachePools
-from baton.engine.counter_noise import seed_of
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
@@ -103,13 +101,13 @@ class SpecRunner(ModelRunner):
         if nd:
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
-            params, seeds = self._params_and_seeds([r.request_id for r in rows[:nd]])
+            params, seeds = self.sampling_of([r.request_id for r in rows[:nd]])
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
-            p_params, p_seeds = self._params_and_seeds([rows[i].request_id for i in prefill_sampling])
+            p_params, p_seeds = self.sampling_of([rows[i].request_id for i in prefill_sampling])
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -125,7 +123,11 @@ class SpecRunner(ModelRunner):
 
         # -- prefill rows that sample ----------------------------------------------------------------------
         if prefill_sampling:
-            tokens = self._first_tokens(self.model.logits(hidden[last], upcast=False), p_params, p_seeds, last_pos)
+            # The token after each prompt: drawn as a verify row without drafts draws it (at position last_pos + 1),
+            # as every engine samples, so that a transferred request's first decode step (a verify row of token N,
+            # R1) samples what the aggregated engine's last prefill chunk does (R6).
+            tokens = self.rejection.sample(self.model.logits(hidden[last], upcast=False), p_params, p_seeds,
+                                           None if p_seeds is None else last_pos + 1)
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
@@ -147,24 +149,6 @@ class SpecRunner(ModelRunner):
         host = torch.cat(pieces).tolist()  # the one device -> host read of the step
         return self._unpack(host, out, prefill_sampling, drafts_out is not None,
                             seconds=elapsed_seconds(started, ended))
-
-    def _params_and_seeds(self, request_ids: list[str]) -> tuple[list[SamplingParams], torch.Tensor | None]:
-        """The rows' SamplingParams and, where any row samples, their noise seeds on the device (`counter_noise`;
-        built before the forward: a later host -> device copy would wait for the stream)."""
-        params, gens = self.sampling_of(request_ids)
-        return params, None if all(p.greedy for p in params) else self._t([seed_of(g) for g in gens])
-
-    def _first_tokens(self, logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor | None,
-                      last_pos: torch.Tensor) -> torch.Tensor:
-        """The token after each prompt [P] from its last position's logits [P, V]: drawn as a verify row without
-        drafts draws it (the rejection sampler's draw at position last_pos + 1, `counter_noise`), so that a
-        transferred request's first decode step (a verify row of token N, R1) samples what the aggregated
-        engine's last prefill chunk does (R6)."""
-        n, dev = logits.shape[0], logits.device
-        none = torch.zeros(n, 0, dtype=torch.int64, device=dev)
-        res = self.rejection.verify(logits[:, None], none, None, torch.zeros(n, dtype=torch.int64, device=dev),
-                                    params, seeds, None if seeds is None else last_pos + 1)
-        return res.output_token_ids[:, 0]
 
     @staticmethod
     def _successors(rows, width: int = 0) -> list[int]:
@@ -243,9 +227,9 @@ class SpecRunner(ModelRunner):
         `StepGraphs.run` takes them."""
         temperature, seeds, top_k, top_p = [], [], [], []
         for rid in request_ids:
-            params, gen = self._sampling[rid]
+            params, seed = self._sampling[rid]
             temperature.append(params.temperature)
-            seeds.append(0 if params.greedy else seed_of(gen))
+            seeds.append(0 if params.greedy else seed)
             top_k.append(params.top_k)
             top_p.append(params.top_p)
         return {"temperature": temperature, "seeds": seeds, "top_k": top_k, "top_p": top_p}

@@ -8,7 +8,7 @@ import torch
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
 from baton.engine.rejection_sampler import RejectionSampler, _stochastic
-from baton.engine.sampling import Sampler
+from baton.engine.sampling import probs
 from baton.engine.sampling_params import SamplingParams
 from tests.test_sampling import CHI2_999, chi_square
 
@@ -26,7 +26,7 @@ def assert_distributed_as(tokens: torch.Tensor, p: torch.Tensor) -> None:
 def filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The non-speculative sampler's distribution for logits [..., V] (the reference p)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    return Sampler._probs(flat.float(), [params] * flat.shape[0]).view(logits.shape)
+    return probs(flat.float(), [params] * flat.shape[0]).view(logits.shape)
 
 
 def ints(values: list[int] | int, device: str = "cpu") -> torch.Tensor:
@@ -380,10 +380,10 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
     got = rs.verify_tempered(logits, drafts, nd.to(device), t([p.temperature for p in params], torch.float32), seeds,
                              pos, t([p.top_k for p in params], torch.int64), t([p.top_p for p in params], torch.float32))
     assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
-    # The filtered rows as `_stochastic` decides them from the full distributions (`Sampler._probs`).
+    # The filtered rows as `_stochastic` decides them from the full distributions (`probs`).
     rows = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1]
     idx = torch.tensor(rows, device=device)
-    p = Sampler._probs(logits[idx].float().reshape(len(rows) * (Kmax + 1), V),
+    p = probs(logits[idx].float().reshape(len(rows) * (Kmax + 1), V),
                        [params[i] for i in rows for _ in range(Kmax + 1)]).view(len(rows), Kmax + 1, V)
     valid = torch.arange(Kmax)[None, :] < nd[rows][:, None]
     d = torch.where(valid.to(device), drafts[idx], 0)

@@ -1,4 +1,5 @@
-"""Sampler and SamplingParams: filtering semantics, sampling statistics, per-request reproducibility."""
+"""Sampling (`RejectionSampler.sample`: rows without drafts) and SamplingParams: filtering semantics, sampling
+statistics, per-request reproducibility."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from baton.engine.sampling import Sampler, make_generator
+from baton.engine.rejection_sampler import RejectionSampler
+from baton.engine.sampling import request_seed
 from baton.engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -15,13 +17,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # are seeded, so the test is deterministic; the threshold only says how far off a bug must be.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
-sampler = Sampler()
+sampler = RejectionSampler(0)
 
 
-def sample_many(logits: torch.Tensor, params: SamplingParams, n: int,
-                gen: torch.Generator | None = None) -> torch.Tensor:
-    """n draws for one row of logits [V], as a batch of n copies -> [n]."""
-    return sampler.sample(logits.expand(n, -1), [params] * n, [gen] * n)
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int] | None = None,
+           positions: list[int] | None = None) -> torch.Tensor:
+    """One token per row of logits [R, V]: seeds default to each row's params seed (0 when None), positions to 0."""
+    n, dev = logits.shape[0], logits.device
+    seeds = [p.seed or 0 for p in params] if seeds is None else seeds
+    positions = [0] * n if positions is None else positions
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    return sampler.sample(logits, params, t(seeds), t(positions))
+
+
+def sample_many(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
+    """n draws for one row of logits [V], as a batch of n copies at n positions of one seed -> [n]."""
+    return sample(logits.expand(n, -1), [params] * n, [seed] * n, list(range(n)))
 
 
 def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
@@ -37,11 +48,13 @@ def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, i
 def test_greedy_is_argmax_with_ties_to_lowest_id(device: str) -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)).to(device)
     logits[3, [7, 40, 90]] = 100.0  # a three-way tie for the max
-    gens = [make_generator(i, device) for i in range(8)]
-    out = sampler.sample(logits, [SamplingParams()] * 8, gens)
+    out = sampler.sample(logits, [SamplingParams()] * 8, None, None)
     assert out.dtype == torch.int64 and out.device.type == torch.device(device).type
     assert out.tolist() == logits.argmax(dim=-1).tolist()
     assert out[3].item() == 7
+    # Beside a row that samples (noise inputs given), greedy rows are still the argmax.
+    mixed = sample(logits, [SamplingParams()] * 7 + [SamplingParams(temperature=1.0, seed=3)])
+    assert mixed[:7].tolist() == out[:7].tolist()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -54,8 +67,8 @@ def test_16_bit_logits_sample_as_their_float32_copy(device: str) -> None:
     params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.9, seed=11),
               SamplingParams(temperature=1.3, top_k=40, seed=12), SamplingParams(temperature=0.7, top_p=0.8, seed=13),
               SamplingParams()]
-    got = sampler.sample(logits, params, [make_generator(p.seed, device) for p in params])
-    want = sampler.sample(logits.float(), params, [make_generator(p.seed, device) for p in params])
+    got = sample(logits, params)
+    want = sample(logits.float(), params)
     assert got.tolist() == want.tolist()
     assert got[1].item() == 5
 
@@ -64,21 +77,19 @@ def test_16_bit_logits_sample_as_their_float32_copy(device: str) -> None:
 def test_top_k_1_is_greedy(temperature: float) -> None:
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=temperature, top_k=1)
-    out = sampler.sample(logits, [p] * 16, [make_generator(i, "cpu") for i in range(16)])
+    out = sample(logits, [p] * 16, list(range(16)))
     assert out.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_support_is_the_k_largest() -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(2))
     allowed = set(logits.topk(5).indices.tolist())
-    torch.manual_seed(0)
     drawn = set(sample_many(logits, SamplingParams(temperature=5.0, top_k=5), 4000).tolist())
     assert drawn == allowed  # never outside, and at temperature 5 every one of the five shows up
 
 
 def test_top_k_ties_at_the_cut_keep_the_lowest_ids() -> None:
     logits = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 3.0])
-    torch.manual_seed(0)
     drawn = set(sample_many(logits, SamplingParams(temperature=1.0, top_k=2), 2000).tolist())
     assert drawn == {1, 2}
 
@@ -89,7 +100,6 @@ def test_top_p_support_is_the_nucleus(top_p: float, nucleus: set[int]) -> None:
     # Ranked by probability: id 2 (0.5), 0 (0.25), 4 (0.15), 1 (0.07), 3 (0.03). The nucleus is the
     # smallest prefix whose mass reaches top_p; the cut points sit away from float round-off.
     logits = torch.tensor([0.25, 0.07, 0.5, 0.03, 0.15]).log()
-    torch.manual_seed(0)
     drawn = set(sample_many(logits, SamplingParams(temperature=1.0, top_p=top_p), 6000).tolist())
     assert drawn == nucleus
 
@@ -97,7 +107,6 @@ def test_top_p_support_is_the_nucleus(top_p: float, nucleus: set[int]) -> None:
 def test_top_p_on_the_temperature_scaled_distribution() -> None:
     # At T=1 the nucleus for top_p=0.6 is {0, 1} (0.5, 0.3, 0.2); at T=0.25 id 0 alone holds > 0.6.
     logits = torch.tensor([0.5, 0.3, 0.2]).log()
-    torch.manual_seed(0)
     assert set(sample_many(logits, SamplingParams(temperature=1.0, top_p=0.6), 2000).tolist()) == {0, 1}
     assert set(sample_many(logits, SamplingParams(temperature=0.25, top_p=0.6), 2000).tolist()) == {0}
 
@@ -121,72 +130,66 @@ LOGITS6 = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])  # ranked by logit: 3, 
     # top-k first (keeps 3, 0, 1, 4), then top-p on that renormalised set: .60, .22 -> .82 >= .7
     (SamplingParams(temperature=1.0, top_k=4, top_p=0.7), [3, 0]),
 ])
-@pytest.mark.parametrize("seeded", [False, True])
-def test_sampling_frequencies_match_the_filtered_softmax(params: SamplingParams, keep: list[int],
-                                                          seeded: bool) -> None:
-    torch.manual_seed(1234)
-    # Seeded: every row draws from one generator in turn, which exercises the per-row path.
-    tokens = sample_many(LOGITS6, params, 20_000, make_generator(99, "cpu") if seeded else None)
+@pytest.mark.parametrize("along", ["positions", "seeds"])
+def test_sampling_frequencies_match_the_filtered_softmax(params: SamplingParams, keep: list[int], along: str) -> None:
+    """20,000 draws: one seed along as many positions (a request's tokens), or as many seeds at one position
+    (requests side by side)."""
+    n = 20_000
+    if along == "positions":
+        tokens = sample_many(LOGITS6, params, n, seed=99)
+    else:
+        tokens = sample(LOGITS6.expand(n, -1), [params] * n, [99 * n + i for i in range(n)], [7] * n)
     stat, dof = chi_square(tokens, _expected(LOGITS6, params.temperature, keep))
     assert stat < CHI2_999[dof], f"chi2={stat:.1f} with {dof} dof"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
+    """A request's draws depend on its seed and the positions of its tokens only: alone or at row 3 of 5 beside
+    seeded, unseeded and greedy requests (one with the same seed), the same tokens."""
     steps, V = 40, 64
     g0 = torch.Generator().manual_seed(5)
     target_logits = (torch.randn(steps, V, generator=g0) * 2).to(device)  # [steps, V]
     other_logits = (torch.randn(steps, 4, V, generator=g0) * 2).to(device)  # [steps, 4, V]
     target = SamplingParams(temperature=1.2, top_k=40, top_p=0.95, seed=42)
-
-    alone_gen = make_generator(42, device)
-    alone = [sampler.sample(target_logits[s][None], [target], [alone_gen]).item() for s in range(steps)]
-
-    # The same request at row 3 of 5, next to seeded, unseeded and greedy requests.
-    others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8),
-              SamplingParams(), SamplingParams(temperature=2.0, top_p=0.5, seed=42)]
-    gens = [make_generator(7, device), None, make_generator(None, device), make_generator(42, device)]
-    batch_gen = make_generator(42, device)
-    batched = []
-    for s in range(steps):
-        rows = [other_logits[s, 0], other_logits[s, 1], other_logits[s, 2], target_logits[s], other_logits[s, 3]]
-        out = sampler.sample(torch.stack(rows), [*others[:3], target, others[3]],
-                             [*gens[:3], batch_gen, gens[3]])
-        batched.append(out[3].item())
-
-    assert batched == alone
-    assert len(set(alone)) > 10  # the test means something only if the draws actually vary
-
-    other_seed = make_generator(43, device)
-    differs = [sampler.sample(target_logits[s][None], [target], [other_seed]).item() for s in range(steps)]
-    assert differs != alone
+    plain = SamplingParams(temperature=1.1, seed=42)  # temperature alone: the fused path on a GPU
+    for params in (target, plain):
+        alone = [sample(target_logits[s][None], [params], positions=[100 + s]).item() for s in range(steps)]
+        others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8),
+                  SamplingParams(), SamplingParams(temperature=2.0, top_p=0.5, seed=42)]
+        seeds = [7, request_seed(None), 0, 42]
+        batched = []
+        for s in range(steps):
+            rows = [other_logits[s, 0], other_logits[s, 1], other_logits[s, 2], target_logits[s], other_logits[s, 3]]
+            out = sample(torch.stack(rows), [*others[:3], params, others[3]], [*seeds[:3], 42, seeds[3]],
+                         [3, 9, 100 + s, 100 + s, 100 + s])
+            batched.append(out[3].item())
+        assert batched == alone
+        assert len(set(alone)) > 10  # the test means something only if the draws actually vary
+        differs = [sample(target_logits[s][None], [params], [43], [100 + s]).item() for s in range(steps)]
+        assert differs != alone
 
 
-def test_unseeded_rows_follow_the_global_rng() -> None:
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
-    p = [SamplingParams(temperature=1.0)] * 4
-    torch.manual_seed(11)
-    a = sampler.sample(logits, p, [None] * 4)
-    torch.manual_seed(11)
-    assert sampler.sample(logits, p, [None] * 4).tolist() == a.tolist()
-
-
-def test_make_generator() -> None:
-    a, b = make_generator(123, "cpu"), make_generator(123, "cpu")
-    assert torch.rand(4, generator=a).tolist() == torch.rand(4, generator=b).tolist()
-    assert make_generator(None, "cpu").initial_seed() != make_generator(None, "cpu").initial_seed()
+def test_request_seed() -> None:
+    assert request_seed(123) == 123 and request_seed(0) == 0
+    fresh = {request_seed(None) for _ in range(8)}
+    assert len(fresh) == 8 and all(0 <= s < 2**63 for s in fresh)
 
 
 def test_tiny_temperature_is_finite_and_near_greedy() -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(4)) * 50
     p = SamplingParams(temperature=1e-30)
-    out = sampler.sample(logits, [p] * 8, [make_generator(i, "cpu") for i in range(8)])
+    out = sample(logits, [p] * 8, list(range(8)))
     assert out.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_sample_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="one SamplingParams"):
-        sampler.sample(torch.zeros(2, 5), [SamplingParams()], [None, None])
+        sampler.sample(torch.zeros(2, 5), [SamplingParams()], None, None)
+    with pytest.raises(ValueError, match="one SamplingParams"):
+        sample(torch.zeros(2, 5), [SamplingParams(temperature=1.0)], [1, 2], [0, 0])
+    with pytest.raises(ValueError, match="seeds: expected an int64 tensor"):
+        sampler.sample(torch.zeros(2, 5), [SamplingParams(temperature=1.0)] * 2, None, None)
 
 
 def test_params_normalise_and_hash() -> None:
