@@ -36,6 +36,7 @@ trained model). Per (K, B):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -243,6 +244,11 @@ def capture(engine: LLMEngine, sampled: bool) -> CaptureCost:
     apart (the sampling ones only when `sampled`)."""
     device = torch.device(engine.config.device)
     reserved = (lambda: torch.cuda.memory_reserved(device) / 2**20) if device.type == "cuda" else (lambda: 0.0)
+    # The engine before this one must be gone first: a capture collects garbage, and its memory leaving the cache
+    # then would count against this one's graphs.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     costs = []
     for variants in (False, True) if sampled else (False,):
         sync(device)
