@@ -42,7 +42,8 @@ def case(R: int, K: int, V: int, dtype: torch.dtype, seed: int, device: str = DE
 
 
 @pytest.mark.parametrize("K, V, dtype", [(0, 100, torch.float32), (1, 3000, torch.bfloat16),
-                                         (3, 257, torch.float32), (4, 64, torch.bfloat16)])
+                                         (3, 257, torch.float32), (4, 64, torch.bfloat16),
+                                         (2, 9000, torch.bfloat16)])  # (V over two BLOCKs, not a multiple)
 def test_kernel_equals_reference(K, V, dtype):
     args = case(40, K, V, dtype, seed=K * 7 + V)
     acc, final = tempered_decisions_triton(*args)

@@ -5,11 +5,11 @@ cost more than the rest of the sampling put together.
 
 One program per row; a greedy row (temperature 0) returns at once (its caller decides it by argmax). For
 position j = 0, 1, ... while every draft before it was accepted: the row max m_j and the sum s_j of
-e_i = exp((x_i - m_j) / t) in two passes over V (the reference's softmax: p_i = e_i / s_j), then the draft's accept
-test u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from
-the residual (p_a with d_a removed, unnormalised), at the bonus position from p itself, by inverse CDF: one pass
-for the total mass, one that finds the first id whose cumulative mass exceeds u * total (clamped to the last id
-with mass). Sums run in another order than torch's, so a decision can differ from the reference only where the
+e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_j), then the draft's accept test
+u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
+residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position from p itself
+(mass s_a), by inverse CDF: one pass that finds the first id whose cumulative mass exceeds u * mass (clamped to the
+last id with mass). A row without drafts reads its logits twice. Sums run in another order than torch's, so a decision can differ from the reference only where the
 noise falls within float32 rounding of its threshold.
 
 Graph-capturable; no host reads.
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from baton.engine.counter_noise import _STREAM_KEYS, ACCEPT, DRAW
 
-BLOCK = 2048
+BLOCK = 4096
 
 
 @triton.jit
@@ -50,18 +50,19 @@ def _uniform(seed, position, key: tl.constexpr):
 
 @triton.jit
 def _row_stats(base, V, t, BLOCK: tl.constexpr):
-    """(max x, sum exp((x - max) / t)) of one position's logits."""
+    """(max x, sum exp((x - max) / t)) of one position's logits, in one pass (each lane's running sum rescaled
+    when its maximum grows)."""
     offs = tl.arange(0, BLOCK)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for off in range(0, V, BLOCK):
-        x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
-        mx = tl.maximum(mx, x)
-    m = tl.max(mx, axis=0)
     acc = tl.zeros([BLOCK], tl.float32)
     for off in range(0, V, BLOCK):
         x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
-        acc += tl.exp((x - m) / t)
-    return m, tl.sum(acc, axis=0)
+        new = tl.maximum(mx, x)
+        ref = tl.where(new > float("-inf"), new, 0.0)  # (a lane that has seen only -inf: no -inf - -inf)
+        acc = acc * tl.exp((mx - ref) / t) + tl.exp((x - ref) / t)
+        mx = new
+    m = tl.max(mx, axis=0)
+    return m, tl.sum(acc * tl.exp((mx - m) / t), axis=0)
 
 
 @triton.jit
@@ -95,15 +96,17 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, seeds_ptr,
         if acc < nd:
             excl = tl.load(drafts_ptr + r * K + acc)
         offs = tl.arange(0, BLOCK)
-        tot = tl.zeros([BLOCK], tl.float32)
-        for off in range(0, V, BLOCK):
-            i = off + offs
-            x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-            tot += tl.where(i == excl, 0.0, tl.exp((x - m_a) / t))
-        total = tl.sum(tot, axis=0)
-        if total <= 0.0:  # only the rejected draft had mass (rounding): draw from p
-            excl = excl * 0 - 1
-            total = s_a
+        total = s_a
+        if excl >= 0:  # the residual's mass: p's without the rejected draft
+            tot = tl.zeros([BLOCK], tl.float32)
+            for off in range(0, V, BLOCK):
+                i = off + offs
+                x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
+                tot += tl.where(i == excl, 0.0, tl.exp((x - m_a) / t))
+            total = tl.sum(tot, axis=0)
+            if total <= 0.0:  # only the rejected draft had mass (rounding): draw from p
+                excl = excl * 0 - 1
+                total = s_a
         thr = _uniform(seed, pos0 + acc, KEY_DRAW) * total
         run = 0.0
         first = V
