@@ -275,9 +275,15 @@ class RejectionSampler:
                                  f"got {len(params)}")
             return logits.argmax(dim=-1)
         n, dev = logits.shape[0], logits.device
-        res = self.verify(logits[:, None], torch.zeros(n, 0, dtype=torch.int64, device=dev), None,
-                          torch.zeros(n, dtype=torch.int64, device=dev), params, seeds, positions)
-        return res.output_token_ids[:, 0]
+        none, zeros = torch.zeros(n, 0, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)
+        self._check(logits[:, None], none, None, zeros, params, seeds, positions)
+        if all(p.greedy or is_tempered(p) for p in params):
+            # What `verify` decides for these rows without its accept-test bookkeeping (a few launches fewer on
+            # every sampling step): the argmax, or `tempered_decisions`' draw.
+            temp = to_device([p.temperature for p in params], torch.float32, dev)
+            final = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
+            return torch.where(temp > 0, final, logits.argmax(dim=-1))
+        return self.verify(logits[:, None], none, None, zeros, params, seeds, positions).output_token_ids[:, 0]
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
                         temperature: Tensor, seeds: Tensor, positions: Tensor, top_k: Tensor | None = None,
