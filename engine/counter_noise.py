@@ -1,9 +1,10 @@
 """Counter-based uniform noise: U[0, 1) as a pure function of (seed, position, stream).
 
-Speculative sampling draws a request's random numbers from its seed and the position of the token they decide,
-not from a generator object that advances with every call. So the noise of a decision about a token is the same
-whatever batch and whatever step it is made in, without per-request state, and it is made of a few integer ops on
-tensors of the batch's size: no per-row host loop, no generator, nothing that a CUDA graph cannot hold.
+Sampling (every engine's draw, and speculative sampling's accept tests) takes a request's random numbers from its
+seed and the position of the token they decide, not from a generator object that advances with every call. So the
+noise of a decision about a token is the same whatever batch and whatever step it is made in, without per-request
+state, and it is made of a few integer ops on tensors of the batch's size: no per-row host loop, no generator,
+nothing that a CUDA graph cannot hold.
 
 The hash: each of the stream, the position and the seed's two 32-bit halves is XORed in and mixed by lowbias32
 (Chris Wellons' 32-bit integer hash, a bijection with good avalanche). For one seed and stream, distinct positions
