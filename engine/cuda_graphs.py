@@ -380,7 +380,7 @@ class StepGraphs:
         return sampling_variant(temperature, top_k, top_p)
 
     def _stage_sampling(self, at: int, n: int, variant: int) -> int:
-        """Copy the staged sampling inputs of n rows (`_sampling_parts`) into place; returns the offset after."""
+        """Copy the staged sampling inputs of n rows (`sampling_parts`) into place; returns the offset after."""
         if variant == GREEDY:
             return at
         self.temperature[:n] = self.staging[at:at + n].to(torch.int32).view(torch.float32)

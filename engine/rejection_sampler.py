@@ -247,17 +247,17 @@ class RejectionSampler:
             dev = target_logits.device
             idx = to_device(rows, torch.int64, dev)
             assert seeds is not None and positions is not None  # _check
-            if draft_probs is None:  # top-k / top-p rows: as verify_filtered decides them
+            if draft_probs is None:  # top-k / top-p rows: as verify_tempered's filtered rows
                 sub = [params[i] for i in rows]
-                acc_s, final_s = filtered_decisions(
-                    target_logits[idx], drafts[idx], nd[idx], to_device([p.temperature for p in sub], torch.float32, dev),
-                    to_device([p.top_k for p in sub], torch.int64, dev),
-                    to_device([p.top_p for p in sub], torch.float32, dev), seeds[idx], positions[idx])
+                temp = to_device([p.temperature for p in sub], torch.float32, dev)
+                top_k = to_device([p.top_k for p in sub], torch.int64, dev)
+                top_p = to_device([p.top_p for p in sub], torch.float32, dev)
+                acc_s, final_s = filtered_decisions(target_logits[idx], drafts[idx], nd[idx], temp, top_k, top_p,
+                                                    seeds[idx], positions[idx])
             else:
                 # Every position of a row uses that row's params: flatten positions into rows for probs.
                 r = len(rows)
-                p = probs(target_logits[idx].float().reshape(r * K1, V),
-                                   [params[i] for i in rows for _ in range(K1)])
+                p = probs(target_logits[idx].float().reshape(r * K1, V), [params[i] for i in rows for _ in range(K1)])
                 acc_s, final_s = _stochastic(p.view(r, K1, V), drafts[idx], valid[idx], draft_probs[idx],
                                              seeds[idx], positions[idx])
             accepted[idx] = acc_s
