@@ -271,16 +271,22 @@ def test_16_bit_target_logits_verify_as_their_float32_copy(device: str) -> None:
     assert got.accepted_counts.tolist()[:3] == [1, 3, 2]
 
 
+def _verify_rows(R: int, Kmax: int, V: int, seed: int):
+    """(the generator, then on: bf16 logits [R, Kmax+1, V], drafts [R, Kmax] (60 % the argmax, so that some are
+    accepted), draft counts [R] in 0..Kmax)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 2).to(torch.bfloat16)
+    drafts = torch.where(torch.rand(R, Kmax, generator=g) < 0.6, logits.float().argmax(-1)[:, :Kmax],
+                         torch.randint(V, (R, Kmax), generator=g))
+    return g, logits, drafts, torch.randint(Kmax + 1, (R,), generator=g)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_tempered_equals_verify_of_the_same_rows(device: str) -> None:
     """What a verify graph runs (temperatures, seeds and positions as tensors, no host list) decides every row as
     `verify` does with the rows' SamplingParams: greedy rows by argmax, the others sampled at their temperature."""
     R, Kmax, V = 96, 3, 11
-    g = torch.Generator().manual_seed(21)
-    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 2).to(torch.bfloat16)
-    drafts = torch.where(torch.rand(R, Kmax, generator=g) < 0.6, logits.float().argmax(-1)[:, :Kmax],
-                         torch.randint(V, (R, Kmax), generator=g))
-    nd = torch.randint(Kmax + 1, (R,), generator=g)
+    g, logits, drafts, nd = _verify_rows(R, Kmax, V, seed=21)
     temps = [0.0 if i % 3 == 0 else (0.5, 1.0, 1.7, 1e-4)[i % 4] for i in range(R)]
     params = [SamplingParams(temperature=t) for t in temps]
     seeds, pos = torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g)
@@ -364,11 +370,7 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
     greedy rows by argmax, rows at a temperature alone by `tempered_decisions`, top-k / top-p rows by
     `filtered_decisions`, which computes FILTER_ROWS distributions at a time (here 96 x 4 of them)."""
     R, Kmax, V = 96, 3, 23
-    g = torch.Generator().manual_seed(22)
-    logits = (torch.randn(R, Kmax + 1, V, generator=g) * 2).to(torch.bfloat16)
-    drafts = torch.where(torch.rand(R, Kmax, generator=g) < 0.6, logits.float().argmax(-1)[:, :Kmax],
-                         torch.randint(V, (R, Kmax), generator=g))
-    nd = torch.randint(Kmax + 1, (R,), generator=g)
+    g, logits, drafts, nd = _verify_rows(R, Kmax, V, seed=22)
     kinds = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=0.7, top_k=3),
              dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, top_k=5, top_p=0.6), dict(temperature=1.5)]
     params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(R)]

@@ -107,10 +107,13 @@ def test_bad_flags(argv, match):
         sb.parse_args(["--smoke", *argv])
 
 
-def test_temperature_times_seeded_sampling_rows():
-    """--temperature: every request samples at it with a seed of its own, and the steps are timed as greedy ones."""
+@pytest.mark.parametrize("top_p, label", [(1.0, "temperature 0.8"), (0.9, "temperature 0.8, top-p 0.9")])
+def test_temperature_times_seeded_sampling_rows(top_p, label):
+    """--temperature (and --top-p): every request samples with them and a seed of its own, and the steps are timed
+    as greedy ones."""
     bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
-                            temperature=0.8, progress=False)
+                            temperature=0.8, top_p=top_p, progress=False)
+    assert sb.sampling_label(bc) == label
     cfg, hf = sb.model_config("tiny")
     weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
     engine = sb.build_engine(cfg, weights, bc, 1)
@@ -120,19 +123,5 @@ def test_temperature_times_seeded_sampling_rows():
     r = sb.bench_batch(engine, bc, 2, copy=10.0)
     assert r.step_ms > 0 and 2 <= r.tokens_per_step <= 4
     decode = added[2:]  # (the first two: the prefill-only requests)
-    assert {p.temperature for p in added} == {0.8} and len({p.seed for p in decode}) == 2
+    assert {(p.temperature, p.top_p) for p in added} == {(0.8, top_p)} and len({p.seed for p in decode}) == 2
     assert r.graphed == 0.0  # (the CPU runs no graphs)
-
-
-def test_top_p_rows_sample_with_the_nucleus_filter():
-    bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
-                            temperature=0.8, top_p=0.9, progress=False)
-    assert sb.sampling_label(bc) == "temperature 0.8, top-p 0.9"
-    cfg, hf = sb.model_config("tiny")
-    weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
-    engine = sb.build_engine(cfg, weights, bc, 1)
-    added = []
-    add = engine.runner.add_request
-    engine.runner.add_request = lambda rid, params: added.append(params) or add(rid, params)
-    r = sb.bench_batch(engine, bc, 2, copy=10.0)
-    assert r.step_ms > 0 and {(p.temperature, p.top_p) for p in added} == {(0.8, 0.9)}
