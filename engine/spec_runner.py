@@ -7,10 +7,10 @@ One step, all on the device until the single host read of its tokens at the end:
    this step's 1+k positions (R4: no unaccepted position ever reaches the state); prefill chunks and
    first-token recomputes run the chunked scan from the row's state.
 2. Logits: the last token of each prefill row that samples, every token of each verify row (R5). Prefill rows
-   sample as a verify row without drafts would (`RejectionSampler.sample`, as every engine samples); verify rows go through the rejection sampler
-   (greedy: accept while the target's argmax matches), whose accepted counts + 1 are written straight into
-   `replay[slot]` on the device (R3): the next step replays that many recorded positions, whatever order its
-   rows come in.
+   sample as a verify row without drafts would (`RejectionSampler.sample`, as every engine samples); verify
+   rows go through the rejection sampler (greedy: accept while the target's argmax matches), whose accepted
+   counts + 1 are written straight into `replay[slot]` on the device (R3): the next step replays that many
+   recorded positions, whatever order its rows come in.
 3. Drafter catch-up: the MTP module runs once over every token of the batch with (h_i, t_{i+1}), writing its
    own KV at every position (R8: a prefill chunk's successor token is known from the prompt; a sampling row's
    last one is the token just sampled; a verify row's are the tokens it emitted). Its output at each drafting
@@ -163,14 +163,13 @@ class SpecRunner(ModelRunner):
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                 num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None,
-                tempered: tuple[torch.Tensor, ...] | None = None
+                sampling: tuple[torch.Tensor, ...] | None = None
                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
-        tokens written into `next_ids` as the drafter's successors. `tempered` (a graph's rows that sample):
-        the rows' (temperature, seeds) tensors, with top-k / top-p ones (temperature, seeds, top_k, top_p), which
-        `params` / `seeds` then stand aside for. Returns (the
-        results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last
-        committed position [Rd], its position [Rd])."""
+        tokens written into `next_ids` as the drafter's successors. `sampling` (a graph's rows that sample): the
+        rows' (temperature, seeds) tensors, with top-k / top-p ones (temperature, seeds, top_k, top_p), which
+        `params` / `seeds` then stand aside for. Returns (the results to read back: emitted counts [Rd] and tokens
+        [Rd*Tv], the flat token of each row's last committed position [Rd], its position [Rd])."""
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, Tv]
         Tv = idx.shape[1]
@@ -180,9 +179,9 @@ class SpecRunner(ModelRunner):
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         # Column t of a row decides the token at position verify_base + 1 + t.
-        if tempered is not None:
-            res = self.rejection.verify_tempered(logits, drafts, num_draft, *tempered[:2], verify_base + 1,
-                                                 *tempered[2:])
+        if sampling is not None:
+            res = self.rejection.verify_tempered(logits, drafts, num_draft, *sampling[:2], verify_base + 1,
+                                                 *sampling[2:])
         else:
             res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
                                         None if seeds is None else verify_base + 1)
@@ -224,10 +223,12 @@ class SpecRunner(ModelRunner):
 
     def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
         """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
-        `StepGraphs.run` takes them."""
+        `StepGraphs.run` takes them; none when every row is greedy (its graph reads none)."""
+        rows = [self._sampling[rid] for rid in request_ids]
+        if all(params.greedy for params, _ in rows):
+            return {}
         temperature, seeds, top_k, top_p = [], [], [], []
-        for rid in request_ids:
-            params, seed = self._sampling[rid]
+        for params, seed in rows:
             temperature.append(params.temperature)
             seeds.append(0 if params.greedy else seed)
             top_k.append(params.top_k)
@@ -240,8 +241,7 @@ class SpecRunner(ModelRunner):
         """What the step graph captures: forward, verify, drafter catch-up and chain, for n verify rows of 1+K
         tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
         padding); sampling: None for greedy rows only, else the rows' (temperature, seeds[, top_k, top_p])
-        tensors. Returns the
-        packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
+        tensors. Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
