@@ -29,7 +29,7 @@ trained model). Per (K, B):
 
   python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec   # 8b-like (~20 GB)
   python benchmarks/spec_bench.py --device cuda --temperature 0.8 --ks 0,1,2                     # sampled rows
-  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --top-p 0.95 --ks 0,1,2         # eager steps
+  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --top-p 0.95 --ks 0,1,2         # filtered rows
   python benchmarks/spec_bench.py --smoke --out /tmp/spec                                         # tiny, CPU
 """
 

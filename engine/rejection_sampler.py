@@ -22,6 +22,8 @@ the same vectorised ops: no per-row loop and no generator.
 Rows that sample at a temperature alone (no top-k / top-p, deterministic drafts) are decided by
 `tempered_decisions`, on the GPU by one Triton launch (`ops.triton_tempered_verify`) that makes none of the
 [R, Kmax+1, V] float32 copies of the torch path; `verify` and `verify_tempered` (a CUDA graph's) both decide them so.
+Rows with top-k / top-p are decided by `filtered_decisions`: the sampler's sort-based filter for the accept tests,
+and the same kernel, at temperature 1 on the filtered logits, for the draw.
 
 Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
 (`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
@@ -41,7 +43,7 @@ from torch import Tensor
 from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
 from .ops import dispatch
-from .sampling import filtered_probs, probs
+from .sampling import filtered_logits, probs
 from .sampling_params import SamplingParams
 
 
@@ -146,11 +148,36 @@ FILTER_ROWS = 32
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, each) -> None:
-    """Call each(start, end, dist) for consecutive row ranges of logits [n, V] with their filtered
-    distributions (`sampling.filtered_probs`, FILTER_ROWS rows at a time)."""
+    """Call each(start, end, z) for consecutive row ranges of logits [n, V] with their filtered distributions as
+    logits (`sampling.filtered_logits`, FILTER_ROWS rows at a time)."""
     for s in range(0, logits.shape[0], FILTER_ROWS):
         e = min(s + FILTER_ROWS, logits.shape[0])
-        each(s, e, filtered_probs(logits[s:e].float(), temperature[s:e], top_k[s:e], top_p[s:e]))
+        each(s, e, filtered_logits(logits[s:e].float(), temperature[s:e], top_k[s:e], top_p[s:e]))
+
+
+def _draw_filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
+                   positions: Tensor, exclude: Tensor | None = None) -> Tensor:
+    """A draw from each row's filtered distribution: logits [r, V], temperature [r] float32 (0: a row to skip,
+    its result undefined), top_k / top_p / seeds [r], positions [r] (of the token drawn), exclude [r] | None (a
+    token to remove from the distribution first, where not -1: a rejected draft) -> [r] int64.
+
+    The filtered logits go through `tempered_decisions` at temperature 1 with no drafts (on the GPU: the Triton
+    kernel), so its one-pass inverse-CDF draw and counter noise make every filtered draw, with or without
+    drafts, in a graph or not; the filter's [r, V] copies are made FILTER_ROWS rows at a time."""
+    r = logits.shape[0]
+    temp = torch.where(temperature > 0, temperature, 1.0)
+    if r <= FILTER_ROWS:
+        z = filtered_logits(logits.float(), temp, top_k, top_p)
+    else:
+        z = logits.new_empty(logits.shape, dtype=torch.float32)
+        _filtered_rows(logits, temp, top_k, top_p, lambda s, e, f: z[s:e].copy_(f))
+    if exclude is not None:
+        # Removing the rejected draft leaves mass: it had all of it only at p = 1, which every accept test passes.
+        d = exclude.clamp_min(0)[:, None]
+        z.scatter_(1, d, torch.where(exclude[:, None] >= 0, float("-inf"), z.gather(1, d)))
+    none = seeds.new_zeros(r, 0)
+    return dispatch.tempered_decisions(z)(z[:, None], none, seeds.new_zeros(r), (temperature > 0).float(), seeds,
+                                          positions)[1]
 
 
 def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
@@ -159,9 +186,12 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     such rows, from device tensors alone: what a CUDA graph holds), FILTER_ROWS distributions at a time so that
     the sort's memory does not grow with the batch: logits [R, K+1, V], drafts [R, K] int64 (padding in range),
     num_draft / top_k (0: none) / seeds / positions [R] int64, temperature / top_p [R] float32 -> (accepted [R],
-    final [R]), defined on the rows whose temperature is above 0."""
+    final [R]), defined on the rows whose temperature is above 0. The final token is `_draw_filtered`'s."""
     R, K1, V = logits.shape
     K = K1 - 1
+    if K == 0:
+        accepted = seeds.new_zeros(R)
+        return accepted, _draw_filtered(logits[:, 0], temperature, top_k, top_p, seeds, positions)
     valid = torch.arange(K, device=drafts.device)[None, :] < num_draft[:, None]
     temp = torch.where(temperature > 0, temperature, 1.0)
     # The accept tests: p at each draft, the distributions of every position but the last.
@@ -170,21 +200,16 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     p_x = logits.new_empty(R * K, dtype=torch.float32)
     rep = lambda t: t.repeat_interleave(K)  # noqa: E731 (a row's parameters at each of its positions)
 
-    def gather(s: int, e: int, dist: Tensor) -> None:
-        p_x[s:e] = dist.gather(1, ids[s:e]).squeeze(1)
+    def gather(s: int, e: int, z: Tensor) -> None:
+        p_x[s:e] = (z.gather(1, ids[s:e]) - z.logsumexp(dim=1, keepdim=True)).exp().squeeze(1)
 
     _filtered_rows(flat, rep(temp), rep(top_k), rep(top_p), gather)
     accepted = _accept(p_x.view(R, K), valid, seeds, positions)
-    # The draw: the distribution at each row's decided position only.
+    # The draw at each row's decided position: the residual after a rejected draft (p without it), else p.
     at = logits[torch.arange(R, device=logits.device), accepted]  # [R, V]
-    final = torch.empty_like(accepted)
-
-    def draw(s: int, e: int, dist: Tensor) -> None:
-        final[s:e] = _final(dist, _one_hot_at(drafts[s:e], accepted[s:e], dist), accepted[s:e], valid[s:e],
-                            seeds[s:e], positions[s:e])
-
-    _filtered_rows(at, temp, top_k, top_p, draw)
-    return accepted, final
+    rejected = drafts.gather(1, accepted.clamp(max=K - 1)[:, None]).squeeze(1)
+    exclude = torch.where(accepted < num_draft, rejected, -1)
+    return accepted, _draw_filtered(at, temperature, top_k, top_p, seeds, positions + accepted, exclude)
 
 
 def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
@@ -277,13 +302,25 @@ class RejectionSampler:
         n, dev = logits.shape[0], logits.device
         none, zeros = torch.zeros(n, 0, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)
         self._check(logits[:, None], none, None, zeros, params, seeds, positions)
-        if all(p.greedy or is_tempered(p) for p in params):
-            # What `verify` decides for these rows without its accept-test bookkeeping (a few launches fewer on
-            # every sampling step): the argmax, or `tempered_decisions`' draw.
-            temp = to_device([p.temperature for p in params], torch.float32, dev)
-            final = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
-            return torch.where(temp > 0, final, logits.argmax(dim=-1))
-        return self.verify(logits[:, None], none, None, zeros, params, seeds, positions).output_token_ids[:, 0]
+        assert seeds is not None and positions is not None  # _check
+        # What `verify` decides for these rows without its accept-test bookkeeping (fewer launches on every
+        # sampling step): the argmax, `tempered_decisions`' draw, or `_draw_filtered`'s.
+        final = logits.argmax(dim=-1) if any(p.greedy for p in params) else torch.zeros_like(zeros)
+        if any(is_tempered(p) for p in params):
+            temp = to_device([p.temperature if is_tempered(p) else 0.0 for p in params], torch.float32, dev)
+            drawn = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
+            final = torch.where(temp > 0, drawn, final)
+        rows = [i for i, p in enumerate(params) if not p.greedy and not is_tempered(p)]
+        if rows:
+            sub = [params[i] for i in rows]
+            temp = to_device([p.temperature for p in sub], torch.float32, dev)
+            top_k = to_device([p.top_k for p in sub], torch.int64, dev)
+            top_p = to_device([p.top_p for p in sub], torch.float32, dev)
+            if len(rows) == n:
+                return _draw_filtered(logits, temp, top_k, top_p, seeds, positions)
+            idx = to_device(rows, torch.int64, dev)
+            final[idx] = _draw_filtered(logits[idx], temp, top_k, top_p, seeds[idx], positions[idx])
+        return final
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
                         temperature: Tensor, seeds: Tensor, positions: Tensor, top_k: Tensor | None = None,

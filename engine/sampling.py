@@ -38,19 +38,20 @@ def probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         return scaled.softmax(dim=-1)
     k = to_device([p.top_k for p in params], torch.int64, dev)  # [r]
     top_p = to_device([p.top_p for p in params], torch.float32, dev)  # [r]
-    return _filter(scaled, k, top_p)
+    return _filter(scaled, k, top_p).softmax(dim=-1)
 
 
-def filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """`probs` of rows with filters from device tensors alone (no host list: what a CUDA graph holds):
-    logits [r, V] float32, temperature [r] float32 (> 0), top_k [r] int64 (0: none), top_p [r] float32 ->
-    the filtered, renormalised probabilities [r, V]."""
+def filtered_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The filtered distribution of rows with filters as logits, from device tensors alone (no host list: what a
+    CUDA graph holds): logits [r, V] float32, temperature [r] float32 (> 0), top_k [r] int64 (0: none), top_p [r]
+    float32 -> [r, V] float32, the scaled logits (row max 0) with -inf outside the filter; their softmax is `probs`."""
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]  # [r, V]
     return _filter(scaled, top_k, top_p)
 
 
 def _filter(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Top-k (0: none), then top-p on the top-k-renormalised distribution: scaled logits [r, V] -> [r, V]."""
+    """Top-k (0: none), then top-p on the top-k-renormalised distribution: scaled logits [r, V] -> the kept ones,
+    -inf elsewhere [r, V]."""
     V = scaled.shape[1]
     # A stable descending sort orders equal logits by id, so which of several tied tokens survives
     # a top-k cut is deterministic.
@@ -66,5 +67,4 @@ def _filter(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     cut = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     # Scatter back to vocabulary order, so a seed's noise maps to token ids and not to ranks.
-    filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)

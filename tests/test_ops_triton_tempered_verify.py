@@ -57,6 +57,27 @@ def test_kernel_equals_reference(K, V, dtype):
         assert acc[sampled].sum() > 0 and (acc[sampled] < nd).any()
 
 
+@pytest.mark.parametrize("V, lo, hi", [(300, 0, 300), (9000, 4100, 4200), (9000, 5, 8995)])
+def test_kernel_draws_from_filtered_logits(V, lo, hi):
+    """`rejection_sampler._draw_filtered` passes the sampler's filtered logits (-inf outside top-k / top-p) at
+    temperature 1 with no drafts: every draw lies in the kept set, as the reference's, also when whole blocks of
+    the vocabulary are -inf (the kept ids within [lo, hi), here only in the second of two blocks)."""
+    R = 48
+    g = torch.Generator().manual_seed(V + lo)
+    logits = torch.randn(R, 1, V, generator=g) * 2
+    kept = torch.zeros(R, V, dtype=torch.bool)
+    kept[:, lo:hi] = torch.rand(R, hi - lo, generator=g) < 0.05
+    kept[torch.arange(R), torch.randint(lo, hi, (R,), generator=g)] = True  # at least one id per row
+    logits = torch.where(kept[:, None], logits, float("-inf"))
+    i64 = dict(dtype=torch.int64)
+    args = (logits, torch.zeros(R, 0, **i64), torch.zeros(R, **i64), torch.ones(R),
+            torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g))
+    args = tuple(t.to(DEVICE) for t in args)
+    final = tempered_decisions_triton(*args)[1].cpu()
+    assert final.tolist() == tempered_decisions(*args)[1].tolist()
+    assert kept[torch.arange(R), final].all()
+
+
 def test_tiny_temperature_accepts_the_draft_holding_all_the_mass():
     """At a tiny temperature every other exp() underflows to 0: the draft has p = 1 exactly, so it is accepted
     whatever the noise, and the bonus position's draw (also one id with all the mass) matches."""

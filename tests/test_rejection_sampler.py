@@ -404,23 +404,28 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("filtered", [False, True], ids=["tempered", "with-a-top-p-row"])
-def test_sample_is_verify_without_drafts(device: str, filtered: bool) -> None:
-    """`sample` (every engine's next token) decides each row as `verify` does a row without drafts: its shortcut
-    for greedy and temperature-only rows, and `verify` itself once a row filters."""
+@pytest.mark.parametrize("filtered", ["none", "one", "all"], ids=["tempered", "with-a-top-p-row", "all-filtered"])
+def test_sample_is_verify_without_drafts(device: str, filtered: str) -> None:
+    """`sample` (every engine's next token) decides each row as `verify` does a row without drafts, by its own
+    shortcuts: the argmax for greedy rows, `tempered_decisions` for temperature-only rows, `_draw_filtered` for
+    top-k / top-p rows."""
     R, V = 24, 300
     g = torch.Generator().manual_seed(31)
     logits = (torch.randn(R, V, generator=g) * 3).to(torch.bfloat16).to(device)
     params = [SamplingParams(temperature=(0.0, 0.7, 1.0, 1.6)[i % 4], seed=i) for i in range(R)]
-    if filtered:
+    if filtered == "one":
         params[5] = SamplingParams(temperature=0.9, top_p=0.8, seed=5)
+    elif filtered == "all":
+        params = [SamplingParams(temperature=(0.7, 1.0, 1.6)[i % 3], top_k=(0, 7)[i % 2], top_p=(0.8, 0.95, 0.5)[i % 3],
+                                 seed=i) for i in range(R)]
     seeds, pos = ints(list(range(R)), device), ints([40 + i for i in range(R)], device)
     rs = RejectionSampler(max_draft=0)
     got = rs.sample(logits, params, seeds, pos)
     want = rs.verify(logits[:, None], torch.zeros(R, 0, dtype=torch.long, device=device), None,
                      torch.zeros(R, dtype=torch.long), params, seeds, pos).output_token_ids[:, 0]
     assert got.tolist() == want.tolist()
-    assert got[0::4].tolist() == logits[0::4].float().argmax(-1).tolist()
+    if filtered != "all":
+        assert got[0::4].tolist() == logits[0::4].float().argmax(-1).tolist()
     assert (got != logits.float().argmax(-1)).any()  # the others draw
     with pytest.raises(ValueError, match="positions: expected an int64 tensor"):
         rs.sample(logits, params, seeds, None)
