@@ -22,8 +22,8 @@ the same vectorised ops: no per-row loop and no generator.
 Rows that sample at a temperature alone (no top-k / top-p, deterministic drafts) are decided by
 `tempered_decisions`, on the GPU by one Triton launch (`ops.triton_tempered_verify`) that makes none of the
 [R, Kmax+1, V] float32 copies of the torch path; `verify` and `verify_tempered` (a CUDA graph's) both decide them so.
-Rows with top-k / top-p are decided by `filtered_decisions`: the sampler's sort-based filter for the accept tests,
-and the same kernel, at temperature 1 on the filtered logits, for the draw.
+Rows with top-k / top-p are decided by `filtered_decisions` (the sampler's sort-based filter); on the GPU by the same
+kernel, which finds each filter's cut by bisection (a pass over V a step) instead of sorting.
 
 Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
 (`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
@@ -161,9 +161,8 @@ def _draw_filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     its result undefined), top_k / top_p / seeds [r], positions [r] (of the token drawn), exclude [r] | None (a
     token to remove from the distribution first, where not -1: a rejected draft) -> [r] int64.
 
-    The filtered logits go through `tempered_decisions` at temperature 1 with no drafts (on the GPU: the Triton
-    kernel), so its one-pass inverse-CDF draw and counter noise make every filtered draw, with or without
-    drafts, in a graph or not; the filter's [r, V] copies are made FILTER_ROWS rows at a time."""
+    The filtered logits go through `tempered_decisions` at temperature 1 with no drafts (its inverse-CDF draw
+    and counter noise); the filter's [r, V] copies are made FILTER_ROWS rows at a time."""
     r = logits.shape[0]
     temp = torch.where(temperature > 0, temperature, 1.0)
     if r <= FILTER_ROWS:
@@ -176,8 +175,7 @@ def _draw_filtered(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
         d = exclude.clamp_min(0)[:, None]
         z.scatter_(1, d, torch.where(exclude[:, None] >= 0, float("-inf"), z.gather(1, d)))
     none = seeds.new_zeros(r, 0)
-    return dispatch.tempered_decisions(z)(z[:, None], none, seeds.new_zeros(r), (temperature > 0).float(), seeds,
-                                          positions)[1]
+    return tempered_decisions(z[:, None], none, seeds.new_zeros(r), (temperature > 0).float(), seeds, positions)[1]
 
 
 def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
@@ -186,7 +184,10 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     such rows, from device tensors alone: what a CUDA graph holds), FILTER_ROWS distributions at a time so that
     the sort's memory does not grow with the batch: logits [R, K+1, V], drafts [R, K] int64 (padding in range),
     num_draft / top_k (0: none) / seeds / positions [R] int64, temperature / top_p [R] float32 -> (accepted [R],
-    final [R]), defined on the rows whose temperature is above 0. The final token is `_draw_filtered`'s."""
+    final [R]), defined on the rows whose temperature is above 0. The final token is `_draw_filtered`'s.
+
+    The torch reference of `ops.triton_tempered_verify.filtered_decisions_triton`, which finds each filter's cut
+    by bisection instead of sorting."""
     R, K1, V = logits.shape
     K = K1 - 1
     if K == 0:
@@ -277,8 +278,8 @@ class RejectionSampler:
                 temp = to_device([p.temperature for p in sub], torch.float32, dev)
                 top_k = to_device([p.top_k for p in sub], torch.int64, dev)
                 top_p = to_device([p.top_p for p in sub], torch.float32, dev)
-                acc_s, final_s = filtered_decisions(target_logits[idx], drafts[idx], nd[idx], temp, top_k, top_p,
-                                                    seeds[idx], positions[idx])
+                acc_s, final_s = dispatch.filtered_decisions(target_logits)(
+                    target_logits[idx], drafts[idx], nd[idx], temp, top_k, top_p, seeds[idx], positions[idx])
             else:
                 # Every position of a row uses that row's params: flatten positions into rows for probs.
                 r = len(rows)
@@ -304,22 +305,20 @@ class RejectionSampler:
         self._check(logits[:, None], none, None, zeros, params, seeds, positions)
         assert seeds is not None and positions is not None  # _check
         # What `verify` decides for these rows without its accept-test bookkeeping (fewer launches on every
-        # sampling step): the argmax, `tempered_decisions`' draw, or `_draw_filtered`'s.
+        # sampling step): the argmax, `tempered_decisions`' draw, or `filtered_decisions`'.
         final = logits.argmax(dim=-1) if any(p.greedy for p in params) else torch.zeros_like(zeros)
         if any(is_tempered(p) for p in params):
             temp = to_device([p.temperature if is_tempered(p) else 0.0 for p in params], torch.float32, dev)
             drawn = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
             final = torch.where(temp > 0, drawn, final)
-        rows = [i for i, p in enumerate(params) if not p.greedy and not is_tempered(p)]
-        if rows:
-            sub = [params[i] for i in rows]
-            temp = to_device([p.temperature for p in sub], torch.float32, dev)
-            top_k = to_device([p.top_k for p in sub], torch.int64, dev)
-            top_p = to_device([p.top_p for p in sub], torch.float32, dev)
-            if len(rows) == n:
-                return _draw_filtered(logits, temp, top_k, top_p, seeds, positions)
-            idx = to_device(rows, torch.int64, dev)
-            final[idx] = _draw_filtered(logits[idx], temp, top_k, top_p, seeds[idx], positions[idx])
+        if any(not p.greedy and not is_tempered(p) for p in params):
+            filtered = [not p.greedy and not is_tempered(p) for p in params]
+            temp = to_device([p.temperature if f else 0.0 for p, f in zip(params, filtered, strict=True)], torch.float32, dev)
+            top_k = to_device([p.top_k for p in params], torch.int64, dev)
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
+            drawn = dispatch.filtered_decisions(logits)(logits[:, None], none, zeros, temp, top_k, top_p, seeds,
+                                                        positions)[1]
+            final = drawn if all(filtered) else torch.where(temp > 0, drawn, final)
         return final
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
@@ -348,7 +347,8 @@ class RejectionSampler:
         filtered = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
         accepted, final = self._tempered(target_logits, drafts, nd, torch.where(filtered, 0.0, temperature), seeds,
                                          positions, accepted, final)
-        acc_f, final_f = filtered_decisions(target_logits, drafts, nd, temperature, top_k, top_p, seeds, positions)
+        acc_f, final_f = dispatch.filtered_decisions(target_logits)(
+            target_logits, drafts, nd, torch.where(filtered, temperature, 0.0), top_k, top_p, seeds, positions)
         return _result(drafts, torch.where(filtered, acc_f, accepted), torch.where(filtered, final_f, final))
 
     @staticmethod

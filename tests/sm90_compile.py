@@ -155,6 +155,16 @@ def _tempered_verify():
                               torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
 
 
+def _filtered_verify():
+    from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
+    R, K, V = 8, 2, 1000  # bf16 logits of K = 2 verify rows with top-k / top-p, and fp32 rows without drafts
+    i64 = dict(dtype=torch.int64)
+    filtered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64), torch.ones(R),
+                              torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
+    filtered_decisions_triton(torch.zeros(R, 1, V), torch.zeros(R, 0, **i64), torch.zeros(R, **i64), torch.ones(R),
+                              torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
+
+
 def _norms():
     from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
     rms_norm_triton(_g(32, HIDDEN), _g(HIDDEN), 1e-5)
@@ -237,7 +247,7 @@ CASES: dict[str, Callable[[], object]] = {
     "attention": _attention, "attention (PDL)": _with_pdl(_attention), "kv write": _kv_write, "norms": _norms,
     "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
     "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
-    "tempered verify": _tempered_verify,
+    "tempered verify": _tempered_verify, "filtered verify": _filtered_verify,
 }
 
 

@@ -1,5 +1,6 @@
-"""Triton tempered-verify kernel (`ops.triton_tempered_verify`) against the torch reference
-`rejection_sampler.tempered_decisions`: the accepted counts and drawn tokens of rows sampling at a temperature.
+"""Triton tempered-verify kernel (`ops.triton_tempered_verify`) against the torch references
+`rejection_sampler.tempered_decisions` and `filtered_decisions`: the accepted counts and drawn tokens of rows
+sampling at a temperature, without and with top-k / top-p.
 
 Both use the same counter noise; the kernel sums in another order, so a decision may differ only where the noise
 falls within float32 rounding of its threshold: on these inputs they agree on every row (interpreter), and on all
@@ -20,8 +21,11 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton  # noqa: E402
-from baton.engine.rejection_sampler import tempered_decisions  # noqa: E402
+from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
+    filtered_decisions_triton,
+    tempered_decisions_triton,
+)
+from baton.engine.rejection_sampler import filtered_decisions, tempered_decisions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TEMPS = (0.5, 1.0, 1.7, 1e-4, 0.0)  # 0: a greedy row, which the kernel leaves alone
@@ -57,25 +61,52 @@ def test_kernel_equals_reference(K, V, dtype):
         assert acc[sampled].sum() > 0 and (acc[sampled] < nd).any()
 
 
-@pytest.mark.parametrize("V, lo, hi", [(300, 0, 300), (9000, 4100, 4200), (9000, 5, 8995)])
-def test_kernel_draws_from_filtered_logits(V, lo, hi):
-    """`rejection_sampler._draw_filtered` passes the sampler's filtered logits (-inf outside top-k / top-p) at
-    temperature 1 with no drafts: every draw lies in the kept set, as the reference's, also when whole blocks of
-    the vocabulary are -inf (the kept ids within [lo, hi), here only in the second of two blocks)."""
-    R = 48
-    g = torch.Generator().manual_seed(V + lo)
-    logits = torch.randn(R, 1, V, generator=g) * 2
-    kept = torch.zeros(R, V, dtype=torch.bool)
-    kept[:, lo:hi] = torch.rand(R, hi - lo, generator=g) < 0.05
-    kept[torch.arange(R), torch.randint(lo, hi, (R,), generator=g)] = True  # at least one id per row
-    logits = torch.where(kept[:, None], logits, float("-inf"))
-    i64 = dict(dtype=torch.int64)
-    args = (logits, torch.zeros(R, 0, **i64), torch.zeros(R, **i64), torch.ones(R),
-            torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g))
+FILTERS = ((0, 1.0), (3, 1.0), (1, 1.0), (0, 0.9), (0, 0.5), (5, 0.8), (0, 0.01), (40, 0.97), (-1, 1.0))
+
+
+def filtered_case(R: int, K: int, V: int, dtype: torch.dtype, seed: int, device: str = DEVICE, scale: float = 3.0):
+    """`case`'s rows with top-k / top-p cycling through FILTERS (top-k -1: V - 1, a cut of one id), as
+    (logits, drafts, nd, temps, top_k, top_p, seeds, pos)."""
+    logits, drafts, nd, temps, seeds, pos = case(R, K, V, dtype, seed, device, scale)
+    top_k = torch.tensor([(FILTERS[i % len(FILTERS)][0]) % V for i in range(R)], device=device)
+    top_p = torch.tensor([FILTERS[i % len(FILTERS)][1] for i in range(R)], device=device)
+    return logits, drafts, nd, temps, top_k, top_p, seeds, pos
+
+
+@pytest.mark.parametrize("K, V, dtype, scale", [(0, 100, torch.float32, 3.0), (1, 3000, torch.bfloat16, 3.0),
+                                                (2, 257, torch.bfloat16, 0.3), (1, 9000, torch.bfloat16, 4.0),
+                                                (3, 64, torch.float16, 1.0)])
+def test_filtered_kernel_equals_reference(K, V, dtype, scale):
+    """The bisection cut (`_cut`) keeps the ids the reference's stable sort keeps, ties (many in bf16 at scale
+    0.3) by lowest id, so accept tests and draws agree on every sampled row."""
+    args = filtered_case(60, K, V, dtype, seed=K * 11 + V, scale=scale)
+    acc, final = filtered_decisions_triton(*args)
+    ref_acc, ref_final = filtered_decisions(*args)
+    sampled = args[3] > 0
+    assert acc[sampled].tolist() == ref_acc[sampled].tolist()
+    assert final[sampled].tolist() == ref_final[sampled].tolist()
+    assert (acc[~sampled] == 0).all() and (final[~sampled] == 0).all()
+    if K:
+        nd = args[2][sampled]
+        assert acc[sampled].sum() > 0 and (acc[sampled] < nd).any()
+
+
+def test_filtered_kernel_keeps_the_lowest_ids_of_a_tie_at_the_cut():
+    """Ten ids tied at the top: top-k 3 keeps ids 0, 1, 2 of them (the stable sort's), and a draft among the
+    others is never accepted."""
+    R, V = 64, 50
+    logits = torch.zeros(R, 2, V)
+    logits[:, :, 10:20] = 5.0
+    drafts = torch.tensor([[10 + (i % 10)] for i in range(R)])
+    args = (logits, drafts, torch.ones(R, dtype=torch.int64), torch.ones(R), torch.full((R,), 3),
+            torch.ones(R), torch.arange(R, dtype=torch.int64), torch.zeros(R, dtype=torch.int64))
     args = tuple(t.to(DEVICE) for t in args)
-    final = tempered_decisions_triton(*args)[1].cpu()
-    assert final.tolist() == tempered_decisions(*args)[1].tolist()
-    assert kept[torch.arange(R), final].all()
+    acc, final = filtered_decisions_triton(*args)
+    ref_acc, ref_final = filtered_decisions(*args)
+    assert acc.tolist() == ref_acc.tolist() and final.tolist() == ref_final.tolist()
+    acc, final = acc.cpu(), final.cpu()
+    assert (acc[drafts[:, 0] >= 13] == 0).all()
+    assert set(final.tolist()) <= {10, 11, 12} and 0 < acc.sum() < R
 
 
 def test_tiny_temperature_accepts_the_draft_holding_all_the_mass():
@@ -113,6 +144,19 @@ def test_gpu_kernel_equals_reference_at_full_size(K):
     args = case(64, K, 131072, torch.bfloat16, seed=K, scale=4.0)
     acc, final = tempered_decisions_triton(*args)
     ref_acc, ref_final = tempered_decisions(*args)
+    sampled = args[3] > 0
+    differ = ((acc != ref_acc) | (final != ref_final))[sampled]
+    assert int(differ.sum()) <= 1, (acc[sampled].tolist(), ref_acc[sampled].tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("K", [0, 1, 3])
+def test_gpu_filtered_kernel_equals_reference_at_full_size(K):
+    """V = 131,072 in bf16, 72 rows with FILTERS' top-k / top-p: at most 1 row in 72 may differ by rounding."""
+    args = filtered_case(72, K, 131072, torch.bfloat16, seed=K + 100, scale=4.0)
+    acc, final = filtered_decisions_triton(*args)
+    ref_acc, ref_final = filtered_decisions(*args)
     sampled = args[3] > 0
     differ = ((acc != ref_acc) | (final != ref_final))[sampled]
     assert int(differ.sum()) <= 1, (acc[sampled].tolist(), ref_acc[sampled].tolist())

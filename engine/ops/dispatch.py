@@ -2,8 +2,8 @@
 references elsewhere. Kernels exist for the decode / verify state updates, paged attention and its KV
 write, the prefill conv and the prefill chunked scan, the norms (a residual add fused into the next one),
 the MLP's relu2, the few-token GEMV with the op before a linear layer fused in (`fused_linear`), a chained
-verify step's inputs and the speculative sampling of rows at a temperature (`tempered_decisions`); MoE
-still runs the torch reference everywhere (issue #7).
+verify step's inputs and the speculative sampling of rows at a temperature (`tempered_decisions`), with top-k /
+top-p too (`filtered_decisions`); MoE still runs the torch reference everywhere (issue #7).
 
 `BATON_KERNELS=torch` forces the references (to rule a kernel out when debugging); `=triton` forces the
 kernels, which on CPU tensors run in Triton's interpreter (`TRITON_INTERPRET=1`, as the tests do).
@@ -154,4 +154,12 @@ def tempered_decisions(t: torch.Tensor) -> Callable:
         from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton
         return tempered_decisions_triton
     from baton.engine.rejection_sampler import tempered_decisions as reference
+    return reference
+
+
+def filtered_decisions(t: torch.Tensor) -> Callable:
+    if use_triton(t):
+        from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
+        return filtered_decisions_triton
+    from baton.engine.rejection_sampler import filtered_decisions as reference
     return reference

@@ -1,7 +1,8 @@
-"""Triton kernel for `rejection_sampler.tempered_decisions` (the torch reference): speculative sampling of
-deterministic drafts at a temperature, every row decided in one launch without the [R, 1+K, V] float32 copies
-the reference makes (upcast, scaled logits, softmax, cumulative sums, the residual), which on a 128k vocabulary
-cost more than the rest of the sampling put together.
+"""Triton kernel for `rejection_sampler.tempered_decisions` and `filtered_decisions` (the torch references):
+speculative sampling of deterministic drafts at a temperature, with or without top-k / top-p, every row decided in
+one launch without the [R, 1+K, V] float32 copies the references make (upcast, scaled logits, softmax, cumulative
+sums, the residual; with a filter, a sort of every distribution), which on a 128k vocabulary cost more than the
+rest of the sampling put together.
 
 One program per row; a greedy row (temperature 0) returns at once (its caller decides it by argmax). For
 position j = 0, 1, ... while every draft before it was accepted: the row max m_j and the sum s_j of
@@ -9,12 +10,22 @@ e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_
 u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
 residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position from p itself
 (mass s_a), by inverse CDF: one pass that finds the first id whose cumulative mass exceeds u * mass (clamped to the
-last id with mass). A row without drafts reads its logits twice. Sums run in another order than torch's, so a decision can differ from the reference only where the
-noise falls within float32 rounding of its threshold.
+last id with mass). A row without drafts reads its logits twice.
+
+Top-k / top-p (`filtered_decisions_triton`): the sampler's filter keeps a prefix of the ids ordered by value, ties
+by lowest id (`sampling._filter`'s stable sort). That prefix is a cut on an order-preserving integer key of the
+value (`_key`): every id above the cut's key, and the lowest ids at it up to a count. `_cut` finds it without
+sorting: top-k's key by bisection on how many ids lie above (a pass over V a step, ~15 steps for bf16 logits),
+then top-p's, at or above it, by bisection on the mass above; the count at the cut key follows from the ids and
+mass above it, since tied ids have equal mass. The accept test and the draw then weigh the dropped ids 0.
+
+Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
+top-p mass) falls within float32 rounding of its threshold.
 
 Graph-capturable; no host reads.
 """
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -66,8 +77,126 @@ def _row_stats(base, V, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, seeds_ptr, pos_ptr, acc_ptr, final_ptr,
-                            V, stride_r, stride_k, K: tl.constexpr, KEY_ACCEPT: tl.constexpr,
+def _key(x, SHIFT: tl.constexpr):
+    """An int32 that orders as the float32 x (-0 as +0), with the low SHIFT bits, always 0 for the input dtype
+    (bf16: 16, fp16: 13), dropped: equal keys, equal values."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> SHIFT
+
+
+@triton.jit
+def _above(base, V, tau, m, t, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """(how many ids have a key above tau, their mass: the sum of exp((x - m) / t), when MASS), in one pass."""
+    offs = tl.arange(0, BLOCK)
+    cnt = tl.zeros([BLOCK], tl.int32)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, V, BLOCK):
+        i = off + offs
+        x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
+        above = (_key(x, SHIFT) > tau) & (i < V)
+        cnt += above.to(tl.int32)
+        if MASS:
+            acc += tl.where(above, tl.exp((x - m) / t), 0.0)
+    return tl.sum(cnt, axis=0), tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _least_key(base, V, lo, hi, m, t, k, P, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """By bisection, the least key tau in (lo, hi] (int64; hi qualifies) whose ids above it number fewer than k
+    (MASS False) or hold less mass than P (MASS True): the key of the last id kept by the cut."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        n, e = _above(base, V, mid.to(tl.int32), m, t, MASS, SHIFT, BLOCK)
+        if MASS:  # noqa: SIM108 (a constexpr branch)
+            ok = e < P
+        else:
+            ok = n < k
+        if ok:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@triton.jit
+def _group(base, V, c, m, t, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """(ids above key c, their mass, ids at key c, the mass of one of them) in one pass."""
+    offs = tl.arange(0, BLOCK)
+    n_a = tl.zeros([BLOCK], tl.int32)
+    e_a = tl.zeros([BLOCK], tl.float32)
+    n_c = tl.zeros([BLOCK], tl.int32)
+    x_c = tl.full([BLOCK], float("-inf"), tl.float32)
+    for off in range(0, V, BLOCK):
+        i = off + offs
+        x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
+        key = _key(x, SHIFT)
+        above = (key > c) & (i < V)
+        at = (key == c) & (i < V)
+        n_a += above.to(tl.int32)
+        e_a += tl.where(above, tl.exp((x - m) / t), 0.0)
+        n_c += at.to(tl.int32)
+        x_c = tl.maximum(x_c, tl.where(at, x, float("-inf")))
+    return tl.sum(n_a, axis=0), tl.sum(e_a, axis=0), tl.sum(n_c, axis=0), tl.exp((tl.max(x_c, axis=0) - m) / t)
+
+
+@triton.jit
+def _cut(base, V, m, s, t, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constexpr, BLOCK: tl.constexpr):
+    """The top-k (k in 1..V-1, else none) then top-p (< 1, else none) filter of one position, as
+    `sampling._filter`'s stable sort keeps ids (by value, ties by lowest id), without sorting: (c, keep, mass),
+    where the kept ids are those with a key above c and the `keep` lowest ids with key c, and mass is the kept
+    ids' sum of exp((x - m) / t). Each bisection step is one pass over V."""
+    hi = _key(m, SHIFT).to(tl.int64)  # the max's key: no id above it
+    lo = hi * 0 + KEY_LO  # below every key
+    total = s
+    c = lo + 1
+    if (k > 0) & (k < V):
+        c = _least_key(base, V, lo, hi, m, t, k, 0.0, False, SHIFT, BLOCK)
+        n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, t, SHIFT, BLOCK)
+        total = e_a + (k - n_a).to(tl.float32) * e_c  # the top-k mass: ties at c kept up to k ids
+        lo = c - 1
+    P = top_p * total
+    if top_p < 1.0:  # the least key at or above top-k's whose ids above hold less than top_p of its mass
+        c = _least_key(base, V, lo, hi, m, t, 0, P, True, SHIFT, BLOCK)
+    n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, t, SHIFT, BLOCK)
+    keep = n_c.to(tl.float32)
+    if (k > 0) & (k < V):
+        keep = tl.minimum(keep, (k - n_a).to(tl.float32))
+    if (top_p < 1.0) & (e_c > 0.0):  # ids at c kept while the mass before them is below P (at least one)
+        keep = tl.minimum(keep, tl.maximum(tl.ceil((P - e_a) / e_c), 1.0))
+    return c.to(tl.int32), keep.to(tl.int32), e_a + keep * e_c
+
+
+@triton.jit
+def _tie_rank(base, V, c, d, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """How many ids below d have key c."""
+    offs = tl.arange(0, BLOCK)
+    n = tl.zeros([BLOCK], tl.int32)
+    for off in range(0, V, BLOCK):
+        i = off + offs
+        x = tl.load(base + i, mask=i < d, other=float("-inf")).to(tl.float32)
+        n += ((_key(x, SHIFT) == c) & (i < d)).to(tl.int32)
+    return tl.sum(n, axis=0)
+
+
+@triton.jit
+def _weights(x, i, m, t, excl, c, keep, ties, FILTER: tl.constexpr, SHIFT: tl.constexpr):
+    """The unnormalised mass exp((x - m) / t) of a block of ids i, 0 for the excluded id and, with FILTER, for
+    ids the cut drops (ties: the ids with key c before the block) -> (weights, ids with key c in the block)."""
+    e = tl.where(i == excl, 0.0, tl.exp((x - m) / t))
+    n_c = 0
+    if FILTER:
+        key = _key(x, SHIFT)
+        at = key == c
+        rank = tl.cumsum(at.to(tl.int32), axis=0) - at.to(tl.int32) + ties
+        e = tl.where((key > c) | (at & (rank < keep)), e, 0.0)
+        n_c = tl.sum(at.to(tl.int32), axis=0)
+    return e, n_c
+
+
+@triton.jit
+def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr, top_p_ptr, seeds_ptr, pos_ptr,
+                            acc_ptr, final_ptr, V, stride_r, stride_k, K: tl.constexpr, FILTER: tl.constexpr,
+                            SHIFT: tl.constexpr, KEY_LO: tl.constexpr, KEY_ACCEPT: tl.constexpr,
                             KEY_DRAW: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     t = tl.load(temp_ptr + r)
@@ -75,19 +204,41 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, seeds_ptr,
         nd = tl.load(nd_ptr + r)
         seed = tl.load(seeds_ptr + r)
         pos0 = tl.load(pos_ptr + r)
+        k = 0
+        top_p = 1.0
+        if FILTER:
+            k = tl.load(top_k_ptr + r)
+            top_p = tl.load(top_p_ptr + r)
         row = logits_ptr + r * stride_r
         acc = nd * 0  # accepted drafts so far (int64)
         m_a = 0.0
         s_a = 1.0
+        c_a = (nd * 0 + KEY_LO).to(tl.int32)  # the decided position's cut (`_cut`; without a filter: all kept)
+        keep_a = c_a * 0
         for j in tl.static_range(K + 1):
             if acc == j:  # every draft before position j was accepted: j decides
-                m, s = _row_stats(row + j * stride_k, V, t, BLOCK)
+                base = row + j * stride_k
+                m, s = _row_stats(base, V, t, BLOCK)
+                c = c_a * 0 + KEY_LO
+                keep = c * 0
+                if FILTER:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                    if ((k > 0) & (k < V)) | (top_p < 1.0):
+                        c, keep, s = _cut(base, V, m, s, t, k, top_p, SHIFT, KEY_LO, BLOCK)
                 m_a = m
                 s_a = s
+                c_a = c
+                keep_a = keep
                 if j < nd:
                     d = tl.load(drafts_ptr + r * K + j)
-                    x_d = tl.load(row + j * stride_k + d).to(tl.float32)
+                    x_d = tl.load(base + d).to(tl.float32)
                     p_d = tl.exp((x_d - m) / t) / s
+                    if FILTER:
+                        key_d = _key(x_d, SHIFT)
+                        if key_d < c:
+                            p_d = p_d * 0.0
+                        elif key_d == c:  # noqa: SIM102 (the pass runs only for a draft at the cut)
+                            if _tie_rank(base, V, c, d, SHIFT, BLOCK) >= keep:
+                                p_d = p_d * 0.0
                     if _uniform(seed, pos0 + j, KEY_ACCEPT) < p_d:
                         acc = acc + 1
         # the draw at position acc: the residual after a rejected draft (its id excluded), else p
@@ -99,10 +250,13 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, seeds_ptr,
         total = s_a
         if excl >= 0:  # the residual's mass: p's without the rejected draft
             tot = tl.zeros([BLOCK], tl.float32)
+            ties = keep_a * 0
             for off in range(0, V, BLOCK):
                 i = off + offs
                 x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-                tot += tl.where(i == excl, 0.0, tl.exp((x - m_a) / t))
+                e, n_c = _weights(x, i, m_a, t, excl, c_a, keep_a, ties, FILTER, SHIFT)
+                tot += e
+                ties += n_c
             total = tl.sum(tot, axis=0)
             if total <= 0.0:  # only the rejected draft had mass (rounding): draw from p
                 excl = excl * 0 - 1
@@ -111,34 +265,58 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, seeds_ptr,
         run = 0.0
         first = V
         last = 0
+        ties = keep_a * 0
         for off in range(0, V, BLOCK):
             i = off + offs
             x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-            e = tl.where(i == excl, 0.0, tl.exp((x - m_a) / t))
-            c = tl.cumsum(e, axis=0) + run
-            first = tl.minimum(first, tl.min(tl.where(c > thr, i, V), axis=0))
+            e, n_c = _weights(x, i, m_a, t, excl, c_a, keep_a, ties, FILTER, SHIFT)
+            ties += n_c
+            cum = tl.cumsum(e, axis=0) + run
+            first = tl.minimum(first, tl.min(tl.where(cum > thr, i, V), axis=0))
             last = tl.maximum(last, tl.max(tl.where(e > 0.0, i, 0), axis=0))
             run += tl.sum(e, axis=0)
         tl.store(acc_ptr + r, acc)
         tl.store(final_ptr + r, tl.minimum(first, last).to(tl.int64))
 
 
-def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
-                              positions: Tensor) -> tuple[Tensor, Tensor]:
-    """`rejection_sampler.tempered_decisions`, one launch: logits [R, K+1, V] (any float dtype, unit stride over
-    V), drafts [R, K] int64 (padding in range), num_draft / seeds / positions [R] int64, temperature [R] float32 ->
-    (accepted [R], final [R]) int64, defined on the rows whose temperature is above 0 (the others: zeros)."""
+# The low bits of a float32 upcast that are always 0, by input dtype (`_key`).
+_SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
+
+
+def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor | None,
+            top_p: Tensor | None, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     R, K1, V = logits.shape
     if logits.stride(2) != 1:
         raise ValueError(f"tempered_decisions_triton: expected logits with unit stride over V, got strides "
                          f"{tuple(logits.stride())}")
+    if logits.dtype not in _SHIFTS:
+        raise ValueError(f"tempered_decisions_triton: expected logits of dtype {', '.join(map(str, _SHIFTS))}, got "
+                         f"{logits.dtype}")
     drafts = drafts.contiguous()
     accepted = logits.new_zeros(R, dtype=drafts.dtype)
     final = logits.new_zeros(R, dtype=drafts.dtype)
+    shift = _SHIFTS[logits.dtype]
     if R:
         _tempered_verify_kernel[(R,)](
-            logits, drafts, num_draft, temperature, seeds, positions, accepted, final, V, logits.stride(0),
-            logits.stride(1), K=K1 - 1, KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW], BLOCK=BLOCK,
-            num_warps=8,
+            logits, drafts, num_draft, temperature, temperature if top_k is None else top_k,
+            temperature if top_p is None else top_p, seeds, positions, accepted, final, V, logits.stride(0),
+            logits.stride(1), K=K1 - 1, FILTER=top_k is not None, SHIFT=shift, KEY_LO=(-(2**31)) >> shift,
+            KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW], BLOCK=BLOCK, num_warps=8,
         )
     return accepted, final
+
+
+def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
+                              positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`rejection_sampler.tempered_decisions`, one launch: logits [R, K+1, V] (bf16, fp16 or float32, unit stride
+    over V), drafts [R, K] int64 (padding in range), num_draft / seeds / positions [R] int64, temperature [R]
+    float32 -> (accepted [R], final [R]) int64, defined on the rows whose temperature is above 0 (the others:
+    zeros)."""
+    return _launch(logits, drafts, num_draft, temperature, None, None, seeds, positions)
+
+
+def filtered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
+                              top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`rejection_sampler.filtered_decisions`, one launch: as `tempered_decisions_triton` with top_k [R] int64 (0:
+    none) and top_p [R] float32 (1: none) applied at every position, by bisection instead of a sort (`_cut`)."""
+    return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions)
