@@ -23,7 +23,7 @@ Rows that sample at a temperature alone (no top-k / top-p, deterministic drafts)
 `tempered_decisions`, on the GPU by one Triton launch (`ops.triton_tempered_verify`) that makes none of the
 [R, Kmax+1, V] float32 copies of the torch path; `verify` and `verify_tempered` (a CUDA graph's) both decide them so.
 Rows with top-k / top-p are decided by `filtered_decisions` (the sampler's sort-based filter); on the GPU by the same
-kernel, which finds each filter's cut by bisection (a pass over V a step) instead of sorting.
+kernel, which finds each filter's cut by a search (three keys tested per pass over V) instead of sorting.
 
 Reproducibility: a stochastic row's noise is a function of its seed and of the position of the token it decides
 (`counter_noise`): the accept test of the draft at position t and the draw of the token emitted at t. So a seeded
@@ -187,7 +187,7 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     final [R]), defined on the rows whose temperature is above 0. The final token is `_draw_filtered`'s.
 
     The torch reference of `ops.triton_tempered_verify.filtered_decisions_triton`, which finds each filter's cut
-    by bisection instead of sorting."""
+    by a search instead of sorting."""
     R, K1, V = logits.shape
     K = K1 - 1
     if K == 0:

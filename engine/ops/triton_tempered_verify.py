@@ -15,9 +15,9 @@ last id with mass). A row without drafts reads its logits twice.
 Top-k / top-p (`filtered_decisions_triton`): the sampler's filter keeps a prefix of the ids ordered by value, ties
 by lowest id (`sampling._filter`'s stable sort). That prefix is a cut on an order-preserving integer key of the
 value (`_key`): every id above the cut's key, and the lowest ids at it up to a count. `_cut` finds it without
-sorting: top-k's key by bisection on how many ids lie above (a pass over V a step, ~15 steps for bf16 logits),
-then top-p's, at or above it, by bisection on the mass above; the count at the cut key follows from the ids and
-mass above it, since tied ids have equal mass. The accept test and the draw then weigh the dropped ids 0.
+sorting: top-k's key by a search on how many ids lie above (three keys tested per pass over V: ~8 passes for
+bf16 logits), then top-p's, at or above it, by a search on the mass above; the count at the cut key follows from
+the ids and mass above it, since tied ids have equal mass. The accept test and the draw then weigh the dropped ids 0.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
 top-p mass) falls within float32 rounding of its threshold.
@@ -60,7 +60,7 @@ def _uniform(seed, position, key: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(base, V, t, BLOCK: tl.constexpr):
+def _row_stats(base, V, scale, BLOCK: tl.constexpr):
     """(max x, sum exp((x - max) / t)) of one position's logits, in one pass (each lane's running sum rescaled
     when its maximum grows)."""
     offs = tl.arange(0, BLOCK)
@@ -70,10 +70,10 @@ def _row_stats(base, V, t, BLOCK: tl.constexpr):
         x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
         new = tl.maximum(mx, x)
         ref = tl.where(new > float("-inf"), new, 0.0)  # (a lane that has seen only -inf: no -inf - -inf)
-        acc = acc * tl.exp((mx - ref) / t) + tl.exp((x - ref) / t)
+        acc = acc * tl.exp2((mx - ref) * scale) + tl.exp2((x - ref) * scale)
         mx = new
     m = tl.max(mx, axis=0)
-    return m, tl.sum(acc * tl.exp((mx - m) / t), axis=0)
+    return m, tl.sum(acc * tl.exp2((mx - m) * scale), axis=0)
 
 
 @triton.jit
@@ -85,41 +85,65 @@ def _key(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _above(base, V, tau, m, t, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """(how many ids have a key above tau, their mass: the sum of exp((x - m) / t), when MASS), in one pass."""
+def _above(base, V, t1, t2, t3, m, scale, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """For three keys t1 <= t2 <= t3: how many ids have a key above each, and (when MASS) their mass, the sum of
+    exp((x - m) / t), in one pass."""
     offs = tl.arange(0, BLOCK)
-    cnt = tl.zeros([BLOCK], tl.int32)
-    acc = tl.zeros([BLOCK], tl.float32)
+    n1 = tl.zeros([BLOCK], tl.int32)
+    n2 = tl.zeros([BLOCK], tl.int32)
+    n3 = tl.zeros([BLOCK], tl.int32)
+    e1 = tl.zeros([BLOCK], tl.float32)
+    e2 = tl.zeros([BLOCK], tl.float32)
+    e3 = tl.zeros([BLOCK], tl.float32)
     for off in range(0, V, BLOCK):
         i = off + offs
         x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-        above = (_key(x, SHIFT) > tau) & (i < V)
-        cnt += above.to(tl.int32)
+        key = tl.where(i < V, _key(x, SHIFT), t1)  # (past V: above none)
+        a1, a2, a3 = key > t1, key > t2, key > t3
         if MASS:
-            acc += tl.where(above, tl.exp((x - m) / t), 0.0)
-    return tl.sum(cnt, axis=0), tl.sum(acc, axis=0)
+            e = tl.exp2((x - m) * scale)
+            e1 += tl.where(a1, e, 0.0)
+            e2 += tl.where(a2, e, 0.0)
+            e3 += tl.where(a3, e, 0.0)
+        else:
+            n1 += a1.to(tl.int32)
+            n2 += a2.to(tl.int32)
+            n3 += a3.to(tl.int32)
+    return (tl.sum(n1, axis=0), tl.sum(n2, axis=0), tl.sum(n3, axis=0), tl.sum(e1, axis=0), tl.sum(e2, axis=0),
+            tl.sum(e3, axis=0))
 
 
 @triton.jit
-def _least_key(base, V, lo, hi, m, t, k, P, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """By bisection, the least key tau in (lo, hi] (int64; hi qualifies) whose ids above it number fewer than k
-    (MASS False) or hold less mass than P (MASS True): the key of the last id kept by the cut."""
+def _least_key(base, V, lo, hi, m, scale, k, P, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """The least key tau in (lo, hi] (int64; hi qualifies) whose ids above it number fewer than k (MASS False) or
+    hold less mass than P (MASS True): the key of the last id kept by the cut. A search in quarters: three keys
+    tested per pass over V (~8 passes for bf16 logits)."""
     while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        n, e = _above(base, V, mid.to(tl.int32), m, t, MASS, SHIFT, BLOCK)
-        if MASS:  # noqa: SIM108 (a constexpr branch)
-            ok = e < P
+        d = hi - lo
+        t1 = lo + tl.maximum(d // 4, 1)
+        t2 = lo + tl.maximum(d // 2, 1)
+        t3 = lo + tl.maximum((3 * d) // 4, 1)
+        n1, n2, n3, e1, e2, e3 = _above(base, V, t1.to(tl.int32), t2.to(tl.int32), t3.to(tl.int32), m, scale,
+                                        MASS, SHIFT, BLOCK)
+        if MASS:
+            ok1, ok2, ok3 = e1 < P, e2 < P, e3 < P
         else:
-            ok = n < k
-        if ok:
-            hi = mid
+            ok1, ok2, ok3 = n1 < k, n2 < k, n3 < k
+        if ok1:
+            hi = t1
+        elif ok2:
+            lo = t1
+            hi = t2
+        elif ok3:
+            lo = t2
+            hi = t3
         else:
-            lo = mid
+            lo = t3
     return hi
 
 
 @triton.jit
-def _group(base, V, c, m, t, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _group(base, V, c, m, scale, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """(ids above key c, their mass, ids at key c, the mass of one of them) in one pass."""
     offs = tl.arange(0, BLOCK)
     n_a = tl.zeros([BLOCK], tl.int32)
@@ -133,31 +157,31 @@ def _group(base, V, c, m, t, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
         above = (key > c) & (i < V)
         at = (key == c) & (i < V)
         n_a += above.to(tl.int32)
-        e_a += tl.where(above, tl.exp((x - m) / t), 0.0)
+        e_a += tl.where(above, tl.exp2((x - m) * scale), 0.0)
         n_c += at.to(tl.int32)
         x_c = tl.maximum(x_c, tl.where(at, x, float("-inf")))
-    return tl.sum(n_a, axis=0), tl.sum(e_a, axis=0), tl.sum(n_c, axis=0), tl.exp((tl.max(x_c, axis=0) - m) / t)
+    return tl.sum(n_a, axis=0), tl.sum(e_a, axis=0), tl.sum(n_c, axis=0), tl.exp2((tl.max(x_c, axis=0) - m) * scale)
 
 
 @triton.jit
-def _cut(base, V, m, s, t, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constexpr, BLOCK: tl.constexpr):
+def _cut(base, V, m, s, scale, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constexpr, BLOCK: tl.constexpr):
     """The top-k (k in 1..V-1, else none) then top-p (< 1, else none) filter of one position, as
     `sampling._filter`'s stable sort keeps ids (by value, ties by lowest id), without sorting: (c, keep, mass),
     where the kept ids are those with a key above c and the `keep` lowest ids with key c, and mass is the kept
-    ids' sum of exp((x - m) / t). Each bisection step is one pass over V."""
+    ids' sum of exp((x - m) / t)."""
     hi = _key(m, SHIFT).to(tl.int64)  # the max's key: no id above it
     lo = hi * 0 + KEY_LO  # below every key
     total = s
     c = lo + 1
     if (k > 0) & (k < V):
-        c = _least_key(base, V, lo, hi, m, t, k, 0.0, False, SHIFT, BLOCK)
-        n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, t, SHIFT, BLOCK)
+        c = _least_key(base, V, lo, hi, m, scale, k, 0.0, False, SHIFT, BLOCK)
+        n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, scale, SHIFT, BLOCK)
         total = e_a + (k - n_a).to(tl.float32) * e_c  # the top-k mass: ties at c kept up to k ids
         lo = c - 1
     P = top_p * total
     if top_p < 1.0:  # the least key at or above top-k's whose ids above hold less than top_p of its mass
-        c = _least_key(base, V, lo, hi, m, t, 0, P, True, SHIFT, BLOCK)
-    n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, t, SHIFT, BLOCK)
+        c = _least_key(base, V, lo, hi, m, scale, 0, P, True, SHIFT, BLOCK)
+    n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, scale, SHIFT, BLOCK)
     keep = n_c.to(tl.float32)
     if (k > 0) & (k < V):
         keep = tl.minimum(keep, (k - n_a).to(tl.float32))
@@ -179,10 +203,10 @@ def _tie_rank(base, V, c, d, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _weights(x, i, m, t, excl, c, keep, ties, FILTER: tl.constexpr, SHIFT: tl.constexpr):
+def _weights(x, i, m, scale, excl, c, keep, ties, FILTER: tl.constexpr, SHIFT: tl.constexpr):
     """The unnormalised mass exp((x - m) / t) of a block of ids i, 0 for the excluded id and, with FILTER, for
     ids the cut drops (ties: the ids with key c before the block) -> (weights, ids with key c in the block)."""
-    e = tl.where(i == excl, 0.0, tl.exp((x - m) / t))
+    e = tl.where(i == excl, 0.0, tl.exp2((x - m) * scale))
     n_c = 0
     if FILTER:
         key = _key(x, SHIFT)
@@ -201,6 +225,8 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
     r = tl.program_id(0).to(tl.int64)
     t = tl.load(temp_ptr + r)
     if t > 0:
+        # e_i = exp((x_i - m) / t) as exp2((x_i - m) * scale); capped so that a denormal t gives no 0 * inf
+        scale = tl.minimum(1.4426950408889634 / t, 1e30)
         nd = tl.load(nd_ptr + r)
         seed = tl.load(seeds_ptr + r)
         pos0 = tl.load(pos_ptr + r)
@@ -218,12 +244,12 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
         for j in tl.static_range(K + 1):
             if acc == j:  # every draft before position j was accepted: j decides
                 base = row + j * stride_k
-                m, s = _row_stats(base, V, t, BLOCK)
+                m, s = _row_stats(base, V, scale, BLOCK)
                 c = c_a * 0 + KEY_LO
                 keep = c * 0
                 if FILTER:  # noqa: SIM102 (a constexpr branch around a runtime one)
                     if ((k > 0) & (k < V)) | (top_p < 1.0):
-                        c, keep, s = _cut(base, V, m, s, t, k, top_p, SHIFT, KEY_LO, BLOCK)
+                        c, keep, s = _cut(base, V, m, s, scale, k, top_p, SHIFT, KEY_LO, BLOCK)
                 m_a = m
                 s_a = s
                 c_a = c
@@ -231,7 +257,7 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
                 if j < nd:
                     d = tl.load(drafts_ptr + r * K + j)
                     x_d = tl.load(base + d).to(tl.float32)
-                    p_d = tl.exp((x_d - m) / t) / s
+                    p_d = tl.exp2((x_d - m) * scale) / s
                     if FILTER:
                         key_d = _key(x_d, SHIFT)
                         if key_d < c:
@@ -254,7 +280,7 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
             for off in range(0, V, BLOCK):
                 i = off + offs
                 x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-                e, n_c = _weights(x, i, m_a, t, excl, c_a, keep_a, ties, FILTER, SHIFT)
+                e, n_c = _weights(x, i, m_a, scale, excl, c_a, keep_a, ties, FILTER, SHIFT)
                 tot += e
                 ties += n_c
             total = tl.sum(tot, axis=0)
@@ -269,7 +295,7 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
         for off in range(0, V, BLOCK):
             i = off + offs
             x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-            e, n_c = _weights(x, i, m_a, t, excl, c_a, keep_a, ties, FILTER, SHIFT)
+            e, n_c = _weights(x, i, m_a, scale, excl, c_a, keep_a, ties, FILTER, SHIFT)
             ties += n_c
             cum = tl.cumsum(e, axis=0) + run
             first = tl.minimum(first, tl.min(tl.where(cum > thr, i, V), axis=0))
@@ -318,5 +344,6 @@ def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor,
 def filtered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
                               top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """`rejection_sampler.filtered_decisions`, one launch: as `tempered_decisions_triton` with top_k [R] int64 (0:
-    none) and top_p [R] float32 (1: none) applied at every position, by bisection instead of a sort (`_cut`)."""
+    none) and top_p [R] float32 (1: none) applied at every position, each cut found by a search instead of a sort
+    (`_cut`)."""
     return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions)
