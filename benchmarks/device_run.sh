@@ -15,6 +15,7 @@
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
+#   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   spec      spec_bench.py: (d) on the 8b-like model: verify steps (K = 1..4) against decode steps at batch 1, 8,
 #             32, and the speedup at the mtp stage's acceptance lengths (run mtp first, or SPEC_ARGS="--acceptance ...")
@@ -90,6 +91,10 @@ if stage scan; then
 fi
 if stage kernels; then
   python3 benchmarks/kernels_bench.py 2>&1 | tail -24 | tee "$OUT/kernels.txt"
+fi
+if stage sampling; then
+  python3 benchmarks/sampling_bench.py --no-progress ${SAMPLING_ARGS:-} --json "$OUT/sampling.json" 2>&1 \
+    | tee "$OUT/sampling.txt" | tail -20
 fi
 if stage mtp; then
   python3 benchmarks/mtp_bench.py --device cuda --out /tmp/mtp-bench --seconds 120 --prompts 8 --max-tokens 64 \

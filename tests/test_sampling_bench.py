@@ -1,0 +1,40 @@
+"""benchmarks/sampling_bench.py in its smoke mode: the sampling kernels against the torch reference, tiny shapes on
+the CPU through Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+pytestmark = pytest.mark.interpreter
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sampling_bench.py"
+
+
+def test_smoke_checks_and_times_every_k_and_batch(tmp_path):
+    out = tmp_path / "sampling.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-progress", "--ks", "0,1", "--top-k", "20",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {(row["k"], row["batch"]) for row in data["rows"]} == {(0, 1), (0, 3), (1, 1), (1, 3)}
+    assert all(row["differ"] == 0 and min(row["argmax_us"], row["tempered_us"], row["sort_us"],
+                                          row["filtered_us"]) > 0 for row in data["rows"])
+    assert data["meta"]["top_k"] == 20 and data["meta"]["vocab"] == 500
+    assert "| K | batch | argmax | tempered | sort (torch) | filtered (kernel) |" in r.stdout
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--batches", "1,x"], "--batches: expected comma-separated integers"),
+    (["--ks", "-1"], "--ks: expected integers >= 0"),
+    (["--top-p", "1.0"], "at least one filtering"),
+    (["--temperature", "0"], "--temperature: expected a value in (0, 100]"),
+])
+def test_bad_arguments_are_refused(extra, message):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *extra], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and message in r.stderr
