@@ -16,8 +16,9 @@ Top-k / top-p (`filtered_decisions_triton`): the sampler's filter keeps a prefix
 by lowest id (`sampling._filter`'s stable sort). That prefix is a cut on an order-preserving integer key of the
 value (`_key`): every id above the cut's key, and the lowest ids at it up to a count. `_cut` finds it without
 sorting: top-k's key by a search on how many ids lie above (three keys tested per pass over V: ~8 passes for
-bf16 logits), then top-p's, at or above it, by a search on the mass above; the count at the cut key follows from
-the ids and mass above it, since tied ids have equal mass. The accept test and the draw then weigh the dropped ids 0.
+bf16 logits), then top-p's, at or above it and above a bound from the mass top-p drops, by a search on the mass
+above; the count at the cut key follows from the ids and mass above it, since tied ids have equal mass. The accept
+test and the draw then weigh the dropped ids 0.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
 top-p mass) falls within float32 rounding of its threshold.
@@ -180,6 +181,15 @@ def _cut(base, V, m, s, scale, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constex
         lo = c - 1
     P = top_p * total
     if top_p < 1.0:  # the least key at or above top-k's whose ids above hold less than top_p of its mass
+        # A lower bound first: the n ids top-k keeps (all V without it) below theta = (total - P) / 2n hold at
+        # most half the mass top-p drops, so the ids above any key under theta's hold more than P: the cut is at
+        # or above it (fewer keys to search: ~4 passes instead of ~8 for bf16 logits).
+        n = V * 1.0
+        if (k > 0) & (k < V):
+            n = k.to(tl.float32)
+        theta = (total - P) / (2.0 * n)
+        if theta > 0.0:
+            lo = tl.maximum(lo, _key(m + tl.log2(theta) / scale, SHIFT).to(tl.int64) - 1)
         c = _least_key(base, V, lo, hi, m, scale, 0, P, True, SHIFT, BLOCK)
     n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, scale, SHIFT, BLOCK)
     keep = n_c.to(tl.float32)
