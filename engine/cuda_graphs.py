@@ -25,8 +25,8 @@ fixed addresses, so:
   more inputs then travel with the step: each position's host-known successor token, each row's position of
   its last token, and its temperature, noise seed, top-k and top-p. Each size has three verify graphs: greedy
   rows only; rows that sample at a temperature (greedy ones among them), one Triton launch deciding them; and
-  rows with top-k / top-p among them too, whose filters sort FILTER_ROWS distributions at a time. The graph holds
-  every row's accept tests and draw (`RejectionSampler.verify_tempered`);
+  rows with top-k / top-p among them too, whose filters one more launch of the same kernel applies (its cuts found
+  by a search, not a sort). The graph holds every row's accept tests and draw (`RejectionSampler.verify_tempered`);
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
   results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position

@@ -311,9 +311,10 @@ class RejectionSampler:
             temp = to_device([p.temperature if is_tempered(p) else 0.0 for p in params], torch.float32, dev)
             drawn = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
             final = torch.where(temp > 0, drawn, final)
-        if any(not p.greedy and not is_tempered(p) for p in params):
-            filtered = [not p.greedy and not is_tempered(p) for p in params]
-            temp = to_device([p.temperature if f else 0.0 for p, f in zip(params, filtered, strict=True)], torch.float32, dev)
+        filtered = [not p.greedy and not is_tempered(p) for p in params]
+        if any(filtered):
+            temp = to_device([p.temperature if f else 0.0 for p, f in zip(params, filtered, strict=True)],
+                             torch.float32, dev)
             top_k = to_device([p.top_k for p in params], torch.int64, dev)
             top_p = to_device([p.top_p for p in params], torch.float32, dev)
             drawn = dispatch.filtered_decisions(logits)(logits[:, None], none, zeros, temp, top_k, top_p, seeds,
