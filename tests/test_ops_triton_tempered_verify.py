@@ -94,8 +94,8 @@ def test_filtered_kernel_equals_reference(K, V, dtype, scale):
 def test_filtered_kernel_keeps_the_lowest_ids_of_a_tie_at_the_cut():
     """Ten ids tied at the top: top-k 3 keeps ids 0, 1, 2 of them (the stable sort's), and a draft among the
     others is never accepted."""
-    R, V = 64, 50
-    logits = torch.zeros(R, 2, V)
+    R, V = 32, 50
+    logits = torch.zeros(R, 2, V, dtype=torch.bfloat16)
     logits[:, :, 10:20] = 5.0
     drafts = torch.tensor([[10 + (i % 10)] for i in range(R)])
     args = (logits, drafts, torch.ones(R, dtype=torch.int64), torch.ones(R), torch.full((R,), 3),
