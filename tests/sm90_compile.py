@@ -157,7 +157,7 @@ def _tempered_verify():
 
 def _filtered_verify():
     from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
-    R, K, V = 8, 2, 1000  # bf16 logits of K = 2 verify rows with top-k / top-p, and fp32 rows without drafts
+    R, K, V = 8, 1, 1000  # bf16 logits of K = 1 verify rows with top-k / top-p, and fp32 rows without drafts
     i64 = dict(dtype=torch.int64)
     filtered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64), torch.ones(R),
                               torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
