@@ -93,8 +93,8 @@ class SpecBenchConfig:
     # 0: greedy rows (verify graphs of greedy rows); > 0: every request samples at it, seeded (the verify graphs
     # of sampling rows, `RejectionSampler.verify_tempered`)
     temperature: float = 0.0
-    # < 1 (with a temperature): nucleus sampling too; such rows' filter sorts each distribution (the graphs'
-    # FILTERED variant in verify steps), so this times what that costs
+    # < 1 (with a temperature): nucleus sampling too; such rows' cut is found by the sampling kernel's search on the
+    # GPU (the graphs' FILTERED variant in verify steps), so this times what that costs
     top_p: float = 1.0
     progress: bool = True
 
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchCon
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request samples at this temperature, seeded (default 0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0,
-                    help="with --temperature: nucleus sampling too (< 1: every step sorts its rows' distributions)")
+                    help="with --temperature: nucleus sampling too (< 1: every step cuts its rows' distributions)")
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")

@@ -407,8 +407,8 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
 @pytest.mark.parametrize("filtered", ["none", "one", "all"], ids=["tempered", "with-a-top-p-row", "all-filtered"])
 def test_sample_is_verify_without_drafts(device: str, filtered: str) -> None:
     """`sample` (every engine's next token) decides each row as `verify` does a row without drafts, by its own
-    shortcuts: the argmax for greedy rows, `tempered_decisions` for temperature-only rows, `_draw_filtered` for
-    top-k / top-p rows."""
+    shortcuts: the argmax for greedy rows, `tempered_decisions` for temperature-only rows, `filtered_decisions`
+    for top-k / top-p rows."""
     R, V = 24, 300
     g = torch.Generator().manual_seed(31)
     logits = (torch.randn(R, V, generator=g) * 3).to(torch.bfloat16).to(device)
