@@ -7,8 +7,9 @@ tensors shaped like the engine's (the paths a GPU step takes: 16-bit dots, PDL, 
 with Triton's driver replaced by one that reports an sm_90 device, and every launch compiled to a cubin for it
 (Triton's own ptxas) instead of run. Nothing is executed: the outputs are not computed.
 
-Run it in a process of its own, without TRITON_INTERPRET (`test_triton_sm90_compile.py` does); prints one line per
-compiled kernel specialization and exits 1 when any case fails.
+Run it in a process of its own, without TRITON_INTERPRET (`test_triton_sm90_compile.py` does, in two shards side by
+side: `--shard 1/2`, `--shard 2/2`); prints one line per compiled kernel specialization and exits 1 when any case
+fails.
 """
 
 from __future__ import annotations
@@ -251,8 +252,23 @@ CASES: dict[str, Callable[[], object]] = {
 }
 
 
+def _shard(args: list[str]) -> tuple[list[str], tuple[int, int] | None]:
+    """`--shard I/N` (1 <= I <= N): the I-th of every N cases, so that N processes compile them side by side."""
+    if "--shard" not in args:
+        return args, None
+    i = args.index("--shard")
+    spec = args[i + 1] if i + 1 < len(args) else ""
+    part, _, total = spec.partition("/")
+    if not (part.isdigit() and total.isdigit() and 1 <= int(part) <= int(total)):
+        raise SystemExit(f"sm90_compile: --shard expected I/N with 1 <= I <= N, got {spec!r}")
+    return args[:i] + args[i + 2:], (int(part), int(total))
+
+
 def main(argv: list[str] | None = None) -> int:
-    names = (argv if argv is not None else sys.argv[1:]) or list(CASES)
+    args, shard = _shard(list(argv if argv is not None else sys.argv[1:]))
+    names = args or list(CASES)
+    if shard:
+        names = names[shard[0] - 1::shard[1]]
     cases = CASES | BROKEN
     unknown = [n for n in names if n not in cases]
     if unknown:

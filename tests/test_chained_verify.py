@@ -94,10 +94,13 @@ def _run(engine: LLMEngine, after_step=None, max_tokens: dict[int, int] = SHORT)
 @pytest.mark.parametrize("k", [2])
 def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, monkeypatch):  # noqa: F811
     pytest.importorskip("triton")
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    ref_engine = _graph_engine(small_spec_model, k, async_scheduling=False)
+    # One step at a time: eager steps on the torch references (the interpreter would double this test's time;
+    # tests/test_cuda_graphs.py holds the static layout, tests/test_kernels_in_engine.py the kernels, to them).
+    monkeypatch.setenv("BATON_KERNELS", "torch")
+    ref_engine = new_engine(small_spec_model, k, async_scheduling=False)
     ref_log = Log(ref_engine)
     ref = _run(ref_engine)
+    monkeypatch.setenv("BATON_KERNELS", "triton")
     engine = _graph_engine(small_spec_model, k)
     assert engine.depth == 1 and ref_engine.depth == 0
     log = Log(engine)
@@ -151,6 +154,26 @@ def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_mo
         assert variant in variants and set(variants) <= {variant}
 
 
+_ABORT_PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+_ABORT_PROMPTS = {f"r{i}": prompt_of(4 + i, i) for i in range(3)}
+_AGAIN = prompt_of(5, 7)  # a new request under the aborted one's id, added while its row is in flight
+_abort_refs: dict[int, dict] = {}
+
+
+def _abort_reference(model) -> dict:
+    """Every request's output without the abort, and the new request's alone: eager steps one at a time on the
+    torch references, computed once for both cases."""
+    if id(model) not in _abort_refs:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BATON_KERNELS", "torch")
+            engine = new_engine(model, 2, async_scheduling=False)
+            ref = dict(zip(_ABORT_PROMPTS, engine.generate(list(_ABORT_PROMPTS.values()), _ABORT_PARAMS),
+                           strict=True))
+            ref["again"] = engine.generate([_AGAIN], _ABORT_PARAMS)[0]
+        _abort_refs[id(model)] = ref
+    return _abort_refs[id(model)]
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("reuse_id", [False, True], ids=["then-new-id", "id-reused-at-once"])
 def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, reuse_id):  # noqa: F811
@@ -158,23 +181,11 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, 
     until that step is read, and it gets no output from it; the others go on unchanged. A new request under the
     same id, added at once or a step later, gets its own tokens."""
     pytest.importorskip("triton")
+    ref = _abort_reference(small_spec_model)
     monkeypatch.setenv("BATON_KERNELS", "triton")
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    prompts = {f"r{i}": prompt_of(4 + i, i) for i in range(3)}
-
-    def start(engine: LLMEngine) -> None:
-        for rid, p in prompts.items():
-            engine.add_request(p, params, request_id=rid)
-
-    again = prompt_of(5, 7)  # a new request under the aborted one's id, added while its row is in flight
-    ref_engine = _graph_engine(small_spec_model, 2, async_scheduling=False)
-    start(ref_engine)
-    ref = {}
-    while ref_engine.has_unfinished():
-        ref.update({o.request_id: o for o in ref_engine.step() if o.finished})
-    ref["again"] = ref_engine.generate([again], params)[0]
     engine = _graph_engine(small_spec_model, 2)
-    start(engine)
+    for rid, p in _ABORT_PROMPTS.items():
+        engine.add_request(p, _ABORT_PARAMS, request_id=rid)
     got = {}
     while engine._verify_in_flight is None:
         got.update({o.request_id: o for o in engine.step() if o.finished})
@@ -183,21 +194,21 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, 
     assert engine.abort("r1")
     assert (sched.blocks.num_free, sched.slots.num_free) == (free_blocks, free_slots)  # quarantined
     if reuse_id:  # at once, while the old r1's row is in flight
-        engine.add_request(again, params, request_id="r1")
+        engine.add_request(_AGAIN, _ABORT_PARAMS, request_id="r1")
     after = engine.step()  # reads the chained step (chaining the next one for r0 and r2 unless a request waits)
     assert all(o.request_id != "r1" for o in after)
     assert sched.slots.num_free == free_slots + 1  # back once the step that ran its row was read
     if reuse_id:
-        assert engine._verify_in_flight is None and sched.waiting[0].prompt_token_ids == tuple(again)
+        assert engine._verify_in_flight is None and sched.waiting[0].prompt_token_ids == tuple(_AGAIN)
     else:
         assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
-        engine.add_request(again, params, request_id="r1")  # waits: the next step is scheduled, not chained
+        engine.add_request(_AGAIN, _ABORT_PARAMS, request_id="r1")  # waits: the next step is scheduled, not chained
     got.update({o.request_id: o for o in after if o.finished})
     while engine.has_unfinished():
         got.update({o.request_id: o for o in engine.step() if o.finished})
     assert sched.blocks.num_free == sched.blocks.capacity and sched.slots.num_free == sched.slots.capacity
     assert set(got) == {"r0", "r1", "r2"} and all(got[r].token_ids == ref[r].token_ids for r in ("r0", "r2"))
-    assert got["r1"].token_ids == ref["again"].token_ids and got["r1"].prompt_token_ids == tuple(again)
+    assert got["r1"].token_ids == ref["again"].token_ids and got["r1"].prompt_token_ids == tuple(_AGAIN)
 
 
 def _sched(k: int = 2, blocks: int = 64) -> Scheduler:

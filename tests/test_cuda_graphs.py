@@ -112,7 +112,7 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
     moved = prompt_of(8, 12)
     arrivals = [[("local", f"n{n}", prompt_of(n, n))] for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
     arrivals.append([("moved", "moved", moved, None)])  # after the last local prefill: a decode-only step
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
 
     def with_prefill(arrivals):  # each run gets its own prefilled copy of the moved request
         return [[a if a[0] == "local" else (*a[:3], prefill_elsewhere(small_spec_model, k, moved)) for a in group]

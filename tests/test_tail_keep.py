@@ -15,6 +15,7 @@ from tests.test_spec_decode import new_engine, run, spec_model, staggered  # noq
 
 # (pattern, the last cache-writing layer, the tail's MLP layers)
 PATTERNS = {"M*M-MM*-": (6, [7]), "M-M*-M-M-": (7, [8]), "M*-MMM*": (6, [])}
+TRITON_PATTERN = "M-M*-M-M-"  # (27 s a pattern in the interpreter)
 
 
 @pytest.fixture(scope="module", params=sorted(PATTERNS))
@@ -32,10 +33,13 @@ def _caches(engine: LLMEngine) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_tail_runs_on_the_kept_tokens_only(model, kernels, monkeypatch):
+    pattern, (cfg, weights) = model
     if kernels == "triton":
         pytest.importorskip("triton")
+        if pattern != TRITON_PATTERN:
+            pytest.skip(f"on the interpreted kernels, one pattern: {TRITON_PATTERN} (its last cache layer a Mamba "
+                        f"layer); the torch run covers this one")
     monkeypatch.setenv("BATON_KERNELS", kernels)
-    pattern, (cfg, weights) = model
     cache_layer, tail = PATTERNS[pattern]
     engine = LLMEngine(cfg, weights, EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, block_size=8))
     assert engine.model.model.last_cache_layer == cache_layer

@@ -18,24 +18,31 @@ SCRIPT = ROOT / "tests" / "sm90_compile.py"
 pytest.importorskip("triton")
 
 
-def _run(tmp_path: Path, *cases: str) -> subprocess.CompletedProcess:
+def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "TRITON_DEFAULT_FP_FUSION": "1",
-            "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(SCRIPT), *cases], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    return env | {"TRITON_CACHE_DIR": str(cache), "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _run(tmp_path: Path, *cases: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *cases], cwd=ROOT, env=_env(tmp_path / "triton-cache"),
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
-    run = _run(tmp_path)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert "17 of 17 cases compiled for sm_90" in run.stdout
+    # Two shards side by side (the compiler is single-threaded; this box has two cores).
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--shard", f"{i}/2"], cwd=ROOT,
+                              env=_env(tmp_path / f"triton-cache-{i}"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    stdout = "".join(o for o, _ in outs)
+    assert all(p.returncode == 0 for p in procs), stdout[-6000:] + "".join(e for _, e in outs)[-3000:]
+    assert "9 of 9 cases compiled for sm_90" in outs[0][0] and "8 of 8 cases compiled for sm_90" in outs[1][0]
     # The GPU-only variants were built: 16-bit dots, PDL launches, split-K decode attention and its merge.
     for kernel in ("_paged_attention_kernel", "_combine_splits_kernel", "_conv_varlen_rows_kernel", "_ssd_output_kernel",
                    "_ssu_verify_kernel", "_gemv_row_kernel", "_chain_inputs_kernel",
                    "_tempered_verify_kernel"):
-        assert kernel in run.stdout
-    assert "'NATIVE_DOT': True" in run.stdout and "'PDL': True" in run.stdout
+        assert kernel in stdout
+    assert "'NATIVE_DOT': True" in stdout and "'PDL': True" in stdout
 
 
 def test_a_kernel_that_only_the_interpreter_runs_fails_here(tmp_path):
@@ -49,3 +56,9 @@ def test_a_kernel_that_only_the_interpreter_runs_fails_here(tmp_path):
 def test_unknown_cases_are_refused(tmp_path):
     run = _run(tmp_path, "conv varlen", "nope")
     assert run.returncode != 0 and "expected cases among conv varlen" in run.stderr
+
+
+@pytest.mark.parametrize("spec", ["3/2", "x"])
+def test_bad_shards_are_refused(tmp_path, spec):
+    run = _run(tmp_path, "--shard", *([spec] if spec else []))
+    assert run.returncode != 0 and "--shard expected I/N with 1 <= I <= N" in run.stderr
