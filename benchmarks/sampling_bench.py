@@ -7,12 +7,16 @@ and batch R: bf16 logits [R, 1+K, V] (random, scale `--scale`), drafts that are 
 some are accepted, some rejected) and K drafts a row. Columns, each the time of one call:
 
     argmax      greedy rows: the argmax over [R, 1+K, V] (what a greedy step pays)
-    tempered    rows at `--temperature` alone: the fused kernel (`tempered_decisions_triton`)
+    splits      programs per row: `auto_splits` (as many as leave no SM idle, up to 32), or `--splits`
+    tempered    rows at `--temperature` alone: the fused kernel (`tempered_decisions_triton`) with that many
+                programs a row, and with one (`/ 1`)
     sort        the same rows with `--top-k` / `--top-p` by the torch reference (`rejection_sampler.
                 filtered_decisions`: the sampler's stable sort of every distribution, 32 at a time, then the
                 accept tests and the draw)
-    filtered    those rows by the kernel (`filtered_decisions_triton`: each cut found by a search, no sort)
-    differ      rows the kernel decides otherwise than the reference (float32 rounding near a threshold)
+    filtered    those rows by the kernel (`filtered_decisions_triton`: each cut found by a search, no sort), split
+                and with one program a row (`/ 1`)
+    differ      rows the kernel decides otherwise than the reference (float32 rounding near a threshold), split
+                and with one program a row
 
 On a GPU each is timed inside a CUDA graph of `--launches` calls (verify steps run them inside one), replayed
 `--reps` times; `--smoke` runs tiny shapes on the CPU through Triton's interpreter, timed eagerly.
@@ -44,11 +48,15 @@ from run_info import device_name, git_commit  # noqa: E402
 class Row:
     k: int
     batch: int
+    splits: int  # programs per row of the split columns (0: one, without the shared passes)
     argmax_us: float
     tempered_us: float
+    tempered_one_us: float  # one program a row
     sort_us: float
     filtered_us: float
-    differ: int  # rows (of those sampled) the kernel decides otherwise than the reference
+    filtered_one_us: float
+    differ: int  # rows (of those sampled) the split kernel decides otherwise than the reference
+    differ_one: int  # the same with one program a row
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -92,7 +100,11 @@ def timed(fn: Callable[[], object], device: torch.device, launches: int, reps: i
 
 
 def bench(K: int, R: int, V: int, args: argparse.Namespace, device: torch.device) -> Row:
-    from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton, tempered_decisions_triton
+    from baton.engine.ops.triton_tempered_verify import (
+        auto_splits,
+        filtered_decisions_triton,
+        tempered_decisions_triton,
+    )
     from baton.engine.rejection_sampler import filtered_decisions
 
     g = torch.Generator().manual_seed(args.seed + 1000 * K + R)
@@ -108,28 +120,39 @@ def bench(K: int, R: int, V: int, args: argparse.Namespace, device: torch.device
     seeds = torch.randint(2**62, (R,), generator=g).to(device)
     pos = torch.randint(100_000, (R,), generator=g).to(device)
     filtered = (logits, drafts, nd, temp, top_k, top_p, seeds, pos)
-    acc, final = filtered_decisions_triton(*filtered)
+    # (the interpreter runs one program at a time: the smoke run's split columns take one program through the
+    # shared passes)
+    splits = args.splits if args.splits is not None else 1 if device.type != "cuda" else auto_splits(R, V, device)
     ref_acc, ref_final = filtered_decisions(*filtered)
-    differ = int(((acc != ref_acc) | (final != ref_final)).sum())
+
+    def differ(n: int) -> int:
+        acc, final = filtered_decisions_triton(*filtered, splits=n)
+        return int(((acc != ref_acc) | (final != ref_final)).sum())
+
     t = dict(device=device, launches=args.launches, reps=args.reps)
     return Row(
-        k=K, batch=R,
+        k=K, batch=R, splits=splits,
         argmax_us=timed(lambda: logits.argmax(dim=-1), **t),
-        tempered_us=timed(lambda: tempered_decisions_triton(logits, drafts, nd, temp, seeds, pos), **t),
+        tempered_us=timed(lambda: tempered_decisions_triton(logits, drafts, nd, temp, seeds, pos, splits=splits), **t),
+        tempered_one_us=timed(lambda: tempered_decisions_triton(logits, drafts, nd, temp, seeds, pos, splits=0), **t),
         sort_us=timed(lambda: filtered_decisions(*filtered), **t),
-        filtered_us=timed(lambda: filtered_decisions_triton(*filtered), **t),
-        differ=differ,
+        filtered_us=timed(lambda: filtered_decisions_triton(*filtered, splits=splits), **t),
+        filtered_one_us=timed(lambda: filtered_decisions_triton(*filtered, splits=0), **t),
+        differ=differ(splits), differ_one=differ(0),
     )
 
 
 def table(rows: list[Row], meta: dict) -> str:
     lines = [f"{meta['device_name']}, commit {meta['commit']}: V = {meta['vocab']:,}, temperature "
-             f"{meta['temperature']:g}, top-k {meta['top_k']}, top-p {meta['top_p']:g}; µs per call",
-             "", "| K | batch | argmax | tempered | sort (torch) | filtered (kernel) | sort / kernel | rows differing |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{meta['temperature']:g}, top-k {meta['top_k']}, top-p {meta['top_p']:g}; µs per call; `/ 1`: one "
+             f"program a row",
+             "", "| K | batch | argmax | splits | tempered | tempered / 1 | sort (torch) | filtered (kernel) | "
+             "filtered / 1 | sort / kernel | rows differing (split, / 1) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r.k} | {r.batch} | {r.argmax_us:,.1f} | {r.tempered_us:,.1f} | {r.sort_us:,.1f} | "
-                     f"{r.filtered_us:,.1f} | {r.sort_us / r.filtered_us:.2f}× | {r.differ} / {r.batch} |")
+        lines.append(f"| {r.k} | {r.batch} | {r.argmax_us:,.1f} | {r.splits} | {r.tempered_us:,.1f} | "
+                     f"{r.tempered_one_us:,.1f} | {r.sort_us:,.1f} | {r.filtered_us:,.1f} | {r.filtered_one_us:,.1f} | "
+                     f"{r.sort_us / r.filtered_us:.2f}× | {r.differ}, {r.differ_one} / {r.batch} |")
     return "\n".join(lines)
 
 
@@ -145,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=4.0, help="the logits' standard deviation (default 4)")
     ap.add_argument("--launches", type=int, default=10, help="calls per CUDA graph (default 10)")
     ap.add_argument("--reps", type=int, default=5, help="graph replays (--smoke: eager calls) timed (default 5)")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="programs per row of the split columns (default: auto_splits; --smoke: 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-progress", action="store_true")
@@ -166,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.top_k} / {args.top_p}")
     if args.launches < 1 or args.reps < 1:
         raise SystemExit(f"--launches / --reps: expected >= 1, got {args.launches} / {args.reps}")
+    if args.splits is not None and not 0 <= args.splits <= 32:
+        raise SystemExit(f"--splits: expected 0..32, got {args.splits}")
     jobs = [(K, R) for K in ks for R in batches]
     rows = [bench(K, R, V, args, device) for K, R in tqdm(jobs, desc="sampling", disable=args.no_progress)]
     command = " ".join(["python benchmarks/sampling_bench.py", *(sys.argv[1:] if argv is None else argv)])
@@ -176,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     # Rounding may move a decision on a row now and then (the kernel tests allow 1 in 64); more is a bug.
-    bad = [(r.k, r.batch, r.differ) for r in rows if r.differ > max(1, r.batch // 32)]
+    bad = [(r.k, r.batch, r.differ, r.differ_one) for r in rows if max(r.differ, r.differ_one) > max(1, r.batch // 32)]
     if bad:
-        print(f"sampling_bench: the kernel decides rows otherwise than the reference: {bad} (K, batch, rows)")
+        print(f"sampling_bench: the kernel decides rows otherwise than the reference: {bad} (K, batch, rows split, "
+              f"rows with one program)")
         return 1
     return 0
 

@@ -150,18 +150,20 @@ def _chain_inputs():
 
 def _tempered_verify():
     from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton
-    R, K, V = 8, 2, 1000  # bf16 logits of K = 2 verify rows
+    R, K, V = 8, 2, 1000  # bf16 logits of K = 2 verify rows, one program a row and split (the shared passes)
     i64 = dict(dtype=torch.int64)
-    tempered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64),
-                              torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
+    for splits in (0, 1):
+        tempered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64),
+                                  torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64), splits=splits)
 
 
 def _filtered_verify():
     from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
-    R, K, V = 8, 1, 1000  # bf16 logits of K = 1 verify rows with top-k / top-p, and fp32 rows without drafts
-    i64 = dict(dtype=torch.int64)
+    R, K, V = 8, 1, 1000  # bf16 logits of K = 1 verify rows with top-k / top-p, split (the shared passes), and
+    i64 = dict(dtype=torch.int64)  # fp32 rows without drafts, one program a row
     filtered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64), torch.ones(R),
-                              torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
+                              torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64),
+                              splits=1)
     filtered_decisions_triton(torch.zeros(R, 1, V), torch.zeros(R, 0, **i64), torch.zeros(R, **i64), torch.ones(R),
                               torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
 

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 
 from baton.engine.ops import dispatch  # noqa: E402
 from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
+    MAX_SPLITS,
+    auto_splits,
     filtered_decisions_triton,
     tempered_decisions_triton,
 )
@@ -89,6 +91,36 @@ def test_filtered_kernel_equals_reference(K, V, dtype, scale):
     if K:
         nd = args[2][sampled]
         assert acc[sampled].sum() > 0 and (acc[sampled] < nd).any()
+
+
+def test_shared_passes_equal_the_reference():
+    """The split rows' code (`_share`'s barrier, the passes' partials combined, the draw's slice offsets), run by
+    one program a row: the interpreter runs one program at a time, so several per row run on a GPU only
+    (`test_gpu_split_rows_equal_reference`)."""
+    args = filtered_case(24, 1, 9000, torch.bfloat16, seed=5)
+    sampled = args[3] > 0
+    for fn, a, ref in ((filtered_decisions_triton, args, filtered_decisions),
+                       (tempered_decisions_triton, args[:4] + args[6:], tempered_decisions)):
+        acc, final = fn(*a, splits=1)
+        ref_acc, ref_final = ref(*a)
+        assert acc[sampled].tolist() == ref_acc[sampled].tolist()
+        assert final[sampled].tolist() == ref_final[sampled].tolist()
+        assert (acc[~sampled] == 0).all() and (final[~sampled] == 0).all()
+
+
+def test_bad_splits_are_refused():
+    args = case(4, 1, 300, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match=f"expected splits in 0..{MAX_SPLITS}, got 33"):
+        tempered_decisions_triton(*args, splits=33)
+    if DEVICE == "cuda":  # more programs than SMs: the first would wait on ones that never start
+        n = torch.cuda.get_device_properties(0).multi_processor_count
+        rows = n // 32 + 1
+        with pytest.raises(ValueError, match=f"expected rows \\* splits within the {n} SMs, got {rows} \\* 32"):
+            tempered_decisions_triton(*case(rows, 1, 300, torch.bfloat16, seed=0), splits=32)
+    else:
+        with pytest.raises(ValueError, match="expected splits 0 or 1 off a GPU, got 2"):
+            tempered_decisions_triton(*args, splits=2)
+        assert auto_splits(4, 131072, torch.device("cpu")) == 0
 
 
 def test_filtered_kernel_keeps_the_lowest_ids_of_a_tie_at_the_cut():
@@ -160,3 +192,53 @@ def test_gpu_filtered_kernel_equals_reference_at_full_size(K):
     sampled = args[3] > 0
     differ = ((acc != ref_acc) | (final != ref_final))[sampled]
     assert int(differ.sum()) <= 1, (acc[sampled].tolist(), ref_acc[sampled].tolist())
+
+
+def _in_chunks(fn, args: tuple, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn over the rows of args (each [R, ...]) with `splits` programs a row, as many rows a launch as the SMs
+    hold."""
+    n = max(1, torch.cuda.get_device_properties(0).multi_processor_count // max(splits, 1))
+    outs = [fn(*(t[i:i + n] for t in args), splits=splits) for i in range(0, args[0].shape[0], n)]
+    return torch.cat([a for a, _ in outs]), torch.cat([f for _, f in outs])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("splits", [32, 7, 2])
+@pytest.mark.parametrize("K", [0, 1, 3])
+def test_gpu_split_rows_equal_reference(K, splits):
+    """Several programs a row (slices of 4,096 ids: 32 of them; 7 slices of 20,480 ids, the last shorter; 2), V =
+    131,072 in bf16, with and without top-k / top-p: as one program a row, at most 1 row in 72 may differ by
+    rounding."""
+    args = filtered_case(72, K, 131072, torch.bfloat16, seed=K + 200, scale=4.0)
+    sampled = args[3] > 0
+    for fn, a, ref in ((filtered_decisions_triton, args, filtered_decisions),
+                       (tempered_decisions_triton, args[:4] + args[6:], tempered_decisions)):
+        acc, final = _in_chunks(fn, a, splits)
+        ref_acc, ref_final = ref(*a)
+        differ = ((acc != ref_acc) | (final != ref_final))[sampled]
+        assert int(differ.sum()) <= 1, (fn.__name__, acc[sampled].tolist(), ref_acc[sampled].tolist())
+        assert (acc[~sampled] == 0).all() and (final[~sampled] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("splits", [32, 3])
+def test_gpu_split_rows_keep_the_lowest_ids_of_a_tie_across_slices(splits):
+    """300 ids tied at the top across a slice's end (ids 4,000-4,299 over the first slices' boundary at 4,096;
+    with 3 slices of 45,056 ids, also ids 45,000-45,299): top-k 150 keeps the 150 lowest of them, so every draw lands there
+    and a draft among the others is never accepted."""
+    R, V = 16, 131072
+    starts = (4000, 45000) if splits == 3 else (4000,)
+    for start in starts:
+        logits = torch.zeros(R, 2, V, dtype=torch.bfloat16, device="cuda")
+        logits[:, :, start:start + 300] = 5.0
+        drafts = torch.tensor([[start + (37 * i) % 300] for i in range(R)], device="cuda")
+        i64 = dict(dtype=torch.int64, device="cuda")
+        args = (logits, drafts, torch.ones(R, **i64), torch.ones(R, device="cuda"), torch.full((R,), 150, **i64),
+                torch.ones(R, device="cuda"), torch.arange(R, **i64), torch.zeros(R, **i64))
+        acc, final = _in_chunks(filtered_decisions_triton, args, splits)
+        ref_acc, ref_final = filtered_decisions(*args)
+        assert acc.tolist() == ref_acc.tolist() and final.tolist() == ref_final.tolist()
+        assert (acc[drafts[:, 0] >= start + 150] == 0).all() and 0 < acc.sum() < R
+        assert ((final >= start) & (final < start + 150)).all()

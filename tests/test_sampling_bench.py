@@ -19,14 +19,16 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sampling_bench
 def test_smoke_checks_and_times_every_k_and_batch(tmp_path):
     out = tmp_path / "sampling.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-progress", "--ks", "0,1", "--top-k", "20",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--reps", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {(row["k"], row["batch"]) for row in data["rows"]} == {(0, 1), (0, 3), (1, 1), (1, 3)}
-    assert all(row["differ"] == 0 and min(row["argmax_us"], row["tempered_us"], row["sort_us"],
-                                          row["filtered_us"]) > 0 for row in data["rows"])
+    # (the interpreter's split columns: one program through the shared passes)
+    assert all(row["differ"] == row["differ_one"] == 0 and row["splits"] == 1
+               and min(row["argmax_us"], row["tempered_us"], row["tempered_one_us"], row["sort_us"],
+                       row["filtered_us"], row["filtered_one_us"]) > 0 for row in data["rows"])
     assert data["meta"]["top_k"] == 20 and data["meta"]["vocab"] == 500
-    assert "| K | batch | argmax | tempered | sort (torch) | filtered (kernel) |" in r.stdout
+    assert "| K | batch | argmax | splits | tempered | tempered / 1 | sort (torch) | filtered (kernel) |" in r.stdout
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -34,6 +36,7 @@ def test_smoke_checks_and_times_every_k_and_batch(tmp_path):
     (["--ks", "-1"], "--ks: expected integers >= 0"),
     (["--top-p", "1.0"], "at least one filtering"),
     (["--temperature", "0"], "--temperature: expected a value in (0, 100]"),
+    (["--splits", "33"], "--splits: expected 0..32"),
 ])
 def test_bad_arguments_are_refused(extra, message):
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *extra], capture_output=True, text=True, timeout=120)

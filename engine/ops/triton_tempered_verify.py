@@ -26,6 +26,8 @@ top-p mass) falls within float32 rounding of its threshold.
 Graph-capturable; no host reads.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -61,20 +63,73 @@ def _uniform(seed, position, key: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(base, V, scale, BLOCK: tl.constexpr):
+def _share(ws_ptr, ctr_ptr, r, q, S, b, a0, a1, a2, a3, a4, a5, SP: tl.constexpr):
+    """Split rows: every program of row r publishes six partials of the row's b-th pass and gets all S programs'
+    as an [SP, 8] tile (rows from S on, and columns 6-7: 0) once they are all published: a barrier on the row's
+    counter, which `_launch` zeroes. The S programs of a row run at once (`_launch` keeps R * S within the SM
+    count), so the wait ends. Double-buffered by b: a program can be one pass ahead of another, no more."""
+    cols = tl.arange(0, 8)
+    vals = tl.where(cols == 0, a0.to(tl.float32), tl.where(cols == 1, a1.to(tl.float32), tl.where(
+        cols == 2, a2.to(tl.float32), tl.where(cols == 3, a3.to(tl.float32), tl.where(
+            cols == 4, a4.to(tl.float32), a5.to(tl.float32))))))
+    buf = ws_ptr + (r * 2 + b % 2) * (SP * 8)
+    tl.store(buf + q * 8 + cols, vals, mask=cols < 6)
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr + r, 1, sem="release", scope="gpu")
+    target = (b + 1) * S
+    seen = tl.atomic_add(ctr_ptr + r, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(ctr_ptr + r, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    rows = tl.arange(0, SP)
+    tile = tl.load(buf + rows[:, None] * 8 + cols[None, :], mask=(rows[:, None] < S) & (cols[None, :] < 6),
+                   other=0.0, cache_modifier=".cg")
+    return tile, b + 1
+
+
+@triton.jit
+def _col(tile, j: tl.constexpr):
+    """Column j of a `_share` tile: one value per split."""
+    return tl.sum(tl.where(tl.arange(0, 8)[None, :] == j, tile, 0.0), axis=1)
+
+
+@triton.jit
+def _sums(ws_ptr, ctr_ptr, r, q, S, b, a0, a1, a2, a3, a4, a5, SPLIT: tl.constexpr, SP: tl.constexpr):
+    """Six partial sums over this program's slice -> the row's sums (as float32 with SPLIT: counts stay exact below
+    2^24), and the pass count b."""
+    if SPLIT:
+        tile, b = _share(ws_ptr, ctr_ptr, r, q, S, b, a0, a1, a2, a3, a4, a5, SP)
+        a0 = tl.sum(_col(tile, 0), axis=0)
+        a1 = tl.sum(_col(tile, 1), axis=0)
+        a2 = tl.sum(_col(tile, 2), axis=0)
+        a3 = tl.sum(_col(tile, 3), axis=0)
+        a4 = tl.sum(_col(tile, 4), axis=0)
+        a5 = tl.sum(_col(tile, 5), axis=0)
+    return a0, a1, a2, a3, a4, a5, b
+
+
+@triton.jit
+def _row_stats(base, v0, v1, scale, ws_ptr, ctr_ptr, r, q, S, b, SPLIT: tl.constexpr, SP: tl.constexpr,
+               BLOCK: tl.constexpr):
     """(max x, sum exp((x - max) / t)) of one position's logits, in one pass (each lane's running sum rescaled
-    when its maximum grows)."""
+    when its maximum grows; with SPLIT, each slice's then the row's)."""
     offs = tl.arange(0, BLOCK)
     mx = tl.full([BLOCK], float("-inf"), tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, V, BLOCK):
-        x = tl.load(base + off + offs, mask=off + offs < V, other=float("-inf")).to(tl.float32)
+    for off in range(v0, v1, BLOCK):
+        x = tl.load(base + off + offs, mask=off + offs < v1, other=float("-inf")).to(tl.float32)
         new = tl.maximum(mx, x)
         ref = tl.where(new > float("-inf"), new, 0.0)  # (a lane that has seen only -inf: no -inf - -inf)
         acc = acc * tl.exp2((mx - ref) * scale) + tl.exp2((x - ref) * scale)
         mx = new
     m = tl.max(mx, axis=0)
-    return m, tl.sum(acc * tl.exp2((mx - m) * scale), axis=0)
+    s = tl.sum(acc * tl.exp2((mx - tl.where(m > float("-inf"), m, 0.0)) * scale), axis=0)
+    if SPLIT:
+        tile, b = _share(ws_ptr, ctr_ptr, r, q, S, b, m, s, s, s, s, s, SP)
+        ms = tl.where(tl.arange(0, SP) < S, _col(tile, 0), float("-inf"))
+        m = tl.max(ms, axis=0)
+        s = tl.sum(tl.where(ms > float("-inf"), _col(tile, 1) * tl.exp2((ms - m) * scale), 0.0), axis=0)
+    return m, s, b
 
 
 @triton.jit
@@ -86,9 +141,9 @@ def _key(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _above(base, V, t1, t2, t3, m, scale, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """For three keys t1 <= t2 <= t3: how many ids have a key above each, and (when MASS) their mass, the sum of
-    exp((x - m) / t), in one pass."""
+def _above(base, v0, v1, t1, t2, t3, m, scale, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """For three keys t1 <= t2 <= t3: how many ids of [v0, v1) have a key above each, and (when MASS) their mass,
+    the sum of exp((x - m) / t), in one pass."""
     offs = tl.arange(0, BLOCK)
     n1 = tl.zeros([BLOCK], tl.int32)
     n2 = tl.zeros([BLOCK], tl.int32)
@@ -96,10 +151,10 @@ def _above(base, V, t1, t2, t3, m, scale, MASS: tl.constexpr, SHIFT: tl.constexp
     e1 = tl.zeros([BLOCK], tl.float32)
     e2 = tl.zeros([BLOCK], tl.float32)
     e3 = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, V, BLOCK):
+    for off in range(v0, v1, BLOCK):
         i = off + offs
-        x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-        key = tl.where(i < V, _key(x, SHIFT), t1)  # (past V: above none)
+        x = tl.load(base + i, mask=i < v1, other=float("-inf")).to(tl.float32)
+        key = tl.where(i < v1, _key(x, SHIFT), t1)  # (past the slice: above none)
         a1, a2, a3 = key > t1, key > t2, key > t3
         if MASS:
             e = tl.exp2((x - m) * scale)
@@ -115,7 +170,8 @@ def _above(base, V, t1, t2, t3, m, scale, MASS: tl.constexpr, SHIFT: tl.constexp
 
 
 @triton.jit
-def _least_key(base, V, lo, hi, m, scale, k, P, MASS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _least_key(base, v0, v1, lo, hi, m, scale, k, P, ws_ptr, ctr_ptr, r, q, S, b, MASS: tl.constexpr,
+               SHIFT: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
     """The least key tau in (lo, hi] (int64; hi qualifies) whose ids above it number fewer than k (MASS False) or
     hold less mass than P (MASS True): the key of the last id kept by the cut. A search in quarters: three keys
     tested per pass over V (~8 passes for bf16 logits)."""
@@ -124,8 +180,9 @@ def _least_key(base, V, lo, hi, m, scale, k, P, MASS: tl.constexpr, SHIFT: tl.co
         t1 = lo + tl.maximum(d // 4, 1)
         t2 = lo + tl.maximum(d // 2, 1)
         t3 = lo + tl.maximum((3 * d) // 4, 1)
-        n1, n2, n3, e1, e2, e3 = _above(base, V, t1.to(tl.int32), t2.to(tl.int32), t3.to(tl.int32), m, scale,
+        n1, n2, n3, e1, e2, e3 = _above(base, v0, v1, t1.to(tl.int32), t2.to(tl.int32), t3.to(tl.int32), m, scale,
                                         MASS, SHIFT, BLOCK)
+        n1, n2, n3, e1, e2, e3, b = _sums(ws_ptr, ctr_ptr, r, q, S, b, n1, n2, n3, e1, e2, e3, SPLIT, SP)
         if MASS:
             ok1, ok2, ok3 = e1 < P, e2 < P, e3 < P
         else:
@@ -140,43 +197,62 @@ def _least_key(base, V, lo, hi, m, scale, k, P, MASS: tl.constexpr, SHIFT: tl.co
             hi = t3
         else:
             lo = t3
-    return hi
+    return hi, b
 
 
 @triton.jit
-def _group(base, V, c, m, scale, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """(ids above key c, their mass, ids at key c, the mass of one of them) in one pass."""
+def _group(base, v0, v1, c, m, scale, ws_ptr, ctr_ptr, r, q, S, b, SHIFT: tl.constexpr, SPLIT: tl.constexpr,
+           SP: tl.constexpr, BLOCK: tl.constexpr):
+    """(ids above key c, their mass, ids at key c, the mass of one of them, ids at key c in the slices before
+    this program's, the pass count b) in one pass."""
     offs = tl.arange(0, BLOCK)
     n_a = tl.zeros([BLOCK], tl.int32)
     e_a = tl.zeros([BLOCK], tl.float32)
     n_c = tl.zeros([BLOCK], tl.int32)
     x_c = tl.full([BLOCK], float("-inf"), tl.float32)
-    for off in range(0, V, BLOCK):
+    for off in range(v0, v1, BLOCK):
         i = off + offs
-        x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + i, mask=i < v1, other=float("-inf")).to(tl.float32)
         key = _key(x, SHIFT)
-        above = (key > c) & (i < V)
-        at = (key == c) & (i < V)
+        above = (key > c) & (i < v1)
+        at = (key == c) & (i < v1)
         n_a += above.to(tl.int32)
         e_a += tl.where(above, tl.exp2((x - m) * scale), 0.0)
         n_c += at.to(tl.int32)
         x_c = tl.maximum(x_c, tl.where(at, x, float("-inf")))
-    return tl.sum(n_a, axis=0), tl.sum(e_a, axis=0), tl.sum(n_c, axis=0), tl.exp2((tl.max(x_c, axis=0) - m) * scale)
+    na = tl.sum(n_a, axis=0)
+    ea = tl.sum(e_a, axis=0)
+    nc = tl.sum(n_c, axis=0)
+    xc = tl.max(x_c, axis=0)
+    before = nc * 0
+    if SPLIT:
+        tile, b = _share(ws_ptr, ctr_ptr, r, q, S, b, na, ea, nc, xc, xc, xc, SP)
+        splits = tl.arange(0, SP)
+        counts = _col(tile, 2)
+        na = tl.sum(_col(tile, 0), axis=0).to(tl.int32)
+        ea = tl.sum(_col(tile, 1), axis=0)
+        nc = tl.sum(counts, axis=0).to(tl.int32)
+        xc = tl.max(tl.where(splits < S, _col(tile, 3), float("-inf")), axis=0)
+        before = tl.sum(tl.where(splits < q, counts, 0.0), axis=0).to(tl.int32)
+    return na, ea, nc, tl.exp2((xc - m) * scale), before, b
 
 
 @triton.jit
-def _cut(base, V, m, s, scale, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constexpr, BLOCK: tl.constexpr):
+def _cut(base, v0, v1, V, m, s, scale, k, top_p, ws_ptr, ctr_ptr, r, q, S, b, SHIFT: tl.constexpr,
+         KEY_LO: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
     """The top-k (k in 1..V-1, else none) then top-p (< 1, else none) filter of one position, as
-    `sampling._filter`'s stable sort keeps ids (by value, ties by lowest id), without sorting: (c, keep, mass),
-    where the kept ids are those with a key above c and the `keep` lowest ids with key c, and mass is the kept
-    ids' sum of exp((x - m) / t)."""
+    `sampling._filter`'s stable sort keeps ids (by value, ties by lowest id), without sorting: (c, keep, mass,
+    ties before, b), where the kept ids are those with a key above c and the `keep` lowest ids with key c, mass is
+    the kept ids' sum of exp((x - m) / t) and `ties before` counts the ids with key c before this program's slice."""
     hi = _key(m, SHIFT).to(tl.int64)  # the max's key: no id above it
     lo = hi * 0 + KEY_LO  # below every key
     total = s
     c = lo + 1
     if (k > 0) & (k < V):
-        c = _least_key(base, V, lo, hi, m, scale, k, 0.0, False, SHIFT, BLOCK)
-        n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, scale, SHIFT, BLOCK)
+        c, b = _least_key(base, v0, v1, lo, hi, m, scale, k, 0.0, ws_ptr, ctr_ptr, r, q, S, b, False, SHIFT, SPLIT,
+                          SP, BLOCK)
+        n_a, e_a, n_c, e_c, before, b = _group(base, v0, v1, c.to(tl.int32), m, scale, ws_ptr, ctr_ptr, r, q, S, b,
+                                               SHIFT, SPLIT, SP, BLOCK)
         total = e_a + (k - n_a).to(tl.float32) * e_c  # the top-k mass: ties at c kept up to k ids
         lo = c - 1
     P = top_p * total
@@ -190,25 +266,28 @@ def _cut(base, V, m, s, scale, k, top_p, SHIFT: tl.constexpr, KEY_LO: tl.constex
         theta = (total - P) / (2.0 * n)
         if theta > 0.0:
             lo = tl.maximum(lo, _key(m + tl.log2(theta) / scale, SHIFT).to(tl.int64) - 1)
-        c = _least_key(base, V, lo, hi, m, scale, 0, P, True, SHIFT, BLOCK)
-    n_a, e_a, n_c, e_c = _group(base, V, c.to(tl.int32), m, scale, SHIFT, BLOCK)
+        c, b = _least_key(base, v0, v1, lo, hi, m, scale, 0, P, ws_ptr, ctr_ptr, r, q, S, b, True, SHIFT, SPLIT, SP,
+                          BLOCK)
+    n_a, e_a, n_c, e_c, before, b = _group(base, v0, v1, c.to(tl.int32), m, scale, ws_ptr, ctr_ptr, r, q, S, b,
+                                           SHIFT, SPLIT, SP, BLOCK)
     keep = n_c.to(tl.float32)
     if (k > 0) & (k < V):
         keep = tl.minimum(keep, (k - n_a).to(tl.float32))
     if (top_p < 1.0) & (e_c > 0.0):  # ids at c kept while the mass before them is below P (at least one)
         keep = tl.minimum(keep, tl.maximum(tl.ceil((P - e_a) / e_c), 1.0))
-    return c.to(tl.int32), keep.to(tl.int32), e_a + keep * e_c
+    return c.to(tl.int32), keep.to(tl.int32), e_a + keep * e_c, before, b
 
 
 @triton.jit
-def _tie_rank(base, V, c, d, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """How many ids below d have key c."""
+def _tie_rank(base, v0, v1, c, d, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """How many ids of [v0, v1) below d have key c."""
     offs = tl.arange(0, BLOCK)
     n = tl.zeros([BLOCK], tl.int32)
-    for off in range(0, V, BLOCK):
+    end = tl.minimum(v1, d)
+    for off in range(v0, end, BLOCK):
         i = off + offs
-        x = tl.load(base + i, mask=i < d, other=float("-inf")).to(tl.float32)
-        n += ((_key(x, SHIFT) == c) & (i < d)).to(tl.int32)
+        x = tl.load(base + i, mask=i < end, other=float("-inf")).to(tl.float32)
+        n += ((_key(x, SHIFT) == c) & (i < end)).to(tl.int32)
     return tl.sum(n, axis=0)
 
 
@@ -228,11 +307,38 @@ def _weights(x, i, m, scale, excl, c, keep, ties, FILTER: tl.constexpr, SHIFT: t
 
 
 @triton.jit
+def _draw_mass(base, v0, v1, m, scale, excl, c, keep, ties, ws_ptr, ctr_ptr, r, q, S, b, FILTER: tl.constexpr,
+               SHIFT: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+    """The draw's total mass (`_weights`) and, with SPLIT, the mass of the slices before this program's (where
+    its cumulative sums start), and b."""
+    offs = tl.arange(0, BLOCK)
+    tot = tl.zeros([BLOCK], tl.float32)
+    for off in range(v0, v1, BLOCK):
+        i = off + offs
+        x = tl.load(base + i, mask=i < v1, other=float("-inf")).to(tl.float32)
+        e, n_c = _weights(x, i, m, scale, excl, c, keep, ties, FILTER, SHIFT)
+        tot += e
+        ties += n_c
+    total = tl.sum(tot, axis=0)
+    before = total * 0.0
+    if SPLIT:
+        tile, b = _share(ws_ptr, ctr_ptr, r, q, S, b, total, total, total, total, total, total, SP)
+        masses = _col(tile, 0)
+        total = tl.sum(masses, axis=0)
+        before = tl.sum(tl.where(tl.arange(0, SP) < q, masses, 0.0), axis=0)
+    return total, before, b
+
+
+@triton.jit
 def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr, top_p_ptr, seeds_ptr, pos_ptr,
-                            acc_ptr, final_ptr, V, stride_r, stride_k, K: tl.constexpr, FILTER: tl.constexpr,
-                            SHIFT: tl.constexpr, KEY_LO: tl.constexpr, KEY_ACCEPT: tl.constexpr,
-                            KEY_DRAW: tl.constexpr, BLOCK: tl.constexpr):
+                            acc_ptr, final_ptr, ws_ptr, ctr_ptr, V, CH, S, stride_r, stride_k, K: tl.constexpr,
+                            FILTER: tl.constexpr, SHIFT: tl.constexpr, KEY_LO: tl.constexpr,
+                            KEY_ACCEPT: tl.constexpr, KEY_DRAW: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
+                            BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1)  # this program's slice of V: [q * CH, (q + 1) * CH) (without SPLIT: one, all of V)
+    v0 = q * CH
+    v1 = tl.minimum(V, v0 + CH)
     t = tl.load(temp_ptr + r)
     if t > 0:
         # e_i = exp((x_i - m) / t) as exp2((x_i - m) * scale); capped so that a denormal t gives no 0 * inf
@@ -246,24 +352,29 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
             k = tl.load(top_k_ptr + r)
             top_p = tl.load(top_p_ptr + r)
         row = logits_ptr + r * stride_r
+        b = q * 0  # the row's passes shared so far (SPLIT)
         acc = nd * 0  # accepted drafts so far (int64)
         m_a = 0.0
         s_a = 1.0
         c_a = (nd * 0 + KEY_LO).to(tl.int32)  # the decided position's cut (`_cut`; without a filter: all kept)
         keep_a = c_a * 0
+        ties_a = c_a * 0  # ids at the cut's key before this program's slice
         for j in tl.static_range(K + 1):
             if acc == j:  # every draft before position j was accepted: j decides
                 base = row + j * stride_k
-                m, s = _row_stats(base, V, scale, BLOCK)
+                m, s, b = _row_stats(base, v0, v1, scale, ws_ptr, ctr_ptr, r, q, S, b, SPLIT, SP, BLOCK)
                 c = c_a * 0 + KEY_LO
                 keep = c * 0
+                ties = c * 0
                 if FILTER:  # noqa: SIM102 (a constexpr branch around a runtime one)
                     if ((k > 0) & (k < V)) | (top_p < 1.0):
-                        c, keep, s = _cut(base, V, m, s, scale, k, top_p, SHIFT, KEY_LO, BLOCK)
+                        c, keep, s, ties, b = _cut(base, v0, v1, V, m, s, scale, k, top_p, ws_ptr, ctr_ptr, r, q, S,
+                                                   b, SHIFT, KEY_LO, SPLIT, SP, BLOCK)
                 m_a = m
                 s_a = s
                 c_a = c
                 keep_a = keep
+                ties_a = ties
                 if j < nd:
                     d = tl.load(drafts_ptr + r * K + j)
                     x_d = tl.load(base + d).to(tl.float32)
@@ -272,8 +383,11 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
                         key_d = _key(x_d, SHIFT)
                         if key_d < c:
                             p_d = p_d * 0.0
-                        elif key_d == c:  # noqa: SIM102 (the pass runs only for a draft at the cut)
-                            if _tie_rank(base, V, c, d, SHIFT, BLOCK) >= keep:
+                        elif key_d == c:  # the pass runs only for a draft at the cut
+                            rank = _tie_rank(base, v0, v1, c, d, SHIFT, BLOCK)
+                            rank, _1, _2, _3, _4, _5, b = _sums(ws_ptr, ctr_ptr, r, q, S, b, rank, rank, rank, rank,
+                                                                rank, rank, SPLIT, SP)
+                            if rank >= keep:
                                 p_d = p_d * 0.0
                     if _uniform(seed, pos0 + j, KEY_ACCEPT) < p_d:
                         acc = acc + 1
@@ -284,43 +398,74 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
             excl = tl.load(drafts_ptr + r * K + acc)
         offs = tl.arange(0, BLOCK)
         total = s_a
-        if excl >= 0:  # the residual's mass: p's without the rejected draft
-            tot = tl.zeros([BLOCK], tl.float32)
-            ties = keep_a * 0
-            for off in range(0, V, BLOCK):
-                i = off + offs
-                x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
-                e, n_c = _weights(x, i, m_a, scale, excl, c_a, keep_a, ties, FILTER, SHIFT)
-                tot += e
-                ties += n_c
-            total = tl.sum(tot, axis=0)
-            if total <= 0.0:  # only the rejected draft had mass (rounding): draw from p
+        run = 0.0
+        if (excl >= 0) | SPLIT:  # the draw's mass (the residual's: p's without the rejected draft; by slice)
+            total, run, b = _draw_mass(base, v0, v1, m_a, scale, excl, c_a, keep_a, ties_a, ws_ptr, ctr_ptr, r, q,
+                                       S, b, FILTER, SHIFT, SPLIT, SP, BLOCK)
+            if (excl >= 0) & (total <= 0.0):  # only the rejected draft had mass (rounding): draw from p
                 excl = excl * 0 - 1
                 total = s_a
+                run = 0.0
+                if SPLIT:
+                    total, run, b = _draw_mass(base, v0, v1, m_a, scale, excl, c_a, keep_a, ties_a, ws_ptr, ctr_ptr,
+                                               r, q, S, b, FILTER, SHIFT, SPLIT, SP, BLOCK)
         thr = _uniform(seed, pos0 + acc, KEY_DRAW) * total
-        run = 0.0
         first = V
         last = 0
-        ties = keep_a * 0
-        for off in range(0, V, BLOCK):
+        ties = ties_a
+        for off in range(v0, v1, BLOCK):
             i = off + offs
-            x = tl.load(base + i, mask=i < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + i, mask=i < v1, other=float("-inf")).to(tl.float32)
             e, n_c = _weights(x, i, m_a, scale, excl, c_a, keep_a, ties, FILTER, SHIFT)
             ties += n_c
             cum = tl.cumsum(e, axis=0) + run
             first = tl.minimum(first, tl.min(tl.where(cum > thr, i, V), axis=0))
             last = tl.maximum(last, tl.max(tl.where(e > 0.0, i, 0), axis=0))
             run += tl.sum(e, axis=0)
-        tl.store(acc_ptr + r, acc)
-        tl.store(final_ptr + r, tl.minimum(first, last).to(tl.int64))
+        if SPLIT:  # the first id past thr and the last with mass, over the slices
+            tile, b = _share(ws_ptr, ctr_ptr, r, q, S, b, first, last, last, last, last, last, SP)
+            splits = tl.arange(0, SP)
+            first = tl.min(tl.where(splits < S, _col(tile, 0), V * 1.0), axis=0).to(tl.int32)
+            last = tl.max(_col(tile, 1), axis=0).to(tl.int32)
+        if q == 0:
+            tl.store(acc_ptr + r, acc)
+            tl.store(final_ptr + r, tl.minimum(first, last).to(tl.int64))
 
 
 # The low bits of a float32 upcast that are always 0, by input dtype (`_key`).
 _SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
+MAX_SPLITS = 32  # programs a row at most (the `_share` tile's rows)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def auto_splits(rows: int, V: int, device: torch.device) -> int:
+    """Programs per row: on a GPU, as many as leave no SM idle (at most MAX_SPLITS, and one block of V each),
+    when that is 2 or more; else 0, one program a row without the shared passes (also on the CPU)."""
+    if device.type != "cuda" or rows == 0:
+        return 0
+    n = min(MAX_SPLITS, triton.cdiv(V, BLOCK), _sm_count(device.index or 0) // rows)
+    return n if n >= 2 else 0
+
+
+def _check_splits(splits: int, rows: int, V: int, device: torch.device) -> None:
+    if not 0 <= splits <= MAX_SPLITS:
+        raise ValueError(f"tempered_decisions_triton: expected splits in 0..{MAX_SPLITS}, got {splits}")
+    if device.type == "cuda":
+        if rows * splits > _sm_count(device.index or 0):  # its programs would wait on ones that never start
+            raise ValueError(f"tempered_decisions_triton: expected rows * splits within the "
+                             f"{_sm_count(device.index or 0)} SMs, got {rows} * {splits}")
+    elif splits > 1:  # the interpreter runs one program at a time: the first would wait for ever
+        raise ValueError(f"tempered_decisions_triton: expected splits 0 or 1 off a GPU, got {splits}")
+
+
 def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor | None,
-            top_p: Tensor | None, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+            top_p: Tensor | None, seeds: Tensor, positions: Tensor, splits: int | None) -> tuple[Tensor, Tensor]:
     R, K1, V = logits.shape
     if logits.stride(2) != 1:
         raise ValueError(f"tempered_decisions_triton: expected logits with unit stride over V, got strides "
@@ -328,32 +473,41 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
     if logits.dtype not in _SHIFTS:
         raise ValueError(f"tempered_decisions_triton: expected logits of dtype {', '.join(map(str, _SHIFTS))}, got "
                          f"{logits.dtype}")
+    if splits is None:
+        splits = auto_splits(R, V, logits.device)
+    _check_splits(splits, R, V, logits.device)
     drafts = drafts.contiguous()
     accepted = logits.new_zeros(R, dtype=drafts.dtype)
     final = logits.new_zeros(R, dtype=drafts.dtype)
     shift = _SHIFTS[logits.dtype]
     if R:
-        _tempered_verify_kernel[(R,)](
+        chunk = triton.cdiv(triton.cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
+        S = triton.cdiv(V, chunk)  # (no empty slice)
+        ws = logits.new_empty((R, 2, MAX_SPLITS, 8) if splits else (1,), dtype=torch.float32)
+        counters = logits.new_zeros(R if splits else 1, dtype=torch.int32)
+        _tempered_verify_kernel[(R, S)](
             logits, drafts, num_draft, temperature, temperature if top_k is None else top_k,
-            temperature if top_p is None else top_p, seeds, positions, accepted, final, V, logits.stride(0),
-            logits.stride(1), K=K1 - 1, FILTER=top_k is not None, SHIFT=shift, KEY_LO=(-(2**31)) >> shift,
-            KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW], BLOCK=BLOCK, num_warps=8,
+            temperature if top_p is None else top_p, seeds, positions, accepted, final, ws, counters, V, chunk, S,
+            logits.stride(0), logits.stride(1), K=K1 - 1, FILTER=top_k is not None, SHIFT=shift,
+            KEY_LO=(-(2**31)) >> shift, KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW],
+            SPLIT=bool(splits), SP=MAX_SPLITS, BLOCK=BLOCK, num_warps=8,
         )
     return accepted, final
 
 
 def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
-                              positions: Tensor) -> tuple[Tensor, Tensor]:
+                              positions: Tensor, splits: int | None = None) -> tuple[Tensor, Tensor]:
     """`rejection_sampler.tempered_decisions`, one launch: logits [R, K+1, V] (bf16, fp16 or float32, unit stride
     over V), drafts [R, K] int64 (padding in range), num_draft / seeds / positions [R] int64, temperature [R]
     float32 -> (accepted [R], final [R]) int64, defined on the rows whose temperature is above 0 (the others:
-    zeros)."""
-    return _launch(logits, drafts, num_draft, temperature, None, None, seeds, positions)
+    zeros). splits: programs per row (`auto_splits` when None; 0: one without the shared passes)."""
+    return _launch(logits, drafts, num_draft, temperature, None, None, seeds, positions, splits)
 
 
 def filtered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
-                              top_p: Tensor, seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                              top_p: Tensor, seeds: Tensor, positions: Tensor, splits: int | None = None
+                              ) -> tuple[Tensor, Tensor]:
     """`rejection_sampler.filtered_decisions`, one launch: as `tempered_decisions_triton` with top_k [R] int64 (0:
     none) and top_p [R] float32 (1: none) applied at every position, each cut found by a search instead of a sort
     (`_cut`)."""
-    return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions)
+    return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions, splits)
