@@ -225,20 +225,19 @@ def test_gpu_split_rows_equal_reference(K, splits):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("splits", [32, 3])
 def test_gpu_split_rows_keep_the_lowest_ids_of_a_tie_across_slices(splits):
-    """300 ids tied at the top across a slice's end (ids 4,000-4,299 over the first slices' boundary at 4,096;
-    with 3 slices of 45,056 ids, also ids 45,000-45,299): top-k 150 keeps the 150 lowest of them, so every draw lands there
-    and a draft among the others is never accepted."""
-    R, V = 16, 131072
-    starts = (4000, 45000) if splits == 3 else (4000,)
-    for start in starts:
-        logits = torch.zeros(R, 2, V, dtype=torch.bfloat16, device="cuda")
-        logits[:, :, start:start + 300] = 5.0
-        drafts = torch.tensor([[start + (37 * i) % 300] for i in range(R)], device="cuda")
-        i64 = dict(dtype=torch.int64, device="cuda")
-        args = (logits, drafts, torch.ones(R, **i64), torch.ones(R, device="cuda"), torch.full((R,), 150, **i64),
-                torch.ones(R, device="cuda"), torch.arange(R, **i64), torch.zeros(R, **i64))
-        acc, final = _in_chunks(filtered_decisions_triton, args, splits)
-        ref_acc, ref_final = filtered_decisions(*args)
-        assert acc.tolist() == ref_acc.tolist() and final.tolist() == ref_final.tolist()
-        assert (acc[drafts[:, 0] >= start + 150] == 0).all() and 0 < acc.sum() < R
-        assert ((final >= start) & (final < start + 150)).all()
+    """12 ids tied at the top across the end of the first slice (4,096 ids with 32 slices, 45,056 with 3), 6 on
+    each side: top-k 9 keeps the 9 lowest of them, 3 past the end, so every draw lands there and a draft among the
+    others is never accepted."""
+    R, V = 64, 131072
+    start = (4096 if splits == 32 else 45056) - 6
+    logits = torch.zeros(R, 2, V, dtype=torch.bfloat16, device="cuda")
+    logits[:, :, start:start + 12] = 5.0
+    drafts = torch.tensor([[start + (5 * i) % 12] for i in range(R)], device="cuda")
+    i64 = dict(dtype=torch.int64, device="cuda")
+    args = (logits, drafts, torch.ones(R, **i64), torch.ones(R, device="cuda"), torch.full((R,), 9, **i64),
+            torch.ones(R, device="cuda"), torch.arange(R, **i64), torch.zeros(R, **i64))
+    acc, final = _in_chunks(filtered_decisions_triton, args, splits)
+    ref_acc, ref_final = filtered_decisions(*args)
+    assert acc.tolist() == ref_acc.tolist() and final.tolist() == ref_final.tolist()
+    assert (acc[drafts[:, 0] >= start + 9] == 0).all() and 0 < acc.sum() < R
+    assert ((final >= start) & (final < start + 9)).all() and (final >= start + 6).any()
