@@ -4,8 +4,9 @@ one launch without the [R, 1+K, V] float32 copies the references make (upcast, s
 sums, the residual; with a filter, a sort of every distribution), which on a 128k vocabulary cost more than the
 rest of the sampling put together.
 
-One program per row; a greedy row (temperature 0) returns at once (its caller decides it by argmax). For
-position j = 0, 1, ... while every draft before it was accepted: the row max m_j and the sum s_j of
+One program per row (or several: split rows, below); a greedy row (temperature 0) returns at once (its caller
+decides it by argmax). For position j = 0, 1, ... while every draft before it was accepted: the row max m_j and
+the sum s_j of
 e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_j), then the draft's accept test
 u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
 residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position from p itself
@@ -19,6 +20,14 @@ sorting: top-k's key by a search on how many ids lie above (three keys tested pe
 bf16 logits), then top-p's, at or above it and above a bound from the mass top-p drops, by a search on the mass
 above; the count at the cut key follows from the ids and mass above it, since tied ids have equal mass. The accept
 test and the draw then weigh the dropped ids 0.
+
+Split rows (`auto_splits`): a row's passes stream V through one SM, so with fewer rows than SMs each row takes
+S programs (up to 32), each a slice of V. After every pass each publishes its partial sums (`_share`), waits on a
+counter until the row's S programs have, and combines all S in the same order, so all S take the same branches of
+the row's searches and decisions; the draw starts each slice's cumulative sum at the mass of the slices before it.
+The wait needs the row's programs running at once: `_launch` keeps R * S within the SM count (the interpreter,
+which runs one program at a time, takes one). On an H200 a K = 0 top-p row takes 29 µs at batch 1 against 172
+with one program.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
 top-p mass) falls within float32 rounding of its threshold.
