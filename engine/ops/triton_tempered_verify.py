@@ -6,9 +6,8 @@ rest of the sampling put together.
 
 One program per row (or several: split rows, below); a greedy row (temperature 0) returns at once (its caller
 decides it by argmax). For position j = 0, 1, ... while every draft before it was accepted: the row max m_j and
-the sum s_j of
-e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_j), then the draft's accept test
-u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
+the sum s_j of e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_j), then the
+draft's accept test u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
 residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position from p itself
 (mass s_a), by inverse CDF: one pass that finds the first id whose cumulative mass exceeds u * mass (clamped to the
 last id with mass). A row without drafts reads its logits twice.
