@@ -26,6 +26,7 @@ from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
     auto_splits,
     filtered_decisions_triton,
     tempered_decisions_triton,
+    usable_sms,
 )
 from baton.engine.rejection_sampler import filtered_decisions, tempered_decisions  # noqa: E402
 
@@ -121,6 +122,15 @@ def test_bad_splits_are_refused():
         with pytest.raises(ValueError, match="expected splits 0 or 1 off a GPU, got 2"):
             tempered_decisions_triton(*args, splits=2)
         assert auto_splits(4, 131072, torch.device("cpu")) == 0
+
+
+def test_split_rows_count_only_the_sms_an_mps_client_gets():
+    assert usable_sms(132, None) == usable_sms(132, "") == usable_sms(132, "100") == 132
+    assert usable_sms(132, "50") == 66 and usable_sms(132, " 12.5 ") == 16 and usable_sms(132, "0.1") == 1
+    for bad in ("0", "150", "half", "-5"):
+        with pytest.raises(ValueError, match=f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: expected a number in \\(0, 100\\], "
+                                             f"got '{bad}'"):
+            usable_sms(132, bad)
 
 
 def test_filtered_kernel_keeps_the_lowest_ids_of_a_tie_at_the_cut():

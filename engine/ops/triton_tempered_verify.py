@@ -24,8 +24,8 @@ Split rows (`auto_splits`): a row's passes stream V through one SM, so with fewe
 S programs (up to 32), each a slice of V. After every pass each publishes its partial sums (`_share`), waits on a
 counter until the row's S programs have, and combines all S in the same order, so all S take the same branches of
 the row's searches and decisions; the draw starts each slice's cumulative sum at the mass of the slices before it.
-The wait needs the row's programs running at once: `_launch` keeps R * S within the SM count (the interpreter,
-which runs one program at a time, takes one). On an H200 a K = 0 top-p row takes 29 µs at batch 1 against 172
+The wait needs the row's programs running at once: `_launch` keeps R * S within the SMs the process may use (an
+MPS client's share included; the interpreter, which runs one program at a time, takes one). On an H200 a K = 0 top-p row takes 29 µs at batch 1 against 172
 with one program.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
@@ -35,6 +35,7 @@ Graph-capturable; no host reads.
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -447,9 +448,25 @@ _SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 MAX_SPLITS = 32  # programs a row at most (the `_share` tile's rows)
 
 
+def usable_sms(sms: int, mps_percentage: str | None) -> int:
+    """The SMs a process can hold programs on: the device's, or under MPS the share its client is given
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which the split rows' wait must not exceed."""
+    text = (mps_percentage or "").strip()
+    if not text:
+        return sms
+    try:
+        percent = float(text)
+    except ValueError:
+        percent = -1.0
+    if not 0.0 < percent <= 100.0:
+        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: expected a number in (0, 100], got {text!r}")
+    return max(1, int(sms * percent / 100.0))
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return usable_sms(torch.cuda.get_device_properties(index).multi_processor_count,
+                      os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
 
 
 def auto_splits(rows: int, V: int, device: torch.device) -> int:
