@@ -7,10 +7,10 @@ rest of the sampling put together.
 One program per row (or several: split rows, below); a greedy row (temperature 0) returns at once (its caller
 decides it by argmax). For position j = 0, 1, ... while every draft before it was accepted: the row max m_j and
 the sum s_j of e_i = exp((x_i - m_j) / t) in one pass over V (an online softmax: p_i = e_i / s_j), then the
-draft's accept test u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token is drawn from the
-residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position from p itself
-(mass s_a), by inverse CDF: one pass that finds the first id whose cumulative mass exceeds u * mass (clamped to the
-last id with mass). A row without drafts reads its logits twice.
+draft's accept test u < p_j(d_j) with the reference's counter noise. At the first rejected position a the token
+is drawn from the residual (p_a with d_a removed, unnormalised: one more pass for its mass), at the bonus position
+from p itself (mass s_a), by inverse CDF: one pass that finds the first id whose cumulative mass exceeds u * mass
+(clamped to the last id with mass). A row without drafts reads its logits twice.
 
 Top-k / top-p (`filtered_decisions_triton`): the sampler's filter keeps a prefix of the ids ordered by value, ties
 by lowest id (`sampling._filter`'s stable sort). That prefix is a cut on an order-preserving integer key of the
@@ -25,8 +25,8 @@ S programs (up to 32), each a slice of V. After every pass each publishes its pa
 counter until the row's S programs have, and combines all S in the same order, so all S take the same branches of
 the row's searches and decisions; the draw starts each slice's cumulative sum at the mass of the slices before it.
 The wait needs the row's programs running at once: `_launch` keeps R * S within the SMs the process may use (an
-MPS client's share included; the interpreter, which runs one program at a time, takes one). On an H200 a K = 0 top-p row takes 29 µs at batch 1 against 172
-with one program.
+MPS client's share included; the interpreter, which runs one program at a time, takes one). On an H200 a K = 0
+top-p row takes 29 µs at batch 1 against 172 with one program.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
 top-p mass) falls within float32 rounding of its threshold.
@@ -75,8 +75,9 @@ def _uniform(seed, position, key: tl.constexpr):
 def _share(ws_ptr, ctr_ptr, r, q, S, b, a0, a1, a2, a3, a4, a5, SP: tl.constexpr):
     """Split rows: every program of row r publishes six partials of the row's b-th pass and gets all S programs'
     as an [SP, 8] tile (rows from S on, and columns 6-7: 0) once they are all published: a barrier on the row's
-    counter, which `_launch` zeroes. The S programs of a row run at once (`_launch` keeps R * S within the SM
-    count), so the wait ends. Double-buffered by b: a program can be one pass ahead of another, no more."""
+    counter, which `_launch` zeroes. The S programs of a row run at once (`_launch` keeps R * S within the SMs
+    the process may use), so the wait ends. Double-buffered by b: a program can be one pass ahead of another, no
+    more."""
     cols = tl.arange(0, 8)
     vals = tl.where(cols == 0, a0.to(tl.float32), tl.where(cols == 1, a1.to(tl.float32), tl.where(
         cols == 2, a2.to(tl.float32), tl.where(cols == 3, a3.to(tl.float32), tl.where(
