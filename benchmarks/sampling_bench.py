@@ -191,10 +191,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.top_k} / {args.top_p}")
     if args.launches < 1 or args.reps < 1:
         raise SystemExit(f"--launches / --reps: expected >= 1, got {args.launches} / {args.reps}")
-    if args.splits is not None and not 0 <= args.splits <= 32:
-        raise SystemExit(f"--splits: expected 0..32, got {args.splits}")
+    from baton.engine.ops.triton_tempered_verify import MAX_SPLITS
+
+    if args.splits is not None and not 0 <= args.splits <= MAX_SPLITS:
+        raise SystemExit(f"--splits: expected 0..{MAX_SPLITS}, got {args.splits}")
     jobs = [(K, R) for K in ks for R in batches]
-    rows = [bench(K, R, V, args, device) for K, R in tqdm(jobs, desc="sampling", disable=args.no_progress)]
+    try:
+        rows = [bench(K, R, V, args, device) for K, R in tqdm(jobs, desc="sampling", disable=args.no_progress)]
+    except ValueError as e:  # e.g. --splits whose programs outnumber the SMs at a batch
+        raise SystemExit(f"sampling_bench: {e}") from None
     command = " ".join(["python benchmarks/sampling_bench.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "command": command, "vocab": V,
             "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}

@@ -37,6 +37,7 @@ def test_smoke_checks_and_times_every_k_and_batch(tmp_path):
     (["--top-p", "1.0"], "at least one filtering"),
     (["--temperature", "0"], "--temperature: expected a value in (0, 100]"),
     (["--splits", "33"], "--splits: expected 0..32"),
+    (["--splits", "2"], "sampling_bench: tempered_decisions_triton: expected splits 0 or 1 off a GPU, got 2"),
 ])
 def test_bad_arguments_are_refused(extra, message):
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *extra], capture_output=True, text=True, timeout=120)
