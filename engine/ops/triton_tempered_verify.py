@@ -509,8 +509,10 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
     if R:
         chunk = triton.cdiv(triton.cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
         S = triton.cdiv(V, chunk)  # (no empty slice)
-        ws = logits.new_empty((R, 2, MAX_SPLITS, 8) if splits else (1,), dtype=torch.float32)
-        counters = logits.new_zeros(R if splits else 1, dtype=torch.int32)
+        ws = counters = accepted  # (one program a row: unused)
+        if splits:  # each row's partials (`_share`), then its counter, zeroed, in one buffer
+            buf = logits.new_zeros(R * (2 * MAX_SPLITS * 8 + 1), dtype=torch.float32)
+            ws, counters = buf[:R * 2 * MAX_SPLITS * 8], buf[R * 2 * MAX_SPLITS * 8:].view(torch.int32)
         _tempered_verify_kernel[(R, S)](
             logits, drafts, num_draft, temperature, temperature if top_k is None else top_k,
             temperature if top_p is None else top_p, seeds, positions, accepted, final, ws, counters, V, chunk, S,
