@@ -60,5 +60,5 @@ def test_unknown_cases_are_refused(tmp_path):
 
 @pytest.mark.parametrize("spec", ["3/2", "x"])
 def test_bad_shards_are_refused(tmp_path, spec):
-    run = _run(tmp_path, "--shard", *([spec] if spec else []))
+    run = _run(tmp_path, "--shard", spec)
     assert run.returncode != 0 and "--shard expected I/N with 1 <= I <= N" in run.stderr
