@@ -531,7 +531,7 @@ def benchmark(model_dir: Path, prompts: list[list[int]], ks: list[int], max_toke
         # Every CUDA graph size captured first, as a server does before taking traffic (`capture_graphs`): graphs
         # are otherwise captured on a size's first step, and the timed run's batch shrinks as its requests finish
         # at different steps (K > 0: acceptance differs per request), which the warm-up's may not have.
-        engine.capture_graphs(sampled=False)  # (greedy: the graphs of sampling rows are not used)
+        engine.capture_graphs(sampled_verify=False)  # (greedy: the verify graphs of sampling rows are not used)
         # Warm-up on the same prompts: every Triton kernel shape the timed run uses is compiled here, not inside
         # the timing.
         run_greedy(engine, prompts, min(max_tokens, 16), device)

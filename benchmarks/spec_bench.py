@@ -253,7 +253,7 @@ def capture(engine: LLMEngine, sampled: bool) -> CaptureCost:
     for variants in (False, True) if sampled else (False,):
         sync(device)
         t0, m0 = time.perf_counter(), reserved()
-        engine.capture_graphs(sampled=variants)
+        engine.capture_graphs(sampled_verify=variants)
         sync(device)
         costs += [time.perf_counter() - t0, reserved() - m0]
     return CaptureCost(engine.config.num_speculative_tokens, *costs)

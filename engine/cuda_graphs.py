@@ -55,7 +55,6 @@ from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
-from baton.engine.rejection_sampler import sample_rows
 
 # Verify graph variants, by the rows a step holds: greedy only; some sampling at a temperature; some with top-k or
 # top-p too. Each variant decides the rows of the ones before it as they do.
@@ -73,26 +72,16 @@ def sampling_variant(temperature: list[float] | None, top_k: list[int] | None, t
 
 
 def sampling_parts(variant: int, pad: int, temperature: list[float] | None, seeds: list[int] | None,
-                   top_k: list[int] | None, top_p: list[float] | None, decode: bool = False) -> tuple[list[int], ...]:
+                   top_k: list[int] | None, top_p: list[float] | None) -> tuple[list[int], ...]:
     """What a variant stages of its rows' sampling (the greedy graph reads none of it), padded by `pad` rows:
-    temperatures (float32 bits) and seeds, then (FILTERED) top-k and top-p (float32 bits). A FILTERED decode step
-    (`decode`) splits the temperatures by the op that draws the row (`rejection_sampler.sample_rows`): those of
-    the rows at a temperature alone first, the filtered rows' last (0 for the other rows in each)."""
+    temperatures (float32 bits) and seeds, then (FILTERED) top-k and top-p (float32 bits)."""
     if variant == GREEDY:
         return ()
     assert temperature is not None and seeds is not None
-    if not (decode and variant == FILTERED):
-        parts = (float_bits(temperature) + [0] * pad, seeds + [0] * pad)
-    else:
-        assert top_k is not None and top_p is not None
-        cut = [t > 0 and (k > 0 or p < 1.0) for t, k, p in zip(temperature, top_k, top_p, strict=True)]
-        alone = float_bits([0.0 if c else t for t, c in zip(temperature, cut, strict=True)])
-        parts = (alone + [0] * pad, seeds + [0] * pad)
+    parts = (float_bits(temperature) + [0] * pad, seeds + [0] * pad)
     if variant == FILTERED:
         assert top_k is not None and top_p is not None
         parts += (top_k + [0] * pad, float_bits(top_p) + float_bits([1.0]) * pad)
-        if decode:
-            parts += (float_bits([t if c else 0.0 for t, c in zip(temperature, cut, strict=True)]) + [0] * pad,)
     return parts
 
 
@@ -160,9 +149,7 @@ def graph_sizes(max_rows: int, fine: bool = False) -> list[int]:
 class StepGraphs:
     """Graphs of steps whose R rows each feed `tokens_per_row` tokens (T) from their state and KV prefix.
 
-    T = 1: decode steps; the graph's output is the logits [R, V]. Rows that sample (TEMPERED, FILTERED) then
-    replay a small graph of their own that draws the tokens [R] from those logits (`rejection_sampler.sample_rows`),
-    instead of the host launching the draw's ops after the step. T = 1+K: verify steps, whose whole step
+    T = 1: decode steps; the graph's output is the logits [R, V]. T = 1+K: verify steps, whose whole step
     `step_fn` captures (the layers run the verify state ops with `replay`, the runner's per-slot tensor, read on
     the device), in three variants (GREEDY, TEMPERED, FILTERED: the rows' sampling); the output is step_fn's
     packed results.
@@ -209,19 +196,14 @@ class StepGraphs:
         self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)  # noise seeds (`counter_noise`)
         self.top_k = torch.zeros(n, dtype=torch.int64, device=dev)  # 0: none
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)  # 1: none
-        # Decode steps: the filtered rows' temperatures (`self.temperature` then holds the other rows'), and the
-        # draft counts of rows without drafts.
-        self.temperature_f = torch.zeros(n, dtype=torch.float32, device=dev)
-        self.no_drafts = torch.zeros(n, dtype=torch.int64, device=dev)
         # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
         # them, fixed like the starts themselves, so a captured step does not rebuild it in every attention layer.
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
         # last-token positions, token counts, with rows that sample their temperatures (float32 bits) and seeds, and
-        # with filtering rows their top-k and top-p (float32 bits) (and a decode step the filtered rows'
-        # temperatures) (n each), then the block table [n, width].
-        self.staging = torch.empty(3 * n * T + 9 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        # with filtering rows their top-k and top-p (float32 bits) (n each), then the block table [n, width].
+        self.staging = torch.empty(3 * n * T + 8 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
         # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
@@ -233,8 +215,6 @@ class StepGraphs:
         # Per variant (GREEDY: decode graphs too, TEMPERED, FILTERED), per size: the graph and its output.
         self.variants: tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], ...] = ({}, {}, {})
         self.graphs = self.variants[GREEDY]
-        # Decode graphs: per sampling variant (TEMPERED, FILTERED), per size, the draw's graph and its tokens.
-        self.samplers: tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], ...] = ({}, {}, {})
         self._prev_base = torch.zeros(n, dtype=torch.int64, device=dev)  # run_chained's copy of verify_base
         # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
         self.runs = 0
@@ -251,7 +231,6 @@ class StepGraphs:
         self.next_ids[:n * T] = 0
         self.verify_base[:n] = 0
         self.temperature[:n] = 0.0
-        self.temperature_f[:n] = 0.0
         self.seeds[:n] = 0
         self.top_k[:n] = 0
         self.top_p[:n] = 1.0
@@ -309,40 +288,22 @@ class StepGraphs:
         batch = self._batch(n)
         return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv, upcast=False)
 
-    def _sample(self, n: int, variant: int, logits: torch.Tensor) -> torch.Tensor:
-        """A decode step's draw from its logits [n, V]: tokens [n]. The token drawn sits at each row's sequence
-        length, the position `ModelRunner.launch` gives an eager draw."""
-        filtered = (self.temperature_f[:n], self.top_k[:n], self.top_p[:n]) if variant == FILTERED else None
-        return sample_rows(logits, self.no_drafts[:n], self.temperature[:n], self.seeds[:n], self.seq_lens[:n],
-                           filtered)
-
     def _capture(self, n: int, variant: int = GREEDY) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs really execute: on padding rows only, they touch nothing but the scratch caches.
         self._pad(n)
         return capture_graph(lambda: self._forward(n, variant), self.device, self.pool)
 
-    def _capture_sampler(self, n: int, variant: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The draw's graph of decode size n, on the logits of that size's graph (captured first)."""
-        if n not in self.graphs:
-            self.graphs[n] = self._capture(n)
-        self._pad(n)  # padding rows (temperature 0): the warm-up draws nothing
-        logits = self.graphs[n][1]
-        return capture_graph(lambda: self._sample(n, variant, logits), self.device, self.pool)
-
     @torch.inference_mode()
     def capture_all(self, sampled: bool = True) -> int:
-        """Capture every size now (largest first, so that the smaller ones reuse its memory pool) and, with
-        `sampled`, what rows that sample replay too (the verify variants, or the decode steps' draws), rather than
-        at each size's first step; returns how many were captured."""
+        """Capture every size now (largest first, so that the smaller ones reuse its memory pool), every verify
+        variant (`sampled`: those of rows that sample too), rather than at each size's first step; returns how
+        many were captured."""
         if not self.capture:
             return 0
         n = capture_missing(self.graphs, self.sizes, self._capture)
-        if sampled:
+        if self.step_fn is not None and sampled:
             for v in (TEMPERED, FILTERED):
-                if self.step_fn is not None:
-                    n += capture_missing(self.variants[v], self.sizes, lambda size, v=v: self._capture(size, v))
-                else:
-                    n += capture_missing(self.samplers[v], self.sizes, lambda size, v=v: self._capture_sampler(size, v))
+                n += capture_missing(self.variants[v], self.sizes, lambda size, v=v: self._capture(size, v))
         return n
 
     @torch.inference_mode()
@@ -356,11 +317,10 @@ class StepGraphs:
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
-        temperature / seeds / top_k / top_p: per row, temperature 0.0 for a greedy row, top_k 0 and top_p 1.0 for
-        none; the step runs the variant its rows need (GREEDY, TEMPERED, FILTERED).
-        Returns the logits [R, V] in the model's dtype (decode, every row greedy) or the tokens [R] its rows drew
-        (decode, given their sampling), or with a step_fn (verify) its whole packed output for the graph's padded
-        size."""
+        temperature / seeds / top_k / top_p (verify graphs): per row, temperature 0.0 for a greedy row, top_k 0 and
+        top_p 1.0 for none; the step runs the variant its rows need (GREEDY, TEMPERED, FILTERED).
+        Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed
+        output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
         n = self.size_for(rows)
         if n is None:
@@ -374,12 +334,9 @@ class StepGraphs:
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
         variant = self._variant(rows, temperature, seeds, top_k, top_p)
-        decode = self.step_fn is None
-        graphs = self.graphs if decode else self.variants[variant]
+        graphs = self.variants[variant]
         if self.capture and n not in graphs:
-            graphs[n] = self._capture(n) if decode else self._capture(n, variant)
-        if self.capture and decode and variant != GREEDY and n not in self.samplers[variant]:
-            self.samplers[variant][n] = self._capture_sampler(n, variant)
+            graphs[n] = self._capture(n, variant)
         pad = n - rows
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         parts = (
@@ -391,7 +348,7 @@ class StepGraphs:
             (verify_base or [0] * rows) + [0] * pad,
             (num_tokens or [T] * rows) + [T] * pad,
         )
-        parts += sampling_parts(variant, pad, temperature, seeds, top_k, top_p, decode)
+        parts += sampling_parts(variant, pad, temperature, seeds, top_k, top_p)
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
@@ -412,13 +369,14 @@ class StepGraphs:
 
     def _variant(self, rows: int, temperature: list[float] | None, seeds: list[int] | None,
                  top_k: list[int] | None, top_p: list[float] | None) -> int:
-        """Check a step's sampling inputs; which graph variant its rows need."""
+        """Check a step's sampling inputs; which verify graph variant its rows need."""
         if temperature is None and seeds is None and top_k is None and top_p is None:
             return GREEDY
         lists = (temperature, seeds) + ((top_k, top_p) if top_k is not None or top_p is not None else ())
-        if any(v is None or len(v) != rows for v in lists):
+        if self.step_fn is None or any(v is None or len(v) != rows for v in lists):
             raise ValueError(f"step graphs: expected a temperature and a seed (and with a top_k a top_p) for each "
-                             f"of {rows} rows, got {temperature}, {seeds}, {top_k} and {top_p}")
+                             f"of {rows} verify rows, got {temperature}, {seeds}, {top_k} and {top_p}"
+                             + ("" if self.step_fn else " (decode graphs take none)"))
         return sampling_variant(temperature, top_k, top_p)
 
     def _stage_sampling(self, at: int, n: int, variant: int) -> int:
@@ -431,10 +389,7 @@ class StepGraphs:
             return at + 2 * n
         self.top_k[:n] = self.staging[at + 2 * n:at + 3 * n]
         self.top_p[:n] = self.staging[at + 3 * n:at + 4 * n].to(torch.int32).view(torch.float32)
-        if self.step_fn is not None:
-            return at + 4 * n
-        self.temperature_f[:n] = self.staging[at + 4 * n:at + 5 * n].to(torch.int32).view(torch.float32)
-        return at + 5 * n
+        return at + 4 * n
 
     def _stage(self, flat: list[int]) -> int:
         """Move `flat` into `staging` with one asynchronous copy from a pinned buffer (two, used in turn); marks the
@@ -454,17 +409,11 @@ class StepGraphs:
         return end
 
     def _replay(self, n: int, rows: int, variant: int = GREEDY) -> torch.Tensor:
-        decode = self.step_fn is None
         if self.capture:
-            graph, out = (self.graphs if decode else self.variants[variant])[n]
+            graph, out = self.variants[variant][n]
             graph.replay()
-            if decode and variant != GREEDY:
-                graph, out = self.samplers[variant][n]
-                graph.replay()
         else:
             out = self._forward(n, variant)
-            if decode and variant != GREEDY:
-                out = self._sample(n, variant, out)
         self.runs += 1
         self._last = (self.runs, n, rows, out)
         return out

@@ -228,14 +228,14 @@ class LLMEngine:
         return MixedGraphBuckets(self.model, self.pools, cfg.block_size, cfg.max_num_seqs, max_blocks, device,
                                  cfg.mixed_graph_tokens, buckets)
 
-    def capture_graphs(self, sampled: bool = True) -> int:
+    def capture_graphs(self, sampled_verify: bool = True) -> int:
         """Capture the CUDA graph of every decode (verify) batch size now, and of every mixed step size with
         `mixed_graph_tokens`, as a server does before taking traffic, so that no request waits on a capture;
-        returns how many were captured (0 without graphs). sampled=False leaves out what only rows that sample
-        replay (the verify graphs' sampling variants, the decode steps' draws): a greedy benchmark's."""
+        returns how many were captured (0 without graphs). sampled_verify=False leaves out the verify graphs of
+        rows that sample (a greedy benchmark's)."""
         mixed = self.runner.mixed_graphs
         graphs = self.runner.graphs
-        return (0 if graphs is None else graphs.capture_all(sampled)) + (
+        return (0 if graphs is None else graphs.capture_all(sampled_verify)) + (
             0 if mixed is None else mixed.capture_all())
 
     @classmethod

@@ -231,27 +231,6 @@ def is_tempered(p: SamplingParams) -> bool:
     return not p.greedy and p.top_k == 0 and p.top_p >= 1.0
 
 
-def sample_rows(logits: Tensor, no_drafts: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor,
-                filtered: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """`RejectionSampler.sample`'s decisions from device tensors alone (what a decode graph holds): logits [R, V];
-    no_drafts [R] int64 zeros; temperature [R] float32, that of the rows sampled at a temperature alone
-    (`is_tempered`), 0 elsewhere; seeds / positions [R] int64 as in `sample`; filtered: None, or the rows with a
-    top-k or top-p as (their temperature [R] float32, 0 elsewhere; top_k [R] int64; top_p [R] float32) -> [R]
-    int64, the argmax of rows at temperature 0 in both. Each kind of row is drawn by the op `sample` draws it with;
-    on the GPU each op writes its rows into the argmax's tensor in place, three launches in all."""
-    final = logits.argmax(dim=-1)
-    x, none = logits[:, None], no_drafts[:, None][:, :0]
-    passes = [(dispatch.tempered_decisions(logits), temperature, ())]
-    if filtered is not None:
-        passes.append((dispatch.filtered_decisions(logits), filtered[0], filtered[1:]))
-    for op, temp, extra in passes:
-        if dispatch.use_triton(logits):
-            op(x, none, no_drafts, temp, *extra, seeds, positions, out=final)
-        else:
-            final = torch.where(temp > 0, op(x, none, no_drafts, temp, *extra, seeds, positions)[1], final)
-    return final
-
-
 def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
     R, Kmax = drafts.shape
     j = torch.arange(Kmax + 1, device=drafts.device)[None, :]  # [1, Kmax+1]

@@ -179,20 +179,12 @@ class ModelRunner:
         A decode row whose last token is PENDING (sampled by `prev`, a step launched before this one whose
         tokens are not read yet) takes it from prev's token tensor on the device."""
         sample_rows = [i for i, r in enumerate(out.rows) if r.sample]
-        rows_s = [out.rows[i] for i in sample_rows]
-        ids = [r.request_id for r in rows_s]
-        fill = self._pending_inputs(out, prev)
-        graphed = self._graphable(out) and len(sample_rows) == len(out.rows)
-        if graphed and not return_logits:
-            # A decode graph draws its rows' tokens itself (every row greedy: the argmax below).
-            sampling = self._row_sampling(ids)
-            if sampling:
-                tokens = self._decode_graph(out, fill=fill, **sampling)
-                return PendingStep(ids, tokens, self.device, started=self.graphs.started)
         # Built before the forward: the sampling rows' noise seeds and the positions of the tokens they draw.
-        params, seeds = self.sampling_of(ids)
+        rows_s = [out.rows[i] for i in sample_rows]
+        params, seeds = self.sampling_of([r.request_id for r in rows_s])
         positions = None if seeds is None else self._t([r.num_computed_tokens + r.num_tokens for r in rows_s])
-        if graphed:
+        fill = self._pending_inputs(out, prev)
+        if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
             started = self.graphs.started
         elif self._mixed_graphable(out):
@@ -214,6 +206,7 @@ class ModelRunner:
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
+        ids = [r.request_id for r in rows_s]
         return PendingStep(ids, self.rejection.sample(logits, params, seeds, positions), self.device,
                            logits.float() if return_logits else None, started=started)
 
@@ -300,20 +293,6 @@ class ModelRunner:
             state_slots=[r.state_slot for r in rows],
             block_tables=[r.block_ids for r in rows], num_tokens=counts if T > 1 else None, fill=fill, **extra,
         )
-
-    def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
-        """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
-        `StepGraphs.run` takes them; none when every row is greedy (its graph reads none)."""
-        rows = [self._sampling[rid] for rid in request_ids]
-        if all(params.greedy for params, _ in rows):
-            return {}
-        temperature, seeds, top_k, top_p = [], [], [], []
-        for params, seed in rows:
-            temperature.append(params.temperature)
-            seeds.append(0 if params.greedy else seed)
-            top_k.append(params.top_k)
-            top_p.append(params.top_p)
-        return {"temperature": temperature, "seeds": seeds, "top_k": top_k, "top_p": top_p}
 
     def sampling_of(self, request_ids: list[str]) -> tuple[list[SamplingParams], torch.Tensor | None]:
         """The rows' SamplingParams and, where any row samples, their noise seeds on the device (`counter_noise`;

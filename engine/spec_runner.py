@@ -221,6 +221,20 @@ class SpecRunner(ModelRunner):
         device ops, so a graph holds all of it (`StepGraphs`' greedy, tempered or filtered variant)."""
         return self.draft and self._graphable(out)
 
+    def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
+        """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
+        `StepGraphs.run` takes them; none when every row is greedy (its graph reads none)."""
+        rows = [self._sampling[rid] for rid in request_ids]
+        if all(params.greedy for params, _ in rows):
+            return {}
+        temperature, seeds, top_k, top_p = [], [], [], []
+        for params, seed in rows:
+            temperature.append(params.temperature)
+            seeds.append(0 if params.greedy else seed)
+            top_k.append(params.top_k)
+            top_p.append(params.top_p)
+        return {"temperature": temperature, "seeds": seeds, "top_k": top_k, "top_p": top_p}
+
     def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                       verify_base: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None = None
                       ) -> torch.Tensor:

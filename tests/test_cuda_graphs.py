@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from baton.engine.cuda_graphs import FILTERED, GREEDY, TEMPERED, capture_missing, gc_paused, graph_sizes
+from baton.engine.cuda_graphs import capture_missing, gc_paused, graph_sizes
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
@@ -165,44 +165,6 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
             and {graphs.size_for(u) for u in used} - {1, 2, 4}
 
 
-def sampled_params(names: list[str], max_tokens: int) -> dict[str, SamplingParams]:
-    """Per request: greedy, at a temperature alone, with top-k, with top-p, with both (seeded), in turn."""
-    kinds = [dict(), dict(temperature=0.8), dict(temperature=1.1, top_k=3), dict(temperature=0.9, top_p=0.7),
-             dict(temperature=1.3, top_k=4, top_p=0.8)]
-    return {n: SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)])
-            for i, n in enumerate(names)}
-
-
-@pytest.mark.interpreter
-def test_sampled_decode_rows_draw_in_the_static_layout_as_eager_steps_on_cpu(small_spec_model, monkeypatch):  # noqa: F811
-    """Decode steps whose rows sample run the graphs' static layout and then draw inside it (the draw's own graph on
-    a GPU, `rejection_sampler.sample_rows`), with no draw launched by the host: greedy steps, steps with rows at a
-    temperature alone, and steps with top-k / top-p rows give the tokens of eager steps on the torch references."""
-    pytest.importorskip("triton")
-    names = [f"n{n}" for n in (3, 11, 1, 6, 2, 9, 4)]
-    arrivals = [[("local", name, prompt_of(int(name[1:]), int(name[1:])))] for name in names]
-    params = sampled_params(names, 6)
-    params["n3"] = SamplingParams(max_tokens=16, ignore_eos=True)  # greedy, and alone in the last steps
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref = run(new_engine(small_spec_model, 0), arrivals, params)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(small_spec_model, 0, async_scheduling=True)
-    graphs = engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
-    variants, events = [], []
-    replay, sample, launch = graphs._replay, engine.runner.rejection.sample, engine.runner.launch
-    graphs._replay = lambda n, rows, variant=0: variants.append(variant) or events.append(variant) or replay(
-        n, rows, variant)
-    engine.runner.rejection.sample = lambda *a: events.append("host draw") or sample(*a)
-    engine.runner.launch = lambda *a, **kw: events.append("step") or launch(*a, **kw)
-    got = run(engine, arrivals, params)
-    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
-    assert set(variants) == {GREEDY, TEMPERED, FILTERED}
-    # Per step: a graph step of sampling rows drew in the graph, the host launched no draw.
-    steps = " ".join(map(str, events)).split("step")
-    assert all("host draw" not in e for e in steps if f" {TEMPERED} " in e or f" {FILTERED} " in e)
-    assert any("host draw" in e for e in steps if f" {GREEDY} " in e)  # (the argmax of the logits graph)
-
-
 def _engine(model, graphs: bool, dtype: str = "float32", k: int = 0) -> LLMEngine:
     cfg, weights = model
     return LLMEngine(cfg, weights, EngineConfig(block_size=4, max_num_seqs=12, max_num_batched_tokens=96,
@@ -287,34 +249,13 @@ def test_verify_graphs_equal_eager_verify_and_k0(dense_spec_model, k):
 
 
 @pytest.mark.gpu
-def test_gpu_sampled_decode_graphs_equal_eager_steps(spec_model):  # noqa: F811
-    """On the GPU, decode steps whose rows sample replay the logits graph and then the draw's graph of their
-    variant; seeded tokens of greedy, temperature, top-k and top-p rows equal the eager engine's (R6)."""
-    names = [f"n{n}" for n in (3, 11, 1, 6, 2, 9, 4, 7, 5)]
-    arrivals = [[("local", name, prompt_of(int(name[1:]), int(name[1:])))] for name in names]
-    params = sampled_params(names, 20)
-    eager = run(_engine(spec_model, False), arrivals, params)
-    engine = _engine(spec_model, True)
-    got = run(engine, arrivals, params)
-    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
-    graphs = engine.runner.graphs
-    assert graphs.samplers[TEMPERED] and graphs.samplers[FILTERED]  # captured at their sizes' first steps
-    assert any(o.token_ids != eager[r].token_ids for r, o in run(
-        _engine(spec_model, True), arrivals, {r: dataclasses.replace(p, seed=p.seed + 1) for r, p in params.items()}
-    ).items() if not params[r].greedy)  # the seed decides
-
-
-@pytest.mark.gpu
 def test_capture_graphs_captures_every_size_up_front(spec_model):  # noqa: F811
     engine = _engine(spec_model, True)
     mixed = engine.runner.mixed_graphs
     assert mixed is not None  # on by default where decode steps replay graphs (K = 0)
-    # decode graphs and the draws of their rows that sample (at a temperature alone; with top-k / top-p), and mixed
-    # ones for every chunk size
-    sizes = graph_sizes(12, fine=True)
-    assert engine.capture_graphs() == 3 * len(sizes) + len(graph_sizes(12)) * len(mixed.buckets)
+    # decode graphs, and mixed ones for every chunk size
+    assert engine.capture_graphs() == len(graph_sizes(12, fine=True)) + len(graph_sizes(12)) * len(mixed.buckets)
     assert engine.capture_graphs() == 0  # already there
-    assert all(set(d) == set(sizes) for d in engine.runner.graphs.samplers[1:])
     got = run(engine, [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
     ref = run(_engine(spec_model, False), [[("local", "a", prompt_of(5))]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert got["a"].token_ids == ref["a"].token_ids

@@ -231,10 +231,10 @@ def test_benchmark_captures_every_graph_size_before_timing(tmp_path, monkeypatch
     real = mb.LLMEngine.capture_graphs
     real_run = mb.run_greedy
 
-    def capture(engine, sampled=True):
-        assert not sampled  # greedy rows only: the graphs of sampling rows are left out
+    def capture(engine, sampled_verify=True):
+        assert not sampled_verify  # greedy rows only: the verify graphs of sampling rows are left out
         calls.append(engine.config.num_speculative_tokens)
-        return real(engine, sampled)
+        return real(engine, sampled_verify)
 
     def run(engine, *args):
         assert calls and calls[-1] == engine.config.num_speculative_tokens, "a step ran before the capture"

@@ -429,38 +429,3 @@ def test_sample_is_verify_without_drafts(device: str, filtered: str) -> None:
     assert (got != logits.float().argmax(-1)).any()  # the others draw
     with pytest.raises(ValueError, match="positions: expected an int64 tensor"):
         rs.sample(logits, params, seeds, None)
-
-
-@pytest.mark.parametrize("kernels, device", [
-    ("torch", "cpu"),
-    pytest.param("triton", "cpu", marks=pytest.mark.interpreter),
-    pytest.param("triton", "cuda", marks=pytest.mark.gpu),
-], ids=["torch", "interpreter", "gpu"])
-@pytest.mark.parametrize("filtered", [False, True], ids=["tempered", "filtered"])
-def test_sample_rows_from_device_tensors_equals_sample(kernels: str, device: str, filtered: bool, monkeypatch) -> None:
-    """`sample_rows` (a decode graph's draw: the argmax, then each sampling op writing its rows in place) decides
-    every row as `sample` does from the rows' SamplingParams: greedy rows, rows at a temperature alone and (filtered)
-    top-k / top-p rows, each by its own op, with the other kinds' temperatures 0."""
-    from baton.engine.rejection_sampler import is_tempered, sample_rows
-    pytest.importorskip("triton") if kernels == "triton" else None
-    monkeypatch.setenv("BATON_KERNELS", kernels)
-    R, V = 20, 300
-    g = torch.Generator().manual_seed(5)
-    logits = (torch.randn(R, V, generator=g) * 3).to(torch.bfloat16).to(device)
-    params = [SamplingParams(temperature=(0.0, 0.7, 1.3)[i % 3], seed=i) for i in range(R)]
-    if filtered:
-        for i in (1, 4, 8, 13, 17):  # some at a temperature alone stay
-            params[i] = SamplingParams(temperature=0.9, top_k=(5, 0, 40)[i % 3], top_p=(1.0, 0.8, 0.6)[i % 3], seed=i)
-    seeds, pos = ints(list(range(R)), device), ints([60 + i for i in range(R)], device)
-    want = RejectionSampler(max_draft=0).sample(logits, params, seeds, pos)
-    alone = [p.temperature if is_tempered(p) else 0.0 for p in params]
-    cut = [p.temperature if not p.greedy and not is_tempered(p) else 0.0 for p in params]
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
-    rest = (f32(cut), ints([p.top_k for p in params], device), f32([p.top_p for p in params])) if filtered else None
-    got = sample_rows(logits, ints([0] * R, device), f32(alone), seeds, pos, rest)
-    assert got.tolist() == want.tolist()
-    assert got[0::3].tolist() == logits[0::3].float().argmax(-1).tolist()
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    assert (got[drawn] != logits[drawn].float().argmax(-1)).any()  # the others draw
-    if filtered:
-        assert any(c > 0 for c in cut) and any(a > 0 for a in alone)

@@ -491,8 +491,7 @@ def _check_splits(splits: int, rows: int, V: int, device: torch.device) -> None:
 
 
 def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor | None,
-            top_p: Tensor | None, seeds: Tensor, positions: Tensor, splits: int | None,
-            out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            top_p: Tensor | None, seeds: Tensor, positions: Tensor, splits: int | None) -> tuple[Tensor, Tensor]:
     R, K1, V = logits.shape
     if logits.stride(2) != 1:
         raise ValueError(f"tempered_decisions_triton: expected logits with unit stride over V, got strides "
@@ -505,13 +504,7 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
     _check_splits(splits, R, V, logits.device)
     drafts = drafts.contiguous()
     accepted = logits.new_zeros(R, dtype=drafts.dtype)
-    if out is None:
-        final = logits.new_zeros(R, dtype=drafts.dtype)
-    elif out.shape != (R,) or out.dtype != torch.int64 or out.device != logits.device or not out.is_contiguous():
-        raise ValueError(f"tempered_decisions_triton: expected out as a contiguous int64 tensor of shape [R] = {(R,)} "
-                         f"on {logits.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-    else:
-        final = out  # the rows at temperature 0 keep what it holds
+    final = logits.new_zeros(R, dtype=drafts.dtype)
     shift = _SHIFTS[logits.dtype]
     if R:
         chunk = triton.cdiv(triton.cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
@@ -531,21 +524,18 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
 
 
 def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
-                              positions: Tensor, splits: int | None = None, out: Tensor | None = None
-                              ) -> tuple[Tensor, Tensor]:
+                              positions: Tensor, splits: int | None = None) -> tuple[Tensor, Tensor]:
     """`rejection_sampler.tempered_decisions`, one launch: logits [R, K+1, V] (bf16, fp16 or float32, unit stride
     over V), drafts [R, K] int64 (padding in range), num_draft / seeds / positions [R] int64, temperature [R]
     float32 -> (accepted [R], final [R]) int64, defined on the rows whose temperature is above 0 (the others:
-    zeros). splits: programs per row (`auto_splits` when None; 0: one without the shared passes). out: an int64
-    [R] tensor to write the final tokens into, in place (returned as final), whose rows at temperature 0 keep
-    their values."""
-    return _launch(logits, drafts, num_draft, temperature, None, None, seeds, positions, splits, out)
+    zeros). splits: programs per row (`auto_splits` when None; 0: one without the shared passes)."""
+    return _launch(logits, drafts, num_draft, temperature, None, None, seeds, positions, splits)
 
 
 def filtered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, top_k: Tensor,
-                              top_p: Tensor, seeds: Tensor, positions: Tensor, splits: int | None = None,
-                              out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                              top_p: Tensor, seeds: Tensor, positions: Tensor, splits: int | None = None
+                              ) -> tuple[Tensor, Tensor]:
     """`rejection_sampler.filtered_decisions`, one launch: as `tempered_decisions_triton` with top_k [R] int64 (0:
     none) and top_p [R] float32 (1: none) applied at every position, each cut found by a search instead of a sort
     (`_cut`)."""
-    return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions, splits, out)
+    return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions, splits)
