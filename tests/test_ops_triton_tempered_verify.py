@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
+import baton.engine.ops.triton_tempered_verify as tv  # noqa: E402
 from baton.engine.ops import dispatch  # noqa: E402
 from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
     MAX_SPLITS,
@@ -116,12 +117,37 @@ def test_bad_splits_are_refused():
     if DEVICE == "cuda":  # more programs than SMs: the first would wait on ones that never start
         n = torch.cuda.get_device_properties(0).multi_processor_count
         rows = n // 32 + 1
-        with pytest.raises(ValueError, match=f"expected rows \\* splits within the {n} SMs, got {rows} \\* 32"):
+        with pytest.raises(ValueError, match=f"expected rows \\* splits within the {n} programs the GPU holds at once, "
+                                             f"got {rows} \\* 32"):
             tempered_decisions_triton(*case(rows, 1, 300, torch.bfloat16, seed=0), splits=32)
     else:
         with pytest.raises(ValueError, match="expected splits 0 or 1 off a GPU, got 2"):
             tempered_decisions_triton(*args, splits=2)
         assert auto_splits(4, 131072, torch.device("cpu")) == 0
+
+
+def test_split_rows_take_half_a_grid_the_gpu_refused(monkeypatch):
+    """How many programs a row gets on a GPU (`auto_splits`, host arithmetic: no GPU needed): up to the SMs the
+    process may use, and after the driver refused a cooperative grid, at most half of it; none where this Triton
+    cannot launch a cooperative grid (forced splits are then refused)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(tv, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(tv, "_REFUSED", {})
+    assert tv.cooperative_launch()  # (this Triton's NVIDIA backend has the option)
+    assert [tv.auto_splits(r, 131072, cuda) for r in (1, 4, 8, 33, 66, 67, 132)] == [32, 32, 16, 4, 2, 0, 0]
+    assert tv.auto_splits(1, 9000, cuda) == 3  # one block of V a program at least
+    tv._REFUSED[0] = 264  # e.g. 132 rows at 2 programs each, refused: 132 programs from then on
+    assert [tv.auto_splits(r, 131072, cuda) for r in (1, 4, 8, 33, 66, 67)] == [32, 32, 16, 4, 2, 0]
+    tv._REFUSED[0] = 130
+    assert [tv.auto_splits(r, 131072, cuda) for r in (1, 4, 8, 33)] == [32, 16, 8, 0]
+    with pytest.raises(ValueError, match="expected rows \\* splits within the 65 programs the GPU holds at once, "
+                                         "got 33 \\* 2"):
+        tv._check_splits(2, 33, 131072, cuda)
+    monkeypatch.setattr(tv, "cooperative_launch", lambda: False)
+    assert tv.auto_splits(1, 131072, cuda) == 0
+    tv._check_splits(0, 8, 131072, cuda)
+    with pytest.raises(ValueError, match="cannot launch a cooperative grid, got 2"):
+        tv._check_splits(2, 8, 131072, cuda)
 
 
 def test_split_rows_count_only_the_sms_an_mps_client_gets():
@@ -251,3 +277,37 @@ def test_gpu_split_rows_keep_the_lowest_ids_of_a_tie_across_slices(splits):
     assert acc.tolist() == ref_acc.tolist() and final.tolist() == ref_final.tolist()
     assert (acc[drafts[:, 0] >= start + 9] == 0).all() and 0 < acc.sum() < R
     assert ((final >= start) & (final < start + 9)).all() and (final >= start + 6).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_split_grid_the_gpu_cannot_hold_is_refused_not_left_waiting(monkeypatch):
+    """A process that overrates the SMs it may use (an MPS share it cannot see, say) would launch more split
+    programs than run at once, and the first would wait for ever on the others. The cooperative launch makes the
+    driver refuse that grid: with `auto` splits the rows are decided with one program each and later launches
+    take at most half the refused grid (a CUDA graph captured after an eager warm-up call gets such a launch);
+    forced splits are refused with a ValueError. No hang, and the decisions equal the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setattr(tv, "_REFUSED", {})
+    monkeypatch.setattr(tv, "_sm_count", lambda index: 8 * sms)  # 8 programs an SM: more than this kernel holds
+    args = filtered_case(sms, 0, 131072, torch.bfloat16, seed=300, scale=4.0)
+    ref_acc, ref_final = filtered_decisions(*args)
+    sampled = args[3] > 0
+    assert tv.auto_splits(sms, 131072, args[0].device) == 8
+    acc, final = filtered_decisions_triton(*args)  # refused at 8 * sms programs: one program a row
+    assert int(((acc != ref_acc) | (final != ref_final))[sampled].sum()) <= 1
+    assert tv._REFUSED.get(0) == 8 * sms and tv.auto_splits(sms, 131072, args[0].device) == 4
+    with pytest.raises(ValueError, match=f"the GPU refused {sms} \\* 4 programs at once"):
+        filtered_decisions_triton(*args, splits=4)  # 4 * sms: within the halved capacity, still too many
+    assert tv._REFUSED.get(0) == 4 * sms
+    filtered_decisions_triton(*args)  # the warm-up: refused at 2 * sms, one program a row
+    assert tv.auto_splits(sms, 131072, args[0].device) == 0  # sms programs: a row keeps one
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        acc, final = filtered_decisions_triton(*args)
+    graph.replay()
+    assert int(((acc != ref_acc) | (final != ref_final))[sampled].sum()) <= 1
+    rows = sms // 4  # a quarter of the rows: split 4 ways within the SMs
+    acc, final = filtered_decisions_triton(*(t[:rows] for t in args))
+    assert tv.auto_splits(rows, 131072, args[0].device) == 4
+    assert int(((acc != ref_acc[:rows]) | (final != ref_final[:rows]))[sampled[:rows]].sum()) <= 1

@@ -24,9 +24,12 @@ Split rows (`auto_splits`): a row's passes stream V through one SM, so with fewe
 S programs (up to 32), each a slice of V. After every pass each publishes its partial sums (`_share`), waits on a
 counter until the row's S programs have, and combines all S in the same order, so all S take the same branches of
 the row's searches and decisions; the draw starts each slice's cumulative sum at the mass of the slices before it.
-The wait needs the row's programs running at once: `_launch` keeps R * S within the SMs the process may use (an
-MPS client's share included; the interpreter, which runs one program at a time, takes one). On an H200 a K = 0
-top-p row takes 29 µs at batch 1 against 172 with one program.
+The wait needs the row's programs running at once. `_launch` keeps R * S within the SMs the process may use (an
+MPS client's share included; the interpreter, which runs one program at a time, takes one), and launches a split
+grid as a cooperative one: the driver runs it only with all its programs resident, and refuses one that cannot be
+(a share of the GPU this process cannot see, say) with an error instead of leaving it waiting. `_launch` then
+decides the rows with one program each, and from then on takes at most half the refused grid's programs. On an
+H200 a K = 0 top-p row takes 29 µs at batch 1 against 172 with one program; the cooperative launch costs nothing.
 
 Sums run in another order than torch's, so a decision can differ from the reference only where the noise (or a
 top-p mass) falls within float32 rounding of its threshold.
@@ -470,12 +473,32 @@ def _sm_count(index: int) -> int:
                       os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
 
 
+# Per device: the smallest split grid (programs) the driver refused to hold at once (`_launch`).
+_REFUSED: dict[int, int] = {}
+
+
+def _capacity(index: int) -> int:
+    """Programs a split launch may take on device `index`: its usable SMs (one program each), and after the driver
+    refused a grid there, half of it (a few refusals, each in an eager call, bring a launch within any share of the
+    GPU: the warm-up runs before a CUDA graph capture are such calls)."""
+    return min(_sm_count(index), _REFUSED.get(index, 1 << 62) // 2)
+
+
+@functools.cache
+def cooperative_launch() -> bool:
+    """Whether this Triton can launch a grid as a cooperative one (`launch_cooperative_grid`), which split rows
+    need: without it a grid whose programs cannot all be resident would wait for ever, so rows keep one program."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_cooperative_grid" in CUDAOptions.__dataclass_fields__
+
+
 def auto_splits(rows: int, V: int, device: torch.device) -> int:
     """Programs per row: on a GPU, as many as leave no SM idle (at most MAX_SPLITS, and one block of V each),
     when that is 2 or more; else 0, one program a row without the shared passes (also on the CPU)."""
-    if device.type != "cuda" or rows == 0:
+    if device.type != "cuda" or rows == 0 or not cooperative_launch():
         return 0
-    n = min(MAX_SPLITS, triton.cdiv(V, BLOCK), _sm_count(device.index or 0) // rows)
+    n = min(MAX_SPLITS, triton.cdiv(V, BLOCK), _capacity(device.index or 0) // rows)
     return n if n >= 2 else 0
 
 
@@ -483,9 +506,13 @@ def _check_splits(splits: int, rows: int, V: int, device: torch.device) -> None:
     if not 0 <= splits <= MAX_SPLITS:
         raise ValueError(f"tempered_decisions_triton: expected splits in 0..{MAX_SPLITS}, got {splits}")
     if device.type == "cuda":
-        if rows * splits > _sm_count(device.index or 0):  # its programs would wait on ones that never start
-            raise ValueError(f"tempered_decisions_triton: expected rows * splits within the "
-                             f"{_sm_count(device.index or 0)} SMs, got {rows} * {splits}")
+        if splits and not cooperative_launch():
+            raise ValueError(f"tempered_decisions_triton: expected splits 0 with Triton {triton.__version__}, which "
+                             f"cannot launch a cooperative grid, got {splits}")
+        capacity = _capacity(device.index or 0)
+        if rows * splits > capacity:  # its programs would wait on ones that never start
+            raise ValueError(f"tempered_decisions_triton: expected rows * splits within the {capacity} programs "
+                             f"the GPU holds at once, got {rows} * {splits}")
     elif splits > 1:  # the interpreter runs one program at a time: the first would wait for ever
         raise ValueError(f"tempered_decisions_triton: expected splits 0 or 1 off a GPU, got {splits}")
 
@@ -499,6 +526,7 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
     if logits.dtype not in _SHIFTS:
         raise ValueError(f"tempered_decisions_triton: expected logits of dtype {', '.join(map(str, _SHIFTS))}, got "
                          f"{logits.dtype}")
+    auto = splits is None
     if splits is None:
         splits = auto_splits(R, V, logits.device)
     _check_splits(splits, R, V, logits.device)
@@ -513,13 +541,25 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
         if splits:  # each row's partials (`_share`), then its counter, zeroed, in one buffer
             buf = logits.new_zeros(R * (2 * MAX_SPLITS * 8 + 1), dtype=torch.float32)
             ws, counters = buf[:R * 2 * MAX_SPLITS * 8], buf[R * 2 * MAX_SPLITS * 8:].view(torch.int32)
-        _tempered_verify_kernel[(R, S)](
-            logits, drafts, num_draft, temperature, temperature if top_k is None else top_k,
-            temperature if top_p is None else top_p, seeds, positions, accepted, final, ws, counters, V, chunk, S,
-            logits.stride(0), logits.stride(1), K=K1 - 1, FILTER=top_k is not None, SHIFT=shift,
-            KEY_LO=(-(2**31)) >> shift, KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW],
-            SPLIT=bool(splits), SP=MAX_SPLITS, BLOCK=BLOCK, num_warps=8,
-        )
+        # A split grid on a GPU is cooperative: the driver runs it with every program resident, or refuses it.
+        coop = {"launch_cooperative_grid": True} if splits and logits.is_cuda else {}
+        try:
+            _tempered_verify_kernel[(R, S)](
+                logits, drafts, num_draft, temperature, temperature if top_k is None else top_k,
+                temperature if top_p is None else top_p, seeds, positions, accepted, final, ws, counters, V, chunk,
+                S, logits.stride(0), logits.stride(1), K=K1 - 1, FILTER=top_k is not None, SHIFT=shift,
+                KEY_LO=(-(2**31)) >> shift, KEY_ACCEPT=_STREAM_KEYS[ACCEPT], KEY_DRAW=_STREAM_KEYS[DRAW],
+                SPLIT=bool(splits), SP=MAX_SPLITS, BLOCK=BLOCK, num_warps=8, **coop,
+            )
+        except RuntimeError as e:
+            if not coop or "cooperative launch" not in str(e):
+                raise
+            index = logits.device.index or 0
+            _REFUSED[index] = min(_REFUSED.get(index, R * S), R * S)
+            if not auto:
+                raise ValueError(f"tempered_decisions_triton: the GPU refused {R} * {S} programs at once (split rows "
+                                 f"wait on each other, so they must all be resident); expected fewer splits") from e
+            return _launch(logits, drafts, num_draft, temperature, top_k, top_p, seeds, positions, 0)
     return accepted, final
 
 
