@@ -43,6 +43,7 @@ from torch import Tensor
 from .counter_noise import ACCEPT, DRAW, uniform
 from .host_copy import to_device
 from .ops import dispatch
+from .sample_inputs import SampleInputs, is_filtered, is_tempered, sample_inputs
 from .sampling import filtered_logits, probs
 from .sampling_params import SamplingParams
 
@@ -226,11 +227,6 @@ def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     return _stochastic(scaled.softmax(dim=-1), drafts, valid, None, seeds, positions)
 
 
-def is_tempered(p: SamplingParams) -> bool:
-    """A row that samples at a temperature alone: `tempered_decisions` (a kernel on the GPU) decides it."""
-    return not p.greedy and p.top_k == 0 and p.top_p >= 1.0
-
-
 def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
     R, Kmax = drafts.shape
     j = torch.arange(Kmax + 1, device=drafts.device)[None, :]  # [1, Kmax+1]
@@ -295,31 +291,32 @@ class RejectionSampler:
         """The next token of rows without drafts: logits [R, V] -> [R] int64 on their device, the argmax of
         greedy rows, the others drawn from their filtered distribution as `verify` draws a row's bonus token
         (seeds / positions as there: the position of the token drawn; None when every row is greedy)."""
+        n = logits.shape[0]
+        if len(params) != n:
+            raise ValueError(f"params: expected one SamplingParams per row ({n} rows), got {len(params)}")
         if seeds is None and all(p.greedy for p in params):
-            if len(params) != logits.shape[0]:
-                raise ValueError(f"params: expected one SamplingParams per row ({logits.shape[0]} rows), "
-                                 f"got {len(params)}")
             return logits.argmax(dim=-1)
-        n, dev = logits.shape[0], logits.device
-        none, zeros = torch.zeros(n, 0, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)
-        self._check(logits[:, None], none, None, zeros, params, seeds, positions)
-        assert seeds is not None and positions is not None  # _check
-        # What `verify` decides for these rows without its accept-test bookkeeping (fewer launches on every
-        # sampling step): the argmax, `tempered_decisions`' draw, or `filtered_decisions`'.
-        final = logits.argmax(dim=-1) if any(p.greedy for p in params) else torch.zeros_like(zeros)
-        if any(is_tempered(p) for p in params):
-            temp = to_device([p.temperature if is_tempered(p) else 0.0 for p in params], torch.float32, dev)
-            drawn = dispatch.tempered_decisions(logits)(logits[:, None], none, zeros, temp, seeds, positions)[1]
-            final = torch.where(temp > 0, drawn, final)
-        filtered = [not p.greedy and not is_tempered(p) for p in params]
-        if any(filtered):
-            temp = to_device([p.temperature if f else 0.0 for p, f in zip(params, filtered, strict=True)],
-                             torch.float32, dev)
-            top_k = to_device([p.top_k for p in params], torch.int64, dev)
-            top_p = to_device([p.top_p for p in params], torch.float32, dev)
-            drawn = dispatch.filtered_decisions(logits)(logits[:, None], none, zeros, temp, top_k, top_p, seeds,
-                                                        positions)[1]
-            final = drawn if all(filtered) else torch.where(temp > 0, drawn, final)
+        if seeds is None or positions is None:  # (the checks' error for the missing one)
+            zeros = torch.zeros(n, dtype=torch.int64, device=logits.device)
+            self._check(logits[:, None], zeros[:, None][:, :0], None, zeros, params, seeds, positions)
+        return self.decide(logits, params, sample_inputs(params, seeds, positions, logits.device))
+
+    def decide(self, logits: Tensor, params: Sequence[SamplingParams], inputs: SampleInputs) -> Tensor:
+        """`sample` from the rows' inputs already on the device (`sample_inputs`: a runner builds them before the
+        step's forward, in one copy). What `verify` decides for these rows without its accept-test bookkeeping
+        (fewer launches on every sampling step): the argmax, `tempered_decisions`' draw, or
+        `filtered_decisions`'."""
+        none = inputs.no_drafts[:, None][:, :0]
+        self._check(logits[:, None], none, None, inputs.no_drafts, params, inputs.seeds, inputs.positions)
+        final = logits.argmax(dim=-1) if any(p.greedy for p in params) else None
+        for kind, op, temp, extra in (
+                (is_tempered, dispatch.tempered_decisions, inputs.temperature, ()),
+                (is_filtered, dispatch.filtered_decisions, inputs.temperature_f, (inputs.top_k, inputs.top_p))):
+            if any(kind(p) for p in params):
+                drawn = op(logits)(logits[:, None], none, inputs.no_drafts, temp, *extra, inputs.seeds,
+                                   inputs.positions)[1]
+                final = drawn if final is None else torch.where(temp > 0, drawn, final)
+        assert final is not None  # (every row is greedy, tempered or filtered)
         return final
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,

@@ -26,6 +26,7 @@ from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.request import PENDING
+from baton.engine.sample_inputs import sample_inputs
 from baton.engine.sampling import request_seed
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import SchedulerOutput
@@ -179,10 +180,14 @@ class ModelRunner:
         A decode row whose last token is PENDING (sampled by `prev`, a step launched before this one whose
         tokens are not read yet) takes it from prev's token tensor on the device."""
         sample_rows = [i for i, r in enumerate(out.rows) if r.sample]
-        # Built before the forward: the sampling rows' noise seeds and the positions of the tokens they draw.
+        # Built before the forward, in one copy: the sampling rows' noise seeds, the positions of the tokens they
+        # draw and their parameters (none when every row is greedy).
         rows_s = [out.rows[i] for i in sample_rows]
-        params, seeds = self.sampling_of([r.request_id for r in rows_s])
-        positions = None if seeds is None else self._t([r.num_computed_tokens + r.num_tokens for r in rows_s])
+        ids = [r.request_id for r in rows_s]
+        params = [self._sampling[r][0] for r in ids]
+        inputs = None if all(p.greedy for p in params) else sample_inputs(
+            params, [self._sampling[r][1] for r in ids], [r.num_computed_tokens + r.num_tokens for r in rows_s],
+            self.device)
         fill = self._pending_inputs(out, prev)
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
@@ -206,8 +211,9 @@ class ModelRunner:
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
-        ids = [r.request_id for r in rows_s]
-        return PendingStep(ids, self.rejection.sample(logits, params, seeds, positions), self.device,
+        tokens = (self.rejection.sample(logits, params, None, None) if inputs is None
+                  else self.rejection.decide(logits, params, inputs))
+        return PendingStep(ids, tokens, self.device,
                            logits.float() if return_logits else None, started=started)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None

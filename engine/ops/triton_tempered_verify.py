@@ -531,16 +531,20 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
         splits = auto_splits(R, V, logits.device)
     _check_splits(splits, R, V, logits.device)
     drafts = drafts.contiguous()
-    accepted = logits.new_zeros(R, dtype=drafts.dtype)
-    final = logits.new_zeros(R, dtype=drafts.dtype)
+    # One zeroed buffer (one fill on the stream): accepted and final, then for split rows each row's partials
+    # (`_share`, float32) and its counter (int32).
+    size = drafts.element_size()
+    ws_n, ctr_n = (2 * MAX_SPLITS * 8 * 4 * R // size, -(-4 * R // size)) if splits else (0, 0)
+    buf = logits.new_zeros(2 * R + ws_n + ctr_n, dtype=drafts.dtype)
+    accepted, final = buf[:R], buf[R:2 * R]
     shift = _SHIFTS[logits.dtype]
     if R:
         chunk = triton.cdiv(triton.cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
         S = triton.cdiv(V, chunk)  # (no empty slice)
         ws = counters = accepted  # (one program a row: unused)
-        if splits:  # each row's partials (`_share`), then its counter, zeroed, in one buffer
-            buf = logits.new_zeros(R * (2 * MAX_SPLITS * 8 + 1), dtype=torch.float32)
-            ws, counters = buf[:R * 2 * MAX_SPLITS * 8], buf[R * 2 * MAX_SPLITS * 8:].view(torch.int32)
+        if splits:
+            ws = buf[2 * R:2 * R + ws_n].view(torch.float32)
+            counters = buf[2 * R + ws_n:].view(torch.int32)[:R]
         # A split grid on a GPU is cooperative: the driver runs it with every program resident, or refuses it.
         coop = {"launch_cooperative_grid": True} if splits and logits.is_cuda else {}
         try:
