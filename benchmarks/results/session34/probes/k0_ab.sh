@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/k0_ab"
 if [[ " ${SIDES:-old new} " == *" old "* ]]; then
   rm -rf /tmp/old_tree /tmp/site_old && mkdir -p /tmp/old_tree
-  git archive "${OLD:?}" | tar -x -C /tmp/old_tree
+  if [ -n "${OLD_DIR:-}" ]; then cp -r "$OLD_DIR"/. /tmp/old_tree/; else git archive "${OLD:?}" | tar -x -C /tmp/old_tree; fi
   (cd /tmp/old_tree && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site_old .) || exit 1
 fi
 MODES=${MODES:-$'0\n0.8\n0.8 0.95'}
