@@ -2,7 +2,7 @@
 Triton kernels run in Triton's interpreter (on CPU tensors), switched on before any module imports them. Tests
 marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`.
 The interpreter patches `triton.language` once a launch, not again at every helper call
-(tests/interpreter_patch_once.py: the same kernels, a fifth less time)."""
+(tests/interpreter_patch_once.py: the same kernels, about a quarter less time)."""
 
 import os
 

@@ -21,7 +21,7 @@ import inspect
 
 class _State:
     in_launch = False
-    patched: frozenset[int] | None = None  # the launch's own patch: ids of the language modules it covered
+    patched: frozenset[int] | None = None  # ids of the language modules this launch's patches covered so far
 
 
 def _language_modules(fn, tl, seen: dict) -> frozenset[int]:
@@ -45,7 +45,7 @@ def install() -> bool:
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     executor = getattr(interpreter, "GridExecutor", None)
-    if patch_lang is None or scope_type is None or executor is None or "fn" not in inspect.signature(patch_lang).parameters:
+    if None in (patch_lang, scope_type, executor) or "fn" not in inspect.signature(patch_lang).parameters:
         return False
     launch = executor.__call__
     state = _State()

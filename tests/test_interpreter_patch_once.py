@@ -52,4 +52,3 @@ def test_a_launch_patches_the_language_a_fixed_number_of_times(monkeypatch):
     assert counts[1] == counts[2] > 0, counts
     # The launch's patch is undone when it ends.
     assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.tensor.__add__)
-
