@@ -179,10 +179,11 @@ def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tupl
     (2026-11-27); in whole 8b-like decode steps (CUDA graphs, the engine's pool: benchmarks/launch_probe.py,
     RESULTS.md session 24) one warp took the step at 256 rows 2.7 % shorter, at 128 rows 2.1 %, at 40-64
     0.3-0.6 %, and at 1-32 rows 0-0.5 % longer: decode batches of ONE_WARP_ROWS rows or more take one warp.
-    Verify takes one warp at every batch: its T positions each reduce the tile over N, and with one warp that stays
-    within the warp. H200, replay = T (tests' `bench_ssu`, session 35): T = 2 at batch 32 / 256 87.7 / 625 us
-    against 108.5 / 812 with two warps, T = 5 141 / 1020 against 185 / 1408; smaller tiles with one warp were
-    slower (BLOCK_P 8: 94.9 / 705, 153 / 1146)."""
+    Verify takes one warp at every batch: with two, each position's B, C and y change layout between the warps
+    through shared memory (the sm_90 PTX: 8 bar.sync against 1 on one warp, which shuffles instead). H200,
+    replay = T (tests' `bench_ssu`, session 35): T = 2 at batch 32 / 256 87.7 / 625 us against 108.5 / 812 with
+    two warps, T = 5 141 / 1020 against 185 / 1408; smaller tiles with one warp were slower (BLOCK_P 8: 94.9 /
+    705, 153 / 1146)."""
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 1 if verify or batch >= ONE_WARP_ROWS else 2
