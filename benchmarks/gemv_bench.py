@@ -66,6 +66,7 @@ LAYERS_SMOKE = (
 SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (4, 8)}  # each a Triton compile
 # 2+ rows on the tensor cores (block of rows >= 16): the block of N is the MMA's long side
 SWEEP_DOT = {"block_n": (16, 32, 64, 128), "block_k": (128, 256), "num_warps": (4,)}
+# Also tried on the tensor cores with --sweep-* options: other blocks of rows, of K, splits of K.
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Row:
     cublas_us: float
     fused_us: float
     best_us: float
-    best_tiles: tuple[int, int, int, int, int]  # m, n, k, warps, stages
+    best_tiles: tuple[int, int, int, int, int, int]  # m, n, k, warps, stages, split
     weight_bytes: int
     max_err: float          # fused vs separate, relative to max |y|
 
@@ -113,7 +114,9 @@ def timer(device: torch.device, graphs: bool) -> Callable[[Callable[[int], objec
 
 
 def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, sweep: bool,
-                l2_bytes: int, stages: tuple[int, ...] = (3,)) -> Row:
+                l2_bytes: int, stages: tuple[int, ...] = (3,), dot: dict[str, tuple[int, ...]] | None = None) -> Row:
+    """dot: the tensor-core sweep's values that differ from SWEEP_DOT's (num_warps, block_n, block_k), and its
+    block_m / split_k (default: the default tile's block of rows, no split)."""
     # Imported here: the smoke run sets TRITON_INTERPRET before Triton loads.
     from triton.runtime.errors import OutOfResources
 
@@ -160,29 +163,37 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     cub = time_us(lambda i: torch.nn.functional.linear(a, ws[i]), copies)
     d = default_tiles(m, layer.n, layer.k, on_gpu)
     fused = time_us(lambda i: fused_linear_triton(a, ws[i], tiles=d, **kw), copies)
-    best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
+    best, best_t = fused, (d.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages, d.split_k)
     if sweep:
-        dot = d.block_m >= 16
-        for bn, bk, nw, st in itertools.product(*(SWEEP_DOT if dot else SWEEP).values(), stages):
-            t = GemvTiles(d.block_m, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st, d.programs_per_sm,
-                          d.prologue_apart)
-            if not dot and d.block_m * bn * t.block_k > 32768:  # register tile too large for one program
+        on_dot = d.block_m >= 16
+        opts = {**SWEEP_DOT, "block_m": (d.block_m,), "split_k": (1,), **(dot or {})} if on_dot else {
+            **SWEEP, "block_m": (d.block_m,), "split_k": (1,)}
+        grid = [opts[f] for f in ("block_n", "block_k", "num_warps", "block_m", "split_k")]
+        seen = set()
+        for bn, bk, nw, bm, sk, st in itertools.product(*grid, stages):
+            t = GemvTiles(bm, bn, min(bk, 1 << (layer.k - 1).bit_length()), nw, st, d.programs_per_sm,
+                          d.prologue_apart, split_k=sk)
+            if t in seen or (sk > 1 and (math.ceil(layer.k / t.block_k) < sk  # a split needs a K tile each,
+                                         or (layer.prologue != "none" and not t.prologue_apart))):  # and a plain GEMM
                 continue
-            if dot and (st * (bn + 2 * d.block_m) + d.block_m) * t.block_k * 2 > 232_448:  # shared memory: W, a
+            seen.add(t)
+            if not on_dot and bm * bn * t.block_k > 32768:  # register tile too large for one program
+                continue
+            if on_dot and (st * (bn + 2 * bm) + bm) * t.block_k * 2 > 232_448:  # shared memory: W, a
                 continue  # and the residual / gate per stage, the MMA's f(a) tile
             try:
                 us = time_us(lambda i, t=t: fused_linear_triton(a, ws[i], tiles=t, **kw), copies)
             except OutOfResources:
                 continue
             if us < best:
-                best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages)
+                best, best_t = us, (t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, t.split_k)
     return Row(layer.name, m, sep, cub, fused, best, best_t, wbytes, err)
 
 
 def table(rows: list[Row], layers: tuple[Layer, ...], meta: dict) -> str:
     lines = [f"## Fused-prologue GEMV vs separate op + cuBLAS — {meta['device_name']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; copy {meta['copy_gbps']:.0f} GB/s", "",
-             "| layer | M | separate µs | cuBLAS alone µs | fused µs | best fused µs (m, n, k, warps, stages) | "
+             "| layer | M | separate µs | cuBLAS alone µs | fused µs | best fused µs (m, n, k, warps, stages, split) | "
              "fused / separate | best GB/s | max err |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -210,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-stages", default="3",
                     help="software-pipeline stages the sweep tries, comma-separated (default 3, Triton's own; each "
                          "value multiplies the sweep's compiles)")
+    for opt, what in (("warps", "warps per program"), ("block-n", "blocks of N"), ("block-k", "blocks of K"),
+                      ("block-m", "blocks of rows (default: the default tile's)"), ("split-k", "splits of K (default 1)")):
+        ap.add_argument(f"--sweep-{opt}", default=None,
+                        help=f"{what} the tensor-core sweep (2+ rows) tries, comma-separated powers of two")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -237,8 +252,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sweep-stages: expected comma-separated integers, got {args.sweep_stages!r}") from None
     if not stages or min(stages) < 1:
         raise SystemExit(f"--sweep-stages: expected integers >= 1, got {args.sweep_stages!r}")
+    dot = {}
+    for opt, field in (("warps", "num_warps"), ("block_n", "block_n"), ("block_k", "block_k"), ("block_m", "block_m"),
+                       ("split_k", "split_k")):
+        given = getattr(args, f"sweep_{opt}")
+        if given is None:
+            continue
+        try:
+            vals = tuple(int(x) for x in given.split(","))
+        except ValueError:
+            vals = ()
+        if not vals or any(v < 1 or v & (v - 1) for v in vals):
+            raise SystemExit(f"--sweep-{opt.replace('_', '-')}: expected comma-separated powers of two, got {given!r}")
+        dot[field] = vals
     for lay, m in tqdm(jobs, desc="gemv", disable=args.no_progress):
-        rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2, stages=stages))
+        rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2, stages=stages,
+                                dot=dot))
+        r = rows[-1]
+        tqdm.write(f"{r.layer} M={r.m}: cuBLAS {r.cublas_us:.1f} µs, fused {r.fused_us:.1f}, best {r.best_us:.1f} "
+                   f"{r.best_tiles}", file=sys.stderr)
     command = " ".join(["python benchmarks/gemv_bench.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "command": command, "copy_gbps": copy}
     print(table(rows, layers, meta))

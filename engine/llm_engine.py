@@ -104,7 +104,7 @@ class _VerifyLaunched:
 # 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms). On an H200, 2-32 rows through the tensor-core GEMV (the op before it
 # apart) too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), but not 64 rows (session 22: 9.07 vs
 # 8.47 ms); its GPU tests passed on two fresh machines with 32 here (session 22). The H100 is measured at one row only.
-FUSED_GEMV_GPUS = {"H100": 1, "H200": 32}
+FUSED_GEMV_GPUS = {"H100": 1, "H200": 48}
 
 
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:

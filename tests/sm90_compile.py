@@ -182,7 +182,8 @@ def _relu2():
 
 def _gemv():
     from baton.engine.ops.triton_gemv import default_tiles, fused_linear_triton
-    for m, n, k in ((1, 512, HIDDEN), (8, 512, HIDDEN), (8, HIDDEN, 8192 + 512)):
+    for m, n, k in ((1, 512, HIDDEN), (8, 512, HIDDEN), (8, HIDDEN, 8192 + 512), (40, 512, HIDDEN), (40, 9216, HIDDEN),
+                    (40, 33280, HIDDEN), (40, HIDDEN, 8192)):
         tiles = default_tiles(m, n, k, True)
         a, w = _g(m, k), _g(n, k)
         fused_linear_triton(a, w, tiles=tiles)

@@ -209,12 +209,13 @@ def test_default_tiles_depend_on_m_only_through_block_m():
         assert (default_tiles(1, n, k, True).block_k >= k) == (k <= 8192)  # f(a) held resident up to 8192
         assert all(default_tiles(m, n, k, True).programs_per_sm == 0 for m in (2, 16, 64))
         assert all(default_tiles(m, n, k, True).prologue_apart for m in (2, 16, 64))  # measured: faster apart
-        # K > 4096: our kernel up to 32 rows (K split in two past 8192), cuBLAS at 33-64
-        assert all(not default_tiles(m, n, k, True).cublas for m in (2, 16, 32))
-        assert default_tiles(64, n, k, True).cublas == (k > 4096)
+        # our kernel at every size (never cuBLAS); K split in two past 8192 up to 32 rows, past 4096 at 33-64
+        assert not any(default_tiles(m, n, k, True).cublas for m in (2, 16, 32, 33, 48, 64))
         assert all(default_tiles(m, n, k, True).split_k == (2 if k > 8192 else 1) for m in (2, 16, 32))
-        if k > 4096:  # 4-byte inputs: a K tile of half the length, the same bytes per pipeline stage
-            assert default_tiles(16, n, k, True, 4).block_k * 2 == default_tiles(16, n, k, True).block_k
+        assert all(default_tiles(m, n, k, True).split_k == (2 if k > 4096 else 1) for m in (33, 48, 64))
+        for m in (16, 48):  # 4-byte inputs: a K tile of half the length, the same bytes per pipeline stage
+            if k > 4096 or m > 32:
+                assert default_tiles(m, n, k, True, 4).block_k * 2 == default_tiles(m, n, k, True).block_k
         assert not default_tiles(1, n, k, True).prologue_apart and not default_tiles(5, n, k, False).prologue_apart
 
 

@@ -81,7 +81,7 @@ def test_gpu_fused_gemv_default_is_the_measured_gpus_own():
 
     name = torch.cuda.get_device_name()
     want = FUSED_GEMV_GPUS.get(next((g for g in FUSED_GEMV_GPUS if g in name), ""), 0)
-    assert want == (32 if "H200" in name else 1 if "H100" in name else 0)
+    assert want == (48 if "H200" in name else 1 if "H100" in name else 0)
     assert resolved_fused_gemv_max_tokens(EngineConfig(), torch.device("cuda")) == want
 
 

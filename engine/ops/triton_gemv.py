@@ -366,8 +366,15 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> G
         kp = triton.next_power_of_2(k)
         return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    if n > 8192 or block_m > 32:  # 64 rows: the narrow tile's 4 stages outgrow shared memory
-        return GemvTiles(block_m, 64, 128, 4, 3, prologue_apart=True, cublas=k > 4096)
+    if block_m > 32:  # 33-64 rows: short K tiles for the wide layers (a's tile is as large as W's), K split in two
+        # past 4096 (the best of a sweep and of whole steps on an H200, RESULTS.md session 36)
+        if k > 4096:
+            return GemvTiles(block_m, 64, 256 // itemsize, 4, 4, prologue_apart=True, split_k=2)
+        wide = 8192 < n <= 32768  # in_proj, up_proj (lm_head keeps 128-wide K tiles, 3 stages)
+        return GemvTiles(block_m, 64, (128 if wide else 256) // itemsize, 4, 3 if n > 32768 else 4,
+                         prologue_apart=True)
+    if n > 8192:
+        return GemvTiles(block_m, 64, 128, 4, 3, prologue_apart=True)
     if k > 4096:  # few blocks of N, long K: wider tiles, K split in two past 8192 (out_proj, down_proj); the
         # same bytes per stage for 4-byte inputs (a K tile of 256 would outgrow shared memory)
         return GemvTiles(block_m, 64, 512 // itemsize, 4, 4, prologue_apart=True, split_k=2 if k > 8192 else 1)
