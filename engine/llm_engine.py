@@ -102,8 +102,9 @@ class _VerifyLaunched:
 # GPUs (by name) where decode steps are faster with the fused GEMVs than with cuBLAS, and up to how many tokens,
 # measured with benchmarks/engine_bench.py: one row through the persistent row GEMV (RESULTS.md, session 13: H100
 # 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms). On an H200, 2-32 rows through the tensor-core GEMV (the op before it
-# apart) too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), but not 64 rows (session 22: 9.07 vs
-# 8.47 ms); its GPU tests passed on two fresh machines with 32 here (session 22). The H100 is measured at one row only.
+# apart) too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), and 33-48 rows in one block of 64 rows
+# (session 36: batch 33 6.72 vs 6.86 ms, 40 6.99 vs 7.13, 48 7.46 vs 7.59), but not 64 rows (session 36: 8.43 vs
+# 8.39 ms). The H100 is measured at one row only.
 FUSED_GEMV_GPUS = {"H100": 1, "H200": 48}
 
 

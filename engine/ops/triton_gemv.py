@@ -34,7 +34,8 @@ the MMA's operand. On an H200 at 2-32 rows the GEMM alone read the weights 4-10 
 (lm_head 242-251 vs 261-269 µs); with f(a) computed inside its K loop it lost to the separate op + cuBLAS
 (benchmarks/RESULTS.md, session 21). The layers with K > 4096 and N = 4096 (out_proj, down_proj) have few blocks of N
 for the SMs: they take wider K tiles, and past K = 8192 K is split over two programs per block of N whose partials
-the last to finish sums (`GemvTiles.split_k`); at 33-64 rows they stay cuBLAS's (`GemvTiles.cublas`).
+the last to finish sums (`GemvTiles.split_k`); at 33-64 rows every layer takes one block of 64 rows, K split in two
+past 4096 (`GemvTiles.cublas` routes a layer to cuBLAS instead; no default tile does).
 
 One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gemv_row_kernel` instead: a
 persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
@@ -342,7 +343,7 @@ class GemvTiles:
     # RESULTS.md session 21), while the GEMM alone beat cuBLAS.
     prologue_apart: bool = False
     # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is not faster
-    # (K > 4096 at 33-64 rows on an H200: the best split tiles within 1-5 % of cuBLAS, RESULTS.md session 23).
+    # (no default tile takes it since session 36: at 33-64 rows K > 4096 is split on our kernel).
     cublas: bool = False
     # > 1 (block_m >= 16, no prologue): K split over this many programs per block of N, their partials summed by
     # the last to finish (`_gemv_kernel`); for layers with few blocks of N and a long K.
@@ -355,10 +356,13 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> G
     (N > 8192) in blocks of 64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs):
     the best single tiles of a sweep on an H200 (benchmarks/RESULTS.md, session 21); narrow ones with K > 4096
     (out_proj, down_proj) in 64 x 256 with 4, K split in two past 8192: at 8-32 rows 18.8-19.8 against cuBLAS's
-    21.0-22.0 µs (out_proj) and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23); 33-64
-    rows all in 64 x 128 with 3 stages (each stage holds the rows' inputs too: a and the residual or gate), cuBLAS
-    past K = 4096. Past 64 rows each block of rows reads the whole weight again: cuBLAS is the better choice
-    there."""
+    21.0-22.0 µs (out_proj) and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23). 33-64
+    rows: one block of 64 rows, whose a tile is as large as a 64-wide W tile, so the wide layers (in_proj, up_proj)
+    take 64-long K tiles with 4 stages (44 against 55 µs for in_proj at 128 with 3, cuBLAS 41.5), lm_head 128 with
+    3, and K > 4096 splits in two; in whole steps that took 33-48 rows 1.2-2.0 % below cuBLAS's, though each layer
+    alone is 0-3 µs slower than cuBLAS: our kernels chain by PDL (RESULTS.md, session 36). At 64 rows it was 0.4 %
+    slower, and two blocks of 32 rows launched side by side read W from L2 twice (in_proj 51 µs). Past 64 rows
+    each block of rows reads the whole weight again: cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
                          min(128, triton.next_power_of_2(k)), 4)

@@ -183,7 +183,8 @@ def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tupl
     through shared memory (the sm_90 PTX: 8 bar.sync against 1 on one warp, which shuffles instead). H200,
     replay = T (tests' `bench_ssu`, session 35): T = 2 at batch 32 / 256 87.7 / 625 us against 108.5 / 812 with
     two warps, T = 5 141 / 1020 against 185 / 1408; smaller tiles with one warp were slower (BLOCK_P 8: 94.9 /
-    705, 153 / 1146)."""
+    705, 153 / 1146). At batch 1 whole verify steps were no slower on one warp (session 36: K = 1 4.938 against
+    4.940 ms, K = 3 5.934 against 5.951)."""
     block_n = triton.next_power_of_2(N)
     block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 1 if verify or batch >= ONE_WARP_ROWS else 2
