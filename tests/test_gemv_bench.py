@@ -38,3 +38,41 @@ def test_bad_sweep_stages_are_refused(stages, message):
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--sweep-stages", stages], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and f"--sweep-stages: {message}" in r.stderr
+
+
+@pytest.mark.parametrize(("opt", "value"), [("--sweep-warps", "3"), ("--sweep-split-k", "1,x"),
+                                            ("--sweep-block-m", "0"), ("--sweep-block-k", "")])
+def test_bad_sweep_tiles_are_refused(opt, value):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", opt, value], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and f"{opt}: expected comma-separated powers of two" in r.stderr
+
+
+SWEEP_PROBE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from baton.engine.ops import triton_gemv
+from benchmarks import gemv_bench
+tried, run = [], triton_gemv.fused_linear_triton
+def record(*a, tiles=None, **k):
+    tried.append(None if tiles is None else [tiles.block_m, tiles.block_k, tiles.split_k])
+    return run(*a, tiles=tiles, **k)
+triton_gemv.fused_linear_triton = record
+row = gemv_bench.bench_layer(gemv_bench.Layer("x", "none", 40, 64, 1), 20, torch.device("cpu"), torch.float32, True,
+                             0, (2,), {"block_n": (16,), "block_k": (32, 64), "block_m": (16, 32), "split_k": (1, 2)})
+print(json.dumps({"tried": tried, "best": row.best_tiles, "best_us": row.best_us, "fused_us": row.fused_us}))
+"""
+
+
+def test_sweep_tries_rows_k_tiles_and_splits_and_keeps_the_fastest():
+    """The tensor-core sweep's options multiply: blocks of rows x K tiles x splits (a split needs a K tile per
+    program: K = 64 in 64-long tiles is not split); the best tile is one it timed."""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1", "BATON_KERNELS": "triton"}
+    r = subprocess.run([sys.executable, "-c", SWEEP_PROBE, str(SCRIPT.parent.parent)], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    swept = {tuple(t) for t in got["tried"] if t is not None and t != [16, 64, 1]}  # (the default: 16 rows, K 64)
+    assert swept == {(16, 32, 1), (16, 32, 2), (32, 32, 1), (32, 32, 2), (32, 64, 1)}
+    m, n, k, warps, stages, split = got["best"]
+    assert (m, k, split) in swept | {(16, 64, 1)} and got["best_us"] <= got["fused_us"]
