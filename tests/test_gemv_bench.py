@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ print(json.dumps({"tried": tried, "best": row.best_tiles, "best_us": row.best_us
 def test_sweep_tries_rows_k_tiles_and_splits_and_keeps_the_fastest():
     """The tensor-core sweep's options multiply: blocks of rows x K tiles x splits (a split needs a K tile per
     program: K = 64 in 64-long tiles is not split); the best tile is one it timed."""
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1", "BATON_KERNELS": "triton"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "BATON_KERNELS": "triton"}
     r = subprocess.run([sys.executable, "-c", SWEEP_PROBE, str(SCRIPT.parent.parent)], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
