@@ -144,6 +144,20 @@ def test_split_k_sums_the_partials_in_split_order(m, n, k, split, block_k):
     assert torch.equal(fused_linear_triton(a, w, b, tiles=tiles), got)  # again: deterministic, counters reused
 
 
+@pytest.mark.parametrize("prologue, n, k", [("add_norm", 37, 120), ("add_norm", 8300, 72), ("none", 33000, 40),
+                                          ("gated_norm", 40, 4200), ("relu2", 33, 4200)])
+def test_h200_tiles_for_33_to_64_rows_match_reference_interpreted(prologue, n, k):
+    """The H200's tiles for 33-64 rows (one block of 64 rows, some masked; K tiles of 64 for 8192 < N <= 32768,
+    128 past that, K split in two past 4096), run by the interpreter on ragged shapes: the reference's y and s."""
+    for m in (33, 64):
+        tiles = default_tiles(m, n, k, True)
+        assert tiles.block_m == 64 and tiles.prologue_apart and not tiles.cublas
+        assert tiles.split_k == (2 if k > 4096 else 1) and tiles.block_k == (64 if 8192 < n <= 32768 else 128)
+        a, w, b, kw = args_for(prologue, m, n, k, torch.bfloat16, group_size=k // 4, bias=True, strided=True)
+        with torch.no_grad():
+            check(fused_linear_triton(a, w, b, tiles=tiles, **kw), fused_linear(a, w, b, **kw), 2e-2)
+
+
 def test_split_k_takes_the_tensor_core_path_without_a_prologue():
     a, w, _, kw = args_for("relu2", 16, 32, 64, torch.float32)
     with pytest.raises(ValueError, match="split_k > 1 expected block_m >= 16 and no prologue, got split_k 2"):
