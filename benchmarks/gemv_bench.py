@@ -66,7 +66,11 @@ LAYERS_SMOKE = (
 SWEEP = {"block_n": (8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (4, 8)}  # each a Triton compile
 # 2+ rows on the tensor cores (block of rows >= 16): the block of N is the MMA's long side
 SWEEP_DOT = {"block_n": (16, 32, 64, 128), "block_k": (128, 256), "num_warps": (4,)}
-# Also tried on the tensor cores with --sweep-* options: other blocks of rows, of K, splits of K.
+# Also tried on the tensor cores with --sweep-OPTION (tile field, what it sweeps): other rows, K tiles, splits of K.
+SWEEP_OPTIONS = {"warps": ("num_warps", "warps per program"), "block-n": ("block_n", "blocks of N"),
+                 "block-k": ("block_k", "blocks of K"), "block-m": ("block_m", "blocks of rows (default: the default "
+                                                                       "tile's)"),
+                 "split-k": ("split_k", "splits of K (default 1)")}
 
 
 @dataclass(frozen=True)
@@ -221,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-stages", default="3",
                     help="software-pipeline stages the sweep tries, comma-separated (default 3, Triton's own; each "
                          "value multiplies the sweep's compiles)")
-    for opt, what in (("warps", "warps per program"), ("block-n", "blocks of N"), ("block-k", "blocks of K"),
-                      ("block-m", "blocks of rows (default: the default tile's)"), ("split-k", "splits of K (default 1)")):
+    for opt, (_, what) in SWEEP_OPTIONS.items():
         ap.add_argument(f"--sweep-{opt}", default=None,
                         help=f"{what} the tensor-core sweep (2+ rows) tries, comma-separated powers of two")
     ap.add_argument("--json", type=Path, default=None)
@@ -253,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if not stages or min(stages) < 1:
         raise SystemExit(f"--sweep-stages: expected integers >= 1, got {args.sweep_stages!r}")
     dot = {}
-    for opt, field in (("warps", "num_warps"), ("block_n", "block_n"), ("block_k", "block_k"), ("block_m", "block_m"),
-                       ("split_k", "split_k")):
-        given = getattr(args, f"sweep_{opt}")
+    for opt, (field, _) in SWEEP_OPTIONS.items():
+        given = getattr(args, f"sweep_{opt.replace('-', '_')}")
         if given is None:
             continue
         try:
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             vals = ()
         if not vals or any(v < 1 or v & (v - 1) for v in vals):
-            raise SystemExit(f"--sweep-{opt.replace('_', '-')}: expected comma-separated powers of two, got {given!r}")
+            raise SystemExit(f"--sweep-{opt}: expected comma-separated powers of two, got {given!r}")
         dot[field] = vals
     for lay, m in tqdm(jobs, desc="gemv", disable=args.no_progress):
         rows.append(bench_layer(lay, m, device, dtype, sweep=m in sweep, l2_bytes=l2, stages=stages,
