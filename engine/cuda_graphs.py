@@ -132,10 +132,11 @@ def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
 
 
 # Decode (verify) graphs come every FINE_STEP rows up to FINE_UP_TO rows, then every 8: a padding row costs about
-# what a real row does (its state-update programs: 7 padding rows took a 25-row 8b-like step from ~5.86 to 6.18 ms,
-# in the 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving decode node's batches sit
-# here. Mixed graphs (a capture per size and chunk bucket) keep every 8.
-FINE_STEP, FINE_UP_TO = 4, 64
+# what a real row's state update does (7 padding rows took a 25-row 8b-like step from ~5.86 to 6.18 ms, in the
+# 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving decode node's batches sit here
+# (~34-40 rows in session 29's 1P1D). Every 2 rather than 4 (session 37, H200, four to six processes each): 33 rows
+# 6.650 -> 6.582 ms, 34 6.688 -> 6.621, 37 6.867 -> 6.855; 35 and 39 keep their graph (36, 40) and their time. Mixed graphs (a capture per size and chunk bucket) keep every 8.
+FINE_STEP, FINE_UP_TO = 2, 64
 
 
 def graph_sizes(max_rows: int, fine: bool = False) -> list[int]:

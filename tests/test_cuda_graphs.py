@@ -32,11 +32,12 @@ def test_graph_sizes_cover_every_batch_up_to_the_max():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
-    # Decode (verify) graphs: every 4 rows below 64 (a padding row costs about a real row's state update), then 8.
-    assert graph_sizes(20, fine=True) == [1, 2, 4, 8, 12, 16, 20]
+    # Decode (verify) graphs: every 2 rows below 64 (a padding row costs about a real row's state update), then 8.
+    assert graph_sizes(20, fine=True) == [1, 2, 4, 8, 10, 12, 14, 16, 18, 20]
     fine = graph_sizes(256, fine=True)
-    assert fine[:8] == [1, 2, 4, 8, 12, 16, 20, 24] and {60, 64, 72, 256} <= set(fine) and 68 not in fine
-    assert set(sizes) <= set(fine) and len(fine) == len(sizes) + 7
+    assert fine[:8] == [1, 2, 4, 8, 10, 12, 14, 16] and {34, 62, 64, 72, 256} <= set(fine)
+    assert not {33, 35, 63, 66, 68} & set(fine)
+    assert set(sizes) <= set(fine) and len(fine) == len(sizes) + 21
 
 
 class _Cycle:

@@ -168,7 +168,7 @@ def _ssu_verify_kernel(
 
 
 # Decode batches of at least this many rows run the state update with one warp per program, fewer with two.
-ONE_WARP_ROWS = 40
+ONE_WARP_ROWS = 34
 
 
 def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tuple[int, int, int]:
@@ -178,7 +178,8 @@ def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tupl
     3,743), verify T=5 1,804 GB/s (4 warps: 1,581). Alone, one warp measured within 1-2 % of two either way
     (2026-11-27); in whole 8b-like decode steps (CUDA graphs, the engine's pool: benchmarks/launch_probe.py,
     RESULTS.md session 24) one warp took the step at 256 rows 2.7 % shorter, at 128 rows 2.1 %, at 40-64
-    0.3-0.6 %, and at 1-32 rows 0-0.5 % longer: decode batches of ONE_WARP_ROWS rows or more take one warp.
+    0.3-0.6 %, and at 1-32 rows 0-0.5 % longer; at 34 and 38 rows 0.10 and 0.16 % shorter (session 37): decode
+    batches of ONE_WARP_ROWS rows or more take one warp.
     Verify takes one warp at every batch: with two, each position's B, C and y change layout between the warps
     through shared memory (the sm_90 PTX: 8 bar.sync against 1 on one warp, which shuffles instead). H200,
     replay = T (tests' `bench_ssu`, session 35): T = 2 at batch 32 / 256 87.7 / 625 us against 108.5 / 812 with
