@@ -131,23 +131,22 @@ def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
     return len(todo)
 
 
-# Decode graphs come every FINE_STEP rows up to FINE_UP_TO rows, verify graphs every VERIFY_FINE_STEP, then both
-# every 8: a padding row costs about what a real row's state update does (7 padding rows took a 25-row 8b-like step
-# from ~5.86 to 6.18 ms, in the 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving
-# decode node's batches sit here (~34-40 rows in session 29's 1P1D). Decode every 2 rather than 4 (session 37, H200,
-# four to six processes each): 33 rows 6.650 -> 6.582 ms, 34 6.688 -> 6.621, 37 6.867 -> 6.855; 35 and 39 keep
-# their graph (36, 40) and their time; an engine with max_num_seqs 128 captures 40 decode graphs instead of 26
-# (~0.2 s each). Verify graphs stay every 4: a verify engine captures each size three times (its sampling variants),
-# and finer ones were not timed. Mixed graphs (a capture per size and chunk bucket) keep every 8.
-FINE_STEP, VERIFY_FINE_STEP, FINE_UP_TO = 2, 4, 64
+# Decode (verify) graphs come every FINE_STEP rows up to FINE_UP_TO rows, then every 8: a padding row costs about
+# what a real row's state update does (7 padding rows took a 25-row 8b-like step from ~5.86 to 6.18 ms, in the
+# 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving decode node's batches sit here
+# (~34-40 rows in session 29's 1P1D). Every 2 rather than 4 (session 37, H200, two to four processes each): decode
+# steps of 33 rows 6.650 -> 6.582 ms, 34 6.688 -> 6.621, 37 6.867 -> 6.855 (35 and 39 keep their graphs, 36 and
+# 40); K = 1 verify steps of 17 rows 6.671 -> 6.609, 18 6.687 -> 6.609. An engine with max_num_seqs 128 captures 40
+# decode graphs instead of 26 (~0.2 s each), a verify engine each size three times (its sampling variants). Mixed
+# graphs (a capture per size and chunk bucket) keep every 8.
+FINE_STEP, FINE_UP_TO = 2, 64
 
 
-def graph_sizes(max_rows: int, fine: bool = False, step: int | None = None) -> list[int]:
+def graph_sizes(max_rows: int, fine: bool = False) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows); `fine`:
-    every multiple of `step` (default FINE_STEP) from 8 below FINE_UP_TO."""
-    fine_step = FINE_STEP if step is None else step
+    every multiple of FINE_STEP from 8 below FINE_UP_TO."""
     sizes = [n for n in (1, 2, 4) if n < max_rows]
-    sizes += [n for n in range(8, max_rows) if n % (fine_step if fine and n < FINE_UP_TO else 8) == 0]
+    sizes += [n for n in range(8, max_rows) if n % (FINE_STEP if fine and n < FINE_UP_TO else 8) == 0]
     return [*sizes, max_rows]
 
 
@@ -178,7 +177,7 @@ class StepGraphs:
         self.T = T = tokens_per_row
         self.replay = replay
         self.step_fn = step_fn
-        self.sizes = graph_sizes(max_rows, fine=True, step=FINE_STEP if T == 1 else VERIFY_FINE_STEP)
+        self.sizes = graph_sizes(max_rows, fine=True)
         # The last run's start mark (`pending_step.device_mark`), recorded before its first GPU work.
         self.started: torch.cuda.Event | None = None
         # Sizes of at most this many tokens capture the fused-prologue GEMVs (EngineConfig.fused_gemv_max_tokens).

@@ -32,9 +32,8 @@ def test_graph_sizes_cover_every_batch_up_to_the_max():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and all(b - a <= 8 for a, b in zip(sizes, sizes[1:], strict=False))
-    # Decode graphs: every 2 rows below 64 (a padding row costs about a real row's state update), then 8.
+    # Decode (verify) graphs: every 2 rows below 64 (a padding row costs about a real row's state update), then 8.
     assert graph_sizes(20, fine=True) == [1, 2, 4, 8, 10, 12, 14, 16, 18, 20]
-    assert graph_sizes(20, fine=True, step=4) == [1, 2, 4, 8, 12, 16, 20]  # verify graphs' step
     fine = graph_sizes(256, fine=True)
     assert fine[:8] == [1, 2, 4, 8, 10, 12, 14, 16] and {34, 62, 64, 72, 256} <= set(fine)
     assert not {33, 35, 63, 66, 68} & set(fine)
@@ -157,8 +156,8 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
         assert any(c is not None and min(c) < 1 + k for c in counts)
     # Each size's attention program map was built once, for its fixed query starts, and used by every layer.
     graphs = engine.runner.graphs
-    # (12 rows at most: decode graphs every 2 rows from 8, verify graphs every 4.)
-    assert graphs.sizes == ([1, 2, 4, 8, 12] if k else [1, 2, 4, 8, 10, 12])
+    # (12 rows at most: decode and verify graphs every 2 rows from 8.)
+    assert graphs.sizes == [1, 2, 4, 8, 10, 12]
     starts = graphs._starts
     assert set(starts) >= {graphs.size_for(u) for u in used}
     assert all(meta is not None and meta.query_start_loc is qsl for qsl, meta in starts.values())
