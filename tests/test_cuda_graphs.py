@@ -154,10 +154,9 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
     assert engine.runner._graphable(out)  # (greedy rows: with K drafts the whole step is the graph's)
     if k:
         assert any(c is not None and min(c) < 1 + k for c in counts)
-    # Each size's attention program map was built once, for its fixed query starts, and used by every layer.
     graphs = engine.runner.graphs
-    # (12 rows at most: decode and verify graphs every 2 rows from 8.)
-    assert graphs.sizes == [1, 2, 4, 8, 10, 12]
+    assert graphs.sizes == [1, 2, 4, 8, 10, 12]  # (12 rows at most: decode and verify graphs every 2 rows from 8)
+    # Each size's attention program map was built once, for its fixed query starts, and used by every layer.
     starts = graphs._starts
     assert set(starts) >= {graphs.size_for(u) for u in used}
     assert all(meta is not None and meta.query_start_loc is qsl for qsl, meta in starts.values())
