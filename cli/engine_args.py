@@ -10,12 +10,15 @@ from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES,
 from baton.engine.sampling_params import SamplingParams
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = None) -> None:
+    """`max_num_batched_tokens`: this command's step budget when the flag is left out (a prefill node's), instead
+    of `EngineConfig`'s."""
     g = p.add_argument_group("engine")
     d = EngineConfig()
     g.add_argument("--block-size", type=int, help=f"tokens per KV block ({d.block_size})")
     g.add_argument("--max-num-seqs", type=int, help=f"running requests at most, = state slots ({d.max_num_seqs})")
-    g.add_argument("--max-num-batched-tokens", type=int, help=f"token budget of one step ({d.max_num_batched_tokens})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help=f"token budget of one step ({max_num_batched_tokens or d.max_num_batched_tokens})")
     g.add_argument("--long-prefill-token-threshold", type=int, help="cap on one prefill chunk (none)")
     g.add_argument("--cache-memory-mb", type=int, help=f"KV + state pool budget in MiB ({d.cache_memory_bytes >> 20})")
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks (overrides --cache-memory-mb)")
@@ -61,11 +64,13 @@ def engine_flags(a: argparse.Namespace) -> list[str]:
     return out
 
 
-def parse_engine_flags(flags: Sequence[str], option: str) -> argparse.Namespace:
+def parse_engine_flags(flags: Sequence[str], option: str,
+                       max_num_batched_tokens: int | None = None) -> argparse.Namespace:
     """Engine flags from a list (e.g. a role's `--prefill-engine-args` split into words). Raises ValueError naming
-    `option` for anything else; values are checked by `engine_config_from_args`."""
+    `option` for anything else; values are checked by `engine_config_from_args`. `max_num_batched_tokens`: the
+    step budget when the flags leave it out (None: the engine's)."""
     p = argparse.ArgumentParser(prog=option, add_help=False, exit_on_error=False)
-    add_engine_args(p)
+    add_engine_args(p, max_num_batched_tokens)
     try:
         a, unknown = p.parse_known_args(list(flags))
     except argparse.ArgumentError as e:
@@ -75,15 +80,17 @@ def parse_engine_flags(flags: Sequence[str], option: str) -> argparse.Namespace:
     return a
 
 
-def role_engine_flags(text: str, option: str, common: Sequence[str] = ()) -> tuple[str, ...]:
-    """One role's extra engine flags (`baton up --prefill-engine-args "--max-num-batched-tokens 8192"`), split into
+def role_engine_flags(text: str, option: str, common: Sequence[str] = (),
+                      max_num_batched_tokens: int | None = None) -> tuple[str, ...]:
+    """One role's extra engine flags (`baton up --prefill-engine-args "--max-num-batched-tokens 4096"`), split into
     words and checked on top of the flags every node gets (`common`; a later flag wins, as on the node's command
-    line): unknown flags and values the engine would refuse raise ValueError before any process starts."""
+    line), with the role's step budget where neither gives one (`max_num_batched_tokens`, None: the engine's):
+    unknown flags and values the engine would refuse raise ValueError before any process starts."""
     try:
         flags = tuple(shlex.split(text))
     except ValueError as e:  # an unclosed quote
         raise ValueError(f"{option}: expected shell words, got {text!r}: {e}") from None
-    engine_config_from_args(parse_engine_flags((*common, *flags), option))
+    engine_config_from_args(parse_engine_flags((*common, *flags), option, max_num_batched_tokens))
     return flags
 
 

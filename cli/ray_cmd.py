@@ -345,6 +345,7 @@ class RayCluster:
 
 def run(a: argparse.Namespace) -> int:
     from baton.cli.engine_args import engine_flags, role_engine_flags
+    from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 
     try:
         import ray
@@ -356,7 +357,8 @@ def run(a: argparse.Namespace) -> int:
                          engine_args=common, gpus_per_node=a.gpus_per_node,
                          cpus_per_node=a.cpus_per_node, log_dir=a.log_dir,
                          prefill_queue_limit_tokens=a.prefill_queue_limit_tokens,
-                         prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common),
+                         prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
+                                                               PREFILL_MAX_NUM_BATCHED_TOKENS),
                          decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common))
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.

@@ -8,6 +8,7 @@ import threading
 
 from baton.cli.cluster import Cluster
 from baton.cli.engine_args import add_engine_args, engine_flags, role_engine_flags
+from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_role_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-engine-args", default="", metavar="FLAGS",
                    help="engine flags of the prefill nodes only, after the engine flags above (a later flag wins), "
-                        "e.g. '--max-num-batched-tokens 8192': their steps carry no decode rows")
+                        "e.g. '--max-num-batched-tokens 4096'; where neither gives a step budget a prefill node "
+                        f"takes {PREFILL_MAX_NUM_BATCHED_TOKENS} (its steps carry no decode rows)")
     p.add_argument("--decode-engine-args", default="", metavar="FLAGS",
                    help="engine flags of the decode nodes only, after the engine flags above")
 
@@ -63,7 +65,8 @@ def cluster_from_args(a: argparse.Namespace) -> Cluster:
     return Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
                    http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                    engine_args=common, node_args=("--cuda-ipc",) if a.cuda_ipc else (),
-                   prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common),
+                   prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
+                                                  PREFILL_MAX_NUM_BATCHED_TOKENS),
                    decode_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
                    log_dir=a.log_dir, node_gpus=a.node_gpus,
                    router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_SPECULATIVE_TOKENS = 8
+# A prefill node's step budget when none is given (`EngineConfig.max_num_batched_tokens` is 512, sized for steps
+# that carry decode rows). A prefill node's steps carry none, so a larger step costs no one's inter-token latency,
+# and prefill throughput levels off only at a few thousand tokens a step. 8b-like model, one H200, one prompt a
+# step (`engine_bench.py --prefill-tokens N`, benchmarks/RESULTS.md, session 38): 512 tokens 17.2k tokens/s (an
+# eager step's ~600 launches take longer on the host than its kernels on the GPU), 1,024 38.5k, 2,048 41.5k,
+# 4,096 43.0k, 8,192 42.2-42.9k, 16,384 40.2-40.7k.
+PREFILL_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:

@@ -19,7 +19,8 @@ GRACE_S = 5.0
 HTTP_PORT_OFFSET = 2000
 
 
-def node_parser(role: str) -> argparse.ArgumentParser:
+def node_parser(role: str, max_num_batched_tokens: int | None = None) -> argparse.ArgumentParser:
+    """The node's flags; `max_num_batched_tokens`: its step budget when the flag is left out (None: the engine's)."""
     p = argparse.ArgumentParser(prog=f"baton-{role}", description=f"Baton {role} node")
     p.add_argument("--model", required=True, help="HF NemotronH checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
@@ -33,7 +34,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
                    help="longest sleep (us) of NIXL's progress thread between passes; 0: it spins, one busy core "
                         f"(default {DEFAULT_PROGRESS_DELAY_US})")
-    add_engine_args(p)
+    add_engine_args(p, max_num_batched_tokens)
     return p
 
 

@@ -7,6 +7,7 @@ a side channel (port P+1000 unless --side-channel-port), the Worker gRPC service
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import grpc
 
 from baton.cli.engine_args import engine_config_from_args
 from baton.cli.listen_error import run_main
+from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.metrics import NodeMetrics, start_node_http
@@ -27,11 +29,16 @@ from baton.transfer.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from baton.transfer.side_channel import SideChannelServer
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = node_parser("prefill")
+def parser() -> argparse.ArgumentParser:
+    """The node's flags; its step budget defaults to `PREFILL_MAX_NUM_BATCHED_TOKENS`, not the engine's."""
+    p = node_parser("prefill", PREFILL_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--side-channel-port", type=int, default=None, help="default: --port + 1000")
     p.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     engine_id = a.engine_id or default_engine_id("prefill", a.host, a.port)
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
