@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import cdiv, round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024
@@ -36,5 +36,5 @@ def relu2_triton(x: Tensor) -> Tensor:
     y = torch.empty_like(x)
     n = x.numel()
     if n:
-        _relu2_kernel[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
+        _relu2_kernel[(cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
     return y

@@ -56,8 +56,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, sm_count
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to, sm_count
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,11 @@ def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tenso
     max_q = max((b - a for a, b in zip(query_start_loc_host, query_start_loc_host[1:], strict=False)), default=0)
     max_q = max(max_q, 1)
     block_q = _launch_config(q_heads // kv_heads, head_dim, max_q, T, R)[0]
-    grid_m = min(T, triton.cdiv(T, block_q) + R)
+    grid_m = min(T, cdiv(T, block_q) + R)
     rows: list[int] = []
     qblocks: list[int] = []
     for r in range(R):
-        n = triton.cdiv(query_start_loc_host[r + 1] - query_start_loc_host[r], block_q)
+        n = cdiv(query_start_loc_host[r + 1] - query_start_loc_host[r], block_q)
         rows += [r] * n
         qblocks += range(n)
     last = qblocks[-1] + 1 if rows and rows[-1] == R - 1 else 0
@@ -328,9 +328,9 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
         block_q = max(1, PREFILL_BLOCK_M // group)
         if max_query_len is not None:
             block_q = max(1, min(block_q, max_query_len))
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_m = max(16, next_power_of_2(block_q * group))
     short = not decode and block_m <= SHORT_BLOCK_M
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     if decode and R >= WIDE_DECODE_ROWS and block_d <= 128:
         block_n = 128
@@ -385,7 +385,7 @@ def _auto_splits(device: torch.device, programs: int, block_q: int, block_m: int
     if device.type != "cuda" or not _decode_like(block_q, block_m):
         return 1
     target = SPLIT_PROGRAMS_PER_SM * sm_count(device)
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_keys, 8 * block_n), 32))
+    return max(1, min(cdiv(target, programs), cdiv(max_keys, 8 * block_n), 32))
 
 
 def paged_attention_triton(
@@ -445,7 +445,7 @@ def paged_attention_triton(
 
     # Program -> (row, query block) on the device. Each query block holds >= 1 query, so there are at most
     # T blocks, and sum(cdiv(q_len, BLOCK_Q)) <= cdiv(T, BLOCK_Q) + R: a grid sized from shapes alone.
-    grid_m = min(T, triton.cdiv(T, block_q) + R)
+    grid_m = min(T, cdiv(T, block_q) + R)
     qsl = query_start_loc.to(device=q.device, dtype=torch.int64)
     if attention_meta is not None:
         if attention_meta.query_start_loc is not query_start_loc:

@@ -10,6 +10,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.chain_inputs import check_chain_inputs
+from baton.engine.ops.triton_common import cdiv, next_power_of_2
 
 ROWS = 32
 
@@ -50,8 +51,8 @@ def chain_inputs_triton(packed: Tensor, m: int, src: Tensor, rooms: Tensor, base
     rows = check_chain_inputs("chain_inputs_triton", packed, m, src, rooms, tables, ids, n, T)
     if tables.stride(1) != 1 or src.stride(0) != 1 or rooms.stride(0) != 1:
         raise ValueError("chain_inputs_triton: expected unit-stride src, rooms and block table rows")
-    _chain_inputs_kernel[(triton.cdiv(n, ROWS),)](
+    _chain_inputs_kernel[(cdiv(n, ROWS),)](
         packed, src, rooms, base_src, tables, ids, slot_mapping, seq_lens, verify_base, num_tokens, m, rows, n,
-        tables.stride(0), block_size, scratch_block * block_size, T=T, TP=triton.next_power_of_2(T), ROWS=ROWS,
+        tables.stride(0), block_size, scratch_block * block_size, T=T, TP=next_power_of_2(T), ROWS=ROWS,
         num_warps=1,
     )

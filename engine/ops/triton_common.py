@@ -1,5 +1,5 @@
 """Device helpers shared by the Triton kernels (`@triton.jit` functions, inlined where they are called), and
-`interpreted()` for their host sides."""
+`interpreted()`, `cdiv()` and `next_power_of_2()` for their host sides."""
 
 import functools
 import os
@@ -14,6 +14,20 @@ def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (its own test of the variable): there tl.dot takes no
     16-bit operands (numpy has none)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Launch arithmetic on the host. `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.5+:
+# ~2-3 µs a call on the host to wrap and unwrap their arguments, and an eager 8b-like prefill forward made ~750
+# such calls (benchmarks/RESULTS.md, session 38). These give the same integers (`test_triton_common.py`).
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for b > 0, as `triton.cdiv`."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1 (0 for 0), as `triton.next_power_of_2`."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -199,7 +199,7 @@ def _check_index(fn: str, name: str, t: Tensor, dims: str, expected: tuple[int, 
 def _default_block_c(batch: int, channels: int) -> int:
     # Few rows: smaller blocks so that enough programs fill the GPU; many rows: wider blocks.
     block = 64 if batch <= 8 else 256
-    return max(16, min(block, triton.next_power_of_2(channels)))
+    return max(16, min(block, next_power_of_2(channels)))
 
 
 def _num_warps(block_c: int) -> int:
@@ -218,7 +218,7 @@ def _launch(x3, weight, bias, conv_state, slots, pending, replay, num_tokens, y3
     verify = pending is not None
     has_bias = bias is not None
     has_ntok = num_tokens is not None
-    grid = (batch, triton.cdiv(channels, block_c))
+    grid = (batch, cdiv(channels, block_c))
     _conv_update_kernel[grid](
         x3, weight, bias if has_bias else weight, conv_state, slots,
         pending if verify else conv_state, replay if verify else slots, num_tokens if has_ntok else slots, y3,

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.triton_common import round_to
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to
 from baton.engine.ops.triton_conv import _check_index
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
@@ -264,7 +264,7 @@ def causal_conv1d_varlen_triton(
     T, channels = x.shape
     rows = state_slots.shape[0]
     block_t = block_t or 32
-    block_c = block_c or max(16, min(128, triton.next_power_of_2(channels)))
+    block_c = block_c or max(16, min(128, next_power_of_2(channels)))
     for name, b in (("block_t", block_t), ("block_c", block_c)):
         if b & (b - 1):
             raise ValueError(f"{fn}: {name} expected a power of two, got {b}")
@@ -278,7 +278,7 @@ def causal_conv1d_varlen_triton(
     meta = (query_start_loc.stride(0), state_slots.stride(0), init.stride(0))
 
     if T > 0:
-        grid = (triton.cdiv(T, block_t), triton.cdiv(channels, block_c))
+        grid = (cdiv(T, block_t), cdiv(channels, block_c))
         _conv_varlen_out_kernel[grid](
             x, weight, bias_arg, y,
             T, channels,
@@ -292,8 +292,8 @@ def causal_conv1d_varlen_triton(
 
     # Second launch (stream-ordered after the first): each row's first K-1 outputs again, from its initial
     # window, then its final window into the slot.
-    rows_block = max(16, min(256, triton.next_power_of_2(channels)))
-    _conv_varlen_rows_kernel[(rows, triton.cdiv(channels, rows_block))](
+    rows_block = max(16, min(256, next_power_of_2(channels)))
+    _conv_varlen_rows_kernel[(rows, cdiv(channels, rows_block))](
         x, weight, bias_arg, conv_state, query_start_loc, state_slots, init, y,
         channels,
         x.stride(0), x.stride(1),

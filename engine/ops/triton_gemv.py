@@ -58,8 +58,17 @@ from torch import Tensor
 
 from baton.engine.ops.fused_linear import check_fused_linear
 from baton.engine.ops.triton_act import relu2_triton
+from baton.engine.ops.triton_common import (
+    cdiv,
+    next_power_of_2,
+    pdl,
+    pdl_launch_next,
+    pdl_wait,
+    pdl_wait_only,
+    round_to,
+    sm_count,
+)
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import pdl, pdl_launch_next, pdl_wait, pdl_wait_only, round_to, sm_count
 from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
@@ -364,12 +373,12 @@ def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> G
     slower, and two blocks of 32 rows launched side by side read W from L2 twice (in_proj 51 µs). Past 64 rows
     each block of rows reads the whole weight again: cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
-        return GemvTiles(16 if m > 4 else max(1, triton.next_power_of_2(m)), min(64, triton.next_power_of_2(n)),
-                         min(128, triton.next_power_of_2(k)), 4)
+        return GemvTiles(16 if m > 4 else max(1, next_power_of_2(m)), min(64, next_power_of_2(n)),
+                         min(128, next_power_of_2(k)), 4)
     if m == 1:  # persistent, f(a) resident up to K = 8192; the best of a sweep on an H200 (RESULTS.md, session 13)
-        kp = triton.next_power_of_2(k)
+        kp = next_power_of_2(k)
         return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = min(64, max(16, next_power_of_2(m)))
     if block_m > 32:  # 33-64 rows: short K tiles for the wide layers (a's tile is as large as W's), K split in two
         # past 4096 (the best of a sweep and of whole steps on an H200, RESULTS.md session 36)
         if k > 4096:
@@ -467,9 +476,9 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
         # resident: the tile covers K (gated_norm: in whole groups of a power-of-two size); else gated_norm takes one
         # group per step, in a tile of at least its size
         resident = t.block_k >= k and (not gated or group & (group - 1) == 0)
-        block_k = triton.next_power_of_2(k) if resident else triton.next_power_of_2(group) if gated else t.block_k
+        block_k = next_power_of_2(k) if resident else next_power_of_2(group) if gated else t.block_k
         if t.programs_per_sm and block_k * t.block_n <= 32768:  # else the tile outgrows a program: one per block
-            programs = min(triton.cdiv(n, t.block_n), t.programs_per_sm * _num_sms(a.device))
+            programs = min(cdiv(n, t.block_n), t.programs_per_sm * _num_sms(a.device))
             _gemv_row_kernel[(programs,)](
                 a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
                 n, k, programs, w.stride(0), float(group), eps,
@@ -478,7 +487,7 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
                 num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
             )  # fmt: skip
             return y if s is None else (y, s)
-        grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), t.split_k)
+        grid = (cdiv(n, t.block_n), cdiv(m, t.block_m), t.split_k)
         m_pad = grid[1] * t.block_m
         ws, cnt = _split_buffers(t, a, grid, m_pad, n, prologue, fn)
         _gemv_kernel[grid](

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.paged_attention import check_write_kv
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
+from baton.engine.ops.triton_common import cdiv, pdl, pdl_wait, round_to
 
 BLOCK = 1024
 
@@ -55,7 +55,7 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
         return
     width = kv_heads * head_dim
     k2, v2 = _token_rows(k, width), _token_rows(v, width)
-    _write_kv_kernel[(T, triton.cdiv(width, BLOCK))](
+    _write_kv_kernel[(T, cdiv(width, BLOCK))](
         k2, v2, kv_cache, slot_mapping, block_size, width, k2.stride(0), v2.stride(0), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), BLOCK=BLOCK, num_warps=4, **pdl(k2),
     )

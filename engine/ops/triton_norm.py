@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to
 
 MAX_WIDTH = 65536
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -120,11 +120,11 @@ def _launch_config(rows: int, width: int, on_cuda: bool) -> tuple[int, int, int]
     """(BLOCK_M, BLOCK_N, num_warps) for rows of `width` channels."""
     if width > MAX_WIDTH:
         raise ValueError(f"norm width {width} exceeds the single-tile limit {MAX_WIDTH}")
-    block_n = triton.next_power_of_2(width)
+    block_n = next_power_of_2(width)
     if on_cuda:
         block_m = max(1, min(16, 1024 // block_n))  # a function of the width only: no recompiles per batch size
     else:  # interpreter: few programs, each a vectorised numpy tile
-        block_m = max(1, min(triton.next_power_of_2(max(rows, 1)), 65536 // block_n))
+        block_m = max(1, min(next_power_of_2(max(rows, 1)), 65536 // block_n))
     tile = block_m * block_n
     num_warps = 16 if tile >= 8192 else 8 if tile >= 2048 else 4
     return block_m, block_n, num_warps
@@ -156,7 +156,7 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if m == 0 or n == 0:
         return y.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, n, x.is_cuda)
-    _rms_norm_kernel[(triton.cdiv(m, block_m),)](
+    _rms_norm_kernel[(cdiv(m, block_m),)](
         x2, x2, y, weight, y, m, n, x2.stride(0), 0, weight.stride(0), float(n), eps,
         ADD=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -184,7 +184,7 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float)
     if m == 0 or n == 0:
         return y.view(x.shape), s.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, n, x.is_cuda)
-    _rms_norm_kernel[(triton.cdiv(m, block_m),)](
+    _rms_norm_kernel[(cdiv(m, block_m),)](
         x2, r2, s, weight, y, m, n, x2.stride(0), r2.stride(0), weight.stride(0), float(n), eps,
         ADD=True, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -212,7 +212,7 @@ def gated_rms_norm_triton(x: Tensor, gate: Tensor, weight: Tensor, group_size: i
     if m == 0 or n == 0:
         return y.view(x.shape)
     block_m, block_n, num_warps = _launch_config(m, group_size, x.is_cuda)
-    _gated_rms_norm_kernel[(triton.cdiv(m, block_m), n // group_size)](
+    _gated_rms_norm_kernel[(cdiv(m, block_m), n // group_size)](
         x2, z2, weight, y, m, n, group_size, x2.stride(0), z2.stride(0), weight.stride(0), float(group_size), eps,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **pdl(x2),
     )

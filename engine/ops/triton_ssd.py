@@ -74,8 +74,15 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.triton_common import (
+    cdiv,
+    next_power_of_2,
+    round_to,
+    shared_memory_per_block,
+    sm_count,
+    softplus,
+)
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_common import round_to, shared_memory_per_block, sm_count, softplus
 
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -607,7 +614,7 @@ def _check_args(x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_state, state_sl
 
 def _block_l(chunk_size: int) -> int:
     """A whole chunk's block of positions (the dt launch's and the state walk's)."""
-    return max(_MIN_BLOCK, triton.next_power_of_2(chunk_size))
+    return max(_MIN_BLOCK, next_power_of_2(chunk_size))
 
 
 def _pow2_block(requested: int | None, default: int, size: int, name: str) -> int:
@@ -616,7 +623,7 @@ def _pow2_block(requested: int | None, default: int, size: int, name: str) -> in
         if requested < _MIN_BLOCK or requested & (requested - 1):
             raise ValueError(f"{_FN}: {name} expected a power of two >= {_MIN_BLOCK}, got {requested}")
         return requested
-    return max(_MIN_BLOCK, min(default, triton.next_power_of_2(size)))
+    return max(_MIN_BLOCK, min(default, next_power_of_2(size)))
 
 
 @dataclass(frozen=True)
@@ -661,12 +668,12 @@ def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: i
     if sms is None:
         return narrow
     wide_p = max(STATE_BLOCK_P, STATE_BLOCK_P_WIDE)
-    per_row_head = triton.cdiv(N, block_n)
-    fits = shared_memory is None or _one_wave_shared_memory(block_l, min(wide_p, triton.next_power_of_2(P)),
+    per_row_head = cdiv(N, block_n)
+    fits = shared_memory is None or _one_wave_shared_memory(block_l, min(wide_p, next_power_of_2(P)),
                                                             block_n) <= shared_memory
-    if fits and rows * H * triton.cdiv(P, wide_p) * per_row_head <= sms:
+    if fits and rows * H * cdiv(P, wide_p) * per_row_head <= sms:
         return StateLaunch(wide_p, STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES)
-    if rows * H * triton.cdiv(P, STATE_BLOCK_P) * per_row_head <= sms * STATE_PROGRAMS_PER_SM:
+    if rows * H * cdiv(P, STATE_BLOCK_P) * per_row_head <= sms * STATE_PROGRAMS_PER_SM:
         return narrow
     return StateLaunch(wide_p, STATE_WARPS, STATE_STAGES)
 
@@ -709,7 +716,7 @@ def chunk_dt_cumsum_triton(dt: Tensor, A: Tensor, dt_bias: Tensor, dt_min: float
     dt_buf = torch.empty((H, max(T, 1)), dtype=torch.float32, device=dt.device)
     cs_buf = torch.empty_like(dt_buf)
     if chunk_meta.num_chunks:
-        _ssd_dt_kernel[(chunk_meta.num_chunks, triton.cdiv(H, DT_BLOCK_H))](
+        _ssd_dt_kernel[(chunk_meta.num_chunks, cdiv(H, DT_BLOCK_H))](
             dt, A, dt_bias, chunk_meta.chunk_start, chunk_meta.chunk_len, dt_buf, cs_buf, H, float(dt_min),
             *dt.stride(), *dt_buf.stride(), BLOCK_L=_block_l(chunk_meta.chunk_size),
             BLOCK_H=DT_BLOCK_H, num_warps=DT_WARPS,
@@ -785,7 +792,7 @@ def mamba_chunk_scan_varlen_triton(
     x_in, B_in = (x, B) if T else (dt_buf, dt_buf)
 
     meta = (chunk_meta.chunk_start, chunk_meta.chunk_len)
-    _ssd_state_kernel[(R, H, triton.cdiv(P, t.state_block_p) * triton.cdiv(N, t.block_n))](
+    _ssd_state_kernel[(R, H, cdiv(P, t.state_block_p) * cdiv(N, t.block_n))](
         x_in, B_in,
         ssm_state, state_slots, has_initial_state,
         *meta, chunk_meta.row_chunk,
@@ -798,12 +805,12 @@ def mamba_chunk_scan_varlen_triton(
     if chunk_meta.num_chunks == 0:
         return y  # only empty rows: their slots are written, there is no output
 
-    block_n_out = max(_MIN_BLOCK, triton.next_power_of_2(N))  # C·B and C·S contract over the whole state
-    m_blocks = triton.cdiv(chunk_size, t.block_m)
+    block_n_out = max(_MIN_BLOCK, next_power_of_2(N))  # C·B and C·S contract over the whole state
+    m_blocks = cdiv(chunk_size, t.block_m)
     if share_cb:
         # Each chunk's [chunk_size, chunk_size] C·B^T, padded to whole tiles; only the tiles on and below the
         # diagonal are written (and read).
-        side = triton.cdiv(chunk_size, max(t.block_m, t.block_k)) * max(t.block_m, t.block_k)
+        side = cdiv(chunk_size, max(t.block_m, t.block_k)) * max(t.block_m, t.block_k)
         cb = torch.empty((chunk_meta.num_chunks, G, side, side), dtype=cb_dtype, device=x.device)
         _ssd_cb_kernel[(chunk_meta.num_chunks, G, m_blocks)](
             B, C, *meta, cb, states,
@@ -815,7 +822,7 @@ def mamba_chunk_scan_varlen_triton(
     else:
         cb = cs_buf  # never read (SHARE_CB=False); a stand-in with zero strides
     cb_strides = cb.stride() if share_cb else (0, 0, 0, 0)
-    grid = (chunk_meta.num_chunks, m_blocks * triton.cdiv(P, t.block_p), H)
+    grid = (chunk_meta.num_chunks, m_blocks * cdiv(P, t.block_p), H)
     _ssd_output_kernel[grid](
         x, A, B, C, D,
         *meta,

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.spec_state_update import check_verify_shapes
-from baton.engine.ops.triton_common import pdl, pdl_wait, round_to, softplus
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
 
 @triton.jit
@@ -186,8 +186,8 @@ def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tupl
     two warps, T = 5 141 / 1020 against 185 / 1408; smaller tiles with one warp were slower (BLOCK_P 8: 94.9 /
     705, 153 / 1146). At batch 1 whole verify steps were no slower on one warp (session 36: K = 1 4.938 against
     4.940 ms, K = 3 5.934 against 5.951)."""
-    block_n = triton.next_power_of_2(N)
-    block_p = min(triton.next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
+    block_n = next_power_of_2(N)
+    block_p = min(next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 1 if verify or batch >= ONE_WARP_ROWS else 2
 
 
@@ -236,7 +236,7 @@ def selective_state_update_triton(
     y = torch.empty_like(x)
     if batch:
         block_p, block_n, num_warps = _launch_config(P, N, batch=batch)
-        _ssu_decode_kernel[(triton.cdiv(P, block_p) * H * batch,)](
+        _ssu_decode_kernel[(cdiv(P, block_p) * H * batch,)](
             ssm_state, x, dt, A, B, C, D, dt_bias, state_slots, y,
             H, P, N, H // G, float(dt_min),
             *ssm_state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
@@ -338,7 +338,7 @@ def selective_state_update_verify_triton(
     y = torch.empty_like(x)
     if batch:
         block_p, block_n, num_warps = _launch_config(P, N, verify=True)
-        _ssu_verify_kernel[(triton.cdiv(P, block_p) * H * batch,)](
+        _ssu_verify_kernel[(cdiv(P, block_p) * H * batch,)](
             ssm_state, pending_x, pending_B, pending_dt, x, dt, A, B, C, D, dt_bias,
             slots, replay, slots if num_tokens is None else num_tokens, y,
             T, H, P, N, H // G, float(dt_min),

@@ -46,6 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.counter_noise import _STREAM_KEYS, ACCEPT, DRAW
+from baton.engine.ops.triton_common import cdiv
 
 BLOCK = 4096
 
@@ -498,7 +499,7 @@ def auto_splits(rows: int, V: int, device: torch.device) -> int:
     when that is 2 or more; else 0, one program a row without the shared passes (also on the CPU)."""
     if device.type != "cuda" or rows == 0 or not cooperative_launch():
         return 0
-    n = min(MAX_SPLITS, triton.cdiv(V, BLOCK), _capacity(device.index or 0) // rows)
+    n = min(MAX_SPLITS, cdiv(V, BLOCK), _capacity(device.index or 0) // rows)
     return n if n >= 2 else 0
 
 
@@ -539,8 +540,8 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
     accepted, final = buf[:R], buf[R:2 * R]
     shift = _SHIFTS[logits.dtype]
     if R:
-        chunk = triton.cdiv(triton.cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
-        S = triton.cdiv(V, chunk)  # (no empty slice)
+        chunk = cdiv(cdiv(V, max(splits, 1)), BLOCK) * BLOCK if splits else V
+        S = cdiv(V, chunk)  # (no empty slice)
         ws = counters = accepted  # (one program a row: unused)
         if splits:
             ws = buf[2 * R:2 * R + ws_n].view(torch.float32)
