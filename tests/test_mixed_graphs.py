@@ -71,6 +71,10 @@ def test_the_default_mixed_graph_tokens_is_decided_by_where_graphs_run(fields, d
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("q,buckets", [(Q, None), (48, (16, 48))])
+# The chunk's padding tokens past its real length belong to no row: the scan and the conv leave their outputs as
+# allocated (uninitialized), and the gated norm squares whatever that memory held, in their own rows only. The
+# interpreter (numpy) warns when such a square overflows (or the like); the real rows are compared below.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch, q, buckets):  # noqa: F811
     """Decode rows and one chunk in the graphs' static layout (decode rows padded to the graph size on the scratch
     block and slot, the chunk padded to its bucket's size with its real length a device input), run eagerly on the
