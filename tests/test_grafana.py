@@ -1,4 +1,4 @@
-"""Grafana dashboards (`deploy/grafana/baton-*.json`, README.md "Dashboards").
+"""Grafana dashboards (`deploy/grafana/baton-*.json`, docs/metrics.md "Dashboards").
 
 - every dashboard type-checks, with TypeScript's `tsc --strict`, against `Dashboard` from `@grafana/schema`
   (the classic dashboard JSON model that Grafana imports; pinned in deploy/grafana/package.json), and a
