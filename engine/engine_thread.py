@@ -3,11 +3,16 @@
 Servers hand work in with `call(fn)` (runs `fn(engine)` between steps, returns a Future) and register
 per-request output callbacks; `step_hooks` run after every step (e.g. lease bookkeeping). Callbacks are
 invoked on the engine thread: they must only hand the output over (e.g. to an asyncio loop), never block.
+
+Hooks and callbacks only observe the engine: one that raises is logged and counted (`observer_errors`), and
+the loop goes on, so that a faulty metric or consumer cannot stop every other request. A callback that
+raised cannot take its request's outputs any more, so that request is aborted (its caches freed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -17,6 +22,7 @@ from baton.engine.llm_engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
 IDLE_WAIT_S = 0.005
+log = logging.getLogger("baton.engine")
 
 
 class EngineThread:
@@ -29,6 +35,8 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.error: BaseException | None = None
+        # Step hooks and output callbacks that raised (each logged; the loop went on).
+        self.observer_errors = 0
 
     def start(self) -> EngineThread:
         self._thread.start()
@@ -100,9 +108,23 @@ class EngineThread:
                         if cb is not None:
                             if out.finished:
                                 del self._callbacks[out.request_id]
-                            cb(out)
+                            self._deliver(cb, out)
                 for hook in self.step_hooks:
-                    hook(self.engine)
+                    try:
+                        hook(self.engine)
+                    except Exception:
+                        self.observer_errors += 1
+                        log.exception("step hook %r raised; the engine goes on", hook)
         except BaseException as e:
             self.error = e
             raise
+
+    def _deliver(self, cb: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+        try:
+            cb(out)
+        except Exception:
+            self.observer_errors += 1
+            log.exception("output callback of request %s raised; the request is aborted", out.request_id)
+            self._callbacks.pop(out.request_id, None)
+            if not out.finished:
+                self.engine.abort(out.request_id)

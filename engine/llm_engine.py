@@ -55,6 +55,10 @@ class RequestOutput:
     num_accepted: int = 0
 
 
+# How a step ran (`EngineStats` counts each).
+DECODE_GRAPH, MIXED_GRAPH, EAGER = "decode_graph", "mixed_graph", "eager"
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -335,8 +339,11 @@ class LLMEngine:
             return self._step_spec()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        path = EAGER
         if out.rows:
+            replays = self._replays()
             self._in_flight.append(self._launch(out))
+            path = self._path_since(replays)
         outputs: list[RequestOutput] = []
         read = 0
         while len(self._in_flight) > self.depth or (self._in_flight and not out.rows):
@@ -346,7 +353,7 @@ class LLMEngine:
         # Rows launched, else rows read: 0 only when nothing could run (waiting on blocks held elsewhere).
         self.last_step_rows = len(out.rows) or read
         if out.rows:
-            self._record(out, time.perf_counter() - t0, {})
+            self._record(out, time.perf_counter() - t0, {}, path)
         return outputs
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
@@ -400,10 +407,12 @@ class LLMEngine:
         # Rows are one per request, so lists in row order stand for the request-keyed maps.
         reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
         before = [len(req.output_token_ids) for req in reqs]
+        replays = self._replays()
         result = self.runner.execute(out)
+        path = self._path_since(replays)
         self.stats.device_seconds += result.device_seconds
         finished = self.scheduler.update(out, result.sampled, result.drafts)
-        self._record(out, time.perf_counter() - t0, result.sampled)
+        self._record(out, time.perf_counter() - t0, result.sampled, path)
         for req in finished:
             self.runner.remove_request(req.request_id)
         sampled = result.sampled
@@ -432,7 +441,8 @@ class LLMEngine:
         sched.step_done(done.step)
         before = [len(req.output_token_ids) for _, req in live]
         finished = sched.update(out, result.sampled, result.drafts)
-        self._record(out, time.perf_counter() - t0, result.sampled)
+        # A whole verify step always replays its graph (the chained one counts when it is read).
+        self._record(out, time.perf_counter() - t0, result.sampled, DECODE_GRAPH)
         for req in finished:
             runner.remove_request(req.request_id)
         self._verify_in_flight = None
@@ -462,7 +472,19 @@ class LLMEngine:
             num_drafted=req.num_drafted, num_accepted=req.num_accepted)
         return o
 
-    def _record(self, out: SchedulerOutput, seconds: float, sampled: dict) -> None:
+    def _replays(self) -> tuple[int, int]:
+        """The runner's decode-graph and mixed-graph replay counts (for `_path_since`)."""
+        return self.runner.graph_steps, self.runner.mixed_graph_steps
+
+    def _path_since(self, before: tuple[int, int]) -> str:
+        """How the one step launched since `_replays()` returned `before` ran."""
+        graphed, mixed = self._replays()
+        return DECODE_GRAPH if graphed > before[0] else MIXED_GRAPH if mixed > before[1] else EAGER
+
+    def _record(self, out: SchedulerOutput, seconds: float, sampled: dict, path: str) -> None:
+        """Account one step, in the stats, with `path`, how it ran: counted with the step it belongs to, not when
+        the runner launched it, so that no path's count runs ahead of `steps` (a chained verify step is launched
+        one step before it is read)."""
         s = self.stats
         decode_tokens = 0
         for r in out.rows:
@@ -476,7 +498,8 @@ class LLMEngine:
                 s.spec_accepted += len(emitted) - 1
         s.steps += 1
         s.mixed_steps += out.is_mixed
-        s.graph_steps, s.mixed_graph_steps = self.runner.graph_steps, self.runner.mixed_graph_steps
+        s.graph_steps += path == DECODE_GRAPH
+        s.mixed_graph_steps += path == MIXED_GRAPH
         s.decode_tokens += decode_tokens
         s.prompt_tokens += out.num_tokens - decode_tokens
         s.preemptions = self.scheduler.num_preemptions

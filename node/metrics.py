@@ -55,6 +55,19 @@ class _TransferCollector(Collector):
                                       value=self.fallbacks())
 
 
+class _ObserverErrorsCollector(Collector):
+    """The engine thread's count of step hooks and output callbacks that raised, read at scrape time."""
+
+    def __init__(self, thread: EngineThread) -> None:
+        self.thread = thread
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("baton_node_observer_errors",
+                                  "Step hooks (metrics, lease bookkeeping) and output callbacks that raised on the "
+                                  "engine thread; each is logged and the engine goes on",
+                                  value=self.thread.observer_errors)
+
+
 class NodeMetrics:
     def __init__(self, role: str, engine_id: str, transfer: TransferStats | None = None, *,
                  held_leases: Callable[[], int] | None = None, fallbacks: Callable[[], int] | None = None,
@@ -146,6 +159,7 @@ class NodeMetrics:
 
 def start_node_http(metrics: NodeMetrics, thread: EngineThread, host: str, port: int) -> HttpServer:
     """/metrics and /health (200 once serving, while the engine thread is alive; else 503)."""
+    metrics.registry.register(_ObserverErrorsCollector(thread))
     routes = {"/metrics": metrics_route(metrics.registry),
               "/health": health_route(lambda: metrics.ready and thread.alive())}
     return HttpServer(routes, host, port, name="baton-node-http")

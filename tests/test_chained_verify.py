@@ -68,6 +68,26 @@ class Chains:
             self.checked += 1
 
 
+class PathCounts:
+    """A node's metrics hook after every step (as `EngineThread` runs it): a step is counted by how it ran when it
+    is read, so that no path's count ever runs ahead of the steps (a negative eager count raised in the hook
+    and stopped a GPU decode node's engine thread with drafts on)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        from baton.node.metrics import NodeMetrics
+
+        self.metrics = NodeMetrics("decode", "d0")
+
+    def check(self, engine: LLMEngine) -> None:
+        st = engine.stats
+        assert st.graph_steps + st.mixed_graph_steps <= st.steps
+        self.metrics.on_step(engine)
+
+    def paths(self) -> dict[str, float]:
+        return {s.labels["path"]: s.value for fam in self.metrics.registry.collect()
+                if fam.name == "baton_node_path_steps" for s in fam.samples if s.name.endswith("_total")}
+
+
 def _arrivals():
     """Staggered prompts; different max_tokens and a stop token, so that requests finish on different steps
     (chained steps then drop rows) while others go on."""
@@ -105,9 +125,14 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
     assert engine.depth == 1 and ref_engine.depth == 0
     log = Log(engine)
     chains = Chains(engine)
-    got = _run(engine, chains.check)
+    metrics = PathCounts(engine)
+    got = _run(engine, lambda e: (chains.check(e), metrics.check(e)))
     assert {r: (o.token_ids, o.finish_reason) for r, o in got.items()} == \
         {r: (o.token_ids, o.finish_reason) for r, o in ref.items()}
+    # Every verify step replayed the graph, chained ones counted when read, as a node's metrics export them.
+    st = engine.stats
+    assert metrics.paths() == {"decode_graph": st.graph_steps, "mixed_graph": 0, "eager": st.steps - st.graph_steps}
+    assert st.graph_steps > chains.count
     assert {o.finish_reason for o in got.values()} == {"length", "stop"}
     # Row by row (tokens fed, emitted, next drafts) as one step at a time; chained steps dropped finished rows.
     assert log.rows == ref_log.rows
