@@ -5,13 +5,12 @@ freeing an id that is not owned is a bug and raises, freeing nothing; `num_free 
 always; the free ids are kept as maximal runs of consecutive ids.
 
 Placement keeps a request's blocks in few consecutive runs, because a run of blocks is one transfer
-descriptor for all layers (`baton.transfer.plan`; NIXL moves one 16k-token request coalesced at 79-85 % of
-the GPU peer copy, block by block at 12-18 %, benchmarks/RESULTS.md):
+descriptor for all layers (`baton.transfer.plan`), and NIXL moves coalesced runs far faster than single blocks:
   1. `after`: a request that grows takes the ids right after its last one while they are free;
   2. the rest comes from the smallest free run that holds all of it (best fit, lowest start on ties), so
      small holes are filled by small requests and long runs stay whole for long ones;
   3. when no run holds it, the longest runs first (the fewest pieces).
-Taking the lowest free ids instead (the policy before issue #7's session 22) lets decode's one-block growth
+Taking the lowest free ids instead lets decode's one-block growth
 checkerboard the pool: `benchmarks/alloc_bench.py` measures the runs per transferred request under both.
 """
 

@@ -90,7 +90,7 @@ def gc_paused() -> Iterator[None]:
     """Python's garbage collector off (after one collection) for the block, then back as it was. A collection
     inside a capture can finalize objects that make CUDA calls a capturing stream forbids: an old CUDAGraph's
     reset (an engine's graphs in a reference cycle), a Triton kernel's module unload. The capture then fails
-    (cudaErrorStreamCaptureInvalidated: seen once on an H200, RESULTS.md session 21). torch collected before each
+    (cudaErrorStreamCaptureInvalidated). torch collected before each
     capture up to 2.8 only (pytorch/pytorch#161037)."""
     if not gc.isenabled():  # already paused (`capture_missing` around its captures) or off by the caller's choice
         yield
@@ -131,14 +131,10 @@ def capture_missing(graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
     return len(todo)
 
 
-# Decode (verify) graphs come every FINE_STEP rows up to FINE_UP_TO rows, then every 8: a padding row costs about
-# what a real row's state update does (7 padding rows took a 25-row 8b-like step from ~5.86 to 6.18 ms, in the
-# 28-row graph 6.02, on an H200, benchmarks/RESULTS.md session 23), and a serving decode node's batches sit here
-# (~34-40 rows in session 29's 1P1D). Every 2 rather than 4 (session 37, H200, two to four processes each): decode
-# steps of 33 rows 6.650 -> 6.582 ms, 34 6.688 -> 6.621, 37 6.867 -> 6.855 (35 and 39 keep their graphs, 36 and
-# 40); K = 1 verify steps of 17 rows 6.671 -> 6.609, 18 6.687 -> 6.609. An engine with max_num_seqs 128 captures 40
-# decode graphs instead of 26 (~0.2 s each), a verify engine each size three times (its sampling variants). Mixed
-# graphs (a capture per size and chunk bucket) keep every 8.
+# Decode (verify) graphs come every FINE_STEP rows up to FINE_UP_TO rows, then every 8, because a padding row costs
+# about what a real row's state update does and a serving decode node's batches sit in that range; the price is more
+# captures at start-up (a verify engine captures each size three times, for its sampling variants). Mixed graphs (a
+# capture per size and chunk bucket) keep every 8.
 FINE_STEP, FINE_UP_TO = 2, 64
 
 

@@ -6,9 +6,9 @@ copied with `non_blocking=True`, the copy is queued on the stream like a kernel 
 caching host allocator keeps a pinned block alive until the copies queued from it have run, so the block is
 never rewritten under a pending copy (R5's async-copy rule).
 
-A step's inputs are flat lists of Python ints (a decode step of 256 rows: ~17k, its block tables most of them).
-`torch.tensor` converts one int at a time (~50 ns each on the 2-core CPU box: ~1 ms for 20k); `array.array`
-packs them ~3.5x faster, and the tensor is a view of its buffer (`host_tensor`).
+A step's inputs are flat lists of Python ints (tens of thousands in a large decode step, its block tables most of
+them). `torch.tensor` converts one int at a time; `array.array` packs them several times faster, and the tensor is
+a view of its buffer (`host_tensor`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Mixed-step graphs at several prompt-chunk sizes: a step replays the smallest that holds its chunk.
 
 A mixed-step graph (`mixed_graphs.MixedStepGraphs`) computes all of its Q padded prompt tokens whatever the chunk's
-real length (H200, 8b-like, 64 decode rows: 8.7 ms without a chunk, 10.9 ms with a 32-token chunk in a Q = 128
-graph, ~19 ms with any chunk in a Q = 512 one; benchmarks/RESULTS.md, session 11), and a prompt's last chunk, or a
-short prompt whole, is usually far shorter than Q. So the engine keeps graphs for the chunk sizes Q, Q/4, Q/16, ...
+real length, and a prompt's last chunk, or a short prompt whole, is usually far shorter than Q. So the engine keeps graphs for the chunk sizes Q, Q/4, Q/16, ...
 down to MIN_BUCKET_TOKENS (`bucket_sizes`), each bucket its own static inputs and chunk layout, all captured into one
 memory pool (a step replays one graph at a time), and a step replays the smallest bucket >= its chunk's length.
-Measured with Q = 256 (session 12, same machine and run): beside 64 decode rows a 16-token chunk took 9.85 ms in a
-16-token graph and a 64-token chunk 10.00 ms in a 64-token one, against ~14.1 ms in the 256 graph; so buckets below
-32 tokens are not kept (they would add a capture per decode size for ~0.15 ms).
+Buckets below MIN_BUCKET_TOKENS are not kept: each would add a capture per decode size for almost no step time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """CUDA graphs of mixed steps: R decode rows (one token each, K = 0) and one prompt chunk of at most Q tokens.
 
-A step with prompt tokens cannot replay a decode graph, and run eagerly it is bound by the host: on an H200 the
-8b-like model's 64 decode rows take 8.8 ms as a graph, 22.9 ms eager and 34-36 ms with 128-512 prompt tokens
-beside them, while the GPU's kernels take ~11 ms (`benchmarks/engine_bench.py`'s mixed steps, RESULTS.md
-session 11). With `EngineConfig.mixed_graph_tokens` = Q the scheduler gives a step with decode rows at most one
+A step with prompt tokens cannot replay a decode graph, and run eagerly it is bound by the host: its launches take
+far longer than its kernels (`benchmarks/engine_bench.py`'s mixed steps). With `EngineConfig.mixed_graph_tokens` = Q the scheduler gives a step with decode rows at most one
 prompt chunk of at most Q tokens, and such a step replays one of these graphs:
 
 - tokens: the decode rows' first (row i's token is token i, padded to the graph's size n as decode graphs pad),

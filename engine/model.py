@@ -73,8 +73,8 @@ class NemotronHForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, fused: bool = False, upcast: bool = True) -> torch.Tensor:
         """[T, vocab], float32 unless `upcast` is False (then the weights' dtype: the samplers take the argmax of
-        those values, which a float32 copy would not change, and upcast only the rows they draw from; at 256
-        decode rows the copy of the 8b-like logits alone took 100 µs of a step). `fused` (a step of
+        those values, which a float32 copy would not change, and upcast only the rows they draw from, because
+        a float32 copy of a large batch's logits is a noticeable part of a decode step). `fused` (a step of
         `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel, which beat cuBLAS on this shape at one
         row (`benchmarks/gemv_bench.py`)."""
         weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight

@@ -6,9 +6,9 @@ have counted yet: a request is counted iff it was sent after that poll *began* (
 until it is answered. Work sent before the poll began is already in the worker's own numbers.
 
 A prefill worker's numbers also go stale the other way: a prompt the last poll counted as outstanding and whose
-Prefill call has since returned is done, yet would stay in the estimate until the next poll — at ~35k prompt
-tokens/s (one H200) a 0.5 s poll interval overstates the queue by up to ~17k tokens, enough to trip the router's
-`prefill_queue_limit_tokens` overflow while the worker idles. So the prefill tokens of such returned requests are
+Prefill call has since returned is done, yet would stay in the estimate until the next poll — a GPU prefills tens
+of thousands of tokens between two polls, enough to trip the router's `prefill_queue_limit_tokens` overflow while
+the worker idles. So the prefill tokens of such returned requests are
 taken off the last poll's number (never below 0) until the next poll answers. That is exact because a prefill node
 counts a prompt until it hands its handle back (`LLMEngine.prefill_tokens_not_handed_back`), launched or not: the
 estimate is then what the worker holds, queued or in flight (`policy.queued_prefill_tokens` takes the latter off).

@@ -200,7 +200,7 @@ def test_up_role_engine_args_reach_their_role_only_and_win_over_the_common_flags
 
 def test_a_prefill_node_takes_its_own_step_budget_where_no_flag_gives_one():
     """Prefill nodes' steps carry no decode rows: left out, their budget is PREFILL_MAX_NUM_BATCHED_TOKENS (8192),
-    not the engine's 512 (at 512 an 8b-like model's prefill ran at 41 % of its rate at 8192 on an H200). A budget
+    not the engine's 512, which is sized for steps that carry decode rows. A budget
     given on the command line, common or the role's, still wins; decode nodes keep the engine's default."""
     from baton.cli.up_cmd import cluster_from_args
     from baton.decode_node.server import parser as decode_parser

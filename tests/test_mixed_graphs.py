@@ -163,8 +163,8 @@ def test_padding_chunk_fits_when_max_model_len_is_below_q(small_spec_model, monk
     """The graphs are captured on a padding chunk of Q tokens, which may be longer than any sequence the engine
     takes (max_model_len 16 < Q = 48, as in mtp_bench's engines): its block table covers all Q tokens, so every
     size's padded step runs on the Triton kernels (interpreted) within the static buffers and gives finite logits.
-    (Before, its attention read block ids past the block tables' end: a crash on the CPU, CUBLAS_STATUS_EXECUTION_
-    FAILED on an H200 in `capture_graphs`, session 28.)"""
+    (Otherwise its attention reads block ids past the block tables' end: a crash on the CPU, a CUDA error on a GPU
+    in `capture_graphs`.)"""
     pytest.importorskip("triton")
     monkeypatch.setenv("BATON_KERNELS", "triton")
     engine = new_engine(small_spec_model, 0, mixed_graph_tokens=48, long_prefill_token_threshold=None,

@@ -154,9 +154,9 @@ def test_single_odd_sizes_and_strided_inputs():
 
 
 def test_decode_batches_from_one_warp_rows_take_one_warp():
-    """Decode batches of ONE_WARP_ROWS rows or more run one warp per program (whole 8b-like steps were faster
-    there on an H200), fewer rows keep two; the tile is the same. Verify runs one warp at every batch (no
-    shared-memory layout changes per position: 19-28 % faster on an H200), on twice the decode tile."""
+    """Decode batches of ONE_WARP_ROWS rows or more run one warp per program, fewer rows keep two; the tile is the
+    same. Verify runs one warp at every batch (no shared-memory layout changes per position), on twice the decode
+    tile."""
     small = _launch_config(64, 128, batch=ONE_WARP_ROWS - 1)
     large = _launch_config(64, 128, batch=ONE_WARP_ROWS)
     assert small == (8, 128, 2) and large == (8, 128, 1)

@@ -1,5 +1,5 @@
 """The host-side launch arithmetic of the Triton kernels (`triton_common.cdiv`, `next_power_of_2`) gives the same
-integers as Triton's constexpr functions it replaces on the host (those cost ~2-3 µs a call)."""
+integers as Triton's constexpr functions it replaces on the host (those cost host time on every launch)."""
 
 import os
 

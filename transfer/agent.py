@@ -47,9 +47,8 @@ SPIN_SECONDS = 0.005
 
 
 # NIXL's UCX progress thread sleeps in poll() on the workers' event fds for up to this long between passes. NIXL's
-# Python agent sets 0, and then the thread never sleeps: each node process burned a whole core, idle or not (three
-# of them left a 2-core box one core short of none), and on a GPU host it slowed a CUDA IPC read's host work ~1.5x
-# (benchmarks/RESULTS.md, issue #7 session 9). A READ's own polls (`wait`) progress its worker meanwhile; an
+# Python agent sets 0, and then the thread never sleeps: each node process burns a whole core, idle or not, and on
+# a GPU host that slows the host work of a CUDA IPC read. A READ's own polls (`wait`) progress its worker meanwhile; an
 # incoming notification wakes the thread through the fd, the delay only bounds a missed wake-up.
 DEFAULT_PROGRESS_DELAY_US = 1000
 
@@ -118,9 +117,7 @@ class TransferAgent:
         default: one busy core per agent). `state_first` (default): a NIXL read posts the request's state slot (a
         third of a 16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the
         blocks, so the link starts while the host still works (the CUDA IPC path's order); the notification then
-        follows both. On 2 x H200 a 16k-token 8b-like request read at 84 % of a peer copy this way against 79 % as
-        one READ, with the block ids of a serving node (benchmarks/RESULTS.md, issue #7 session 25); False: one
-        READ of blocks and state."""
+        follows both. False: one READ of blocks and state."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
@@ -387,8 +384,8 @@ class TransferAgent:
     def wait(self, pending: PendingRead) -> None:
         """Block until the READ is done, or raise `TransferFailed` / `TransferTimeout` by its deadline.
 
-        Spins for the first milliseconds: a 350 MiB READ over NVLink takes ~1 ms, and even a short sleep
-        between polls measurably cut its bandwidth (126 vs ~260 GB/s on H200). Then it backs off. Each spin
+        Spins for the first milliseconds, because a large READ over NVLink takes about a millisecond and even a
+        short sleep between polls cuts its bandwidth. Then it backs off. Each spin
         turn yields the GIL (`sleep(0)`): on a decode node this runs beside the engine thread, which would
         otherwise wait up to the interpreter's switch interval (5 ms) per turn for its next step's host work.
         """

@@ -1,10 +1,8 @@
 """Copy many same-size blocks between two pools in ONE kernel launch: the CUDA IPC reader's path for the KV blocks
 of a request whose ids are scattered.
 
-Why: a prefill pool that has served a while hands out scattered block ids, so a 16k-token 8b-like request is
-~1,000 runs; as ~1,000 `copy_` calls through the IPC mapping it took 12.8-15.7 ms (24-29 GB/s) against ~1 ms for
-the same bytes in three ranges (2 x H200, benchmarks/RESULTS.md, issue #7 session 9): ~13 us of host time per call,
-not the link, set the time. Here program p copies block `local_ids[p]` from block `remote_ids[p]`, loads and
+Why: a prefill pool that has served a while hands out scattered block ids, so a long request is many runs, and
+one `copy_` call per run through the IPC mapping is bound by the host time per call, not by the link. Here program p copies block `local_ids[p]` from block `remote_ids[p]`, loads and
 stores of 8-byte words by SMs, and the host only uploads the two id lists (no descriptor plan in between).
 
 `copy_blocks_reference` is the torch reference (one `copy_` per block); `copy_blocks` is the Triton kernel. Both
@@ -23,7 +21,7 @@ from torch import Tensor
 
 WORD = 8              # bytes per load/store lane (int64)
 BLOCK_WORDS = 2048    # words per loop iteration of a program (16 KiB)
-NUM_WARPS = 8         # a sweep of 9 tile/warp settings on 2 x H200 moved the time by < 6 % (session 9)
+NUM_WARPS = 8         # the copy is bound by the link; tile and warp settings hardly matter
 
 
 @triton.jit

@@ -1,9 +1,9 @@
 """Same-host GPU to GPU READs through CUDA IPC mappings, beside NIXL (opt-in: `TransferAgent(cuda_ipc=True)`).
 
-Why: on 2 x H200, UCX's cuda_ipc lane moved a 353 MiB request at 47-63 % of the peer copy, while a plain copy
-through a CUDA IPC mapping opened in another process ran at 388-395 GB/s, the link's rate (benchmarks/RESULTS.md,
-issue #3). When both nodes run on one host with their pools on GPUs, the reader maps the holder's pools once, at
-the handshake, and copies each READ's items (state slot, KV blocks) itself on a stream of its own (`IpcCopier`).
+Why: UCX's cuda_ipc lane moves a request well below the GPUs' peer copy rate, while a plain copy through a CUDA IPC
+mapping opened in another process runs at the link's rate (`benchmarks/RESULTS.md`). When both nodes run on one
+host with their pools on GPUs, the reader maps the holder's pools once, at the handshake, and copies each READ's
+items (state slot, KV blocks) itself on a stream of its own (`IpcCopier`).
 
 What stays NIXL's: the handshake, and the notification that tells the holder a request was read (`send_notif`
 with the request id, the message a NIXL READ carries), so the holder's lease handling does not change.
@@ -80,10 +80,9 @@ class IpcPeer:
 class IpcCopier:
     """Copies items (KV blocks, state slots) from a mapped peer into the local pools on its own stream.
 
-    A pool's items go as one `copy_` per run of consecutive ids (the copy engines: 367-374 GB/s over NVLink on
-    2 x H200) when the runs are few, else as one launch of the block-copy kernel (`transfer.block_copy`, SM loads:
-    ~300 GB/s), because ~13 us of host time per `copy_` made a scattered request's ~1,000 runs take 12.8 ms where
-    its bytes need ~1 ms."""
+    A pool's items go as one `copy_` per run of consecutive ids (the copy engines) when the runs are few, else as
+    one launch of the block-copy kernel (`transfer.block_copy`, SM loads), because the host time per `copy_` would
+    dominate a scattered request's many runs."""
 
     FEW_RUNS = 4
 

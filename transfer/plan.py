@@ -2,8 +2,8 @@
 
 A run is a stretch where both the local and the remote item ids are consecutive; with id-major pools
 (one item = that block or slot of every layer) a run is ONE descriptor whatever the number of layers.
-Peers issue one descriptor per block per layer; on NVLink 2,048 scattered 256 KiB descriptors reached
-44-59 GB/s against 394 GB/s for one region, hence the coalescing.
+Peers issue one descriptor per block per layer; many small descriptors reach a fraction of the link's bandwidth
+that one large region does, hence the coalescing.
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
 
     `coalesced=False` issues one descriptor per block; `split_layers=True` additionally one per layer of
     each block (how peers with per-layer caches transfer; kept for the benchmark's comparison). Built with
-    numpy: a 16k-token request's 1,024 block ids plan in ~0.1-0.2 ms, not the ~1.5 ms of a Python loop, which
-    was a third of a 350 MiB READ over NVLink (benchmarks/RESULTS.md, issue #7 session 7); ids that are one run
-    on both sides in ~0.04 ms (`_one_run`, session 23).
+    numpy, and from host ints where the ids are one run on both sides (`_one_run`), because a Python loop over a
+    long request's block ids would take a large share of the READ's own time.
     """
     return join(plan_blocks(local, remote, local_blocks, remote_blocks, coalesced, split_layers),
                 plan_slots(local, remote, local_slot, remote_slot))
@@ -122,8 +121,8 @@ def _first_of_run(ids: Ids) -> int | None:
 def _one_run(lo: RegionLayout, re: RegionLayout, local_blocks: Ids, remote_blocks: Ids) -> TransferPlan | None:
     """The plan of block ids that are one run on both sides, in range, of one layout (what the allocator gives a
     request in most transfers: `engine/allocator.py`), built from host ints; None for anything else, which the
-    general path plans (or refuses). The general path's numpy work took ~80 us for 1,024 ids on a 2-core box,
-    this ~15 us (`benchmarks/RESULTS.md`, session 23), on the READ's critical path."""
+    general path plans (or refuses). It skips the general path's numpy work, which sits on the READ's critical
+    path."""
     first_l, first_r = _first_of_run(local_blocks), _first_of_run(remote_blocks)
     n = len(local_blocks)
     if (first_l is None or first_r is None or n != len(remote_blocks) or not lo.item_bytes or not same_item(lo, re)

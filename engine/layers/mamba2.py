@@ -58,8 +58,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in in_proj's GEMV. The gated norm stays a kernel of its own
-        before out_proj's GEMV: fused into it, it was slower than both apart on an H100 (the group RMS over 8,192
-        channels is recomputed per program; benchmarks/RESULTS.md, session 7)."""
+        before out_proj's GEMV, because fused into it the group RMS over all channels would be recomputed by every
+        program."""
         zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
         return self._mix(zxbcdt, batch), residual
 

@@ -195,7 +195,7 @@ def _paged_attention_kernel(
     pdl_wait(PDL)
     if BLOCK_Q == 1:
         # Decode tiles: KV heads vary fastest, so the programs of one row read the same KV blocks' interleaved
-        # heads side by side (256 decode rows of the 8b-like layer on an H200: 332 us against 340).
+        # heads side by side, sharing those blocks' cache lines.
         pid = tl.program_id(0) // kv_heads
         kvh = tl.program_id(0) % kv_heads
     else:
@@ -339,30 +339,24 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     return block_q, block_m, block_n, block_d, 4 if decode or short else PREFILL_WARPS
 
 
-# Query rows (queries x group heads) per prefill program, its key tile, warps and software-pipeline stages. Measured
-# on an H200 at the 8b-like layer (32 / 8 heads of 128, blocks of 16; benchmarks/RESULTS.md, session 26), causal
-# TFLOP/s of 1 x 8k, 4 x 2k, 8 x 1k and four rows of 1-3k (two with prefixes): 64 rows, 4 warps, 3 stages and the
-# mask on every tile 177 / 150 / 132 / 157; the unmasked tiles below the diagonal alone 242 / 201 / 152 / 205; with
-# 128 rows, 8 warps and 2 stages 284 / 226 / 177 / 239 (128 rows at 4 warps and 3 stages: 300 / 236 / 98 / 248).
+# Query rows (queries x group heads) per prefill program, its key tile, warps and software-pipeline stages: the
+# fastest causal prefill at the 8b-like layer over long, medium and mixed rows (`benchmarks/RESULTS.md`).
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 2
 
 
 # Query tiles of at most this many rows (queries x group heads) that are not decode tiles, e.g. a verify step's rows
-# of 1+K queries, run as decode tiles do: 4 warps, DECODE_STAGES, split-K when they are few. With the prefill
-# tile (32 queries of a row at the 8b-like group of 4, 8 warps, no split) a verify step's attention layer at batch
-# 1, K = 1 took 44 us against 10 for a decode step's (H200, benchmarks/RESULTS.md session 27).
+# of 1+K queries, run as decode tiles do: 4 warps, DECODE_STAGES, split-K when they are few, because the prefill
+# tile leaves most of its rows empty and the GPU idle for so few queries.
 SHORT_BLOCK_M = 32
 
 
-# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64. In 8b-like decode
-# steps on an H200 (whole steps, CUDA graphs, the engine's KV pool: benchmarks/launch_probe.py, RESULTS.md
-# session 24) the wider tile took the step at 256 rows 1.7 % shorter, at 64 and 128 rows 1.0 %, at 40 and 48
-# 0.3-0.7 %; at 1-32 rows it was within +-0.4 %.
+# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64: the wider tile shortens
+# large decode steps and does not help small ones (timed in whole steps by `benchmarks/launch_probe.py`).
 WIDE_DECODE_ROWS = 40
 
 
-# Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): 256 rows x 1,065 keys of the 8b-like
-# layer took 291 us with 2 stages against 332 with Triton's default 3 (H200, 2026-11-27). Other tiles keep 3.
+# Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): fewer than Triton's default 3 is faster for
+# their short, memory-bound loop. Other tiles keep 3.
 DECODE_STAGES = 2
 
 
@@ -371,9 +365,8 @@ def _decode_like(block_q: int, block_m: int) -> bool:
     return block_q == 1 or block_m <= SHORT_BLOCK_M
 
 
-# Split-K aims at this many decode (short) programs per SM (`_auto_splits`). 4 instead (H200, 8b-like decode steps at
-# a 2,601-token context, alternated in four processes, session 37): 32 rows 6.490 -> 6.554 ms, 36 7.013 -> 7.062,
-# 40 7.170 -> 7.191, 48 7.694 -> 7.711, 64 8.793 -> 8.717 (the one gain: 2 splits instead of 1).
+# Split-K aims at this many decode (short) programs per SM (`_auto_splits`); more splits cost more in combining
+# partials than they gain in occupancy at serving batch sizes.
 SPLIT_PROGRAMS_PER_SM = 2
 
 

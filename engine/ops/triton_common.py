@@ -16,9 +16,9 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Launch arithmetic on the host. `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.5+:
-# ~2-3 µs a call on the host to wrap and unwrap their arguments, and an eager 8b-like prefill forward made ~750
-# such calls (benchmarks/RESULTS.md, session 38). These give the same integers (`test_triton_common.py`).
+# Launch arithmetic on the host: `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.5+
+# whose argument wrapping costs host time on every launch of an eager step. These give the same integers
+# (`test_triton_common.py`).
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for b > 0, as `triton.cdiv`."""
     return (a + b - 1) // b
@@ -92,8 +92,7 @@ def softplus(v):
 # writes or writes anything an earlier kernel reads. The kernels that take `PDL` load only constants (weights)
 # before that wait, then let the next kernel launch (`gdc_launch_dependents`): the launch and the first weight
 # loads of kernel n+1 overlap the tail of kernel n. Both instructions are no-ops in a kernel launched without the
-# attribute. (Letting the next kernel launch only after the GEMV's last tile, or no prefetch, measured slower on
-# an H100: benchmarks/RESULTS.md, session 8.)
+# attribute. (Letting the next kernel launch only after the GEMV's last tile, or no prefetch, is slower.)
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never launched with PDL (see `pdl`)
@@ -127,10 +126,8 @@ def pdl_wait(PDL: tl.constexpr):
 _PDL_DEVICES: dict[int, bool] = {}
 
 
-# Kernels over more rows than this (dim 0 of the tensor given to `pdl`: tokens or decode rows) launch without PDL.
-# On an H200, 8b-like decode steps (interleaved A/B, 2026-11-27): batch 1 4.09 ms with PDL against 4.18-4.19
-# without; batch 32 6.60-6.61 either way; batch 256 22.13-22.16 with against 21.84-21.96 without. There the
-# kernels are long, and launching each one early (its programs then wait on the SMs) costs more than it hides.
+# Kernels over more rows than this (dim 0 of the tensor given to `pdl`: tokens or decode rows) launch without PDL:
+# their kernels are long, and launching each one early (its programs then wait on the SMs) costs more than it hides.
 PDL_MAX_ROWS = 64
 
 

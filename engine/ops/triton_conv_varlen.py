@@ -10,8 +10,8 @@ Two launches on the stream:
   1. outputs: one program per (block of BLOCK_T tokens, block of BLOCK_C channels) convolves x as if it were
      one row: its K taps (K is a `tl.constexpr`, 2..4) are plain shifted loads of x, with no metadata read.
      That is right for every token but a row's first K-1, whose taps reach into the row before (or before
-     x). Finding each token's row and gathering from the pool in every tile instead (the kernel before
-     session 26) took 2.6x this split's time at 8k tokens on an H200 (benchmarks/RESULTS.md).
+     x). Finding each token's row and gathering from the pool in every tile instead is several times slower
+     than this split.
   2. rows: one program per (row, block of channels) computes the row's first min(K-1, L) outputs again,
      their taps before the row from its initial window in the pool when has_initial_state (zero otherwise),
      overwriting launch 1's; then loads the row's last K-1 inputs (from x, or for a short row partly from

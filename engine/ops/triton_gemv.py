@@ -30,20 +30,18 @@ gap between them.
 
 2-64 rows on the GPU (`default_tiles`: `GemvTiles.prologue_apart`): the op before the layer runs as its own
 kernel (`triton_norm`, `triton_act`), then the tensor-core GEMM with no prologue, its a tile loaded straight into
-the MMA's operand. On an H200 at 2-32 rows the GEMM alone read the weights 4-10 % faster than cuBLAS at K = 4096
-(lm_head 242-251 vs 261-269 µs); with f(a) computed inside its K loop it lost to the separate op + cuBLAS
-(benchmarks/RESULTS.md, session 21). The layers with K > 4096 and N = 4096 (out_proj, down_proj) have few blocks of N
-for the SMs: they take wider K tiles, and past K = 8192 K is split over two programs per block of N whose partials
-the last to finish sums (`GemvTiles.split_k`); at 33-64 rows every layer takes one block of 64 rows, K split in two
-past 4096 (`GemvTiles.cublas` routes a layer to cuBLAS instead; no default tile does).
+the MMA's operand, because computing f(a) inside the K loop made the tensor-core GEMM slower than the separate op
++ cuBLAS while the GEMM alone is faster than cuBLAS. The layers with K > 4096 and N = 4096 (out_proj, down_proj)
+have few blocks of N for the SMs: they take wider K tiles, and past K = 8192 K is split over two programs per
+block of N whose partials the last to finish sums (`GemvTiles.split_k`); at 33-64 rows every layer takes one block
+of 64 rows, K split in two past 4096 (`GemvTiles.cublas` routes a layer to cuBLAS instead; no default tile does).
 
 One row on the GPU (`default_tiles`: `GemvTiles.programs_per_sm` > 0) runs `_gemv_row_kernel` instead: a
 persistent grid of two programs per SM, each walking its blocks of N in one software-pipelined loop. Up to
 K = 8192 each program computes f(a), its norm weights and RMS scale once and holds them in registers, so the
 loop streams nothing but W; past that the loop is flattened over (block of N, block of K). It waits for the
-kernel before it at its start and lets the next one launch at its end. A batch-1 8b-like step's layers take
-3,522 µs this way on an H200, against 3,765 for the separate ops + cuBLAS and ~5,900 for one program per block
-chained by PDL; on an H100 4,849 against 5,422 (benchmarks/RESULTS.md, session 13).
+kernel before it at its start and lets the next one launch at its end. This beats both the separate ops + cuBLAS
+and one program per block of N for a batch-1 step (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -347,12 +345,10 @@ class GemvTiles:
     # looping over blocks of N; 0: one program per block of N.
     programs_per_sm: int = 0
     # True: the op before the layer runs as its own kernel (triton_norm / triton_act), then the GEMM with no
-    # prologue. On the tensor-core path (block_m >= 16) f(a) computed inside the K loop took 1.0-1.4x the separate
-    # op + cuBLAS on the 8b-like layers at 2-32 rows, the gated norm (one group at a time) 4-60x (H200,
-    # RESULTS.md session 21), while the GEMM alone beat cuBLAS.
+    # prologue, because on the tensor-core path (block_m >= 16) f(a) inside the K loop costs more than it saves.
     prologue_apart: bool = False
     # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is not faster
-    # (no default tile takes it since session 36: at 33-64 rows K > 4096 is split on our kernel).
+    # (no default tile takes it; kept for sweeps).
     cublas: bool = False
     # > 1 (block_m >= 16, no prologue): K split over this many programs per block of N, their partials summed by
     # the last to finish (`_gemv_kernel`); for layers with few blocks of N and a long K.
@@ -362,25 +358,22 @@ class GemvTiles:
 def default_tiles(m: int, n: int, k: int, on_cuda: bool, itemsize: int = 2) -> GemvTiles:
     """Tiles for M rows of `itemsize`-byte inputs. One row on the GPU: the persistent row kernel. 2-64 rows: one
     block of rows (padded to 16, the MMA's short side), so that W is read once, on the tensor cores; wide layers
-    (N > 8192) in blocks of 64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs):
-    the best single tiles of a sweep on an H200 (benchmarks/RESULTS.md, session 21); narrow ones with K > 4096
-    (out_proj, down_proj) in 64 x 256 with 4, K split in two past 8192: at 8-32 rows 18.8-19.8 against cuBLAS's
-    21.0-22.0 µs (out_proj) and 43.2-44.6 against 44.4-46.3 (down_proj), the best of a sweep (session 23). 33-64
-    rows: one block of 64 rows, whose a tile is as large as a 64-wide W tile, so the wide layers (in_proj, up_proj)
-    take 64-long K tiles with 4 stages (44 against 55 µs for in_proj at 128 with 3, cuBLAS 41.5), lm_head 128 with
-    3, and K > 4096 splits in two; in whole steps that took 33-48 rows 1.2-2.0 % below cuBLAS's, though each layer
-    alone is 0-3 µs slower than cuBLAS: our kernels chain by PDL (RESULTS.md, session 36). At 64 rows it was 0.4 %
-    slower, and two blocks of 32 rows launched side by side read W from L2 twice (in_proj 51 µs). Past 64 rows
-    each block of rows reads the whole weight again: cuBLAS is the better choice there."""
+    (N > 8192) in blocks of 64 x 128 with 3 stages, narrow ones in 32 x 256 with 4 (enough programs for the SMs);
+    narrow ones with K > 4096 (out_proj, down_proj) in 64 x 256 with 4, K split in two past 8192. 33-64 rows: one
+    block of 64 rows, whose a tile is as large as a 64-wide W tile, so the wide layers (in_proj, up_proj) take
+    64-long K tiles with 4 stages, lm_head 128 with 3, and K > 4096 splits in two; chosen by whole decode steps,
+    where our kernels chaining by PDL outweighs a layer's own time against cuBLAS. Each tile is the best of a sweep
+    on a GPU (`benchmarks/RESULTS.md`). Past 64 rows each block of rows reads the whole weight again:
+    cuBLAS is the better choice there."""
     if not on_cuda:  # interpreter: few, large programs
         return GemvTiles(16 if m > 4 else max(1, next_power_of_2(m)), min(64, next_power_of_2(n)),
                          min(128, next_power_of_2(k)), 4)
-    if m == 1:  # persistent, f(a) resident up to K = 8192; the best of a sweep on an H200 (RESULTS.md, session 13)
+    if m == 1:  # persistent, f(a) resident up to K = 8192; the best tile of a sweep
         kp = next_power_of_2(k)
         return GemvTiles(1, 2, kp, 8, 3, programs_per_sm=2) if kp <= 8192 else GemvTiles(1, 8, 2048, 4, 3, 2)
     block_m = min(64, max(16, next_power_of_2(m)))
     if block_m > 32:  # 33-64 rows: short K tiles for the wide layers (a's tile is as large as W's), K split in two
-        # past 4096 (the best of a sweep and of whole steps on an H200, RESULTS.md session 36)
+        # past 4096, the best of a sweep in whole decode steps
         if k > 4096:
             return GemvTiles(block_m, 64, 256 // itemsize, 4, 4, prologue_apart=True, split_k=2)
         wide = 8192 < n <= 32768  # in_proj, up_proj (lm_head keeps 128-wide K tiles, 3 stages)

@@ -87,50 +87,34 @@ from baton.engine.ops.triton_common import interpreted as _interpreted
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
-# Warps and software-pipeline stages of the launches (module constants, so that a sweep can set them).
-# Measured on an H200, 8k tokens at the 8b-like layer size, four interleaved rounds (`benchmarks/RESULTS.md`,
-# session 10): the output kernel without pipelining (1 stage: less shared memory, more programs per SM) and
-# the state kernel with 3 stages took the scan from 0.724-0.727 to 0.609-0.614 ms; the tiles' sweep had kept
-# 2 and 2. Stages change the schedule, not the math: the outputs are bit-identical.
-# Session 15 (device time, calls queued back to back, 24 state-kernel settings; `benchmarks/RESULTS.md`): a state
-# block of 32 x 128 (two programs per head) with 4 warps and 2 stages took the scan from 0.531 to 0.494 ms on one
-# 8k row and from 0.545 to 0.491 ms on 4 x 2k rows, against 8 warps, 3 stages and a 64 x 128 block; y and the
-# final states bit for bit the same (each element sums the same terms in the same order).
-# Session 19 (H200): with launch 0 taking dt's discretization and running sums off the walk, 2, 3 and 4 stages are
-# alike (147-148 µs for the state kernel at 8k, was 164-173 µs).
+# Warps and software-pipeline stages of the launches (module constants, so that a sweep can set them); each was
+# picked by timing the whole scan on a GPU (`benchmarks/RESULTS.md`), and none changes the
+# math: the outputs are bit-identical across settings.
 STATE_WARPS, STATE_STAGES = 4, 2
 STATE_BLOCK_P = 32
-# Session 18 (H200, 8k tokens over 1-16 rows; `benchmarks/RESULTS.md`): a row's chunks are walked one after another, so
-# a second wave of state programs doubles the walk. Two programs fit on an SM at once (their shared memory at 2 stages):
-# while the rows' programs at STATE_BLOCK_P fit (rows x H x P / 32 x N / 128 <= 2 x SMs), STATE_BLOCK_P, else the wide
-# block, half as many programs: 2 x 4k rows 0.459 -> 0.400 ms, 4 x 2k 0.430 -> 0.409, 8 x 1k 0.454 -> 0.434, 16 x 512
-# 0.501 -> 0.475, rows of 1k + 3k + 4k 0.468 -> 0.462; 7k beside four short rows 0.496 -> 0.504 (its long walk
-# dominates). One 8k row kept STATE_BLOCK_P (0.430; the wide block at 4 warps 0.471), until session 20 (below).
+# A row's chunks are walked one after another, so a second wave of state programs doubles the walk: while the rows'
+# programs at STATE_BLOCK_P fit two per SM (rows x H x P / 32 x N / 128 <= 2 x SMs) they take STATE_BLOCK_P, else
+# the wide block, half as many programs.
 STATE_BLOCK_P_WIDE = 64
 STATE_PROGRAMS_PER_SM = 2
-# Session 20 (H200; `benchmarks/RESULTS.md`): with bf16 rounded by the cast itself (triton_common.round_to), a wide
-# block with 8 warps and 3 stages walks one 8k row in 112-115 µs against 140-142 for the narrow block at 4 warps and
-# 2 stages (170 at 8 warps and 2 stages; same bits). Its 150 KB of shared memory hold one program per SM, so it is
-# taken while the rows' wide programs fit on the GPU at once (rows x H x P / 64 x N / 128 <= SMs).
+# The wide block with 8 warps and 3 stages walks a row fastest, but its shared memory holds one program per SM, so
+# it is taken only while the rows' wide programs fit on the GPU at once (rows x H x P / 64 x N / 128 <= SMs).
 STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES = 8, 3
 CB_WARPS, CB_STAGES = 4, 2
 OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
-# Session 17 (H200, device time, 8k tokens and 4 x 2k; `benchmarks/RESULTS.md`): the output kernel took 146 registers
-# a thread, so three programs per SM (18.75 % occupancy; ncu: 41 % of issue slots busy, latency-bound). Capped at 128,
-# four fit: 0.500 -> 0.456 ms (8k) and 0.481 -> 0.436 ms (4 x 2k) for the whole scan, the same bits (96: 0.53 ms;
-# H100: 0.54 -> 0.50 ms). None: no cap.
+# The output kernel is latency-bound: a cap of 128 registers a thread fits four programs per SM instead of three,
+# with the same bits. None: no cap.
 OUTPUT_MAXNREG = 128
 # True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
-# each chunk's from the metadata: same chunks, same bits. Session 19 (H200, state kernel alone, after launch 0 took
-# the scans off its walk): 147.3 -> 145.6 µs (8k), 118.2 -> 116.3 (4 x 2k), 160.9 -> 157.7 (1k + 3k + 4k), 195.8 ->
-# 190.9 (7k + 4 x 256), at 2 stages (at 3 and 4 stages it is slower: 160-330 µs; without it 2, 3, 4 are alike).
+# each chunk's from the metadata: same chunks, same bits, fewer loads on the sequential walk.
 STATE_AFFINE = True
 # The output kernel's factored in-chunk decay (see there) is taken for a block of chunk positions whose running sums
 # of dt * A span at most this much (its factors then stay below exp(FACTOR_RANGE / 2) = 1e13); else the exact
 # per-entry exp. A negative value turns the factored path off.
 FACTOR_RANGE = 60.0
-# The dt launch's block of heads (contiguous in dt's rows) and warps. Session 19 (H200): 8, 16 and 32 heads within
-# noise; the launch takes ~6 µs of the 8k scan.
+# The dt launch's block of heads (contiguous in dt's rows) and warps; the block size hardly matters for this small
+# launch.
+DT_BLOCK_H, DT_WARPS = 16, 4
 DT_BLOCK_H, DT_WARPS = 16, 4
 
 
@@ -221,10 +205,8 @@ def _mma(a, b, NATIVE_DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
 
 
-# P, N and the heads per group are compile-time constants of the three kernels (a model has one layer shape), and a
-# block's P / N mask is all-true without a compare where whole blocks tile P / N. Session 18 (H200, device time;
-# `benchmarks/RESULTS.md`): 0.453 -> 0.433 ms (8k), 0.444 -> 0.433 ms (4 x 2k), 0.487 -> 0.476 ms (1k + 3k + 4k rows),
-# the same bits.
+# P, N and the heads per group are compile-time constants of the three kernels (a model has one layer shape), so that
+# a block's P / N mask is all-true without a compare where whole blocks tile P / N.
 @triton.jit
 def _in_bounds(offs, size: tl.constexpr, BLOCK: tl.constexpr):
     """offs < size for a block of BLOCK offsets; all true, with no compare, where whole blocks tile size."""
@@ -681,10 +663,9 @@ def default_state_launch(rows: int, H: int, P: int, N: int, block_n: int, sms: i
 def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_m, block_k,
            state_block_p=None, rows: int = 1, H: int = 1, sms: int | None = None,
            shared_memory: int | None = None) -> _Tiles:  # fmt: skip
-    """Default tiles. 16-bit: the best of a sweep (block_p 32/64 x block_n 32/64/128 x block_m 32/64/128 x
-    block_k 32/64) on an H200, 8k tokens at the 8b-like layer size, chunk 128 (session of 2026-11-26):
-    64/128/64/32 at 602 µs against 833 µs for 64/64/64/64. fp32 dots (IEEE) need smaller tiles. A state_block_p
-    given runs with STATE_WARPS and STATE_STAGES.
+    """Default tiles. 16-bit: 64/128/64/32 (block_p / block_n / block_m / block_k), the best of a sweep on a GPU at
+    the 8b-like layer size. fp32 dots (IEEE) need smaller tiles. A state_block_p given runs with STATE_WARPS and
+    STATE_STAGES.
     """
     out_block_p = _pow2_block(block_p, 32 if fp32 else 64, P, "block_p")
     state_block_n = _pow2_block(block_n, 32 if fp32 else 128, N, "block_n")

@@ -41,9 +41,8 @@ def _ssm_step(s, x, Bv, dt_raw, A, dt_bias, dt_min):
 @triton.jit
 def _program_tile(H, P, BLOCK_P: tl.constexpr):
     """(block of P, head, row) of this program in the 1-D grid: the block of P varies fastest, then the head,
-    so consecutive programs walk one slot's [H, P, N] state contiguously. With rows varying fastest (4 MB
-    apart at the 8b-like size, 100 MB in the engine's pool) a batch-256 layer took 552 us on an H200 against
-    533 in this order (the engine's pool layout, 2026-11-27)."""
+    so consecutive programs walk one slot's [H, P, N] state contiguously, which is faster than rows varying fastest
+    (rows lie megabytes apart in the engine's pool)."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(P, BLOCK_P)
     return pid % n_blocks, (pid // n_blocks) % H, pid // (n_blocks * H)
@@ -173,19 +172,11 @@ ONE_WARP_ROWS = 34
 
 def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for
-    decode and 2048 for verify, 2 warps. Measured best on an H200 at the 8b-like size (P=64, N=128; sweep of
-    BLOCK_P 8..64 x 2/4/8 warps, session of 2026-11-26): decode 3,880 GB/s at batch 256 (4 warps, 2048:
-    3,743), verify T=5 1,804 GB/s (4 warps: 1,581). Alone, one warp measured within 1-2 % of two either way
-    (2026-11-27); in whole 8b-like decode steps (CUDA graphs, the engine's pool: benchmarks/launch_probe.py,
-    RESULTS.md session 24) one warp took the step at 256 rows 2.7 % shorter, at 128 rows 2.1 %, at 40-64
-    0.3-0.6 %, and at 1-32 rows 0-0.5 % longer; at 34 and 38 rows 0.10 and 0.16 % shorter (session 37): decode
-    batches of ONE_WARP_ROWS rows or more take one warp.
+    decode and 2048 for verify, the best of a tile sweep at the 8b-like size. Decode batches of ONE_WARP_ROWS rows
+    or more take one warp, fewer two: chosen by timing whole decode steps (`benchmarks/launch_probe.py`), where
+    the kernels alone could not tell them apart.
     Verify takes one warp at every batch: with two, each position's B, C and y change layout between the warps
-    through shared memory (the sm_90 PTX: 8 bar.sync against 1 on one warp, which shuffles instead). H200,
-    replay = T (tests' `bench_ssu`, session 35): T = 2 at batch 32 / 256 87.7 / 625 us against 108.5 / 812 with
-    two warps, T = 5 141 / 1020 against 185 / 1408; smaller tiles with one warp were slower (BLOCK_P 8: 94.9 /
-    705, 153 / 1146). At batch 1 whole verify steps were no slower on one warp (session 36: K = 1 4.938 against
-    4.940 ms, K = 3 5.934 against 5.951)."""
+    through shared memory, while one warp shuffles them in registers."""
     block_n = next_power_of_2(N)
     block_p = min(next_power_of_2(P), max(1, (2048 if verify else 1024) // block_n))
     return block_p, block_n, 1 if verify or batch >= ONE_WARP_ROWS else 2
