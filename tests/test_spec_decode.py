@@ -36,7 +36,7 @@ def spec_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_spec_model(tmp_path_factory):
     """spec_model cut to one block of each kind and 4 Mamba heads, for the tests that run every kernel in Triton's
-    interpreter: its time grows with layers x programs (with spec_model's 8 layers they took half of CI's time)."""
+    interpreter: its time grows with layers x programs (so these tests use a smaller model than spec_model)."""
     out = make_model(tmp_path_factory.mktemp("small-spec") / "m", "tiny", mtp_layers=1, seed=11, progress=False,
                      overrides={"vocab_size": 8, "hybrid_override_pattern": "M*-", "mamba_num_heads": 4},
                      tokenizer=False)
