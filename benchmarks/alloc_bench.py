@@ -1,9 +1,9 @@
 """Transfer descriptors per request under serving churn: the block allocator's placement vs lowest-first.
 
 A prefilled request's KV moves to the decode node in one descriptor per run of blocks whose ids are
-consecutive on both nodes (`baton.transfer.plan.runs`). NIXL moves a coalesced 16k-token request at 79-85 % of
-the GPU peer copy, block by block at 12-18 % (benchmarks/RESULTS.md, issue #7 session 10), so how many runs a
-real request's blocks form decides which of the two a serving system gets.
+consecutive on both nodes (`baton.transfer.plan.runs`). A coalesced READ runs several times faster than one
+descriptor per block (benchmarks/RESULTS.md, the transfer history), so how many runs a real request's blocks form
+decides which of the two a serving system gets.
 
 Two real `Scheduler`s on ints (no model, no device): a prefill node (prefill-only requests, chunked by its
 token budget) and a decode node (`reserve` + `add_computed`, then decode steps that grow each request by a

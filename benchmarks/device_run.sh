@@ -8,7 +8,7 @@
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
 #   launch    launch_probe.py: launch settings A/B'd in whole decode steps (LAUNCH_ARGS, default: the tree against
-#             session 24's previous decode settings at batch 40 and 256)
+#             the decode settings it replaced, at batch 40 and 256)
 #   gemv      gemv_bench.py: the fused-prologue GEMV vs separate op + cuBLAS on the 8b-like layers (tile sweep;
 #             GEMV_ARGS, e.g. "--batches 1 --sweep-batches 1 --sweep-stages 1,2,3,4")
 #   fused     engine_bench.py and step_profile.py again with --fused-gemv-max-tokens ${FUSED_MAX:-32} (A/B of (a))

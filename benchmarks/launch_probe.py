@@ -1,7 +1,7 @@
 """Which launch settings a decode step should take, decided by timing whole steps rather than kernels alone.
 
-A kernel timed alone misleads: tiles that won alone lost in the step (RESULTS.md session 23), and settings
-that tied alone won in it (session 24: one warp per state-update program, attention key tiles of 128). This
+A kernel timed alone misleads: tiles that won alone have lost in the step, and settings that tied alone have won
+in it (RESULTS.md, the decode step history: one warp per state-update program, attention key tiles of 128). This
 probe builds one engine over engine_bench's in-memory model, puts B requests in decode, and for each variant
 patches the ops' launch settings, recaptures the batch's CUDA graph (on a GPU; a CPU engine runs its steps
 eagerly) and times `--steps` steady-state steps (engine_bench's `pipelined_step_times`). Variants alternate

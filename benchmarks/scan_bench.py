@@ -6,15 +6,15 @@
    state, an initial state, the final state returned, dt softplus with dt_bias, D skip. Both outputs are
    compared (relative max error) before timing. The reference runs at its own best chunk size among 128
    and 256; ours at the model's (128). The reference's kernels are `@triton.autotune`d: each process picks their
-   configurations by timing them at the first call, and that pick varies between processes (0.59-0.87 ms for the
-   same scan on H200s, benchmarks/RESULTS.md, sessions 15-18). So it is tuned `--ref-tunings` times (its tuning
+   configurations by timing them at the first call, and that pick varies between processes (benchmarks/RESULTS.md,
+   the chunked scan history). So it is tuned `--ref-tunings` times (its tuning
    caches cleared in between) and timed after each, ours timed as often in between; each side's fastest counts.
    Timed as device time: `--calls` calls queued back to back between two events (median of 7), so the host
    stays ahead of the GPU, as inside a model's forward. Ours runs on one pool slot, set once before its checked
    call and not restored between timed calls (the reference takes its initial state as an argument). The
    single-call latency (events around one call on an idle GPU, median of 30) is printed beside it: it also
    holds the host's launch work, which for the reference (several launches and tensor reshuffles in Python)
-   exceeded its kernels' time on an H200 (benchmarks/RESULTS.md, session 15), so it is no measure of the kernels.
+   has exceeded its kernels' time (benchmarks/RESULTS.md, the chunked scan history), so it is no measure of the kernels.
 2. State update (decode) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` back-to-back launches
    (as the engine's decode graphs run it: no per-launch host cost), in GB/s of the bytes it must move
    against a device-to-device copy measured in the run.

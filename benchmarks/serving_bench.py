@@ -90,9 +90,8 @@ from baton.cli.cluster import Cluster
 from baton.client import AsyncClient
 
 AGG_LOCAL_PREFILL_THRESHOLD = 2**31 - 1
-# The summary's SLO sweep: max goodput of each configuration at these TPOT bounds (ms), from the same runs. The
-# tight end matters: on 2 x H200 the 8b-like ratio moved from ~2x to ~1.2x between 7.6 and 9 ms (RESULTS.md,
-# session 13).
+# The summary's SLO sweep: max goodput of each configuration at these TPOT bounds (ms), from the same runs; the
+# bounds are dense at the tight end, where the 1P1D / aggregated ratio moves most (RESULTS.md, the serving history).
 SLO_SWEEP_TPOT_MS = (6.0, 7.0, 7.5, 8.0, 9.0, 10.0, 12.0, 15.0, 20.0, 30.0, 50.0)
 # Token ids 0..2 are pad / bos / eos in every preset; prompts draw from [FIRST_ID, vocab_size).
 FIRST_ID = 3

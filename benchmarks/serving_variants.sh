@@ -17,8 +17,8 @@ DURATION_S=${DURATION_S:-20}
 E="--device cuda --dtype bfloat16 --max-num-seqs 128 --max-num-batched-tokens 2048 --cache-memory-mb 32768 --max-model-len 16384"
 # The default: the aggregated pair and 1P1D at the engine's defaults over rates from well within to past their
 # capacity (the summary's SLO sweep scores both from TPOT <= 6 ms up), and 1P1D taking the overflow on its decode
-# node with mixed graphs of 128 at the rate where it pays (benchmarks/RESULTS.md, session 13). (~6.5 minutes on
-# 2 x H200: within one device call.)
+# node with mixed graphs of 128 at the rate where it pays (benchmarks/RESULTS.md, the serving history); it fits in
+# one 10-minute device call on 2 x H200.
 DEFAULT=$'agg|8,11,14||--configs agg
 disagg|11,14,17||--configs disagg
 disagg_ovf|17||--configs disagg --disagg-prefill-queue-limit-tokens 16384 --disagg-decode-engine-args "--mixed-graph-tokens 128"'
