@@ -3,12 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.baton-installed
-# CPU machines take the CPU wheel of torch that lies on disk; a machine with a GPU keeps its own torch.
-TORCH_CPU := torch==2.13.0
+# The pins (TORCH_CPU, TORCH_GPU, NIXL_CORE, NIXL_FRONT, TRITON_CPU), shared with the container image's install.
+PINS := deploy/requirements/pins.env
+include $(PINS)
 DEMO_MODEL := models/demo-small
-NIXL_CORE := nixl-cu13==1.5.1
-NIXL_FRONT := nixl==1.5.1
-TRITON_CPU := triton==3.9.0
 # npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
 GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
@@ -25,11 +23,11 @@ pip = $(call retry,$(BIN)/python -m pip install -q $(1))
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(PINS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(call pip,--upgrade pip)
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(call pip,$(PIP_OPTS) 'torch>=2.9'); \
+		$(call pip,$(PIP_OPTS) '$(TORCH_GPU)'); \
 	else \
 		$(call pip,$(PIP_OPTS) $(TORCH_CPU)); \
 	fi
