@@ -7,6 +7,7 @@ import shlex
 from collections.abc import Sequence
 
 from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
+from baton.engine.memory_budget import AUTO_MAX_NUM_SEQS, CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -16,15 +17,23 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
     g = p.add_argument_group("engine")
     d = EngineConfig()
     g.add_argument("--block-size", type=int, help=f"tokens per KV block ({d.block_size})")
-    g.add_argument("--max-num-seqs", type=int, help=f"running requests at most, = state slots ({d.max_num_seqs})")
+    g.add_argument("--max-num-seqs", type=int,
+                   help="running requests at most, = state slots (default: on a GPU what the pools hold, at most "
+                        f"{AUTO_MAX_NUM_SEQS}; on a CPU {CPU_MAX_NUM_SEQS})")
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
                    help=f"token budget of one step ({max_num_batched_tokens or d.max_num_batched_tokens})")
     g.add_argument("--long-prefill-token-threshold", type=int, help="cap on one prefill chunk (none)")
-    g.add_argument("--cache-memory-mb", type=int, help=f"KV + state pool budget in MiB ({d.cache_memory_bytes >> 20})")
+    g.add_argument("--cache-memory-mb", type=int,
+                   help="KV + state pool budget in MiB (default: on a GPU what --gpu-memory-utilization leaves after "
+                        f"weights, activations and CUDA graphs; on a CPU {CPU_CACHE_MEMORY_BYTES >> 20})")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="share of the GPU's total memory this engine may use in all, where --cache-memory-mb is not "
+                        f"given ({d.gpu_memory_utilization}); processes sharing a GPU each take a share, e.g. 0.45 for "
+                        "two")
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks (overrides --cache-memory-mb)")
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (the model's)")
     g.add_argument("--dtype", choices=SUPPORTED_DTYPES, help=f"({d.dtype})")
-    g.add_argument("--device", help=f"({d.device})")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default auto: CUDA where a GPU is visible, else the CPU)")
     g.add_argument("--ssm-state-dtype", choices=SUPPORTED_DTYPES[1:],
                    help="SSM state pool dtype (the checkpoint's mamba_ssm_cache_dtype)")
     g.add_argument("--cuda-graphs", choices=("on", "off"),
@@ -34,8 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                         "chained on the one in flight) (on)")
     g.add_argument("--fused-gemv-max-tokens", type=int, metavar="N",
                    help="steps of at most N tokens run linear layers as Triton GEMVs with the norm / activation "
-                        "before each fused in (0 = off; default 1 on an H100 or H200, where it pays at one row, else 0; "
-                        "2 and more are slower than cuBLAS)")
+                        "before each fused in (0 = off; default: per GPU model where measured faster, else 0)")
     g.add_argument("--mixed-graph-tokens", type=int, metavar="Q",
                    help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
                         "CUDA graph instead of running eagerly (0 = off; default 256 where decode steps replay "
@@ -46,7 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
 
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                "cache_memory_mb", "num_kv_blocks", "max_model_len", "dtype", "device", "num_speculative_tokens",
+                "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
+                "num_speculative_tokens",
                 "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}

@@ -8,7 +8,7 @@ import threading
 
 from baton.cli.cluster import Cluster
 from baton.cli.engine_args import add_engine_args, engine_flags, role_engine_flags
-from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
+from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -23,7 +23,9 @@ def gpu_list(text: str) -> tuple[int, ...]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start router, prefill and decode nodes on this machine")
     p.add_argument("--model", required=True)
-    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=None,
+                   help="prefill nodes (default: 0 where one GPU is visible, where aggregated serving does best; "
+                        "else 1)")
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--port", type=int, default=50051,
                    help="router gRPC port P; nodes take P+2.. (their HTTP endpoints port + 2000)")
@@ -42,9 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-gpus", type=gpu_list, default=(), metavar="G,G,...",
                    help="spread the nodes over these GPUs: node i (prefill nodes first) gets CUDA_VISIBLE_DEVICES = "
                         "its GPU (the i-th, cyclically) first, then the others (default: environment unchanged)")
-    p.add_argument("--cuda-ipc", action="store_true",
-                   help="GPU nodes: move caches between them through CUDA IPC mappings instead of NIXL's UCX copy "
-                        "(every node gets --cuda-ipc)")
+    p.add_argument("--cuda-ipc", action=argparse.BooleanOptionalAction, default=None,
+                   help="move caches between the nodes through CUDA IPC mappings instead of NIXL's UCX copy (default: "
+                        "on where the nodes run on GPUs, which this machine's nodes share)")
     add_engine_args(p)
     add_role_engine_args(p)
     p.set_defaults(run=run)
@@ -59,12 +61,36 @@ def add_role_engine_args(p: argparse.ArgumentParser) -> None:
                    help="engine flags of the decode nodes only, after the engine flags above")
 
 
-def cluster_from_args(a: argparse.Namespace) -> Cluster:
-    """The (not yet started) cluster `baton up` runs; bad engine flags raise ValueError here."""
+def visible_gpus(device: str | None) -> int:
+    """GPUs the nodes would compute on: none with `--device cpu` or where CUDA sees none."""
+    if device is not None and device.startswith("cpu"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_share(nodes: int, node_gpus: tuple[int, ...]) -> float:
+    """Each node's --gpu-memory-utilization where `nodes` nodes share the GPUs (`node_gpus`, () = all on one)."""
+    per_gpu = -(-nodes // len(node_gpus)) if node_gpus else nodes
+    return int(EngineConfig().gpu_memory_utilization / per_gpu * 100) / 100
+
+
+def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster:
+    """The (not yet started) cluster `baton up` runs; bad engine flags raise ValueError here. `gpus`: the GPUs
+    visible (default: asked of CUDA), which decide the defaults: on one GPU no prefill node (aggregated serving
+    does best there), CUDA IPC between GPU nodes, and nodes sharing a GPU each a share of its memory."""
+    gpus = visible_gpus(a.device) if gpus is None else gpus
+    prefill = a.prefill_workers if a.prefill_workers is not None else 0 if gpus == 1 else 1
+    cuda_ipc = a.cuda_ipc if a.cuda_ipc is not None else gpus > 0
     common = tuple(engine_flags(a))
-    return Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, port=a.port,
+    nodes = prefill + a.decode_workers
+    share = gpu_share(nodes, a.node_gpus)
+    if gpus and a.gpu_memory_utilization is None and a.cache_memory_mb is None and share < EngineConfig().gpu_memory_utilization:
+        common += ("--gpu-memory-utilization", str(share))
+    return Cluster(a.model, prefill_workers=prefill, decode_workers=a.decode_workers, port=a.port,
                    http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
-                   engine_args=common, node_args=("--cuda-ipc",) if a.cuda_ipc else (),
+                   engine_args=common, node_args=("--cuda-ipc",) if cuda_ipc else (),
                    prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
                                                   PREFILL_MAX_NUM_BATCHED_TOKENS),
                    decode_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
@@ -79,6 +105,11 @@ def run(a: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    print(f"baton up: {len(cluster.prefill_addrs)} prefill and {len(cluster.decode_addrs)} decode nodes"
+          + (" (aggregated: decode nodes prefill)" if not cluster.prefill_addrs else "")
+          + (", caches moved through CUDA IPC" if "--cuda-ipc" in cluster.node_args else "")
+          + (f", engine flags {' '.join(cluster.engine_args)}" if cluster.engine_args else "")
+          + "; starting", flush=True)
     cluster.start()
     print(f"baton up: router on {cluster.router_addr} (metrics {cluster.router_http_url}/metrics); "
           f"prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}. Ctrl-C stops.", flush=True)

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if captured := engine.capture_graphs():
         print(f"decode node: captured {captured} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"decode node: {engine.memory_summary()}", flush=True)
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
                           num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,

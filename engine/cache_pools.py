@@ -28,6 +28,7 @@ import torch
 
 from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
+from baton.engine.memory_budget import CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> CachePlan:
+    """The pools' sizes for `ecfg`; sizes it leaves to the engine (None) take the CPU defaults (an engine on CUDA
+    decides them first, `LLMEngine`)."""
+    num_slots = ecfg.max_num_seqs or CPU_MAX_NUM_SEQS
+    cache_memory_bytes = ecfg.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES
     n_mtp = mtp_kv_layers(cfg) if ecfg.num_speculative_tokens else 0
     n_attn, n_mamba = len(cfg.attention_layer_ids) + n_mtp, len(cfg.mamba_layer_ids)
     block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
@@ -53,23 +58,22 @@ def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dty
     verify = ecfg.verify_len * (cfg.conv_dim + cfg.mamba_num_heads * (cfg.mamba_head_dim + 1)
                                 + cfg.n_groups * cfg.ssm_state_size) * _itemsize(dtype)
     slot_bytes = n_mamba * (conv + ssm + verify)
-    num_slots = ecfg.max_num_seqs
     if ecfg.num_kv_blocks is not None:
         num_blocks = ecfg.num_kv_blocks
     elif block_bytes == 0:
         # A model without attention layers still needs block ids for bookkeeping; they cost nothing.
-        num_blocks = max(1, -(-ecfg.max_num_seqs * (ecfg.max_model_len or cfg.max_position_embeddings)
+        num_blocks = max(1, -(-num_slots * (ecfg.max_model_len or cfg.max_position_embeddings)
                               // ecfg.block_size))
     else:
         # The budget holds the scratch block and slot too.
-        left = ecfg.cache_memory_bytes - (num_slots + 1) * slot_bytes
+        left = cache_memory_bytes - (num_slots + 1) * slot_bytes
         num_blocks = left // block_bytes - 1
         if num_blocks < 1:
             need = (num_slots + 1) * slot_bytes + 2 * block_bytes
             raise ValueError(
                 f"engine field 'cache_memory_bytes': expected at least {need} bytes ({num_slots} state slots of "
                 f"{slot_bytes} B + one KV block of {block_bytes} B, and one scratch slot and block), "
-                f"got {ecfg.cache_memory_bytes}")
+                f"got {cache_memory_bytes}")
     return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes,
                      num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len)
 

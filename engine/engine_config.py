@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.memory_budget import check_utilization
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_SPECULATIVE_TOKENS = 8
-# A prefill node's step budget when none is given (`EngineConfig.max_num_batched_tokens` is 512, sized for steps
-# that carry decode rows). A prefill node's steps carry none, so a larger step costs no one's inter-token latency,
-# and prefill throughput levels off only at a few thousand tokens a step. 8b-like model, one H200, one prompt a
-# step (`engine_bench.py --prefill-tokens N`, benchmarks/RESULTS.md, session 38): 512 tokens 17.2k tokens/s (an
-# eager step's ~600 launches take longer on the host than its kernels on the GPU), 1,024 38.5k, 2,048 41.5k,
-# 4,096 43.0k, 8,192 42.2-42.9k, 16,384 40.2-40.7k.
+# A prefill node's step budget when none is given: its steps carry no decode rows, so a larger step costs no one's
+# inter-token latency, and prefill throughput levels off only at a few thousand tokens a step
+# (benchmarks/RESULTS.md, "Prefill step size").
 PREFILL_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -26,14 +25,17 @@ def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:
 class EngineConfig:
     # Tokens per KV block.
     block_size: int = 16
-    # Running requests at most; also the number of Mamba state slots.
-    max_num_seqs: int = 32
+    # Running requests at most; also the number of Mamba state slots. None: on CUDA what the pools hold
+    # (`memory_budget.auto_max_num_seqs`), on a CPU `memory_budget.CPU_MAX_NUM_SEQS`.
+    max_num_seqs: int | None = None
     # Token budget of one forward pass (decode rows + prefill chunks).
     max_num_batched_tokens: int = 512
     # Cap on one prefill chunk, so a long prompt cannot take the whole step (None = budget only).
     long_prefill_token_threshold: int | None = None
-    # Bytes for the KV block pool plus the state pool; the block count is derived from it ...
-    cache_memory_bytes: int = 256 * 2**20
+    # Bytes for the KV block pool plus the state pool; the block count is derived from it. None: on CUDA what
+    # `gpu_memory_utilization` leaves after weights, activations and CUDA graphs (`memory_budget`), on a CPU
+    # `memory_budget.CPU_CACHE_MEMORY_BYTES` ...
+    cache_memory_bytes: int | None = None
     # ... unless given outright (tests use small pools to force preemption).
     num_kv_blocks: int | None = None
     # Longest sequence (prompt + output); None = the model's max_position_embeddings.
@@ -42,7 +44,11 @@ class EngineConfig:
     dtype: str = "auto"
     # SSM state pool dtype; None = the checkpoint's mamba_ssm_cache_dtype.
     ssm_state_dtype: str | None = None
-    device: str = "cpu"
+    # "auto": CUDA where a GPU is visible, else the CPU.
+    device: str = "auto"
+    # The share of the GPU's total memory this engine may use in all (weights, activations, graphs, pools) where
+    # `cache_memory_bytes` is None; nodes sharing a GPU each take a share.
+    gpu_memory_utilization: float = 0.9
     # MTP speculative decoding: K draft tokens per decode step (0 = off). Needs a checkpoint with `mtp.*`
     # weights. Each running request's state slot then also records the inputs of its last 1+K verified
     # positions (replayed into the state once the accepted count is known, R3/R4), and it reserves K blocks
@@ -69,22 +75,23 @@ class EngineConfig:
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays
     # a CUDA graph (`mixed_graphs.py`; the chunk padded to the smallest of Q, Q/4, ... down to 32 tokens that
-    # holds it, `mixed_graph_buckets.py`) instead of running eagerly, where it is bound by the host (H200,
-    # 8b-like, 64 decode rows: 8.8 ms graphed, 34-36 ms eager with 128-512 prompt tokens beside them;
-    # benchmarks/RESULTS.md, session 11). For decode nodes that take prompts (the router's prefill
-    # overflow, short prompts) and aggregated servers under a TPOT bound. Steps without decode rows are not
-    # limited. 0: off. K = 0 only. Where no graphs run (a CPU, `cuda_graphs` off, MoE layers, the torch kernels)
-    # only the one-chunk scheduling applies. None (the default): 256 (at most max_num_batched_tokens) where decode
-    # steps replay CUDA graphs and K = 0, else 0 (`llm_engine.resolved_mixed_graph_tokens`): two aggregated H200
-    # replicas served 12.07 req/s within TTFT <= 2 s and TPOT <= 15 ms with it against 5.96 without (session 12).
+    # holds it, `mixed_graph_buckets.py`) instead of running eagerly, where it is bound by the host. For decode
+    # nodes that take prompts (the router's prefill overflow, short prompts) and aggregated servers under a TPOT
+    # bound. Steps without decode rows are not limited. 0: off. K = 0 only. Where no graphs run (a CPU,
+    # `cuda_graphs` off, MoE layers, the torch kernels) only the one-chunk scheduling applies. None (the default):
+    # `llm_engine.AUTO_MIXED_GRAPH_TOKENS` (at most max_num_batched_tokens) where decode steps replay CUDA graphs
+    # and K = 0, else 0 (`llm_engine.resolved_mixed_graph_tokens`).
     mixed_graph_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
-        _check_pos_int("max_num_seqs", self.max_num_seqs)
+        _check_pos_int("max_num_seqs", self.max_num_seqs, allow_none=True)
         _check_pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_pos_int("long_prefill_token_threshold", self.long_prefill_token_threshold, allow_none=True)
-        _check_pos_int("cache_memory_bytes", self.cache_memory_bytes)
+        _check_pos_int("cache_memory_bytes", self.cache_memory_bytes, allow_none=True)
+        check_utilization(self.gpu_memory_utilization)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"engine field 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -108,7 +115,7 @@ class EngineConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"engine field 'num_speculative_tokens': expected an integer in "
                              f"0..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs * (1 + k):
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs * (1 + k):
             # Every running request must be able to decode (verify 1+K tokens) in the same step.
             raise ValueError(f"engine field 'max_num_batched_tokens': expected >= max_num_seqs * (1 + "
                              f"num_speculative_tokens) = {self.max_num_seqs * (1 + k)}, got "

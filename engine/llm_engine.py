@@ -13,6 +13,7 @@ otherwise it launches and reads one step.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections import deque
@@ -26,6 +27,15 @@ from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
+from baton.engine.memory_budget import (
+    AUTO_MAX_NUM_SEQS,
+    CPU_CACHE_MEMORY_BYTES,
+    CPU_MAX_NUM_SEQS,
+    MemoryReport,
+    auto_max_num_seqs,
+    cache_budget,
+)
+from baton.engine.memory_budget import summary as budget_summary
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
@@ -57,6 +67,17 @@ class RequestOutput:
 
 # How a step ran (`EngineStats` counts each).
 DECODE_GRAPH, MIXED_GRAPH, EAGER = "decode_graph", "mixed_graph", "eager"
+
+
+def resolved_device(device: str) -> torch.device:
+    """`EngineConfig.device`, "auto" decided: CUDA where a GPU is visible, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"engine field 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}: {e}"
+                         ) from None
 
 
 @dataclass
@@ -151,12 +172,33 @@ class LLMEngine:
                  config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = model_cfg
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
         dtype_name = model_cfg.torch_dtype if config.dtype == "auto" else config.dtype
         self.dtype = TORCH_DTYPES[dtype_name]
         self.ssm_dtype = TORCH_DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        device = torch.device(config.device)
+        device = resolved_device(config.device)
+        k = config.num_speculative_tokens
+        if k and model_cfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
+                             f"weights (num_nextn_predict_layers = 0), got {k}")
+        # Free and total GPU memory before this engine's weights: what other processes hold is not ours to size.
+        free_total = torch.cuda.mem_get_info(device) if device.type == "cuda" else None
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
+        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype) if k else None
+        # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
+        # `capture_graphs` ran.
+        self.memory: MemoryReport | None = None
+        self.graphs_bytes = 0
+        if free_total is not None:
+            weights_bytes = torch.cuda.memory_allocated(device) - allocated
+            self.config = config = self._sized(config, device, free_total, weights_bytes)
+        else:
+            self.config = config = replace(
+                config, device=str(device), max_num_seqs=config.max_num_seqs or CPU_MAX_NUM_SEQS,
+                cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
         self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
         graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.ssm)
@@ -164,7 +206,7 @@ class LLMEngine:
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
-        self.runner = self._make_runner(weights, device)
+        self.runner = self._make_runner(self.pools, device)
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
@@ -174,7 +216,6 @@ class LLMEngine:
         self.last_step_rows = 0
         # Steps launched and not read yet (at most one with async scheduling), oldest first.
         self._in_flight: deque[_Launched] = deque()
-        k = config.num_speculative_tokens
         self.pipelined = not k or config.prefill_only  # a step's committed tokens are known when it is launched
         # Steps left in flight when step() returns: 1 with async scheduling (with drafts: where a verify step can
         # be chained). Benchmarks set 0 between steps to time steps one at a time (the next step() then reads the
@@ -182,19 +223,110 @@ class LLMEngine:
         self.depth = 1 if config.async_scheduling else 0
         # With drafts: the verify step chained on the last one read, still in flight.
         self._verify_in_flight: _VerifyLaunched | None = None
-        self._arrivals = itertools.count()
-        self._ids = itertools.count()
 
-    def _make_runner(self, weights: dict[str, torch.Tensor], device: torch.device) -> ModelRunner:
+    def _make_runner(self, pools: CachePools, device: torch.device) -> ModelRunner:
         k = self.config.num_speculative_tokens
         if not k:
-            return ModelRunner(self.model, self.pools, self.config.block_size, device)
-        if self.model_config.num_nextn_predict_layers < 1:
-            raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
-                             f"weights (num_nextn_predict_layers = 0), got {k}")
-        mtp = MTPModule.from_state_dict(self.model_config, weights, device, self.dtype)
-        return SpecRunner(self.model, mtp, self.pools, self.config.block_size, device, k,
+            return ModelRunner(self.model, pools, self.config.block_size, device)
+        assert self.mtp is not None
+        return SpecRunner(self.model, self.mtp, pools, self.config.block_size, device, k,
                           draft=not self.config.prefill_only)
+
+    # ---- memory -----------------------------------------------------------------------------------
+    def _sized(self, config: EngineConfig, device: torch.device, free_total: tuple[int, int],
+               weights_bytes: int) -> EngineConfig:
+        """`config` with the pools' budget and the running requests decided on CUDA (`memory_budget`): where
+        `cache_memory_bytes` and `num_kv_blocks` are None the budget is what `gpu_memory_utilization` leaves after
+        the weights and the activations and graphs measured here; `max_num_seqs` None: what that budget holds."""
+        k = 0 if config.prefill_only else config.num_speculative_tokens
+        cache = config.cache_memory_bytes
+        if cache is None and config.num_kv_blocks is None:
+            rows = config.max_num_seqs or min(AUTO_MAX_NUM_SEQS, config.max_num_batched_tokens // (1 + k))
+            activations, graphs = self._measure_step_memory(config, device, rows)
+            self.memory = MemoryReport(total=free_total[1], free=free_total[0], weights=weights_bytes,
+                                       activations=activations, graphs=graphs)
+            cache = cache_budget(self.memory, config.gpu_memory_utilization)
+        seqs = config.max_num_seqs
+        if seqs is None:
+            if cache is None:  # the pools' size given in blocks: the CPU's default count
+                seqs = CPU_MAX_NUM_SEQS
+            else:
+                unit = plan_cache(self.model_config, replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype,
+                                  self.ssm_dtype)
+                seqs = auto_max_num_seqs(cache, unit.slot_bytes, unit.block_bytes, config.max_num_batched_tokens,
+                                         1 + k)
+        return replace(config, device=str(device), cache_memory_bytes=cache, max_num_seqs=seqs)
+
+    def _measure_step_memory(self, config: EngineConfig, device: torch.device, rows: int) -> tuple[int, int]:
+        """(activations, graphs) in bytes, measured on throwaway pools of one request: the peak of a step of the
+        largest prompt chunk (plus the logits that `rows` rows of 1+K tokens sample), and, where graphs will run,
+        the largest decode (verify) graph's and mixed graph's capture, with the outputs of the smaller sizes."""
+        k = 0 if config.prefill_only else config.num_speculative_tokens
+        bs = config.block_size
+        tokens = min(config.prefill_chunk_cap, config.max_num_batched_tokens, self.max_model_len - 2)
+        probe = replace(config, max_num_seqs=1, cache_memory_bytes=None,
+                        num_kv_blocks=-(-(tokens + 1) // bs) + config.num_speculative_tokens + 2)
+        torch.cuda.synchronize(device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        plan = plan_cache(self.model_config, probe, self.dtype, self.ssm_dtype)
+        pools = CachePools(self.model_config, plan, bs, self.dtype, self.ssm_dtype, device)
+        with_pools = torch.cuda.memory_reserved(device)
+        runner = self._make_runner(pools, device)
+        scheduler = Scheduler(probe, plan.num_blocks, plan.num_slots)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        req = self._new_request([0] * (tokens + 1), params, "memory-profile", config.prefill_only)
+        scheduler.add(req)
+        runner.add_request(req.request_id, params)
+        runner.execute(scheduler.schedule())
+        torch.cuda.synchronize(device)
+        logits = 0 if config.prefill_only else 2 * rows * (1 + k) * self.model_config.vocab_size * 4
+        activations = torch.cuda.max_memory_reserved(device) - with_pools + logits
+        graphs = self._measure_graphs(config, device, pools, runner, rows)
+        del runner, scheduler, pools, req
+        gc.collect()
+        torch.cuda.empty_cache()
+        return activations, graphs
+
+    def _measure_graphs(self, config: EngineConfig, device: torch.device, pools: CachePools, runner: ModelRunner,
+                        rows: int) -> int:
+        """The graphs' memory where they will run: the largest decode (verify) graph and mixed graph captured on
+        `pools` (their padding rows touch only the scratch block and slot), plus the outputs the smaller sizes
+        and the other verify variants keep (they reuse the largest's pool for the rest)."""
+        k = 0 if config.prefill_only else config.num_speculative_tokens
+        graphable = self.graphs_capturable() and dispatch.use_triton(pools.ssm)
+        if not (config.cuda_graphs and not config.prefill_only and graphable):
+            return 0
+        bs = config.block_size
+        torch.cuda.empty_cache()  # the profiled step's cached blocks are not the graphs'
+        before = torch.cuda.memory_reserved(device)
+        max_blocks = -(-self.max_model_len // bs) + k + 1
+        step = StepGraphs(self.model, pools, bs, rows, max_blocks, device, tokens_per_row=1 + k,
+                          replay=runner.replay, step_fn=runner.graph_step_fn if k else None)
+        step.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
+        captured = [(step.sizes, step._capture(rows), 3 if k else 1)]
+        q = resolved_mixed_graph_tokens(config, device, graphable)
+        if q:
+            mixed = MixedGraphBuckets(self.model, pools, bs, rows, max_blocks - k, device, q)
+            captured.append((mixed.sizes, mixed.buckets[q]._capture(rows), len(mixed.buckets)))
+        torch.cuda.synchronize(device)
+        kept = sum(out.numel() * out.element_size() * (variants * sum(sizes) // rows - 1)
+                   for sizes, (_, out), variants in captured)
+        return torch.cuda.memory_reserved(device) - before + kept
+
+    def memory_summary(self) -> str:
+        """One line: where the memory went (on CUDA), and the running requests and context the pools allow."""
+        device = torch.device(self.config.device)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        report = self.memory
+        if report is not None and self.graphs_bytes:
+            report = replace(report, graphs=self.graphs_bytes)
+        p = self.pools
+        state = sum(t.numel() * t.element_size() for t in (p.conv, p.ssm, p.verify_conv, p.verify_x, p.verify_B,
+                                                           p.verify_dt))
+        return budget_summary(name, report, p.kv.numel() * p.kv.element_size(), self.plan.num_blocks,
+                              self.config.block_size, state, self.plan.num_slots, self.max_model_len)
 
     def _step_graphs(self, device: torch.device) -> StepGraphs | None:
         """CUDA graphs of decode steps (verify steps of 1+K tokens per row with speculative decoding), where
@@ -240,8 +372,13 @@ class LLMEngine:
         rows that sample (a greedy benchmark's)."""
         mixed = self.runner.mixed_graphs
         graphs = self.runner.graphs
-        return (0 if graphs is None else graphs.capture_all(sampled_verify)) + (
+        device = torch.device(self.config.device)
+        before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        n = (0 if graphs is None else graphs.capture_all(sampled_verify)) + (
             0 if mixed is None else mixed.capture_all())
+        if device.type == "cuda":
+            self.graphs_bytes += torch.cuda.memory_reserved(device) - before
+        return n
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:

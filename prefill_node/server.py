@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
     engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
+    print(f"prefill node: {engine.memory_summary()}", flush=True)
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
                           num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,

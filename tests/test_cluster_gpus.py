@@ -58,7 +58,7 @@ def test_cluster_refuses_bad_gpu_ids(bad):
 def test_node_gpus_flag():
     parse = build_parser().parse_args
     assert parse(["up", "--model", "m"]).node_gpus == ()
-    assert not parse(["up", "--model", "m"]).cuda_ipc and parse(["up", "--model", "m", "--cuda-ipc"]).cuda_ipc
+    assert parse(["up", "--model", "m"]).cuda_ipc is None and parse(["up", "--model", "m", "--cuda-ipc"]).cuda_ipc
     assert parse(["up", "--model", "m", "--node-gpus", "0,1"]).node_gpus == (0, 1)
     assert parse(["up", "--model", "m", "--node-gpus", "3"]).node_gpus == (3,)
     assert gpu_list(" 2, 0 ") == (2, 0)
@@ -112,3 +112,31 @@ def test_role_flags_go_to_their_role_only_and_come_last():
     assert len(ports) == 3 and all(int(a[a.index("--http-port") + 1]) != int(a[a.index("--port") + 1])
                                    for a in argv.values())
     assert Cluster("m", decode_workers=1, port=PORT).node_argv("decode-0")[-2:] == ["--engine-id", "decode-0"]
+
+
+def test_up_defaults_follow_the_gpus_visible():
+    """`baton up` with no flags: on one GPU aggregated (no prefill node), on none or several 1P1D; GPU nodes move
+    caches through CUDA IPC; nodes sharing a GPU split its memory; given flags win."""
+    from baton.cli.up_cmd import cluster_from_args, gpu_share
+
+    def up(*flags: str, gpus: int):
+        return cluster_from_args(build_parser().parse_args(["up", "--model", "m", *flags]), gpus=gpus)
+
+    one = up(gpus=1)
+    assert (one.prefill_workers, one.node_args, one.engine_args) == (0, ("--cuda-ipc",), ())
+    cpu = up(gpus=0)
+    assert (cpu.prefill_workers, cpu.node_args, cpu.engine_args) == (1, (), ())
+    two = up("--node-gpus", "0,1", gpus=2)
+    assert (two.prefill_workers, two.node_args, two.engine_args) == (1, ("--cuda-ipc",), ())
+    shared = up("--prefill-workers", "1", gpus=1)  # 1P1D on one GPU: each node 0.45 of it
+    assert shared.engine_args == ("--gpu-memory-utilization", "0.45")
+    assert up("--prefill-workers", "2", "--decode-workers", "2", "--node-gpus", "0,1", gpus=2).engine_args == (
+        "--gpu-memory-utilization", "0.45")
+    assert up("--prefill-workers", "1", "--gpu-memory-utilization", "0.3", gpus=1).engine_args == (
+        "--gpu-memory-utilization", "0.3")
+    assert up("--prefill-workers", "1", "--cache-memory-mb", "4096", gpus=1).engine_args == (
+        "--cache-memory-mb", "4096")
+    assert up("--prefill-workers", "1", "--no-cuda-ipc", gpus=1).node_args == ()
+    assert up("--cuda-ipc", gpus=0).node_args == ("--cuda-ipc",)
+    assert [gpu_share(n, g) for n, g in ((1, ()), (2, ()), (3, ()), (4, (0, 1)), (3, (0, 1)))] == [
+        0.9, 0.45, 0.3, 0.45, 0.45]
