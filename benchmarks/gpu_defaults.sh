@@ -5,6 +5,7 @@
 #   layouts  serve_check.py: the default (aggregated on one GPU) against 1P1D through CUDA IPC and through NIXL,
 #            the same load each (LAYOUT_ARGS: serve_check flags, e.g. "--requests 256 --concurrency 64")
 #   mtp      tests/test_gpu_serving.py: K = 0..3 through `baton up`, a few hundred concurrent requests, all complete
+#   nixl     1P1D through NIXL on the one GPU under UCX's default transports and two UCX_TLS choices
 # Carry .whl-slim (nixl-cu13 without its unused modules, nixl, msgspec) and .whl-serve (grpcio, protobuf,
 # prometheus-client), as benchmarks/device_run.sh says. MODEL_DIR (default /tmp/m8) is built if absent.
 set -uo pipefail
@@ -28,7 +29,8 @@ if [ ! -f "$M/config.json" ]; then
   echo "make-model 8b-like: $(( $(date +%s) - start )) s"
 fi
 if stage memory; then
-  python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_memory_budget.py 2>&1 | tail -12 | tee "$OUT/memory.txt"
+  python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_memory_budget.py > "$OUT/memory.txt" 2>&1
+  grep -E "^K=|passed|failed|Error" "$OUT/memory.txt"
 fi
 if stage layouts; then
   python3 benchmarks/serve_check.py --model "$M" --out "$OUT/layouts" ${LAYOUT_ARGS:-} --variants \
@@ -37,5 +39,12 @@ if stage layouts; then
 fi
 if stage mtp; then
   BATON_SERVE_MODEL="$M" BATON_RESULTS_DIR="$OUT/mtp" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_gpu_serving.py 2>&1 | tail -14 | tee "$OUT/mtp.txt"
+    tests/test_gpu_serving.py > "$OUT/mtp.txt" 2>&1
+  grep -E "^K=|passed|failed|Error|assert" "$OUT/mtp.txt" | head -40
+fi
+if stage nixl; then
+  python3 benchmarks/serve_check.py --model "$M" --out "$OUT/nixl" --requests 64 --concurrency 16 --variants \
+    'nixl-default|--prefill-workers 1 --no-cuda-ipc' \
+    'nixl-ucx-ipc|--prefill-workers 1 --no-cuda-ipc|UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp' \
+    'nixl-ucx-staged|--prefill-workers 1 --no-cuda-ipc|UCX_TLS=cuda_copy,sm,self,tcp' 2>&1 | tee "$OUT/nixl.txt"
 fi

@@ -10,7 +10,8 @@ bytes a transfer, and the prefill and decode nodes' step time and GPU-busy share
 
   python benchmarks/serve_check.py --model M --variants 'default|' 'p1d1-ipc|--prefill-workers 1' --out DIR
 
-A variant is NAME|FLAGS. Results: one JSON per variant under --out and a table on stdout.
+A variant is NAME|FLAGS, or NAME|FLAGS|VAR=VALUE ... to start that `baton up` with environment variables set
+(e.g. UCX_TLS for the NIXL path). Results: one JSON per variant under --out and a table on stdout.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ async def _load(addr: str, load: Load) -> tuple[list[float], list[float], int, l
     return ttfts, tpots, tokens, errors, wall
 
 
-def run_variant(model: str, name: str, flags: str, load: Load, log_dir: Path) -> Result:
-    """Start `baton up --model model flags`, load it, scrape its nodes, stop it."""
+def run_variant(model: str, name: str, flags: str, load: Load, log_dir: Path, env: str = "") -> Result:
+    """Start `baton up --model model flags` (with `env`'s VAR=VALUE words set), load it, scrape its nodes, stop
+    it."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     argv = [sys.executable, "-m", "baton.cli.main", "up", "--model", model, "--log-dir", str(log_dir / name),
@@ -147,7 +149,8 @@ def run_variant(model: str, name: str, flags: str, load: Load, log_dir: Path) ->
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                start_new_session=True,
+                                env={**os.environ, **dict(w.split("=", 1) for w in shlex.split(env))})
         addr = http = None
         prefill: list[str] = []
         decode: list[str] = []
@@ -234,13 +237,18 @@ def main() -> int:
     print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |", flush=True)
     ok = True
     for spec in a.variants:
-        name, _, flags = spec.partition("|")
-        r = run_variant(a.model, name, flags, load, a.out / "logs")
-        (a.out / f"{name}.json").write_text(json.dumps({**asdict(r), "load": asdict(load)}, indent=1))
-        print(f"| {name} | `{flags}` | {r.completed}/{r.requests} | {r.ttft_p50_s:.2f} / {r.ttft_p90_s:.2f} / "
+        name, _, rest = spec.partition("|")
+        flags, _, env = rest.partition("|")
+        r = run_variant(a.model, name, flags, load, a.out / "logs", env)
+        (a.out / f"{name}.json").write_text(json.dumps({**asdict(r), "env": env, "load": asdict(load)}, indent=1))
+        print(f"| {name} | `{flags}{' ' + env if env else ''}` | {r.completed}/{r.requests} | {r.ttft_p50_s:.2f} / {r.ttft_p90_s:.2f} / "
               f"{r.ttft_p99_s:.2f} | {r.tpot_mean_ms:.1f} | {r.output_tokens_per_s:.0f} | {r.wall_s:.1f} | "
               f"{r.startup_s:.0f} |", flush=True)
         print(f"  {name}: {_where(r)}", flush=True)
+        for log in sorted((a.out / "logs" / name).glob("*.log")):
+            for line in log.read_text().splitlines():
+                if "engine on" in line:
+                    print(f"  {log.stem}: {line}", flush=True)
         if r.errors:
             print(f"  {name} errors: {r.errors}\n{r.log_tail[-4000:]}", flush=True)
         ok &= r.completed == r.requests

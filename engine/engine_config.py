@@ -10,7 +10,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_SPECULATIVE_TOKENS = 8
 # A prefill node's step budget when none is given: its steps carry no decode rows, so a larger step costs no one's
 # inter-token latency, and prefill throughput levels off only at a few thousand tokens a step
-# (benchmarks/RESULTS.md, "Prefill step size").
+# (benchmarks/RESULTS.md, "Prefill").
 PREFILL_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -70,7 +70,7 @@ class EngineConfig:
     # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of
     # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). From 2 rows up the GEMV runs
     # on the tensor cores with the op before it as its own kernel (`ops.triton_gemv.default_tiles`). None (the
-    # default): per GPU where that was measured faster (`llm_engine.FUSED_GEMV_GPUS`: 48 on an H200, 1 on an H100),
+    # default): per GPU where that was measured faster (`llm_engine.FUSED_GEMV_GPUS`),
     # 0 elsewhere; `llm_engine.resolved_fused_gemv_max_tokens`.
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays

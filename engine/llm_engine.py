@@ -124,12 +124,8 @@ class _VerifyLaunched:
     flight: VerifyFlight
 
 
-# GPUs (by name) where decode steps are faster with the fused GEMVs than with cuBLAS, and up to how many tokens,
-# measured with benchmarks/engine_bench.py: one row through the persistent row GEMV (RESULTS.md, session 13: H100
-# 5.56 vs 6.33 ms, H200 4.09 vs 4.52 ms). On an H200, 2-32 rows through the tensor-core GEMV (the op before it
-# apart) too (session 21: batch 8 4.95 vs 5.14 ms, batch 32 6.44 vs 6.58), and 33-48 rows in one block of 64 rows
-# (session 36: batch 33 6.72 vs 6.86 ms, 40 6.99 vs 7.13, 48 7.46 vs 7.59), but not 64 rows (session 36: 8.43 vs
-# 8.39 ms). The H100 is measured at one row only.
+# GPUs (by name) where decode steps of up to this many tokens are faster with the fused GEMVs than with cuBLAS,
+# as benchmarks/engine_bench.py measured them (benchmarks/RESULTS.md, "Decode step"); other GPUs keep cuBLAS.
 FUSED_GEMV_GPUS = {"H100": 1, "H200": 48}
 
 
@@ -145,8 +141,8 @@ def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -
 
 
 # The default mixed-step graph size (EngineConfig.mixed_graph_tokens = None): the prompt tokens a step with decode
-# rows may carry and still replay a graph. Session 12, 2 x H200, 8b-like, two aggregated replicas at TTFT <= 2 s and
-# TPOT <= 15 ms: 12.07 req/s of goodput with 256 against 5.96 with eager mixed steps (benchmarks/RESULTS.md).
+# rows may carry and still replay a graph; it roughly doubled two aggregated replicas' goodput under a TPOT bound
+# (benchmarks/RESULTS.md, "Serving").
 AUTO_MIXED_GRAPH_TOKENS = 256
 
 
@@ -183,8 +179,13 @@ class LLMEngine:
         if k and model_cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
                              f"weights (num_nextn_predict_layers = 0), got {k}")
-        # Free and total GPU memory before this engine's weights: what other processes hold is not ours to size.
-        free_total = torch.cuda.mem_get_info(device) if device.type == "cuda" else None
+        # Free and total GPU memory before this engine's weights: what other processes hold is not ours to size
+        # (blocks this process cached and no longer uses are returned first, so that they do not count as theirs).
+        free_total = None
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            free_total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
         self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype) if k else None
