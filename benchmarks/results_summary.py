@@ -27,6 +27,8 @@ END = "<!-- summary:end -->"
 # breaks its links.
 TABLES: dict[str, str] = {
     "serving": "Serving: 1P1D against 2 aggregated replicas on the same two GPUs (issue #7 (e))",
+    "one_gpu": "Serving on one GPU: what `baton up` starts by default against 1P1D (issue #45)",
+    "mtp_serving": "MTP serving through `baton up` on one GPU: every request completes (issue #45)",
     "decode": "Decode step against its traffic roofline (issue #7 (a))",
     "prefill": "Prefill throughput (issue #7 (c))",
     "kernels": "Mamba2 kernels against the reference and the copy rate (issue #7 (b))",

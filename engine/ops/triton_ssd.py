@@ -115,7 +115,6 @@ FACTOR_RANGE = 60.0
 # The dt launch's block of heads (contiguous in dt's rows) and warps; the block size hardly matters for this small
 # launch.
 DT_BLOCK_H, DT_WARPS = 16, 4
-DT_BLOCK_H, DT_WARPS = 16, 4
 
 
 
