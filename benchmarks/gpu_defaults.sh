@@ -5,6 +5,7 @@
 #   layouts  serve_check.py: the default (aggregated on one GPU) against 1P1D through CUDA IPC and through NIXL,
 #            the same load each (LAYOUT_ARGS: serve_check flags, e.g. "--requests 256 --concurrency 64")
 #   mtp      tests/test_gpu_serving.py: K = 0..3 through `baton up`, a few hundred concurrent requests, all complete
+#   demo     `baton demo` (make demo's command) on the GPU
 #   nixl     1P1D through NIXL on the one GPU under UCX's default transports and two UCX_TLS choices
 # Carry .whl-slim (nixl-cu13 without its unused modules, nixl, msgspec) and .whl-serve (grpcio, protobuf,
 # prometheus-client), as benchmarks/device_run.sh says. MODEL_DIR (default /tmp/m8) is built if absent.
@@ -41,6 +42,10 @@ if stage mtp; then
   BATON_SERVE_MODEL="$M" BATON_RESULTS_DIR="$OUT/mtp" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
     tests/test_gpu_serving.py > "$OUT/mtp.txt" 2>&1
   grep -E "^K=|passed|failed|Error|assert" "$OUT/mtp.txt" | head -40
+fi
+if stage demo; then
+  python3 -m baton.cli.main make-model /tmp/demo-small --preset small --seed 0 >/dev/null \
+    && python3 -m baton.cli.main demo --model /tmp/demo-small 2>&1 | tail -6 | tee "$OUT/demo.txt"
 fi
 if stage nixl; then
   python3 benchmarks/serve_check.py --model "$M" --out "$OUT/nixl" --requests 64 --concurrency 16 --variants \

@@ -12,6 +12,7 @@ import time
 
 from baton.cli.cluster import Cluster
 from baton.cli.engine_args import add_engine_args, engine_flags
+from baton.cli.up_cmd import shared_gpu_flags, visible_gpus
 
 TEXT_PROMPTS = (
     "The capital of France is",
@@ -37,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     print(_intro(a), flush=True)
     t0 = time.perf_counter()
+    # On a GPU machine the nodes share GPU 0, each with its share of the memory.
+    shared = shared_gpu_flags(a, a.prefill_workers + a.decode_workers, (), visible_gpus(a.device))
     with Cluster(a.model, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
-                 engine_args=tuple(engine_flags(a)), log_dir=a.log_dir) as cluster:
+                 engine_args=tuple(engine_flags(a)) + shared, log_dir=a.log_dir) as cluster:
         print(f"started router {cluster.router_addr}, prefill {cluster.prefill_addrs}, decode "
               f"{cluster.decode_addrs} in {time.perf_counter() - t0:.1f} s", flush=True)
         code = asyncio.run(_serve(cluster.router_addr, a))

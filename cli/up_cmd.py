@@ -76,6 +76,14 @@ def gpu_share(nodes: int, node_gpus: tuple[int, ...]) -> float:
     return int(EngineConfig().gpu_memory_utilization / per_gpu * 100) / 100
 
 
+def shared_gpu_flags(a: argparse.Namespace, nodes: int, node_gpus: tuple[int, ...], gpus: int) -> tuple[str, ...]:
+    """`--gpu-memory-utilization` for nodes that share GPUs (`gpu_share`), where the flags size no pool."""
+    share = gpu_share(nodes, node_gpus)
+    if not gpus or a.gpu_memory_utilization is not None or a.cache_memory_mb is not None or a.num_kv_blocks:
+        return ()
+    return ("--gpu-memory-utilization", str(share)) if share < EngineConfig().gpu_memory_utilization else ()
+
+
 def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster:
     """The (not yet started) cluster `baton up` runs; bad engine flags raise ValueError here. `gpus`: the GPUs
     visible (default: asked of CUDA), which decide the defaults: on one GPU no prefill node (aggregated serving
@@ -83,11 +91,7 @@ def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster
     gpus = visible_gpus(a.device) if gpus is None else gpus
     prefill = a.prefill_workers if a.prefill_workers is not None else 0 if gpus == 1 else 1
     cuda_ipc = a.cuda_ipc if a.cuda_ipc is not None else gpus > 0
-    common = tuple(engine_flags(a))
-    nodes = prefill + a.decode_workers
-    share = gpu_share(nodes, a.node_gpus)
-    if gpus and a.gpu_memory_utilization is None and a.cache_memory_mb is None and share < EngineConfig().gpu_memory_utilization:
-        common += ("--gpu-memory-utilization", str(share))
+    common = tuple(engine_flags(a)) + shared_gpu_flags(a, prefill + a.decode_workers, a.node_gpus, gpus)
     return Cluster(a.model, prefill_workers=prefill, decode_workers=a.decode_workers, port=a.port,
                    http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                    engine_args=common, node_args=("--cuda-ipc",) if cuda_ipc else (),

@@ -117,7 +117,7 @@ def test_role_flags_go_to_their_role_only_and_come_last():
 def test_up_defaults_follow_the_gpus_visible():
     """`baton up` with no flags: on one GPU aggregated (no prefill node), on none or several 1P1D; GPU nodes move
     caches through CUDA IPC; nodes sharing a GPU split its memory; given flags win."""
-    from baton.cli.up_cmd import cluster_from_args, gpu_share
+    from baton.cli.up_cmd import cluster_from_args, gpu_share, shared_gpu_flags
 
     def up(*flags: str, gpus: int):
         return cluster_from_args(build_parser().parse_args(["up", "--model", "m", *flags]), gpus=gpus)
@@ -140,3 +140,9 @@ def test_up_defaults_follow_the_gpus_visible():
     assert up("--cuda-ipc", gpus=0).node_args == ("--cuda-ipc",)
     assert [gpu_share(n, g) for n, g in ((1, ()), (2, ()), (3, ()), (4, (0, 1)), (3, (0, 1)))] == [
         0.9, 0.45, 0.3, 0.45, 0.45]
+    # `baton demo` shares GPU 0 the same way; pools given in blocks need no share.
+    demo = build_parser().parse_args(["demo", "--model", "m"])
+    assert shared_gpu_flags(demo, 2, (), 1) == ("--gpu-memory-utilization", "0.45")
+    assert shared_gpu_flags(demo, 2, (), 0) == ()
+    blocks = build_parser().parse_args(["demo", "--model", "m", "--num-kv-blocks", "64"])
+    assert shared_gpu_flags(blocks, 2, (), 1) == ()
