@@ -25,7 +25,9 @@ from pathlib import Path
 
 import grpc
 
-READY_TIMEOUT_S = 180.0
+# How long a node may take to load, measure its memory and capture its CUDA graphs: a large checkpoint on a fresh GPU
+# host (Triton compiling every kernel first) takes minutes, and a dead process ends the wait at once anyway.
+READY_TIMEOUT_S = 900.0
 
 
 NODE_SIDE_CHANNEL_OFFSET = 1000

@@ -261,7 +261,7 @@ class LLMEngine:
     def _measure_step_memory(self, config: EngineConfig, device: torch.device, rows: int) -> tuple[int, int]:
         """(activations, graphs) in bytes, measured on throwaway pools of one request: the peak of a step of the
         largest prompt chunk (plus the logits that `rows` rows of 1+K tokens sample), and, where graphs will run,
-        the largest decode (verify) graph's and mixed graph's capture, with the outputs of the smaller sizes."""
+        their capture (`_measure_graphs`)."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
         bs = config.block_size
         tokens = min(config.prefill_chunk_cap, config.max_num_batched_tokens, self.max_model_len - 2)
@@ -292,9 +292,10 @@ class LLMEngine:
 
     def _measure_graphs(self, config: EngineConfig, device: torch.device, pools: CachePools, runner: ModelRunner,
                         rows: int) -> int:
-        """The graphs' memory where they will run: the largest decode (verify) graph and mixed graph captured on
-        `pools` (their padding rows touch only the scratch block and slot), plus the outputs the smaller sizes
-        and the other verify variants keep (they reuse the largest's pool for the rest)."""
+        """The graphs' memory where they will run: every decode (verify) and mixed graph of up to `rows` rows,
+        captured on `pools` as `capture_graphs` will capture them on the engine's (their padding rows touch only the
+        scratch block and slot; what a graph holds does not depend on the pools' size). Measured, not estimated:
+        the sizes share a pool, but each keeps its outputs and per-size inputs."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
         graphable = self.graphs_capturable() and dispatch.use_triton(pools.ssm)
         if not (config.cuda_graphs and not config.prefill_only and graphable):
@@ -306,15 +307,13 @@ class LLMEngine:
         step = StepGraphs(self.model, pools, bs, rows, max_blocks, device, tokens_per_row=1 + k,
                           replay=runner.replay, step_fn=runner.graph_step_fn if k else None)
         step.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
-        captured = [(step.sizes, step._capture(rows), 3 if k else 1)]
+        step.capture_all()
         q = resolved_mixed_graph_tokens(config, device, graphable)
-        if q:
-            mixed = MixedGraphBuckets(self.model, pools, bs, rows, max_blocks - k, device, q)
-            captured.append((mixed.sizes, mixed.buckets[q]._capture(rows), len(mixed.buckets)))
+        mixed = MixedGraphBuckets(self.model, pools, bs, rows, max_blocks - k, device, q) if q else None
+        if mixed is not None:
+            mixed.capture_all()
         torch.cuda.synchronize(device)
-        kept = sum(out.numel() * out.element_size() * (variants * sum(sizes) // rows - 1)
-                   for sizes, (_, out), variants in captured)
-        return torch.cuda.memory_reserved(device) - before + kept
+        return torch.cuda.memory_reserved(device) - before  # `step` and `mixed` still hold their graphs here
 
     def memory_summary(self) -> str:
         """One line: where the memory went (on CUDA), and the running requests and context the pools allow."""

@@ -142,13 +142,17 @@ def test_gpu_default_engine_sizes_its_pools_within_the_share(tmp_path, k):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     model = make_model(tmp_path / "m", "small", mtp_layers=1, seed=3, progress=False)
+    # What an earlier test in this process still holds (its graphs' pools) counts as another process's here.
+    held_before = torch.cuda.memory_reserved()
     engine = LLMEngine.from_pretrained(model, EngineConfig(num_speculative_tokens=k, gpu_memory_utilization=0.5))
     c, report = engine.config, engine.memory
     assert c.device == "cuda" and report is not None and c.cache_memory_bytes > 0.25 * report.total
     engine.capture_graphs()
     print(f"\nK={k}: {engine.memory_summary()}; graphs estimated {report.graphs / GiB:.2f} GiB, captured "
           f"{engine.graphs_bytes / GiB:.2f} GiB")
-    held = torch.cuda.memory_reserved()
-    assert held <= 0.5 * report.total + GiB, (held / GiB, report)
+    held = torch.cuda.memory_reserved() - held_before
+    assert held <= 0.5 * report.total + GiB // 4, (held / GiB, report)
+    # The graphs were measured at start by capturing them on throwaway pools: the real capture holds the same.
+    assert engine.graphs_bytes <= 1.05 * report.graphs + 2**26, (engine.graphs_bytes, report)
     out = engine.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in out)
