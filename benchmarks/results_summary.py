@@ -86,7 +86,7 @@ def summary_rows(path: Path, base: Path) -> list[Row]:
         base_cell, ratio = "–", None
         if "baseline" in spec:
             base = float(lookup(doc, spec["baseline"]))
-            base_cell = f"{number(base, digits)} {unit} ({spec.get('baseline_label', 'baseline')})".strip()
+            base_cell = " ".join(x for x in (number(base, digits), unit, f"({spec.get('baseline_label', 'baseline')})") if x)
             how = spec.get("ratio", "value/baseline")
             if how == "value/baseline":
                 ratio = value / base

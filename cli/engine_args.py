@@ -19,7 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
     g.add_argument("--block-size", type=int, help=f"tokens per KV block ({d.block_size})")
     g.add_argument("--max-num-seqs", type=int,
                    help="running requests at most, = state slots (default: on a GPU what the pools hold, at most "
-                        f"{AUTO_MAX_NUM_SEQS}; on a CPU {CPU_MAX_NUM_SEQS})")
+                        f"{AUTO_MAX_NUM_SEQS} and as many as fill half the step budget; on a CPU {CPU_MAX_NUM_SEQS})")
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
                    help=f"token budget of one step ({max_num_batched_tokens or d.max_num_batched_tokens})")
     g.add_argument("--long-prefill-token-threshold", type=int, help="cap on one prefill chunk (none)")

@@ -28,12 +28,12 @@ from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.memory_budget import (
-    AUTO_MAX_NUM_SEQS,
     CPU_CACHE_MEMORY_BYTES,
     CPU_MAX_NUM_SEQS,
     MemoryReport,
     auto_max_num_seqs,
     cache_budget,
+    max_rows_cap,
 )
 from baton.engine.memory_budget import summary as budget_summary
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
@@ -242,7 +242,7 @@ class LLMEngine:
         k = 0 if config.prefill_only else config.num_speculative_tokens
         cache = config.cache_memory_bytes
         if cache is None and config.num_kv_blocks is None:
-            rows = config.max_num_seqs or min(AUTO_MAX_NUM_SEQS, config.max_num_batched_tokens // (1 + k))
+            rows = config.max_num_seqs or max_rows_cap(config.max_num_batched_tokens, 1 + k)
             activations, graphs = self._measure_step_memory(config, device, rows)
             self.memory = MemoryReport(total=free_total[1], free=free_total[0], weights=weights_bytes,
                                        activations=activations, graphs=graphs)

@@ -73,12 +73,19 @@ def cache_budget(report: MemoryReport, utilization: float) -> int:
     return left
 
 
+def max_rows_cap(max_num_batched_tokens: int, tokens_per_row: int) -> int:
+    """The most running requests an unset `max_num_seqs` may become: AUTO_MAX_NUM_SEQS, and no more than fill half
+    the step budget with their rows of `tokens_per_row` (1+K) tokens, so that a full batch still leaves room for
+    prompt chunks (else a new prompt waits for a request to finish)."""
+    return max(1, min(AUTO_MAX_NUM_SEQS, max_num_batched_tokens // (2 * tokens_per_row)))
+
+
 def auto_max_num_seqs(cache_bytes: int, slot_bytes: int, block_bytes: int, max_num_batched_tokens: int,
                       tokens_per_row: int) -> int:
     """Running requests for pools of `cache_bytes`: as many state slots (`slot_bytes` each) as STATE_SHARE of it
-    holds, at most AUTO_MAX_NUM_SEQS and at most the step budget's rows of `tokens_per_row` (1+K) tokens, one
-    scratch slot and the scratch block kept aside. Raises ValueError where not even one request fits."""
-    cap = min(AUTO_MAX_NUM_SEQS, max_num_batched_tokens // tokens_per_row)
+    holds, at most `max_rows_cap`, one scratch slot and the scratch block kept aside. Raises ValueError where not
+    even one request fits."""
+    cap = max_rows_cap(max_num_batched_tokens, tokens_per_row)
     fit = cap if slot_bytes == 0 else int(cache_bytes * STATE_SHARE) // slot_bytes - 1
     n = min(cap, fit)
     if n < 1 or cache_bytes < (n + 1) * slot_bytes + 2 * block_bytes:

@@ -54,9 +54,10 @@ def test_the_utilization_is_a_fraction(bad):
 
 def test_running_requests_follow_the_state_pool_within_the_caps():
     slot, block = 100 * 2**20, 2**20
-    # Plenty of memory: the cap, or what the step budget's rows of 1+K tokens allow.
+    # Plenty of memory: the cap, or as many rows of 1+K tokens as fill half the step budget (the rest for prompts).
     assert auto_max_num_seqs(80 * GiB, slot, block, 512, 1) == AUTO_MAX_NUM_SEQS
-    assert auto_max_num_seqs(80 * GiB, slot, block, 512, 4) == 128
+    assert auto_max_num_seqs(80 * GiB, slot, block, 512, 2) == 128
+    assert auto_max_num_seqs(80 * GiB, slot, block, 512, 4) == 64
     # Little memory: the state pool takes at most half of the budget (a scratch slot aside).
     assert auto_max_num_seqs(4 * GiB, slot, block, 512, 1) == 2 * GiB // slot - 1 == 19
     # A model without Mamba layers has free slots.
@@ -107,16 +108,16 @@ def test_the_engine_sizes_pools_and_requests_from_a_memory_report(tiny, monkeypa
     total, others, weights = 8 * GiB, GiB, 2 * GiB
     cfg = engine._sized(EngineConfig(block_size=8, max_num_batched_tokens=64, gpu_memory_utilization=0.5),
                         torch.device("cpu"), (total - others, total), weights)
-    assert seen == [64]  # graphs measured for the most rows the step budget allows
+    assert seen == [32]  # graphs measured for the most rows an unset max_num_seqs may become
     assert cfg.cache_memory_bytes == 4 * GiB - weights - 400 * 2**20
     assert engine.memory == MemoryReport(total=total, free=total - others, weights=weights,
                                          activations=300 * 2**20, graphs=100 * 2**20)
-    assert cfg.max_num_seqs == 64  # the tiny model's state slots are small: the step budget caps
+    assert cfg.max_num_seqs == 32  # the tiny model's state slots are small: half the step budget caps
     # Given sizes win: no measurement; the requests then follow the given budget.
     seen.clear()
     given = engine._sized(EngineConfig(block_size=8, max_num_batched_tokens=64, cache_memory_bytes=2**26),
                           torch.device("cpu"), (total, total), weights)
-    assert seen == [] and given.cache_memory_bytes == 2**26 and given.max_num_seqs == 64
+    assert seen == [] and given.cache_memory_bytes == 2**26 and given.max_num_seqs == 32
     fixed = engine._sized(EngineConfig(block_size=8, max_num_batched_tokens=64, max_num_seqs=5, num_kv_blocks=40),
                           torch.device("cpu"), (total, total), weights)
     assert seen == [] and (fixed.max_num_seqs, fixed.cache_memory_bytes) == (5, None)
