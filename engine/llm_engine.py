@@ -283,7 +283,7 @@ class LLMEngine:
         runner.execute(scheduler.schedule())
         torch.cuda.synchronize(device)
         logits = 0 if config.prefill_only else 2 * rows * (1 + k) * self.model_config.vocab_size * 4
-        activations = torch.cuda.max_memory_reserved(device) - with_pools + logits
+        activations = max(0, torch.cuda.max_memory_reserved(device) - with_pools) + logits
         graphs = self._measure_graphs(config, device, pools, runner, rows)
         del runner, scheduler, pools, req
         gc.collect()
@@ -313,7 +313,7 @@ class LLMEngine:
         if mixed is not None:
             mixed.capture_all()
         torch.cuda.synchronize(device)
-        return torch.cuda.memory_reserved(device) - before  # `step` and `mixed` still hold their graphs here
+        return max(0, torch.cuda.memory_reserved(device) - before)  # `step` and `mixed` still hold their graphs here
 
     def memory_summary(self) -> str:
         """One line: where the memory went (on CUDA), and the running requests and context the pools allow."""
