@@ -78,9 +78,9 @@ def gpu_share(nodes: int, node_gpus: tuple[int, ...]) -> float:
 
 def shared_gpu_flags(a: argparse.Namespace, nodes: int, node_gpus: tuple[int, ...], gpus: int) -> tuple[str, ...]:
     """`--gpu-memory-utilization` for nodes that share GPUs (`gpu_share`), where the flags size no pool."""
-    share = gpu_share(nodes, node_gpus)
-    if not gpus or a.gpu_memory_utilization is not None or a.cache_memory_mb is not None or a.num_kv_blocks:
+    if not gpus or any(v is not None for v in (a.gpu_memory_utilization, a.cache_memory_mb, a.num_kv_blocks)):
         return ()
+    share = gpu_share(nodes, node_gpus)
     return ("--gpu-memory-utilization", str(share)) if share < EngineConfig().gpu_memory_utilization else ()
 
 

@@ -181,12 +181,11 @@ class LLMEngine:
                              f"weights (num_nextn_predict_layers = 0), got {k}")
         # Free and total GPU memory before this engine's weights: what other processes hold is not ours to size
         # (blocks this process cached and no longer uses are returned first, so that they do not count as theirs).
-        free_total = None
+        free_total, allocated = None, 0
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-            free_total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
         self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
         self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype) if k else None
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
