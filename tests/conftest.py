@@ -2,12 +2,17 @@
 Triton kernels run in Triton's interpreter (on CPU tensors), switched on before any module imports them. Tests
 marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`.
 The interpreter patches `triton.language` once a launch, not again at every helper call
-(tests/interpreter_patch_once.py: the same kernels, about a quarter less time)."""
+(tests/interpreter_patch_once.py: the same kernels, about a quarter less time). Every cluster a test starts
+(routers, nodes, `baton up`) shares one cluster secret, generated here, as a deployment's processes do."""
 
 import os
 
 import pytest
 import torch
+
+from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
+
+os.environ.setdefault(CLUSTER_SECRET_ENV, ClusterCredential.generate().encoded())
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
