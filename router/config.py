@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from baton.proto.message_limits import WORKER_MAX_MESSAGE_BYTES
+
 
 def _bad(field_name: str, expected: str, got: Any) -> ValueError:
     return ValueError(f"RouterConfig.{field_name}: expected {expected}, got {got!r}")
@@ -39,6 +41,17 @@ def _check_seconds(cfg: RouterConfig, field_name: str) -> None:
     ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
     if not ok:
         raise _bad(field_name, "a finite number of seconds > 0", v)
+
+
+def _check_limits(cfg: RouterConfig) -> None:
+    for name in ("max_inflight_requests", "max_inflight_per_client", "max_stop_ids"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _bad(name, "an integer >= 1", v)
+    v = cfg.max_request_bytes
+    if not isinstance(v, int) or isinstance(v, bool) or not 1024 <= v <= WORKER_MAX_MESSAGE_BYTES:
+        raise _bad("max_request_bytes", f"an integer in [1024, {WORKER_MAX_MESSAGE_BYTES}]", v)
+    _check_seconds(cfg, "stream_write_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,19 @@ class RouterConfig:
     # Consecutive failed Load polls that take a worker out of rotation (one successful poll puts it back).
     # A request that finds a worker UNAVAILABLE takes it out at once.
     unhealthy_after: int = 2
+    # Largest gRPC request (and the OpenAI front's largest HTTP body): `--max-request-bytes`. At most
+    # `proto.message_limits.WORKER_MAX_MESSAGE_BYTES`, so that what the router accepts the nodes accept too.
+    max_request_bytes: int = 16 << 20
+    # Generate calls in flight at once, over all clients; beyond it RESOURCE_EXHAUSTED with `retry-after`.
+    max_inflight_requests: int = 4096
+    # Generate calls in flight at once for one client (its API key when keys are configured, else its
+    # connection); beyond it RESOURCE_EXHAUSTED with `retry-after`.
+    max_inflight_per_client: int = 1024
+    # A response write that cannot complete this long (the client stopped reading) cancels the request,
+    # freeing its slot on the nodes.
+    stream_write_timeout_s: float = 30.0
+    # Most stop token ids one request may carry.
+    max_stop_ids: int = 256
 
     def __post_init__(self) -> None:
         # Normalise through object.__setattr__ so lists given by callers still make a hashable config.
@@ -99,6 +125,7 @@ class RouterConfig:
         n = self.unhealthy_after
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise _bad("unhealthy_after", "an integer >= 1", n)
+        _check_limits(self)
         p = self.tokenizer_path
         if p is not None and (not isinstance(p, str) or not p):
             raise _bad("tokenizer_path", "None or a non-empty path", p)

@@ -18,5 +18,9 @@ class RequestAborted(Exception):
     """The request was aborted by id (Generation.Abort): the stream ends with FINISH_REASON_ABORT."""
 
 
+class StreamStalled(Exception):
+    """A response write to the client did not complete within `stream_write_timeout_s`: it stopped reading."""
+
+
 def describe(worker: object, err: grpc.aio.AioRpcError) -> str:
     return f"{worker!r}: {err.code().name}: {err.details()}"

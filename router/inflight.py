@@ -11,8 +11,13 @@ from baton.router.workers import Worker
 
 @dataclass(eq=False)
 class InFlight:
+    # The id the workers know the request by; `client_id` is the caller's (they differ only when another caller
+    # has a request with the same id in flight).
     request_id: str
     prompt_tokens: int
+    # Whose request it is (`security.principal`): Generation.Abort acts only for the same principal.
+    principal: str = ""
+    client_id: str = ""
     # Workers that must be told to Abort unless the request ends normally: a prefill worker while its
     # Prefill runs and while the handle it issued is not yet consumed by a decode worker; a decode worker
     # until its stream ends with a finish reason.
@@ -31,6 +36,9 @@ class InFlight:
     route: str = ""
     prefill_retries: int = 0
     decode_retries: int = 0
+
+    def __post_init__(self) -> None:
+        self.client_id = self.client_id or self.request_id
 
     def abort(self) -> None:
         self.aborted = True

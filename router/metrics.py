@@ -15,6 +15,9 @@ DISAGGREGATED, LOCAL_PREFILL, FALLBACK = "disaggregated", "local_prefill", "fall
 PREFILL_OVERFLOW = "prefill_overflow"
 DECISIONS = (DISAGGREGATED, LOCAL_PREFILL, PREFILL_OVERFLOW, FALLBACK)
 STAGES = ("prefill", "decode")
+# Why a Generate call was refused (`router/limits.py`) or cut (its client stopped reading).
+GLOBAL_LIMIT, CLIENT_LIMIT, WRITE_TIMEOUT = "max_inflight_requests", "max_inflight_per_client", "stream_write_timeout"
+REJECT_REASONS = (GLOBAL_LIMIT, CLIENT_LIMIT, WRITE_TIMEOUT)
 
 # Seconds: from sub-millisecond (small models, ITL) to minutes (long prompts queued behind others).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -53,6 +56,10 @@ class RouterMetrics:
                                     "MTP draft tokens verified for requests that ended (final Usage)", registry=r)
         self.spec_accepted = Counter("baton_router_spec_accepted_tokens",
                                      "MTP draft tokens accepted for requests that ended (final Usage)", registry=r)
+        self.rejected = Counter("baton_router_rejected", "Generate calls refused by a limit with RESOURCE_EXHAUSTED "
+                                "(max_inflight_requests, max_inflight_per_client), or cut because their client read "
+                                "nothing for --stream-write-timeout-s (stream_write_timeout), by reason", ["reason"],
+                                registry=r)
         self.healthy_workers = Gauge("baton_router_healthy_workers", "Workers in rotation, by role", ["role"],
                                      registry=r)
         # Every label value is exported from the start (at 0), so that rates and dashboards need no traffic.
@@ -62,6 +69,8 @@ class RouterMetrics:
             self.decisions.labels(decision=d)
         for s in STAGES:
             self.retries.labels(stage=s)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
 
     def watch_workers(self, role: str, healthy_count: Callable[[], int]) -> None:
         """Read `healthy_count()` at every scrape."""

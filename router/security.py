@@ -12,6 +12,7 @@ No keys configured means no check (a router inside a trusted network); the CLI s
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable
@@ -88,6 +89,17 @@ class RouterSecurity:
         if not self.tls:
             return None
         return grpc.ssl_server_credentials([(self.tls_private_key, self.tls_cert_chain)])
+
+
+def principal(authorization: str | None) -> str:
+    """Who a call comes from, for scoping its requests: a stable digest of the key in its `authorization` value
+    (`Bearer <key>`; never the key itself), or "" for a caller that presented none."""
+    if not authorization:
+        return ""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        key = authorization
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _read_pem(name: str, path: str) -> bytes:

@@ -3,33 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 
 import grpc
 
 from baton.engine.tokenizer import TextTokenizer
 from baton.proto.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from baton.router import metrics as rm
-from baton.router.errors import RequestAborted, RouterError
+from baton.router.errors import RequestAborted, RouterError, StreamStalled
 from baton.router.flow import DecodeStream, Flow
 from baton.router.inflight import InFlight
+from baton.router.limits import Admission, Caller, caller_of, retry_after_metadata
 from baton.router.validation import ValidatedRequest, validate
 from baton.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
+# Text prompts longer than this are tokenized on a worker thread, off the event loop.
+_TOKENIZE_INLINE_CHARS = 4096
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, flow: Flow, tokenizer: TextTokenizer | None = None,
-                 metrics: rm.RouterMetrics | None = None) -> None:
+                 metrics: rm.RouterMetrics | None = None, keyed_clients: bool = False) -> None:
+        """`keyed_clients`: API keys are configured, so a client is its key (`limits.caller_of`)."""
         self.flow = flow
         self.tokenizer = tokenizer
+        self.keyed_clients = keyed_clients
+        self.admission = Admission(flow.config.max_inflight_requests, flow.config.max_inflight_per_client)
+        # Requests in flight by the id their workers know them by, and by (caller's principal, client's id).
         self._inflight: dict[str, InFlight] = {}
+        self._by_caller: dict[tuple[str, str], InFlight] = {}
         # Requests that `finish` ended early (an OpenAI stop string matched): they end as ok, not aborted.
         self._finished: set[str] = set()
+        # Set when the router drains (SIGTERM): new requests are refused and Health says not ok.
+        self.draining = False
         self.metrics = metrics if metrics is not None else rm.RouterMetrics()
         self.metrics.watch_workers("prefill", lambda: self.prefill_pool.healthy_count())
         self.metrics.watch_workers("decode", lambda: self.decode_pool.healthy_count())
@@ -52,20 +64,53 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
         started = time.monotonic()
+        if self.draining:
+            self.metrics.requests.labels(outcome=rm.ERROR).inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down): retry on another router")
+        caller = caller_of(context, self.keyed_clients)
+        refusal = self.admission.admit(caller.client)
+        if refusal is not None:
+            self.metrics.requests.labels(outcome=rm.ERROR).inc()
+            self.metrics.rejected.labels(reason=refusal.reason).inc()
+            if hasattr(context, "set_trailing_metadata"):  # (the OpenAI front's stand-in has none)
+                context.set_trailing_metadata(retry_after_metadata())
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message)
         try:
-            req = validate(request, self._model(), self.tokenizer)
+            await self._admitted(request, context, caller, started)
+        finally:
+            self.admission.release(caller.client)
+
+    async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
+        model, limit = self._model(), self.flow.config.max_stop_ids
+        if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_INLINE_CHARS:
+            # Tokenizing a long text takes long enough to stall every other stream on this loop.
+            return await asyncio.to_thread(validate, request, model, self.tokenizer, limit)
+        return validate(request, model, self.tokenizer, limit)
+
+    async def _admitted(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        caller: Caller, started: float) -> None:
+        try:
+            req = await self._validate(request)
         except ValueError as e:
             self.metrics.requests.labels(outcome=rm.INVALID).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RouterError as e:
             self.metrics.requests.labels(outcome=rm.ERROR).inc()
             await context.abort(e.code, e.message)
-        if req.request_id in self._inflight:
+        key = (caller.principal, req.request_id)
+        if key in self._by_caller:
             self.metrics.requests.labels(outcome=rm.INVALID).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id: {req.request_id!r} is already in flight")
-        state = InFlight(req.request_id, len(req.prompt_token_ids))
-        self._inflight[req.request_id] = state
+        # Another caller's request with this id keeps its id on the workers; this one gets a distinct one there,
+        # so that neither can reach the other's and the answer tells nothing about it.
+        worker_id = req.request_id
+        if worker_id in self._inflight:
+            worker_id = f"{req.request_id}~{uuid.uuid4().hex[:12]}"
+            req = dataclasses.replace(req, request_id=worker_id)
+        state = InFlight(worker_id, len(req.prompt_token_ids), principal=caller.principal, client_id=key[1])
+        self._inflight[worker_id] = state
+        self._by_caller[key] = state
         self.metrics.in_flight.inc()
         outcome = rm.ERROR
         try:
@@ -87,12 +132,33 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await context.abort(e.code, e.message)
         except RequestAborted:
             outcome = await self._end_aborted(state, context)
+        except StreamStalled:
+            self._stalled(state, context)
         finally:
-            del self._inflight[req.request_id]
-            self._finished.discard(req.request_id)
+            del self._inflight[worker_id]
+            del self._by_caller[key]
+            self._finished.discard(worker_id)
             state.untrack()
             self.flow.release_all(state)
             self._record(state, outcome, started)
+
+    async def _write(self, context: grpc.aio.ServicerContext, msg: generation_pb2.GenerateResponse) -> None:
+        """`context.write`, bounded: a client that reads nothing for `stream_write_timeout_s` (its flow-control
+        window full) loses the request, so that it cannot hold a slot on the nodes for as long as it likes."""
+        try:
+            async with asyncio.timeout(self.flow.config.stream_write_timeout_s):
+                await context.write(msg)
+        except TimeoutError:
+            raise StreamStalled from None
+
+    def _stalled(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
+        # No abort(): sending the status waits behind the unread messages; the call ends with it when the client
+        # reads again, or when its connection or deadline ends, while the request's slots are freed now.
+        t = self.flow.config.stream_write_timeout_s
+        log.warning("request %s: its client read nothing for %g s; cancelled", state.request_id, t)
+        self.metrics.rejected.labels(reason=rm.WRITE_TIMEOUT).inc()
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details(f"the client read nothing for {t:g} s (--stream-write-timeout-s): request cancelled")
 
     def _record(self, state: InFlight, outcome: str, started: float) -> None:
         m = self.metrics
@@ -144,14 +210,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             text = detok.push(ids) if detok else ""
             if final and detok:
                 text += detok.flush()
-            out = generation_pb2.GenerateResponse(request_id=state.request_id, token_ids=ids, text=text)
+            out = generation_pb2.GenerateResponse(request_id=state.client_id, token_ids=ids, text=text)
             if final:
                 out.finish_reason = msg.finish_reason
                 self._set_usage(out.usage, state)
                 # The stream ended as the worker meant it to: nothing is left to abort there.
                 state.live.discard(stream.worker)
             if ids or text or final:
-                await context.write(out)
+                await self._write(context, out)
             if ids:
                 now = time.monotonic()
                 if last_sent is None:
@@ -172,10 +238,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return rm.ABORTED
 
     async def _write_abort(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
-        out = generation_pb2.GenerateResponse(request_id=state.request_id,
+        out = generation_pb2.GenerateResponse(request_id=state.client_id,
                                               finish_reason=generation_pb2.FINISH_REASON_ABORT)
         self._set_usage(out.usage, state)
-        await context.write(out)
+        try:
+            await self._write(context, out)
+        except StreamStalled:
+            self._stalled(state, context)
 
     @staticmethod
     def _set_usage(usage: generation_pb2.Usage, state: InFlight) -> None:
@@ -193,7 +262,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # ---- Abort, Health, ModelInfo ---------------------------------------------------------------
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        state = self._inflight.get(request.request_id)
+        # Only the caller's own requests: another's id is answered exactly as an unknown one.
+        caller = caller_of(context, self.keyed_clients)
+        state = self._by_caller.get((caller.principal, request.request_id))
         if state is None:
             return generation_pb2.AbortResponse(found=False)
         state.abort()
@@ -222,8 +293,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The router can serve while at least one decode worker is healthy (it can prefill locally).
         Only reads ints and bools: the HTTP thread calls it too."""
         decode = self.decode_pool.healthy_count()
-        return generation_pb2.HealthResponse(ok=decode > 0, prefill_workers=self.prefill_pool.healthy_count(),
-                                             decode_workers=decode)
+        return generation_pb2.HealthResponse(ok=decode > 0 and not self.draining,
+                                             prefill_workers=self.prefill_pool.healthy_count(), decode_workers=decode)
 
     def workers(self) -> list[dict]:
         """`/v1/workers`: every configured worker with its role, address, health, metrics URL (None until it has

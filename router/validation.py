@@ -1,4 +1,9 @@
-"""Checks a GenerateRequest against the served model before any worker sees it (INVALID_ARGUMENT)."""
+"""Checks a GenerateRequest against the served model before any worker sees it (INVALID_ARGUMENT).
+
+Every field is range-checked here, where it enters: what passes fits the model (token ids below its vocabulary,
+lengths within its context) and the nodes' message limit (`proto/message_limits.py`). Integers too wide for
+their proto field never get this far (`proto/grpc_decode.py`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,15 @@ from dataclasses import dataclass
 
 from baton.engine.tokenizer import TextTokenizer
 from baton.proto.convert import sampling_from_proto
+from baton.proto.message_limits import WORKER_MAX_MESSAGE_BYTES
 from baton.proto.v1 import generation_pb2
+
+# Request ids travel to every node and into their logs.
+MAX_REQUEST_ID_CHARS = 256
+# Bytes a worker message may need beyond its token ids (ids, handle fields, sampling scalars), at most.
+_WORKER_MESSAGE_OVERHEAD = 4096
+# A uint32 on the wire takes at most this many bytes.
+_MAX_VARINT_BYTES = 5
 
 
 @dataclass(frozen=True)
@@ -31,20 +44,43 @@ def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: TextTokenize
     return tuple(tokenizer.encode(request.text))
 
 
-def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.ModelInfoResponse,
-             tokenizer: TextTokenizer | None) -> ValidatedRequest:
-    """Raises ValueError naming the field, what was expected and what came."""
-    prompt = _prompt_ids(request, tokenizer)
-    if not prompt:
+def _check_prompt_length(n: int, model: generation_pb2.ModelInfoResponse) -> None:
+    if not n:
         raise ValueError("prompt: expected at least one token, got an empty prompt")
-    bad = [t for t in prompt if t >= model.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids: expected ids in [0, vocab_size={model.vocab_size}), got {bad[:5]}")
     # The model must have room for at least one generated token.
-    if model.max_model_len and len(prompt) >= model.max_model_len:
-        raise ValueError(f"prompt: expected fewer than max_model_len={model.max_model_len} tokens, "
-                         f"got {len(prompt)}")
-    params = sampling_from_proto(request.sampling)
+    if model.max_model_len and n >= model.max_model_len:
+        raise ValueError(f"prompt: expected fewer than max_model_len={model.max_model_len} tokens, got {n}")
+
+
+def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.ModelInfoResponse,
+             tokenizer: TextTokenizer | None, max_stop_ids: int = 256) -> ValidatedRequest:
+    """Raises ValueError naming the field, what was expected and what came. Cheap checks come first, so that a
+    huge request is refused before it is walked."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id: expected at most {MAX_REQUEST_ID_CHARS} characters, "
+                         f"got {len(request.request_id)}")
+    if request.WhichOneof("prompt") == "token_ids":
+        _check_prompt_length(len(request.token_ids.ids), model)
+    s = request.sampling
+    if len(s.stop_token_ids) > max_stop_ids:
+        raise ValueError(f"sampling.stop_token_ids: expected at most {max_stop_ids} ids (--max-stop-ids), "
+                         f"got {len(s.stop_token_ids)}")
+    if model.max_model_len and s.HasField("max_tokens") and s.max_tokens > model.max_model_len:
+        raise ValueError(f"sampling.max_tokens: expected at most max_model_len={model.max_model_len}, "
+                         f"got {s.max_tokens}")
+    if s.HasField("top_k") and s.top_k > model.vocab_size:
+        raise ValueError(f"sampling.top_k: expected at most vocab_size={model.vocab_size} (0: off), got {s.top_k}")
+    params = sampling_from_proto(s)
     params.validate_for_vocab(model.vocab_size)
+    prompt = _prompt_ids(request, tokenizer)
+    _check_prompt_length(len(prompt), model)
+    if max(prompt) >= model.vocab_size:
+        bad = [t for t in prompt if t >= model.vocab_size]
+        raise ValueError(f"prompt token ids: expected ids in [0, vocab_size={model.vocab_size}), got {bad[:5]}")
+    # A Decode message carries the prompt, the stop ids and at most one KV block id per prompt token.
+    ids = 2 * len(prompt) + len(s.stop_token_ids)
+    if _MAX_VARINT_BYTES * ids + _WORKER_MESSAGE_OVERHEAD > WORKER_MAX_MESSAGE_BYTES:
+        most = (WORKER_MAX_MESSAGE_BYTES - _WORKER_MESSAGE_OVERHEAD) // (2 * _MAX_VARINT_BYTES)
+        raise ValueError(f"prompt: expected at most {most} tokens (the nodes' message limit), got {len(prompt)}")
     request_id = request.request_id or uuid.uuid4().hex
-    return ValidatedRequest(request_id, prompt, request.sampling)
+    return ValidatedRequest(request_id, prompt, s)
