@@ -36,6 +36,21 @@ def _ids(*ids):
     (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
                                     sampling=generation_pb2.SamplingParams(stop_token_ids=[VOCAB])),
      "stop_token_ids"),
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
+                                    sampling=generation_pb2.SamplingParams(max_tokens=2**32 - 1)),
+     f"sampling.max_tokens: expected at most max_model_len={MAX_MODEL_LEN}, got {2**32 - 1}"),
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
+                                    sampling=generation_pb2.SamplingParams(top_k=VOCAB + 1)),
+     f"sampling.top_k: expected at most vocab_size={VOCAB}"),
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
+                                    sampling=generation_pb2.SamplingParams(temperature=float("nan"))), "temperature"),
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
+                                    sampling=generation_pb2.SamplingParams(top_p=float("inf"))), "top_p"),
+    (generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1]),
+                                    sampling=generation_pb2.SamplingParams(stop_token_ids=[1] * 257)),
+     "sampling.stop_token_ids: expected at most 256 ids \\(--max-stop-ids\\), got 257"),
+    (generation_pb2.GenerateRequest(request_id="x" * 257, token_ids=generation_pb2.TokenIds(ids=[1])),
+     "request_id: expected at most 256 characters, got 257"),
 ])
 def test_invalid_requests_are_rejected_before_any_worker_sees_them(request_, match):
     async def go():
@@ -152,4 +167,62 @@ def test_text_prompt_and_text_deltas(tmp_path):
             assert tokens_of(msgs) == ids
             deltas = [m.text for m in msgs]
             assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    run(go())
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            return out + bytes([low])
+        out += bytes([low | 0x80])
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (a submessage or a packed list)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+# token_ids (field 2) holding one packed id of 2**40 + 7, which protobuf's parser would truncate to 7.
+WIDE_TOKEN_ID = _field(2, _field(1, _varint(2**40 + 7)))
+# sampling (field 4) with max_tokens (field 1) of 2**33.
+WIDE_MAX_TOKENS = _field(4, _varint(1 << 3) + _varint(2**33)) + _field(2, _field(1, _varint(5)))
+
+
+@pytest.mark.parametrize(("method", "streaming", "raw", "match"), [
+    ("Generate", True, b"\xff\xff\xff\xff", "expected a serialized baton.v1.GenerateRequest"),
+    ("Generate", True, b"\x12\x05\x0a", "expected a serialized baton.v1.GenerateRequest"),
+    ("Generate", True, WIDE_TOKEN_ID,
+     f"baton.v1.GenerateRequest.token_ids.ids: expected integers in \\[0, {2**32}\\), got {2**40 + 7}"),
+    ("Generate", True, WIDE_MAX_TOKENS, f"sampling.max_tokens: expected integers in \\[0, {2**32}\\), got {2**33}"),
+    ("Abort", False, b"\x0a\xff", "expected a serialized baton.v1.AbortRequest"),
+    ("ModelInfo", False, b"\x08", "expected a serialized baton.v1.ModelInfoRequest"),
+])
+def test_undecodable_or_too_wide_bytes_are_invalid_argument(method, streaming, raw, match):
+    async def go():
+        async with cluster(1, 1) as c:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{c.router.port}") as ch:
+                path = f"/baton.v1.Generation/{method}"
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    if streaming:
+                        async for _ in ch.unary_stream(path)(raw, timeout=5):
+                            pass
+                    else:
+                        await ch.unary_unary(path)(raw, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert re.search(match, e.value.details()), e.value.details()
+            assert c.decode[0].decodes == []
+            # The router still serves.
+            assert tokens_of(await c.generate([1, 2]))
+    run(go())
+
+
+def test_stop_id_count_follows_the_flag():
+    async def go():
+        async with cluster(1, 1, max_stop_ids=2) as c:
+            assert tokens_of(await c.generate([1, 2], stop_token_ids=[3, 4]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate([1, 2], stop_token_ids=[3, 4, 5])
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-ids" in e.value.details()
     run(go())
