@@ -8,7 +8,13 @@ channel on its port + 1000.
 GPUs: with `node_gpus` (e.g. `(0, 1)`), node i in launch order (prefill nodes, then decode nodes) runs with
 `CUDA_VISIBLE_DEVICES` = node_gpus[i % len(node_gpus)] first, then the other listed GPUs: it computes on
 `cuda` (= its own GPU) while its peers' GPUs stay visible for CUDA IPC (NIXL's cuda_ipc transport). The router
-and, without `node_gpus`, every process inherit this process's environment unchanged.
+and, without `node_gpus`, every process inherit this process's environment otherwise unchanged.
+
+Trust: every process gets the cluster secret in `BATON_CLUSTER_SECRET` (never on its command line, which any user
+of the host can read): this process's own if it has one, else one generated per cluster.
+
+Stopping drains: the router first (it refuses new requests and lets those in flight finish), then the nodes
+(leases held for decode nodes are pulled first); each gets its drain timeout, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pathlib import Path
 
 import grpc
 
+from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
+
 # How long a node may take to load, measure its memory and capture its CUDA graphs: a large checkpoint on a fresh GPU
 # host (Triton compiling every kernel first) takes minutes, and a dead process ends the wait at once anyway.
 READY_TIMEOUT_S = 900.0
@@ -32,6 +40,10 @@ READY_TIMEOUT_S = 900.0
 
 NODE_SIDE_CHANNEL_OFFSET = 1000
 NODE_HTTP_OFFSET = 2000
+# The processes' own drain timeout where `drain_timeout_s` leaves it (router and nodes take the same).
+PROCESS_DRAIN_TIMEOUT_S = 60.0
+# How much longer than its drain timeout a process gets after SIGTERM before SIGKILL (its own clean-up).
+STOP_MARGIN_S = 10.0
 
 
 def free_port_block(n: int, start: int = 20000, stop: int = 57000) -> int:
@@ -74,7 +86,13 @@ class Cluster:
     log_dir: str | None = None
     # GPU ids (as CUDA_VISIBLE_DEVICES takes them) to spread the nodes over; () = leave the environment alone.
     node_gpus: tuple[int, ...] = ()
+    # --drain-timeout-s of every process (None: their default).
+    drain_timeout_s: float | None = None
+    # The cluster's secret (default: BATON_CLUSTER_SECRET of this process, else a new one).
+    credential: ClusterCredential | None = field(default=None, repr=False)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # How each process was started (module, arguments, environment): `respawn` starts it again alike.
+    commands: dict[str, tuple[str, list[str], dict[str, str]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1:
@@ -85,6 +103,10 @@ class Cluster:
         if (any(type(g) is not int or g < 0 for g in self.node_gpus)
                 or len(set(self.node_gpus)) != len(self.node_gpus)):
             raise ValueError(f"node_gpus: expected distinct non-negative integer GPU ids, got {self.node_gpus}")
+        if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s: expected seconds >= 0, got {self.drain_timeout_s}")
+        if self.credential is None:
+            self.credential = ClusterCredential.from_sources() or ClusterCredential.generate()
         if self.port is None:
             self.port = free_port_block(2 + self.prefill_workers + self.decode_workers)
         if self.http_port is None:
@@ -142,13 +164,36 @@ class Cluster:
         order = [gpu, *(g for g in self.node_gpus if g != gpu)]
         return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, order))}
 
-    def _spawn(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def process_env(self, name: str) -> dict[str, str]:
+        """The environment of process `name` (a node or "router"): this process's, the cluster secret, and a node's
+        CUDA_VISIBLE_DEVICES (`node_env`)."""
+        base = (self.node_env(name) if name != "router" else None) or dict(os.environ)
+        assert self.credential is not None
+        return {**base, CLUSTER_SECRET_ENV: self.credential.encoded()}
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        self.commands[name] = (module, args, self.process_env(name))
+        self._popen(name, "w")
+
+    def _popen(self, name: str, log_mode: str) -> None:
+        module, args, env = self.commands[name]
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            out = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 (lives as long as the process)
+            out = open(Path(self.log_dir) / f"{name}.log", log_mode)  # noqa: SIM115 (lives as long as the process)
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Starts process `name` again as it was first started (same ports; its log is appended to). The router
+        takes a node back into rotation once it answers its Load polls; nodes need no router to come back."""
+        if self.procs[name].poll() is None:
+            raise ValueError(f"respawn: expected a process that has exited, got {name!r} still running")
+        self._popen(name, "a")
+        return self.procs[name]
+
+    def _drain_args(self) -> list[str]:
+        return [] if self.drain_timeout_s is None else ["--drain-timeout-s", str(self.drain_timeout_s)]
 
     def node_argv(self, name: str) -> list[str]:
         """The arguments of node `name` ("prefill-0", "decode-1", ...): the common flags, its port, then its role's
@@ -158,14 +203,14 @@ class Cluster:
         port = int(addrs[int(i)].rsplit(":", 1)[1])
         return ["--model", str(self.model), "--host", self.host, *self.engine_args, *self.node_args,
                 "--port", str(port), "--http-port", str(port + NODE_HTTP_OFFSET), "--engine-id", name,
-                *(self.prefill_args if role == "prefill" else self.decode_args)]
+                *self._drain_args(), *(self.prefill_args if role == "prefill" else self.decode_args)]
 
     def start(self, router: bool = True) -> Cluster:
         """Start the nodes, wait until they answer, then (unless router=False) the router."""
         for role, addrs in (("prefill", self.prefill_addrs), ("decode", self.decode_addrs)):
             for i in range(len(addrs)):
                 name = f"{role}-{i}"
-                self._spawn(name, f"baton.{role}_node.server", self.node_argv(name), env=self.node_env(name))
+                self._spawn(name, f"baton.{role}_node.server", self.node_argv(name))
         self._wait_workers()
         if router:
             self._start_router()
@@ -173,7 +218,7 @@ class Cluster:
 
     def _start_router(self) -> None:
         router = ["--host", self.host, "--port", str(self.port), "--http-port", str(self.http_port),
-                  "--local-prefill-threshold", str(self.local_prefill_threshold)]
+                  "--local-prefill-threshold", str(self.local_prefill_threshold), *self._drain_args()]
         for a in self.prefill_addrs:
             router += ["--prefill", a]
         for a in self.decode_addrs:
@@ -194,6 +239,8 @@ class Cluster:
         from baton.proto.v1 import worker_pb2 as wk
         from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 
+        assert self.credential is not None
+        metadata = self.credential.grpc_metadata()
         deadline = time.monotonic() + READY_TIMEOUT_S
         for addr in [*self.prefill_addrs, *self.decode_addrs]:
             with grpc.insecure_channel(addr) as ch:
@@ -201,7 +248,7 @@ class Cluster:
                 while True:
                     self._check_alive()
                     try:
-                        stub.Load(wk.LoadRequest(), timeout=1.0)
+                        stub.Load(wk.LoadRequest(), timeout=1.0, metadata=metadata)
                         break
                     except grpc.RpcError:
                         if time.monotonic() > deadline:
@@ -235,23 +282,35 @@ class Cluster:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM everything (router first, so that it stops taking requests), then SIGKILL stragglers."""
-        order = sorted(self.procs, key=lambda n: n != "router")
-        for name in order:
-            proc = self.procs[name]
+    def stop(self, timeout: float | None = None) -> None:
+        """Drains and stops everything: SIGTERM to the router, which refuses new requests and lets those in flight
+        finish, then to the nodes, which finish what they still hold; each group gets `timeout` seconds (default:
+        the drain timeout + `STOP_MARGIN_S`) before SIGKILL."""
+        if timeout is None:
+            drain = self.drain_timeout_s if self.drain_timeout_s is not None else PROCESS_DRAIN_TIMEOUT_S
+            timeout = drain + STOP_MARGIN_S
+        for group in ([n for n in self.procs if n == "router"], [n for n in self.procs if n != "router"]):
+            for name in group:
+                proc = self.procs[name]
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for name in group:
+                proc = self.procs[name]
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+
+    def hurry(self) -> None:
+        """SIGTERM again to every process still running: a second signal cuts a drain short."""
+        for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name in order:
-            proc = self.procs[name]
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
 
     def __enter__(self) -> Cluster:
         return self.start()

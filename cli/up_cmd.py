@@ -1,4 +1,9 @@
-"""`baton up`: router + prefill and decode nodes on this machine, as separate processes, until Ctrl-C."""
+"""`baton up`: router + prefill and decode nodes on this machine, as separate processes, until Ctrl-C.
+
+It supervises them (a process that exits is started again, `cli/supervisor.py`) and serves its own /metrics
+(`baton_up_process_restarts_total`). Ctrl-C or SIGTERM drains: the router stops taking requests and lets those in
+flight finish, then the nodes; a second signal cuts the drains short.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ import argparse
 import signal
 import threading
 
-from baton.cli.cluster import Cluster
+from baton.cli.cluster import NODE_HTTP_OFFSET, PROCESS_DRAIN_TIMEOUT_S, Cluster
 from baton.cli.engine_args import add_engine_args, engine_flags, role_engine_flags
+from baton.cli.supervisor import Supervisor
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 
@@ -41,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="clients must send 'authorization: Bearer <key>' with a key from this file (one per line); "
                         "BATON_API_KEYS (comma-separated) works too")
     p.add_argument("--log-dir", default=None, help="write each process's output to DIR/<name>.log")
+    p.add_argument("--drain-timeout-s", type=float, default=PROCESS_DRAIN_TIMEOUT_S,
+                   help="on Ctrl-C/SIGTERM the router, then the nodes, stop taking requests and give those in flight "
+                        "this long to finish")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="port of baton up's own /metrics (process restarts; default P+2000, which no node uses; "
+                        "0: any free port)")
     p.add_argument("--node-gpus", type=gpu_list, default=(), metavar="G,G,...",
                    help="spread the nodes over these GPUs: node i (prefill nodes first) gets CUDA_VISIBLE_DEVICES = "
                         "its GPU (the i-th, cyclically) first, then the others (default: environment unchanged)")
@@ -98,32 +110,55 @@ def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster
                    prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
                                                   PREFILL_MAX_NUM_BATCHED_TOKENS),
                    decode_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
-                   log_dir=a.log_dir, node_gpus=a.node_gpus,
+                   log_dir=a.log_dir, node_gpus=a.node_gpus, drain_timeout_s=a.drain_timeout_s,
                    router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
                    + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))
                       if a.prefill_queue_limit_tokens else ()))
 
 
+def metrics_port_of(a: argparse.Namespace, cluster: Cluster) -> int:
+    """--metrics-port, else the router's port + 2000 (among the ports `free_port_block` checks; no node's)."""
+    port = a.metrics_port if a.metrics_port is not None else cluster.port + NODE_HTTP_OFFSET
+    taken = {cluster.port, cluster.http_port, *(p + off for p in cluster.node_ports for off in (0, 1000, 2000))}
+    if port in taken:
+        raise ValueError(f"--metrics-port: expected a port no process of the cluster uses, got {port}")
+    return port
+
+
 def run(a: argparse.Namespace) -> int:
+    from baton.router.http import HttpServer, metrics_route
+
     cluster = cluster_from_args(a)
+    metrics_port = metrics_port_of(a, cluster)
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():
+            cluster.hurry()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     print(f"baton up: {len(cluster.prefill_addrs)} prefill and {len(cluster.decode_addrs)} decode nodes"
           + (" (aggregated: decode nodes prefill)" if not cluster.prefill_addrs else "")
           + (", caches moved through CUDA IPC" if "--cuda-ipc" in cluster.node_args else "")
           + (f", engine flags {' '.join(cluster.engine_args)}" if cluster.engine_args else "")
           + "; starting", flush=True)
-    cluster.start()
-    print(f"baton up: router on {cluster.router_addr} (metrics {cluster.router_http_url}/metrics); "
-          f"prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}. Ctrl-C stops.", flush=True)
+    http = None
     try:
+        cluster.start()
+        supervisor = Supervisor(cluster)
+        http = HttpServer({"/metrics": metrics_route(supervisor.registry)}, cluster.host, metrics_port,
+                          name="baton-up-http")
+        print(f"baton up: router on {cluster.router_addr} (metrics {cluster.router_http_url}/metrics); "
+              f"prefill {cluster.prefill_addrs}; decode {cluster.decode_addrs}; restarts at "
+              f"http://{cluster.host}:{http.port}/metrics. Ctrl-C stops.", flush=True)
         while not stop.wait(0.5):
-            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"baton up: processes exited: {dead}; shutting down", flush=True)
-                return 1
+            supervisor.tick()
     finally:
+        print(f"baton up: draining (router, then nodes; up to {cluster.drain_timeout_s:g} s each)", flush=True)
         cluster.stop()
+        if http is not None:
+            http.close()
         print("baton up: stopped", flush=True)
     return 0

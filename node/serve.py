@@ -1,4 +1,4 @@
-"""Node process bootstrap: flags, engine + engine thread, the gRPC server, and a clean shutdown."""
+"""Node process bootstrap: flags, engine + engine thread, the gRPC server, and a drain then a clean shutdown."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import grpc
 
 from baton.cli.engine_args import add_engine_args
 from baton.cli.listen_error import CannotListen
+from baton.node.cluster_auth import add_cluster_auth_args
+from baton.node.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain
 from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
 
+# Calls still running once the drain is over (Abort, Info) get this long before the server stops.
 GRACE_S = 5.0
 # A node's default HTTP port is its gRPC port + this; side channels use + 1000 (cli/cluster.py lays them out).
 HTTP_PORT_OFFSET = 2000
@@ -34,7 +37,12 @@ def node_parser(role: str, max_num_batched_tokens: int | None = None) -> argpars
     p.add_argument("--nixl-progress-delay-us", type=int, default=DEFAULT_PROGRESS_DELAY_US,
                    help="longest sleep (us) of NIXL's progress thread between passes; 0: it spins, one busy core "
                         f"(default {DEFAULT_PROGRESS_DELAY_US})")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT the node stops taking requests (Load and /health say so) and waits this "
+                        "long for the requests in flight (and, on a prefill node, the leases held) to finish; what is "
+                        f"left then ends with UNAVAILABLE (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     add_engine_args(p, max_num_batched_tokens)
+    add_cluster_auth_args(p)
     return p
 
 
@@ -57,19 +65,30 @@ def default_engine_id(role: str, host: str, port: int) -> str:
     return f"{role}-{socket.gethostname()}-{host}-{port}"
 
 
-async def serve_until_signalled(start: Callable[[], Awaitable[grpc.aio.Server]],
-                                shutdown: Callable[[], None]) -> None:
-    """Start the server, then wait for SIGINT/SIGTERM; stop accepting, drain for a grace period, clean up."""
+async def serve_until_signalled(start: Callable[[], Awaitable[grpc.aio.Server]], shutdown: Callable[[], None],
+                                drain: NodeDrain | None = None) -> None:
+    """Start the server, then wait for SIGINT/SIGTERM; drain (a second signal cuts the drain short), stop the
+    server, clean up."""
     server = await start()
-    stop = asyncio.Event()
+    signals = 0
+    stop, again = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        (stop if signals == 1 else again).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    if drain is not None:
+        await drain.run(cut_short=again)
     await server.stop(GRACE_S)
     shutdown()
 
 
-def run(start: Callable[[], Awaitable[grpc.aio.Server]], shutdown: Callable[[], None]) -> int:
-    asyncio.run(serve_until_signalled(start, shutdown))
+def run(start: Callable[[], Awaitable[grpc.aio.Server]], shutdown: Callable[[], None],
+        drain: NodeDrain | None = None) -> int:
+    asyncio.run(serve_until_signalled(start, shutdown, drain))
     return 0
