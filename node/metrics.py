@@ -76,7 +76,8 @@ class NodeMetrics:
         read at scrape time."""
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        # True once the gRPC server is listening; /health also needs a live engine thread.
+        # True once the gRPC server is listening, false again once it drains; /health also needs a live engine
+        # thread.
         self.ready = False
         Gauge("baton_node_info", "Always 1; labels name the node", ["role", "engine_id"],
               registry=r).labels(role=role, engine_id=engine_id).set(1)
@@ -158,8 +159,10 @@ class NodeMetrics:
 
 
 def start_node_http(metrics: NodeMetrics, thread: EngineThread, host: str, port: int) -> HttpServer:
-    """/metrics and /health (200 once serving, while the engine thread is alive; else 503)."""
+    """/metrics, /health (readiness: 200 once serving, until the drain begins, while the engine thread is alive;
+    else 503) and /live (liveness: 200 while the engine thread is alive, draining included)."""
     metrics.registry.register(_ObserverErrorsCollector(thread))
     routes = {"/metrics": metrics_route(metrics.registry),
-              "/health": health_route(lambda: metrics.ready and thread.alive())}
+              "/health": health_route(lambda: metrics.ready and thread.alive()),
+              "/live": health_route(thread.alive)}
     return HttpServer(routes, host, port, name="baton-node-http")

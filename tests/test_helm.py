@@ -9,6 +9,7 @@ Offline: helm-python-sdk embeds Helm as a native library and kubernetes-validate
 
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import helm_python as helm
 import kubernetes_validate as kv
 import pytest
 import yaml
+
+from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "baton"
 ALL_VALUES = CHART / "ci" / "all-values.yaml"
@@ -132,6 +135,8 @@ def test_manifests_pass_kubernetes_schema(case):
                 "Service", "Service", "Service", "ServiceAccount", "StatefulSet", "StatefulSet"]
     if case == "all":
         expected += ["HorizontalPodAutoscaler", "ServiceMonitor"]
+    else:  # all-values names an existing cluster Secret
+        expected += ["Secret"]
     assert kinds == sorted(expected)
     for d in docs:
         if d["kind"] == "ServiceMonitor":  # a CRD: checked by test_service_monitor
@@ -214,8 +219,10 @@ def test_probes_and_security(case):
         c = container(w)
         http = port(c, "http")
         assert arg_map(c["args"])["--http-port"] == [str(http)]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # Ready (startup, readiness) only while serving and not draining; alive (liveness) while draining too.
+        for probe in ("startupProbe", "readinessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, (w["metadata"]["name"], probe)
+        assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] > 0
         sc = c["securityContext"]
@@ -299,7 +306,48 @@ def test_mixed_graph_tokens_reach_the_decode_nodes_only():
     assert "--speculative-tokens" not in decode
 
 
+def test_a_cluster_secret_is_generated_url_safe_and_reaches_every_pod_as_env():
+    docs = manifests("default")
+    secret = one(docs, "Secret")
+    text = base64.b64decode(secret["data"]["secret"]).decode()
+    assert "+" not in text and "/" not in text
+    assert len(ClusterCredential.parse(text).secret) == 32
+    # Drawn afresh where no release holds one yet.
+    assert one(render(None), "Secret")["data"] != secret["data"]
+    for w in workloads(docs):
+        c = container(w)
+        (env,) = [e for e in c["env"] if e["name"] == CLUSTER_SECRET_ENV]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "secret"}
+        assert not any("secret" in a for a in c["args"])
+
+
+def test_an_existing_cluster_secret_is_used_instead():
+    docs = manifests("all")
+    assert of_kind(docs, "Secret") == []
+    for w in workloads(docs):
+        (env,) = [e for e in container(w)["env"] if e["name"] == CLUSTER_SECRET_ENV]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "baton-cluster-secret", "key": "cluster.secret"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_process_drains_within_its_pods_grace_period(case):
+    docs = manifests(case)
+    vals = values(case) or {}
+    for w in workloads(docs):
+        role = w["metadata"]["labels"]["app.kubernetes.io/component"]
+        c = container(w)
+        given = vals.get(role, {})
+        drain = given.get("drainTimeoutSeconds", 60)
+        pre = given.get("preStopSleepSeconds", 0)
+        assert arg_map(c["args"])["--drain-timeout-s"] == [str(drain)]
+        grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace == given.get("terminationGracePeriodSeconds", drain + pre + 15) and grace >= drain + pre
+
+
 @pytest.mark.parametrize("bad, message", [
+    ({"router": {"grace": 5}}, "router.grace was renamed router.drainTimeoutSeconds"),
+    ({"decode": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 30}},
+     "decode.terminationGracePeriodSeconds must be at least"),
     ({"decode": {"replicas": 0}}, "replicas"),
     ({"decode": {"engine": {"block-size": 32}}}, "block-size"),
     ({"prefill": {"engine": {"ssm-state-dtype": "float16"}}}, "ssm-state-dtype"),

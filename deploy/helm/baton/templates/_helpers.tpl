@@ -124,7 +124,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "BATON_%s_%s" (upper .role) (.flag | replace "-" "_" | upper) }}
 {{- end }}
 
-{{/* The container's probes on HTTP /health: (dict "root" $ "port" "http"). */}}
+{{/* The container's probes: startup and readiness on HTTP /health (503 while starting or draining), liveness on
+/live (200 while the process serves, draining included): (dict "root" $). */}}
 {{- define "baton.probes" -}}
 {{- $p := .root.Values.probes }}
 startupProbe:
@@ -143,7 +144,7 @@ readinessProbe:
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
 livenessProbe:
   httpGet:
-    path: /health
+    path: /live
     port: http
   periodSeconds: {{ $p.liveness.periodSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
@@ -179,4 +180,35 @@ lifecycle:
   preStop:
     sleep:
       seconds: {{ int . }}
+{{- end }}
+
+{{- define "baton.clusterSecretName" -}}
+{{- default (printf "%s-cluster" (include "baton.fullname" .)) .Values.clusterSecret.existingSecret }}
+{{- end }}
+
+{{/* BATON_CLUSTER_SECRET from the cluster Secret (never on a command line). */}}
+{{- define "baton.clusterSecretEnv" -}}
+- name: BATON_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "baton.clusterSecretName" . }}
+      key: {{ .Values.clusterSecret.key }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds of a component (its values as .v, its path as .name): the value given, else
+its drain + preStop sleep + 15 s for the rest of its shutdown; a value below drain + preStop is refused. */}}
+{{- define "baton.terminationGrace" -}}
+{{- $v := .v }}
+{{- if hasKey $v "grace" }}
+{{- fail (printf "%s.grace was renamed %s.drainTimeoutSeconds" .name .name) }}
+{{- end }}
+{{- $drain := int (ceil $v.drainTimeoutSeconds) }}
+{{- $pre := int $v.preStopSleepSeconds }}
+{{- if kindIs "invalid" $v.terminationGracePeriodSeconds }}
+{{- add $drain $pre 15 }}
+{{- else if lt (int $v.terminationGracePeriodSeconds) (add $drain $pre) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds must be at least drainTimeoutSeconds + preStopSleepSeconds (%d), got %d" .name (add $drain $pre) (int $v.terminationGracePeriodSeconds)) }}
+{{- else }}
+{{- $v.terminationGracePeriodSeconds }}
+{{- end }}
 {{- end }}

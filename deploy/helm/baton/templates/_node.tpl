@@ -74,7 +74,7 @@ spec:
       {{- end }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
-      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      terminationGracePeriodSeconds: {{ include "baton.terminationGrace" (dict "v" $v "name" $role) }}
       containers:
         - name: {{ $role }}
           image: {{ include "baton.image" $root | quote }}
@@ -92,6 +92,8 @@ spec:
             - {{ $v.ports.http | quote }}
             - --engine-id
             - $(POD_NAME)
+            - --drain-timeout-s
+            - {{ $v.drainTimeoutSeconds | quote }}
             {{- if eq $role "prefill" }}
             - --side-channel-port
             - {{ $v.ports.sideChannel | quote }}
@@ -134,6 +136,7 @@ spec:
                 fieldRef:
                   fieldPath: status.podIP
             {{- include "baton.commonEnv" $root | nindent 12 }}
+            {{- include "baton.clusterSecretEnv" $root | nindent 12 }}
             {{- range $flag := keys $settings | sortAlpha }}
             {{- $key := include "baton.engineKey" (dict "role" $role "flag" $flag) }}
             - name: {{ $key }}
