@@ -7,6 +7,10 @@ cluster has GPUs (and then run with `--device cuda` unless --device says otherwi
 actor is placed with SPREAD scheduling. The router finds the workers through Ray (`--ray-namespace`,
 router/discovery.py `RayDiscovery`), so actors added to the namespace later join its pools.
 
+Trust: the launcher takes the cluster secret from its own BATON_CLUSTER_SECRET or generates one, and hands it to
+each actor's constructor; the actor gives it to its server process through the environment (never on a command
+line). On SIGINT/SIGTERM the router drains first, then the nodes (`--drain-timeout-s` each).
+
 The model directory must be readable at the same path on every Ray node (a shared filesystem). The actors
 belong to this command (not detached): when it ends, Ctrl-C or not, Ray kills them, and each child process
 ends with its actor (a watchdog in the child notices that its parent is gone).
@@ -32,6 +36,7 @@ from typing import Any
 
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
+DRAIN_TIMEOUT_S = 60.0
 ROUTER_NAME = "router"
 LISTEN_ATTEMPTS = 3  # starts of one server whose picked-free port was taken meanwhile
 
@@ -62,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--gpus-per-node", type=float, default=None,
                     help="GPUs each prefill/decode actor asks for (default: 1 if the cluster has GPUs, else 0)")
     up.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs each prefill/decode actor asks for")
+    up.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
+                    help="on Ctrl-C/SIGTERM the router, then the nodes, stop taking requests and give those in flight "
+                         "this long to finish")
     up.add_argument("--log-dir", default=None,
                     help="each server writes DIR/<name>.log on its Ray node (default: Ray's worker logs, "
                          "which Ray also forwards to this terminal)")
@@ -93,8 +101,11 @@ class ServerActor:
     """Runs one Baton server process on its Ray node. Decorated with `ray.remote` by `actor_class()`;
     called concurrently (max_concurrency > 1) so that `address()` answers while `start()` waits."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cluster_secret: str | None = None) -> None:
+        """`cluster_secret`: the cluster's (encoded) secret, put in the server's environment (default: this
+        process's BATON_CLUSTER_SECRET, inherited)."""
         self.name = name
+        self.cluster_secret = cluster_secret
         self.proc: subprocess.Popen | None = None
         self.addr: str | None = None
         self.http_port: int | None = None
@@ -129,7 +140,11 @@ class ServerActor:
         from baton.cli.listen_error import CANNOT_LISTEN_EXIT
 
         module = "baton.router.server" if role == "router" else f"baton.{role}_node.server"
+        from baton.proto.auth import CLUSTER_SECRET_ENV
+
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_JOB_ID", "RAY_ADDRESS")}
+        if self.cluster_secret is not None:
+            env[CLUSTER_SECRET_ENV] = self.cluster_secret
         picks_ports = not port or not http_port or role == "prefill"
         attempt = 0
         while True:
@@ -144,7 +159,7 @@ class ServerActor:
                  *args], stdout=out, stderr=subprocess.STDOUT if out is not None else None, env=env)
             addr = join_host_port(ip, gport)
             try:
-                self._wait_ready(addr, role)
+                self._wait_ready(addr, role, env)
                 return addr
             except ServerExited as e:
                 if e.returncode != CANNOT_LISTEN_EXIT or not picks_ports or attempt == LISTEN_ATTEMPTS:
@@ -152,20 +167,24 @@ class ServerActor:
                 print(f"{self.name}: a port picked free was taken before the server bound it; starting it again "
                       f"on new ports ({attempt}/{LISTEN_ATTEMPTS - 1})", file=sys.stderr, flush=True)
 
-    def _wait_ready(self, addr: str, role: str) -> None:
+    def _wait_ready(self, addr: str, role: str, env: dict[str, str]) -> None:
         import grpc
 
+        from baton.proto.auth import ClusterCredential
         from baton.proto.v1 import generation_pb2 as gen
         from baton.proto.v1 import generation_pb2_grpc as gen_grpc
         from baton.proto.v1 import worker_pb2 as wk
         from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 
+        credential = ClusterCredential.from_sources(environ=env)
+        metadata = credential.grpc_metadata() if credential is not None else ()
         deadline = time.monotonic() + READY_TIMEOUT_S
         with grpc.insecure_channel(addr) as ch:
             # Nodes are ready once they answer Load; the router once it answers Health at all (it reports
             # ok only after discovering its workers, which the launcher waits for).
             call = (lambda: gen_grpc.GenerationStub(ch).Health(gen.HealthRequest(), timeout=1.0)) \
-                if role == "router" else (lambda: wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=1.0))
+                if role == "router" else (lambda: wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=1.0,
+                                                                   metadata=metadata))
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
@@ -232,7 +251,10 @@ class RayCluster:
                  local_prefill_threshold: int = 0, engine_args: tuple[str, ...] = (),
                  gpus_per_node: float | None = None, cpus_per_node: float = 1.0,
                  log_dir: str | None = None, prefill_queue_limit_tokens: int = 0,
-                 prefill_engine_args: tuple[str, ...] = (), decode_engine_args: tuple[str, ...] = ()) -> None:
+                 prefill_engine_args: tuple[str, ...] = (), decode_engine_args: tuple[str, ...] = (),
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        from baton.proto.auth import ClusterCredential
+
         if decode_workers < 1:
             raise ValueError(f"decode_workers: expected at least 1, got {decode_workers}")
         if prefill_workers < 0:
@@ -247,6 +269,10 @@ class RayCluster:
         self.role_engine_args = {"prefill": tuple(prefill_engine_args), "decode": tuple(decode_engine_args)}
         self.gpus_per_node, self.cpus_per_node = gpus_per_node, cpus_per_node
         self.log_dir = log_dir
+        if not drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s: expected seconds >= 0, got {drain_timeout_s}")
+        self.drain_timeout_s = drain_timeout_s
+        self.credential = ClusterCredential.from_sources() or ClusterCredential.generate()
         self.actors: dict[str, Any] = {}
         self.info: dict[str, dict[str, Any]] = {}
 
@@ -274,6 +300,7 @@ class RayCluster:
         if gpus > 0 and "--device" not in engine_args:
             engine_args += ["--device", "cuda"]
         actor = actor_class()
+        drain = ["--drain-timeout-s", str(self.drain_timeout_s)]
         try:
             starts = {}
             for role, n in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
@@ -281,18 +308,18 @@ class RayCluster:
                     name = f"{role}-{i}"
                     self.actors[name] = actor.options(
                         name=name, namespace=self.namespace, scheduling_strategy="SPREAD", num_gpus=gpus,
-                        num_cpus=self.cpus_per_node).remote(name)
+                        num_cpus=self.cpus_per_node).remote(name, self.credential.encoded())
                     starts[name] = self.actors[name].start.remote(
                         role, ["--model", self.model, "--engine-id", name, *engine_args,
-                               *self.role_engine_args[role]], self.log_dir)
+                               *self.role_engine_args[role], *drain], self.log_dir)
             router_args = ["--ray-namespace", self.namespace, "--ray-address", "{gcs}",
                            "--local-prefill-threshold", str(self.local_prefill_threshold),
-                           "--prefill-queue-limit-tokens", str(self.prefill_queue_limit_tokens)]
+                           "--prefill-queue-limit-tokens", str(self.prefill_queue_limit_tokens), *drain]
             if (Path(self.model) / "tokenizer.json").exists():
                 router_args += ["--tokenizer", self.model]
             self.actors[ROUTER_NAME] = actor.options(
                 name=ROUTER_NAME, namespace=self.namespace, scheduling_strategy="SPREAD",
-                num_cpus=1).remote(ROUTER_NAME)
+                num_cpus=1).remote(ROUTER_NAME, self.credential.encoded())
             starts[ROUTER_NAME] = self.actors[ROUTER_NAME].start.remote(
                 "router", router_args, self.log_dir, self.port, self.http_port)
             for name, ref in starts.items():
@@ -323,14 +350,15 @@ class RayCluster:
             raise RuntimeError(f"server processes exited: {dead}")
 
     def stop(self) -> None:
-        """Router first (so that it stops taking requests), then the nodes; then the actors themselves."""
+        """Router first (it stops taking requests and drains), then the nodes; then the actors themselves."""
         import ray
 
+        grace = self.drain_timeout_s + STOP_GRACE_S
         order = sorted(self.actors, key=lambda n: n != ROUTER_NAME)
         for group in ([n for n in order if n == ROUTER_NAME], [n for n in order if n != ROUTER_NAME]):
-            refs = [self.actors[n].stop.remote() for n in group]
+            refs = [self.actors[n].stop.remote(grace) for n in group]
             with contextlib.suppress(ray.exceptions.RayError):
-                ray.get(refs, timeout=STOP_GRACE_S + 10)
+                ray.get(refs, timeout=grace + 10)
         for name in order:
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[name])
@@ -359,7 +387,8 @@ def run(a: argparse.Namespace) -> int:
                          prefill_queue_limit_tokens=a.prefill_queue_limit_tokens,
                          prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
                                                                PREFILL_MAX_NUM_BATCHED_TOKENS),
-                         decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common))
+                         decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
+                         drain_timeout_s=a.drain_timeout_s)
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.
     stop = threading.Event()

@@ -194,3 +194,37 @@ def test_a_server_whose_picked_port_was_taken_is_started_again_on_new_ports(tmp_
         assert e.value.returncode == CANNOT_LISTEN_EXIT
     finally:
         taken.close()
+
+
+def test_an_actor_gives_its_cluster_secret_to_its_server_through_the_environment_only(tmp_path):
+    # The secret a launcher hands the actor, not this process's: the node must take calls with its token only.
+    import grpc
+
+    from baton.cli import ray_cmd
+    from baton.engine.make_model import make_model
+    from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
+    from baton.proto.v1 import worker_pb2 as wk
+    from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+
+    model = make_model(tmp_path / "tiny", preset="tiny", seed=31, progress=False)
+    credential = ClusterCredential.generate()
+    assert os.environ.get(CLUSTER_SECRET_ENV) != credential.encoded()
+    actor = ray_cmd.ServerActor("decode-0", credential.encoded())
+    try:
+        # It returns once the node answers Load, which takes the actor's token.
+        addr = actor._spawn_until_listening("127.0.0.1", "decode", ["--model", str(model), *ENGINE_ARGS], 0, 0, None)
+        pid = actor.proc.pid
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert env[CLUSTER_SECRET_ENV.encode()] == credential.encoded().encode()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert credential.encoded().encode() not in f.read()
+        with grpc.insecure_channel(addr) as ch:
+            stub = wk_grpc.WorkerStub(ch)
+            assert stub.Load(wk.LoadRequest(), timeout=10, metadata=credential.grpc_metadata()).role == "decode"
+            other = ClusterCredential.from_sources()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Load(wk.LoadRequest(), timeout=10, metadata=other.grpc_metadata())
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert actor.stop() == 0
