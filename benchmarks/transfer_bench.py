@@ -113,7 +113,7 @@ def holder(conn, args, device: str) -> None:
                           args.block_size, progress_thread=not args.no_progress_thread,
                           num_threads=args.nixl_threads, cuda_ipc=args.cuda_ipc,
                           progress_delay_us=args.nixl_progress_delay_us)
-    server = SideChannelServer(lambda: agent.metadata, lambda rid, s: 0.0)
+    server = SideChannelServer(lambda: agent.metadata, lambda *_: 0.0)
     conn.send(server.address)
     while not conn.poll(0.01):
         agent.notifications()  # drain

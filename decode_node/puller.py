@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import time
 
 from baton.engine.engine_thread import EngineThread
 from baton.node.bridge import in_engine
+from baton.proto.auth import ClusterCredential
 from baton.proto.v1 import worker_pb2 as wk
 from baton.transfer.agent import TransferAgent
 from baton.transfer.errors import TransferError
@@ -25,8 +27,12 @@ LEASE_MARGIN_S = 1.0
 
 
 class Puller:
-    def __init__(self, agent: TransferAgent, thread: EngineThread, read_timeout_s: float = 10.0) -> None:
+    def __init__(self, agent: TransferAgent, thread: EngineThread, read_timeout_s: float = 10.0,
+                 credential: ClusterCredential | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        """`credential` / `ssl_context`: what the prefill nodes' side channels ask of a caller."""
         self.agent = agent
+        self.credential = credential
+        self.ssl_context = ssl_context
         self.thread = thread
         self.read_timeout_s = read_timeout_s
         # NIXL calls of this agent stay on one thread; READs of host memory run inline in it.
@@ -67,7 +73,8 @@ class Puller:
         def connect() -> None:
             known = self.agent.peer_agent_name(h.engine_id)
             if known != h.agent_name:  # first contact, or the peer restarted
-                meta = SideChannelClient(h.side_channel_host, h.side_channel_port).metadata()
+                meta = SideChannelClient(h.side_channel_host, h.side_channel_port, credential=self.credential,
+                                         ssl_context=self.ssl_context).metadata()
                 self.agent.connect(meta)
 
         await self._on_nixl(connect)

@@ -19,8 +19,11 @@ from baton.decode_node.puller import Puller
 from baton.decode_node.service import DecodeService
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
+from baton.node.cluster_auth import NodeSecurity
+from baton.node.drain import NodeDrain
 from baton.node.metrics import NodeMetrics, start_node_http
-from baton.node.serve import add_port, default_engine_id, http_port_of, node_parser, run
+from baton.node.serve import default_engine_id, http_port_of, node_parser, run
+from baton.node.transfer_listen import limit_transfer_interfaces
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import READ_ORDERS, TransferAgent
 
@@ -38,7 +41,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    try:
+        security = NodeSecurity.from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
+    limit_transfer_interfaces(a.host)
     engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
     # Capture every decode batch size's CUDA graph before taking traffic (no request waits on a capture).
     t0 = time.perf_counter()
@@ -50,18 +59,20 @@ def main(argv: list[str] | None = None) -> int:
                           num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
                           progress_delay_us=a.nixl_progress_delay_us, state_first=a.nixl_read_order == "state-first")
     thread = EngineThread(engine, name="baton-decode-engine").start()
-    puller = Puller(agent, thread, read_timeout_s=a.read_timeout)
+    puller = Puller(agent, thread, read_timeout_s=a.read_timeout, credential=security.credential,
+                    ssl_context=security.side_channel_client_ssl())
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
-    service = DecodeService(thread, puller, engine_id, str(a.model), has_tokenizer)
+    service = DecodeService(thread, puller, engine_id, str(a.model), has_tokenizer, security.credential)
     metrics = NodeMetrics("decode", engine_id, agent.stats, fallbacks=lambda: puller.num_fallbacks)
+    drain = NodeDrain(a.drain_timeout_s, metrics)
     thread.step_hooks.append(metrics.on_step)
     http = start_node_http(metrics, thread, a.host, http_port_of(a))
     service.http_port = http.port
 
     async def start() -> grpc.aio.Server:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[*security.interceptors(), drain.interceptor])
         wk_grpc.add_WorkerServicer_to_server(service, server)
-        add_port(server, a.host, a.port)
+        security.add_port(server, a.host, a.port)
         await server.start()
         metrics.ready = True
         print(f"decode node {engine_id} serving on {a.host}:{a.port} (http {http.port})", flush=True)
@@ -74,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         puller.close()
         agent.close()
 
-    return run(start, shutdown)
+    return run(start, shutdown, drain)
 
 
 if __name__ == "__main__":

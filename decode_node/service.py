@@ -18,6 +18,8 @@ from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.bridge import OutputStream, in_engine
 from baton.node.load import info_response, load_response
+from baton.node.transfer_handles import handle_error
+from baton.proto.auth import ClusterCredential
 from baton.proto.convert import FINISH_TO_PROTO, sampling_from_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
@@ -26,8 +28,11 @@ ROLE = "decode"
 
 
 class DecodeService(wk_grpc.WorkerServicer):
-    def __init__(self, thread: EngineThread, puller: Puller, engine_id: str, model: str, has_tokenizer: bool) -> None:
+    def __init__(self, thread: EngineThread, puller: Puller, engine_id: str, model: str, has_tokenizer: bool,
+                 credential: ClusterCredential | None = None) -> None:
+        """`credential`: transfer handles must carry its signature (None: handles are taken unchecked)."""
         self.thread = thread
+        self.credential = credential
         self.puller = puller
         self.engine_id = engine_id
         self.model = model
@@ -48,11 +53,9 @@ class DecodeService(wk_grpc.WorkerServicer):
         pulled = None
         if request.HasField("handle"):
             h = request.handle
-            if h.num_tokens != len(prompt) - 1:
-                # R1: the prefill node must have computed exactly N-1 tokens; anything else corrupts the state.
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"handle.num_tokens: expected {len(prompt) - 1} (prompt length - 1), "
-                                    f"got {h.num_tokens}")
+            # Checked before any connection or READ: a handle names remote memory and a remote address.
+            if bad := handle_error(h, rid, len(prompt), self.credential):
+                await context.abort(*bad)
             pulled = await self.puller.pull(rid, h)
         stream = OutputStream()
 

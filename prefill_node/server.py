@@ -19,8 +19,11 @@ from baton.cli.listen_error import run_main
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
+from baton.node.cluster_auth import NodeSecurity
+from baton.node.drain import NodeDrain
 from baton.node.metrics import NodeMetrics, start_node_http
-from baton.node.serve import add_port, default_engine_id, http_port_of, node_parser, run
+from baton.node.serve import default_engine_id, http_port_of, node_parser, run
+from baton.node.transfer_listen import limit_transfer_interfaces
 from baton.prefill_node.service import PrefillService
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import TransferAgent
@@ -39,7 +42,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    try:
+        security = NodeSecurity.from_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine_id = a.engine_id or default_engine_id("prefill", a.host, a.port)
+    limit_transfer_interfaces(a.host)
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
     engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
@@ -51,19 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
                          free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))
     side = SideChannelServer(lambda: agent.metadata, held.renew, host=a.host,
-                             port=a.side_channel_port if a.side_channel_port is not None else a.port + 1000)
+                             port=a.side_channel_port if a.side_channel_port is not None else a.port + 1000,
+                             credential=security.credential, ssl_context=security.side_channel_server_ssl())
     thread = EngineThread(engine, name="baton-prefill-engine").start()
     has_tokenizer = (Path(a.model) / "tokenizer.json").exists()
-    service = PrefillService(thread, held, side.address, str(a.model), has_tokenizer)
+    service = PrefillService(thread, held, side.address, str(a.model), has_tokenizer, security.credential)
     metrics = NodeMetrics("prefill", engine_id, agent.stats, held_leases=lambda: len(held.leases))
+    drain = NodeDrain(a.drain_timeout_s, metrics, held_leases=lambda: len(held.leases))
     thread.step_hooks.append(metrics.on_step)
     http = start_node_http(metrics, thread, a.host, http_port_of(a))
     service.http_port = http.port
 
     async def start() -> grpc.aio.Server:
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[*security.interceptors(), drain.interceptor])
         wk_grpc.add_WorkerServicer_to_server(service, server)
-        add_port(server, a.host, a.port)
+        security.add_port(server, a.host, a.port)
         await server.start()
         metrics.ready = True
         print(f"prefill node {engine_id} serving on {a.host}:{a.port} (side channel {side.address[1]}, "
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         side.close()
         agent.close()
 
-    return run(start, shutdown)
+    return run(start, shutdown, drain)
 
 
 if __name__ == "__main__":

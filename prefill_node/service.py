@@ -16,6 +16,8 @@ from baton.engine.llm_engine import LLMEngine, RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.node.bridge import OutputStream, in_engine
 from baton.node.load import info_response, load_response
+from baton.node.transfer_handles import handle_to_proto
+from baton.proto.auth import ClusterCredential
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.handle import TransferHandle
@@ -26,8 +28,10 @@ ROLE = "prefill"
 
 class PrefillService(wk_grpc.WorkerServicer):
     def __init__(self, thread: EngineThread, held: HeldTransfers, side_channel: tuple[str, int], model: str,
-                 has_tokenizer: bool) -> None:
+                 has_tokenizer: bool, credential: ClusterCredential | None = None) -> None:
+        """`credential`: signs the transfer handles (decode nodes of the cluster refuse unsigned ones)."""
         self.thread = thread
+        self.credential = credential
         self.held = held
         self.side_channel = side_channel
         self.model = model
@@ -77,7 +81,7 @@ class PrefillService(wk_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid!r} was aborted")
         if context.cancelled():
             await in_engine(self.thread, lambda e: self.held.release(rid))
-        return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel))
+        return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel, self.credential))
 
     async def Decode(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill node; Decode runs on decode nodes")
@@ -96,8 +100,3 @@ class PrefillService(wk_grpc.WorkerServicer):
         return await in_engine(self.thread, lambda e: info_response(e, ROLE, self.held.agent.engine_id, self.model,
                                                                     self.has_tokenizer, self.http_port))
 
-
-def handle_to_proto(h: TransferHandle, host: str, port: int) -> wk.TransferHandle:
-    return wk.TransferHandle(engine_id=h.engine_id, agent_name=h.agent_name, request_id=h.request_id,
-                             num_tokens=h.num_tokens, kv_block_ids=list(h.kv_block_ids), state_slot=h.state_slot,
-                             lease_expiry=h.lease_expiry, side_channel_host=host, side_channel_port=port)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 
 from baton.cli.cluster import Cluster
@@ -28,6 +27,7 @@ from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import load_tokenizer
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from tests.node_channel import node_channel
 
 BLOCK, CHUNK = 8, 32
 ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": CHUNK, "max_num_seqs": 8, "num_kv_blocks": 512}
@@ -63,7 +63,7 @@ def all_free(cluster, timeout=10.0):
     while True:
         loads = []
         for addr in [*cluster.prefill_addrs, *cluster.decode_addrs]:
-            with grpc.insecure_channel(addr) as ch:
+            with node_channel(addr) as ch:
                 loads.append(wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5))
         free = all(x.free_kv_blocks == x.total_kv_blocks and x.free_state_slots == x.total_state_slots
                    and x.held_leases == 0 and x.running == 0 and x.waiting == 0 for x in loads)
@@ -140,7 +140,7 @@ def test_prefill_node_killed_mid_request_falls_back_to_local_prefill(model, tmp_
         outs = asyncio.run(main())
         assert [list(o.token_ids) for o in outs] == ref
         # Nothing stays allocated on the surviving decode node.
-        with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+        with node_channel(cluster.decode_addrs[0]) as ch:
             load = wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)
         assert load.free_kv_blocks == load.total_kv_blocks and load.free_state_slots == load.total_state_slots
 

@@ -33,16 +33,18 @@ def test_complete_release_and_expiry():
 def test_renew_extends_and_cannot_revive():
     clock = Clock()
     t = LeaseTable(lease_seconds=10, clock=clock)
-    t.hold("a", [1], 0, 3)
+    lid = t.hold("a", [1], 0, 3).lease_id
     clock.t += 9
-    assert t.renew("a") == clock.t + 10
+    assert t.renew("a", lid) == clock.t + 10
     clock.t += 9
-    assert t.expire() == [] and t.renew("a", seconds=2) == clock.t + 2
+    assert t.expire() == [] and t.renew("a", lid, seconds=2) == clock.t + 2
+    with pytest.raises(LeaseExpired):  # the lease id of another lease does not renew this one
+        t.renew("a", t.hold("b", [2], 1, 3).lease_id)
     clock.t += 2
     with pytest.raises(LeaseExpired):
-        t.renew("a")
+        t.renew("a", lid)
     with pytest.raises(LeaseExpired):
-        t.renew("never-held")
+        t.renew("never-held", lid)
     assert [x.request_id for x in t.expire()] == ["a"]
 
 

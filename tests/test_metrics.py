@@ -35,6 +35,7 @@ from baton.router.config import RouterConfig
 from baton.router.metrics import RouterMetrics
 from baton.router.server import start_router
 from baton.transfer.stats import TransferStats
+from tests.node_channel import node_channel
 from tests.test_router_fakes import eventually, run, spec_totals, start_fake
 
 UNITS = ("seconds", "bytes", "tokens", "requests", "blocks", "slots", "ratio", "workers", "leases", "steps",
@@ -337,8 +338,8 @@ def test_every_metric_of_a_real_cluster_moves(mtp_model, tmp_path):
             ("prefill", cluster.prefill_addrs[0], prefill_url + "/metrics", True),
             ("decode", cluster.decode_addrs[0], decode_url + "/metrics", True)]
 
-        with grpc.insecure_channel(cluster.prefill_addrs[0]) as pch, \
-                grpc.insecure_channel(cluster.decode_addrs[0]) as dch:
+        with node_channel(cluster.prefill_addrs[0]) as pch, \
+                node_channel(cluster.decode_addrs[0]) as dch:
             prefill, decode = worker_pb2_grpc.WorkerStub(pch), worker_pb2_grpc.WorkerStub(dch)
             # 1. Prefill node: two prefills nobody pulls hold their caches under leases, both state slots ...
             for i in range(2):

@@ -14,6 +14,7 @@ from baton.engine.sampling_params import SamplingParams
 from baton.proto.convert import sampling_to_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from tests.node_channel import node_channel
 
 ENGINE_ARGS = ("--block-size", "8", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
                "--num-kv-blocks", "256")
@@ -51,7 +52,7 @@ def test_r1_prefill_n_minus_1_then_decode_over_nixl_equals_one_engine(cluster):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in LENGTHS]
     ref = offline(cluster.model, prompts, params)
-    with grpc.insecure_channel(cluster.prefill_addrs[0]) as pch, grpc.insecure_channel(cluster.decode_addrs[0]) as dch:
+    with node_channel(cluster.prefill_addrs[0]) as pch, node_channel(cluster.decode_addrs[0]) as dch:
         pstub, dstub = wk_grpc.WorkerStub(pch), wk_grpc.WorkerStub(dch)
 
         def one(i_p):
@@ -79,21 +80,21 @@ def test_decode_without_handle_prefills_locally(cluster):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[5], [9, 10, 11, 12, 13]]
     ref = offline(cluster.model, prompts, params)
-    with grpc.insecure_channel(cluster.decode_addrs[0]) as ch:
+    with node_channel(cluster.decode_addrs[0]) as ch:
         stub = wk_grpc.WorkerStub(ch)
         outs = [decode(stub, f"local{i}", p, params) for i, p in enumerate(prompts)]
     assert [t for t, _ in outs] == ref and all(local for _, local in outs)
 
 
 def test_handle_with_all_n_tokens_is_refused(cluster):
-    # R1: a handle claiming all N prompt tokens were computed would make the decode node advance the
-    # recurrent state over token N twice; the decode node refuses it.
+    # R1: a handle that covers all N tokens of the prompt it comes with would make the decode node advance the
+    # recurrent state over token N twice; the decode node refuses it. (The handle itself is genuine: one
+    # altered to claim N tokens is refused earlier, by its signature, tests/test_cluster_auth.py.)
     p = [4, 5, 6, 7]
-    with grpc.insecure_channel(cluster.prefill_addrs[0]) as pch, grpc.insecure_channel(cluster.decode_addrs[0]) as dch:
+    with node_channel(cluster.prefill_addrs[0]) as pch, node_channel(cluster.decode_addrs[0]) as dch:
         handle = wk_grpc.WorkerStub(pch).Prefill(wk.PrefillRequest(request_id="bad", prompt_token_ids=p)).handle
-        handle.num_tokens = len(p)
         with pytest.raises(grpc.RpcError) as e:
-            decode(wk_grpc.WorkerStub(dch), "bad", p, SamplingParams(max_tokens=2), handle)
+            decode(wk_grpc.WorkerStub(dch), "bad", p[:-1], SamplingParams(max_tokens=2), handle)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in e.value.details()
         assert wk_grpc.WorkerStub(pch).Abort(wk.WorkerAbortRequest(request_id="bad")).found  # lease released
         assert wk_grpc.WorkerStub(pch).Load(wk.LoadRequest()).held_leases == 0

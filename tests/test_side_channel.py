@@ -1,6 +1,7 @@
 """Side channel and handshake checks: typed frames, lease renewal, bounded failures, compatibility."""
 
 import socket
+import ssl
 import threading
 import time
 
@@ -11,7 +12,14 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
-from baton.transfer.errors import IncompatiblePeer, LeaseExpired, PeerUnreachable
+from baton.proto.auth import ClusterCredential
+from baton.transfer.errors import (
+    IncompatiblePeer,
+    LeaseExpired,
+    PeerUnauthenticated,
+    PeerUnreachable,
+    TransferError,
+)
 from baton.transfer.layout import RegionLayout
 from baton.transfer.lease import LeaseTable
 from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
@@ -29,27 +37,71 @@ def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.floa
                          compat=compat, compat_hash=compat_hash(compat), regions=regions)
 
 
+CREDENTIAL = ClusterCredential.generate()
+
+
 @pytest.fixture
 def server():
     meta = metadata()
     leases = LeaseTable(lease_seconds=5)
-    leases.hold("r1", [1, 2], 0, 30)
+    lease = leases.hold("r1", [1, 2], 0, 30)
 
-    def renew(rid, seconds):
-        return leases.renew(rid, seconds) - leases.clock()
+    def renew(rid, lease_id, seconds):
+        return leases.renew(rid, lease_id, seconds) - leases.clock()
 
-    srv = SideChannelServer(lambda: meta, renew)
-    yield srv, meta
+    srv = SideChannelServer(lambda: meta, renew, credential=CREDENTIAL)
+    yield srv, meta, lease
     srv.close()
 
 
 def test_handshake_round_trip_and_renewal(server):
-    srv, meta = server
-    client = SideChannelClient(*srv.address)
+    srv, meta, lease = server
+    client = SideChannelClient(*srv.address, credential=CREDENTIAL)
     assert client.metadata() == meta
-    assert 9.0 < client.renew("r1", 10.0) <= 10.0
+    assert 9.0 < client.renew("r1", lease.lease_id, 10.0) <= 10.0
     with pytest.raises(LeaseExpired):
-        client.renew("unknown")
+        client.renew("unknown", lease.lease_id)
+    # The request id alone does not renew: the lease id from its handle must come with it.
+    with pytest.raises(LeaseExpired):
+        client.renew("r1", "0" * 32)
+
+
+def test_side_channel_answers_nothing_without_the_cluster_token(server):
+    srv, _, lease = server
+    for client in (SideChannelClient(*srv.address), SideChannelClient(*srv.address,
+                                                                       credential=ClusterCredential.generate())):
+        with pytest.raises(PeerUnauthenticated):
+            client.metadata()
+        with pytest.raises(PeerUnauthenticated):
+            client.renew("r1", lease.lease_id, 10.0)
+
+
+@pytest.mark.parametrize("seconds", [1e9, float("nan"), float("inf"), -1.0, 0.0])
+def test_renewal_seconds_must_be_finite_and_bounded(server, seconds):
+    srv, _, lease = server
+    client = SideChannelClient(*srv.address, credential=CREDENTIAL)
+    with pytest.raises(TransferError, match="seconds: expected"):
+        client.renew("r1", lease.lease_id, seconds)
+    # The lease kept its expiry: still renewable with a sane time.
+    assert 0 < client.renew("r1", lease.lease_id, 1.0) <= 1.0
+
+
+def test_side_channel_over_tls(tmp_path):
+    from tests.tls_certs import write_certs
+
+    ca, cert, key = write_certs(tmp_path)
+    meta = metadata()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    srv = SideChannelServer(lambda: meta, lambda *a: 1.0, credential=CREDENTIAL, ssl_context=server_ctx)
+    try:
+        tls = SideChannelClient(*srv.address, credential=CREDENTIAL, ssl_context=ssl.create_default_context(cafile=ca))
+        assert tls.metadata() == meta
+        # A plain-text caller gets nothing from a TLS side channel.
+        with pytest.raises(PeerUnreachable):
+            SideChannelClient(*srv.address, timeout=1.0, credential=CREDENTIAL).metadata()
+    finally:
+        srv.close()
 
 
 def test_unreachable_peer_fails_fast():

@@ -136,13 +136,13 @@ def test_lease_expiry_frees_and_refuses_renewal(model_dir, decode_plain):
     try:
         (h,) = call(conn, "prefill", [[5, 6, 7, 8, 9]])
         client = SideChannelClient(*address)
-        assert client.renew(h.request_id, 0.5) > 0.3  # decode may renew ...
+        assert client.renew(h.request_id, h.lease_id, 0.5) > 0.3  # decode may renew ...
         time.sleep(1.0)
         status = call(conn, "status")
         assert status["blocks_used"] == 0 and status["slots_used"] == 0
         assert status["stats"].lease_expiries == 1
         with pytest.raises(LeaseExpired):  # ... but not after expiry
-            client.renew(h.request_id)
+            client.renew(h.request_id, h.lease_id)
     finally:
         call(conn, "quit")
         proc.join(10)

@@ -37,3 +37,7 @@ class TransferTimeout(TransferError):
 
 class LeaseExpired(TransferError):
     """The prefill side no longer holds the request's blocks (lease expired, aborted or never held)."""
+
+
+class PeerUnauthenticated(TransferError):
+    """The peer refused our cluster token (or we sent none): the two sides do not share a cluster secret."""

@@ -13,3 +13,4 @@ class TransferHandle(msgspec.Struct, frozen=True):
     kv_block_ids: tuple[int, ...]    # remote KV blocks, in position order
     state_slot: int                  # remote Mamba state slot (conv + SSM)
     lease_expiry: float              # unix time after which the prefill side frees them
+    lease_id: str                    # random per lease: renewals name it

@@ -27,11 +27,11 @@ class HeldTransfers:
         expiry = time.time() + (lease.expires_at - self.leases.clock())
         return TransferHandle(engine_id=self.agent.engine_id, agent_name=self.agent.agent_name,
                               request_id=request_id, num_tokens=num_tokens, kv_block_ids=tuple(block_ids),
-                              state_slot=state_slot, lease_expiry=expiry)
+                              state_slot=state_slot, lease_expiry=expiry, lease_id=lease.lease_id)
 
-    def renew(self, request_id: str, seconds: float | None) -> float:
+    def renew(self, request_id: str, lease_id: str, seconds: float | None) -> float:
         """Side-channel callback: extend a lease; returns seconds until the new expiry."""
-        return self.leases.renew(request_id, seconds) - self.leases.clock()
+        return self.leases.renew(request_id, lease_id, seconds) - self.leases.clock()
 
     def release(self, request_id: str) -> bool:
         """Abort: free the request's resources now (a later READ of them is refused by the lease)."""

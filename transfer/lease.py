@@ -7,6 +7,8 @@ hand back to its allocators.
 
 from __future__ import annotations
 
+import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from baton.transfer.errors import LeaseExpired
 
 DEFAULT_LEASE_SECONDS = 30.0
+# The longest a lease may run (at hold or renewal): a peer cannot pin a request's caches for good.
+MAX_LEASE_SECONDS = 600.0
 
 
 @dataclass
@@ -24,14 +28,16 @@ class Lease:
     state_slot: int
     num_tokens: int
     expires_at: float
+    # Random, carried by the (signed) handle: a renewal must name it, so only the handle's holder can renew.
+    lease_id: str = ""
     renewals: int = 0
 
 
 class LeaseTable:
     def __init__(self, lease_seconds: float = DEFAULT_LEASE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not lease_seconds > 0:
-            raise ValueError(f"lease_seconds: expected a positive number, got {lease_seconds!r}")
+        if not (isinstance(lease_seconds, int | float) and 0 < lease_seconds <= MAX_LEASE_SECONDS):
+            raise ValueError(f"lease_seconds: expected a number in (0, {MAX_LEASE_SECONDS:g}], got {lease_seconds!r}")
         self.lease_seconds = lease_seconds
         self.clock = clock
         self._leases: dict[str, Lease] = {}
@@ -52,15 +58,22 @@ class LeaseTable:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request_id: expected no lease yet, got a second hold for {request_id!r}")
-            lease = Lease(request_id, tuple(block_ids), state_slot, num_tokens, self.clock() + self.lease_seconds)
+            lease = Lease(request_id, tuple(block_ids), state_slot, num_tokens, self.clock() + self.lease_seconds,
+                          secrets.token_hex(16))
             self._leases[request_id] = lease
             return lease
 
-    def renew(self, request_id: str, seconds: float | None = None) -> float:
-        """Extend a live lease; returns the new expiry. A lease past its expiry cannot be renewed."""
+    def renew(self, request_id: str, lease_id: str, seconds: float | None = None) -> float:
+        """Extend a live lease named by its request and lease ids; returns the new expiry. A lease past its expiry
+        cannot be renewed; `seconds` (default: the table's lease time) must be finite, in (0, MAX_LEASE_SECONDS]."""
+        if seconds is not None and not (isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                                        and math.isfinite(seconds) and 0 < seconds <= MAX_LEASE_SECONDS):
+            raise ValueError(f"seconds: expected None or a number in (0, {MAX_LEASE_SECONDS:g}], got {seconds!r}")
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or lease.expires_at <= self.clock():
+            # A wrong lease id reads as no lease: the caller learns nothing about other requests' leases.
+            if (lease is None or lease.expires_at <= self.clock()
+                    or not secrets.compare_digest(lease.lease_id, lease_id)):
                 raise LeaseExpired(f"no live lease for {request_id!r}", request_id=request_id)
             lease.expires_at = self.clock() + (seconds or self.lease_seconds)
             lease.renewals += 1

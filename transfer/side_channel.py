@@ -1,13 +1,17 @@
 """The side channel: a small typed RPC over TCP next to NIXL, for the handshake and lease renewals.
 
 Frames are a 4-byte big-endian length and a msgpack-encoded tagged struct. Each call is one short
-connection with a deadline, so a dead peer surfaces as `PeerUnreachable` within that deadline.
+connection with a deadline, so a dead peer surfaces as `PeerUnreachable` within that deadline. With a cluster
+credential every request carries its token and the server answers nothing (not even its metadata, whose
+memory registrations say where its pools are) to a request without it; with an SSL context the connection is TLS.
+A renewal names the lease id its handle carries, so that only the holder of a handle can extend its lease.
 """
 
 from __future__ import annotations
 
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -15,7 +19,8 @@ from collections.abc import Callable
 import msgspec
 
 from baton.cli.listen_error import CannotListen
-from baton.transfer.errors import LeaseExpired, PeerUnreachable, TransferError
+from baton.proto.auth import ClusterCredential
+from baton.transfer.errors import LeaseExpired, PeerUnauthenticated, PeerUnreachable, TransferError
 from baton.transfer.metadata import AgentMetadata
 
 _LEN = struct.Struct(">I")
@@ -23,12 +28,14 @@ MAX_FRAME = 64 * 2**20
 
 
 class GetMetadata(msgspec.Struct, tag=True):
-    pass
+    token: str = ""
 
 
 class RenewLease(msgspec.Struct, tag=True):
     request_id: str
+    lease_id: str
     seconds: float | None = None
+    token: str = ""
 
 
 class MetadataReply(msgspec.Struct, tag=True):
@@ -41,7 +48,7 @@ class LeaseRenewed(msgspec.Struct, tag=True):
 
 
 class ErrorReply(msgspec.Struct, tag=True):
-    kind: str  # "lease_expired" | "bad_request" | "internal"
+    kind: str  # "lease_expired" | "bad_request" | "unauthenticated" | "internal"
     message: str
 
 
@@ -72,24 +79,30 @@ def _recv(sock: socket.socket) -> bytes:
 
 
 class SideChannelServer:
-    """Serves `GetMetadata` and `RenewLease` on a background thread. `renew(request_id, seconds)` returns
-    the seconds until the new expiry or raises `LeaseExpired`."""
+    """Serves `GetMetadata` and `RenewLease` on a background thread. `renew(request_id, lease_id, seconds)`
+    returns the seconds until the new expiry, or raises `LeaseExpired` (no such live lease) or `ValueError` (bad
+    seconds). `credential`: requests must carry its token (None: anyone is answered)."""
 
     def __init__(self, get_metadata: Callable[[], AgentMetadata],
-                 renew: Callable[[str, float | None], float], host: str = "127.0.0.1", port: int = 0) -> None:
+                 renew: Callable[[str, str, float | None], float], host: str = "127.0.0.1", port: int = 0,
+                 credential: ClusterCredential | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                self.request.settimeout(10.0)
+                sock = self.request
+                sock.settimeout(10.0)
                 try:
-                    reply = outer._dispatch(_recv(self.request))
-                    _send(self.request, msgspec.msgpack.encode(reply))
+                    if ssl_context is not None:
+                        sock = ssl_context.wrap_socket(sock, server_side=True)
+                    reply = outer._dispatch(_recv(sock))
+                    _send(sock, msgspec.msgpack.encode(reply))
                 except (ConnectionError, OSError):
                     return
 
         self._get_metadata = get_metadata
         self._renew = renew
+        self._credential = credential
         self._server = socketserver.ThreadingTCPServer((host, port), Handler, bind_and_activate=False)
         self._server.daemon_threads = True
         self._server.allow_reuse_address = True
@@ -112,12 +125,17 @@ class SideChannelServer:
             req = _req_decoder.decode(frame)
         except msgspec.DecodeError as e:
             return ErrorReply("bad_request", str(e))
+        if self._credential is not None and not self._credential.accepts(req.token):
+            return ErrorReply("unauthenticated", "missing cluster token" if not req.token
+                              else "cluster token not accepted")
         try:
             if isinstance(req, GetMetadata):
                 return MetadataReply(self._get_metadata())
-            return LeaseRenewed(req.request_id, self._renew(req.request_id, req.seconds))
+            return LeaseRenewed(req.request_id, self._renew(req.request_id, req.lease_id, req.seconds))
         except LeaseExpired as e:
             return ErrorReply("lease_expired", str(e))
+        except ValueError as e:
+            return ErrorReply("bad_request", str(e))
         except Exception as e:  # the peer gets a typed error instead of a dropped connection
             return ErrorReply("internal", f"{type(e).__name__}: {e}")
 
@@ -127,29 +145,34 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 5.0, credential: ClusterCredential | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        self._token = credential.token() if credential is not None else ""
+        self._ssl = ssl_context
 
     def _call(self, req: Request) -> Reply:
         peer = f"{self.host}:{self.port}"
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
-                sock.settimeout(self.timeout)
+            with socket.create_connection((self.host, self.port), timeout=self.timeout) as raw:
+                raw.settimeout(self.timeout)
+                sock = self._ssl.wrap_socket(raw, server_hostname=self.host) if self._ssl is not None else raw
                 _send(sock, msgspec.msgpack.encode(req))
                 reply = _reply_decoder.decode(_recv(sock))
         except (OSError, ConnectionError, msgspec.DecodeError) as e:
             raise PeerUnreachable(f"side channel {peer}: {type(e).__name__}: {e}", peer=peer) from e
         if isinstance(reply, ErrorReply):
-            cls = LeaseExpired if reply.kind == "lease_expired" else TransferError
+            cls = {"lease_expired": LeaseExpired, "unauthenticated": PeerUnauthenticated}.get(reply.kind,
+                                                                                             TransferError)
             raise cls(f"side channel {peer}: {reply.message}", peer=peer)
         return reply
 
     def metadata(self) -> AgentMetadata:
-        reply = self._call(GetMetadata())
+        reply = self._call(GetMetadata(self._token))
         assert isinstance(reply, MetadataReply)
         return reply.metadata
 
-    def renew(self, request_id: str, seconds: float | None = None) -> float:
-        reply = self._call(RenewLease(request_id, seconds))
+    def renew(self, request_id: str, lease_id: str, seconds: float | None = None) -> float:
+        reply = self._call(RenewLease(request_id, lease_id, seconds, self._token))
         assert isinstance(reply, LeaseRenewed)
         return reply.expires_in

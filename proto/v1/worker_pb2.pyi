@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TransferHandle(_message.Message):
-    __slots__ = ("engine_id", "agent_name", "request_id", "num_tokens", "kv_block_ids", "state_slot", "lease_expiry", "side_channel_host", "side_channel_port")
+    __slots__ = ("engine_id", "agent_name", "request_id", "num_tokens", "kv_block_ids", "state_slot", "lease_expiry", "side_channel_host", "side_channel_port", "lease_id", "mac")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class TransferHandle(_message.Message):
     LEASE_EXPIRY_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
     request_id: str
@@ -27,7 +29,9 @@ class TransferHandle(_message.Message):
     lease_expiry: float
     side_channel_host: str
     side_channel_port: int
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., lease_expiry: _Optional[float] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    mac: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., lease_expiry: _Optional[float] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids")
