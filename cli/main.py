@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from baton.cli import client_cmd, demo_cmd, generate_cmd, make_model_cmd, ray_cmd, up_cmd
+from baton.cli import client_cmd, demo_cmd, generate_cmd, make_model_cmd, ray_cmd, secret_cmd, up_cmd
 
-COMMANDS = (make_model_cmd, generate_cmd, up_cmd, ray_cmd, client_cmd, demo_cmd)
+COMMANDS = (make_model_cmd, generate_cmd, up_cmd, ray_cmd, client_cmd, demo_cmd, secret_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

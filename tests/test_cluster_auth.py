@@ -245,3 +245,16 @@ def test_tls_on_every_hop_behind_the_router(model, tmp_path):
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_baton_secret_prints_and_writes_a_usable_secret(tmp_path):
+    from baton.cli.main import main
+
+    out = tmp_path / "secret"
+    assert main(["secret", "--out", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert ClusterCredential.from_sources(str(out)).token()
+    assert main(["secret", "--out", str(out)]) == 2  # never overwrites a secret
+    r = subprocess.run([sys.executable, "-m", "baton.cli.main", "secret"], capture_output=True, text=True,
+                       timeout=60)
+    assert ClusterCredential.parse(r.stdout).secret != ClusterCredential.from_sources(str(out)).secret
