@@ -171,8 +171,8 @@ def test_up_serves_until_interrupted_then_stops_every_process(model_dir, tmp_pat
     assert proc.returncode == 0 and "baton up: stopped" in rest
     time.sleep(0.5)
     # Nothing of the cluster is left listening (a connect is refused; TIME_WAIT pairs may linger).
-    # Router gRPC and HTTP, the nodes' gRPC, and the nodes' HTTP endpoints (port + 2000).
-    for p in (port, port + 1, port + 2, port + 3, port + 2002, port + 2003):
+    # Router gRPC and HTTP, the nodes' gRPC, the nodes' HTTP endpoints (port + 2000) and baton up's /metrics.
+    for p in (port, port + 1, port + 2, port + 3, port + 2002, port + 2003, port + 2000):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", p), timeout=2).close()
 
