@@ -56,7 +56,7 @@ class RouterMetrics:
                                     "MTP draft tokens verified for requests that ended (final Usage)", registry=r)
         self.spec_accepted = Counter("baton_router_spec_accepted_tokens",
                                      "MTP draft tokens accepted for requests that ended (final Usage)", registry=r)
-        self.rejected = Counter("baton_router_rejected", "Generate calls refused by a limit with RESOURCE_EXHAUSTED "
+        self.rejected = Counter("baton_router_rejected_requests", "Generate calls refused by a limit with RESOURCE_EXHAUSTED "
                                 "(max_inflight_requests, max_inflight_per_client), or cut because their client read "
                                 "nothing for --stream-write-timeout-s (stream_write_timeout), by reason", ["reason"],
                                 registry=r)

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 # Text prompts longer than this are tokenized on a worker thread, off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
+# A node may still be ending an aborted request (its Abort, or its stream's cancellation, still on the way) when a
+# new request with the same id arrives: for this long the new one gets a distinct id on the workers.
+_ID_REUSE_AFTER_S = 30.0
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -38,6 +41,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Requests in flight by the id their workers know them by, and by (caller's principal, client's id).
         self._inflight: dict[str, InFlight] = {}
         self._by_caller: dict[tuple[str, str], InFlight] = {}
+        # Worker ids of requests that ended with Aborts sent to their workers -> when (oldest first).
+        self._aborted_ids: dict[str, float] = {}
         # Requests that `finish` ended early (an OpenAI stop string matched): they end as ok, not aborted.
         self._finished: set[str] = set()
         # Set when the router drains (SIGTERM): new requests are refused and Health says not ok.
@@ -103,9 +108,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id: {req.request_id!r} is already in flight")
         # Another caller's request with this id keeps its id on the workers; this one gets a distinct one there,
-        # so that neither can reach the other's and the answer tells nothing about it.
+        # so that neither can reach the other's and the answer tells nothing about it. So does a request whose id
+        # was just aborted on the workers.
         worker_id = req.request_id
-        if worker_id in self._inflight:
+        if worker_id in self._inflight or self._recently_aborted(worker_id):
             worker_id = f"{req.request_id}~{uuid.uuid4().hex[:12]}"
             req = dataclasses.replace(req, request_id=worker_id)
         state = InFlight(worker_id, len(req.prompt_token_ids), principal=caller.principal, client_id=key[1])
@@ -139,8 +145,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             del self._by_caller[key]
             self._finished.discard(worker_id)
             state.untrack()
+            if state.live:
+                self._aborted_ids[worker_id] = time.monotonic()
             self.flow.release_all(state)
             self._record(state, outcome, started)
+
+    def _recently_aborted(self, worker_id: str) -> bool:
+        horizon = time.monotonic() - _ID_REUSE_AFTER_S
+        for rid, at in list(self._aborted_ids.items()):
+            if at >= horizon:
+                break
+            del self._aborted_ids[rid]
+        return worker_id in self._aborted_ids
 
     async def _write(self, context: grpc.aio.ServicerContext, msg: generation_pb2.GenerateResponse) -> None:
         """`context.write`, bounded: a client that reads nothing for `stream_write_timeout_s` (its flow-control

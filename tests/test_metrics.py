@@ -56,6 +56,7 @@ ROUTER_METRICS = {
     # A retry needs a second worker of the failing stage to fail over to: a third node process here. The
     # fake-worker test provokes one per stage (a worker fails, the other takes the request) and checks both.
     "baton_router_retries_total": "exists: moved in test_router_metrics_and_http_endpoints_over_fake_workers",
+    "baton_router_rejected_requests_total": "exists: moved in tests/test_router_limits.py",
     "baton_router_spec_drafted_tokens_total": "positive",
     "baton_router_spec_accepted_tokens_total": "positive",
     "baton_router_healthy_workers": "positive",

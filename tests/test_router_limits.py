@@ -36,7 +36,7 @@ def _request(ids, request_id="", max_tokens=16):
 
 
 def _rejected(router, reason: str) -> float:
-    return router.service.metrics.registry.get_sample_value("baton_router_rejected_total", {"reason": reason})
+    return router.service.metrics.registry.get_sample_value("baton_router_rejected_requests_total", {"reason": reason})
 
 
 async def _refused(call) -> grpc.aio.AioRpcError:
