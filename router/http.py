@@ -1,9 +1,11 @@
-"""A small HTTP server for operations endpoints (`/metrics`, `/health`, `/v1/workers`), on its own thread.
+"""Operations endpoints (`/metrics`, `/health`): the routes, and the small threaded server nodes serve
+them with.
 
-Router and nodes both use it (it imports neither torch nor the engine). Handlers run on the server's
-threads: they must only read state that is safe to read from there (ints, bools, objects replaced whole)
-and never call into an asyncio loop or the engine. An `App` (the router's OpenAI front) takes the requests
-it claims itself, POST and streaming included, and hands work to the loop thread-safely.
+The routes are shared: the router serves them from its ASGI app (`asgi_app.py`), on its loop. A node serves
+them with `HttpServer`, on its own threads (it imports neither torch nor the engine): handlers must only
+read state that is safe to read from there (ints, bools, objects replaced whole) and never call into an
+asyncio loop or the engine. A client that sends nothing for `IDLE_TIMEOUT_S` is dropped, so that held
+connections do not keep threads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -21,6 +22,7 @@ from baton.cli.listen_error import CannotListen
 # (status, content type, body)
 Response = tuple[int, str, bytes]
 Route = Callable[[], Response]
+IDLE_TIMEOUT_S = 5.0
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -41,31 +43,17 @@ def health_route(ok: Callable[[], bool], detail: Callable[[], dict] = dict) -> R
     return route
 
 
-class App(Protocol):
-    def handle(self, request: BaseHTTPRequestHandler) -> bool:
-        """Answers `request` (any method) and returns True if its path is the app's; else returns False."""
-
-    def close(self) -> None:
-        """Ends what the app still has in flight (called when the server closes)."""
-
-
 class HttpServer:
-    """Serves GET `routes` (and whatever `app` claims) on `host:port` (0: any free port; `.port` is the bound
-    one) until `close()`."""
+    """Serves GET `routes` on `host:port` (0: any free port; `.port` is the bound one) until `close()`."""
 
     def __init__(self, routes: Mapping[str, Route], host: str = "127.0.0.1", port: int = 0,
-                 name: str = "baton-http", app: App | None = None) -> None:
+                 name: str = "baton-http") -> None:
         table = dict(routes)
-        self.app = app
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                if app is None or not app.handle(self):
-                    self._send(*json_response({"error": f"no such path: {self.path}"}, 404))
+            timeout = IDLE_TIMEOUT_S  # the socket's: a half-sent request does not hold its thread for long
 
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-                if app is not None and app.handle(self):
-                    return
                 route = table.get(self.path.split("?", 1)[0])
                 if route is None:
                     status, ctype, body = json_response({"error": f"no such path: {self.path}"}, 404)
@@ -99,8 +87,6 @@ class HttpServer:
 
     def close(self) -> None:
         """Stops serving and closes the socket (blocks up to one poll interval)."""
-        if self.app is not None:
-            self.app.close()
         if self._thread.is_alive():
             self._server.shutdown()
             self._thread.join()

@@ -16,10 +16,13 @@ import grpc
 from baton.cli.listen_error import CannotListen, run_main
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from baton.proto.v1 import generation_pb2_grpc
+from baton.router.asgi_app import RouterApp
+from baton.router.asgi_server import AsgiServer
 from baton.router.config import RouterConfig
 from baton.router.discovery import add_discovery_args, discovery_from_args
 from baton.router.flow import Flow
-from baton.router.http import HttpServer, health_route, json_response, metrics_route
+from baton.router.http import health_route, json_response, metrics_route
+from baton.router.http_limits import HttpLimits, add_http_limit_args, http_limits_from_args
 from baton.router.openai_http import OpenAIFront, load_chat_template
 from baton.router.policy import Role
 from baton.router.security import API_KEYS_ENV, RouterSecurity
@@ -42,7 +45,7 @@ class Router:
     cleanup: asyncio.Task[None]
     # /metrics, /health, /v1/workers and the OpenAI API (None when started without an HTTP port); closed by
     # the clean-up.
-    http: HttpServer | None = None
+    http: AsgiServer | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stops serving (in-flight requests get `grace` seconds), then waits for the clean-up."""
@@ -64,12 +67,12 @@ def router_tokenizer(path: str) -> TextTokenizer:
 
 
 async def _close_when_stopped(server: grpc.aio.Server, service: GenerationService,
-                              http: HttpServer | None = None) -> None:
+                              http: AsgiServer | None = None) -> None:
     # grpc.aio.Server has no stop hook: this task waits for termination, then lets the Abort RPCs of the
     # requests that were cancelled by the shutdown finish before the worker channels close.
     await server.wait_for_termination()
     if http is not None:
-        await asyncio.to_thread(http.close)
+        await http.close()
     # The stop cancelled the remaining Generate calls; their clean-up starts the Abort RPCs.
     await service.wait_idle(service.flow.config.control_timeout_s)
     await service.flow.drain()
@@ -88,7 +91,7 @@ def http_routes(service: GenerationService) -> dict:
 
 async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1",
                        http_port: int | None = None, served_model_name: str | None = None,
-                       security: RouterSecurity | None = None) -> Router:
+                       security: RouterSecurity | None = None, http_limits: HttpLimits | None = None) -> Router:
     """Polls every worker once, then starts serving. The router starts even if no worker answers yet:
     nodes may come up after it; Health says when it can serve. With `http_port` (0: any free port) it also
     serves /metrics, /health, /v1/workers and the OpenAI-compatible API (`openai_http.py`; the model is
@@ -110,9 +113,11 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     http = None
     if http_port is not None:
         try:
-            front = OpenAIFront(service, asyncio.get_running_loop(), served_model_name,
-                                load_chat_template(config.tokenizer_path), security)
-            http = HttpServer(http_routes(service), host, http_port, name="baton-router-http", app=front)
+            limits = http_limits or HttpLimits()
+            front = OpenAIFront(service, served_model_name, load_chat_template(config.tokenizer_path), security,
+                                limits)
+            http = AsgiServer.start(RouterApp(http_routes(service), front, limits), host, http_port, limits,
+                                    name="baton-router-http")
         except (OSError, ValueError):
             await asyncio.gather(prefill.close(), decode.close())
             raise
@@ -161,15 +166,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest silence (s) tolerated on a Decode stream")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
     add_discovery_args(p)
+    add_http_limit_args(p)
     return p
 
 
 async def _run(config: RouterConfig, port: int, host: str, grace: float, http_port: int | None,
-               served_model_name: str | None = None, security: RouterSecurity | None = None) -> None:
+               served_model_name: str | None = None, security: RouterSecurity | None = None,
+               http_limits: HttpLimits | None = None) -> None:
     # --port 0 (any free port) has no "next" port: then HTTP takes any free port too.
     if http_port is None:
         http_port = port + 1 if port else 0
-    router = await start_router(config, port, host, http_port, served_model_name, security)
+    router = await start_router(config, port, host, http_port, served_model_name, security, http_limits)
     # Parent processes (`baton up`) wait for this line to know the router is listening.
     print(f"baton router listening on {host}:{router.port} (http {router.http.port})", flush=True)
     stop = asyncio.Event()
@@ -192,13 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                               decode_idle_timeout_s=a.decode_idle_timeout,
                               **discovery_from_args(a))
         security = RouterSecurity.from_sources(a.api_keys_file, a.tls_cert, a.tls_key)
+        http_limits = http_limits_from_args(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         if not security.requires_key:
             log.warning("no API keys configured: any client that reaches the router may use it")
-        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security))
+        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security,
+                         http_limits))
     except CannotListen:
         raise
     except (OSError, ValueError) as e:

@@ -29,6 +29,7 @@ from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import TOKENIZER_CONFIG_FILE, TextTokenizer, load_tokenizer
 from baton.router.config import RouterConfig
+from baton.router.http_limits import HttpLimits
 from baton.router.server import Router, start_router
 from tests.test_e2e import ENGINE_ARGS, all_free, offline
 from tests.test_router_fakes import VOCAB, FakeWorker, eventually, expected_tokens, run, start_fake
@@ -69,12 +70,13 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def fake_front(tokenizer_dir: Path | None = None, served_model_name: str | None = None) -> AsyncIterator[Env]:
+async def fake_front(tokenizer_dir: Path | None = None, served_model_name: str | None = None,
+                     limits: HttpLimits | None = None) -> AsyncIterator[Env]:
     started = [await start_fake("prefill", "p0"), await start_fake("decode", "d0")]
     tok = str(tokenizer_dir / "tokenizer.json") if tokenizer_dir else None
     cfg = RouterConfig((started[0][2],), (started[1][2],), load_poll_interval_s=0.1, control_timeout_s=1.0,
                        tokenizer_path=tok)
-    router = await start_router(cfg, 0, http_port=0, served_model_name=served_model_name)
+    router = await start_router(cfg, 0, http_port=0, served_model_name=served_model_name, http_limits=limits)
     url = f"http://127.0.0.1:{router.http.port}"
     # The router runs on this loop: the async client keeps it free. No proxy must see 127.0.0.1.
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
@@ -178,8 +180,8 @@ def test_errors_have_openai_format_and_status_over_fakes():
             c = env.client
             cases = [
                 (dict(prompt=[1, 2], n=2), openai.BadRequestError, "n"),
-                (dict(prompt=[1, VOCAB]), openai.BadRequestError, None),  # the service's validation
-                (dict(prompt=[1], temperature=-1), openai.BadRequestError, None),
+                (dict(prompt=[1, VOCAB]), openai.BadRequestError, "prompt"),  # the service's validation
+                (dict(prompt=[1], temperature=-1), openai.BadRequestError, "temperature"),
                 (dict(prompt="text"), openai.BadRequestError, "prompt"),  # no tokenizer
                 (dict(prompt=[1], stop="x"), openai.BadRequestError, "stop"),
                 (dict(prompt=[]), openai.BadRequestError, "prompt"),
@@ -216,7 +218,7 @@ def test_client_gone_mid_stream_cancels_the_request_over_fakes():
     async def go():
         async with fake_front() as env:
             env.decode.token_delay_s = 0.05
-            stream = await env.client.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=200,
+            stream = await env.client.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=60,
                                                          stream=True, extra_body={"return_token_ids": True})
             seen = []
             async for chunk in stream:
@@ -230,7 +232,7 @@ def test_client_gone_mid_stream_cancels_the_request_over_fakes():
             assert env.router.service.metrics.registry.get_sample_value("baton_router_in_flight_requests") == 0
             # The same holds for a non-streaming client that gives up.
             with pytest.raises(openai.APITimeoutError):
-                await env.client.completions.create(model="fake", prompt=[5, 6, 8], max_tokens=200, timeout=0.3)
+                await env.client.completions.create(model="fake", prompt=[5, 6, 8], max_tokens=60, timeout=0.3)
             await eventually(lambda: requests_total(env.router, "cancelled") == 2, what="cancelled again")
     run(go())
 

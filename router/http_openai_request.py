@@ -1,0 +1,184 @@
+"""An OpenAI request body (already decoded by `http_json.py`) as the router's Generate requests.
+
+Every field is type- and range-checked here; a wrong one is a 400 naming it. Ranges the service checks
+against the model (vocabulary, context length, sampling) come back from it as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.proto.v1 import generation_pb2
+from baton.router.http_errors import ApiError, bad, unsupported
+
+# A stop string is searched for in the pending text after every token: their number and length are capped.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
+# A float32 field (temperature, top_p) holds at most this.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_int(v) or not lo <= v <= hi:
+        raise bad(name, f"an integer in [{lo}, {hi}]", v)
+    return v
+
+
+def _opt_float(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+        raise bad(name, "a finite number", v)
+    return float(v)
+
+
+def opt_bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, "a boolean", v)
+    return v
+
+
+def sampling(body: dict, chat: bool) -> generation_pb2.SamplingParams:
+    """OpenAI's parameters (and vLLM-style extensions: top_k, stop_token_ids, ignore_eos) as the proto's.
+    Ranges beyond the proto's types are checked by the service's validation (400 with its message)."""
+    for name in ("n", "best_of"):
+        if body.get(name) is not None and (not is_int(body[name]) or body[name] != 1):
+            raise bad(name, "1 (one choice per prompt)", body.get(name))
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != 0):
+            raise unsupported(name, "a non-zero penalty")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "logit_bias")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise unsupported("logprobs", "logprobs")
+    p = generation_pb2.SamplingParams()
+    max_tokens = _opt_int(body, "max_completion_tokens", 0, 2**32 - 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", 0, 2**32 - 1)
+    if max_tokens is not None:
+        p.max_tokens = max_tokens
+    # OpenAI's defaults (temperature 1, top_p 1), not the gRPC API's greedy default.
+    t = _opt_float(body, "temperature")
+    p.temperature = 1.0 if t is None else t
+    top_p = _opt_float(body, "top_p")
+    if top_p is not None:
+        p.top_p = top_p
+    if (top_k := _opt_int(body, "top_k", -1, 2**32 - 1)) is not None and top_k > 0:
+        p.top_k = top_k
+    if (seed := _opt_int(body, "seed", 0, 2**64 - 1)) is not None:
+        p.seed = seed
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(is_int(i) and 0 <= i < 2**32 for i in stop_ids):
+            raise bad("stop_token_ids", "a list of token ids", stop_ids)
+        p.stop_token_ids.extend(stop_ids)
+    p.ignore_eos = opt_bool(body, "ignore_eos")
+    return p
+
+
+def stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    out = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(out, list) or not 0 < len(out) <= MAX_STOPS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in out)):
+        raise bad("stop", f"a non-empty string of at most {MAX_STOP_CHARS} characters or a list of 1 to "
+                          f"{MAX_STOPS} of them", stop)
+    return tuple(out)
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(is_int(i) for i in v)
+
+
+def prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        return list(prompt)
+    raise bad("prompt", "a string, a non-empty list of token ids, or a non-empty list of those", prompt)
+
+
+def check_ids(ids: list[int]) -> None:
+    if not all(0 <= t < 2**32 for t in ids):
+        raise bad("prompt", "token ids in [0, 2^32)", [t for t in ids if not 0 <= t < 2**32][:5])
+
+
+def _content(message: dict, i: int) -> str | None:
+    c = message.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"messages[{i}].content", "a content part other than text")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content", "a string or a list of text parts", c)
+
+
+def messages(body: dict) -> list[dict]:
+    ms = body.get("messages")
+    if not isinstance(ms, list) or not ms:
+        raise bad("messages", "a non-empty list of messages", ms)
+    out = []
+    for i, m in enumerate(ms):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", "an object with a string role", m)
+        out.append({**m, "content": _content(m, i)})
+    return out
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad("stream_options", "an object", options)
+    return stream, opt_bool(options, "include_usage")
+
+
+def check_model(body: dict, model: str) -> None:
+    v = body.get("model")
+    if v is None:
+        return
+    if not isinstance(v, str):
+        raise bad("model", "a string", v)
+    if v != model:
+        raise ApiError(404, f"The model `{v[:200]}` does not exist (this server serves `{model}`).",
+                       param="model", code="model_not_found")
+
+
+@dataclass
+class Job:
+    """One parsed HTTP request: its Generate calls (one per prompt) and how to answer."""
+
+    id: str
+    chat: bool
+    model: str
+    requests: list[generation_pb2.GenerateRequest]
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    stops: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
