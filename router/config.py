@@ -73,7 +73,7 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0
     # Longest silence tolerated on a Decode stream (before the first token: pull + queueing + token N).
     decode_idle_timeout_s: float = 120.0
-    # Load, Info and Abort: small RPCs that a healthy node answers at once.
+    # Abort, and discovery lookups: small calls that a healthy node answers at once (polls: `poll_timeout_s`).
     control_timeout_s: float = 5.0
     tokenizer_path: str | None = None
     # 'NAME:PORT' of a headless Service: every A/AAAA record of NAME is one worker listening on PORT. The
@@ -102,6 +102,10 @@ class RouterConfig:
     stream_write_timeout_s: float = 30.0
     # Most stop token ids one request may carry.
     max_stop_ids: int = 256
+    # Deadline of a `Load` / `Info` poll. A worker that lets `unhealthy_after` polls in a row pass it without an
+    # answer has stopped answering: it leaves rotation, and the requests it serves are retried elsewhere (nothing
+    # streamed yet) or end with UNAVAILABLE. (A frozen process is noticed sooner, by keepalive pings.)
+    poll_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         # Normalise through object.__setattr__ so lists given by callers still make a hashable config.
@@ -120,7 +124,7 @@ class RouterConfig:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise _bad(name, "an integer >= 0", t)
         for name in ("load_poll_interval_s", "prefill_timeout_s", "decode_idle_timeout_s", "control_timeout_s",
-                     "dns_refresh_s", "ray_refresh_s"):
+                     "dns_refresh_s", "ray_refresh_s", "poll_timeout_s"):
             _check_seconds(self, name)
         n = self.unhealthy_after
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -202,6 +202,9 @@ def add_discovery_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds between DNS lookups: workers joining or leaving are picked up this fast")
     g.add_argument("--unhealthy-after", type=int, default=_default("unhealthy_after"), metavar="N",
                    help="failed Load polls in a row that take a worker out of rotation (one success puts it back)")
+    g.add_argument("--poll-timeout", type=float, default=_default("poll_timeout_s"), metavar="S",
+                   help="deadline of a Load poll: a worker that lets --unhealthy-after polls in a row pass it "
+                        "unanswered has stopped answering (its requests are retried elsewhere or ended)")
     g.add_argument("--ray-namespace", default=None, metavar="NS",
                    help="workers are the named Ray actors prefill-* / decode-* of this namespace (baton ray up)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -213,5 +216,6 @@ def add_discovery_args(parser: argparse.ArgumentParser) -> None:
 def discovery_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """RouterConfig fields from the flags `add_discovery_args` added."""
     return {"prefill_dns": args.prefill_dns, "decode_dns": args.decode_dns, "dns_refresh_s": args.dns_refresh_s,
-            "unhealthy_after": args.unhealthy_after, "ray_namespace": args.ray_namespace,
+            "unhealthy_after": args.unhealthy_after, "poll_timeout_s": args.poll_timeout,
+            "ray_namespace": args.ray_namespace,
             "ray_address": args.ray_address, "ray_refresh_s": args.ray_refresh_s}

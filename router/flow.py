@@ -2,6 +2,9 @@
 
 Every worker call is bounded (Prefill by `prefill_timeout_s`, every Decode read by
 `decode_idle_timeout_s`, both by the client's deadline), so a request always ends with tokens or a status.
+A node that stops answering ends its calls sooner: keepalive pings fail them with UNAVAILABLE when its process or
+link is gone, and the pool cancels them when it lets its Load polls pass unanswered (`Worker.stop_calls`). Either
+way a request that has streamed nothing is retried elsewhere; one that has streamed tokens ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class DecodeStream:
     call: grpc.aio.UnaryStreamCall
     # The first message that carries tokens or a finish reason.
     first: worker_pb2.DecodeResponse
+    # The worker's `stops` when the stream started: a cancelled read with a different count means it stopped
+    # answering.
+    stops: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,13 @@ def _check_aborted(state: InFlight) -> None:
 
 def _min_timeout(a: float, b: float | None) -> float:
     return a if b is None else max(0.0, min(a, b))
+
+
+def _stopped(state: InFlight, worker: Worker, stops: int) -> bool:
+    """Whether a worker call that ended in CancelledError was cancelled because `worker` stopped answering
+    (rather than by the request's own abort or the cancellation of its task, which must propagate)."""
+    task = asyncio.current_task()
+    return not state.aborted and not (task is not None and task.cancelling()) and worker.stops != stops
 
 
 class Flow:
@@ -132,6 +145,8 @@ class Flow:
         call = worker.stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids),
                                    timeout=_min_timeout(self.config.prefill_timeout_s, client_timeout))
         state.call = call
+        stops = worker.stops
+        worker.watch(call)
         try:
             resp = await call
         except grpc.aio.AioRpcError as e:
@@ -140,6 +155,13 @@ class Flow:
             log.warning("request %s: prefill failed on %s", rid, describe(worker, e))
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.prefill_pool.mark_unhealthy(worker, e.details() or "UNAVAILABLE")
+            return None
+        except asyncio.CancelledError:
+            if not _stopped(state, worker, stops):
+                raise
+            self.release(state, worker)
+            log.warning("request %s: prefill cancelled on %r: it stopped answering (%s)", rid, worker,
+                        worker.stop_reason)
             return None
         finally:
             state.call = None
@@ -197,6 +219,8 @@ class Flow:
                                        sampling=req.sampling, handle=handle)
         call = worker.stub.Decode(msg, timeout=client_timeout)
         state.call = call
+        stops = worker.stops
+        worker.watch(call)
         first_message = True
         try:
             while True:
@@ -213,7 +237,7 @@ class Flow:
                     else:
                         state.live.discard(prefill_worker)
                 if resp.token_ids or resp.finish_reason != _UNSPECIFIED:
-                    return DecodeStream(worker, call, resp)
+                    return DecodeStream(worker, call, resp, stops)
         except grpc.aio.AioRpcError as e:
             self.release(state, worker)
             _check_aborted(state)
@@ -222,6 +246,11 @@ class Flow:
                     self.decode_pool.mark_unhealthy(worker, e.details() or "UNAVAILABLE")
                 raise _Retryable(describe(worker, e)) from None
             raise self._translate(worker, e, 0) from None
+        except asyncio.CancelledError:
+            if not _stopped(state, worker, stops):
+                raise
+            self.release(state, worker)
+            raise _Retryable(f"{worker!r} stopped answering ({worker.stop_reason})") from None
         except RouterError:
             self.release(state, worker)
             raise
@@ -238,6 +267,12 @@ class Flow:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.decode_pool.mark_unhealthy(stream.worker, e.details() or "UNAVAILABLE")
             raise self._translate(stream.worker, e, state.completion_tokens) from None
+        except asyncio.CancelledError:
+            if not _stopped(state, stream.worker, stream.stops):
+                raise
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"{stream.worker!r} stopped answering ({stream.worker.stop_reason}) after "
+                              f"{state.completion_tokens} tokens were streamed") from None
         finally:
             state.call = None
         if resp is None:

@@ -11,7 +11,9 @@ from typing import Any
 
 import grpc
 
+from baton.proto.keepalive import ROUTER_CHANNEL_OPTIONS
 from baton.proto.v1 import worker_pb2, worker_pb2_grpc
+from baton.router.cluster_client import ClusterClient
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, StaticDiscovery, UnionDiscovery, discovery_for
 from baton.router.load_tracker import LoadSnapshot, LoadTracker
@@ -30,29 +32,56 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
     # Router and nodes talk directly; an http_proxy set for other tools must not capture this traffic.
     ("grpc.enable_http_proxy", 0),
+    # Pings while calls are in flight: a node that stops answering them fails those calls within seconds.
+    *ROUTER_CHANNEL_OPTIONS,
 )
 
 
 class Worker:
     """One node as seen from the router. Healthy only once it has answered both `Load` and `Info`."""
 
-    def __init__(self, index: int, addr: str, role: Role) -> None:
+    def __init__(self, index: int, addr: str, role: Role, cluster: ClusterClient | None = None) -> None:
         self.index = index
         self.addr = addr
         self.role = role
-        self.channel = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+        # Every call carries the cluster token (nodes refuse calls without it).
+        self.channel = (cluster or ClusterClient()).channel(addr, _CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.tracker = LoadTracker(role)
         self.healthy = False
         self.info: worker_pb2.InfoResponse | None = None
-        # Load polls that failed in a row (reset by a successful one).
+        # Load polls that failed in a row (reset by a successful one), and of them the last ones that got no
+        # answer before their deadline (a node that refuses calls, e.g. while draining, still answers).
         self.failed_polls = 0
+        self.silent_polls = 0
+        # The calls of requests on this node (Prefill, Decode streams): cancelled when it stops answering.
+        self._calls: set[grpc.aio.Call] = set()
+        # How many times it stopped answering, and why the last time: a request whose call was cancelled
+        # compares the count with the one it saw when the call started.
+        self.stops = 0
+        self.stop_reason = ""
         # No longer discovered: gets no new requests; its channel closes once its requests have ended.
         self.retired = False
         self.closed = False
 
     def __repr__(self) -> str:
         return f"{self.role.value} worker {self.addr}"
+
+    def watch(self, call: grpc.aio.Call) -> None:
+        """Cancel `call` if this node stops answering while it runs."""
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+
+    def stop_calls(self, reason: str) -> int:
+        """This node stopped answering: cancels the calls it serves (their requests then see `stops` changed);
+        returns how many."""
+        self.stops += 1
+        self.stop_reason = reason
+        calls = list(self._calls)
+        self._calls.clear()
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
 
 class WorkerPool:
@@ -62,8 +91,10 @@ class WorkerPool:
 
     def __init__(self, role: Role, addrs: Sequence[str] = (), *, discovery: Discovery | None = None,
                  poll_interval_s: float = 0.5, control_timeout_s: float = 5.0, unhealthy_after: int = 1,
-                 rng: random.Random | None = None) -> None:
+                 poll_timeout_s: float = 2.0, rng: random.Random | None = None,
+                 cluster: ClusterClient | None = None) -> None:
         self.role = role
+        self.cluster = cluster
         if discovery is None:
             discovery = StaticDiscovery(addrs)
         elif addrs:
@@ -71,6 +102,7 @@ class WorkerPool:
         self.discovery = discovery
         self.poll_interval_s = poll_interval_s
         self.control_timeout_s = control_timeout_s
+        self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self._rng = rng or random.Random()
         self._active: dict[str, Worker] = {}
@@ -85,7 +117,8 @@ class WorkerPool:
     @classmethod
     def from_config(cls, config: RouterConfig, role: Role, **kw: Any) -> WorkerPool:
         return cls(role, discovery=discovery_for(config, role), poll_interval_s=config.load_poll_interval_s,
-                   control_timeout_s=config.control_timeout_s, unhealthy_after=config.unhealthy_after, **kw)
+                   control_timeout_s=config.control_timeout_s, unhealthy_after=config.unhealthy_after,
+                   poll_timeout_s=config.poll_timeout_s, **kw)
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -153,7 +186,7 @@ class WorkerPool:
                 w = revived
                 log.info("%r is discovered again", w)
             else:
-                w = Worker(self._next_index, addr, self.role)
+                w = Worker(self._next_index, addr, self.role, self.cluster)
                 self._next_index += 1
                 log.info("%r discovered", w)
             self._active[addr] = w
@@ -197,29 +230,33 @@ class WorkerPool:
     async def _poll(self, w: Worker) -> None:
         epoch = w.tracker.begin_poll()
         try:
-            load = await w.stub.Load(worker_pb2.LoadRequest(), timeout=self.control_timeout_s)
+            load = await w.stub.Load(worker_pb2.LoadRequest(), timeout=self.poll_timeout_s)
             # Re-read Info whenever a worker comes (back) into rotation: a restarted node may differ.
             if w.info is None or not w.healthy:
-                w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.control_timeout_s)
+                w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.poll_timeout_s)
                 w.tracker.block_size = w.info.block_size
                 w.tracker.step_tokens = w.info.max_num_batched_tokens
         except grpc.aio.AioRpcError as e:
-            self._poll_failed(w, f"{e.code().name}: {e.details()}")
+            self._poll_failed(w, e.code(), f"{e.code().name}: {e.details()}")
             return
         # A node started with the wrong role would fail every request sent to it: keep it out.
         if load.role and load.role != self.role.value:
             self.mark_unhealthy(w, f"it reports role {load.role!r}")
             return
-        w.failed_polls = 0
+        w.failed_polls = w.silent_polls = 0
         w.tracker.end_poll(epoch, LoadSnapshot(load.outstanding_prefill_tokens, load.free_state_slots,
                                                load.free_kv_blocks))
         if not w.healthy:
             log.info("%r is healthy", w)
             w.healthy = True
 
-    def _poll_failed(self, w: Worker, reason: str) -> None:
+    def _poll_failed(self, w: Worker, code: grpc.StatusCode, reason: str) -> None:
         w.failed_polls += 1
-        if w.failed_polls >= self.unhealthy_after:
+        w.silent_polls = w.silent_polls + 1 if code == grpc.StatusCode.DEADLINE_EXCEEDED else 0
+        if w.silent_polls >= self.unhealthy_after:
+            self.stopped_answering(w, f"no answer to {w.silent_polls} Load poll(s) in a row within "
+                                      f"{self.poll_timeout_s:g} s")
+        elif w.failed_polls >= self.unhealthy_after:
             self.mark_unhealthy(w, f"{reason} ({w.failed_polls} failed Load poll(s) in a row)")
         elif w.healthy:
             log.info("%r: Load poll failed (%d of %d before it leaves rotation): %s", w, w.failed_polls,
@@ -230,6 +267,14 @@ class WorkerPool:
         if w.healthy:
             log.warning("%r taken out of rotation: %s", w, reason)
         w.healthy = False
+
+    def stopped_answering(self, w: Worker, reason: str) -> None:
+        """Takes `w` out of rotation and cancels the calls of the requests it serves: they are retried elsewhere
+        if nothing was streamed yet, else end with UNAVAILABLE (router/flow.py)."""
+        self.mark_unhealthy(w, reason)
+        n = w.stop_calls(reason)
+        if n:
+            log.warning("%r stopped answering: %d request(s) there are retried elsewhere or ended", w, n)
 
     def healthy_count(self) -> int:
         return sum(w.healthy for w in self._workers)

@@ -62,6 +62,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.token_delay_s = 0.0
         self.pull_fails = False  # with a handle: answer prefilled_locally=True
         self.load_fails = False
+        self.load_silent = False  # Load never answers (a node that stopped answering): the caller's deadline ends it
         self.script: list[int] | None = None  # output tokens instead of `expected_tokens`
         self.spec_k = 0  # > 0: every token message carries MTP totals `spec_totals(spec_k, tokens so far)`
         # What Load reports.
@@ -141,6 +142,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=request.request_id in self.active)
 
     async def Load(self, request, context):
+        if self.load_silent:
+            await asyncio.sleep(3600)  # cancelled when the caller's deadline passes
         if self.load_fails:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: not answering (fake)")
         return worker_pb2.LoadResponse(role=self.role, free_state_slots=self.free_state_slots,
