@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from baton.proto.keepalive import NODE_SERVER_OPTIONS
 from baton.proto.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from baton.router.config import RouterConfig
 from baton.router.server import Router, start_router
@@ -181,7 +182,8 @@ def tokens_of(msgs: Sequence[generation_pb2.GenerateResponse]) -> list[int]:
 
 async def start_fake(role: str, name: str) -> tuple[FakeWorker, grpc.aio.Server, str]:
     fake = FakeWorker(role, name)
-    server = grpc.aio.server()
+    # As a node's: the router's keepalive pings are accepted however long a call stays silent.
+    server = grpc.aio.server(options=NODE_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -104,3 +104,14 @@ def test_a_worker_that_refuses_polls_keeps_the_streams_it_serves():
             assert got == expected_tokens([3, 4], 40)
             assert [r.request_id for r in d0.decodes] == ["r"] and d1.decodes == []
     run(go())
+
+
+def test_keepalive_pings_do_not_cut_a_silent_stream():
+    """A node waits as long as it must before a stream's first token (a long queue, a long local prefill): the
+    router's pings on that silent call are accepted by a server with the nodes' options, with no Load poll traffic
+    in between (a gRPC server's default policy closes the connection as abusive after a few seconds)."""
+    async def go():
+        async with cluster(0, 1, load_poll_interval_s=60.0) as c:
+            c.decode[0].decode_first_delay_s = 6.0
+            assert tokens_of(await c.generate([5, 6], timeout=CLIENT_DEADLINE_S)) == expected_tokens([5, 6])
+    run(go())
