@@ -5,6 +5,7 @@
 #   layouts  serve_check.py: the default (aggregated on one GPU) against 1P1D through CUDA IPC and through NIXL,
 #            the same load each (LAYOUT_ARGS: serve_check flags, e.g. "--requests 256 --concurrency 64")
 #   mtp      tests/test_gpu_serving.py: K = 0..3 through `baton up`, a few hundred concurrent requests, all complete
+#            (MTP_K: a pytest -k expression choosing among them, e.g. "3")
 #   demo     `baton demo` (make demo's command) on the GPU
 #   nixl     1P1D through NIXL on the one GPU under UCX's default transports and two UCX_TLS choices
 # Carry .whl-slim (nixl-cu13 without its unused modules, nixl, msgspec) and .whl-serve (grpcio, protobuf,
@@ -40,7 +41,7 @@ if stage layouts; then
 fi
 if stage mtp; then
   BATON_SERVE_MODEL="$M" BATON_RESULTS_DIR="$OUT/mtp" python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_gpu_serving.py > "$OUT/mtp.txt" 2>&1
+    ${MTP_K:+-k "$MTP_K"} tests/test_gpu_serving.py > "$OUT/mtp.txt" 2>&1
   grep -E "^K=|passed|failed|Error|assert" "$OUT/mtp.txt" | head -40
 fi
 if stage demo; then
