@@ -2,7 +2,8 @@
 and the client's disconnect.
 
 Reading: a `content-length` above the limit is refused (413) before any byte of the body is read; a body
-without one is counted as it arrives; the whole body must arrive within the body timeout (408). Writing: a
+without one is counted as it arrives (past the limit it is read on and dropped up to once more the limit,
+then refused); the whole body must arrive within the body timeout (408). Writing: a
 write that stalls longer than the write timeout (the client stopped reading) counts as the client gone.
 After the body, `wait_gone()` returns when the client disconnects (ASGI's `http.disconnect`).
 """
@@ -67,11 +68,17 @@ class Exchange:
                         raise ClientGone
                     chunk = message.get("body", b"")
                     size += len(chunk)
+                    more = message.get("more_body", False)
                     if size > limit:
+                        if more and size <= 2 * limit:
+                            # Read on (up to once more the limit) and drop: a connection closed with unread
+                            # bytes is reset, and the client would never see the 413.
+                            chunks.clear()
+                            continue
                         raise ApiError(413, f"body: expected at most {limit} bytes (--max-request-bytes), got "
                                             "more", param="body", code="request_too_large")
                     chunks.append(chunk)
-                    if not message.get("more_body", False):
+                    if not more:
                         break
         except TimeoutError:
             raise ApiError(408, f"body: expected it within {self.limits.body_timeout_s} s of the headers "

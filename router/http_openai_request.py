@@ -155,7 +155,10 @@ def stream_options(body: dict) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise bad("stream_options", "an object", options)
-    return stream, opt_bool(options, "include_usage")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise bad("stream_options.include_usage", "a boolean", usage)
+    return stream, bool(usage)
 
 
 def check_model(body: dict, model: str) -> None:
