@@ -25,6 +25,9 @@ from baton.node.metrics import NodeMetrics, start_node_http
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
 from baton.prefill_node.service import PrefillService
+from baton.proto.grpc_decode import DecodeInterceptor
+from baton.proto.keepalive import NODE_SERVER_OPTIONS
+from baton.proto.message_limits import WORKER_SERVER_OPTIONS
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.agent import TransferAgent
 from baton.transfer.held_transfers import HeldTransfers
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     service.http_port = http.port
 
     async def start() -> grpc.aio.Server:
-        server = grpc.aio.server(interceptors=[*security.interceptors(), drain.interceptor])
+        # The router's keepalive pings accepted; requests up to the router's limit; undecodable bytes judged last,
+        # once the caller is known to be of the cluster.
+        server = grpc.aio.server(options=(*WORKER_SERVER_OPTIONS, *NODE_SERVER_OPTIONS),
+                                 interceptors=[*security.interceptors(), drain.interceptor, DecodeInterceptor()])
         wk_grpc.add_WorkerServicer_to_server(service, server)
         security.add_port(server, a.host, a.port)
         await server.start()

@@ -85,6 +85,7 @@ class PrefillService(wk_grpc.WorkerServicer):
 
     async def Decode(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill node; Decode runs on decode nodes")
+        yield  # a server-streaming handler is an async generator, as interceptors wrapping it expect
 
     async def Abort(self, request: wk.WorkerAbortRequest, context) -> wk.WorkerAbortResponse:
         """Abort a prefill in flight, or release the lease of a finished one."""
