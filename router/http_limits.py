@@ -42,7 +42,8 @@ class HttpLimits:
 
 
 _FLAGS = {
-    "max_request_bytes": ("--max-request-bytes", "largest HTTP request body in bytes (larger: 413)"),
+    "max_request_bytes": ("--max-request-bytes", "largest request in bytes: an HTTP body (larger: 413) or a "
+                                                 "gRPC request message"),
     "max_choices": ("--max-choices", "most generations one HTTP request may ask for, n x number of prompts "
                                      "(more: 400)"),
     "max_in_flight": ("--http-max-in-flight", "generations in flight over HTTP, requests being read included "

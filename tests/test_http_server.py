@@ -3,7 +3,8 @@
 HTTP/1.1 keep-alive (JSON and SSE answers over one connection) and HTTP/2 (h2c, several streams on one
 connection); half-sent requests (slowloris) are closed after the idle timeout while a normal request is
 answered, without a thread per held connection; a body that trickles gets 408; an idle keep-alive
-connection is closed; the port binds only the address --host names; operations routes on the same port.
+connection is closed; the port binds only the address --host names; operations routes on the same port; a
+write the client never takes ends the request after the write timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import httpx2
 import pytest
 
+from baton.router.http_exchange import ClientGone, Exchange
 from baton.router.http_limits import HttpLimits
 from tests.test_openai_http import fake_front
 from tests.test_router_fakes import expected_tokens, run
@@ -171,5 +173,28 @@ def test_binds_only_the_host_address_and_serves_operations_routes():
                 assert {w["role"] for w in (await c.get(base + "/v1/workers")).json()} == {"prefill", "decode"}
                 missing = await c.get(base + "/nope")
                 assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+    run(go())
+
+
+def test_a_write_the_client_never_takes_ends_as_client_gone_after_the_write_timeout():
+    # A send that never completes stands for a client whose receive window stays full (filling real socket
+    # buffers would take megabytes of tokens).
+    async def go():
+        never = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                await never.wait()
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        ex = Exchange(scope, receive, send, HttpLimits(write_timeout_s=0.3))
+        t0 = time.monotonic()
+        with pytest.raises(ClientGone):
+            await ex.event({"choices": []})
+        assert 0.25 < time.monotonic() - t0 < 2
 
     run(go())
