@@ -85,3 +85,29 @@ def test_an_output_callback_that_raises_aborts_its_request_only(tiny, caplog):  
     finally:
         thread.stop()
     assert_all_free(engine)
+
+
+def test_an_id_reused_right_after_its_abort_serves_the_new_request_exactly(tiny):  # noqa: F811
+    # While a step in flight still carries the aborted request, the id is refused with a clear error (that step's
+    # update must not end the new request); once it is read, the id serves a new request as any other.
+    for depth in (1, 0):
+        engine = new_engine(tiny, True)
+        engine.depth = depth
+        engine.add_request([3, 4, 5, 6], PARAMS, request_id="r")
+        for _ in range(3):
+            engine.step()
+        assert engine.abort("r")
+        try:
+            engine.add_request([7, 8, 9], PARAMS, request_id="r")
+        except ValueError as e:
+            assert "request_id" in str(e) and "in flight" in str(e)
+            while engine.has_unfinished():
+                engine.step()
+            engine.add_request([7, 8, 9], PARAMS, request_id="r")
+        outs = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id] = o
+        ref = new_engine(tiny, False).generate([[7, 8, 9]], PARAMS)[0]
+        assert outs["r"].finished and list(outs["r"].token_ids) == list(ref.token_ids)
+        assert_all_free(engine)
