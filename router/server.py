@@ -15,14 +15,18 @@ import grpc
 
 from baton.cli.listen_error import CannotListen, run_main
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
+from baton.proto.grpc_decode import DecodeInterceptor
+from baton.proto.message_limits import server_options
 from baton.proto.v1 import generation_pb2_grpc
 from baton.router.asgi_app import RouterApp
 from baton.router.asgi_server import AsgiServer
+from baton.router.cluster_client import ClusterClient
 from baton.router.config import RouterConfig
 from baton.router.discovery import add_discovery_args, discovery_from_args
 from baton.router.flow import Flow
 from baton.router.http import health_route, json_response, metrics_route
 from baton.router.http_limits import HttpLimits, add_http_limit_args, http_limits_from_args
+from baton.router.limits import add_grpc_limit_args, grpc_limits_from_args
 from baton.router.openai_http import OpenAIFront, load_chat_template
 from baton.router.policy import Role
 from baton.router.security import API_KEYS_ENV, RouterSecurity
@@ -31,8 +35,6 @@ from baton.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
-# Long prompts arrive as repeated uint32 (up to 5 bytes a token): lift gRPC's 4 MB default.
-SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20))
 
 
 @dataclass
@@ -86,22 +88,30 @@ def http_routes(service: GenerationService) -> dict:
 
     return {"/metrics": metrics_route(service.metrics.registry),
             "/health": health_route(lambda: service.health().ok, detail),
+            "/live": health_route(lambda: True),
             "/v1/workers": lambda: json_response(service.workers())}
 
 
 async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0.1",
                        http_port: int | None = None, served_model_name: str | None = None,
-                       security: RouterSecurity | None = None, http_limits: HttpLimits | None = None) -> Router:
+                       security: RouterSecurity | None = None, cluster: ClusterClient | None = None,
+                       http_limits: HttpLimits | None = None) -> Router:
     """Polls every worker once, then starts serving. The router starts even if no worker answers yet:
     nodes may come up after it; Health says when it can serve. With `http_port` (0: any free port) it also
     serves /metrics, /health, /v1/workers and the OpenAI-compatible API (`openai_http.py`; the model is
-    `served_model_name`, default the name of the workers' model directory) over HTTP."""
+    `served_model_name`, default the name of the workers' model directory) over HTTP. `cluster`: how the nodes are
+    called (default: with the cluster secret in BATON_CLUSTER_SECRET, if set)."""
     tokenizer = router_tokenizer(config.tokenizer_path) if config.tokenizer_path else None
-    prefill, decode = WorkerPool.from_config(config, Role.PREFILL), WorkerPool.from_config(config, Role.DECODE)
+    if cluster is None:
+        cluster = ClusterClient.from_sources(insecure=True)
+    prefill = WorkerPool.from_config(config, Role.PREFILL, cluster=cluster)
+    decode = WorkerPool.from_config(config, Role.DECODE, cluster=cluster)
     await asyncio.gather(prefill.start(), decode.start())
-    service = GenerationService(Flow(config, prefill, decode), tokenizer)
     security = security or RouterSecurity()
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
+    service = GenerationService(Flow(config, prefill, decode), tokenizer, keyed_clients=security.requires_key)
+    # Long prompts arrive as repeated uint32 (up to 5 bytes a token): gRPC's 4 MB default is lifted to the limit.
+    server = grpc.aio.server(options=server_options(config.max_request_bytes),
+                             interceptors=[*security.interceptors(), DecodeInterceptor()])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     creds = security.server_credentials()
     try:
@@ -148,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
                         f"line) or from ${API_KEYS_ENV} (comma-separated); Health, /health, /metrics stay open")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS only")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="file holding the cluster secret (default: $BATON_CLUSTER_SECRET); every call to a node "
+                        "presents its token")
+    p.add_argument("--insecure-no-cluster-auth", action="store_true",
+                   help="call the nodes without a cluster secret (nodes started with --insecure-no-cluster-auth)")
+    p.add_argument("--cluster-tls-ca", default=None,
+                   help="PEM CA bundle: call the nodes over TLS, checking their certificates against it")
     p.add_argument("--served-model-name", default=None,
                    help="model id of the OpenAI-compatible API (default: the workers' model directory name)")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
@@ -164,19 +181,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for one Prefill RPC")
     p.add_argument("--decode-idle-timeout", type=float, default=120.0,
                    help="longest silence (s) tolerated on a Decode stream")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight requests get at shutdown")
+    p.add_argument("--drain-timeout-s", "--grace", dest="grace", type=float, default=60.0,
+                   help="on SIGTERM/SIGINT the router refuses new requests (Health says not ok) and gives those in "
+                        "flight this long to finish before it stops")
     add_discovery_args(p)
     add_http_limit_args(p)
+    add_grpc_limit_args(p)
     return p
 
 
 async def _run(config: RouterConfig, port: int, host: str, grace: float, http_port: int | None,
                served_model_name: str | None = None, security: RouterSecurity | None = None,
-               http_limits: HttpLimits | None = None) -> None:
+               cluster: ClusterClient | None = None, http_limits: HttpLimits | None = None) -> None:
     # --port 0 (any free port) has no "next" port: then HTTP takes any free port too.
     if http_port is None:
         http_port = port + 1 if port else 0
-    router = await start_router(config, port, host, http_port, served_model_name, security, http_limits)
+    router = await start_router(config, port, host, http_port, served_model_name, security, cluster,
+                                http_limits)
     # Parent processes (`baton up`) wait for this line to know the router is listening.
     print(f"baton router listening on {host}:{router.port} (http {router.http.port})", flush=True)
     stop = asyncio.Event()
@@ -184,8 +205,19 @@ async def _run(config: RouterConfig, port: int, host: str, grace: float, http_po
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("router shutting down")
-    await router.stop(grace)
+    # Drain: new requests are refused and Health says not ok (clients and Kubernetes stop sending); requests in
+    # flight, over gRPC or HTTP, get `grace` seconds to finish. A second signal cuts the drain short.
+    router.service.draining = True
+    log.warning("router draining: requests in flight get up to %g s", grace)
+    again = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, again.set)
+    waits = [asyncio.ensure_future(router.service.wait_idle(grace)), asyncio.ensure_future(again.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    log.warning("router drained; stopping")
+    await router.stop(1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                               prefill_queue_limit_tokens=a.prefill_queue_limit_tokens, tokenizer_path=a.tokenizer,
                               load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
                               decode_idle_timeout_s=a.decode_idle_timeout,
+                              max_request_bytes=a.http_max_request_bytes, **grpc_limits_from_args(a),
                               **discovery_from_args(a))
         security = RouterSecurity.from_sources(a.api_keys_file, a.tls_cert, a.tls_key)
+        cluster = ClusterClient.from_sources(a.cluster_secret_file, a.cluster_tls_ca, a.insecure_no_cluster_auth)
         http_limits = http_limits_from_args(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -206,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not security.requires_key:
             log.warning("no API keys configured: any client that reaches the router may use it")
-        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security,
+        asyncio.run(_run(config, a.port, a.host, a.grace, a.http_port, a.served_model_name, security, cluster,
                          http_limits))
     except CannotListen:
         raise
