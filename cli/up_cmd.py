@@ -8,6 +8,7 @@ flight finish, then the nodes; a second signal cuts the drains short.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import threading
 
@@ -71,6 +72,27 @@ def add_role_engine_args(p: argparse.ArgumentParser) -> None:
                         f"takes {PREFILL_MAX_NUM_BATCHED_TOKENS} (its steps carry no decode rows)")
     p.add_argument("--decode-engine-args", default="", metavar="FLAGS",
                    help="engine flags of the decode nodes only, after the engine flags above")
+    p.add_argument("--router-args", default="", metavar="FLAGS",
+                   help="flags of the router process (`python -m baton.router.server --help`), e.g. "
+                        "'--max-inflight-per-client 64 --max-request-bytes 1048576'")
+
+
+def router_flags(text: str) -> tuple[str, ...]:
+    """`--router-args`, split into words and checked against the router's own flags before any process starts."""
+    from baton.router.server import _parser
+
+    try:
+        flags = tuple(shlex.split(text))
+    except ValueError as e:  # an unclosed quote
+        raise ValueError(f"--router-args: expected shell words, got {text!r}: {e}") from None
+    parser = _parser()
+
+    def error(message: str) -> None:
+        raise ValueError(f"--router-args: {message}")
+
+    parser.error = error  # type: ignore[method-assign]
+    parser.parse_args(["--port", "1", "--decode", "127.0.0.1:1", *flags])
+    return flags
 
 
 def visible_gpus(device: str | None) -> int:
@@ -113,7 +135,7 @@ def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster
                    log_dir=a.log_dir, node_gpus=a.node_gpus, drain_timeout_s=a.drain_timeout_s,
                    router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
                    + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))
-                      if a.prefill_queue_limit_tokens else ()))
+                      if a.prefill_queue_limit_tokens else ()) + router_flags(a.router_args))
 
 
 def metrics_port_of(a: argparse.Namespace, cluster: Cluster) -> int:

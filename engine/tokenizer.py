@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
+# Texts longer than this (characters) are tokenized without holding the GIL.
+LONG_TEXT_CHARS = 4096
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CONFIG_FILE = "config.json"
@@ -78,7 +80,12 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        # `encode` holds the GIL throughout; `encode_batch` releases it (at the cost of its thread pool): a server
+        # tokenizing a long text on a worker thread must not stall the threads that serve everyone else.
+        if len(text) > LONG_TEXT_CHARS:
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos: this tokenizer has no BOS token")

@@ -54,18 +54,6 @@ PATHS = (COMPLETIONS, CHAT, MODELS)
 PARSE_THREADS = 4
 
 
-# `tokenizers`' `encode` holds the GIL throughout (the loop's thread would stall behind a worker thread that
-# tokenizes a long text); `encode_batch` releases it, at the cost of its thread pool: used for long texts only.
-_LONG_TEXT_CHARS = 4096
-
-
-def _encode(tok: TextTokenizer, text: str) -> list[int]:
-    """`tok.encode(text)` (no special tokens added)."""
-    if len(text) <= _LONG_TEXT_CHARS:
-        return tok.encode(text)
-    return tok.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-
-
 def _token_text(tok: TextTokenizer, i: int | None) -> str:
     return (tok.tokenizer.id_to_token(i) or "") if i is not None else ""
 
@@ -295,7 +283,7 @@ class OpenAIFront:
                     raise ApiError(400, "prompt: text prompts need the router's tokenizer (start it with "
                                         "--tokenizer); send token ids instead", param="prompt")
                 # No BOS is added, as for gRPC text prompts.
-                prompt = _encode(tok, prompt)
+                prompt = tok.encode(prompt)
             rq.check_ids(prompt)
             requests.append(generation_pb2.GenerateRequest(
                 request_id=f"{job_id}-{i}", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling))
@@ -312,7 +300,7 @@ class OpenAIFront:
         if fmt not in (None, {"type": "text"}):
             raise unsupported("response_format", "a response format other than text")
         text = self.chat_template.render(rq.messages(body), add_generation_prompt=True)
-        return [_encode(tok, text)]
+        return [tok.encode(text)]
 
     # ---- generating ----
     async def _generate(self, ex: Exchange, job: rq.Job) -> None:

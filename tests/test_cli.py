@@ -198,6 +198,17 @@ def test_up_role_engine_args_reach_their_role_only_and_win_over_the_common_flags
     assert plain.prefill_args == plain.decode_args == ()
 
 
+def test_up_router_args_reach_the_router_and_bad_ones_are_refused_before_starting():
+    from baton.cli.up_cmd import cluster_from_args
+
+    a = build_parser().parse_args(["up", "--model", "m", "--router-args", "--max-inflight-per-client 8"])
+    assert cluster_from_args(a, gpus=0).router_args[-2:] == ("--max-inflight-per-client", "8")
+    for bad in ("--no-such-flag 1", "--max-inflight-per-client many", "'unclosed"):
+        a = build_parser().parse_args(["up", "--model", "m", "--router-args", bad])
+        with pytest.raises(ValueError, match="--router-args"):
+            cluster_from_args(a, gpus=0)
+
+
 def test_a_prefill_node_takes_its_own_step_budget_where_no_flag_gives_one():
     """Prefill nodes' steps carry no decode rows: left out, their budget is PREFILL_MAX_NUM_BATCHED_TOKENS (8192),
     not the engine's 512, which is sized for steps that carry decode rows. A budget
