@@ -19,6 +19,7 @@ from baton.proto.auth import ClusterCredential
 from baton.proto.v1 import worker_pb2 as wk
 from baton.transfer.agent import TransferAgent
 from baton.transfer.errors import TransferError
+from baton.transfer.fault_injection import TransferFaults
 from baton.transfer.side_channel import SideChannelClient
 
 log = logging.getLogger("baton.decode_node")
@@ -38,6 +39,8 @@ class Puller:
         # NIXL calls of this agent stay on one thread; READs of host memory run inline in it.
         self._nixl = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baton-transfer")
         self.num_fallbacks = 0
+        # Test-only: none unless BATON_TEST_TRANSFER_FAULT_RATE is set (chaos tests run the fallback through it).
+        self.faults = TransferFaults.from_environ()
 
     async def _on_nixl(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._nixl, fn, *args)
@@ -56,8 +59,10 @@ class Puller:
             return None
         blocks, slot = reserved
         try:
+            self.faults.check(request_id, "before the READ")
             await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot,
                                 h.state_slot, self.read_timeout_s)
+            self.faults.check(request_id, "after the READ")
         except asyncio.CancelledError:
             # The READ goes on on the transfer thread: give the blocks back after it (same thread, in order).
             self._nixl.submit(lambda: self.thread.call(lambda engine: engine.free_held(blocks, slot)))
