@@ -64,6 +64,8 @@ FIRST_ID = 3
 ENGINE = {"block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 16, "num_kv_blocks": 512}
 # How long past its own deadline a request may take before the driver gives up on it (counted as hung).
 GUARD_S = 10.0
+# How long the router may take to notice a killed node (its connections reset at once; else its next Load poll).
+NOTICE_S = 10.0
 ANSWERED, ABORTED, FAILED, HUNG = "answered", "aborted", "failed", "hung"
 
 
@@ -74,7 +76,8 @@ class ChaosConfig:
     abort_rate: float = 0.1
     fault_rate: float = 0.05
     seed: int = 0
-    max_tokens: int = 8
+    # Long enough that a decode node killed mid-run has streams that sent tokens (they end with UNAVAILABLE).
+    max_tokens: int = 32
     prompt_min: int = 4
     prompt_max: int = 24
     # Distinct prompts the requests draw from (each one's reference is computed once).
@@ -259,7 +262,7 @@ async def kill_and_restart(cluster: Cluster, name: str, at_request: int, rejoin_
     await asyncio.to_thread(cluster.kill, name)
     await asyncio.to_thread(cluster.respawn, name)
     # The router first notices the death (a restarted node loads its model before it answers), then the return.
-    await wait_worker(cluster, name, False, rejoin_s)
+    await wait_worker(cluster, name, False, NOTICE_S)
     back = await wait_worker(cluster, name, True, rejoin_s)
     return Kill(name, at_request, int(in_flight), time.monotonic() - killed if back else None)
 
@@ -321,6 +324,8 @@ class Report:
     kills: list[Kill]
     nodes: list[NodeState]
     dead_processes: list[str]
+    # Requests the client set out to abort (some finish first: they count as answered).
+    aborts_planned: int = 0
     # Pulls the fault hook failed, as the decode nodes logged them (over restarts).
     injected_faults: int = 0
 
@@ -352,7 +357,8 @@ class Report:
 
     def summary(self) -> dict:
         statuses = Counter(r.status for r in self.results if r.outcome == FAILED)
-        return {"answered": self.count(ANSWERED), "aborted": self.count(ABORTED), "failed": self.count(FAILED),
+        return {"answered": self.count(ANSWERED), "aborted": self.count(ABORTED),
+                "aborts_planned": self.aborts_planned, "failed": self.count(FAILED),
                 "failed_statuses": dict(statuses), "hung": self.count(HUNG), "wrong_tokens": self.wrong_tokens,
                 "failed_bound": self.failed_bound, "injected_faults": self.injected_faults,
                 "problems": self.problems()}
@@ -365,7 +371,9 @@ class Report:
                  f"{c.fault_rate:g} ({self.injected_faults} injected), seed {c.seed}",
                  "",
                  "| outcome | count |", "|---|---:|",
-                 f"| answered | {s['answered']} |", f"| aborted (by the client) | {s['aborted']} |",
+                 f"| answered | {s['answered']} |",
+                 f"| aborted (by the client; {s['aborts_planned']} tried, the rest finished first) | "
+                 f"{s['aborted']} |",
                  f"| failed-with-status ({statuses}) | {s['failed']} (bound {s['failed_bound']}) |",
                  f"| hung | {s['hung']} |", f"| wrong-tokens | {s['wrong_tokens']} |",
                  "",
@@ -467,7 +475,8 @@ def run(cfg: ChaosConfig, model: str, log_dir: str, progress: bool = True) -> Re
 
         results, kills, wall, nodes = asyncio.run(go())
         dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
-        return Report(cfg, wall, results, kills, nodes, dead, injected_faults(log_dir))
+        return Report(cfg, wall, results, kills, nodes, dead, sum(p.abort_after is not None for p in reqs),
+                      injected_faults(log_dir))
     finally:
         cluster.stop(timeout=15)
 

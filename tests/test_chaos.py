@@ -79,7 +79,7 @@ def test_report_names_every_count_that_must_be_zero():
 def test_short_chaos_run_hangs_nothing_answers_exactly_and_leaks_nothing(tmp_path):
     model = make_model(tmp_path / "tiny", preset="tiny", seed=5, progress=False, tokenizer=False)
     # Kills early in the run, so that both restarted nodes rejoin while requests still flow.
-    cfg = chaos.ChaosConfig(requests=400, concurrency=12, seed=1, deadline_s=20.0, settle_s=40.0,
+    cfg = chaos.ChaosConfig(requests=300, concurrency=12, seed=1, max_tokens=16, deadline_s=20.0, settle_s=40.0,
                             kills=((0.15, "prefill-0"), (0.3, "decode-0")))
     report = chaos.run(cfg, str(model), str(tmp_path / "logs"), progress=False)
     table = report.table()
