@@ -6,8 +6,9 @@ tiny model, loopback) serves `--requests` Generate calls at a fixed concurrency 
 - the decode nodes fail `--fault-rate` of their pulls with a TransferError (the test-only fault hook,
   `baton.transfer.fault_injection`: BATON_TEST_TRANSFER_FAULT_RATE / _SEED in the decode nodes' environment), so
   that the real fallback runs (the decode node prefills the request itself);
-- a prefill node and a decode node are SIGKILLed at `--kills` (fractions of the requests sent) and restarted on
-  their ports at once (`Cluster.respawn`); the router's in-flight count is read just before each kill.
+- a prefill node and a decode node are SIGKILLed at `--kills` (fractions of the requests sent; by default the
+  node of each role that has the most requests running, waiting or leased at that moment) and restarted on their
+  ports at once (`Cluster.respawn`); the router's in-flight count is read just before each kill.
 
 Every request is greedy with `ignore_eos` and `--max-tokens`, so its output is known: the offline engine
 (`LLMEngine.generate`, same engine flags) computes every unique prompt's reference once, batched. Each request
@@ -83,8 +84,9 @@ class ChaosConfig:
     # Distinct prompts the requests draw from (each one's reference is computed once).
     unique_prompts: int = 256
     deadline_s: float = 30.0
-    # (fraction of the requests sent, process) pairs: SIGKILL then restart.
-    kills: tuple[tuple[float, str], ...] = ((0.3, "prefill-0"), (0.6, "decode-0"))
+    # (fraction of the requests sent, process) pairs: SIGKILL then restart. A role ("prefill", "decode") for a
+    # process picks the node of that role busiest at the kill.
+    kills: tuple[tuple[float, str], ...] = ((0.3, "prefill"), (0.6, "decode"))
     prefill_workers: int = 2
     decode_workers: int = 2
     # The longest the end waits for restarted nodes to rejoin and for every node to go idle.
@@ -103,9 +105,11 @@ class ChaosConfig:
             raise ValueError(f"deadline_s, settle_s: expected > 0, got {self.deadline_s}, {self.settle_s}")
         names = {f"prefill-{i}" for i in range(self.prefill_workers)} | \
                 {f"decode-{i}" for i in range(self.decode_workers)}
+        names |= {"decode"} | ({"prefill"} if self.prefill_workers else set())
         for frac, name in self.kills:
             if not 0.0 <= frac < 1.0 or name not in names:
-                raise ValueError(f"kills: expected (fraction in [0, 1), one of {sorted(names)}), got {(frac, name)}")
+                raise ValueError(f"kills: expected (fraction in [0, 1), one of {sorted(names)}), "
+                                 f"got {(frac, name)}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ class Kill:
     at_request: int
     # Generate calls in flight at the router just before the SIGKILL (its baton_router_in_flight_requests).
     router_in_flight: int
+    # Requests running, waiting or leased on the killed node just before (its Load; -1: it did not answer).
+    node_requests: int
     # Seconds from the SIGKILL until the router counted the restarted node healthy again (None: not back).
     back_after_s: float | None
 
@@ -235,9 +241,37 @@ async def wait_all_healthy(cluster: Cluster, timeout: float) -> bool:
     return False
 
 
+def node_addr(cluster: Cluster, name: str) -> str:
+    return [*cluster.prefill_addrs, *cluster.decode_addrs][cluster.node_names.index(name)]
+
+
+def node_load(cluster: Cluster, name: str) -> wk.LoadResponse | None:
+    """Node `name`'s Load (asked with the cluster credential), or None when it does not answer."""
+    assert cluster.credential is not None
+    try:
+        with grpc.insecure_channel(node_addr(cluster, name)) as ch:
+            return wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5,
+                                               metadata=cluster.credential.grpc_metadata())
+    except grpc.RpcError:
+        return None
+
+
+def busiest(cluster: Cluster, target: str) -> tuple[str, int]:
+    """`target` when it names a node, else the node of role `target` with the most requests running, waiting or
+    leased now; with that count (-1: it did not answer)."""
+    names = [target] if target in cluster.node_names else [n for n in cluster.node_names if n.rpartition("-")[0]
+                                                            == target]
+    counts = {}
+    for name in names:
+        x = node_load(cluster, name)
+        counts[name] = -1 if x is None else x.running + x.waiting + x.held_leases
+    name = max(names, key=lambda n: counts[n])
+    return name, counts[name]
+
+
 def worker_healthy(cluster: Cluster, name: str) -> bool:
     """Whether the router counts node `name` healthy (its /v1/workers)."""
-    addr = [*cluster.prefill_addrs, *cluster.decode_addrs][cluster.node_names.index(name)]
+    addr = node_addr(cluster, name)
     with urllib.request.urlopen(cluster.router_http_url + "/v1/workers", timeout=5) as r:
         return any(w["address"] == addr and w["healthy"] for w in json.loads(r.read()))
 
@@ -253,9 +287,10 @@ async def wait_worker(cluster: Cluster, name: str, healthy: bool, timeout: float
     return False
 
 
-async def kill_and_restart(cluster: Cluster, name: str, at_request: int, rejoin_s: float) -> Kill:
-    """SIGKILL `name`, restart it on its ports at once, and wait (at most `rejoin_s`) until the router has
-    it in rotation again."""
+async def kill_and_restart(cluster: Cluster, target: str, at_request: int, rejoin_s: float) -> Kill:
+    """SIGKILL node `target` (or the busiest of role `target`), restart it on its ports at once, and wait (at most
+    `rejoin_s`) until the router has it in rotation again."""
+    name, node_requests = await asyncio.to_thread(busiest, cluster, target)
     in_flight = await asyncio.to_thread(metric, cluster.router_http_url + "/metrics",
                                         "baton_router_in_flight_requests")
     killed = time.monotonic()
@@ -264,7 +299,7 @@ async def kill_and_restart(cluster: Cluster, name: str, at_request: int, rejoin_
     # The router first notices the death (a restarted node loads its model before it answers), then the return.
     await wait_worker(cluster, name, False, NOTICE_S)
     back = await wait_worker(cluster, name, True, rejoin_s)
-    return Kill(name, at_request, int(in_flight), time.monotonic() - killed if back else None)
+    return Kill(name, at_request, int(in_flight), node_requests, time.monotonic() - killed if back else None)
 
 
 # ---- the end: what every node still holds -------------------------------------------------------------------
@@ -287,16 +322,16 @@ class NodeState:
 
 
 def node_states(cluster: Cluster) -> list[NodeState]:
-    assert cluster.credential is not None
     out = []
-    for name, addr in zip(cluster.node_names, [*cluster.prefill_addrs, *cluster.decode_addrs], strict=True):
+    for name in cluster.node_names:
         alive = cluster.procs[name].poll() is None
+        x = node_load(cluster, name)
         try:
-            with grpc.insecure_channel(addr) as ch:
-                x = wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5,
-                                                metadata=cluster.credential.grpc_metadata())
-            fallbacks = int(metric(cluster.node_http_url(addr) + "/metrics", "baton_node_transfer_fallbacks_total"))
-        except (grpc.RpcError, OSError):
+            url = cluster.node_http_url(node_addr(cluster, name)) + "/metrics"
+            fallbacks = int(metric(url, "baton_node_transfer_fallbacks_total"))
+        except OSError:
+            x = None
+        if x is None:
             out.append(NodeState(name, -1, -1, -1, -1, -1, False, 0))
             continue
         out.append(NodeState(name, x.total_kv_blocks - x.free_kv_blocks, x.total_state_slots - x.free_state_slots,
@@ -349,7 +384,8 @@ class Report:
             out.append(f"wrong-tokens: {self.wrong_tokens}")
         if self.count(FAILED) > self.failed_bound:
             out.append(f"failed-with-status: {self.count(FAILED)} > {self.failed_bound} in flight at the kills")
-        out += [f"{n.name}: leaked blocks {n.leaked_blocks}, slots {n.leaked_slots}, held leases "
+        out += [f"{n.name}: did not answer Load" if n.leaked_blocks < 0 else
+                f"{n.name}: leaked blocks {n.leaked_blocks}, slots {n.leaked_slots}, held leases "
                 f"{n.held_leases}, running {n.running}, waiting {n.waiting}" for n in self.nodes if n.leaks]
         out += [f"{name}: not running at the end" for name in self.dead_processes]
         out += [f"{k.name}: not back in rotation after its restart" for k in self.kills if k.back_after_s is None]
@@ -377,8 +413,9 @@ class Report:
                  f"| failed-with-status ({statuses}) | {s['failed']} (bound {s['failed_bound']}) |",
                  f"| hung | {s['hung']} |", f"| wrong-tokens | {s['wrong_tokens']} |",
                  "",
-                 "| kill | at request | router in flight | back in rotation after |", "|---|---:|---:|---:|"]
-        lines += [f"| {k.name} | {k.at_request} | {k.router_in_flight} | "
+                 "| kill | at request | router in flight | on the node | back in rotation after |",
+                 "|---|---:|---:|---:|---:|"]
+        lines += [f"| {k.name} | {k.at_request} | {k.router_in_flight} | {k.node_requests} | "
                   f"{'not back' if k.back_after_s is None else f'{k.back_after_s:.1f} s'} |" for k in self.kills]
         lines += ["", "| node | leaked blocks | leaked slots | held leases | running | waiting | alive | "
                       "pull fallbacks |", "|---|---:|---:|---:|---:|---:|---|---:|"]
@@ -508,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--unique-prompts", type=int, default=d.unique_prompts)
     ap.add_argument("--deadline-s", type=float, default=d.deadline_s, help="a request not ended by then is hung")
     ap.add_argument("--kills", default=",".join(f"{f:g}:{n}" for f, n in d.kills),
-                    help="FRACTION:PROCESS,...: SIGKILL each process once that fraction of requests was sent, "
+                    help="FRACTION:TARGET,...: once that fraction of requests was sent, SIGKILL the node "
+                         "TARGET (prefill-0, decode-1, ...) or the busiest node of role TARGET (prefill, decode), "
                          "then restart it")
     ap.add_argument("--settle-s", type=float, default=d.settle_s,
                     help="the longest the end waits for nodes to rejoin and go idle")

@@ -63,16 +63,18 @@ def test_fault_hook_is_off_unless_asked_and_refuses_bad_values():
 def test_report_names_every_count_that_must_be_zero():
     cfg = chaos.ChaosConfig(requests=4, kills=((0.5, "decode-0"),))
     results = [chaos.Result(0, chaos.ANSWERED, "OK", 8, False), chaos.Result(1, chaos.HUNG, "GUARD", 0, False),
-               chaos.Result(2, chaos.FAILED, "UNAVAILABLE", 3, True), chaos.Result(3, chaos.FAILED, "INTERNAL", 0, False)]
-    nodes = [chaos.NodeState("prefill-0", 0, 0, 1, 0, 0, True, 0), chaos.NodeState("decode-0", 2, 1, 0, 0, 0, True, 3)]
-    report = chaos.Report(cfg, 1.0, results, [chaos.Kill("decode-0", 2, 1, None)], nodes, ["router"])
+               chaos.Result(2, chaos.FAILED, "UNAVAILABLE", 3, True),
+               chaos.Result(3, chaos.FAILED, "INTERNAL", 0, False)]
+    nodes = [chaos.NodeState("prefill-0", 0, 0, 1, 0, 0, True, 0), chaos.NodeState("decode-0", 2, 1, 0, 0, 0, True, 3),
+             chaos.NodeState("decode-1", -1, -1, -1, -1, -1, False, 0)]
+    report = chaos.Report(cfg, 1.0, results, [chaos.Kill("decode-0", 2, 1, 1, None)], nodes, ["router"])
     problems = "\n".join(report.problems())
     for text in ("hung: 1", "wrong-tokens: 1", "failed-with-status: 2 > 1", "prefill-0: leaked blocks 0, slots 0, "
                  "held leases 1", "decode-0: leaked blocks 2, slots 1", "router: not running",
-                 "decode-0: not back"):
+                 "decode-0: not back", "decode-1: did not answer Load"):
         assert text in problems, problems
     assert "FAILED: " in report.table()
-    clean = chaos.Report(cfg, 1.0, results[:1], [chaos.Kill("decode-0", 2, 1, 5.0)], nodes[:0], [])
+    clean = chaos.Report(cfg, 1.0, results[:1], [chaos.Kill("decode-0", 2, 1, 0, 5.0)], nodes[:0], [])
     assert clean.problems() == [] and "OK: every must-be-zero count is 0" in clean.table()
 
 
@@ -80,10 +82,10 @@ def test_short_chaos_run_hangs_nothing_answers_exactly_and_leaks_nothing(tmp_pat
     model = make_model(tmp_path / "tiny", preset="tiny", seed=5, progress=False, tokenizer=False)
     # Kills early in the run, so that both restarted nodes rejoin while requests still flow.
     cfg = chaos.ChaosConfig(requests=300, concurrency=12, seed=1, max_tokens=16, deadline_s=20.0, settle_s=40.0,
-                            kills=((0.15, "prefill-0"), (0.3, "decode-0")))
+                            kills=((0.15, "prefill"), (0.3, "decode")))
     report = chaos.run(cfg, str(model), str(tmp_path / "logs"), progress=False)
     table = report.table()
     assert report.problems() == [], table
     assert len(report.results) == cfg.requests and report.count(chaos.ABORTED) > 0, table
     assert report.injected_faults > 0, table
-    assert [k.name for k in report.kills] == ["prefill-0", "decode-0"], table
+    assert [k.name.rpartition("-")[0] for k in report.kills] == ["prefill", "decode"], table
