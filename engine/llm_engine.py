@@ -413,18 +413,10 @@ class LLMEngine:
                              f"got {len(prompt)}")
         params.validate_for_vocab(cfg.vocab_size)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self._still_in_flight(request_id):
-            # Its last use (aborted or finished) is in a step not read yet, whose update would then end this one.
-            raise ValueError(f"request_id: expected an id not in use, got {request_id!r}, which a step in flight "
-                             f"still carries (aborted or finished just now); use a new id or retry after a step")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
         return Request(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params,
                        arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
                        prefill_only=prefill_only)
-
-    def _still_in_flight(self, request_id: str) -> bool:
-        steps = [*self._in_flight, *([self._verify_in_flight] if self._verify_in_flight is not None else [])]
-        return any(r.request_id == request_id for step in steps for r in step.reqs)
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
