@@ -27,6 +27,8 @@ class InFlight:
     # The worker call being awaited; Generation.Abort cancels it to wake the request up.
     call: grpc.aio.Call | None = None
     aborted: bool = False
+    # Set by `end`: the status the request ends with instead of an abort message (the router shutting down).
+    end_status: tuple[grpc.StatusCode, str] | None = None
     completion_tokens: int = 0
     # MTP totals as the decode worker last reported them (each DecodeResponse carries the totals so far).
     num_drafted_tokens: int = 0
@@ -44,6 +46,11 @@ class InFlight:
         self.aborted = True
         if self.call is not None:
             self.call.cancel()
+
+    def end(self, code: grpc.StatusCode, message: str) -> None:
+        """Abort on the workers, and end the client's call with `code` and `message`."""
+        self.end_status = (code, message)
+        self.abort()
 
     def untrack(self) -> None:
         for w in self.tracked:

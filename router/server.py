@@ -216,6 +216,12 @@ async def _run(config: RouterConfig, port: int, host: str, grace: float, http_po
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:
         w.cancel()
+    left = router.service.end_all(grpc.StatusCode.UNAVAILABLE, "router shut down before this request finished: "
+                                  + ("a second signal cut its drain short" if again.is_set()
+                                     else f"its drain timeout ({grace:g} s) passed"))
+    if left:
+        log.warning("router drained; %d request(s) still in flight ended with UNAVAILABLE", left)
+        await router.service.wait_idle(5.0)
     log.warning("router drained; stopping")
     await router.stop(1.0)
 

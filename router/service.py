@@ -247,9 +247,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             msg = await self.flow.next(state, stream)
 
     async def _end_aborted(self, state: InFlight, context: grpc.aio.ServicerContext) -> str:
-        """The outcome of an aborted request: ok, writing nothing, if `finish` ended it; else aborted."""
+        """The outcome of an aborted request: ok, writing nothing, if `finish` ended it; the status `end_all` gave
+        it; else aborted."""
         if state.request_id in self._finished:
             return rm.OK
+        if state.end_status is not None:  # (counted as an error by Generate, whose outcome is still that)
+            await context.abort(*state.end_status)
         await self._write_abort(state, context)
         return rm.ABORTED
 
@@ -289,6 +292,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if tasks:
             await asyncio.gather(*tasks)
         return generation_pb2.AbortResponse(found=True)
+
+    def end_all(self, code: grpc.StatusCode, message: str) -> int:
+        """Ends every request in flight with `code` and `message` (aborted on its workers); returns how many."""
+        states = list(self._inflight.values())
+        for state in states:
+            state.end(code, message)
+        return len(states)
 
     def finish(self, request_id: str) -> bool:
         """Ends a request early as finished (the HTTP front saw a stop string): its workers are aborted as

@@ -181,3 +181,26 @@ def test_a_drain_that_times_out_ends_the_streams_left_with_a_clear_status(model)
         assert c.procs["decode-0"].wait(30) == 0
     finally:
         c.stop()
+
+
+def test_a_router_drain_that_times_out_ends_the_streams_left_with_a_clear_status(model):
+    c = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=ENGINE_ARGS, drain_timeout_s=1)
+    c.start()
+    try:
+        streams = Streams(c.router_addr, 3, 4000)
+        assert streams.started.wait(60)
+        terminate(c, "router")
+        t0 = time.monotonic()
+        results = streams.join(30)
+        assert time.monotonic() - t0 < 15
+        assert all(r.status == "UNAVAILABLE" and "drain timeout (1 s)" in r.details for r in results), results
+        assert c.procs["router"].wait(30) == 0
+        # The decode node was told: nothing of the cut streams stays allocated there.
+        with node_channel(c.decode_addrs[0]) as ch:
+            deadline = time.monotonic() + 10
+            while (load := wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)).running and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+    finally:
+        c.stop()
