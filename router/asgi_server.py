@@ -9,7 +9,8 @@ timer starts only after a first response, leaving half-sent requests held). Each
 the loop, not a thread: held connections cost memory only until the idle timer closes them.
 
 The socket binds only where `host` says, listens with `backlog` at once (connections queue while Hypercorn
-starts), and `close()` stops accepting, lets requests in flight run up to `grace` seconds, then ends them.
+starts), and `close()` stops accepting, lets requests in flight run up to `grace` seconds, then ends them. With a
+certificate (the router's `--tls-cert` / `--tls-key`) the port speaks HTTPS only, as the gRPC port does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 from typing import Any, Protocol
 
 from hypercorn.asyncio.run import worker_serve
@@ -54,14 +58,26 @@ def bind(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _config(limits: HttpLimits, name: str) -> Config:
+def _config(limits: HttpLimits, name: str, tls_dir: str | None) -> Config:
     c = Config()
     c.keep_alive_timeout = limits.idle_timeout_s
     c.backlog = limits.backlog
     c.graceful_timeout = 0.0
     c.accesslog = None
     c.errorlog = logging.getLogger(name)
+    if tls_dir is not None:
+        c.certfile, c.keyfile = str(Path(tls_dir, "cert.pem")), str(Path(tls_dir, "key.pem"))
     return c
+
+
+def _tls_dir(tls: tuple[bytes, bytes] | None) -> str | None:
+    """The PEM chain and key as files (Hypercorn loads them from files), in a directory only this user reads."""
+    if tls is None:
+        return None
+    d = tempfile.mkdtemp(prefix="baton-http-tls-")
+    for name, data in (("cert.pem", tls[0]), ("key.pem", tls[1])):
+        Path(d, name).write_bytes(data)
+    return d
 
 
 class App(Protocol):
@@ -78,20 +94,26 @@ class App(Protocol):
 class AsgiServer:
     """Serves `app` on `host:port` (0: any free port; `.port` is the bound one) until `close()`."""
 
-    def __init__(self, app: App, sock: socket.socket, limits: HttpLimits, name: str) -> None:
+    def __init__(self, app: App, sock: socket.socket, limits: HttpLimits, name: str,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
         self.app = app
         self.host, self.port = sock.getsockname()[:2]
-        self._config = _config(limits, name)
+        self.tls = tls is not None
+        self._tls_dir = _tls_dir(tls)
+        self._config = _config(limits, name, self._tls_dir)
         self._stop = asyncio.Event()
+        sockets = Sockets([sock], [], []) if self.tls else Sockets([], [sock], [])
         self._task = asyncio.create_task(
             worker_serve(wrap_app(app, self._config.wsgi_max_body_size, "asgi"), self._config,
-                         sockets=Sockets([], [sock], []), shutdown_trigger=self._stop.wait), name=name)
+                         sockets=sockets, shutdown_trigger=self._stop.wait), name=name)
         self._task.add_done_callback(self._ended)
 
     @classmethod
-    def start(cls, app: App, host: str, port: int, limits: HttpLimits, name: str = "baton-http") -> AsgiServer:
-        """Binds (CannotListen if it cannot) and starts serving on the running loop."""
-        return cls(app, bind(host, port, limits.backlog), limits, name)
+    def start(cls, app: App, host: str, port: int, limits: HttpLimits, name: str = "baton-http",
+              tls: tuple[bytes, bytes] | None = None) -> AsgiServer:
+        """Binds (CannotListen if it cannot) and starts serving on the running loop; `tls`: (PEM certificate
+        chain, PEM key) to serve HTTPS only."""
+        return cls(app, bind(host, port, limits.backlog), limits, name, tls)
 
     @staticmethod
     def _ended(task: asyncio.Task) -> None:
@@ -115,3 +137,6 @@ class AsgiServer:
                 await self._task
         except Exception:  # already logged by _ended
             pass
+        finally:
+            if self._tls_dir is not None:
+                shutil.rmtree(self._tls_dir, ignore_errors=True)

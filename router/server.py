@@ -126,8 +126,9 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
             limits = http_limits or HttpLimits()
             front = OpenAIFront(service, served_model_name, load_chat_template(config.tokenizer_path), security,
                                 limits)
+            tls = (security.tls_cert_chain, security.tls_private_key) if security.tls else None
             http = AsgiServer.start(RouterApp(http_routes(service), front, limits), host, http_port, limits,
-                                    name="baton-router-http")
+                                    name="baton-router-http", tls=tls)
         except (OSError, ValueError):
             await asyncio.gather(prefill.close(), decode.close())
             raise
@@ -156,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-file", default=None,
                    help=f"clients must send 'authorization: Bearer <key>' with a key from this file (one per "
                         f"line) or from ${API_KEYS_ENV} (comma-separated); Health, /health, /metrics stay open")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS only")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate chain: serve gRPC and the HTTP port (HTTPS) over TLS only")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--cluster-secret-file", default=None,
                    help="file holding the cluster secret (default: $BATON_CLUSTER_SECRET); every call to a node "

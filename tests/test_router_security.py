@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -38,11 +39,13 @@ def self_signed(tmp_path) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-def post(url: str, body: bytes | None, auth: str | None) -> tuple[int, dict | None]:
+def post(url: str, body: bytes | None, auth: str | None,
+         context: ssl.SSLContext | None = None) -> tuple[int, dict | None]:
     """(status, error body) of a POST (or a GET without a body)."""
     headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=10,
+                                    context=context) as r:
             return r.status, None
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -103,18 +106,22 @@ def test_api_key_and_tls_with_the_sdk(tmp_path):
                     await c.generate([1, 2, 3], max_tokens=4)
                 assert e.value.code == "UNAVAILABLE"
             assert len(fake.decodes) == 1  # refused calls never reached a worker
-            # The OpenAI-compatible HTTP API wants the same keys; /health and /metrics stay open.
-            base = f"http://127.0.0.1:{router.http.port}"
+            # The OpenAI-compatible HTTP API is HTTPS too and wants the same keys; /health and /metrics stay open.
+            base = f"https://localhost:{router.http.port}"
+            trust = ssl.create_default_context(cafile=cert)
             body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
             # (urllib blocks: run it off this loop, which is also the router's.)
             for auth, status in [(None, 401), ("Bearer nope", 401), ("Bearer k1", 200)]:
-                got, err = await asyncio.to_thread(post, f"{base}/v1/completions", body, auth)
+                got, err = await asyncio.to_thread(post, f"{base}/v1/completions", body, auth, trust)
                 assert got == status, auth
                 if status == 401:
                     assert err["error"]["type"] == "authentication_error"
             for path in ("/health", "/metrics"):
-                got, _ = await asyncio.to_thread(post, base + path, None, None)
+                got, _ = await asyncio.to_thread(post, base + path, None, None, trust)
                 assert got == 200, path
+            # Plain HTTP gets no answer from the HTTPS port.
+            with pytest.raises((urllib.error.URLError, ConnectionError)):
+                await asyncio.to_thread(post, f"http://localhost:{router.http.port}/health", None, None)
         finally:
             await router.stop(0)
             await server.stop(0)
