@@ -161,9 +161,12 @@ class Result:
 async def run_one(client: AsyncClient, p: Planned, prompt: list[int], reference: tuple[int, ...],
                   cfg: ChaosConfig) -> Result:
     tokens: list[int] = []
-    finish, aborted, status, detail = None, False, "OK", ""
+    finish, tried, aborted, status, detail = None, False, False, "OK", ""
 
     async def abort(stream) -> bool:
+        """Whether the request was aborted (an Abort that finds nothing leaves it running)."""
+        nonlocal tried
+        tried = True
         if p.abort_by == "cancel":
             stream.cancel()
             return True
@@ -181,7 +184,7 @@ async def run_one(client: AsyncClient, p: Planned, prompt: list[int], reference:
                     if chunk.finish_reason is not None:
                         finish = chunk.finish_reason
                         break
-                    if p.abort_after is not None and not aborted and len(tokens) >= p.abort_after:
+                    if p.abort_after is not None and not tried and len(tokens) >= p.abort_after:
                         aborted = await abort(stream)
     except BatonError as e:
         status, detail = e.code, e.message
@@ -465,8 +468,11 @@ def start_cluster(cfg: ChaosConfig, model: str, log_dir: str) -> Cluster:
 async def drive(cfg: ChaosConfig, cluster: Cluster, prompts: list[list[int]], refs: list[tuple[int, ...]],
                 reqs: list[Planned], progress: bool = True) -> tuple[list[Result], list[Kill], float]:
     """Sends every planned request (`cfg.concurrency` at a time), killing and restarting nodes on the way."""
-    kill_at = {round(frac * cfg.requests): name for frac, name in cfg.kills}
+    kill_at: dict[int, list[str]] = {}
+    for frac, target in cfg.kills:
+        kill_at.setdefault(round(frac * cfg.requests), []).append(target)
     results: list[Result] = []
+    outcomes: Counter[str] = Counter()
     kills: list[asyncio.Task[Kill]] = []
     bar = tqdm(total=cfg.requests, desc="chaos", unit="req", disable=not progress, file=sys.stderr)
     started = time.monotonic()
@@ -479,15 +485,16 @@ async def drive(cfg: ChaosConfig, cluster: Cluster, prompts: list[list[int]], re
             finally:
                 free.release()
             results.append(r)
+            outcomes[r.outcome] += 1
             bar.update()
             if r.outcome != ANSWERED:
-                bar.set_postfix(Counter(x.outcome for x in results), refresh=False)
+                bar.set_postfix(outcomes, refresh=False)
 
         tasks = []
         for p in reqs:
-            if p.index in kill_at:
+            for target in kill_at.get(p.index, ()):
                 kills.append(asyncio.create_task(
-                    kill_and_restart(cluster, kill_at[p.index], p.index, cfg.settle_s + cfg.deadline_s)))
+                    kill_and_restart(cluster, target, p.index, cfg.settle_s + cfg.deadline_s)))
             await free.acquire()
             tasks.append(asyncio.create_task(one(p)))
         await asyncio.gather(*tasks)
