@@ -216,6 +216,9 @@ class LLMEngine:
         self.last_step_rows = 0
         # Steps launched and not read yet (at most one with async scheduling), oldest first.
         self._in_flight: deque[_Launched] = deque()
+        # Request id -> the request whose sampling state the runner holds under it: an id may be reused while a step
+        # in flight still carries its last user, whose end must not drop the new request's state.
+        self._owners: dict[str, Request] = {}
         self.pipelined = not k or config.prefill_only  # a step's committed tokens are known when it is launched
         # Steps left in flight when step() returns: 1 with async scheduling (with drafts: where a verify step can
         # be chained). Benchmarks set 0 between steps to time steps one at a time (the next step() then reads the
@@ -393,8 +396,18 @@ class LLMEngine:
         and state slot in its final output (free them with `free_held`)."""
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only)
         self.scheduler.add(req)
-        self.runner.add_request(req.request_id, params)
+        self._own(req)
         return req.request_id
+
+    def _own(self, req: Request) -> None:
+        self._owners[req.request_id] = req
+        self.runner.add_request(req.request_id, req.sampling)
+
+    def _forget(self, req: Request) -> None:
+        """Drop the runner's sampling state of `req`, unless a newer request took its id since."""
+        if self._owners.get(req.request_id) is req:
+            del self._owners[req.request_id]
+            self.runner.remove_request(req.request_id)
 
     def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                      prefill_only: bool) -> Request:
@@ -427,7 +440,8 @@ class LLMEngine:
                         and r.status is RequestStatus.FINISHED_PREFILLED), None)
             if req is not None:
                 self.scheduler.abort_prefilled(req)
-        self.runner.remove_request(request_id)
+        if req is not None:
+            self._forget(req)
         return req is not None
 
     def has_unfinished(self) -> bool:
@@ -462,7 +476,7 @@ class LLMEngine:
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
         self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
         self.runner.reset_slot(state_slot)
-        self.runner.add_request(req.request_id, params)
+        self._own(req)
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
@@ -520,7 +534,7 @@ class LLMEngine:
             else:
                 continue
             if outputs[-1].finished:
-                self.runner.remove_request(req.request_id)
+                self._forget(req)
         return outputs
 
     def _step_spec(self) -> list[RequestOutput]:
@@ -550,7 +564,7 @@ class LLMEngine:
         finished = self.scheduler.update(out, result.sampled, result.drafts)
         self._record(out, time.perf_counter() - t0, result.sampled, path)
         for req in finished:
-            self.runner.remove_request(req.request_id)
+            self._forget(req)
         sampled = result.sampled
         return [self._output(req, n, len(req.output_token_ids), req.status.finished)
                 for req, n in zip(reqs, before, strict=True) if req.request_id in sampled or req.status.finished]
@@ -580,7 +594,7 @@ class LLMEngine:
         # A whole verify step always replays its graph (the chained one counts when it is read).
         self._record(out, time.perf_counter() - t0, result.sampled, DECODE_GRAPH)
         for req in finished:
-            runner.remove_request(req.request_id)
+            self._forget(req)
         self._verify_in_flight = None
         if chained is not None:
             chained.out = sched.chained_output(chained.flight.request_ids)

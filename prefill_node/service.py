@@ -60,6 +60,10 @@ class PrefillService(wk_grpc.WorkerServicer):
             stream.push(out)
 
         def add(engine: LLMEngine) -> None:
+            # Leases are taken on this thread too: checked here, the id cannot be leased twice.
+            if rid in self.held.leases:
+                raise ValueError(f"request_id: expected an id with no lease held, got {rid!r}, whose earlier "
+                                 "prefill is still held for a decode node (pulled, aborted or expired frees it)")
             # Computes tokens 0..N-2 (R1); token N-1 stays the successor the MTP drafter reads at N-2 (R8).
             engine.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
             self.thread.on_output(rid, on_output)

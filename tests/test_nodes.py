@@ -98,3 +98,46 @@ def test_handle_with_all_n_tokens_is_refused(cluster):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in e.value.details()
         assert wk_grpc.WorkerStub(pch).Abort(wk.WorkerAbortRequest(request_id="bad")).found  # lease released
         assert wk_grpc.WorkerStub(pch).Load(wk.LoadRequest()).held_leases == 0
+
+
+def test_reused_request_ids_are_refused_or_served_and_no_node_dies(cluster):
+    """Request ids reused at once (a client that picks its own): a second Prefill under an id whose lease is still
+    held is refused at once, not left waiting; a Decode under the id of one just cancelled is served; both nodes
+    serve after it all, with nothing leaked (the decode node's engine thread once died of a reused id)."""
+    p = [21, 22, 23, 24, 25, 26]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = offline(cluster.model, [p], params)[0]
+    with node_channel(cluster.prefill_addrs[0]) as pch, node_channel(cluster.decode_addrs[0]) as dch:
+        pstub, dstub = wk_grpc.WorkerStub(pch), wk_grpc.WorkerStub(dch)
+        pstub.Prefill(wk.PrefillRequest(request_id="again", prompt_token_ids=p), timeout=60)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            pstub.Prefill(wk.PrefillRequest(request_id="again", prompt_token_ids=p), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease" in e.value.details()
+        assert time.monotonic() - t0 < 10
+        assert pstub.Abort(wk.WorkerAbortRequest(request_id="again")).found
+        served = 0
+        for i in range(20):
+            call = dstub.Decode(wk.DecodeRequest(request_id="same", prompt_token_ids=p,
+                                                 sampling=sampling_to_proto(params)), timeout=60)
+            try:
+                for j, _ in enumerate(call):
+                    if j >= i % 4:
+                        call.cancel()
+                        break
+                served += 1
+            except grpc.RpcError as e:  # the cancelled one not ended there yet: a clear refusal, at once
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "duplicate" in e.details(), e.details()
+        assert served
+
+        def idle() -> wk.LoadResponse:
+            deadline = time.monotonic() + 10
+            while ((load := dstub.Load(wk.LoadRequest())).running or load.waiting) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return load
+
+        idle()
+        assert decode(dstub, "same", p, params) == (ref, True)
+        load = idle()
+        assert load.free_kv_blocks == load.total_kv_blocks and load.free_state_slots == load.total_state_slots
+        assert pstub.Load(wk.LoadRequest()).held_leases == 0
