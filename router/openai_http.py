@@ -115,7 +115,7 @@ class _Run:
             self.queue.put_nowait((i, _END, None))
 
     def finish(self, i: int) -> None:
-        self.service.finish(self.request_ids[i])
+        self.service.finish(self.request_ids[i], self.authorization)
 
     def gone(self) -> None:
         self.queue.put_nowait((-1, _GONE, None))

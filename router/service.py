@@ -17,6 +17,7 @@ from baton.router.errors import RequestAborted, RouterError, StreamStalled
 from baton.router.flow import DecodeStream, Flow
 from baton.router.inflight import InFlight
 from baton.router.limits import Admission, Caller, caller_of, retry_after_metadata
+from baton.router.security import principal
 from baton.router.validation import ValidatedRequest, validate
 from baton.router.workers import WorkerPool
 
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 # Text prompts longer than this are tokenized on a worker thread, off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
-# A node may still be ending an aborted request (its Abort, or its stream's cancellation, still on the way) when a
-# new request with the same id arrives: for this long the new one gets a distinct id on the workers.
+# A node may still be ending a request (its Abort or stream cancellation on the way, its last step in flight, the
+# lease of its prefill not yet released) when a new request with the same id arrives: for this long after a request
+# ended, a new one under its id gets a distinct id on the workers.
 _ID_REUSE_AFTER_S = 30.0
 
 
@@ -41,8 +43,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Requests in flight by the id their workers know them by, and by (caller's principal, client's id).
         self._inflight: dict[str, InFlight] = {}
         self._by_caller: dict[tuple[str, str], InFlight] = {}
-        # Worker ids of requests that ended with Aborts sent to their workers -> when (oldest first).
-        self._aborted_ids: dict[str, float] = {}
+        # Worker ids of requests that ended -> when (oldest first).
+        self._ended_ids: dict[str, float] = {}
         # Requests that `finish` ended early (an OpenAI stop string matched): they end as ok, not aborted.
         self._finished: set[str] = set()
         # Set when the router drains (SIGTERM): new requests are refused and Health says not ok.
@@ -109,9 +111,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 f"request_id: {req.request_id!r} is already in flight")
         # Another caller's request with this id keeps its id on the workers; this one gets a distinct one there,
         # so that neither can reach the other's and the answer tells nothing about it. So does a request whose id
-        # was just aborted on the workers.
+        # a request that just ended had on the workers.
         worker_id = req.request_id
-        if worker_id in self._inflight or self._recently_aborted(worker_id):
+        if worker_id in self._inflight or self._recently_ended(worker_id):
             worker_id = f"{req.request_id}~{uuid.uuid4().hex[:12]}"
             req = dataclasses.replace(req, request_id=worker_id)
         state = InFlight(worker_id, len(req.prompt_token_ids), principal=caller.principal, client_id=key[1])
@@ -145,18 +147,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             del self._by_caller[key]
             self._finished.discard(worker_id)
             state.untrack()
-            if state.live:
-                self._aborted_ids[worker_id] = time.monotonic()
+            self._ended_ids.pop(worker_id, None)  # (re-inserted last: the dict stays oldest first)
+            self._ended_ids[worker_id] = time.monotonic()
             self.flow.release_all(state)
             self._record(state, outcome, started)
 
-    def _recently_aborted(self, worker_id: str) -> bool:
+    def _recently_ended(self, worker_id: str) -> bool:
         horizon = time.monotonic() - _ID_REUSE_AFTER_S
-        for rid, at in list(self._aborted_ids.items()):
+        for rid, at in list(self._ended_ids.items()):
             if at >= horizon:
                 break
-            del self._aborted_ids[rid]
-        return worker_id in self._aborted_ids
+            del self._ended_ids[rid]
+        return worker_id in self._ended_ids
 
     async def _write(self, context: grpc.aio.ServicerContext, msg: generation_pb2.GenerateResponse) -> None:
         """`context.write`, bounded: a client that reads nothing for `stream_write_timeout_s` (its flow-control
@@ -300,13 +302,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             state.end(code, message)
         return len(states)
 
-    def finish(self, request_id: str) -> bool:
+    def finish(self, request_id: str, authorization: str | None = None) -> bool:
         """Ends a request early as finished (the HTTP front saw a stop string): its workers are aborted as
-        by `Abort`, but it counts as ok and its stream ends without an abort message. Runs on the loop."""
-        state = self._inflight.get(request_id)
+        by `Abort`, but it counts as ok and its stream ends without an abort message. `request_id` and
+        `authorization` as its Generate call had them. Runs on the loop."""
+        state = self._by_caller.get((principal(authorization), request_id))
         if state is None:
             return False
-        self._finished.add(request_id)
+        self._finished.add(state.request_id)
         state.abort()
         self.flow.release_all(state)
         return True

@@ -198,3 +198,17 @@ def test_a_client_that_stops_reading_loses_its_request_and_frees_its_slot():
             await router.stop(0)
             await big_server.stop(0)
     run(go())
+
+
+def test_an_id_reused_right_after_its_request_ended_gets_a_fresh_id_on_the_workers():
+    # A node may still be ending the first (its prefill lease not yet released, its last step in flight): the
+    # second must not meet it there under the same id.
+    async def go():
+        async with _keyed_router({"key-a"}) as (decode, router, stub):
+            a, md = stub("key-a")
+            for _ in range(2):
+                msgs = await _collect(a.Generate(_request([4, 5], "r"), metadata=md))
+                assert tokens_of(msgs) == expected_tokens([4, 5]) and {m.request_id for m in msgs} == {"r"}
+            first, second = (d.request_id for d in decode.decodes)
+            assert first == "r" and second.startswith("r~")
+    run(go())
