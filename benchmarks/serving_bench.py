@@ -996,7 +996,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
 
 def check_engine_args(engine_args: Sequence[str]) -> None:
     """Refuses engine flags the nodes would refuse, before any process starts (ValueError)."""
-    from baton.cli.engine_args import engine_config_from_args, parse_engine_flags
+    from baton.node.engine_args import engine_config_from_args, parse_engine_flags
 
     engine_config_from_args(parse_engine_flags(engine_args, "--engine-args"))
 

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from baton.cli.engine_args import add_sampling_args, parse_ids
 from baton.client import AsyncClient, BatonError, Completion
+from baton.node.engine_args import add_sampling_args, parse_ids
 
 PROG = "baton client generate"
 

@@ -11,8 +11,8 @@ import sys
 import time
 
 from baton.cli.cluster import Cluster
-from baton.cli.engine_args import add_engine_args, engine_flags
 from baton.cli.up_cmd import shared_gpu_flags, visible_gpus
+from baton.node.engine_args import add_engine_args, engine_flags
 
 TEXT_PROMPTS = (
     "The capital of France is",

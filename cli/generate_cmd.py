@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from baton.cli.engine_args import (
+from baton.node.engine_args import (
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,

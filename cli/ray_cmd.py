@@ -42,8 +42,8 @@ LISTEN_ATTEMPTS = 3  # starts of one server whose picked-free port was taken mea
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from baton.cli.engine_args import add_engine_args
     from baton.cli.up_cmd import add_role_engine_args
+    from baton.node.engine_args import add_engine_args
 
     p = sub.add_parser("ray", help="run Baton on a Ray cluster")
     rsub = p.add_subparsers(dest="ray_command", required=True)
@@ -137,7 +137,7 @@ class ServerActor:
         """Starts the server and waits until it answers. A port picked free here can be taken by another
         process (e.g. a UCX listener of a node starting beside it) before the server binds it; the server
         then exits with `CANNOT_LISTEN_EXIT` and is started again on newly picked ports."""
-        from baton.cli.listen_error import CANNOT_LISTEN_EXIT
+        from baton.serving.listen_error import CANNOT_LISTEN_EXIT
 
         module = "baton.router.server" if role == "router" else f"baton.{role}_node.server"
         from baton.proto.auth import CLUSTER_SECRET_ENV
@@ -372,8 +372,8 @@ class RayCluster:
 
 
 def run(a: argparse.Namespace) -> int:
-    from baton.cli.engine_args import engine_flags, role_engine_flags
     from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
+    from baton.node.engine_args import engine_flags, role_engine_flags
 
     try:
         import ray

@@ -13,9 +13,9 @@ import signal
 import threading
 
 from baton.cli.cluster import NODE_HTTP_OFFSET, PROCESS_DRAIN_TIMEOUT_S, Cluster
-from baton.cli.engine_args import add_engine_args, engine_flags, role_engine_flags
 from baton.cli.supervisor import Supervisor
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from baton.node.engine_args import add_engine_args, engine_flags, role_engine_flags
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -148,7 +148,7 @@ def metrics_port_of(a: argparse.Namespace, cluster: Cluster) -> int:
 
 
 def run(a: argparse.Namespace) -> int:
-    from baton.router.http import HttpServer, metrics_route
+    from baton.serving.ops_http import HttpServer, metrics_route
 
     cluster = cluster_from_args(a)
     metrics_port = metrics_port_of(a, cluster)

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import grpc
 
-from baton.cli.engine_args import engine_config_from_args
-from baton.cli.listen_error import run_main
 from baton.decode_node.puller import Puller
 from baton.decode_node.service import DecodeService
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
+from baton.node.engine_args import engine_config_from_args
 from baton.node.metrics import NodeMetrics, start_node_http
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
@@ -28,6 +27,7 @@ from baton.proto.grpc_decode import DecodeInterceptor
 from baton.proto.keepalive import NODE_SERVER_OPTIONS
 from baton.proto.message_limits import WORKER_SERVER_OPTIONS
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from baton.serving.listen_error import run_main
 from baton.transfer.agent import READ_ORDERS, TransferAgent
 
 

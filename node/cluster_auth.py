@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 
-from baton.cli.listen_error import CannotListen
 from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 from baton.proto.auth_grpc import ClusterTokenInterceptor
+from baton.serving.listen_error import CannotListen
 
 log = logging.getLogger("baton.node")
 

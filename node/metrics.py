@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
-from baton.router.http import HttpServer, health_route, metrics_route
+from baton.serving.ops_http import HttpServer, health_route, metrics_route
 from baton.transfer.stats import TransferStats
 
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

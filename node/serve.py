@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from baton.cli.engine_args import add_engine_args
-from baton.cli.listen_error import CannotListen
 from baton.node.cluster_auth import add_cluster_auth_args
 from baton.node.drain import DEFAULT_DRAIN_TIMEOUT_S, NodeDrain
+from baton.node.engine_args import add_engine_args
+from baton.serving.listen_error import CannotListen
 from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US
 
 # Calls still running once the drain is over (Abort, Info) get this long before the server stops.

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from baton.router.http import Route
 from baton.router.http_errors import ApiError
 from baton.router.http_exchange import ClientGone, Exchange, Receive, Scope, Send
 from baton.router.http_limits import HttpLimits
+from baton.serving.ops_http import Route
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from hypercorn.asyncio.run import worker_serve
 from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
 
-from baton.cli.listen_error import CannotListen
 from baton.router.http_limits import HttpLimits
+from baton.serving.listen_error import CannotListen
 
 log = logging.getLogger(__name__)
 

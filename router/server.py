@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 
-from baton.cli.listen_error import CannotListen, run_main
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
 from baton.proto.grpc_decode import DecodeInterceptor
 from baton.proto.message_limits import server_options
@@ -24,7 +23,6 @@ from baton.router.cluster_client import ClusterClient
 from baton.router.config import RouterConfig
 from baton.router.discovery import add_discovery_args, discovery_from_args
 from baton.router.flow import Flow
-from baton.router.http import health_route, json_response, metrics_route
 from baton.router.http_limits import HttpLimits, add_http_limit_args, http_limits_from_args
 from baton.router.limits import add_grpc_limit_args, grpc_limits_from_args
 from baton.router.openai_http import OpenAIFront, load_chat_template
@@ -32,6 +30,8 @@ from baton.router.policy import Role
 from baton.router.security import API_KEYS_ENV, RouterSecurity
 from baton.router.service import GenerationService
 from baton.router.workers import WorkerPool
+from baton.serving.listen_error import CannotListen, run_main
+from baton.serving.ops_http import health_route, json_response, metrics_route
 
 log = logging.getLogger(__name__)
 

@@ -267,7 +267,7 @@ def test_a_pending_input_without_its_step_is_refused(tiny):
 def test_config_and_cli_flag():
     import argparse
 
-    from baton.cli.engine_args import add_engine_args, engine_config_from_args
+    from baton.node.engine_args import add_engine_args, engine_config_from_args
 
     with pytest.raises(ValueError, match="'async_scheduling': expected True or False, got 'yes'"):
         EngineConfig(async_scheduling="yes")

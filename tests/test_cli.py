@@ -10,11 +10,11 @@ import time
 import pytest
 
 from baton.cli.cluster import free_port_block
-from baton.cli.engine_args import engine_config_from_args, engine_flags
 from baton.cli.main import build_parser
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
+from baton.node.engine_args import engine_config_from_args, engine_flags
 
 
 def baton(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.cli.engine_args import engine_config_from_args, parse_engine_flags
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine, resolved_device
 from baton.engine.loader import load_checkpoint
@@ -22,6 +21,7 @@ from baton.engine.memory_budget import (
     summary,
 )
 from baton.engine.sampling_params import SamplingParams
+from baton.node.engine_args import engine_config_from_args, parse_engine_flags
 
 H200 = 140 * GiB
 

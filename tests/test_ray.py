@@ -159,8 +159,8 @@ def test_a_server_whose_picked_port_was_taken_is_started_again_on_new_ports(tmp_
     import socket
 
     from baton.cli import ray_cmd
-    from baton.cli.listen_error import CANNOT_LISTEN_EXIT, CannotListen
     from baton.router.server import main as router_main
+    from baton.serving.listen_error import CANNOT_LISTEN_EXIT, CannotListen
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from baton.cli.listen_error import CannotListen
 from baton.proto.auth import ClusterCredential
+from baton.serving.listen_error import CannotListen
 from baton.transfer.errors import LeaseExpired, PeerUnauthenticated, PeerUnreachable, TransferError
 from baton.transfer.metadata import AgentMetadata
 

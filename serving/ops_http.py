@@ -1,7 +1,7 @@
 """Operations endpoints (`/metrics`, `/health`): the routes, and the small threaded server nodes serve
 them with.
 
-The routes are shared: the router serves them from its ASGI app (`asgi_app.py`), on its loop. A node serves
+The routes are shared: the router serves them from its ASGI app (`router/asgi_app.py`), on its loop. A node serves
 them with `HttpServer`, on its own threads (it imports neither torch nor the engine): handlers must only
 read state that is safe to read from there (ints, bools, objects replaced whole) and never call into an
 asyncio loop or the engine. A client that sends nothing for `IDLE_TIMEOUT_S` is dropped, so that held
@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from baton.cli.listen_error import CannotListen
+from baton.serving.listen_error import CannotListen
 
 # (status, content type, body)
 Response = tuple[int, str, bytes]
