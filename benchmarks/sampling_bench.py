@@ -100,12 +100,12 @@ def timed(fn: Callable[[], object], device: torch.device, launches: int, reps: i
 
 
 def bench(K: int, R: int, V: int, args: argparse.Namespace, device: torch.device) -> Row:
+    from baton.engine.ops.tempered_verify import filtered_decisions
     from baton.engine.ops.triton_tempered_verify import (
         auto_splits,
         filtered_decisions_triton,
         tempered_decisions_triton,
     )
-    from baton.engine.rejection_sampler import filtered_decisions
 
     g = torch.Generator().manual_seed(args.seed + 1000 * K + R)
     logits = (torch.randn(R, K + 1, V, generator=g) * args.scale).to(torch.bfloat16).to(device)

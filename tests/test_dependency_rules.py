@@ -119,3 +119,28 @@ def test_the_router_imports_no_node_package():
     bad = [(m, d) for m in modules() if _layer(m) == "router" for d in imports(m)
            if _layer(d) in ("node", "prefill_node", "decode_node", "transfer")]
     assert bad == []
+
+
+def test_no_import_cycles_among_batons_modules():
+    """Function-local imports included: a cycle hidden in a function is a cycle still (references in `layers/`
+    imported by `ops/dispatch`, which `layers/` imports, was one)."""
+    graph = {m: sorted(d for d in imports(m) if d in modules() and d != m) for m in modules()}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            # A package's __init__ re-exporting its own modules is not a dependency between layers.
+            if d.startswith(m + "."):
+                continue
+            if state.get(d) == 1:
+                cycles.append(" -> ".join([*path[path.index(d):], d]))
+            elif d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

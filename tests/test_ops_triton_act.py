@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.layers.mlp import MLP, relu2_reference  # noqa: E402
+from baton.engine.layers.mlp import MLP  # noqa: E402
 from baton.engine.ops import dispatch  # noqa: E402
+from baton.engine.ops.act import relu2_reference  # noqa: E402
 from baton.engine.ops.triton_act import BLOCK, relu2_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

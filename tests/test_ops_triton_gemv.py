@@ -181,8 +181,8 @@ def test_add_norm_residual_is_exact_and_written_once_per_row():
 def test_relu2_is_the_separate_op_bit_for_bit_and_norm_within_one_rounding():
     # With an identity weight the GEMV returns f(a) itself: relu2 bit for bit; the norm, rounded once where the
     # separate op rounds twice, within one rounding step.
-    from baton.engine.layers.mlp import relu2_reference
-    from baton.engine.layers.norms import rms_norm_reference
+    from baton.engine.ops.act import relu2_reference
+    from baton.engine.ops.norm import rms_norm_reference
     k = 64
     a, _, _, kw = args_for("norm", 3, 1, k, torch.bfloat16)
     eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)

@@ -1,5 +1,5 @@
 """Triton tempered-verify kernel (`ops.triton_tempered_verify`) against the torch references
-`rejection_sampler.tempered_decisions` and `filtered_decisions`: the accepted counts and drawn tokens of rows
+`tempered_verify.tempered_decisions` and `filtered_decisions`: the accepted counts and drawn tokens of rows
 sampling at a temperature, without and with top-k / top-p.
 
 Both use the same counter noise; the kernel sums in another order, so a decision may differ only where the noise
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 
 import baton.engine.ops.triton_tempered_verify as tv  # noqa: E402
 from baton.engine.ops import dispatch  # noqa: E402
+from baton.engine.ops.tempered_verify import filtered_decisions, tempered_decisions  # noqa: E402
 from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
     MAX_SPLITS,
     auto_splits,
@@ -29,7 +30,6 @@ from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
     tempered_decisions_triton,
     usable_sms,
 )
-from baton.engine.rejection_sampler import filtered_decisions, tempered_decisions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TEMPS = (0.5, 1.0, 1.7, 1e-4, 0.0)  # 0: a greedy row, which the kernel leaves alone

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
-from baton.engine.rejection_sampler import RejectionSampler, _stochastic
+from baton.engine.ops.tempered_verify import stochastic_decisions
+from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.sampling import probs
 from baton.engine.sampling_params import SamplingParams
 from tests.test_sampling import CHI2_999, chi_square
@@ -382,14 +383,14 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
     got = rs.verify_tempered(logits, drafts, nd.to(device), t([p.temperature for p in params], torch.float32), seeds,
                              pos, t([p.top_k for p in params], torch.int64), t([p.top_p for p in params], torch.float32))
     assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
-    # The filtered rows as `_stochastic` decides them from the full distributions (`probs`).
+    # The filtered rows as `stochastic_decisions` decides them from the full distributions (`probs`).
     rows = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1]
     idx = torch.tensor(rows, device=device)
     p = probs(logits[idx].float().reshape(len(rows) * (Kmax + 1), V),
                        [params[i] for i in rows for _ in range(Kmax + 1)]).view(len(rows), Kmax + 1, V)
     valid = torch.arange(Kmax)[None, :] < nd[rows][:, None]
     d = torch.where(valid.to(device), drafts[idx], 0)
-    acc, final = _stochastic(p, d, valid.to(device), None, seeds[idx], pos[idx])
+    acc, final = stochastic_decisions(p, d, valid.to(device), None, seeds[idx], pos[idx])
     assert got.accepted_counts[idx].tolist() == acc.tolist()
     assert got.output_token_ids[idx].gather(1, acc[:, None]).squeeze(1).tolist() == final.tolist()
     assert 0 < acc.sum() < nd[rows].sum()

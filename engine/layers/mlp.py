@@ -14,10 +14,6 @@ if TYPE_CHECKING:
     from baton.engine.layers.norms import PendingNorm
 
 
-def relu2_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x).square()
-
-
 def activation(name: str):
     if name == "relu2":
         return lambda x: dispatch.relu2(x)(x)

@@ -1,8 +1,8 @@
 """RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (computed in fp32, as the reference).
 
-The torch functions below are the references (and the CPU path); `ops.dispatch` picks the fused Triton
-kernels of `ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm (a residual add
-and the norm after it are one launch too: `RMSNorm.add_forward`).
+The torch references (and the CPU path) are `ops.norm`; `ops.dispatch` picks the fused Triton kernels of
+`ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm (a residual add and the norm after
+it are one launch too: `RMSNorm.add_forward`).
 """
 
 from __future__ import annotations
@@ -15,29 +15,6 @@ from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops import dispatch
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * x).to(dtype)
-
-
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(residual + x), residual + x): a residual add and the next pre-norm."""
-    s = residual + x
-    return rms_norm_reference(s, weight, eps), s
-
-
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
-                             eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float() * nn.functional.silu(gate.float())
-    g = x.view(*x.shape[:-1], -1, group_size)  # [T, G, group_size]
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.view_as(x).to(dtype)
 
 
 class RMSNorm(nn.Module):

@@ -105,7 +105,7 @@ def relu2(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_act import relu2_triton
         return relu2_triton
-    from baton.engine.layers.mlp import relu2_reference
+    from baton.engine.ops.act import relu2_reference
     return relu2_reference
 
 
@@ -113,7 +113,7 @@ def rms_norm(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_norm import rms_norm_triton
         return rms_norm_triton
-    from baton.engine.layers.norms import rms_norm_reference
+    from baton.engine.ops.norm import rms_norm_reference
     return rms_norm_reference
 
 
@@ -121,7 +121,7 @@ def add_rms_norm(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_norm import add_rms_norm_triton
         return add_rms_norm_triton
-    from baton.engine.layers.norms import add_rms_norm_reference
+    from baton.engine.ops.norm import add_rms_norm_reference
     return add_rms_norm_reference
 
 
@@ -129,7 +129,7 @@ def gated_rms_norm(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_norm import gated_rms_norm_triton
         return gated_rms_norm_triton
-    from baton.engine.layers.norms import gated_rms_norm_reference
+    from baton.engine.ops.norm import gated_rms_norm_reference
     return gated_rms_norm_reference
 
 
@@ -153,7 +153,7 @@ def tempered_decisions(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton
         return tempered_decisions_triton
-    from baton.engine.rejection_sampler import tempered_decisions as reference
+    from baton.engine.ops.tempered_verify import tempered_decisions as reference
     return reference
 
 
@@ -161,5 +161,5 @@ def filtered_decisions(t: torch.Tensor) -> Callable:
     if use_triton(t):
         from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
         return filtered_decisions_triton
-    from baton.engine.rejection_sampler import filtered_decisions as reference
+    from baton.engine.ops.tempered_verify import filtered_decisions as reference
     return reference

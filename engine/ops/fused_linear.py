@@ -62,8 +62,8 @@ def fused_linear(a: Tensor, weight: Tensor, bias: Tensor | None = None, *, prolo
                  eps: float = 1e-5, group_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Torch reference: f(a) by the separate ops' references, then F.linear. Returns y [M, N] in a's dtype, and
     for add_norm (y, s) with s = residual + a."""
-    from baton.engine.layers.mlp import relu2_reference
-    from baton.engine.layers.norms import add_rms_norm_reference, gated_rms_norm_reference, rms_norm_reference
+    from baton.engine.ops.act import relu2_reference
+    from baton.engine.ops.norm import add_rms_norm_reference, gated_rms_norm_reference, rms_norm_reference
 
     check_fused_linear("fused_linear", a, weight, bias, prologue, residual, gate, norm_weight, group_size)
     s = None
