@@ -12,13 +12,13 @@ import argparse
 import logging
 import ssl
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 from baton.proto.auth_grpc import ClusterTokenInterceptor
 from baton.serving.listen_error import CannotListen
+from baton.serving.pem import read_pem
 
 log = logging.getLogger("baton.node")
 
@@ -38,16 +38,8 @@ def add_cluster_auth_args(p: argparse.ArgumentParser) -> None:
                         "prefill nodes that serve TLS)")
 
 
-def read_pem(flag: str, path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"{flag}: expected a readable PEM file, got {path!r} ({e})") from e
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{flag}: expected a PEM file, got {path!r} without a '-----BEGIN' block")
-    return data
+def _pem(flag: str, path: str | None) -> bytes | None:
+    return read_pem(flag, path) if path is not None else None
 
 
 @dataclass(frozen=True)
@@ -72,8 +64,8 @@ class NodeSecurity:
                              "neither; --insecure-no-cluster-auth serves without one")
         if credential is None:
             log.warning("no cluster secret: anyone who reaches this node's ports may call it")
-        return cls(credential, read_pem("--tls-cert", a.tls_cert), read_pem("--tls-key", a.tls_key),
-                   read_pem("--tls-ca", a.tls_ca), (a.tls_cert, a.tls_key, a.tls_ca))
+        return cls(credential, _pem("--tls-cert", a.tls_cert), _pem("--tls-key", a.tls_key),
+                   _pem("--tls-ca", a.tls_ca), (a.tls_cert, a.tls_key, a.tls_ca))
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [ClusterTokenInterceptor(self.credential)] if self.credential is not None else []

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 from baton.proto.auth_grpc import token_interceptors
+from baton.serving.pem import read_pem
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,7 @@ class ClusterClient:
             raise ValueError(f"cluster secret: expected ${CLUSTER_SECRET_ENV} or --cluster-secret-file (the router "
                              "and every node of the cluster share one; `baton secret` prints a new one), got "
                              "neither; --insecure-no-cluster-auth calls the nodes without one")
-        ca = None
-        if tls_ca is not None:
-            try:
-                ca = Path(tls_ca).read_bytes()
-            except OSError as e:
-                raise ValueError(f"--cluster-tls-ca: expected a readable PEM file, got {tls_ca!r} ({e})") from e
-            if b"-----BEGIN " not in ca:
-                raise ValueError(f"--cluster-tls-ca: expected a PEM file, got {tls_ca!r} without a '-----BEGIN' block")
-        return cls(credential, ca)
+        return cls(credential, read_pem("--cluster-tls-ca", tls_ca) if tls_ca is not None else None)
 
     def channel(self, addr: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         interceptors = token_interceptors(self.credential)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from baton.proto.auth_grpc import deny_handler
+from baton.serving.pem import read_pem
+
 API_KEYS_ENV = "BATON_API_KEYS"
 OPEN_METHODS = frozenset({"/baton.v1.Generation/Health"})
 
@@ -67,7 +70,7 @@ class RouterSecurity:
             raise ValueError(f"tls: expected both --tls-cert and --tls-key, got cert={tls_cert!r}, key={tls_key!r}")
         cert = key = None
         if tls_cert is not None and tls_key is not None:
-            cert, key = _read_pem("tls_cert", tls_cert), _read_pem("tls_key", tls_key)
+            cert, key = read_pem("tls_cert", tls_cert), read_pem("tls_key", tls_key)
         return cls(frozenset(keys), cert, key)
 
     def allows(self, authorization: str | None) -> bool:
@@ -102,16 +105,6 @@ def principal(authorization: str | None) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def _read_pem(name: str, path: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"{name}: expected a readable PEM file, got {path!r} ({e})") from e
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{name}: expected a PEM file, got {path!r} without a '-----BEGIN' block")
-    return data
-
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call but `Health` whose metadata lacks a configured key, before any work is done."""
 
@@ -127,16 +120,4 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if self._security.allows(auth if isinstance(auth, str) else None):
             return handler
         message = "missing API key" if auth is None else "API key not accepted"
-
-        async def deny_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # an async generator, as a server-streaming handler must be
-
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer,
-                                                   handler.response_serializer)
+        return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED, message)

@@ -8,18 +8,17 @@ import contextlib
 import os
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from baton.cli.cluster import Cluster
 from baton.proto.v1 import generation_pb2 as gen
 from baton.proto.v1 import generation_pb2_grpc as gen_grpc
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from benchmarks.chaos import metric
 from tests.node_channel import node_channel
 
 ENGINE = {"block_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_kv_blocks": 512}
@@ -102,17 +101,6 @@ async def wait_for_health(router_addr: str, prefill: int, decode: int, timeout: 
             raise AssertionError(f"router health after {timeout} s: {h.prefill_workers} prefill and "
                                  f"{h.decode_workers} decode workers, expected {prefill} and {decode}")
         await asyncio.sleep(0.05)
-
-
-def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """The value of sample `name` (with `labels`) at the Prometheus endpoint `url`; 0 when absent."""
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                return s.value
-    return 0.0
 
 
 def node_metric(cluster: Cluster, addr: str, name: str) -> float:

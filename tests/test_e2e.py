@@ -14,7 +14,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -28,6 +27,7 @@ from baton.engine.tokenizer import load_tokenizer
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from tests.node_channel import node_channel
+from tests.node_faults import all_free
 
 BLOCK, CHUNK = 8, 32
 ENGINE = {"block_size": BLOCK, "max_num_batched_tokens": CHUNK, "max_num_seqs": 8, "num_kv_blocks": 512}
@@ -55,21 +55,6 @@ def offline(model, prompts, params):
 
 async def collect(client, prompt, **kw):
     return await client.generate(prompt, **kw)
-
-
-def all_free(cluster, timeout=10.0):
-    """Every node's pools back to fully free (and no held leases), polling until `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = []
-        for addr in [*cluster.prefill_addrs, *cluster.decode_addrs]:
-            with node_channel(addr) as ch:
-                loads.append(wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5))
-        free = all(x.free_kv_blocks == x.total_kv_blocks and x.free_state_slots == x.total_state_slots
-                   and x.held_leases == 0 and x.running == 0 and x.waiting == 0 for x in loads)
-        if free or time.monotonic() > deadline:
-            return free, loads
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("prefill_workers", [1, 2], ids=["1P1D", "2P1D"])
