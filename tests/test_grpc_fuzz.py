@@ -26,6 +26,7 @@ from baton.proto.v1 import generation_pb2 as gen
 from baton.proto.v1 import generation_pb2_grpc as gen_grpc
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
+from tests.test_router_service import varint
 
 ENGINE_ARGS = ("--block-size", "8", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
                "--num-kv-blocks", "256", "--max-model-len", "256")
@@ -141,15 +142,6 @@ def generate_request(draw) -> gen.GenerateRequest:
     return req
 
 
-def _varint(n: int) -> bytes:
-    out = b""
-    while True:
-        low, n = n & 0x7F, n >> 7
-        if not n:
-            return out + bytes([low])
-        out += bytes([low | 0x80])
-
-
 # Raw bytes: anything, a valid message with bytes flipped or cut, or a field carrying a varint too wide for it.
 @st.composite
 def mutated(draw, message: st.SearchStrategy) -> bytes:
@@ -162,7 +154,7 @@ def mutated(draw, message: st.SearchStrategy) -> bytes:
         del data[draw(st.integers(0, len(data) - 1)):]
     elif action == "append-wide":
         number = draw(st.integers(1, 9))
-        data += _varint(number << 3) + _varint(draw(st.integers(2**32, 2**64 - 1)))
+        data += varint(number << 3) + varint(draw(st.integers(2**32, 2**64 - 1)))
     else:
         return draw(st.binary(max_size=300))
     return bytes(data)

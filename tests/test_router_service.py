@@ -170,7 +170,7 @@ def test_text_prompt_and_text_deltas(tmp_path):
     run(go())
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = b""
     while True:
         low, n = n & 0x7F, n >> 7
@@ -181,13 +181,13 @@ def _varint(n: int) -> bytes:
 
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited field (a submessage or a packed list)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 # token_ids (field 2) holding one packed id of 2**40 + 7, which protobuf's parser would truncate to 7.
-WIDE_TOKEN_ID = _field(2, _field(1, _varint(2**40 + 7)))
+WIDE_TOKEN_ID = _field(2, _field(1, varint(2**40 + 7)))
 # sampling (field 4) with max_tokens (field 1) of 2**33.
-WIDE_MAX_TOKENS = _field(4, _varint(1 << 3) + _varint(2**33)) + _field(2, _field(1, _varint(5)))
+WIDE_MAX_TOKENS = _field(4, varint(1 << 3) + varint(2**33)) + _field(2, _field(1, varint(5)))
 
 
 @pytest.mark.parametrize(("method", "streaming", "raw", "match"), [
