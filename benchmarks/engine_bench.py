@@ -74,6 +74,7 @@ from baton.engine.config import ATTENTION, MAMBA, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
+from baton.engine.model import NemotronHForCausalLM
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
 
@@ -269,7 +270,7 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     max_len = max(seq_len, bc.prefill_tokens, *((mixed_len, mixed_prompt) if bc.mixed_batch else ())) + bs
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                          num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
-    plan = plan_cache(cfg, probe, dtype, ssm_dtype)
+    plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), probe, dtype, ssm_dtype)
     return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                  num_kv_blocks=plan.num_blocks, plan=plan)
 
@@ -370,8 +371,8 @@ def traffic_from_tensors(engine: LLMEngine, batch: int, context_tokens: float) -
     return Traffic(
         weights=params - (0 if tied else emb.numel() * emb.element_size()),
         embedding_rows=0 if tied else batch * emb[0].numel() * emb.element_size(),
-        ssm_state=2 * batch * pools.ssm[0].numel() * pools.ssm.element_size(),
-        conv_state=2 * batch * pools.conv[0].numel() * pools.conv.element_size(),
+        ssm_state=2 * batch * pools.states["ssm"][0].numel() * pools.states["ssm"].element_size(),
+        conv_state=2 * batch * pools.states["conv"][0].numel() * pools.states["conv"].element_size(),
         kv_read=context_tokens * kv_token,
         kv_write=batch * kv_token,
     )

@@ -46,6 +46,7 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
+from baton.engine.model import NemotronHForCausalLM
 from baton.engine.weights import TORCH_DTYPES
 from baton.transfer.agent import DEFAULT_PROGRESS_DELAY_US, READ_ORDERS
 from baton.transfer.plan import plan_request
@@ -59,7 +60,7 @@ def make_pools(args, device: str) -> tuple[ModelConfig, CachePools]:
     ecfg = EngineConfig(block_size=args.block_size, max_num_seqs=4, max_num_batched_tokens=512,
                         num_kv_blocks=blocks)
     dtype = TORCH_DTYPES[cfg.torch_dtype]
-    plan = plan_cache(cfg, ecfg, dtype, torch.float32)
+    plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, dtype, torch.float32)
     return cfg, CachePools(cfg, plan, args.block_size, dtype, torch.float32, device)
 
 
@@ -89,7 +90,7 @@ def request_ids(args, num_blocks: int) -> tuple[list[int], list[int]]:
 def fill(pools: CachePools, device: str) -> None:
     """The holder's data: seeded, so the reader can rebuild it on its own device to check every byte."""
     g = torch.Generator(device=device).manual_seed(1)
-    for t in (pools.kv, pools.conv, pools.ssm):
+    for t in (pools.kv, pools.states["conv"], pools.states["ssm"]):
         t.copy_(torch.randn(t.shape, generator=g, device=device, dtype=torch.float32))
 
 
@@ -98,8 +99,8 @@ def verify(pools: CachePools, args, device: str, local: list[int], remote: list[
     _, expected = make_pools(args, device)
     fill(expected, device)
     return (torch.equal(pools.kv[local].view(torch.uint8), expected.kv[remote].view(torch.uint8))
-            and torch.equal(pools.conv[0].view(torch.uint8), expected.conv[1].view(torch.uint8))
-            and torch.equal(pools.ssm[0].view(torch.uint8), expected.ssm[1].view(torch.uint8)))
+            and torch.equal(pools.states["conv"][0].view(torch.uint8), expected.conv[1].view(torch.uint8))
+            and torch.equal(pools.states["ssm"][0].view(torch.uint8), expected.ssm[1].view(torch.uint8)))
 
 
 def holder(conn, args, device: str) -> None:

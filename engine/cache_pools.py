@@ -6,17 +6,17 @@ Both are laid out id-major, so that everything a request owns is as contiguous a
   attention layer, so a run of consecutive block ids is ONE contiguous region for all layers (one
   transfer descriptor, not one per layer). With speculative decoding the MTP drafter's attention layers
   (L_mtp) sit after the target's in the same blocks: its KV travels with the target's (R8).
-- State pools: conv [slots, L_mamba, conv_dim, K-1] and SSM [slots, L_mamba, H, P, N]: one slot's
-  state of every Mamba layer is one contiguous region per kind. A request owns one slot.
-- Verify inputs (only while verifying drafts): per slot and Mamba layer, the inputs of the slot's last
-  1+K verified positions (conv inputs; the SSM's x, B and raw dt), replayed into the state by the next
-  step once the accepted count is known (R3/R4; `ops/spec_state_update.py`). They never travel: a
-  transferred request has none pending.
+- State pools: one per state tensor the model's recurrent mixer declares (`state_spec.StateSpec`), each
+  [slots, L_mixer, *shape] (for Mamba2: conv [.., conv_dim, K-1] and ssm [.., H, P, N]): one slot's state of
+  every mixer layer is one contiguous region per declared tensor. A request owns one slot.
+- Verify inputs (only while verifying drafts): per slot and mixer layer, the declared inputs of the slot's
+  last 1+K verified positions, [slots, L_mixer, 1+K, *shape], replayed into the state by the next step once
+  the accepted count is known (R3/R4). They never travel: a transferred request has none pending.
 
 Each pool has one spare entry past the plan's: a scratch KV block and a scratch state slot that no request
 ever owns, where the padding rows of a CUDA-graph decode step write (`cuda_graphs.py`).
 
-Layers see strided per-layer views (`kv[:, l]`, `ssm[:, l]`); the operators index them by block or slot.
+Layers see strided per-layer views (`kv[:, l]`, `states[name][:, l]`); the operators index them by block or slot.
 `plan_cache` sizes both pools from a memory budget; the scheduler only ever sees the resulting counts.
 """
 
@@ -29,6 +29,7 @@ import torch
 from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.memory_budget import CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
+from baton.engine.state_spec import StateSpec
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class CachePlan:
     num_blocks: int
     num_slots: int
     block_bytes: int  # one block across all attention layers (K and V), the drafter's included
-    slot_bytes: int   # one state slot across all Mamba layers (conv + SSM)
+    slot_bytes: int   # one state slot across all mixer layers (every declared state and verify input)
+    state: StateSpec  # what the model's recurrent mixer keeps per slot
     num_mtp_kv_layers: int = 0  # the drafter's attention layers, after the target's in every block
     verify_len: int = 0  # positions of verify inputs per slot (1+K while verifying drafts)
 
@@ -45,19 +47,16 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> CachePlan:
-    """The pools' sizes for `ecfg`; sizes it leaves to the engine (None) take the CPU defaults (an engine on CUDA
+def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: torch.dtype,
+               state_dtype: torch.dtype) -> CachePlan:
+    """The pools' sizes for `ecfg` and the mixer's `state` (the model class's `state_spec`); sizes it leaves to the engine (None) take the CPU defaults (an engine on CUDA
     decides them first, `LLMEngine`)."""
     num_slots = ecfg.max_num_seqs or CPU_MAX_NUM_SEQS
     cache_memory_bytes = ecfg.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES
     n_mtp = mtp_kv_layers(cfg) if ecfg.num_speculative_tokens else 0
-    n_attn, n_mamba = len(cfg.attention_layer_ids) + n_mtp, len(cfg.mamba_layer_ids)
+    n_attn = len(cfg.attention_layer_ids) + n_mtp
     block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
-    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * _itemsize(dtype)
-    ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * _itemsize(ssm_dtype)
-    verify = ecfg.verify_len * (cfg.conv_dim + cfg.mamba_num_heads * (cfg.mamba_head_dim + 1)
-                                + cfg.n_groups * cfg.ssm_state_size) * _itemsize(dtype)
-    slot_bytes = n_mamba * (conv + ssm + verify)
+    slot_bytes = state.slot_bytes(dtype, state_dtype, ecfg.verify_len)
     if ecfg.num_kv_blocks is not None:
         num_blocks = ecfg.num_kv_blocks
     elif block_bytes == 0:
@@ -75,7 +74,7 @@ def plan_cache(cfg: ModelConfig, ecfg: EngineConfig, dtype: torch.dtype, ssm_dty
                 f"{slot_bytes} B + one KV block of {block_bytes} B, and one scratch slot and block), "
                 f"got {cache_memory_bytes}")
     return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes,
-                     num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len)
+                     state=state, num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len)
 
 
 def mtp_kv_layers(cfg: ModelConfig) -> int:
@@ -85,31 +84,31 @@ def mtp_kv_layers(cfg: ModelConfig) -> int:
 
 class CachePools:
     def __init__(self, cfg: ModelConfig, plan: CachePlan, block_size: int, dtype: torch.dtype,
-                 ssm_dtype: torch.dtype, device: torch.device | str) -> None:
+                 state_dtype: torch.dtype, device: torch.device | str) -> None:
         self.plan = plan
         self.num_target_kv_layers = len(cfg.attention_layer_ids)
-        n_attn, n_mamba = self.num_target_kv_layers + plan.num_mtp_kv_layers, len(cfg.mamba_layer_ids)
+        n_attn, spec = self.num_target_kv_layers + plan.num_mtp_kv_layers, plan.state
         # The scratch block and slot: one past the plan's (never allocated by the scheduler).
         self.scratch_block, self.scratch_slot = plan.num_blocks, plan.num_slots
         self.kv = torch.zeros(plan.num_blocks + 1, n_attn, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
                               dtype=dtype, device=device)
-        self.conv = torch.zeros(plan.num_slots + 1, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1,
-                                dtype=dtype, device=device)
-        self.ssm = torch.zeros(plan.num_slots + 1, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim,
-                               cfg.ssm_state_size, dtype=ssm_dtype, device=device)
-        # Verify inputs, [slots, L_mamba, 1+K, ...]: conv inputs, then the SSM's x, B and raw dt.
-        L, S = plan.verify_len, plan.num_slots + 1
-        self.verify_conv = torch.zeros(S, n_mamba, L, cfg.conv_dim, dtype=dtype, device=device)
-        self.verify_x = torch.zeros(S, n_mamba, L, cfg.mamba_num_heads, cfg.mamba_head_dim, dtype=dtype,
-                                    device=device)
-        self.verify_B = torch.zeros(S, n_mamba, L, cfg.n_groups, cfg.ssm_state_size, dtype=dtype, device=device)
-        self.verify_dt = torch.zeros(S, n_mamba, L, cfg.mamba_num_heads, dtype=dtype, device=device)
+        S, L = plan.num_slots + 1, spec.num_layers
+        # Declared name -> [slots, L_mixer, *shape], in declared order.
+        self.states = {t.name: torch.zeros(S, L, *t.shape, dtype=t.torch_dtype(dtype, state_dtype), device=device)
+                       for t in spec.states}
+        # Declared name -> [slots, L_mixer, 1+K, *shape].
+        self.verify = {t.name: torch.zeros(S, L, plan.verify_len, *t.shape, dtype=t.torch_dtype(dtype, state_dtype),
+                                           device=device) for t in spec.verify_inputs}
 
     def by_name(self) -> dict[str, torch.Tensor]:
-        """The three pools as `baton.transfer` registers them."""
-        return {"kv": self.kv, "conv": self.conv, "ssm": self.ssm}
+        """The pools that travel, as `baton.transfer` registers them: "kv", then every declared state."""
+        return {"kv": self.kv, **self.states}
 
-    # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D], [slots, C, K-1], [slots, H, P, N].
+    def state_bytes(self) -> int:
+        """The state pools' and verify inputs' bytes."""
+        return sum(t.numel() * t.element_size() for t in (*self.states.values(), *self.verify.values()))
+
+    # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D]; per mixer layer its states [slots, *shape].
     def kv_layers(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(1))[:self.num_target_kv_layers]
 
@@ -117,16 +116,13 @@ class CachePools:
         """The drafter's KV pool layers (same blocks as the target's, R8)."""
         return list(self.kv.unbind(1))[self.num_target_kv_layers:]
 
-    def conv_layers(self) -> list[torch.Tensor]:
-        return list(self.conv.unbind(1))
+    def state_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per mixer layer: its declared states in declared order, each [slots, *shape]."""
+        return list(zip(*(t.unbind(1) for t in self.states.values()), strict=True))
 
-    def ssm_layers(self) -> list[torch.Tensor]:
-        return list(self.ssm.unbind(1))
-
-    def verify_layers(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per Mamba layer: the verify inputs (conv [S, 1+K, C], x [S, 1+K, H, P], B [S, 1+K, G, N],
-        dt [S, 1+K, H]); empty without speculative decoding."""
+    def verify_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per mixer layer: its declared verify inputs in declared order, each [slots, 1+K, *shape]; empty without
+        speculative decoding."""
         if not self.plan.verify_len:
             return []
-        return list(zip(self.verify_conv.unbind(1), self.verify_x.unbind(1), self.verify_B.unbind(1),
-                        self.verify_dt.unbind(1), strict=True))
+        return list(zip(*(t.unbind(1) for t in self.verify.values()), strict=True))

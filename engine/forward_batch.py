@@ -24,11 +24,11 @@ class ForwardBatch:
     seq_lens: torch.Tensor            # [R] int64: context + this step's tokens
     block_tables: torch.Tensor        # [R, max_blocks] int64 (padded)
     slot_mapping: torch.Tensor        # [T] int64: flat KV slot (block * block_size + offset) per token
-    state_slots: torch.Tensor         # [R] int64: Mamba state slot per row
+    state_slots: torch.Tensor         # [R] int64: recurrent state slot per row
     has_initial_state: torch.Tensor   # [R] bool: False rows start from a zero state (R2)
     kv_caches: list[torch.Tensor]     # per attention layer: [num_blocks, 2, block_size, Hkv, D]
-    conv_states: list[torch.Tensor]   # per Mamba layer: [slots, conv_dim, K-1]
-    ssm_states: list[torch.Tensor]    # per Mamba layer: [slots, H, P, N]
+    # per recurrent mixer layer: its declared states, each [slots, *shape] (`CachePools.state_layers`)
+    mixer_states: list[tuple[torch.Tensor, ...]]
     num_decode_tokens: int = -1       # tokens of the decode rows (-1: one per row)
     spec_num_tokens: torch.Tensor | None = None    # [Rd] int64: 1 + k per verify row
     spec_replay: torch.Tensor | None = None        # [Rd] int64: recorded positions to replay first
@@ -37,10 +37,10 @@ class ForwardBatch:
     # Every verify row holds all T tokens, row b's at b * T + t: the two index maps above are the identity, and
     # their users take views instead of gathers (always so in a CUDA graph's step).
     spec_uniform: bool = False
-    # per Mamba layer: recorded verify inputs (conv, x, B, dt), each [slots, 1+K, ...] (cache_pools.py)
+    # per recurrent mixer layer: its declared verify inputs, each [slots, 1+K, *shape] (`CachePools.verify_layers`)
     verify_inputs: list[tuple[torch.Tensor, ...]] | None = None
-    # The prefill rows' chunk layout for the Triton chunked scan (`ops.triton_ssd.ChunkMeta`), built from host
-    # ints by the runner so that the scan never reads query_start_loc back; None on the reference path.
+    # The recurrent mixer's prefill metadata (`RecurrentMixer.prefill_meta`; Mamba2's Triton chunk layout), built
+    # from host ints by the runner so that the mixer never reads query_start_loc back; None: it needs none.
     prefill_chunk_meta: object | None = None
     # The attention kernel's program mapping for this batch (`ops.triton_attention.AttentionMeta`), built once
     # per step from host ints by the runner instead of on the device by every attention layer; None: built there.

@@ -199,9 +199,9 @@ class LLMEngine:
             self.config = config = replace(
                 config, device=str(device), max_num_seqs=config.max_num_seqs or CPU_MAX_NUM_SEQS,
                 cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
-        self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
+        self.plan = plan_cache(model_cfg, self.model.state_spec(model_cfg), config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
-        graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.ssm)
+        graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.kv)
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
@@ -210,7 +210,7 @@ class LLMEngine:
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
-        if self.runner.graphs is not None and config.mixed_graph_tokens and dispatch.use_triton(self.pools.ssm):
+        if self.runner.graphs is not None and config.mixed_graph_tokens and dispatch.use_triton(self.pools.kv):
             self.runner.mixed_graphs = self.make_mixed_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -254,8 +254,8 @@ class LLMEngine:
             if cache is None:  # the pools' size given in blocks: the CPU's default count
                 seqs = CPU_MAX_NUM_SEQS
             else:
-                unit = plan_cache(self.model_config, replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype,
-                                  self.ssm_dtype)
+                unit = plan_cache(self.model_config, self.model.state_spec(self.model_config),
+                                  replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype)
                 seqs = auto_max_num_seqs(cache, unit.slot_bytes, unit.block_bytes, config.max_num_batched_tokens,
                                          1 + k)
         return replace(config, device=str(device), cache_memory_bytes=cache, max_num_seqs=seqs)
@@ -273,7 +273,7 @@ class LLMEngine:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        plan = plan_cache(self.model_config, probe, self.dtype, self.ssm_dtype)
+        plan = plan_cache(self.model_config, self.model.state_spec(self.model_config), probe, self.dtype, self.ssm_dtype)
         pools = CachePools(self.model_config, plan, bs, self.dtype, self.ssm_dtype, device)
         with_pools = torch.cuda.memory_reserved(device)
         runner = self._make_runner(pools, device)
@@ -299,7 +299,7 @@ class LLMEngine:
         scratch block and slot; what a graph holds does not depend on the pools' size). Measured, not estimated:
         the sizes share a pool, but each keeps its outputs and per-size inputs."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
-        graphable = self.graphs_capturable() and dispatch.use_triton(pools.ssm)
+        graphable = self.graphs_capturable() and dispatch.use_triton(pools.kv)
         if not (config.cuda_graphs and not config.prefill_only and graphable):
             return 0
         bs = config.block_size
@@ -325,10 +325,8 @@ class LLMEngine:
         if report is not None and self.graphs_bytes:
             report = replace(report, graphs=self.graphs_bytes)
         p = self.pools
-        state = sum(t.numel() * t.element_size() for t in (p.conv, p.ssm, p.verify_conv, p.verify_x, p.verify_B,
-                                                           p.verify_dt))
         return budget_summary(name, report, p.kv.numel() * p.kv.element_size(), self.plan.num_blocks,
-                              self.config.block_size, state, self.plan.num_slots, self.max_model_len)
+                              self.config.block_size, p.state_bytes(), self.plan.num_slots, self.max_model_len)
 
     def _step_graphs(self, device: torch.device) -> StepGraphs | None:
         """CUDA graphs of decode steps (verify steps of 1+K tokens per row with speculative decoding), where

@@ -94,9 +94,8 @@ class MixedStepGraphs:
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self.chunk_meta = None
         cfg = model.cfg
-        if cfg.mamba_layer_ids and dispatch.use_triton(self.ids):
-            from baton.engine.ops.triton_ssd import build_chunk_meta
-            self.chunk_meta = build_chunk_meta([0, Q], cfg.chunk_size, dev)
+        if pools.plan.state.num_layers:
+            self.chunk_meta = model.recurrent_mixer.prefill_meta(cfg, [0, Q], self.ids)
         self.capture = device.type == "cuda"
         # Graphs' memory: `pool` (shared with other graphs replayed one at a time), or a pool of their own.
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
@@ -128,8 +127,7 @@ class MixedStepGraphs:
             state_slots=self.state_slots[:n + 1],
             has_initial_state=self.has_initial_state[:n + 1],
             kv_caches=self.pools.kv_layers(),
-            conv_states=self.pools.conv_layers(),
-            ssm_states=self.pools.ssm_layers(),
+            mixer_states=self.pools.state_layers(),
             num_decode_tokens=n,
             prefill_chunk_meta=self.chunk_meta,
             attention_meta=attention_meta,

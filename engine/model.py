@@ -16,6 +16,7 @@ from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops import dispatch
+from baton.engine.state_spec import StateSpec
 from baton.engine.weights import MTP_PREFIX, place
 
 
@@ -58,6 +59,13 @@ class Backbone(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
+    recurrent_mixer = Mamba2Mixer  # the mixer of its MAMBA layers, whose declared state the state pools hold
+
+    @classmethod
+    def state_spec(cls, cfg: ModelConfig) -> StateSpec:
+        """What the state pools hold per slot (`cache_pools.plan_cache`)."""
+        return cls.recurrent_mixer.state_spec(cfg, len(cfg.mamba_layer_ids))
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -70,9 +70,8 @@ class ModelRunner:
         # Draws each row's next token (`RejectionSampler.sample`); a spec runner's verifies drafts too.
         self.rejection = RejectionSampler(0)
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
-        self._kv, self._conv, self._ssm = pools.kv_layers(), pools.conv_layers(), pools.ssm_layers()
+        self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
-        self._mamba = bool(self._ssm)
         # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
         self._no_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         # Per state slot: how many recorded positions of its last verify were accepted (1 + accepted drafts),
@@ -123,8 +122,7 @@ class ModelRunner:
             state_slots=slots,
             has_initial_state=has_init,
             kv_caches=self._kv,
-            conv_states=self._conv,
-            ssm_states=self._ssm,
+            mixer_states=self._states,
         )
         # (Where the Triton kernels run: the torch reference would run the same ops, only one by one.)
         batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens and dispatch.use_triton(self.replay)
@@ -136,11 +134,10 @@ class ModelRunner:
             batch.attention_meta = build_attention_meta(qsl, batch.query_start_loc, cfg.num_attention_heads,
                                                         cfg.num_key_value_heads, cfg.head_dim)
         nd = out.num_decodes
-        if nd < len(out.rows) and self._mamba and dispatch.use_triton(self.pools.ssm):
-            from baton.engine.ops.triton_ssd import build_chunk_meta
+        if nd < len(out.rows) and self._states:
             base = qsl[nd]
-            batch.prefill_chunk_meta = build_chunk_meta([q - base for q in qsl[nd:]], self.model.cfg.chunk_size,
-                                                        self.device)
+            batch.prefill_chunk_meta = self.model.recurrent_mixer.prefill_meta(cfg, [q - base for q in qsl[nd:]],
+                                                                               self.replay)
         return t(input_ids), batch
 
     def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, replay: torch.Tensor,

@@ -213,7 +213,7 @@ def test_prefill_only_engine_pipelines_and_hands_over_computed_caches(tiny):
         outs = [o for _ in range(40) if engine.has_unfinished() for o in engine.step()]
         assert sorted(o.request_id for o in outs) == sorted(prompts)
         assert all(o.finished and o.finish_reason == "prefilled" and o.held_state_slot is not None for o in outs)
-        held[async_on] = {o.request_id: (engine.pools.ssm[o.held_state_slot].clone(),
+        held[async_on] = {o.request_id: (engine.pools.states["ssm"][o.held_state_slot].clone(),
                                          engine.pools.kv[list(o.held_block_ids)].clone()) for o in outs}
     for rid in prompts:
         assert torch.equal(held[True][rid][0], held[False][rid][0])

@@ -7,6 +7,7 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
+from baton.engine.model import NemotronHForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def cfg():
 
 def test_plan_fits_the_budget_exactly(cfg):
     ecfg = EngineConfig(block_size=8, max_num_seqs=4, cache_memory_bytes=2 * 2**20)
-    plan = plan_cache(cfg, ecfg, torch.float32, torch.float32)
+    plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, torch.float32)
     n_attn, n_mamba = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
     assert plan.block_bytes == n_attn * 2 * 8 * cfg.num_key_value_heads * cfg.head_dim * 4
     conv = cfg.conv_dim * (cfg.conv_kernel - 1) * 4
@@ -27,21 +28,21 @@ def test_plan_fits_the_budget_exactly(cfg):
     assert used <= ecfg.cache_memory_bytes < used + plan.block_bytes
     pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
     assert pools.kv.numel() * 4 == (plan.num_blocks + 1) * plan.block_bytes
-    assert (pools.conv.numel() + pools.ssm.numel()) * 4 == (plan.num_slots + 1) * plan.slot_bytes
+    assert (pools.states["conv"].numel() + pools.states["ssm"].numel()) * 4 == (plan.num_slots + 1) * plan.slot_bytes
     assert pools.kv.shape == (plan.num_blocks + 1, n_attn, 2, 8, cfg.num_key_value_heads, cfg.head_dim)
-    assert pools.ssm.shape == (5, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
-    assert pools.conv.shape == (5, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1)
+    assert pools.states["ssm"].shape == (5, n_mamba, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size)
+    assert pools.states["conv"].shape == (5, n_mamba, cfg.conv_dim, cfg.conv_kernel - 1)
 
 
 def test_a_run_of_blocks_or_one_slot_is_one_contiguous_region_for_all_layers(cfg):
-    plan = plan_cache(cfg, EngineConfig(block_size=8, max_num_seqs=3, num_kv_blocks=10), torch.float32,
+    plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), EngineConfig(block_size=8, max_num_seqs=3, num_kv_blocks=10), torch.float32,
                       torch.float32)
     pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
     run = pools.kv[3:6]  # blocks 3, 4, 5: K and V of every attention layer
     assert run.is_contiguous() and run.numel() * 4 == 3 * plan.block_bytes
     assert run.data_ptr() - pools.kv.data_ptr() == 3 * plan.block_bytes
-    assert pools.ssm[1].is_contiguous() and pools.conv[1].is_contiguous()
-    assert (pools.ssm[1].numel() + pools.conv[1].numel()) * 4 == plan.slot_bytes
+    assert pools.states["ssm"][1].is_contiguous() and pools.states["conv"][1].is_contiguous()
+    assert (pools.states["ssm"][1].numel() + pools.states["conv"][1].numel()) * 4 == plan.slot_bytes
     # The layers see strided views of the same storage.
     pools.kv_layers()[1][4, 0].fill_(7.0)
     assert pools.kv[4, 1, 0].eq(7.0).all() and pools.kv[4, 0].eq(0).all()
@@ -49,10 +50,10 @@ def test_a_run_of_blocks_or_one_slot_is_one_contiguous_region_for_all_layers(cfg
 
 def test_bf16_state_halves_ssm_bytes(cfg):
     e = EngineConfig(max_num_seqs=4)
-    assert (plan_cache(cfg, e, torch.float32, torch.bfloat16).slot_bytes
-            < plan_cache(cfg, e, torch.float32, torch.float32).slot_bytes)
+    assert (plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), e, torch.float32, torch.bfloat16).slot_bytes
+            < plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), e, torch.float32, torch.float32).slot_bytes)
 
 
 def test_budget_too_small_names_the_field(cfg):
     with pytest.raises(ValueError, match="cache_memory_bytes"):
-        plan_cache(cfg, EngineConfig(max_num_seqs=32, cache_memory_bytes=1024), torch.float32, torch.float32)
+        plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), EngineConfig(max_num_seqs=32, cache_memory_bytes=1024), torch.float32, torch.float32)

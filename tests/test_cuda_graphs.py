@@ -188,7 +188,7 @@ def test_graph_decode_equals_eager_decode(spec_model, dtype):  # noqa: F811
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in eager.items()}
     assert set(engine.runner.graphs.graphs) >= {1, 2, 4, 8}
     # Padding rows ran, and wrote the scratch slot (past the scheduler's slots), not a request's.
-    assert engine.pools.ssm[engine.pools.scratch_slot].abs().sum() > 0
+    assert engine.pools.states["ssm"][engine.pools.scratch_slot].abs().sum() > 0
 
 
 @pytest.mark.gpu

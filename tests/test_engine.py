@@ -46,8 +46,8 @@ def test_r2_new_short_prompt_never_reads_a_stale_state_slot(tiny):
     # One state slot: the 1-token prompt reuses the slot a long request just left; poison the pools too.
     engine = new_engine(tiny, max_num_seqs=1, max_num_batched_tokens=32)
     engine.generate([rand_prompt(rng, 40)], GREEDY)
-    engine.pools.ssm.fill_(math.nan)
-    engine.pools.conv.fill_(math.nan)
+    engine.pools.states["ssm"].fill_(math.nan)
+    engine.pools.states["conv"].fill_(math.nan)
     assert engine.generate([[7]], GREEDY)[0].token_ids == alone
 
 
@@ -184,13 +184,13 @@ def test_prefill_only_requests_never_sample_and_hand_their_caches_over(tiny):
     s = engine.scheduler
     assert s.blocks.num_used == len(held.held_block_ids) and s.slots.num_used == 1 and decoding not in s.requests
     # The held state is the prompt's (chunked differently here than alone, hence not bit-equal).
-    ssm_after = engine.pools.ssm[held.held_state_slot].clone()
+    ssm_after = engine.pools.states["ssm"][held.held_state_slot].clone()
     engine.free_held(held.held_block_ids, held.held_state_slot)
     assert_all_free(engine)
     ref = new_engine(tiny)
     ref.add_request(prompt, GREEDY, prefill_only=True)
     (o,) = [o for _ in range(10) for o in ref.step()]
-    torch.testing.assert_close(ref.pools.ssm[o.held_state_slot], ssm_after, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.pools.states["ssm"][o.held_state_slot], ssm_after, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 9, 17, 40])
@@ -213,8 +213,8 @@ def test_r1_decode_from_transferred_n_minus_1_state_equals_one_engine(tiny, n):
     blocks, slot = dec.reserve(n - 1)
     assert len(blocks) == len(held.held_block_ids)
     dec.pools.kv[blocks] = pre.pools.kv[list(held.held_block_ids)]
-    dec.pools.conv[slot] = pre.pools.conv[held.held_state_slot]
-    dec.pools.ssm[slot] = pre.pools.ssm[held.held_state_slot]
+    dec.pools.states["conv"][slot] = pre.pools.states["conv"][held.held_state_slot]
+    dec.pools.states["ssm"][slot] = pre.pools.states["ssm"][held.held_state_slot]
     rid = dec.add_computed_request(prompt, params, "moved", blocks, slot, num_computed=n - 1)
     out = dec.scheduler.schedule()
     row = next(r for r in out.rows if r.request_id == rid)

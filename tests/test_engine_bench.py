@@ -47,8 +47,8 @@ def test_decode_bytes_match_the_real_tensors(smoke, engine):
     emb = model.model.embeddings.weight
     assert model.lm_head is not None  # the tiny preset has an untied head: only B embedding rows are read
     weights = sum(tensor_bytes(p) for p in model.parameters()) - tensor_bytes(emb)
-    n_slots = pools.ssm.shape[0]
-    ssm_slot, conv_slot = tensor_bytes(pools.ssm) // n_slots, tensor_bytes(pools.conv) // n_slots
+    n_slots = pools.states["ssm"].shape[0]
+    ssm_slot, conv_slot = tensor_bytes(pools.states["ssm"]) // n_slots, tensor_bytes(pools.states["conv"]) // n_slots
     kv_layers = pools.kv_layers()  # [blocks, 2, block_size, Hkv, D] each
     kv_token = sum(tensor_bytes(kv) // (kv.shape[0] * kv.shape[2]) for kv in kv_layers)
     assert smoke["decode"], "no decode results"

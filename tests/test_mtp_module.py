@@ -90,7 +90,7 @@ def batch_for(rows: list[tuple[int, int]], bt: torch.Tensor, kv: list[torch.Tens
         num_decodes=len(rows) if decode else 0, query_start_loc=qsl,
         seq_lens=torch.tensor([lo + n for lo, n in rows]), block_tables=bt, slot_mapping=torch.tensor(slots),
         state_slots=torch.zeros(len(rows), dtype=torch.int64), has_initial_state=torch.ones(len(rows), dtype=torch.bool),
-        kv_caches=kv, conv_states=[], ssm_states=[])
+        kv_caches=kv, mixer_states=[])
 
 
 def new_kv(cfg, mtp: MTPModule) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
+from baton.engine.model import NemotronHForCausalLM
 from baton.proto.auth import ClusterCredential
 from baton.transfer.errors import (
     IncompatiblePeer,
@@ -29,7 +30,7 @@ from baton.transfer.side_channel import SideChannelClient, SideChannelServer
 def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0):
     cfg = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
-    pools = CachePools(cfg, plan_cache(cfg, ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
+    pools = CachePools(cfg, plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
                        ssm_dtype, "cpu")
     regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
     compat = make_compat(cfg, regions, block_size, spec)

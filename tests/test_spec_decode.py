@@ -103,8 +103,8 @@ def move_in(dec: LLMEngine, pre: LLMEngine, held, prompt: list[int], rid: str, p
     else:  # only the target's layers: what a transfer that forgets the drafter's cache moves
         n = dec.pools.num_target_kv_layers
         dec.pools.kv[blocks, :n] = pre.pools.kv[src, :n]
-    dec.pools.conv[slot] = pre.pools.conv[held.held_state_slot]
-    dec.pools.ssm[slot] = pre.pools.ssm[held.held_state_slot]
+    dec.pools.states["conv"][slot] = pre.pools.states["conv"][held.held_state_slot]
+    dec.pools.states["ssm"][slot] = pre.pools.states["ssm"][held.held_state_slot]
     dec.add_computed_request(prompt, params, rid, blocks, slot, num_computed=len(prompt) - 1)
     pre.free_held(held.held_block_ids, held.held_state_slot)
 
@@ -239,13 +239,13 @@ def test_r4_only_the_accepted_positions_ever_reach_the_state(spec_model):
     def poison(engine: LLMEngine) -> None:
         replay = engine.runner.replay.tolist()
         pools = engine.pools
-        rec = (pools.verify_conv, pools.verify_x, pools.verify_B, pools.verify_dt)
+        rec = (pools.verify["conv"], pools.verify["x"], pools.verify["B"], pools.verify["dt"])
         running = {r.state_slot for r in engine.scheduler.running}
         for slot in running:
             for t in rec:
                 t[slot, :, replay[slot]:] = math.nan
         for slot in set(range(engine.plan.num_slots)) - running:
-            for t in (pools.conv, pools.ssm, *rec):
+            for t in (pools.states["conv"], pools.states["ssm"], *rec):
                 t[slot] = math.nan
 
     engine = new_engine(spec_model, k)
@@ -268,13 +268,13 @@ def test_r4_verify_state_traffic_does_not_grow_with_k(spec_model):
         for n in (9, 5):
             engine.add_request(prompt_of(n), GREEDY, request_id=f"r{n}")
         while engine.has_unfinished():
-            before = engine.pools.ssm.clone()
+            before = engine.pools.states["ssm"].clone()
             engine.step()
             rows = {r.state_slot for r in log.steps[-1].rows}
             others = [s for s in range(engine.plan.num_slots) if s not in rows]
-            assert torch.equal(engine.pools.ssm[others], before[others])
+            assert torch.equal(engine.pools.states["ssm"][others], before[others])
     assert sizes[1] == sizes[4] == 12  # max_num_seqs slots, not (1+K) per request
-    assert engine.pools.ssm.shape[0] == 12 + 1  # and the scratch slot
+    assert engine.pools.states["ssm"].shape[0] == 12 + 1  # and the scratch slot
 
 
 def test_r3_replay_counts_are_written_on_the_device_by_the_verify_step(spec_model):

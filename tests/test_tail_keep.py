@@ -28,7 +28,7 @@ def model(request, tmp_path_factory):
 
 def _caches(engine: LLMEngine) -> list[torch.Tensor]:
     p = engine.pools
-    return [t.clone() for t in (*p.kv_layers(), *p.conv_layers(), *p.ssm_layers())]
+    return [t.clone() for t in (*p.kv_layers(), *(t for s in p.states.values() for t in s.unbind(1)))]
 
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])

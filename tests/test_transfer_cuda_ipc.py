@@ -34,7 +34,8 @@ def layouts(base: int) -> dict[str, RegionLayout]:
 
 def test_metadata_offers_ipc_regions_and_older_metadata_still_decodes():
     region = IpcRegion(b"h" * 64, 1 << 20, 0, b"rc", 3, b"", False, 256)
-    compat = CompatInfo(1, "f", "M*", 8, "bfloat16", "bfloat16", "float32", (2,), (3,), (4,), 0, 0)
+    compat = CompatInfo(1, "f", "M*", 8, {"kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"},
+                        {"kv": (2,), "conv": (3,), "ssm": (4,)}, 0, 0)
     meta = AgentMetadata("e", "a", b"nixl", compat, "x", layouts(0), host_id=host_id(), ipc={"kv": region})
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=AgentMetadata)
     assert back.ipc == {"kv": region} and back.host_id == host_id() != ""
@@ -92,7 +93,7 @@ def test_cpu_pools_are_read_through_nixl_and_a_notification_alone_frees_the_leas
             blocks, slot = engine.reserve(read.num_tokens)
             agent.read(read.request_id, read.engine_id, blocks, list(read.kv_block_ids), slot, read.state_slot)
             kv, _, ssm = call(conn, "bytes", read.kv_block_ids, read.state_slot)
-            assert torch.equal(engine.pools.kv[blocks], kv) and torch.equal(engine.pools.ssm[slot], ssm)
+            assert torch.equal(engine.pools.kv[blocks], kv) and torch.equal(engine.pools.states["ssm"][slot], ssm)
             agent.notify(notified.engine_id, notified.request_id)
             status = wait_for_no_leases(conn)
             assert status["leases"] == 0 and status["blocks_used"] == 0 and status["slots_used"] == 0
@@ -131,7 +132,7 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
             for h, (b, s) in zip(handles, local, strict=True):
                 kv, conv, ssm = call(conn, "bytes", h.kv_block_ids, h.state_slot)
                 assert torch.equal(engine.pools.kv[b].cpu(), kv)
-                assert torch.equal(engine.pools.conv[s].cpu(), conv) and torch.equal(engine.pools.ssm[s].cpu(), ssm)
+                assert torch.equal(engine.pools.states["conv"][s].cpu(), conv) and torch.equal(engine.pools.states["ssm"][s].cpu(), ssm)
             assert agent.stats.transfers == 4 and agent.stats.failures == 0
             assert wait_for_no_leases(conn)["leases"] == 0
             # A bad block id: refused after the slot's copy (queued first) has landed, so nothing still writes.

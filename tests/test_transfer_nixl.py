@@ -108,8 +108,8 @@ def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer)
     for h, (blocks, slot) in zip(handles, local, strict=True):
         kv, conv, ssm = call(conn, "bytes", h.kv_block_ids, h.state_slot)
         assert torch.equal(engine.pools.kv[blocks].view(torch.int32), kv.view(torch.int32))
-        assert torch.equal(engine.pools.conv[slot].view(torch.int32), conv.view(torch.int32))
-        assert torch.equal(engine.pools.ssm[slot].view(torch.int32), ssm.view(torch.int32))
+        assert torch.equal(engine.pools.states["conv"][slot].view(torch.int32), conv.view(torch.int32))
+        assert torch.equal(engine.pools.states["ssm"][slot].view(torch.int32), ssm.view(torch.int32))
         assert ssm.abs().sum() > 0  # a real prefilled state, not zeros
     assert agent.stats.transfers == 5 and agent.stats.failures == 0
     assert agent.stats.bytes == sum(p.plan.num_bytes for p in pending)

@@ -64,8 +64,8 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
                 conn.send(held.hold(request_id, tuple(blocks), slot, n * engine.config.block_size))
             elif cmd == "bytes":
                 blocks, slot = args
-                conn.send((engine.pools.kv[list(blocks)].cpu(), engine.pools.conv[slot].cpu(),
-                           engine.pools.ssm[slot].cpu()))
+                conn.send((engine.pools.kv[list(blocks)].cpu(), engine.pools.states["conv"][slot].cpu(),
+                           engine.pools.states["ssm"][slot].cpu()))
             elif cmd == "fill":
                 g = torch.Generator().manual_seed(args[0])
                 for t in pools.values():

@@ -36,6 +36,7 @@ from baton.transfer.plan import (
     plan_checked_blocks,
     plan_request,
     plan_slots,
+    state_names,
 )
 from baton.transfer.stats import TransferStats
 
@@ -109,7 +110,7 @@ class TransferAgent:
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True) -> None:
-        """`pools`: the id-major cache pools by name ("kv", "conv", "ssm"), registered once, here.
+        """`pools`: the id-major cache pools by name ("kv", then the state pools), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
         this node's GPU pools to same-host peers as CUDA IPC mappings, and read from peers that offer theirs.
@@ -288,7 +289,8 @@ class TransferAgent:
         assert self._copier is not None
         kv = self.regions["kv"]
         try:
-            for name in ("ssm", "conv"):  # the large one first: the link starts on it sooner
+            # The large ones first: the link starts on them sooner.
+            for name in sorted(state_names(self.regions), key=lambda n: -self.regions[n].item_bytes):
                 lay, rlay = self.regions[name], remote.regions[name]
                 if lay.item_bytes:
                     check_pair(lay, rlay)

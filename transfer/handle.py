@@ -11,6 +11,6 @@ class TransferHandle(msgspec.Struct, frozen=True):
     request_id: str
     num_tokens: int                  # tokens computed on the prefill side (N-1 for an N-token prompt)
     kv_block_ids: tuple[int, ...]    # remote KV blocks, in position order
-    state_slot: int                  # remote Mamba state slot (conv + SSM)
+    state_slot: int                  # remote state slot (every state pool)
     lease_expiry: float              # unix time after which the prefill side frees them
     lease_id: str                    # random per lease: renewals name it

@@ -11,7 +11,7 @@ import torch
 
 
 class RegionLayout(msgspec.Struct, frozen=True):
-    name: str                    # "kv" | "conv" | "ssm"
+    name: str                    # "kv" or a state pool's declared name
     base_addr: int
     num_items: int               # blocks or slots
     item_bytes: int              # one block / one slot, all layers

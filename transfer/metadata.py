@@ -25,12 +25,8 @@ class CompatInfo(msgspec.Struct, frozen=True):
     model_fingerprint: str       # sha256 of the model's config.json content
     layer_pattern: str           # hybrid_override_pattern, e.g. "M*M-"
     block_size: int
-    kv_dtype: str
-    conv_dtype: str
-    ssm_dtype: str
-    kv_item_shape: tuple[int, ...]
-    conv_item_shape: tuple[int, ...]
-    ssm_item_shape: tuple[int, ...]
+    dtypes: dict[str, str]                  # pool name ("kv", then the declared states) -> dtype
+    item_shapes: dict[str, tuple[int, ...]]  # pool name -> one item's shape
     num_speculative_tokens: int  # K of MTP decoding (the drafter's KV travels too, R8)
     mtp_layers: int
 
@@ -41,7 +37,7 @@ class AgentMetadata(msgspec.Struct, frozen=True):
     nixl_metadata: bytes
     compat: CompatInfo
     compat_hash: str
-    regions: dict[str, RegionLayout]  # "kv", "conv", "ssm"
+    regions: dict[str, RegionLayout]  # "kv", then the state pools
     # Same-host CUDA IPC reads (`transfer.cuda_ipc`): this host's id, and the pools' IPC exports when the
     # node offers them (none by default: peers then READ through NIXL only).
     host_id: str = ""
@@ -60,15 +56,26 @@ def make_compat(cfg: ModelConfig, regions: dict[str, RegionLayout], block_size: 
         model_fingerprint=model_fingerprint(cfg),
         layer_pattern=cfg.pattern,
         block_size=block_size,
-        kv_dtype=regions["kv"].dtype,
-        conv_dtype=regions["conv"].dtype,
-        ssm_dtype=regions["ssm"].dtype,
-        kv_item_shape=regions["kv"].item_shape,
-        conv_item_shape=regions["conv"].item_shape,
-        ssm_item_shape=regions["ssm"].item_shape,
+        dtypes={name: r.dtype for name, r in regions.items()},
+        item_shapes={name: r.item_shape for name, r in regions.items()},
         num_speculative_tokens=num_speculative_tokens,
         mtp_layers=cfg.num_nextn_predict_layers,
     )
+
+
+def _fields(compat: CompatInfo) -> list[tuple[str, object]]:
+    """(name, value) of every compared field, a pool's dtype and item shape each as a field of its own
+    ("ssm_dtype", "kv_item_shape"), so that a mismatch names the pool."""
+    out: list[tuple[str, object]] = []
+    for field in CompatInfo.__struct_fields__:
+        value = getattr(compat, field)
+        if field == "dtypes":
+            out += [(f"{name}_dtype", v) for name, v in value.items()]
+        elif field == "item_shapes":
+            out += [(f"{name}_item_shape", v) for name, v in value.items()]
+        else:
+            out.append((field, value))
+    return out
 
 
 def compat_hash(compat: CompatInfo) -> str:
@@ -77,9 +84,10 @@ def compat_hash(compat: CompatInfo) -> str:
 
 def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
     """Raise `IncompatiblePeer` naming the first field that differs (protocol version first)."""
-    for field in CompatInfo.__struct_fields__:
-        mine, theirs = getattr(local.compat, field), getattr(remote.compat, field)
-        if mine != theirs:
-            raise IncompatiblePeer(field, mine, theirs, peer=remote.engine_id)
+    theirs = dict(_fields(remote.compat))
+    mine = dict(_fields(local.compat))
+    for field in [*mine, *(f for f in theirs if f not in mine)]:
+        if mine.get(field) != theirs.get(field):
+            raise IncompatiblePeer(field, mine.get(field), theirs.get(field), peer=remote.engine_id)
     if compat_hash(remote.compat) != remote.compat_hash:
         raise IncompatiblePeer("compat_hash", compat_hash(remote.compat), remote.compat_hash, peer=remote.engine_id)

@@ -68,7 +68,7 @@ def _check_ids(layout: RegionLayout, ids: np.ndarray) -> None:
 def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout],
                  local_blocks: list[int], remote_blocks: list[int], local_slot: int, remote_slot: int,
                  coalesced: bool = True, split_layers: bool = False) -> TransferPlan:
-    """The READ of one request: its KV blocks, then its conv and SSM state slot.
+    """The READ of one request: its KV blocks, then its state slot in every state pool.
 
     `coalesced=False` issues one descriptor per block; `split_layers=True` additionally one per layer of
     each block (how peers with per-layer caches transfer; kept for the benchmark's comparison). Built with
@@ -81,12 +81,13 @@ def plan_request(local: dict[str, RegionLayout], remote: dict[str, RegionLayout]
 
 def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_slot: int,
                remote_slot: int) -> TransferPlan:
-    """A request's conv and SSM state slot: one descriptor each (none for a pool without layers).
+    """A request's state slot: one descriptor per state pool (every region but "kv", in the local order; none for
+    a pool without layers).
 
     Plain ints, no block ids: a reader can start these bytes (a third of a 16k-token request, all of a short
     one) before it plans the blocks."""
     rows_l, rows_r = [], []
-    for name in ("conv", "ssm"):
+    for name in state_names(local):
         lo, re = local[name], remote[name]
         if lo.item_bytes:
             check_pair(lo, re)
@@ -95,6 +96,11 @@ def plan_slots(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], 
     loc = np.array(rows_l, dtype=np.int64).reshape(-1, 3)
     return TransferPlan(local=loc, remote=np.array(rows_r, dtype=np.int64).reshape(-1, 3),
                         num_bytes=int(loc[:, 1].sum()))
+
+
+def state_names(regions: dict[str, RegionLayout]) -> list[str]:
+    """The state pools' names: every region but the KV pool, as the engine declared them."""
+    return [name for name in regions if name != "kv"]
 
 
 def plan_blocks(local: dict[str, RegionLayout], remote: dict[str, RegionLayout], local_blocks: Ids,

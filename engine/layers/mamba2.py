@@ -1,8 +1,9 @@
-"""Mamba2 mixer over a varlen batch: decode rows take the state-update path, prefill rows the chunked scan.
+"""Mamba2 mixer, a `RecurrentMixer`: decode rows take the state-update path, prefill rows the chunked scan,
+verify rows the verify state ops.
 
-Which path a row takes is decided by the scheduler from computed tokens (`ForwardBatch.num_decodes`),
-never from its query length (R2). Prefill rows whose `has_initial_state` is False start from zeros:
-their pool slot's old contents are never read.
+Its state per slot and layer: the conv window [conv_dim, K-1] (model dtype) and the SSM state [H, P, N] (state
+dtype); its verify inputs per position: the conv inputs [conv_dim] and the SSM's x [H, P], B [G, N] and raw
+dt [H] (`ops/spec_state_update.py` replays them).
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.layers.project import project
+from baton.engine.layers.recurrent_mixer import RecurrentMixer, States
 from baton.engine.ops import dispatch
+from baton.engine.state_spec import STATE_DTYPE, StateSpec, StateTensor
 
 if TYPE_CHECKING:
     from baton.engine.layers.norms import PendingNorm
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     def __init__(self, cfg: ModelConfig, state_index: int) -> None:
-        super().__init__()
-        self.state_index = state_index  # which state-pool layer this mixer owns
+        super().__init__(state_index)
         self.num_heads = cfg.mamba_num_heads
         self.head_dim = cfg.mamba_head_dim
         self.n_groups = cfg.n_groups
@@ -47,6 +49,24 @@ class Mamba2Mixer(nn.Module):
         self.A: torch.Tensor | None
         self.register_buffer("A", None, persistent=False)
 
+    @classmethod
+    def state_spec(cls, cfg: ModelConfig, num_layers: int) -> StateSpec:
+        h, p, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        return StateSpec(
+            num_layers=num_layers,
+            states=(StateTensor("conv", (cfg.conv_dim, cfg.conv_kernel - 1)),
+                    StateTensor("ssm", (h, p, n), STATE_DTYPE)),
+            verify_inputs=(StateTensor("conv", (cfg.conv_dim,)), StateTensor("x", (h, p)),
+                           StateTensor("B", (g, n)), StateTensor("dt", (h,))))
+
+    @classmethod
+    def prefill_meta(cls, cfg: ModelConfig, starts: list[int], like: torch.Tensor) -> object | None:
+        """The Triton chunked scan's chunk layout (`ops.triton_ssd.ChunkMeta`); None on the reference path."""
+        if not dispatch.use_triton(like):
+            return None
+        from baton.engine.ops.triton_ssd import build_chunk_meta
+        return build_chunk_meta(starts, cfg.chunk_size, like.device)
+
     def freeze(self) -> None:
         """Derive the per-step constants from the loaded weights (once, not in every step)."""
         self.A = -torch.exp(self.A_log.float())  # [H]
@@ -67,35 +87,10 @@ class Mamba2Mixer(nn.Module):
         """in_proj's output -> the mixer's output (out_proj's)."""
         x = zxbcdt  # (its dtype and row count are the block input's)
         t = x.shape[0]
-        gate, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        conv_state = batch.conv_states[self.state_index]  # [S, C, K-1]
-        ssm_state = batch.ssm_states[self.state_index]    # [S, H, P, N]
-        weight = self.conv1d.weight.squeeze(1)            # [C, K]
         if self.A is None:
             raise RuntimeError("Mamba2Mixer: freeze() after loading the weights, before the first forward")
-        A = self.A
-        nd = batch.num_decodes  # decode rows come first: their tokens are the first ndt
-        ndt = batch.num_decode_tokens
-        # y [T, H, P]: a batch of one kind takes its op's output as is; a mixed one is assembled by one copy.
-        parts: list[torch.Tensor] = []
-
-        if nd and batch.is_spec:
-            parts.append(self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch))
-        elif nd:
-            xbc_d = dispatch.conv_update(x)(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
-            xs, B, C = self._split_xbc(xbc_d)
-            parts.append(dispatch.state_update(x)(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
-                                                  batch.state_slots[:nd], self.dt_min))
-        if nd < batch.num_rows:
-            # A batch without decode rows starts at 0: no offset to subtract.
-            qsl = batch.query_start_loc if not nd else batch.query_start_loc[nd:] - batch.query_start_loc[nd]
-            slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
-            xbc_p = dispatch.conv_varlen(x)(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
-            xs, B, C = self._split_xbc(xbc_p)
-            meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
-            parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
-                                                init, self.chunk_size, self.dt_min, **meta))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        gate = zxbcdt[:, :self.intermediate]
+        y = self.run_rows(zxbcdt, batch)  # [T, H, P]
         y = y.reshape(t, self.intermediate)
         if keep is not None:
             if not keep.shape[0]:
@@ -104,25 +99,53 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, gate).to(x.dtype)
         return project(self.out_proj, y, batch)
 
-    def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
-                conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Verify rows: replay each row's accepted positions of its last verify into its state, run its 1+k
-        tokens from there and record their inputs (R3/R4). Returns y of the decode tokens [ndt, H, P]."""
+    def _xbc_dt(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        return xbc, dt
+
+    def decode(self, u: torch.Tensor, states: States, batch: ForwardBatch) -> torch.Tensor:
+        """y [Rd, H, P]."""
+        (conv_state, ssm_state), nd = states, batch.num_decodes
+        xbc, dt = self._xbc_dt(u)
+        xbc_d = dispatch.conv_update(u)(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
+                                        batch.state_slots[:nd])
+        xs, B, C = self._split_xbc(xbc_d)
+        return dispatch.state_update(u)(ssm_state, xs, dt, self.A, B, C, self.D, self.dt_bias,
+                                        batch.state_slots[:nd], self.dt_min)
+
+    def prefill(self, u: torch.Tensor, states: States, batch: ForwardBatch, query_start_loc: torch.Tensor,
+                slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+        """y [Tp, H, P]."""
+        conv_state, ssm_state = states
+        qsl, init = query_start_loc, has_initial_state
+        xbc, dt = self._xbc_dt(u)
+        xbc_p = dispatch.conv_varlen(u)(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, qsl, slots,
+                                        init)
+        xs, B, C = self._split_xbc(xbc_p)
+        meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
+        return dispatch.chunk_scan(u)(xs, dt, self.A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots, init,
+                                      self.chunk_size, self.dt_min, **meta)
+
+    def verify(self, u: torch.Tensor, states: States, inputs: States, batch: ForwardBatch) -> torch.Tensor:
+        """Replay each row's accepted positions of its last verify into its state, run its 1+k tokens from there
+        and record their inputs (R3/R4). y of the decode tokens [ndt, H, P]."""
+        conv_state, ssm_state = states
+        rec_conv, rec_x, rec_B, rec_dt = inputs
+        xbc, dt = self._xbc_dt(u)
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, T]
         rows_t = idx.shape[1]
         slots, replay, ntok = batch.state_slots[:nd], batch.spec_replay, batch.spec_num_tokens
-        rec_conv, rec_x, rec_B, rec_dt = batch.verify_inputs[self.state_index]
         if batch.spec_uniform:  # (row, t) is token row * T + t: views, no gathers
             xbc_rows = xbc[:nd * rows_t].view(nd, rows_t, -1)
             dt_rows = dt[:nd * rows_t].view(nd, rows_t, -1)
         else:
             xbc_rows, dt_rows = xbc[idx], dt[idx]
-        xbc_v = dispatch.conv_update_verify(xbc)(xbc_rows, weight, self.conv1d.bias, conv_state, rec_conv, slots,
-                                                 replay, ntok)
+        xbc_v = dispatch.conv_update_verify(xbc)(xbc_rows, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                                 conv_state, rec_conv, slots, replay, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
         y = dispatch.state_update_verify(xbc)(
-            ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt_rows, A,
+            ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt_rows, self.A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
             self.D, self.dt_bias, slots, replay, self.dt_min, ntok)  # [Rd, T, H, P]
         y = y.reshape(nd * rows_t, self.num_heads, self.head_dim)

@@ -1,0 +1,59 @@
+"""What a recurrent mixer keeps per request: the declaration that the state pools, transfer and spec replay read.
+
+Invariants: every tensor is per state slot and per layer of the mixer (the pools add [slots, L] in front); the
+`states` travel with a request (transfer), in declared order; the `verify_inputs` are per verified position as
+well (the pools add [slots, L, 1+K] in front) and never travel. Names are unique within each tuple, and no state
+is named "kv" (the attention pool's name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODEL_DTYPE = "model"  # the engine's activation dtype
+STATE_DTYPE = "state"  # the engine's recurrent-state dtype (a model's ssm cache dtype, often float32)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = MODEL_DTYPE  # MODEL_DTYPE or STATE_DTYPE
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (MODEL_DTYPE, STATE_DTYPE):
+            raise ValueError(f"state tensor {self.name!r} dtype: expected {MODEL_DTYPE!r} or {STATE_DTYPE!r}, "
+                             f"got {self.dtype!r}")
+
+    def torch_dtype(self, dtype: torch.dtype, state_dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.dtype == MODEL_DTYPE else state_dtype
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def nbytes(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+        return self.numel() * torch.empty((), dtype=self.torch_dtype(dtype, state_dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    num_layers: int                              # layers of the mixer, each with its own pool layer
+    states: tuple[StateTensor, ...] = ()         # per slot and layer; they travel
+    verify_inputs: tuple[StateTensor, ...] = ()  # per slot, layer and verified position, replayed; never travel
+
+    def __post_init__(self) -> None:
+        for kind, tensors in (("states", self.states), ("verify_inputs", self.verify_inputs)):
+            names = [t.name for t in tensors]
+            if len(set(names)) != len(names) or "kv" in names:
+                raise ValueError(f"state spec {kind}: expected unique names other than 'kv', got {names}")
+
+    def slot_bytes(self, dtype: torch.dtype, state_dtype: torch.dtype, verify_len: int) -> int:
+        """One slot across all layers: its states and `verify_len` positions of verify inputs."""
+        per_layer = sum(t.nbytes(dtype, state_dtype) for t in self.states)
+        per_layer += verify_len * sum(t.nbytes(dtype, state_dtype) for t in self.verify_inputs)
+        return self.num_layers * per_layer
