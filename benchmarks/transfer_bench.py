@@ -90,7 +90,7 @@ def request_ids(args, num_blocks: int) -> tuple[list[int], list[int]]:
 def fill(pools: CachePools, device: str) -> None:
     """The holder's data: seeded, so the reader can rebuild it on its own device to check every byte."""
     g = torch.Generator(device=device).manual_seed(1)
-    for t in (pools.kv, pools.states["conv"], pools.states["ssm"]):
+    for t in pools.by_name().values():
         t.copy_(torch.randn(t.shape, generator=g, device=device, dtype=torch.float32))
 
 
@@ -99,8 +99,8 @@ def verify(pools: CachePools, args, device: str, local: list[int], remote: list[
     _, expected = make_pools(args, device)
     fill(expected, device)
     return (torch.equal(pools.kv[local].view(torch.uint8), expected.kv[remote].view(torch.uint8))
-            and torch.equal(pools.states["conv"][0].view(torch.uint8), expected.conv[1].view(torch.uint8))
-            and torch.equal(pools.states["ssm"][0].view(torch.uint8), expected.ssm[1].view(torch.uint8)))
+            and all(torch.equal(t[0].view(torch.uint8), expected.states[n][1].view(torch.uint8))
+                    for n, t in pools.states.items()))
 
 
 def holder(conn, args, device: str) -> None:

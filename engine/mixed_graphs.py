@@ -6,12 +6,13 @@ prompt chunk of at most Q tokens, and such a step replays one of these graphs:
 
 - tokens: the decode rows' first (row i's token is token i, padded to the graph's size n as decode graphs pad),
   then the chunk's, padded to Q. Only the chunk's real length L changes from step to step, and it is a device
-  input: the query starts are [0, 1, ..., n, n + L], the scan's chunk lengths and the row's chunk count are
-  written from it, and every kernel bounds the row by them. The padding tokens past L belong to no row: their
+  input: the query starts are [0, 1, ..., n, n + L], the recurrent mixer's prefill metadata is rewritten from it
+  (`RecurrentMixer.load_graph_prefill_meta`; Mamba2: the scan's chunk lengths and the row's chunk count), and
+  every kernel bounds the row by them. The padding tokens past L belong to no row: their
   KV goes to the scratch block (slot mapping), attention gives them no program, the conv and the scan write no
   state from them, and their outputs (unused) stay in their own rows of every activation (row-wise ops);
 - the attention kernel's program map is built once per size for a chunk of Q tokens (spare programs past L
-  read and write nothing), the scan's chunk layout once for Q tokens (chunks past L have length 0);
+  read and write nothing), the mixer's prefill metadata once for Q tokens (Mamba2: chunks past L have length 0);
 - the logits are gathered on the device from the decode rows and the chunk's last real token (n + L - 1).
 
 Inputs go in one non-blocking copy from pinned memory (`host_copy.to_device`), then into the static buffers; a
@@ -138,7 +139,7 @@ class MixedStepGraphs:
         hidden = self.model(self.ids[:n + self.Q], self._batch(n), keep=self.last[:n + 1])
         return self.model.logits(hidden, upcast=False)
 
-    def _write(self, n: int, flat: list[int], width: int, chunk_len: int) -> None:
+    def _write(self, n: int, flat: list[int], width: int, meta_len: int) -> None:
         """The step's inputs from host ints into the static buffers: one copy to the device, then slices."""
         Q = self.Q
         staged = to_device(flat, torch.int64, self.device)
@@ -151,26 +152,21 @@ class MixedStepGraphs:
         qsl[n + 1] = staged[at]
         at += 1
         if self.chunk_meta is not None:
-            m = self.chunk_meta
-            m.chunk_len.copy_(staged[at:at + m.num_chunks])
-            m.row_chunk[1] = staged[at + m.num_chunks]
-        at += chunk_len
+            self.model.recurrent_mixer.load_graph_prefill_meta(self.chunk_meta, staged[at:at + meta_len])
+        at += meta_len
         self.block_tables[:n + 1, :width] = staged[at:].view(n + 1, width)
 
     def _inputs(self, n: int, dec: DecodeRows, chunk: PromptChunk) -> tuple[list[int], int, int]:
-        """Host ints of a step (see `run`), padded to size n: (flat list, block-table width, chunk-length entries)."""
+        """Host ints of a step (see `run`), padded to size n: (flat list, block-table width, prefill-metadata
+        entries)."""
         Q, bs = self.Q, self.block_size
         scratch_block, scratch_slot = self.pools.scratch_block, self.pools.scratch_slot
         rows = len(dec.state_slots)
         pad = n - rows
         L = len(chunk.ids)
         width = max(1, *(len(b) for b in (*dec.block_tables, chunk.block_table)))
-        chunk_lens: list[int] = []
-        row_chunks: list[int] = []
-        if self.chunk_meta is not None:
-            cs = self.chunk_meta.chunk_size
-            chunk_lens = [max(0, min(cs, L - c * cs)) for c in range(self.chunk_meta.num_chunks)]
-            row_chunks = [-(-L // cs)]
+        meta = ([] if self.chunk_meta is None else
+                self.model.recurrent_mixer.graph_prefill_meta_ints(self.chunk_meta, L))
         flat = [
             *dec.ids, *[0] * pad, *chunk.ids, *[0] * (Q - L),
             *dec.slot_mapping, *[scratch_block * bs] * pad, *chunk.slot_mapping, *[scratch_block * bs] * (Q - L),
@@ -179,12 +175,12 @@ class MixedStepGraphs:
             *[1] * n, int(chunk.has_initial_state),
             *range(n), n + L - 1,
             n + L,
-            *chunk_lens, *row_chunks,
+            *meta,
         ]
         for b in (*dec.block_tables, *[()] * pad, chunk.block_table):
             flat += b
             flat += [scratch_block] * (width - len(b))
-        return flat, width, len(chunk_lens) + len(row_chunks)
+        return flat, width, len(meta)
 
     def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up and capture on padding only: every row on the scratch block and slot, a chunk of Q tokens from zeros.
@@ -219,9 +215,9 @@ class MixedStepGraphs:
                              f"{width}")
         if self.capture and n not in self.graphs:
             self.graphs[n] = self._capture(n)
-        flat, width, chunk_len = self._inputs(n, dec, chunk)
+        flat, width, meta_len = self._inputs(n, dec, chunk)
         self.started = device_mark(self.device)  # the step's first GPU work: the host's part is done
-        self._write(n, flat, width, chunk_len)
+        self._write(n, flat, width, meta_len)
         if fill is not None:
             fill_pending(self.ids, *fill)
         if self.capture:

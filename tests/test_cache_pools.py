@@ -8,6 +8,9 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.state_spec import STATE_DTYPE, StateSpec, StateTensor
+from baton.transfer.layout import RegionLayout
+from baton.transfer.plan import plan_slots
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +60,26 @@ def test_bf16_state_halves_ssm_bytes(cfg):
 def test_budget_too_small_names_the_field(cfg):
     with pytest.raises(ValueError, match="cache_memory_bytes"):
         plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), EngineConfig(max_num_seqs=32, cache_memory_bytes=1024), torch.float32, torch.float32)
+
+
+def test_pools_and_slot_transfer_hold_whatever_the_mixer_declares(cfg):
+    """Another mixer's declaration (a conv window and a recurrent state of its own, one verify input) gets pools of
+    its names and sizes, and a slot READ of one descriptor per declared state: no pool or transfer code names a
+    mixer."""
+    spec = StateSpec(num_layers=3, states=(StateTensor("conv", (24, 3)), StateTensor("recurrent", (2, 4, 8),
+                                                                                      STATE_DTYPE)),
+                     verify_inputs=(StateTensor("qkv", (24,)),))
+    ecfg = EngineConfig(block_size=8, max_num_seqs=3, num_kv_blocks=10, num_speculative_tokens=2)
+    plan = plan_cache(cfg, spec, ecfg, torch.float32, torch.bfloat16)
+    assert plan.slot_bytes == 3 * (24 * 3 * 4 + 2 * 4 * 8 * 2 + 3 * 24 * 4)
+    pools = CachePools(cfg, plan, 8, torch.float32, torch.bfloat16, "cpu")
+    assert list(pools.by_name()) == ["kv", "conv", "recurrent"]
+    assert pools.states["recurrent"].shape == (4, 3, 2, 4, 8) and pools.states["recurrent"].dtype == torch.bfloat16
+    assert pools.verify["qkv"].shape == (4, 3, 3, 24)
+    assert len(pools.state_layers()) == len(pools.verify_layers()) == 3
+    assert pools.state_layers()[1][1].data_ptr() == pools.states["recurrent"][:, 1].data_ptr()
+    regions = {n: RegionLayout.of(n, t) for n, t in pools.by_name().items()}
+    slot = plan_slots(regions, regions, 1, 2)
+    assert slot.num_descriptors == 2 and slot.num_bytes == plan.slot_bytes - 3 * 3 * 24 * 4
+    with pytest.raises(ValueError, match="unique names other than 'kv'"):
+        StateSpec(num_layers=1, states=(StateTensor("kv", (1,)),))

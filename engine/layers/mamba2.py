@@ -67,6 +67,17 @@ class Mamba2Mixer(RecurrentMixer):
         from baton.engine.ops.triton_ssd import build_chunk_meta
         return build_chunk_meta(starts, cfg.chunk_size, like.device)
 
+    @classmethod
+    def graph_prefill_meta_ints(cls, meta: object, num_tokens: int) -> list[int]:
+        """The chunk lengths of a row of `num_tokens` (0 past it), then its chunk count."""
+        cs, n = meta.chunk_size, meta.num_chunks
+        return [max(0, min(cs, num_tokens - c * cs)) for c in range(n)] + [-(-num_tokens // cs)]
+
+    @classmethod
+    def load_graph_prefill_meta(cls, meta: object, ints: torch.Tensor) -> None:
+        meta.chunk_len.copy_(ints[:meta.num_chunks])
+        meta.row_chunk[1] = ints[meta.num_chunks]
+
     def freeze(self) -> None:
         """Derive the per-step constants from the loaded weights (once, not in every step)."""
         self.A = -torch.exp(self.A_log.float())  # [H]

@@ -38,6 +38,16 @@ class RecurrentMixer(nn.Module, ABC):
         device (`ForwardBatch.prefill_chunk_meta`); None: the mixer needs none."""
         return None
 
+    @classmethod
+    def graph_prefill_meta_ints(cls, meta: object, num_tokens: int) -> list[int]:
+        """Host ints that turn `meta`, built for one prefill row of a mixed graph's padded Q tokens, into that row's
+        metadata for its `num_tokens` real ones (`load_graph_prefill_meta` writes them, on the device)."""
+        return []
+
+    @classmethod
+    def load_graph_prefill_meta(cls, meta: object, ints: torch.Tensor) -> None:
+        """Write `graph_prefill_meta_ints`' ints, copied to the device, into `meta`'s tensors in place."""
+
     @abstractmethod
     def decode(self, u: torch.Tensor, states: States, batch: ForwardBatch) -> torch.Tensor:
         """The decode rows' one token each: u [Rd, ...] -> outputs [Rd, ...], the rows' states advanced."""
