@@ -1,6 +1,7 @@
-"""The two cache pools, allocated once per engine (and, later, registered with NIXL once).
+"""The cache pools (KV blocks, and the state pools the recurrent mixer declares), allocated once per engine (and
+registered with NIXL once).
 
-Both are laid out id-major, so that everything a request owns is as contiguous as it can be:
+All are laid out id-major, so that everything a request owns is as contiguous as it can be:
 
 - KV block pool: [num_blocks, L_attn + L_mtp, 2, block_size, Hkv, D]. A block holds the K and V of every
   attention layer, so a run of consecutive block ids is ONE contiguous region for all layers (one
@@ -17,7 +18,7 @@ Each pool has one spare entry past the plan's: a scratch KV block and a scratch 
 ever owns, where the padding rows of a CUDA-graph decode step write (`cuda_graphs.py`).
 
 Layers see strided per-layer views (`kv[:, l]`, `states[name][:, l]`); the operators index them by block or slot.
-`plan_cache` sizes both pools from a memory budget; the scheduler only ever sees the resulting counts.
+`plan_cache` sizes the pools from a memory budget; the scheduler only ever sees the resulting counts.
 """
 
 from __future__ import annotations
