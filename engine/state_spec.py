@@ -8,6 +8,7 @@ is named "kv" (the attention pool's name).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +31,8 @@ class StateTensor:
     def torch_dtype(self, dtype: torch.dtype, state_dtype: torch.dtype) -> torch.dtype:
         return dtype if self.dtype == MODEL_DTYPE else state_dtype
 
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
     def nbytes(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
-        return self.numel() * torch.empty((), dtype=self.torch_dtype(dtype, state_dtype)).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.torch_dtype(dtype, state_dtype)).element_size()
 
 
 @dataclass(frozen=True)
