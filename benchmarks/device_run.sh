@@ -137,8 +137,14 @@ if stage commits; then
   # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset
   # with an MTP layer: the Triton kernels, CUDA graphs, verify steps, the disaggregated copy), then engine_bench.py's
   # step times, A then B (COMMITS_BENCH_ARGS).
+  # REV_A: a commit the copy's git knows, or with REV_A_TAR its tree (`git archive REV_A > FILE`, carried): the
+  # device's copy of the repository may lag behind the tree.
   rev=${REV_A:?commits: set REV_A, the commit to compare the tree with}
-  git worktree add -f --detach /tmp/rev-a "$rev" >/dev/null || exit 1
+  if [ -n "${REV_A_TAR:-}" ]; then
+    mkdir -p /tmp/rev-a && tar -xf "$REV_A_TAR" -C /tmp/rev-a || exit 1
+  else
+    git worktree add -f --detach /tmp/rev-a "$rev" >/dev/null || exit 1
+  fi
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site-a /tmp/rev-a || exit 1
   python3 -m baton.cli.main make-model /tmp/gt-model --preset small --mtp-layers 1 --seed 0 --device cuda >/dev/null
   BATON_COMMIT=$rev PYTHONPATH=/tmp/site-a:/tmp/site python3 benchmarks/greedy_tokens.py --model /tmp/gt-model --device cuda \

@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = ModelConfig.from_hf_dict(read_hf_config(args.model)).vocab_size
     prompts, params = workload(vocab, args.requests, args.max_prompt, args.max_tokens)
-    base = EngineConfig(block_size=16, max_num_batched_tokens=256, max_num_seqs=16)
+    # Pools of a fixed size: the disaggregated configs hold two engines on one device at once.
+    base = EngineConfig(block_size=16, max_num_batched_tokens=256, max_num_seqs=16,
+                        cache_memory_bytes=None if args.device == "cpu" else 4 << 30)
     tokens = {}
     for name in names:
         tokens[name] = run_config(name, args.model, args.device, prompts, params, base)
