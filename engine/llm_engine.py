@@ -1,7 +1,7 @@
 """The engine loop: `schedule() -> runner.execute(batch) -> scheduler.update()`, one step at a time.
 
 With async scheduling (K = 0, or a prefill-only engine) a call of `step()` schedules and launches step n+1
-first, accounts for it (`scheduler.advance`), and only then reads step n's tokens (`scheduler.resolve`) and
+first, accounts for it (`step_update.advance`), and only then reads step n's tokens (`step_update.resolve`) and
 returns step n's outputs: the host's scheduling, input building and output handling of one step run while the
 device computes the previous one. Step n+1's decode rows whose input is step n's token take it on the device.
 
@@ -44,8 +44,10 @@ from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import ScheduledRow, SchedulerOutput
 from baton.engine.spec_runner import SpecRunner, VerifyFlight
+from baton.engine.step_update import StepUpdate
 from baton.engine.weights import TORCH_DTYPES
 
 
@@ -108,7 +110,7 @@ class EngineStats:
 @dataclass
 class _Launched:
     """A step queued on the device whose tokens are not read yet."""
-    step: int                           # its number (Scheduler.step_launched)
+    step: int                           # its number (CacheManager.step_launched)
     out: SchedulerOutput
     reqs: list[Request]                 # per row
     index: list[int]                    # per row: where its PENDING token sits in the outputs (-1: no sample)
@@ -118,7 +120,7 @@ class _Launched:
 @dataclass
 class _VerifyLaunched:
     """A whole-graph verify step queued on the device whose tokens are not read yet."""
-    step: int                           # its number (Scheduler.step_launched)
+    step: int                           # its number (CacheManager.step_launched)
     out: SchedulerOutput                # its rows as the scheduler accounts them (chained: known once the step
     reqs: list[Request]                 # before it is read), and their requests
     flight: VerifyFlight
@@ -206,6 +208,8 @@ class LLMEngine:
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
+        self.cache = self.scheduler.cache
+        self.step_update = StepUpdate(self.scheduler)
         self.runner = self._make_runner(self.pools, device)
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
@@ -461,12 +465,11 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
-        self.scheduler.free_held(block_ids, state_slot)
+        self.cache.free_held(block_ids, state_slot)
 
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
-        got = self.scheduler.reserve(-(-num_tokens // self.config.block_size))
-        return got
+        return self.cache.reserve(-(-num_tokens // self.config.block_size))
 
     def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                              block_ids: list[int], state_slot: int, num_computed: int) -> str:
@@ -511,21 +514,20 @@ class LLMEngine:
         reqs = [sched.requests[r.request_id] for r in out.rows]
         prev = self._in_flight[-1].pending if self._in_flight else None
         pending = self.runner.launch(out, prev)
-        step = sched.step_launched()
+        step = self.cache.step_launched()
         index = [len(req.output_token_ids) if row.sample else -1 for req, row in zip(reqs, out.rows, strict=True)]
-        sched.advance(out)
+        self.step_update.advance(out)
         return _Launched(step=step, out=out, reqs=reqs, index=index, pending=pending)
 
     def _read(self, done: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens; write them into its requests and return their outputs."""
         sampled, _ = done.pending.result()
         self.stats.device_seconds += done.pending.device_seconds()
-        sched = self.scheduler
-        sched.step_done(done.step)
+        self.cache.step_done(done.step)
         outputs = []
         for row, req, index in zip(done.out.rows, done.reqs, done.index, strict=True):
             if index >= 0:
-                if not sched.resolve(req, index, sampled[row.request_id]):
+                if not self.step_update.resolve(req, index, sampled[row.request_id]):
                     continue  # aborted, or stopped on an earlier token: this row's work is dropped
                 finished = req.status.finished and index == len(req.output_token_ids) - 1
                 outputs.append(self._output(req, index, index + 1, finished))
@@ -552,7 +554,7 @@ class LLMEngine:
         runner = self.runner
         if self.depth and isinstance(runner, SpecRunner) and runner.verify_graphable(out):
             reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
-            launched = _VerifyLaunched(self.scheduler.step_launched(), out, reqs, runner.launch_verify(out))
+            launched = _VerifyLaunched(self.cache.step_launched(), out, reqs, runner.launch_verify(out))
             return self._step_verify(launched, t0)
         # Rows are one per request, so lists in row order stand for the request-keyed maps.
         reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
@@ -561,7 +563,7 @@ class LLMEngine:
         result = self.runner.execute(out)
         path = self._path_since(replays)
         self.stats.device_seconds += result.device_seconds
-        finished = self.scheduler.update(out, result.sampled, result.drafts)
+        finished = self.step_update.update(out, result.sampled, result.drafts)
         self._record(out, time.perf_counter() - t0, result.sampled, path)
         for req in finished:
             self._forget(req)
@@ -585,12 +587,12 @@ class LLMEngine:
         if plan is not None:
             ids, slots, rooms, tables = zip(*plan, strict=True)
             flight = runner.launch_chained(done.flight, list(ids), list(slots), list(rooms), [list(t) for t in tables])
-            chained = _VerifyLaunched(sched.step_launched(), out, [], flight)
+            chained = _VerifyLaunched(self.cache.step_launched(), out, [], flight)
         result = runner.read_verify(done.flight)
         self.stats.device_seconds += result.device_seconds
-        sched.step_done(done.step)
+        self.cache.step_done(done.step)
         before = [len(req.output_token_ids) for _, req in live]
-        finished = sched.update(out, result.sampled, result.drafts)
+        finished = self.step_update.update(out, result.sampled, result.drafts)
         # A whole verify step always replays its graph (the chained one counts when it is read).
         self._record(out, time.perf_counter() - t0, result.sampled, DECODE_GRAPH)
         for req in finished:
