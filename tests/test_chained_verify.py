@@ -1,4 +1,4 @@
-"""Verify steps chained on the one in flight (async scheduling with drafts, `LLMEngine._step_verify`).
+"""Verify steps chained on the one in flight (async scheduling with drafts, `LLMEngine._chain`).
 
 A chained step takes its inputs on the device from the previous step's results, before the host has read them.
 It must be the step the scheduler would have made after reading: the same tokens, drafts and accepted counts as
@@ -50,7 +50,7 @@ class Chains:
         runner.launch_chained = counted
 
     def check(self, engine: LLMEngine) -> None:
-        launched = engine._verify_in_flight
+        launched = engine.pipeline.chained
         if launched is None:
             return
         g, bs, T = engine.runner.graphs, engine.config.block_size, engine.runner.graphs.T
@@ -213,7 +213,7 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, 
     for rid, p in _ABORT_PROMPTS.items():
         engine.add_request(p, _ABORT_PARAMS, request_id=rid)
     got = {}
-    while engine._verify_in_flight is None:
+    while engine.pipeline.chained is None:
         got.update({o.request_id: o for o in engine.step() if o.finished})
     sched = engine.scheduler
     free_blocks, free_slots = sched.cache.blocks.num_free, sched.cache.slots.num_free
@@ -225,9 +225,9 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, 
     assert all(o.request_id != "r1" for o in after)
     assert sched.cache.slots.num_free == free_slots + 1  # back once the step that ran its row was read
     if reuse_id:
-        assert engine._verify_in_flight is None and sched.waiting[0].prompt_token_ids == tuple(_AGAIN)
+        assert engine.pipeline.chained is None and sched.waiting[0].prompt_token_ids == tuple(_AGAIN)
     else:
-        assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
+        assert [r.request_id for r in engine.pipeline.chained.out.rows] == ["r0", "r2"]
         engine.add_request(_AGAIN, _ABORT_PARAMS, request_id="r1")  # waits: the next step is scheduled, not chained
     got.update({o.request_id: o for o in after if o.finished})
     while engine.has_unfinished():
