@@ -17,7 +17,7 @@ from baton.transfer.cuda_ipc import IpcRegion
 from baton.transfer.errors import IncompatiblePeer
 from baton.transfer.layout import RegionLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pools keyed by name (the mixer's declared states) in CompatInfo
 
 
 class CompatInfo(msgspec.Struct, frozen=True):
