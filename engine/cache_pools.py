@@ -10,7 +10,7 @@ Both are laid out id-major, so that everything a request owns is as contiguous a
   state of every Mamba layer is one contiguous region per kind. A request owns one slot.
 - Verify inputs (only while verifying drafts): per slot and Mamba layer, the inputs of the slot's last
   1+K verified positions (conv inputs; the SSM's x, B and raw dt), replayed into the state by the next
-  step once the accepted count is known (R3/R4; `ops/spec_state_update.py`). They never travel: a
+  step once the accepted count is known (R3/R4; `ops/spec_verify.py`). They never travel: a
   transferred request has none pending.
 
 Each pool has one spare entry past the plan's: a scratch KV block and a scratch state slot that no request

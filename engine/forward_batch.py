@@ -39,14 +39,14 @@ class ForwardBatch:
     spec_uniform: bool = False
     # per Mamba layer: recorded verify inputs (conv, x, B, dt), each [slots, 1+K, ...] (cache_pools.py)
     verify_inputs: list[tuple[torch.Tensor, ...]] | None = None
-    # The prefill rows' chunk layout for the Triton chunked scan (`ops.triton_ssd.ChunkMeta`), built from host
+    # The prefill rows' chunk layout for the Triton chunked scan (`ops.chunk_scan.kernel.ChunkMeta`), built from host
     # ints by the runner so that the scan never reads query_start_loc back; None on the reference path.
     prefill_chunk_meta: object | None = None
-    # The attention kernel's program mapping for this batch (`ops.triton_attention.AttentionMeta`), built once
+    # The attention kernel's program mapping for this batch (`ops.attention.kernel.AttentionMeta`), built once
     # per step from host ints by the runner instead of on the device by every attention layer; None: built there.
     attention_meta: object | None = None
     # Run the linear layers as GEMVs with the op before each fused in (`layers.norms.PendingNorm`,
-    # `ops.fused_linear`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
+    # `ops.linear.reference`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
     fused_gemv: bool = False
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from baton.engine.memory_budget import summary as budget_summary
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
@@ -186,8 +186,9 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
-        self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
-        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype) if k else None
+        self.kernels = resolve_kernels(config.kernels, device)
+        self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype, self.kernels)
+        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype, self.kernels) if k else None
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
         # `capture_graphs` ran.
         self.memory: MemoryReport | None = None
@@ -201,7 +202,7 @@ class LLMEngine:
                 cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
         self.plan = plan_cache(model_cfg, config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
-        graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.ssm)
+        graphable = self.graphs_capturable() and self.kernels.triton
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
@@ -210,7 +211,7 @@ class LLMEngine:
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
-        if self.runner.graphs is not None and config.mixed_graph_tokens and dispatch.use_triton(self.pools.ssm):
+        if self.runner.graphs is not None and config.mixed_graph_tokens and self.kernels.triton:
             self.runner.mixed_graphs = self.make_mixed_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -299,7 +300,7 @@ class LLMEngine:
         scratch block and slot; what a graph holds does not depend on the pools' size). Measured, not estimated:
         the sizes share a pool, but each keeps its outputs and per-size inputs."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
-        graphable = self.graphs_capturable() and dispatch.use_triton(pools.ssm)
+        graphable = self.graphs_capturable() and self.kernels.triton
         if not (config.cuda_graphs and not config.prefill_only and graphable):
             return 0
         bs = config.block_size

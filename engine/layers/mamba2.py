@@ -16,13 +16,16 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.layers.project import project
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 
 if TYPE_CHECKING:
     from baton.engine.layers.norms import PendingNorm
 
 
 class Mamba2Mixer(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, cfg: ModelConfig, state_index: int) -> None:
         super().__init__()
         self.state_index = state_index  # which state-pool layer this mixer owns
@@ -82,19 +85,19 @@ class Mamba2Mixer(nn.Module):
         if nd and batch.is_spec:
             parts.append(self._verify(xbc, dt, A, weight, conv_state, ssm_state, batch))
         elif nd:
-            xbc_d = dispatch.conv_update(x)(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
+            xbc_d = self.kernels.conv_update(xbc[:nd], weight, self.conv1d.bias, conv_state, batch.state_slots[:nd])
             xs, B, C = self._split_xbc(xbc_d)
-            parts.append(dispatch.state_update(x)(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
-                                                  batch.state_slots[:nd], self.dt_min))
+            parts.append(self.kernels.state_update(ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
+                                                   batch.state_slots[:nd], self.dt_min))
         if nd < batch.num_rows:
             # A batch without decode rows starts at 0: no offset to subtract.
             qsl = batch.query_start_loc if not nd else batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             slots, init = batch.state_slots[nd:], batch.has_initial_state[nd:]
-            xbc_p = dispatch.conv_varlen(x)(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
+            xbc_p = self.kernels.conv_varlen(xbc[ndt:], weight, self.conv1d.bias, conv_state, qsl, slots, init)
             xs, B, C = self._split_xbc(xbc_p)
             meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
-            parts.append(dispatch.chunk_scan(x)(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
-                                                init, self.chunk_size, self.dt_min, **meta))
+            parts.append(self.kernels.chunk_scan(xs, dt[ndt:], A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots,
+                                                 init, self.chunk_size, self.dt_min, **meta))
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         y = y.reshape(t, self.intermediate)
         if keep is not None:
@@ -102,7 +105,7 @@ class Mamba2Mixer(nn.Module):
                 return x.new_empty(0, self.out_proj.out_features)
             y, gate = y[keep], gate[keep]
         y = self.norm(y, gate).to(x.dtype)
-        return project(self.out_proj, y, batch)
+        return project(self.out_proj, y, batch, self.kernels)
 
     def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, weight: torch.Tensor,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -118,10 +121,10 @@ class Mamba2Mixer(nn.Module):
             dt_rows = dt[:nd * rows_t].view(nd, rows_t, -1)
         else:
             xbc_rows, dt_rows = xbc[idx], dt[idx]
-        xbc_v = dispatch.conv_update_verify(xbc)(xbc_rows, weight, self.conv1d.bias, conv_state, rec_conv, slots,
-                                                 replay, ntok)
+        xbc_v = self.kernels.conv_update_verify(xbc_rows, weight, self.conv1d.bias, conv_state, rec_conv, slots,
+                                                replay, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
-        y = dispatch.state_update_verify(xbc)(
+        y = self.kernels.state_update_verify(
             ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt_rows, A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
             self.D, self.dt_bias, slots, replay, self.dt_min, ntok)  # [Rd, T, H, P]

@@ -1,6 +1,6 @@
 """Triton causal attention over a paged KV cache, for prefill chunks, verify rows and decode rows alike.
 
-Same signature, semantics and return value as `paged_attention` (paged_attention.py); see that for the
+Same signature, semantics and return value as `paged_attention` (`reference.py`); see that for the
 cache layout and the math. Query i of row r sits at absolute position ctx + i (ctx = seq_len - q_len) and
 sees keys 0 .. ctx + i; query head h reads KV head h // (Hq // Hkv). Scores, softmax and the P @ V sum
 accumulate in fp32; the output is in q.dtype.

@@ -1,8 +1,8 @@
 """Triton kernels for the Mamba2 selective state update: decode (one token per row) and speculative verify
 (T = 1+K tokens per row, by replay), beside their torch references.
 
-Same signatures, semantics and return values as `selective_state_update` (selective_state_update.py) and
-`selective_state_update_verify` (spec_state_update.py); see those for the math and the replay. One program per
+Same signatures, semantics and return values as `selective_state_update` and
+`selective_state_update_verify` (`reference.py`); see those for the math and the replay. One program per
 (row, head, block of BLOCK_P head-dim rows), numbered head-major (`_program_tile`), holds its [BLOCK_P, N]
 state tile in fp32 registers and reads it from the row's slot once. Decode advances it by the token and stores
 it back. Verify first replays the slot's `replay[b]` pending positions (each rounded to the pool dtype, as a
@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.spec_state_update import check_verify_shapes
+from baton.engine.ops.ssm_update.reference import check_verify_shapes
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
 

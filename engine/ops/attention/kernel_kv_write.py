@@ -1,6 +1,6 @@
 """Triton kernel that stores a step's K and V into the paged cache: one launch per attention layer.
 
-Same effect as the torch reference `write_kv` (paged_attention.py): token t's K and V go to the cache
+Same effect as the torch reference `write_kv` (`reference.py`): token t's K and V go to the cache
 at its flat slot `block_id * block_size + offset` (kv_cache [num_blocks, 2, block_size, Hkv, D], index 0 =
 K, 1 = V), cast to the cache's dtype (rounded to nearest even). The reference takes four device ops for
 this (the slot's block and offset, two indexed stores); here one program per (token, tile of Hkv * D)
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.paged_attention import check_write_kv
+from baton.engine.ops.attention.reference import check_write_kv
 from baton.engine.ops.triton_common import cdiv, pdl, pdl_wait, round_to
 
 BLOCK = 1024

@@ -1,7 +1,7 @@
 """Triton kernels of the Mamba2 chunked selective scan ("SSD") over a varlen batch of prefill rows.
 
 Same signature, semantics and return value as the torch reference `mamba_chunk_scan_varlen`
-(mamba_chunk_scan.py; see it for the math): dt is raw (discretized here exactly as `discretize_dt`),
+(`reference.py`; see it for the math): dt is raw (discretized here exactly as `discretize_dt`),
 each row is cut into chunks of `chunk_size` tokens counted from its own first token, a row starts from
 its slot's state when has_initial_state (from zeros otherwise, and the slot is then never read), y comes
 back in x.dtype with the D * x skip, and the row's final state goes into its slot in the pool's dtype.
