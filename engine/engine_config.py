@@ -75,7 +75,7 @@ class EngineConfig:
     # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.linear.reference`), instead of
     # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). From 2 rows up the GEMV runs
     # on the tensor cores with the op before it as its own kernel (`ops.linear.kernel.default_tiles`). None (the
-    # default): per GPU where that was measured faster (`llm_engine.FUSED_GEMV_GPUS`),
+    # default): per GPU where that was measured faster (`ops.linear.tuning.FUSED_GEMV_GPUS`),
     # 0 elsewhere; `llm_engine.resolved_fused_gemv_max_tokens`.
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays

@@ -40,6 +40,7 @@ from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.ops.kernels import resolve_kernels
+from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
 from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
@@ -122,11 +123,6 @@ class _VerifyLaunched:
     out: SchedulerOutput                # its rows as the scheduler accounts them (chained: known once the step
     reqs: list[Request]                 # before it is read), and their requests
     flight: VerifyFlight
-
-
-# GPUs (by name) where decode steps of up to this many tokens are faster with the fused GEMVs than with cuBLAS,
-# as benchmarks/engine_bench.py measured them (benchmarks/RESULTS.md, "Decode step"); other GPUs keep cuBLAS.
-FUSED_GEMV_GPUS = {"H100": 1, "H200": 48}
 
 
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:

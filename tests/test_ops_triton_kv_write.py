@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops.attention.kernel_kv_write import BLOCK, write_kv_triton  # noqa: E402
+from baton.engine.ops.attention.kernel_kv_write import write_kv_triton  # noqa: E402
 from baton.engine.ops.attention.reference import write_kv  # noqa: E402
+from baton.engine.ops.attention.tuning import KV_WRITE_BLOCK as BLOCK  # noqa: E402
 from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

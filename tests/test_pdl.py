@@ -77,7 +77,8 @@ def test_fused_gemv_default_is_decided_by_the_device():
 @pytest.mark.gpu
 def test_gpu_fused_gemv_default_is_the_measured_gpus_own():
     from baton.engine.engine_config import EngineConfig
-    from baton.engine.llm_engine import FUSED_GEMV_GPUS, resolved_fused_gemv_max_tokens
+    from baton.engine.llm_engine import resolved_fused_gemv_max_tokens
+    from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
 
     name = torch.cuda.get_device_name()
     want = FUSED_GEMV_GPUS.get(next((g for g in FUSED_GEMV_GPUS if g in name), ""), 0)

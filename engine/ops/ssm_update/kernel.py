@@ -27,6 +27,7 @@ from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.ssm_update.reference import check_verify_shapes
+from baton.engine.ops.ssm_update.tuning import ONE_WARP_ROWS, RECORD_BLOCK
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
 
@@ -166,10 +167,6 @@ def _ssu_verify_kernel(
         tl.store(y_row + t * s_y_t + offs_p * s_y_p, round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
 
 
-# Decode batches of at least this many rows run the state update with one warp per program, fewer with two.
-ONE_WARP_ROWS = 34
-
-
 def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for
     decode and 2048 for verify, the best of a tile sweep at the 8b-like size. Decode batches of ONE_WARP_ROWS rows
@@ -234,9 +231,6 @@ def selective_state_update_triton(
             BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, **pdl(x),
         )  # fmt: skip
     return y
-
-
-RECORD_BLOCK = 1024
 
 
 @triton.jit

@@ -46,9 +46,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.counter_noise import _STREAM_KEYS, ACCEPT, DRAW
+from baton.engine.ops.tempered_verify.tuning import BLOCK, MAX_SPLITS
 from baton.engine.ops.triton_common import cdiv
-
-BLOCK = 4096
 
 
 @triton.jit
@@ -448,9 +447,6 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
 
 # The low bits of a float32 upcast that are always 0, by input dtype (`_key`).
 _SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
-
-
-MAX_SPLITS = 32  # programs a row at most (the `_share` tile's rows)
 
 
 def usable_sms(sms: int, mps_percentage: str | None) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
+from baton.engine.ops.tempered_verify.tuning import FILTER_ROWS
 from baton.engine.sampling import filtered_logits
 
 
@@ -98,9 +99,6 @@ def stochastic_decisions(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | N
     return accepted, _final(p_at, q_at, accepted, valid, seeds, positions)
 
 
-# Rows of [*, V] a filtered distribution is computed for at a time: its sort and float32 copies then take
-# ~40 B x FILTER_ROWS x V (168 MB at V = 131,072) whatever the batch, also inside a CUDA graph's memory pool.
-FILTER_ROWS = 32
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, each) -> None:
