@@ -43,6 +43,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.step_update import StepUpdate
 from baton.transfer.plan import runs
 
 TOKEN = 5
@@ -129,9 +130,10 @@ class Churn:
         self.dec = Scheduler(EngineConfig(block_size=w.block_size, max_num_seqs=w.decode_seqs,
                                           max_num_batched_tokens=max(w.decode_seqs, 512)), w.num_blocks,
                              w.decode_seqs)
+        self.pre_update, self.dec_update = StepUpdate(self.pre), StepUpdate(self.dec)
         cls = ALLOCATORS[allocator]
-        self.pre.blocks = cls(w.num_blocks, "prefill kv blocks")
-        self.dec.blocks = cls(w.num_blocks, "decode kv blocks")
+        self.pre.cache.blocks = cls(w.num_blocks, "prefill kv blocks")
+        self.dec.cache.blocks = cls(w.num_blocks, "decode kv blocks")
         self.prefilled: list[Request] = []  # held on the prefill node, waiting for decode blocks
         self.reading: list[tuple[int, Request]] = []  # (step the READ ends, request)
         self.outputs: dict[str, int] = {}
@@ -153,10 +155,10 @@ class Churn:
             self.add(f"r{self.arrived}", n, int(self.rng.integers(w.out_min, w.out_max + 1)))
         if self.steps % w.prefill_every == 0 and pre.has_unfinished():
             out = pre.schedule()
-            self.prefilled += [r for r in pre.update(out, {}) if r.status is RequestStatus.FINISHED_PREFILLED]
+            self.prefilled += [r for r in self.pre_update.update(out, {}) if r.status is RequestStatus.FINISHED_PREFILLED]
         while self.prefilled:  # FCFS: the decode node takes prefilled requests in order, when it has room
             req = self.prefilled[0]
-            got = dec.reserve(len(req.block_ids))
+            got = dec.cache.reserve(len(req.block_ids))
             if got is None:
                 break
             blocks, slot = got
@@ -169,21 +171,22 @@ class Churn:
             dec.add_computed(d, blocks, slot, req.num_tokens - 1)
         for item in [x for x in self.reading if x[0] <= self.steps]:
             self.reading.remove(item)
-            pre.free_held(item[1].block_ids, item[1].state_slot)
+            pre.cache.free_held(item[1].block_ids, item[1].state_slot)
         if dec.has_unfinished():
             t0 = time.perf_counter()
             out = dec.schedule()
-            self.done += len(dec.update(out, {r.request_id: TOKEN for r in out.rows if r.sample}))
+            self.done += len(self.dec_update.update(out, {r.request_id: TOKEN for r in out.rows if r.sample}))
             self.host += time.perf_counter() - t0
-            self.use.append(dec.blocks.num_used / w.num_blocks)
+            self.use.append(dec.cache.blocks.num_used / w.num_blocks)
         self.steps += 1
 
     def leaked(self) -> int:
         """Blocks and slots used on either node once every READ has ended (0 when all requests are done)."""
         for _, req in self.reading:
-            self.pre.free_held(req.block_ids, req.state_slot)
+            self.pre.cache.free_held(req.block_ids, req.state_slot)
         self.reading = []
-        return sum(x.num_used for x in (self.pre.blocks, self.pre.slots, self.dec.blocks, self.dec.slots))
+        pre, dec = self.pre.cache, self.dec.cache
+        return sum(x.num_used for x in (pre.blocks, pre.slots, dec.blocks, dec.slots))
 
 
 def simulate(w: Workload, allocator: str, progress: bool = True) -> Result:

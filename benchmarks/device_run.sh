@@ -23,6 +23,7 @@
 #             and 0 us, PROGRESS_DELAYS; block ids contiguous, served / served-lowest, scattered) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several
 #             configurations in one call: benchmarks/serving_variants.sh
+#   commits   the tree against REV_A: greedy_tokens.py's tokens on every step path, then engine_bench.py A then B
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
 #   both under the device tool's 64 MiB only with nixl-cu13's unused modules dropped from its wheel:
@@ -131,4 +132,29 @@ if stage serving; then
     2>&1 | tail -60
   # Logs stay on the machine (the device tool brings back 8 files at most: the JSONs come first); their tails:
   for f in /tmp/serving-logs/*/*.log; do echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -5; done
+fi
+if stage commits; then
+  # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset
+  # with an MTP layer: the Triton kernels, CUDA graphs, verify steps, the disaggregated copy), then engine_bench.py's
+  # step times, A then B (COMMITS_BENCH_ARGS).
+  # REV_A: a commit the copy's git knows, or with REV_A_TAR its tree (`git archive REV_A > FILE`, carried): the
+  # device's copy of the repository may lag behind the tree.
+  rev=${REV_A:?commits: set REV_A, the commit to compare the tree with}
+  if [ -n "${REV_A_TAR:-}" ]; then
+    mkdir -p /tmp/rev-a && tar -xf "$REV_A_TAR" -C /tmp/rev-a || exit 1
+  else
+    git worktree add -f --detach /tmp/rev-a "$rev" >/dev/null || exit 1
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site-a /tmp/rev-a || exit 1
+  python3 -m baton.cli.main make-model /tmp/gt-model --preset small --mtp-layers 1 --seed 0 --device cuda >/dev/null
+  BATON_COMMIT=$rev PYTHONPATH=/tmp/site-a:/tmp/site python3 benchmarks/greedy_tokens.py --model /tmp/gt-model --device cuda \
+    --out "$OUT/greedy_a.json" | tail -6
+  python3 benchmarks/greedy_tokens.py --model /tmp/gt-model --device cuda --out "$OUT/greedy_b.json" | tail -6
+  python3 benchmarks/greedy_tokens.py --compare "$OUT/greedy_a.json" "$OUT/greedy_b.json" | tee "$OUT/greedy_ab.txt"
+  for side in a b; do
+    echo "-- engine_bench, side $side"
+    if [ $side = a ]; then dir=/tmp/rev-a; path=/tmp/site-a:/tmp/site; c=$rev; else dir=.; path=/tmp/site; c=${BATON_COMMIT:-}; fi
+    (cd $dir && PYTHONPATH=$path BATON_COMMIT=$c python3 benchmarks/engine_bench.py --device cuda --no-progress \
+      ${COMMITS_BENCH_ARGS:---prefill-splits 1,4} --out "$OUT/engine_$side" 2>&1 | tail -30)
+  done
 fi

@@ -2,7 +2,7 @@
 
 A decode step at a large batch is one CUDA-graph replay on the GPU plus Python work on the host that does
 not overlap it: the scheduler's `schedule()`, building the graph's input lists (`ModelRunner._decode_graph`
-and the flattening in `StepGraphs.run`), then `scheduler.update()` and the `RequestOutput`s. This benchmark
+and the flattening in `StepGraphs.run`), then `StepUpdate.update()` and the `RequestOutput`s. This benchmark
 times that host work alone: an `LLMEngine` of the `tiny` preset on the CPU whose `runner.launch` (K = 0;
 `runner.execute` with drafts) is replaced by a stand-in that runs the real `_decode_graph` (verify steps: the
 real `SpecRunner.launch_verify` / `launch_chained` / `read_verify`, the one read and unpacking included) against a
@@ -41,7 +41,7 @@ from baton.engine.make_model import make_model
 from baton.engine.pending_step import PendingStep
 from baton.engine.runner import StepOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import SchedulerOutput
+from baton.engine.scheduler_output import SchedulerOutput
 
 TOKEN = 5  # every sampled and drafted token (never a stop id: requests ignore EOS)
 

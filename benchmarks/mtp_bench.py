@@ -704,7 +704,7 @@ def forced_decode_logits(engine: LLMEngine, windows: list[list[int]], prefix: in
                 out_logits[w, j - 1] = logits.float()
             forced[rid] = windows[w][prefix + j]
             emitted[rid] = j + 1
-        for req in engine.scheduler.update(out, forced):
+        for req in engine.step_update.update(out, forced):
             engine.runner.remove_request(req.request_id)
     if out_logits is None or any(n != steps for n in emitted.values()):
         raise RuntimeError(f"forced decode: expected {steps} steps per window, got {sorted(set(emitted.values()))}")

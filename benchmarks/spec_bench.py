@@ -11,7 +11,7 @@ batch B in `--batches`: B requests of `--context` prompt tokens enter decode (pr
 caches, as `engine_bench.py` does), `--steps` warm-up steps, then `--steps` timed engine steps as a server runs them.
 Steps run with async scheduling (step time: the device's steady state, idle gaps included): a verify step (K > 0:
 the target over 1+K tokens a row, K drafter passes and the acceptance, one CUDA graph) is chained on the one in
-flight, its inputs taken on the device from that one's results (`LLMEngine._step_verify`). `one at a time` is the
+flight, its inputs taken on the device from that one's results (`LLMEngine._chain`). `one at a time` is the
 median step() wall time of as many verify steps each read before the next is launched (host work between them
 included: what chaining saves); `gpu ms` is the device's span of the timed steps.
 

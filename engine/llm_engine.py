@@ -1,14 +1,15 @@
-"""The engine loop: `schedule() -> runner.execute(batch) -> scheduler.update()`, one step at a time.
+"""The engine loop, one step per `step()` call: schedule -> launch -> read and update the previous step -> outputs.
 
-With async scheduling (K = 0, or a prefill-only engine) a call of `step()` schedules and launches step n+1
-first, accounts for it (`scheduler.advance`), and only then reads step n's tokens (`scheduler.resolve`) and
-returns step n's outputs: the host's scheduling, input building and output handling of one step run while the
-device computes the previous one. Step n+1's decode rows whose input is step n's token take it on the device.
-
-With drafts (K > 0) how far a verify step advances each row is known only once its tokens are read. Where the
-next step can only be the same rows verifying K drafts each (`Scheduler.chain`), a call of `step()`
-chains step n+1 on step n's results on the device (the verify graph's `run_chained`) before reading step n;
-otherwise it launches and reads one step.
+A step is launched one of three ways (`_launch`); each is a case of the one loop, not a loop of its own:
+- pipelined (K = 0, or a prefill-only engine): its committed tokens are accounted at launch
+  (`StepUpdate.advance`), so with async scheduling the next call schedules and launches the next step while it
+  runs, and only then reads it (`StepUpdate.resolve`): the host's work of one step overlaps the device's of the
+  previous one; decode rows whose input is a token not read yet take it on the device;
+- a whole-graph verify step (K > 0, async scheduling): how far it advances each row is known only once read; where
+  the next step can only be the same rows verifying K drafts each (`Scheduler.chain`), that step is launched
+  chained on its results on the device before it is read, and is the next call's step;
+- synchronously (K > 0 otherwise): launched and read by the same call.
+The steps launched and not read yet are the `StepPipeline`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,12 +41,14 @@ from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
-from baton.engine.pending_step import PendingStep
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from baton.engine.spec_runner import SpecRunner, VerifyFlight
+from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import SchedulerOutput
+from baton.engine.spec_runner import SpecRunner
+from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
+from baton.engine.step_update import StepUpdate
 from baton.engine.weights import TORCH_DTYPES
 
 
@@ -106,25 +108,6 @@ class EngineStats:
         return (self.spec_accepted + self.spec_verify_rows) / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
 
-@dataclass
-class _Launched:
-    """A step queued on the device whose tokens are not read yet."""
-    step: int                           # its number (Scheduler.step_launched)
-    out: SchedulerOutput
-    reqs: list[Request]                 # per row
-    index: list[int]                    # per row: where its PENDING token sits in the outputs (-1: no sample)
-    pending: PendingStep
-
-
-@dataclass
-class _VerifyLaunched:
-    """A whole-graph verify step queued on the device whose tokens are not read yet."""
-    step: int                           # its number (Scheduler.step_launched)
-    out: SchedulerOutput                # its rows as the scheduler accounts them (chained: known once the step
-    reqs: list[Request]                 # before it is read), and their requests
-    flight: VerifyFlight
-
-
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:
     """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: `FUSED_GEMV_GPUS`'s
     value for the GPU (by name), else 0."""
@@ -152,11 +135,6 @@ def resolved_mixed_graph_tokens(config: EngineConfig, device: torch.device, grap
     if not (graphs and graphable and not config.num_speculative_tokens):
         return 0
     return min(AUTO_MIXED_GRAPH_TOKENS, config.max_num_batched_tokens)
-
-
-def _last_chunk(row: ScheduledRow, req: Request) -> bool:
-    """Whether this row completed req's prefill."""
-    return row.num_computed_tokens + row.num_tokens == req.num_prefill_tokens
 
 
 class LLMEngine:
@@ -203,6 +181,8 @@ class LLMEngine:
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
         self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
+        self.cache = self.scheduler.cache
+        self.step_update = StepUpdate(self.scheduler)
         self.runner = self._make_runner(self.pools, device)
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
@@ -211,8 +191,7 @@ class LLMEngine:
             self.runner.mixed_graphs = self.make_mixed_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
-        # Steps launched and not read yet (at most one with async scheduling), oldest first.
-        self._in_flight: deque[_Launched] = deque()
+        self.pipeline = StepPipeline()
         # Request id -> the request whose sampling state the runner holds under it: an id may be reused while a step
         # in flight still carries its last user, whose end must not drop the new request's state.
         self._owners: dict[str, Request] = {}
@@ -221,8 +200,6 @@ class LLMEngine:
         # be chained). Benchmarks set 0 between steps to time steps one at a time (the next step() then reads the
         # one in flight).
         self.depth = 1 if config.async_scheduling else 0
-        # With drafts: the verify step chained on the last one read, still in flight.
-        self._verify_in_flight: _VerifyLaunched | None = None
 
     def _make_runner(self, pools: CachePools, device: torch.device) -> ModelRunner:
         k = self.config.num_speculative_tokens
@@ -433,8 +410,7 @@ class LLMEngine:
         if req is None:
             # A prefill-only request finishes when its last chunk is launched, but hands its caches over only
             # with that step's output: aborted in between, nobody will take them, so they are released here.
-            req = next((r for step in self._in_flight for r in step.reqs if r.request_id == request_id
-                        and r.status is RequestStatus.FINISHED_PREFILLED), None)
+            req = self.pipeline.prefilled(request_id)
             if req is not None:
                 self.scheduler.abort_prefilled(req)
         if req is not None:
@@ -442,7 +418,7 @@ class LLMEngine:
         return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight) or self._verify_in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self.pipeline)
 
     def prefill_tokens_not_handed_back(self) -> int:
         """Prefill tokens (N-1 a prompt) of every prefill-only request not handed back yet: waiting, running, or
@@ -451,19 +427,15 @@ class LLMEngine:
         s = self.scheduler
         n = sum(r.num_tokens - 1 for r in s.waiting if r.prefill_only)
         n += sum(r.num_prefill_tokens for r in s.running if r.prefill_only)
-        done = sum(r.num_prefill_tokens for step in self._in_flight
-                   for row, r in zip(step.out.rows, step.reqs, strict=True)
-                   if r.status is RequestStatus.FINISHED_PREFILLED and _last_chunk(row, r))
-        return n + done
+        return n + self.pipeline.prefill_tokens_finished()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
-        self.scheduler.free_held(block_ids, state_slot)
+        self.cache.free_held(block_ids, state_slot)
 
     def reserve(self, num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
-        got = self.scheduler.reserve(-(-num_tokens // self.config.block_size))
-        return got
+        return self.cache.reserve(-(-num_tokens // self.config.block_size))
 
     def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                              block_ids: list[int], state_slot: int, num_computed: int) -> str:
@@ -479,127 +451,108 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns an output for every request that got a token or finished.
 
-        Pipelined (K = 0 or prefill-only): launches the next step, then reads the oldest step in flight once
-        more than `depth` are (or when nothing new could be launched), so with async scheduling the outputs
-        returned are those of the step launched by the previous call."""
-        if not self.pipelined:
-            return self._step_spec()
+        Schedules and launches a step (unless the last call chained this one), chains the next verify step on a
+        verify step where it can only be that, then reads every step in flight but the newest `depth` pipelined
+        ones (or the chained one): with async scheduling a pipelined step's outputs come from the next call."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        path = EAGER
-        if out.rows:
-            replays = self._replays()
-            self._in_flight.append(self._launch(out))
-            path = self._path_since(replays)
+        pipe = self.pipeline
+        launched = chained = None
+        if pipe.chained is None:
+            out = self.scheduler.schedule()
+            if out.rows:
+                launched = self._launch(out)
+        current = pipe.newest
+        if current is not None and current.flight is not None:
+            current.drop_aborted(self.scheduler.requests)
+            chained = self._chain(current) if self.depth else None
+        keep = 1 if chained is not None else self.depth if launched is not None and self.pipelined else 0
         outputs: list[RequestOutput] = []
         read = 0
-        while len(self._in_flight) > self.depth or (self._in_flight and not out.rows):
-            done = self._in_flight.popleft()
-            read += len(done.out.rows)
-            outputs += self._read(done)
+        while len(pipe.steps) > keep:
+            done = pipe.steps.popleft()
+            read += done.num_rows
+            outputs += self._read(done, t0)
+        if chained is not None:  # its rows: what schedule() gives now that the step it chains on is read
+            chained.out = self.scheduler.chained_output(chained.flight.request_ids)
+            chained.reqs = [self.scheduler.requests[r.request_id] for r in chained.out.rows]
         # Rows launched, else rows read: 0 only when nothing could run (waiting on blocks held elsewhere).
-        self.last_step_rows = len(out.rows) or read
-        if out.rows:
-            self._record(out, time.perf_counter() - t0, {}, path)
+        self.last_step_rows = launched.num_rows if launched is not None else read
+        if launched is not None and launched.pending is not None:
+            # A pipelined step is accounted by the call that launches it (its emitted counts are known then).
+            self._record(launched.out, time.perf_counter() - t0, {}, launched.path)
         return outputs
 
-    def _launch(self, out: SchedulerOutput) -> _Launched:
-        sched = self.scheduler
-        reqs = [sched.requests[r.request_id] for r in out.rows]
-        prev = self._in_flight[-1].pending if self._in_flight else None
-        pending = self.runner.launch(out, prev)
-        step = sched.step_launched()
-        index = [len(req.output_token_ids) if row.sample else -1 for req, row in zip(reqs, out.rows, strict=True)]
-        sched.advance(out)
-        return _Launched(step=step, out=out, reqs=reqs, index=index, pending=pending)
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue `out` on the device: pipelined (accounted at once), as one whole-graph verify step, or
+        synchronously (its result is there when this returns)."""
+        reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
+        runner, prev, n = self.runner, self.pipeline.newest, len(out.rows)
+        replays = self._replays()
+        if self.pipelined:
+            pending = runner.launch(out, None if prev is None else prev.pending)
+            index = [len(req.output_token_ids) if row.sample else -1 for req, row in zip(reqs, out.rows, strict=True)]
+            step = LaunchedStep(self.cache.step_launched(), out, reqs, self._path_since(replays), n, pending=pending,
+                                index=index)
+            self.step_update.advance(out)
+        elif self.depth and isinstance(runner, SpecRunner) and runner.verify_graphable(out):
+            # A whole verify step always replays its graph.
+            step = LaunchedStep(self.cache.step_launched(), out, reqs, DECODE_GRAPH, n,
+                                flight=runner.launch_verify(out))
+        else:
+            result = runner.execute(out)
+            step = LaunchedStep(self.cache.step_launched(), out, reqs, self._path_since(replays), n, result=result)
+        self.pipeline.steps.append(step)
+        return step
 
-    def _read(self, done: _Launched) -> list[RequestOutput]:
-        """Wait for a launched step's tokens; write them into its requests and return their outputs."""
+    def _chain(self, done: LaunchedStep) -> LaunchedStep | None:
+        """Launch the next verify step on `done`'s results on the device, before `done` is read, where it can
+        only be that (`Scheduler.chain`); its rows are set once `done` is read."""
+        plan = self.scheduler.chain(done.out)
+        if plan is None:
+            return None
+        ids, slots, rooms, tables = zip(*plan, strict=True)
+        flight = self.runner.launch_chained(done.flight, list(ids), list(slots), list(rooms), [list(t) for t in tables])
+        step = LaunchedStep(self.cache.step_launched(), done.out, [], DECODE_GRAPH, len(flight.request_ids),
+                            flight=flight)
+        self.pipeline.steps.append(step)
+        return step
+
+    def _read(self, done: LaunchedStep, t0: float) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; update its requests with them and return their outputs."""
+        if done.pending is not None:
+            return self._read_pipelined(done)
+        result = done.result if done.flight is None else self.runner.read_verify(done.flight)
+        self.stats.device_seconds += result.device_seconds
+        self.cache.step_done(done.step)
+        before = [len(req.output_token_ids) for req in done.reqs]
+        finished = self.step_update.update(done.out, result.sampled, result.drafts)
+        # Accounted when read: how many drafts each row accepted is known only now.
+        self._record(done.out, time.perf_counter() - t0, result.sampled, done.path)
+        for req in finished:
+            self._forget(req)
+        sampled = result.sampled
+        return [self._output(req, n, len(req.output_token_ids), req.status.finished)
+                for req, n in zip(done.reqs, before, strict=True) if req.request_id in sampled or req.status.finished]
+
+    def _read_pipelined(self, done: LaunchedStep) -> list[RequestOutput]:
+        """Write a pipelined step's tokens into its PENDING outputs (stop ids apply now); their outputs."""
         sampled, _ = done.pending.result()
         self.stats.device_seconds += done.pending.device_seconds()
-        sched = self.scheduler
-        sched.step_done(done.step)
+        self.cache.step_done(done.step)
         outputs = []
         for row, req, index in zip(done.out.rows, done.reqs, done.index, strict=True):
             if index >= 0:
-                if not sched.resolve(req, index, sampled[row.request_id]):
+                if not self.step_update.resolve(req, index, sampled[row.request_id]):
                     continue  # aborted, or stopped on an earlier token: this row's work is dropped
                 finished = req.status.finished and index == len(req.output_token_ids) - 1
                 outputs.append(self._output(req, index, index + 1, finished))
-            elif req.status is RequestStatus.FINISHED_PREFILLED and _last_chunk(row, req):
+            elif req.status is RequestStatus.FINISHED_PREFILLED and last_chunk(row, req):
                 outputs.append(self._output(req, 0, 0, True))
             else:
                 continue
             if outputs[-1].finished:
                 self._forget(req)
         return outputs
-
-    def _step_spec(self) -> list[RequestOutput]:
-        """A speculative decoding step (K > 0, drafting): schedule, run, read, update, one at a time; with async
-        scheduling, a whole-graph verify step chains the next one before it is read (`_step_verify`)."""
-        t0 = time.perf_counter()
-        if self._verify_in_flight is not None:
-            return self._step_verify(self._verify_in_flight, t0)
-        out = self.scheduler.schedule()
-        self.last_step_rows = len(out.rows)
-        if not out.rows:
-            # Waiting requests that do not fit while blocks are held outside the scheduler (leases on a
-            # prefill node, reservations for pulls on a decode node): nothing to do until those return.
-            return []
-        runner = self.runner
-        if self.depth and isinstance(runner, SpecRunner) and runner.verify_graphable(out):
-            reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
-            launched = _VerifyLaunched(self.scheduler.step_launched(), out, reqs, runner.launch_verify(out))
-            return self._step_verify(launched, t0)
-        # Rows are one per request, so lists in row order stand for the request-keyed maps.
-        reqs = [self.scheduler.requests[r.request_id] for r in out.rows]
-        before = [len(req.output_token_ids) for req in reqs]
-        replays = self._replays()
-        result = self.runner.execute(out)
-        path = self._path_since(replays)
-        self.stats.device_seconds += result.device_seconds
-        finished = self.scheduler.update(out, result.sampled, result.drafts)
-        self._record(out, time.perf_counter() - t0, result.sampled, path)
-        for req in finished:
-            self._forget(req)
-        sampled = result.sampled
-        return [self._output(req, n, len(req.output_token_ids), req.status.finished)
-                for req, n in zip(reqs, before, strict=True) if req.request_id in sampled or req.status.finished]
-
-    def _step_verify(self, done: _VerifyLaunched, t0: float) -> list[RequestOutput]:
-        """Chain the next verify step on `done` where it can only be that (`Scheduler.chain`), then read `done`,
-        update its requests and return their outputs; the chained step stays in flight for the next call."""
-        sched, runner = self.scheduler, self.runner
-        assert isinstance(runner, SpecRunner)
-        # Rows of requests aborted since the step was launched (their id maybe taken by a new request since) are
-        # dropped: no update, no output (their consumer got the abort's).
-        live = [(row, req) for row, req in zip(done.out.rows, done.reqs, strict=True)
-                if sched.requests.get(row.request_id) is req and req.status is RequestStatus.RUNNING]
-        out = done.out if len(live) == len(done.out.rows) else SchedulerOutput(rows=tuple(r for r, _ in live),
-                                                                               preempted=())
-        chained = None
-        plan = sched.chain(out) if self.depth else None
-        if plan is not None:
-            ids, slots, rooms, tables = zip(*plan, strict=True)
-            flight = runner.launch_chained(done.flight, list(ids), list(slots), list(rooms), [list(t) for t in tables])
-            chained = _VerifyLaunched(sched.step_launched(), out, [], flight)
-        result = runner.read_verify(done.flight)
-        self.stats.device_seconds += result.device_seconds
-        sched.step_done(done.step)
-        before = [len(req.output_token_ids) for _, req in live]
-        finished = sched.update(out, result.sampled, result.drafts)
-        # A whole verify step always replays its graph (the chained one counts when it is read).
-        self._record(out, time.perf_counter() - t0, result.sampled, DECODE_GRAPH)
-        for req in finished:
-            self._forget(req)
-        self._verify_in_flight = None
-        if chained is not None:
-            chained.out = sched.chained_output(chained.flight.request_ids)
-            chained.reqs = [sched.requests[r.request_id] for r in chained.out.rows]
-            self._verify_in_flight = chained
-        self.last_step_rows = len(done.flight.request_ids)  # rows read (some may have finished before it ran)
-        return [self._output(req, n, len(req.output_token_ids), req.status.finished)
-                for (_, req), n in zip(live, before, strict=True)]
 
     @staticmethod
     def _output(req: Request, start: int, end: int, finished: bool) -> RequestOutput:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from baton.engine.sampling_params import SamplingParams
 
 # An output token that a launched step samples but whose value is not read yet (async scheduling): it holds its
-# place in `output_token_ids` until `Scheduler.resolve` writes the value. Token ids are >= 0.
+# place in `output_token_ids` until `StepUpdate.resolve` writes the value. Token ids are >= 0.
 PENDING = -1
 
 
@@ -60,7 +60,7 @@ class Request:
     num_accepted: int = 0   # of those, accepted
     num_verify_steps: int = 0
     # `block_ids` as a tuple, built once per change rather than once per step (a decode row's table changes
-    # only every block_size tokens). Only the scheduler changes `block_ids`, through the methods below.
+    # only every block_size tokens). Only the cache manager changes `block_ids`, through the methods below.
     _block_table: tuple[int, ...] | None = field(default=None, init=False, repr=False)
 
     def block_table(self) -> tuple[int, ...]:
@@ -113,6 +113,11 @@ class Request:
         The Mamba path is chosen by this, never by the query length (R2): a new 1-token prompt is a prefill.
         """
         return self.status is RequestStatus.RUNNING and self.num_computed_tokens >= self.num_prefill_tokens > 0
+
+    @property
+    def output_limit(self) -> int:
+        """The most output tokens this request may have: max_tokens, and max_model_len counting the prompt."""
+        return min(self.sampling.max_tokens, self.max_model_len - len(self.prompt_token_ids))
 
     @property
     def has_initial_state(self) -> bool:

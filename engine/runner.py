@@ -28,7 +28,7 @@ from baton.engine.request import PENDING
 from baton.engine.sample_inputs import sample_inputs
 from baton.engine.sampling import request_seed
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import SchedulerOutput
+from baton.engine.scheduler_output import SchedulerOutput
 
 
 def kv_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> range | list[int]:

@@ -38,7 +38,7 @@ from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import SchedulerOutput
+from baton.engine.scheduler_output import SchedulerOutput
 
 GREEDY = SamplingParams()
 

@@ -17,8 +17,8 @@ def load_response(engine: LLMEngine, role: str, held_leases: int = 0) -> wk.Load
         outstanding += sum(r.num_tokens for r in s.waiting)
     return wk.LoadResponse(
         role=role, waiting=len(s.waiting), running=len(s.running), outstanding_prefill_tokens=outstanding,
-        free_kv_blocks=s.blocks.num_free, total_kv_blocks=s.blocks.capacity,
-        free_state_slots=s.slots.num_free, total_state_slots=s.slots.capacity, held_leases=held_leases)
+        free_kv_blocks=s.cache.blocks.num_free, total_kv_blocks=s.cache.blocks.capacity,
+        free_state_slots=s.cache.slots.num_free, total_state_slots=s.cache.slots.capacity, held_leases=held_leases)
 
 
 def model_info(engine: LLMEngine, model: str, has_tokenizer: bool) -> gen.ModelInfoResponse:

@@ -126,11 +126,11 @@ class NodeMetrics:
         s = engine.scheduler
         self.waiting.set(len(s.waiting))
         self.running.set(len(s.running))
-        kv_total, kv_used = s.blocks.capacity, s.blocks.capacity - s.blocks.num_free
+        kv_total, kv_used = s.cache.blocks.capacity, s.cache.blocks.capacity - s.cache.blocks.num_free
         self.kv_total.set(kv_total)
         self.kv_used.set(kv_used)
         self.kv_ratio.set(kv_used / kv_total if kv_total else 0.0)
-        slots_total, slots_used = s.slots.capacity, s.slots.capacity - s.slots.num_free
+        slots_total, slots_used = s.cache.slots.capacity, s.cache.slots.capacity - s.cache.slots.num_free
         self.slots_total.set(slots_total)
         self.slots_used.set(slots_used)
         self.slots_ratio.set(slots_used / slots_total if slots_total else 0.0)

@@ -55,8 +55,8 @@ def serve(engine: LLMEngine, arrivals: list[list[tuple[str, list[int], SamplingP
 
 def assert_all_free(engine: LLMEngine) -> None:
     s = engine.scheduler
-    assert not s.quarantine
-    assert s.blocks.num_free == s.blocks.capacity and s.slots.num_free == s.slots.capacity
+    assert not s.cache.quarantine
+    assert s.cache.blocks.num_free == s.cache.blocks.capacity and s.cache.slots.num_free == s.cache.slots.capacity
 
 
 def workload(seed: int, vocab: int, stop_every: int = 0) -> list[list[tuple[str, list[int], SamplingParams]]]:
@@ -176,10 +176,10 @@ def test_caches_freed_while_a_step_is_in_flight_are_not_handed_out(tiny):
     s = engine.scheduler
     engine.add_request(list(range(3, 30)), SamplingParams(max_tokens=8, ignore_eos=True), request_id="a")
     engine.step()  # a's prefill is in flight (4 blocks, 1 slot)
-    free_blocks, free_slots = s.blocks.num_free, s.slots.num_free
+    free_blocks, free_slots = s.cache.blocks.num_free, s.cache.slots.num_free
     assert free_blocks == 2 and free_slots == 1
     assert engine.abort("a")
-    assert (s.blocks.num_free, s.slots.num_free) == (free_blocks, free_slots)  # quarantined
+    assert (s.cache.blocks.num_free, s.cache.slots.num_free) == (free_blocks, free_slots)  # quarantined
     assert engine.reserve(3 * 8) is None  # would need a's blocks
     assert engine.has_unfinished()
     assert engine.step() == []  # reads the step in flight (a's row is dropped: aborted)
@@ -192,7 +192,7 @@ def test_length_limit_finishes_at_launch_and_launches_nothing_more(tiny):
     engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True), request_id="one")
     assert engine.step() == []
     # Finished by length when launched: its caches wait in quarantine, and no further step includes it.
-    assert "one" not in engine.scheduler.requests and engine.scheduler.quarantine
+    assert "one" not in engine.scheduler.requests and engine.cache.quarantine
     (o,) = engine.step()
     assert o.finished and o.finish_reason == "length" and len(o.token_ids) == 1
     assert engine.last_step_rows == 1 and not engine.has_unfinished()

@@ -1,4 +1,4 @@
-"""Verify steps chained on the one in flight (async scheduling with drafts, `LLMEngine._step_verify`).
+"""Verify steps chained on the one in flight (async scheduling with drafts, `LLMEngine._chain`).
 
 A chained step takes its inputs on the device from the previous step's results, before the host has read them.
 It must be the step the scheduler would have made after reading: the same tokens, drafts and accepted counts as
@@ -21,6 +21,7 @@ from baton.engine.request import Request
 from baton.engine.runner import kv_slots
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.step_update import StepUpdate
 from tests.test_cuda_graphs import dense_spec_model  # noqa: F401
 from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model  # noqa: F401
 
@@ -49,7 +50,7 @@ class Chains:
         runner.launch_chained = counted
 
     def check(self, engine: LLMEngine) -> None:
-        launched = engine._verify_in_flight
+        launched = engine.pipeline.chained
         if launched is None:
             return
         g, bs, T = engine.runner.graphs, engine.config.block_size, engine.runner.graphs.T
@@ -205,26 +206,26 @@ def test_abort_while_a_chained_step_is_in_flight(small_spec_model, reuse_id):  #
     for rid, p in _ABORT_PROMPTS.items():
         engine.add_request(p, _ABORT_PARAMS, request_id=rid)
     got = {}
-    while engine._verify_in_flight is None:
+    while engine.pipeline.chained is None:
         got.update({o.request_id: o for o in engine.step() if o.finished})
     sched = engine.scheduler
-    free_blocks, free_slots = sched.blocks.num_free, sched.slots.num_free
+    free_blocks, free_slots = sched.cache.blocks.num_free, sched.cache.slots.num_free
     assert engine.abort("r1")
-    assert (sched.blocks.num_free, sched.slots.num_free) == (free_blocks, free_slots)  # quarantined
+    assert (sched.cache.blocks.num_free, sched.cache.slots.num_free) == (free_blocks, free_slots)  # quarantined
     if reuse_id:  # at once, while the old r1's row is in flight
         engine.add_request(_AGAIN, _ABORT_PARAMS, request_id="r1")
     after = engine.step()  # reads the chained step (chaining the next one for r0 and r2 unless a request waits)
     assert all(o.request_id != "r1" for o in after)
-    assert sched.slots.num_free == free_slots + 1  # back once the step that ran its row was read
+    assert sched.cache.slots.num_free == free_slots + 1  # back once the step that ran its row was read
     if reuse_id:
-        assert engine._verify_in_flight is None and sched.waiting[0].prompt_token_ids == tuple(_AGAIN)
+        assert engine.pipeline.chained is None and sched.waiting[0].prompt_token_ids == tuple(_AGAIN)
     else:
-        assert [r.request_id for r in engine._verify_in_flight.out.rows] == ["r0", "r2"]
+        assert [r.request_id for r in engine.pipeline.chained.out.rows] == ["r0", "r2"]
         engine.add_request(_AGAIN, _ABORT_PARAMS, request_id="r1")  # waits: the next step is scheduled, not chained
     got.update({o.request_id: o for o in after if o.finished})
     while engine.has_unfinished():
         got.update({o.request_id: o for o in engine.step() if o.finished})
-    assert sched.blocks.num_free == sched.blocks.capacity and sched.slots.num_free == sched.slots.capacity
+    assert sched.cache.blocks.num_free == sched.cache.blocks.capacity and sched.cache.slots.num_free == sched.cache.slots.capacity
     assert set(got) == {"r0", "r1", "r2"} and all(got[r].token_ids == ref[r].token_ids for r in ("r0", "r2"))
     assert got["r1"].token_ids == ref["again"].token_ids and got["r1"].prompt_token_ids == tuple(_AGAIN)
 
@@ -243,9 +244,9 @@ def _decoding(s: Scheduler, specs: list[tuple[str, int, int]], outputs: int) -> 
             for i, (rid, n, m) in enumerate(specs)]
     for req in reqs:
         s.add(req)
-    s.update(s.schedule(), {r.request_id: 1 for r in reqs}, {r.request_id: [1, 1] for r in reqs})
+    StepUpdate(s).update(s.schedule(), {r.request_id: 1 for r in reqs}, {r.request_id: [1, 1] for r in reqs})
     for _ in range(outputs - 1):
-        s.update(s.schedule(), {r.request_id: [1] for r in reqs}, {r.request_id: [1, 1] for r in reqs})
+        StepUpdate(s).update(s.schedule(), {r.request_id: [1] for r in reqs}, {r.request_id: [1, 1] for r in reqs})
     assert all(req.in_decode and len(req.output_token_ids) == outputs for req in reqs)
     return reqs
 
@@ -263,7 +264,7 @@ def test_chain_allocates_the_worst_case_and_gives_the_rows_schedule_would():
         worst = req.num_computed_tokens + row.num_tokens + 3 + 1
         assert len(table) * 4 >= worst and table == req.block_table()
     # after reading `out`, the chained step's rows are what schedule() gives
-    s.update(out, {"a": [1, 1], "b": [1, 1, 1]}, {"a": [3, 3], "b": [4, 4]})  # b: 3 emitted, 6 out
+    StepUpdate(s).update(out, {"a": [1, 1], "b": [1, 1, 1]}, {"a": [3, 3], "b": [4, 4]})  # b: 3 emitted, 6 out
     chained = s.chained_output(["a", "b"])
     assert [(r.token_ids, r.num_computed_tokens, r.num_draft) for r in chained.rows] == \
         [((1, 3, 3), a.num_computed_tokens, 2), ((1, 4), b.num_computed_tokens, 1)]
@@ -286,9 +287,9 @@ def test_chain_refuses_a_waiting_request_a_prefill_and_missing_blocks():
     s = _sched(blocks=4)
     _decoding(s, [("a", 3, 4), ("b", 3, 4)], 1)
     out = s.schedule()
-    assert s.blocks.num_free == 0 and [r.num_draft for r in out.rows] == [2, 2]
-    free = s.blocks.num_free
-    assert s.chain(out) is None and s.blocks.num_free == free  # the worst case does not fit: nothing allocated
+    assert s.cache.blocks.num_free == 0 and [r.num_draft for r in out.rows] == [2, 2]
+    free = s.cache.blocks.num_free
+    assert s.chain(out) is None and s.cache.blocks.num_free == free  # the worst case does not fit: nothing allocated
 
 
 @pytest.mark.gpu

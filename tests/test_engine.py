@@ -35,7 +35,7 @@ def rand_prompt(rng: random.Random, n: int) -> list[int]:
 
 def assert_all_free(engine: LLMEngine) -> None:
     s = engine.scheduler
-    assert s.blocks.num_free == s.blocks.capacity and s.slots.num_free == s.slots.capacity
+    assert s.cache.blocks.num_free == s.cache.blocks.capacity and s.cache.slots.num_free == s.cache.slots.capacity
     assert not s.running and not s.waiting and not s.requests
     assert not engine.runner._sampling
 
@@ -182,7 +182,7 @@ def test_prefill_only_requests_never_sample_and_hand_their_caches_over(tiny):
     assert held.finish_reason == "prefilled" and held.held_state_slot is not None
     assert len(held.held_block_ids) == -(-(len(prompt) - 1) // 8)  # all but the last token (R1)
     s = engine.scheduler
-    assert s.blocks.num_used == len(held.held_block_ids) and s.slots.num_used == 1 and decoding not in s.requests
+    assert s.cache.blocks.num_used == len(held.held_block_ids) and s.cache.slots.num_used == 1 and decoding not in s.requests
     # The held state is the prompt's (chunked differently here than alone, hence not bit-equal).
     ssm_after = engine.pools.ssm[held.held_state_slot].clone()
     engine.free_held(held.held_block_ids, held.held_state_slot)
@@ -221,7 +221,7 @@ def test_r1_decode_from_transferred_n_minus_1_state_equals_one_engine(tiny, n):
     # Token N is a decode row from the transferred state: beside `busy`'s, a decode-only step (graphable).
     assert row.num_tokens == 1 and row.is_decode and row.has_initial_state and row.sample
     assert row.token_ids == (prompt[-1],) and row.num_computed_tokens == n - 1 and out.num_decodes == len(out.rows)
-    dec.scheduler.update(out, dec.runner.execute(out).sampled)
+    dec.step_update.update(out, dec.runner.execute(out).sampled)
     done = {}
     while dec.has_unfinished():
         for o in dec.step():

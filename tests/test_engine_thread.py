@@ -103,7 +103,7 @@ def test_an_id_reused_while_its_last_user_ends_in_a_step_in_flight_serves_the_ne
             for _ in range(3):
                 engine.step()
             assert engine.abort("r")
-        assert engine._in_flight  # the old request's last step is not read yet
+        assert engine.pipeline.steps  # the old request's last step is not read yet
         engine.add_request([7, 8, 9], PARAMS, request_id="r")
         outs = {}
         while engine.has_unfinished():

@@ -72,7 +72,7 @@ def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
         hidden, batch = engine.runner.forward_hidden(out)
         (row,) = out.rows
         rows.append(engine.model.logits(hidden))
-        engine.scheduler.update(out, {rid: 0} if row.sample else {})
+        engine.step_update.update(out, {rid: 0} if row.sample else {})
     return torch.cat(rows)
 
 
@@ -103,4 +103,4 @@ def test_r6_greedy_batch_matches_hf_token_for_token(checkpoint):
     for p, o in zip(ps, outs, strict=True):
         assert list(o.token_ids) == hf_greedy(hf, p, NUM_TOKENS), f"prompt length {len(p)}"
         assert o.finish_reason == "length"
-    assert engine.scheduler.blocks.num_used == 0 and engine.scheduler.slots.num_used == 0
+    assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0

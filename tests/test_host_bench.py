@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from baton.engine.llm_engine import RequestOutput
-from baton.engine.scheduler import ScheduledRow
+from baton.engine.scheduler_output import ScheduledRow
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "host_bench.py"
 _spec = importlib.util.spec_from_file_location("host_bench", _PATH)
@@ -65,7 +65,7 @@ def test_fast_rows_and_outputs_equal_the_dataclass_init(tmp_path, spec):
     for row in out.rows:
         _same_as_init(row, ScheduledRow)
     result = engine.runner.execute(out)
-    engine.scheduler.update(out, result.sampled, result.drafts)
+    engine.step_update.update(out, result.sampled, result.drafts)
     outputs = engine.step()
     assert outputs
     for o in outputs:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import json
 import os
 import re
@@ -73,6 +75,66 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_processes_under(path: str) -> None:
+    """SIGKILL every process whose command line names `path`, and their descendants (Ray's agents rename
+    themselves)."""
+    parents: dict[int, int] = {}
+    named: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if path.encode() in f.read():
+                    named.add(int(entry))
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    doomed, grew = set(named), True
+    while grew:
+        kids = {pid for pid, ppid in parents.items() if ppid in doomed} - doomed
+        doomed |= kids
+        grew = bool(kids)
+    for pid in doomed - {os.getpid()}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _start_cluster(cluster_cls, monkeypatch, attempts: int = 3):
+    """A local Ray cluster of two nodes, in a Ray temp dir of our own (sessions, the current-cluster file) that
+    `baton ray up` inherits; short, since Unix socket paths live under it. Ray gives its raylet a fixed 30 s to
+    register on start, which a loaded 2-core machine can miss: such a start is torn down and tried again, and the
+    last one's raylet and GCS logs come with the failure."""
+    for attempt in range(1, attempts + 1):
+        temp = tempfile.mkdtemp(prefix="bray", dir="/tmp")
+        monkeypatch.setenv("RAY_TMPDIR", temp)
+        cluster = None
+        try:
+            # Both Ray nodes on this machine's IP (Ray turns a loopback --address into it anyway).
+            cluster = cluster_cls(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+            cluster.add_node(num_cpus=2)
+            cluster.wait_for_nodes()
+            return temp, cluster
+        except Exception as e:
+            if "timed out during startup" not in str(e):
+                raise
+            if cluster is not None:
+                with contextlib.suppress(Exception):
+                    cluster.shutdown()
+            _kill_processes_under(temp)
+            logs = ""
+            for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+                for f in sorted(glob.glob(f"{temp}/ray/session_*/logs/{name}")):
+                    with open(f, errors="replace") as fh:
+                        logs += f"--- {name} (tail)\n" + "".join(fh.readlines()[-15:])
+            shutil.rmtree(temp, ignore_errors=True)
+            print(f"Ray cluster start {attempt}/{attempts} timed out; {'trying again' if attempt < attempts else 'giving up'}")
+            if attempt == attempts:
+                raise AssertionError(f"Ray's local cluster did not start in {attempts} attempts:\n{logs}") from e
+    raise AssertionError("unreachable")
+
+
 def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
@@ -90,16 +152,9 @@ def test_baton_ray_up_two_nodes_end_to_end(tmp_path, monkeypatch):
     ref = LLMEngine.from_pretrained(str(model), EngineConfig(**ENGINE)).generate(
         [prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids
 
-    # A Ray temp dir of our own (sessions, the current-cluster file), inherited by `baton ray up`; short,
-    # since Unix socket paths live under it.
-    temp = tempfile.mkdtemp(prefix="bray", dir="/tmp")
-    monkeypatch.setenv("RAY_TMPDIR", temp)
-    # Both Ray nodes on this machine's IP (Ray turns a loopback --address into it anyway).
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    temp, cluster = _start_cluster(Cluster, monkeypatch)
     proc = None
     try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
         proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli.main", "ray", "up", "--address", cluster.address,
              "--model", str(model), "--prefill-workers", "1", "--decode-workers", "1", "--port", "0",

@@ -8,6 +8,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.step_update import StepUpdate
 
 _arrival = iter(range(10**9))
 
@@ -19,7 +20,7 @@ def make_req(rid, n_prompt, max_tokens=4, stop=()):
 
 def run_step(s, token=7):
     out = s.schedule()
-    s.update(out, {r.request_id: token for r in out.rows if r.sample})
+    StepUpdate(s).update(out, {r.request_id: token for r in out.rows if r.sample})
     return out
 
 
@@ -30,7 +31,7 @@ def test_r2_new_one_token_prompt_is_a_prefill_without_state():
     out = s.schedule()
     (row,) = out.rows
     assert row.num_tokens == 1 and not row.is_decode and not row.has_initial_state and row.sample
-    s.update(out, {"a": 5})
+    StepUpdate(s).update(out, {"a": 5})
     (row,) = s.schedule().rows
     assert row.is_decode and row.has_initial_state and row.token_ids == (5,)
 
@@ -50,7 +51,7 @@ def test_r5_decode_rows_reserved_first_and_prefill_chunks_capped():
     assert kinds[4] == ("long2", False, 8)
     assert out.num_tokens <= cfg.max_num_batched_tokens and out.is_mixed
     # Later chunks of a prompt have state; they neither sample nor count as decodes.
-    s.update(out, {r.request_id: 7 for r in out.rows if r.sample})
+    StepUpdate(s).update(out, {r.request_id: 7 for r in out.rows if r.sample})
     row = next(r for r in s.schedule().rows if r.request_id == "long")
     assert row.has_initial_state and not row.is_decode and not row.sample and row.num_computed_tokens == 8
 
@@ -62,7 +63,7 @@ def test_budget_limits_admission_fcfs_without_overtaking():
     s.add(make_req("small", 1))
     out = s.schedule()
     assert [r.request_id for r in out.rows] == ["big"] and out.rows[0].num_tokens == 10
-    s.update(out, {})
+    StepUpdate(s).update(out, {})
     # "big" holds 1 block for 10 tokens; it grows into 4 blocks, "small" must wait and not overtake.
     ids = [[r.request_id for r in run_step(s).rows] for _ in range(5)]
     assert ids[0][0] == "big"
@@ -76,7 +77,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     s.add(a)
     s.add(b)
     run_step(s)  # each: 7 tokens -> 2 blocks; pool full
-    assert s.blocks.num_free == 0
+    assert s.cache.blocks.num_free == 0
     out = run_step(s)  # a and b decode position 7 (still in their 2nd block)
     assert not out.preempted
     out = run_step(s)
@@ -88,7 +89,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     while b.status.value != "running":
         run_step(s)
     assert b.num_prefill_tokens == 7 + n_out
-    assert s.blocks.num_free + s.blocks.num_used == 4
+    assert s.cache.blocks.num_free + s.cache.blocks.num_used == 4
 
 
 def test_abort_frees_everything():
@@ -100,7 +101,7 @@ def test_abort_frees_everything():
     s.abort("r2")
     s.abort("missing")
     assert s.abort("r0") is not None
-    assert s.blocks.num_used == 0 and s.slots.num_used == 0 and not s.has_unfinished()
+    assert s.cache.blocks.num_used == 0 and s.cache.slots.num_used == 0 and not s.has_unfinished()
 
 
 def test_stop_token_and_max_tokens():
@@ -109,9 +110,9 @@ def test_stop_token_and_max_tokens():
     s.add(make_req("len", 3, max_tokens=2))
     run_step(s, token=1)
     out = s.schedule()
-    fin = s.update(out, {"stop": 9, "len": 1})
+    fin = StepUpdate(s).update(out, {"stop": 9, "len": 1})
     assert {r.request_id: r.finish_reason for r in fin} == {"stop": "stop", "len": "length"}
-    assert s.blocks.num_used == 0 and s.slots.num_used == 0
+    assert s.cache.blocks.num_used == 0 and s.cache.slots.num_used == 0
 
 
 def test_duplicate_or_unservable_request_rejected():
@@ -147,14 +148,14 @@ def test_r7_randomized_200_requests_with_aborts_and_preemptions_leak_nothing():
         for r in out.rows:
             assert len(r.block_ids) * cfg.block_size >= r.num_computed_tokens + r.num_tokens
             assert r.has_initial_state == (r.num_computed_tokens > 0)
-        s.update(out, {r.request_id: rng.randrange(50) for r in out.rows if r.sample})
+        StepUpdate(s).update(out, {r.request_id: rng.randrange(50) for r in out.rows if r.sample})
         used_blocks = sum(len(r.block_ids) for r in s.running)
-        assert used_blocks == s.blocks.num_used
-        assert len(s.running) == s.slots.num_used
+        assert used_blocks == s.cache.blocks.num_used
+        assert len(s.running) == s.cache.slots.num_used
         steps += 1
         assert steps < 20000
     assert s.num_preemptions > 0 and mixed > 0
-    assert s.blocks.num_free == 40 and s.slots.num_free == 8
+    assert s.cache.blocks.num_free == 40 and s.cache.slots.num_free == 8
 
 
 def test_mixed_graph_tokens_give_one_chunk_of_at_most_q_beside_decode_rows():
@@ -184,14 +185,14 @@ def test_decode_growth_continues_the_requests_run_and_newcomers_take_the_best_fi
     s.add(make_req("a", 8, max_tokens=30))
     run_step(s)  # both prefill; x finishes at once and frees blocks 0 and 1
     a = s.requests["a"]
-    assert "x" not in s.requests and a.block_ids == [2, 3] and s.blocks.free_runs() == [(0, 2), (4, 28)]
+    assert "x" not in s.requests and a.block_ids == [2, 3] and s.cache.blocks.free_runs() == [(0, 2), (4, 28)]
     for _ in range(6):
         run_step(s)
     assert a.block_ids == [2, 3, 4, 5]  # lowest-first would have given it 0, then 1
     s.add(make_req("b", 5, max_tokens=10))  # 2 blocks: 8 positions, computed in the next 4 steps
     run_step(s)
     assert s.requests["b"].block_ids == [0, 1] and a.block_ids == [2, 3, 4, 5]
-    assert s.blocks.free_runs() == [(6, 26)]
+    assert s.cache.blocks.free_runs() == [(6, 26)]
     for _ in range(3):
         run_step(s)
     b = s.requests["b"]

@@ -65,7 +65,7 @@ class Log:
     def __init__(self, engine: LLMEngine) -> None:
         self.rows: dict[str, list[tuple]] = defaultdict(list)
         self.steps = []
-        update = engine.scheduler.update
+        update = engine.step_update.update
 
         def logged(out, sampled, drafts=None):
             self.steps.append(out)
@@ -76,7 +76,7 @@ class Log:
                                                 tuple((drafts or {}).get(r.request_id, ()))))
             return update(out, sampled, drafts)
 
-        engine.scheduler.update = logged
+        engine.step_update.update = logged
 
 
 _PREFILL_ENGINES: dict[tuple[int, int], LLMEngine] = {}
@@ -126,8 +126,8 @@ def run(engine: LLMEngine, arrivals: list[list[tuple]], params=GREEDY, after_ste
         if after_step is not None:
             after_step(engine)
         i += 1
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.capacity  # R7
-    assert engine.scheduler.slots.num_free == engine.scheduler.slots.capacity
+    assert engine.cache.blocks.num_free == engine.cache.blocks.capacity  # R7
+    assert engine.cache.slots.num_free == engine.cache.slots.capacity
     return done
 
 
@@ -350,8 +350,8 @@ def test_spec_engine_config_errors(spec_model, tmp_path):
         LLMEngine(cfg, weights, EngineConfig(num_speculative_tokens=2, max_num_batched_tokens=128))
 
 
-ORCHESTRATION = {"llm_engine.py", "scheduler.py", "runner.py", "spec_runner.py", "rejection_sampler.py",
-                 "sampling.py", "mtp.py", "model.py", "mamba2.py", "attention.py"}
+ORCHESTRATION = {"llm_engine.py", "scheduler.py", "step_update.py", "step_pipeline.py", "runner.py", "spec_runner.py",
+                 "rejection_sampler.py", "sampling.py", "mtp.py", "model.py", "mamba2.py", "attention.py"}
 
 
 def test_r3_a_spec_step_reads_the_device_once(spec_model, monkeypatch):
@@ -412,7 +412,7 @@ def test_stochastic_spec_decoding_samples_the_target_distribution(spec_model):
         rid = ref.add_request(tokens, SamplingParams(max_tokens=1))
         out = ref.scheduler.schedule()
         res = ref.runner.execute(out, return_logits=True)
-        ref.scheduler.update(out, res.sampled)
+        ref.step_update.update(out, res.sampled)
         ref.runner.remove_request(rid)
         return res.logits[rid].double().softmax(-1)
 

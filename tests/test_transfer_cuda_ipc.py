@@ -119,10 +119,10 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
             local = []
             for h in handles:
                 # Scattered local blocks: every other free block.
-                blocks = engine.scheduler.blocks.allocate(2 * len(h.kv_block_ids))
+                blocks = engine.cache.blocks.allocate(2 * len(h.kv_block_ids))
                 rng.shuffle(blocks)
-                engine.scheduler.blocks.free(blocks[len(h.kv_block_ids):])
-                local.append((blocks[:len(h.kv_block_ids)], engine.scheduler.slots.allocate(1)[0]))
+                engine.cache.blocks.free(blocks[len(h.kv_block_ids):])
+                local.append((blocks[:len(h.kv_block_ids)], engine.cache.slots.allocate(1)[0]))
             pending = [agent.start_read(h.request_id, h.engine_id, b, list(h.kv_block_ids), s, h.state_slot)
                        for h, (b, s) in zip(handles, local, strict=True)]
             for p in pending:

@@ -95,7 +95,7 @@ def test_concurrent_reads_of_scattered_blocks_arrive_bit_identical(decode, peer)
     assert any(sorted(h.kv_block_ids) != list(range(h.kv_block_ids[0], h.kv_block_ids[0] + len(h.kv_block_ids)))
                for h in handles), "the peer's blocks should be scattered"
     # Local blocks scattered too: a random half of the pool stays taken.
-    sched = engine.scheduler
+    sched = engine.cache
     every = sched.blocks.allocate(sched.blocks.num_free)
     rng.shuffle(every)
     sched.blocks.free(every[: len(every) // 2])
@@ -157,7 +157,7 @@ def test_peer_killed_mid_transfer_gives_a_typed_failure_in_bounded_time_and_leak
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "big", 16384)  # scattered over the fragmented pool
-        sched = engine.scheduler
+        sched = engine.cache
         blocks, slot = sched.blocks.allocate(16384), sched.slots.allocate(1)[0]
         remote = list(h.kv_block_ids)
         # READs back to back while another process kills the peer: the kill lands inside one of them (UCX
@@ -211,7 +211,7 @@ def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, 
     try:
         handshake(agent, address)
         h = call(conn, "hold_blocks", "slow", 128)
-        sched = engine.scheduler
+        sched = engine.cache
         blocks, slot = sched.blocks.allocate(128), sched.slots.allocate(1)[0]
         remote = list(h.kv_block_ids)
         os.kill(proc.pid, signal.SIGSTOP)

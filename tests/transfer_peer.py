@@ -31,7 +31,7 @@ def run_peer(conn, model_dir: str, engine_kw: dict, lease_seconds: float, engine
     from baton.transfer.side_channel import SideChannelServer
 
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**engine_kw))
-    sched = engine.scheduler
+    sched = engine.cache
     # Fragment the pool: a random half of the blocks stays taken, so held requests own scattered blocks.
     every = sched.blocks.allocate(sched.blocks.num_free)
     random.Random(0).shuffle(every)
