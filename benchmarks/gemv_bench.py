@@ -1,4 +1,4 @@
-"""The fused-prologue GEMV (`ops.triton_gemv`) against what it replaces, on the 8b-like linear layers.
+"""The fused-prologue GEMV (`ops.linear.kernel`) against what it replaces, on the 8b-like linear layers.
 
 For each layer shape and decode batch size M, timed inside CUDA graphs (as the engine replays decode steps), the
 weights rotated over enough copies that L2 holds none of them between calls:
@@ -124,9 +124,9 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     # Imported here: the smoke run sets TRITON_INTERPRET before Triton loads.
     from triton.runtime.errors import OutOfResources
 
-    from baton.engine.ops import dispatch
-    from baton.engine.ops.fused_linear import fused_linear
-    from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton
+    from baton.engine.ops.kernels import resolve_kernels
+    from baton.engine.ops.linear.kernel import GemvTiles, default_tiles, fused_linear_triton
+    from baton.engine.ops.linear.reference import fused_linear
 
     g = torch.Generator(device=device).manual_seed(0)
     wbytes = layer.n * layer.k * dtype.itemsize
@@ -143,13 +143,15 @@ def bench_layer(layer: Layer, m: int, device: torch.device, dtype: torch.dtype, 
     if layer.prologue in ("add_norm", "gated_norm", "norm"):
         kw["norm_weight"] = torch.rand(layer.k, generator=g, device=device, dtype=dtype) + 0.5
 
-    def separate(i: int):  # the op's own kernel (Triton on CUDA), then the GEMM
+    kernels = resolve_kernels("triton", device)
+
+    def separate(i: int):  # the op's own kernel, then the GEMM
         if layer.prologue == "add_norm":
-            x, _ = dispatch.add_rms_norm(a)(a, kw["residual"], kw["norm_weight"], 1e-5)
+            x, _ = kernels.add_rms_norm(a, kw["residual"], kw["norm_weight"], 1e-5)
         elif layer.prologue == "gated_norm":
-            x = dispatch.gated_rms_norm(a)(a, kw["gate"], kw["norm_weight"], layer.group_size, 1e-5).to(dtype)
+            x = kernels.gated_rms_norm(a, kw["gate"], kw["norm_weight"], layer.group_size, 1e-5).to(dtype)
         elif layer.prologue == "relu2":
-            x = dispatch.relu2(a)(a)
+            x = kernels.relu2(a)
         else:
             x = a
         return torch.nn.functional.linear(x, ws[i])
@@ -234,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ["BATON_KERNELS"] = "triton"
         device, dtype, layers, l2 = torch.device("cpu"), torch.float32, LAYERS_SMOKE, 0
     else:
         if not torch.cuda.is_available():

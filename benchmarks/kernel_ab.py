@@ -38,8 +38,8 @@ from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 JSON_NAME = "kernel_ab.json"
 OPS = ("conv_varlen", "prefill_attention", "decode_attention")
-FILES = {"conv_varlen": "engine/ops/triton_conv_varlen.py", "prefill_attention": "engine/ops/triton_attention.py",
-         "decode_attention": "engine/ops/triton_attention.py"}
+FILES = {"conv_varlen": "engine/ops/conv/kernel_varlen.py", "prefill_attention": "engine/ops/attention/kernel.py",
+         "decode_attention": "engine/ops/attention/kernel.py"}
 # The 8b-like layer: in_proj's output width, the conv's channels and width; attention heads and head size.
 IN_PROJ_WIDTH, CONV_OFFSET, CONV_DIM, CONV_K = 18560, 8192, 10240, 4
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -109,7 +109,7 @@ def time_us(fn: Callable[[], object], iters: int = 20, graph: bool = False) -> f
 
 
 def ab_conv(old: ModuleType, new: ModuleType, rounds: int) -> list[Row]:
-    from baton.engine.ops.causal_conv1d import causal_conv1d_varlen
+    from baton.engine.ops.conv.reference import causal_conv1d_varlen
     T = 8192
     g = torch.Generator(device="cuda").manual_seed(0)
     z = torch.randn(T, IN_PROJ_WIDTH, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -215,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--rounds: expected >= 1, got {args.rounds}")
     if not torch.cuda.is_available():
         raise SystemExit("kernel_ab: expected a CUDA device")
-    from baton.engine.ops import triton_attention, triton_conv_varlen
+    from baton.engine.ops.attention import kernel as triton_attention
+    from baton.engine.ops.conv import kernel_varlen as triton_conv_varlen
     new = {"conv_varlen": triton_conv_varlen, "prefill_attention": triton_attention,
            "decode_attention": triton_attention}
     runs = {"conv_varlen": ab_conv, "prefill_attention": ab_prefill_attention, "decode_attention": ab_decode_attention}

@@ -95,10 +95,10 @@ def _gemv_class(n: int, k: int) -> str:
 def patched(settings: tuple[Setting, ...]) -> Iterator[None]:
     """The ops' launch settings overridden inside the block (new launches and captures only), restored
     after."""
-    import baton.engine.ops.triton_attention as ta
-    import baton.engine.ops.triton_conv as tc
-    import baton.engine.ops.triton_gemv as tg
-    import baton.engine.ops.triton_ssu as ts
+    import baton.engine.ops.attention.kernel as ta
+    import baton.engine.ops.conv.kernel as tc
+    import baton.engine.ops.linear.kernel as tg
+    import baton.engine.ops.ssm_update.kernel as ts
 
     want = {(s.op, s.knob): s.value for s in settings}
     saved = [(ts, "_launch_config"), (ta, "_launch_config"), (ta, "DECODE_STAGES"), (tc, "_default_block_c"),
@@ -212,8 +212,8 @@ class Probe:
 def tree_settings(cfg: ModelConfig, batch: int) -> str:
     """What `base` runs at this batch: the state update's (rows per program, warps) and decode attention's key
     tile and warps, as the tree picks them for the model's shapes."""
-    import baton.engine.ops.triton_attention as ta
-    import baton.engine.ops.triton_ssu as ts
+    import baton.engine.ops.attention.kernel as ta
+    import baton.engine.ops.ssm_update.kernel as ts
 
     bp, _, nw = ts._launch_config(cfg.mamba_head_dim, cfg.ssm_state_size, batch=batch)
     _, _, bn, _, aw = ta._launch_config(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, 1,

@@ -129,7 +129,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     """[..., l] -> [..., l, l]: (l, s) = a[s+1] + ... + a[l] for s <= l, -inf above the diagonal (exact sums
-    of the masked steps, as `ops.mamba_chunk_scan` computes them)."""
+    of the masked steps, as `ops.chunk_scan.reference` computes them)."""
     n = a.shape[-1]
     ones = torch.ones(n, n, dtype=torch.bool, device=a.device)
     terms = a[..., :, None].expand(*a.shape, n).masked_fill(~torch.tril(ones, diagonal=-1), 0.0)

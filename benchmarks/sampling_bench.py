@@ -1,5 +1,5 @@
 """Deciding a step's sampled rows on the GPU (issue #7 item 1, fused sampling / acceptance): the Triton kernels of
-`engine/ops/triton_tempered_verify.py` against the torch reference of the same decisions, on the 8b-like
+`engine/ops/tempered_verify/kernel.py` against the torch reference of the same decisions, on the 8b-like
 vocabulary (131,072), measured in one run.
 
 For each K (0: a decode step's next token; K > 0: a verify step of K deterministic drafts a row, the MTP drafter's)
@@ -100,12 +100,12 @@ def timed(fn: Callable[[], object], device: torch.device, launches: int, reps: i
 
 
 def bench(K: int, R: int, V: int, args: argparse.Namespace, device: torch.device) -> Row:
-    from baton.engine.ops.tempered_verify import filtered_decisions
-    from baton.engine.ops.triton_tempered_verify import (
+    from baton.engine.ops.tempered_verify.kernel import (
         auto_splits,
         filtered_decisions_triton,
         tempered_decisions_triton,
     )
+    from baton.engine.ops.tempered_verify.reference import filtered_decisions
 
     g = torch.Generator().manual_seed(args.seed + 1000 * K + R)
     logits = (torch.randn(R, K + 1, V, generator=g) * args.scale).to(torch.bfloat16).to(device)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.top_k} / {args.top_p}")
     if args.launches < 1 or args.reps < 1:
         raise SystemExit(f"--launches / --reps: expected >= 1, got {args.launches} / {args.reps}")
-    from baton.engine.ops.triton_tempered_verify import MAX_SPLITS
+    from baton.engine.ops.tempered_verify.kernel import MAX_SPLITS
 
     if args.splits is not None and not 0 <= args.splits <= MAX_SPLITS:
         raise SystemExit(f"--splits: expected 0..{MAX_SPLITS}, got {args.splits}")

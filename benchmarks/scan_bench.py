@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
-from baton.engine.ops.triton_ssu import selective_state_update_triton  # noqa: E402
+from baton.engine.ops.chunk_scan.kernel import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
+from baton.engine.ops.ssm_update.kernel import selective_state_update_triton  # noqa: E402
 from benchmarks.kernels_bench import copy_gbps  # noqa: E402
 from tests.cuda_timing import time_call_ms  # noqa: E402
 

@@ -4,7 +4,7 @@ An eager step's wall time on a GPU is bound by the host when its kernels are sho
 host several microseconds (dispatch, allocator, launch), each Triton launch more (argument binding,
 specialisation key). A captured decode step replays the same kernels, each a few microseconds of GPU time
 at batch 1, where they add up next to the weights' read. This benchmark counts them for one step, on the
-path the GPU takes (`BATON_KERNELS=triton`), without running any kernel: Triton launches are counted and
+path the GPU takes (`EngineConfig.kernels="triton"`), without running any kernel: Triton launches are counted and
 skipped (`TRITON_INTERPRET=1` with the interpreter's launch replaced), ATen ops are counted by a dispatch
 mode, split by the layer kind whose mixer issued them (Mamba2 `M`, attention `*`, MLP `-`) and the rest
 of the step: embeddings, the residual adds and pre-norms between mixers, batch building, sampling.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 
-os.environ["BATON_KERNELS"] = "triton"  # the GPU path (read per call by ops.dispatch)
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels become interpreter objects
 
 import argparse  # noqa: E402
@@ -45,6 +44,7 @@ from baton.engine.llm_engine import LLMEngine  # noqa: E402
 from baton.engine.loader import load_checkpoint  # noqa: E402
 from baton.engine.make_model import build_config, make_model  # noqa: E402
 from baton.engine.model import Block  # noqa: E402
+from baton.engine.ops.kernels import bind_kernels, resolve_kernels  # noqa: E402
 from baton.engine.sampling_params import SamplingParams  # noqa: E402
 
 PATTERNS = {
@@ -134,6 +134,15 @@ def counting(engine: LLMEngine):
             del mixer.forward_pending  # the instance attribute: the method shows through again
 
 
+def _bind(engine: LLMEngine, mode: str) -> None:
+    """Rebind the engine's layers to `mode`'s ops: only this benchmark switches after start, to reach the counted
+    step sooner."""
+    kernels = resolve_kernels(mode, "cpu")
+    for module in (engine.model, engine.mtp):
+        if module is not None:
+            bind_kernels(module, kernels)
+
+
 def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, fused_gemv: int = 0) -> LLMEngine:
     """A toy-width engine of `pattern` on the CPU (with an MTP drafter of `spec` tokens), holding the requests
     whose next step is the one counted."""
@@ -145,7 +154,7 @@ def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, f
     engine = LLMEngine(cfg, weights, EngineConfig(
         device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows * (1 + spec)),
         num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8 * (1 + spec),
-        prefill_only=prefill, num_speculative_tokens=spec, fused_gemv_max_tokens=fused_gemv))
+        prefill_only=prefill, num_speculative_tokens=spec, fused_gemv_max_tokens=fused_gemv, kernels="triton"))
     engine.depth = 0  # one step at a time: each step() call below is one whole step
     # Prefill: R1 keeps one token back, so prompts of n + 1 tokens prefill n. Decode: short prompts.
     lens = [tokens // rows + (i < tokens % rows) + 1 for i in range(rows)]
@@ -153,12 +162,12 @@ def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, f
         engine.add_request([(7 * i + j) % 500 + 3 for j in range(n)],
                            SamplingParams(max_tokens=1 if prefill else 8, ignore_eos=True), prefill_only=prefill)
     if not prefill:  # the prompts' steps on the torch references (interpreted kernels would take ~10x as long)
-        os.environ["BATON_KERNELS"] = "torch"
+        _bind(engine, "torch")
         try:
             while engine.scheduler.waiting or any(not r.in_decode for r in engine.scheduler.running):
                 engine.step()
         finally:
-            os.environ["BATON_KERNELS"] = "triton"
+            _bind(engine, "triton")
     return engine
 
 

@@ -12,7 +12,7 @@ All are laid out id-major, so that everything a request owns is as contiguous as
   every mixer layer is one contiguous region per declared tensor. A request owns one slot.
 - Verify inputs (only while verifying drafts): per slot and mixer layer, the declared inputs of the slot's
   last 1+K verified positions, [slots, L_mixer, 1+K, *shape], replayed into the state by the next step once
-  the accepted count is known (R3/R4). They never travel: a transferred request has none pending.
+  the accepted count is known (R3/R4; `ops/spec_verify.py`). They never travel: a transferred request has none pending.
 
 Each pool has one spare entry past the plan's: a scratch KV block and a scratch state slot that no request
 ever owns, where the padding rows of a CUDA-graph decode step write (`cuda_graphs.py`).

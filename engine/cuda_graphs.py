@@ -30,7 +30,7 @@ fixed addresses, so:
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
   results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position
-  advanced by its emitted count, the KV slots there from its block table; `ops.chain_inputs`); only state
+  advanced by its emitted count, the KV slots there from its block table; `ops.chain_inputs.reference`); only state
   slots, output rooms, row indices and block tables travel from the host.
 
 On a CPU device the same static, padded layout runs eagerly (no capture): the tests check the padding and
@@ -53,7 +53,6 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.model import NemotronHForCausalLM
-from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
 
 # Verify graph variants, by the rows a step holds: greedy only; some sampling at a temperature; some with top-k or
@@ -244,8 +243,8 @@ class StepGraphs:
         if n not in self._starts:
             qsl, meta = self.query_start_loc[:n + 1], None
             cfg = self.model.cfg
-            if cfg.attention_layer_ids and dispatch.use_triton(qsl):
-                from baton.engine.ops.triton_attention import build_attention_meta
+            if cfg.attention_layer_ids and self.model.kernels.triton:
+                from baton.engine.ops.attention.kernel import build_attention_meta
                 meta = build_attention_meta(list(range(0, n * self.T + 1, self.T)), qsl, cfg.num_attention_heads,
                                             cfg.num_key_value_heads, cfg.head_dim)
             self._starts[n] = (qsl, meta)
@@ -266,7 +265,7 @@ class StepGraphs:
             mixer_states=self.pools.state_layers(),
             num_decode_tokens=n * T,
             attention_meta=attention_meta,
-            fused_gemv=n * T <= self.fused_gemv_max_tokens and dispatch.use_triton(self.ids),
+            fused_gemv=n * T <= self.fused_gemv_max_tokens and self.model.kernels.triton,
         )
         if T > 1:
             batch.spec_num_tokens = self.num_tokens[:n]
@@ -467,8 +466,8 @@ class StepGraphs:
         at = lists + 2 * rows
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         # Each row's inputs from the previous run's packed results [m counts | m*T emitted | m*K drafts]; rows past
-        # this step's up to its graph size become padding (`ops.chain_inputs`).
-        dispatch.chain_inputs(prev)(
+        # this step's up to its graph size become padding (`ops.chain_inputs.reference`).
+        self.model.kernels.chain_inputs(
             prev, m, self.staging[lists:lists + rows], self.staging[lists + rows:at], self._prev_base,
             self.block_tables[:n],
             self.ids, self.slot_mapping, self.seq_lens, self.verify_base, self.num_tokens, n, T, self.block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.engine.memory_budget import check_utilization
+from baton.engine.ops.kernels import check_mode
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_SPECULATIVE_TOKENS = 8
@@ -46,6 +47,10 @@ class EngineConfig:
     ssm_state_dtype: str | None = None
     # "auto": CUDA where a GPU is visible, else the CPU.
     device: str = "auto"
+    # Which implementation the ops run (`ops.kernels.resolve_kernels`), decided once at start: "auto" the Triton
+    # kernels on CUDA and the torch references elsewhere, "torch" the references (to rule a kernel out when
+    # debugging), "triton" the kernels (on a CPU in Triton's interpreter, as the tests run them).
+    kernels: str = "auto"
     # The share of the GPU's total memory this engine may use in all (weights, activations, graphs, pools) where
     # `cache_memory_bytes` is None; nodes sharing a GPU each take a share.
     gpu_memory_utilization: float = 0.9
@@ -67,10 +72,10 @@ class EngineConfig:
     # one at a time.
     async_scheduling: bool = True
     # Steps of at most this many tokens (decode batches) run the linear layers and the lm_head as Triton GEMVs
-    # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.fused_linear`), instead of
+    # with the op before each fused in (the residual add and RMSNorm, relu2: `ops.linear.reference`), instead of
     # cuBLAS plus a launch per op; 0 = off. Only where the Triton kernels run (CUDA). From 2 rows up the GEMV runs
-    # on the tensor cores with the op before it as its own kernel (`ops.triton_gemv.default_tiles`). None (the
-    # default): per GPU where that was measured faster (`llm_engine.FUSED_GEMV_GPUS`),
+    # on the tensor cores with the op before it as its own kernel (`ops.linear.kernel.default_tiles`). None (the
+    # default): per GPU where that was measured faster (`ops.linear.tuning.FUSED_GEMV_GPUS`),
     # 0 elsewhere; `llm_engine.resolved_fused_gemv_max_tokens`.
     fused_gemv_max_tokens: int | None = None
     # Q > 0: a step with decode rows carries at most one prompt chunk of at most Q tokens, and such a step replays
@@ -92,6 +97,7 @@ class EngineConfig:
         check_utilization(self.gpu_memory_utilization)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"engine field 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_mode(self.kernels)
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
         if self.dtype not in SUPPORTED_DTYPES:

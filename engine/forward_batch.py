@@ -42,11 +42,11 @@ class ForwardBatch:
     # The recurrent mixer's prefill metadata (`RecurrentMixer.prefill_meta`; Mamba2's Triton chunk layout), built
     # from host ints by the runner so that the mixer never reads query_start_loc back; None: it needs none.
     prefill_chunk_meta: object | None = None
-    # The attention kernel's program mapping for this batch (`ops.triton_attention.AttentionMeta`), built once
+    # The attention kernel's program mapping for this batch (`ops.attention.kernel.AttentionMeta`), built once
     # per step from host ints by the runner instead of on the device by every attention layer; None: built there.
     attention_meta: object | None = None
     # Run the linear layers as GEMVs with the op before each fused in (`layers.norms.PendingNorm`,
-    # `ops.fused_linear`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
+    # `ops.linear.reference`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
     fused_gemv: bool = False
 
     def __post_init__(self) -> None:

@@ -39,7 +39,8 @@ from baton.engine.memory_budget import summary as budget_summary
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import resolve_kernels
+from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
@@ -107,11 +108,6 @@ class EngineStats:
         return (self.spec_accepted + self.spec_verify_rows) / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
 
-# GPUs (by name) where decode steps of up to this many tokens are faster with the fused GEMVs than with cuBLAS,
-# as benchmarks/engine_bench.py measured them (benchmarks/RESULTS.md, "Decode step"); other GPUs keep cuBLAS.
-FUSED_GEMV_GPUS = {"H100": 1, "H200": 48}
-
-
 def resolved_fused_gemv_max_tokens(config: EngineConfig, device: torch.device) -> int:
     """`EngineConfig.fused_gemv_max_tokens`, its default (None) decided for the device: `FUSED_GEMV_GPUS`'s
     value for the GPU (by name), else 0."""
@@ -164,8 +160,9 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
-        self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype)
-        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype) if k else None
+        self.kernels = resolve_kernels(config.kernels, device)
+        self.model = NemotronHForCausalLM.from_state_dict(model_cfg, weights, device, self.dtype, self.kernels)
+        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype, self.kernels) if k else None
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
         # `capture_graphs` ran.
         self.memory: MemoryReport | None = None
@@ -179,7 +176,7 @@ class LLMEngine:
                 cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
         self.plan = plan_cache(model_cfg, self.model.state_spec(model_cfg), config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
-        graphable = self.graphs_capturable() and dispatch.use_triton(self.pools.kv)
+        graphable = self.graphs_capturable() and self.kernels.triton
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
@@ -190,7 +187,7 @@ class LLMEngine:
         self.fused_gemv_max_tokens = resolved_fused_gemv_max_tokens(config, device)
         self.runner.fused_gemv_max_tokens = self.fused_gemv_max_tokens
         self.runner.graphs = self._step_graphs(device)
-        if self.runner.graphs is not None and config.mixed_graph_tokens and dispatch.use_triton(self.pools.kv):
+        if self.runner.graphs is not None and config.mixed_graph_tokens and self.kernels.triton:
             self.runner.mixed_graphs = self.make_mixed_graphs(device)
         self.stats = EngineStats()
         self.last_step_rows = 0
@@ -276,7 +273,7 @@ class LLMEngine:
         scratch block and slot; what a graph holds does not depend on the pools' size). Measured, not estimated:
         the sizes share a pool, but each keeps its outputs and per-size inputs."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
-        graphable = self.graphs_capturable() and dispatch.use_triton(pools.kv)
+        graphable = self.graphs_capturable() and self.kernels.triton
         if not (config.cuda_graphs and not config.prefill_only and graphable):
             return 0
         bs = config.block_size

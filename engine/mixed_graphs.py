@@ -34,7 +34,6 @@ from baton.engine.cuda_graphs import capture_graph, capture_missing, graph_sizes
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.model import NemotronHForCausalLM
-from baton.engine.ops import dispatch
 from baton.engine.pending_step import device_mark, fill_pending
 
 
@@ -96,7 +95,7 @@ class MixedStepGraphs:
         self.chunk_meta = None
         cfg = model.cfg
         if pools.plan.state.num_layers:
-            self.chunk_meta = model.recurrent_mixer.prefill_meta(cfg, [0, Q], self.ids)
+            self.chunk_meta = model.recurrent_mixer.prefill_meta(cfg, [0, Q], model.kernels, dev)
         self.capture = device.type == "cuda"
         # Graphs' memory: `pool` (shared with other graphs replayed one at a time), or a pool of their own.
         self.pool = (pool if pool is not None else torch.cuda.graph_pool_handle()) if self.capture else None
@@ -111,8 +110,8 @@ class MixedStepGraphs:
             host = [*range(n + 1), n + self.Q]
             qsl, meta = to_device(host, torch.int64, self.device), None
             cfg = self.model.cfg
-            if cfg.attention_layer_ids and dispatch.use_triton(qsl):
-                from baton.engine.ops.triton_attention import build_attention_meta
+            if cfg.attention_layer_ids and self.model.kernels.triton:
+                from baton.engine.ops.attention.kernel import build_attention_meta
                 meta = build_attention_meta(host, qsl, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             self._starts[n] = (qsl, meta)
         return self._starts[n]

@@ -15,7 +15,7 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.state_spec import StateSpec
 from baton.engine.weights import MTP_PREFIX, place
 
@@ -60,6 +60,9 @@ class Backbone(nn.Module):
 
 class NemotronHForCausalLM(nn.Module):
     recurrent_mixer = Mamba2Mixer  # the mixer of its MAMBA layers, whose declared state the state pools hold
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`); the runners and
+    # graphs read it here.
+    kernels: Kernels | None = None
 
     @classmethod
     def state_spec(cls, cfg: ModelConfig) -> StateSpec:
@@ -87,14 +90,15 @@ class NemotronHForCausalLM(nn.Module):
         row (`benchmarks/gemv_bench.py`)."""
         weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
         if fused:
-            out = dispatch.fused_linear(hidden)(hidden, weight)
+            out = self.kernels.fused_linear(hidden, weight)
         else:
             out = torch.nn.functional.linear(hidden, weight)
         return out.float() if upcast else out
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype) -> NemotronHForCausalLM:
+                        dtype: torch.dtype, kernels: Kernels) -> NemotronHForCausalLM:
+        """The model of a (canonical) checkpoint state dict, its layers running `kernels`' ops."""
         with torch.device("meta"):
             model = cls(cfg)
         target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
@@ -107,4 +111,5 @@ class NemotronHForCausalLM(nn.Module):
                 module.freeze()
             elif isinstance(module, Attention):
                 module.fuse_qkv()
+        bind_kernels(model, kernels)
         return model.requires_grad_(False).eval()

@@ -52,6 +52,7 @@ from baton.engine.layers.attention import Attention
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
+from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.weights import MTP_PREFIX, mtp_layout, place
 
 
@@ -149,8 +150,9 @@ class MTPModule(nn.Module):
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype) -> MTPModule:
-        """Build from the `mtp.*` entries of a (canonical) checkpoint state dict; other entries are ignored."""
+                        dtype: torch.dtype, kernels: Kernels) -> MTPModule:
+        """Build from the `mtp.*` entries of a (canonical) checkpoint state dict (other entries are ignored), its
+        layers running `kernels`' ops."""
         with torch.device("meta"):
             module = cls(cfg)
         own = place(cls.mtp_entries(state), device, dtype)
@@ -159,4 +161,5 @@ class MTPModule(nn.Module):
         for m in module.modules():
             if isinstance(m, Attention):
                 m.fuse_qkv()
+        bind_kernels(module, kernels)
         return module.requires_grad_(False).eval()

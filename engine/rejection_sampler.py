@@ -19,8 +19,8 @@ Device-authoritative counts (DESIGN R3): `accepted_counts` is computed on the lo
 sync, so the verify step can pick the state slot to resume from without a round trip. Every row is decided by
 the same vectorised ops: no per-row loop and no generator.
 
-The decisions' torch reference is `ops.tempered_verify`. Rows that sample at a temperature alone (no top-k /
-top-p, deterministic drafts) are decided by `tempered_decisions`, on the GPU by one Triton launch (`ops.triton_tempered_verify`) that makes none of the
+The decisions' torch reference is `ops.tempered_verify.reference`. Rows that sample at a temperature alone (no top-k /
+top-p, deterministic drafts) are decided by `tempered_decisions`, on the GPU by one Triton launch (`ops.tempered_verify.kernel`) that makes none of the
 [R, Kmax+1, V] float32 copies of the torch path; `verify` and `verify_tempered` (a CUDA graph's) both decide them so.
 Rows with top-k / top-p are decided by `filtered_decisions` (the sampler's sort-based filter); on the GPU by the same
 kernel, which finds each filter's cut by a search (three keys tested per pass over V) instead of sorting.
@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from .host_copy import to_device
-from .ops import dispatch
-from .ops.tempered_verify import greedy_decisions, stochastic_decisions
+from .ops.kernels import Kernels
+from .ops.tempered_verify.reference import greedy_decisions, stochastic_decisions
 from .sample_inputs import SampleInputs, is_filtered, is_tempered, sample_inputs
 from .sampling import probs
 from .sampling_params import SamplingParams
@@ -67,13 +67,15 @@ def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
 
 
 class RejectionSampler:
-    """Stateless apart from `max_draft`; per-request state lives in the params and seeds passed in."""
+    """Stateless apart from `max_draft` and `kernels`; per-request state lives in the params and seeds passed in."""
 
-    def __init__(self, max_draft: int) -> None:
+    def __init__(self, max_draft: int, kernels: Kernels) -> None:
         # The widest batch accepted (the engine's --speculative-tokens).
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 0:
             raise ValueError(f"max_draft: expected an integer >= 0, got {max_draft!r}")
         self.max_draft = max_draft
+        # The engine's implementation of the tempered / filtered decisions (`ops.kernels`).
+        self.kernels = kernels
 
     def verify(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None = None,
@@ -104,7 +106,7 @@ class RejectionSampler:
                 temp = to_device([p.temperature for p in sub], torch.float32, dev)
                 top_k = to_device([p.top_k for p in sub], torch.int64, dev)
                 top_p = to_device([p.top_p for p in sub], torch.float32, dev)
-                acc_s, final_s = dispatch.filtered_decisions(target_logits)(
+                acc_s, final_s = self.kernels.filtered_decisions(
                     target_logits[idx], drafts[idx], nd[idx], temp, top_k, top_p, seeds[idx], positions[idx])
             else:
                 # Every position of a row uses that row's params: flatten positions into rows for probs.
@@ -140,11 +142,10 @@ class RejectionSampler:
         self._check(logits[:, None], none, None, inputs.no_drafts, params, inputs.seeds, inputs.positions)
         final = logits.argmax(dim=-1) if any(p.greedy for p in params) else None
         for kind, op, temp, extra in (
-                (is_tempered, dispatch.tempered_decisions, inputs.temperature, ()),
-                (is_filtered, dispatch.filtered_decisions, inputs.temperature_f, (inputs.top_k, inputs.top_p))):
+                (is_tempered, self.kernels.tempered_decisions, inputs.temperature, ()),
+                (is_filtered, self.kernels.filtered_decisions, inputs.temperature_f, (inputs.top_k, inputs.top_p))):
             if any(kind(p) for p in params):
-                drawn = op(logits)(logits[:, None], none, inputs.no_drafts, temp, *extra, inputs.seeds,
-                                   inputs.positions)[1]
+                drawn = op(logits[:, None], none, inputs.no_drafts, temp, *extra, inputs.seeds, inputs.positions)[1]
                 final = drawn if final is None else torch.where(temp > 0, drawn, final)
         assert final is not None  # (every row is greedy, tempered or filtered)
         return final
@@ -175,16 +176,15 @@ class RejectionSampler:
         filtered = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
         accepted, final = self._tempered(target_logits, drafts, nd, torch.where(filtered, 0.0, temperature), seeds,
                                          positions, accepted, final)
-        acc_f, final_f = dispatch.filtered_decisions(target_logits)(
+        acc_f, final_f = self.kernels.filtered_decisions(
             target_logits, drafts, nd, torch.where(filtered, temperature, 0.0), top_k, top_p, seeds, positions)
         return _result(drafts, torch.where(filtered, acc_f, accepted), torch.where(filtered, final_f, final))
 
-    @staticmethod
-    def _tempered(logits: Tensor, drafts: Tensor, nd: Tensor, temperature: Tensor, seeds: Tensor,
+    def _tempered(self, logits: Tensor, drafts: Tensor, nd: Tensor, temperature: Tensor, seeds: Tensor,
                   positions: Tensor, accepted: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:
         """The greedy decisions (accepted, final) with the rows whose temperature is above 0 decided by
         `tempered_decisions` (the Triton kernel on the GPU)."""
-        acc_s, final_s = dispatch.tempered_decisions(logits)(logits, drafts, nd, temperature, seeds, positions)
+        acc_s, final_s = self.kernels.tempered_decisions(logits, drafts, nd, temperature, seeds, positions)
         sampled = temperature > 0
         return torch.where(sampled, acc_s, accepted), torch.where(sampled, final_s, final)
 

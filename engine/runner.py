@@ -22,7 +22,6 @@ from baton.engine.host_copy import to_device
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.model import NemotronHForCausalLM
-from baton.engine.ops import dispatch
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.request import PENDING
@@ -68,7 +67,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         # Draws each row's next token (`RejectionSampler.sample`); a spec runner's verifies drafts too.
-        self.rejection = RejectionSampler(0)
+        self.rejection = RejectionSampler(0, model.kernels)
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
@@ -125,19 +124,19 @@ class ModelRunner:
             mixer_states=self._states,
         )
         # (Where the Triton kernels run: the torch reference would run the same ops, only one by one.)
-        batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens and dispatch.use_triton(self.replay)
+        batch.fused_gemv = len(input_ids) <= self.fused_gemv_max_tokens and self.model.kernels.triton
         if spec and out.num_decodes:
             self._add_verify_layout(out, batch, replay, qsl)
         cfg = self.model.cfg
-        if self._kv and dispatch.use_triton(self.pools.kv):
-            from baton.engine.ops.triton_attention import build_attention_meta
+        if self._kv and self.model.kernels.triton:
+            from baton.engine.ops.attention.kernel import build_attention_meta
             batch.attention_meta = build_attention_meta(qsl, batch.query_start_loc, cfg.num_attention_heads,
                                                         cfg.num_key_value_heads, cfg.head_dim)
         nd = out.num_decodes
         if nd < len(out.rows) and self._states:
             base = qsl[nd]
-            batch.prefill_chunk_meta = self.model.recurrent_mixer.prefill_meta(cfg, [q - base for q in qsl[nd:]],
-                                                                               self.replay)
+            batch.prefill_chunk_meta = self.model.recurrent_mixer.prefill_meta(
+                cfg, [q - base for q in qsl[nd:]], self.model.kernels, self.device)
         return t(input_ids), batch
 
     def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, replay: torch.Tensor,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
 from baton.engine.memory_budget import AUTO_MAX_NUM_SEQS, CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
+from baton.engine.ops.kernels import MODES as KERNEL_MODES
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
     g.add_argument("--max-model-len", type=int, help="longest prompt + output (the model's)")
     g.add_argument("--dtype", choices=SUPPORTED_DTYPES, help=f"({d.dtype})")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default auto: CUDA where a GPU is visible, else the CPU)")
+    g.add_argument("--kernels", choices=KERNEL_MODES,
+                   help="the ops' implementation: Triton kernels on CUDA and torch references elsewhere (auto), the "
+                        "references (torch, to rule a kernel out when debugging) or the kernels (triton) (auto)")
     g.add_argument("--ssm-state-dtype", choices=SUPPORTED_DTYPES[1:],
                    help="SSM state pool dtype (the checkpoint's mamba_ssm_cache_dtype)")
     g.add_argument("--cuda-graphs", choices=("on", "off"),
@@ -55,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
-                "num_speculative_tokens",
+                "kernels", "num_speculative_tokens",
                 "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}

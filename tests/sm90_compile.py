@@ -78,7 +78,11 @@ def _idx(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
 def _with_pdl(fn: Callable[[], object]) -> Callable[[], object]:
     """Run `fn` with every op module's `pdl()` on (as on an sm_90 device for few rows)."""
     def run():
-        from baton.engine.ops import triton_attention, triton_conv, triton_gemv, triton_norm, triton_ssu
+        from baton.engine.ops.attention import kernel as triton_attention
+        from baton.engine.ops.conv import kernel as triton_conv
+        from baton.engine.ops.linear import kernel as triton_gemv
+        from baton.engine.ops.norm import kernel as triton_norm
+        from baton.engine.ops.ssm_update import kernel as triton_ssu
         modules = [m for m in (triton_attention, triton_conv, triton_gemv, triton_norm, triton_ssu) if hasattr(m, "pdl")]
         saved = [m.pdl for m in modules]
         for m in modules:
@@ -100,14 +104,14 @@ HIDDEN = 256
 
 
 def _conv_varlen():
-    from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton
+    from baton.engine.ops.conv.kernel_varlen import causal_conv1d_varlen_triton
     x = _g(96, CONV)
     causal_conv1d_varlen_triton(x, _g(CONV, 4), _g(CONV), _g(6, CONV, 3), _idx([0, 40, 41, 96]), _idx([1, 4, 2]),
                                 torch.tensor([True, False, True]))
 
 
 def _conv_update():
-    from baton.engine.ops.triton_conv import causal_conv1d_update_triton, causal_conv1d_update_verify_triton
+    from baton.engine.ops.conv.kernel import causal_conv1d_update_triton, causal_conv1d_update_verify_triton
     causal_conv1d_update_triton(_g(8, CONV), _g(CONV, 4), _g(CONV), _g(10, CONV, 3), _idx(list(range(8))))
     pending = _g(10, 3, CONV)
     causal_conv1d_update_verify_triton(_g(2, 3, CONV), _g(CONV, 4), _g(CONV), _g(10, CONV, 3), pending,
@@ -115,7 +119,7 @@ def _conv_update():
 
 
 def _attention():
-    from baton.engine.ops.triton_attention import paged_attention_triton
+    from baton.engine.ops.attention.kernel import paged_attention_triton
     rows = [(40, 100), (0, 70), (5, 1)]
     blocks = 40
     kv = _g(blocks, 2, BLOCK, HKV, D)
@@ -134,12 +138,12 @@ def _attention():
 
 
 def _kv_write():
-    from baton.engine.ops.triton_kv_write import write_kv_triton
+    from baton.engine.ops.attention.kernel_kv_write import write_kv_triton
     write_kv_triton(_g(20, HKV, D), _g(20, HKV, D), _g(8, 2, BLOCK, HKV, D), torch.arange(20, dtype=torch.int64))
 
 
 def _chain_inputs():
-    from baton.engine.ops.triton_chain_inputs import chain_inputs_triton
+    from baton.engine.ops.chain_inputs.kernel import chain_inputs_triton
     n, T = 40, 3  # a verify step of K = 2 drafts, 37 rows chained on a 40-row graph (two programs of rows)
     i64 = dict(dtype=torch.int64)
     chain_inputs_triton(torch.zeros(2 * T * n, **i64), n, torch.arange(37, **i64), torch.zeros(37, **i64),
@@ -149,7 +153,7 @@ def _chain_inputs():
 
 
 def _tempered_verify():
-    from baton.engine.ops.triton_tempered_verify import tempered_decisions_triton
+    from baton.engine.ops.tempered_verify.kernel import tempered_decisions_triton
     R, K, V = 8, 2, 1000  # bf16 logits of K = 2 verify rows, one program a row and split (the shared passes)
     i64 = dict(dtype=torch.int64)
     for splits in (0, 1):
@@ -158,7 +162,7 @@ def _tempered_verify():
 
 
 def _filtered_verify():
-    from baton.engine.ops.triton_tempered_verify import filtered_decisions_triton
+    from baton.engine.ops.tempered_verify.kernel import filtered_decisions_triton
     R, K, V = 8, 1, 1000  # bf16 logits of K = 1 verify rows with top-k / top-p, split (the shared passes), and
     i64 = dict(dtype=torch.int64)  # fp32 rows without drafts, one program a row
     filtered_decisions_triton(_g(R, K + 1, V), torch.zeros(R, K, **i64), torch.full((R,), K, **i64), torch.ones(R),
@@ -169,19 +173,19 @@ def _filtered_verify():
 
 
 def _norms():
-    from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
+    from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
     rms_norm_triton(_g(32, HIDDEN), _g(HIDDEN), 1e-5)
     add_rms_norm_triton(_g(32, HIDDEN), _g(32, HIDDEN), _g(HIDDEN), 1e-5)
     gated_rms_norm_triton(_g(32, H * P), _g(32, H * P), _g(H * P), H * P // G, 1e-5)
 
 
 def _relu2():
-    from baton.engine.ops.triton_act import relu2_triton
+    from baton.engine.ops.act.kernel import relu2_triton
     relu2_triton(_g(32, 4 * HIDDEN))
 
 
 def _gemv():
-    from baton.engine.ops.triton_gemv import default_tiles, fused_linear_triton
+    from baton.engine.ops.linear.kernel import default_tiles, fused_linear_triton
     for m, n, k in ((1, 512, HIDDEN), (8, 512, HIDDEN), (8, HIDDEN, 8192 + 512), (40, 512, HIDDEN), (40, 9216, HIDDEN),
                     (40, 33280, HIDDEN), (40, HIDDEN, 8192)):
         tiles = default_tiles(m, n, k, True)
@@ -198,7 +202,7 @@ def _gemv():
 
 
 def _scan():
-    from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton
+    from baton.engine.ops.chunk_scan.kernel import build_chunk_meta, mamba_chunk_scan_varlen_triton
     starts = [0, 300, 301, 361]  # rows of 300 (three chunks), 1 and 60 tokens
     T = starts[-1]
     for pool in (torch.float32, torch.bfloat16):
@@ -210,7 +214,7 @@ def _scan():
 
 
 def _ssu():
-    from baton.engine.ops.triton_ssu import (
+    from baton.engine.ops.ssm_update.kernel import (
         selective_state_update_triton,
         selective_state_update_verify_triton,
     )

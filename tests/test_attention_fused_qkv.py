@@ -11,6 +11,7 @@ from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
+from baton.engine.ops.kernels import resolve_kernels
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,8 @@ def _attentions(module: torch.nn.Module) -> list[Attention]:
 
 def test_loaded_model_and_drafter_run_one_qkv_gemm_over_the_checkpoint_values(ckpt):
     cfg, state = ckpt
-    model = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32)
-    mtp = MTPModule.from_state_dict(cfg, state, "cpu", torch.float32)
+    model = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
+    mtp = MTPModule.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
     n_attn = sum(t == ATTENTION for t in cfg.layer_types)
     assert len(_attentions(model)) == n_attn > 0 and len(_attentions(mtp)) == 1
     for attn in _attentions(model) + _attentions(mtp):
@@ -45,7 +46,7 @@ def test_loaded_model_and_drafter_run_one_qkv_gemm_over_the_checkpoint_values(ck
 
 def test_fused_outputs_equal_three_projections(ckpt):
     cfg, state = ckpt
-    attn = _attentions(NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32))[0]
+    attn = _attentions(NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu")))[0]
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     fused = torch.nn.functional.linear(x, attn._fused())
     three = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
@@ -54,7 +55,7 @@ def test_fused_outputs_equal_three_projections(ckpt):
 
 def test_in_place_load_writes_through_and_assign_unties(ckpt):
     cfg, state = ckpt
-    model = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32)
+    model = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
     attn = _attentions(model)[0]
     new_k = torch.randn_like(attn.k_proj.weight)
     attn.k_proj.load_state_dict({"weight": new_k})  # in place: the fused weight sees it

@@ -113,16 +113,14 @@ def _run(engine: LLMEngine, after_step=None, max_tokens: dict[int, int] = SHORT)
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("k", [2])
-def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, monkeypatch):  # noqa: F811
+def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k):  # noqa: F811
     pytest.importorskip("triton")
     # One step at a time: eager steps on the torch references (the interpreter would double this test's time;
     # tests/test_cuda_graphs.py holds the static layout, tests/test_kernels_in_engine.py the kernels, to them).
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, k, async_scheduling=False)
+    ref_engine = new_engine(small_spec_model, k, async_scheduling=False, kernels="torch")
     ref_log = Log(ref_engine)
     ref = _run(ref_engine)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = _graph_engine(small_spec_model, k)
+    engine = _graph_engine(small_spec_model, k, kernels="triton")
     assert engine.depth == 1 and ref_engine.depth == 0
     log = Log(engine)
     chains = Chains(engine)
@@ -143,7 +141,7 @@ def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k, mon
 
 
 @pytest.mark.interpreter
-def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_model, monkeypatch):  # noqa: F811
+def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_model):  # noqa: F811
     """Rows that sample at a temperature (seeded), some with top-k / top-p, beside greedy ones: their verify steps
     replay the graph's tempered and filtered variants (`RejectionSampler.verify_tempered`) and chain on the one in
     flight, and every request's tokens, drafts and accepted counts equal eager steps one at a time
@@ -155,12 +153,10 @@ def test_sampled_rows_verify_in_the_graph_and_chain_as_eager_steps(small_spec_mo
     for rid, p in _params(SHORT).items():
         n = int(rid[1:])
         params[rid] = dataclasses.replace(p, temperature=temps.get(n, 0.0), seed=n, **filters.get(n, {}))
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, 2)  # no graphs: eager verify steps, one at a time
+    ref_engine = new_engine(small_spec_model, 2, kernels="torch")  # no graphs: eager verify steps, one at a time
     ref_log = Log(ref_engine)
     ref = run(ref_engine, _arrivals(), params)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = _graph_engine(small_spec_model, 2)
+    engine = _graph_engine(small_spec_model, 2, kernels="triton")
     graphs = engine.runner.graphs
     variants = []
     forward = graphs._forward
@@ -190,26 +186,23 @@ def _abort_reference(model) -> dict:
     """Every request's output without the abort, and the new request's alone: eager steps one at a time on the
     torch references, computed once for both cases."""
     if id(model) not in _abort_refs:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("BATON_KERNELS", "torch")
-            engine = new_engine(model, 2, async_scheduling=False)
-            ref = dict(zip(_ABORT_PROMPTS, engine.generate(list(_ABORT_PROMPTS.values()), _ABORT_PARAMS),
-                           strict=True))
-            ref["again"] = engine.generate([_AGAIN], _ABORT_PARAMS)[0]
+        engine = new_engine(model, 2, async_scheduling=False, kernels="torch")
+        ref = dict(zip(_ABORT_PROMPTS, engine.generate(list(_ABORT_PROMPTS.values()), _ABORT_PARAMS),
+                       strict=True))
+        ref["again"] = engine.generate([_AGAIN], _ABORT_PARAMS)[0]
         _abort_refs[id(model)] = ref
     return _abort_refs[id(model)]
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("reuse_id", [False, True], ids=["then-new-id", "id-reused-at-once"])
-def test_abort_while_a_chained_step_is_in_flight(small_spec_model, monkeypatch, reuse_id):  # noqa: F811
+def test_abort_while_a_chained_step_is_in_flight(small_spec_model, reuse_id):  # noqa: F811
     """An aborted request's row still runs in the chained step: its blocks and slot stay out of the free lists
     until that step is read, and it gets no output from it; the others go on unchanged. A new request under the
     same id, added at once or a step later, gets its own tokens."""
     pytest.importorskip("triton")
     ref = _abort_reference(small_spec_model)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = _graph_engine(small_spec_model, 2)
+    engine = _graph_engine(small_spec_model, 2, kernels="triton")
     for rid, p in _ABORT_PROMPTS.items():
         engine.add_request(p, _ABORT_PARAMS, request_id=rid)
     got = {}

@@ -102,7 +102,7 @@ def test_graphs_are_off_on_cpu(spec_model):  # noqa: F811
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("k, fused", [(0, False), (2, False), (0, True)], ids=["0", "2", "0-fused-gemv"])
-def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k, fused, monkeypatch):  # noqa: F811
+def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k, fused):  # noqa: F811
     """The graphs' static, padded layout (scratch block and slot for padding rows; with K drafts the whole
     greedy verify step: rejection, replay counts, drafter catch-up and chain, and verify rows with fewer drafts
     padded to 1+K), run eagerly on the CPU, gives the tokens, drafts and accepted counts of steps built the usual
@@ -121,14 +121,13 @@ def test_static_padded_step_layout_equals_eager_steps_on_cpu(small_spec_model, k
 
     # The usual steps on the torch references (tests/test_kernels_in_engine.py holds the kernels to them; the
     # interpreter would double this test's time), the static layout on the kernels.
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, k)
+    ref_engine = new_engine(small_spec_model, k, kernels="torch")
     ref_log = Log(ref_engine)
     ref = run(ref_engine, with_prefill(arrivals), params)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
     # (With drafts one step at a time, so that every verify step goes through `run`; verify steps chained on the one
     # in flight: tests/test_chained_verify.py.)
-    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0, async_scheduling=not k)
+    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4 if fused else 0, async_scheduling=not k,
+                        kernels="triton")
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     used, counts = [], []
     static_run = engine.runner.graphs.run

@@ -123,7 +123,7 @@ def test_the_router_imports_no_node_package():
 
 def test_no_import_cycles_among_batons_modules():
     """Function-local imports included: a cycle hidden in a function is a cycle still (references in `layers/`
-    imported by `ops/dispatch`, which `layers/` imports, was one)."""
+    imported by `ops/kernels`, which `layers/` imports, was one)."""
     graph = {m: sorted(d for d in imports(m) if d in modules() and d != m) for m in modules()}
     cycles = []
     state: dict[str, int] = {}  # 1: on the path, 2: done

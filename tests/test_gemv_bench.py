@@ -52,7 +52,7 @@ def test_bad_sweep_tiles_are_refused(opt, value):
 SWEEP_PROBE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from baton.engine.ops import triton_gemv
+from baton.engine.ops.linear import kernel as triton_gemv
 from benchmarks import gemv_bench
 tried, run = [], triton_gemv.fused_linear_triton
 def record(*a, tiles=None, **k):
@@ -68,7 +68,7 @@ print(json.dumps({"tried": tried, "best": row.best_tiles, "best_us": row.best_us
 def test_sweep_tries_rows_k_tiles_and_splits_and_keeps_the_fastest():
     """The tensor-core sweep's options multiply: blocks of rows x K tiles x splits (a split needs a K tile per
     program: K = 64 in 64-long tiles is not split); the best tile is one it timed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "BATON_KERNELS": "triton"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", SWEEP_PROBE, str(SCRIPT.parent.parent)], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

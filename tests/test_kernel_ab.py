@@ -21,7 +21,7 @@ def _has_history() -> bool:
 @pytest.mark.skipif(not _has_history(), reason="needs the git checkout")
 def test_module_at_a_revision_is_its_own_module():
     old = ka.module_at("HEAD", ka.FILES["conv_varlen"], "kernel_ab_test_conv")
-    from baton.engine.ops import triton_conv_varlen
+    from baton.engine.ops.conv import kernel_varlen as triton_conv_varlen
     assert old is not triton_conv_varlen and old.__name__ == "kernel_ab_test_conv"
     assert callable(old.causal_conv1d_varlen_triton)
     with pytest.raises(SystemExit, match="expected engine/ops/nope.py at revision 'HEAD'"):

@@ -1,5 +1,5 @@
 """The engine's steps on the Triton kernels (decode / verify state updates, paged attention and its KV write,
-prefill conv and chunked scan, RMSNorm, residual add + RMSNorm, gated RMSNorm, relu2) (`BATON_KERNELS=triton`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
+prefill conv and chunked scan, RMSNorm, residual add + RMSNorm, gated RMSNorm, relu2) (`EngineConfig.kernels="triton"`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile installs it on CPU machines)")
 
-from baton.engine.ops import dispatch  # noqa: E402
+import dataclasses  # noqa: E402
+
+from baton.engine import llm_engine  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, small_spec_model  # noqa: E402, F401
 
 
@@ -15,23 +18,23 @@ from tests.test_spec_decode import GREEDY, Log, new_engine, prompt_of, run, smal
 @pytest.mark.parametrize("k", [0, 2])
 def test_engine_on_triton_kernels_equals_the_references(small_spec_model, k, monkeypatch):  # noqa: F811
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, k)
+    ref_engine = new_engine(small_spec_model, k, kernels="torch")
     ref_log = Log(ref_engine)
     ref = run(ref_engine, arrivals)
 
     calls = []
+    kernels = resolve_kernels("triton", "cpu")
+    spies = {}
     for name in ("conv_update", "state_update", "conv_update_verify", "state_update_verify", "paged_attention",
                  "write_kv", "conv_varlen", "chunk_scan", "rms_norm", "add_rms_norm", "gated_rms_norm", "relu2"):
-        orig = getattr(dispatch, name)
+        fn = getattr(kernels, name)
 
-        def spy(t, orig=orig, name=name):
-            fn = orig(t)
+        def spy(*args, fn=fn, name=name, **kw):
             calls.append((name, fn.__name__))
-            return fn
-        monkeypatch.setattr(dispatch, name, spy)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(small_spec_model, k)
+            return fn(*args, **kw)
+        spies[name] = spy
+    monkeypatch.setattr(llm_engine, "resolve_kernels", lambda mode, device: dataclasses.replace(kernels, **spies))
+    engine = new_engine(small_spec_model, k, kernels="triton")
     log = Log(engine)
     got = run(engine, arrivals)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
@@ -43,12 +46,11 @@ def test_engine_on_triton_kernels_equals_the_references(small_spec_model, k, mon
                                            "add_rms_norm", "gated_rms_norm", "relu2"}
 
 
-def test_bad_kernel_mode_is_refused(monkeypatch):
-    import torch
+def test_bad_kernel_mode_is_refused():
+    from baton.engine.engine_config import EngineConfig
 
-    monkeypatch.setenv("BATON_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="BATON_KERNELS"):
-        dispatch.use_triton(torch.zeros(1))
+    with pytest.raises(ValueError, match="kernels"):
+        EngineConfig(kernels="cuda")
 
 
 @pytest.mark.interpreter
@@ -57,30 +59,25 @@ def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch)
     """Steps of at most 4 tokens run every linear layer with its add + norm / relu2 / gated norm fused in
     (`fused_gemv_max_tokens`), larger ones the separate kernels; greedy tokens and drafts stay the references'."""
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, k)
+    ref_engine = new_engine(small_spec_model, k, kernels="torch")
     ref_log = Log(ref_engine)
     ref = run(ref_engine, arrivals)
 
     prologues, sizes, separate = [], [], []
-    orig, orig_norm = dispatch.fused_linear, dispatch.add_rms_norm
+    kernels = resolve_kernels("triton", "cpu")
+    orig, orig_norm = kernels.fused_linear, kernels.add_rms_norm
 
-    def spy(t):
-        fn = orig(t)
+    def spy(a, *args, **kw):
+        prologues.append(kw.get("prologue", "none"))
+        sizes.append(a.shape[0])
+        return orig(a, *args, **kw)
 
-        def call(a, *args, **kw):
-            prologues.append(kw.get("prologue", "none"))
-            sizes.append(a.shape[0])
-            return fn(a, *args, **kw)
-        return call
-
-    def spy_norm(t):
-        separate.append(t.shape[0])
-        return orig_norm(t)
-    monkeypatch.setattr(dispatch, "fused_linear", spy)
-    monkeypatch.setattr(dispatch, "add_rms_norm", spy_norm)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4)
+    def spy_norm(x, *args, **kw):
+        separate.append(x.shape[0])
+        return orig_norm(x, *args, **kw)
+    spied = dataclasses.replace(kernels, fused_linear=spy, add_rms_norm=spy_norm)
+    monkeypatch.setattr(llm_engine, "resolve_kernels", lambda mode, device: spied)
+    engine = new_engine(small_spec_model, k, fused_gemv_max_tokens=4, kernels="triton")
     log = Log(engine)
     got = run(engine, arrivals)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 
-import baton.engine.ops.triton_attention as ta  # noqa: E402
-import baton.engine.ops.triton_conv as tc  # noqa: E402
-import baton.engine.ops.triton_gemv as tg  # noqa: E402
-import baton.engine.ops.triton_ssu as ts  # noqa: E402
+import baton.engine.ops.attention.kernel as ta  # noqa: E402
+import baton.engine.ops.conv.kernel as tc  # noqa: E402
+import baton.engine.ops.linear.kernel as tg  # noqa: E402
+import baton.engine.ops.ssm_update.kernel as ts  # noqa: E402
 from benchmarks.launch_probe import Setting, main, parse_variant, patched  # noqa: E402
 
 

@@ -75,7 +75,7 @@ def test_the_default_mixed_graph_tokens_is_decided_by_where_graphs_run(fields, d
 # allocated (uninitialized), and the gated norm squares whatever that memory held, in their own rows only. The
 # interpreter (numpy) warns when such a square overflows (or the like); the real rows are compared below.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, monkeypatch, q, buckets):  # noqa: F811
+def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, q, buckets):  # noqa: F811
     """Decode rows and one chunk in the graphs' static layout (decode rows padded to the graph size on the scratch
     block and slot, the chunk padded to its bucket's size with its real length a device input), run eagerly on the
     CPU on the Triton kernels (interpreted), give the tokens and rows of the same steps built the usual way; with
@@ -84,12 +84,10 @@ def test_static_padded_mixed_layout_equals_eager_steps_on_cpu(small_spec_model, 
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     Q = q  # noqa: N806 (the module's Q in the first case)
     kw = {"mixed_graph_tokens": Q, "long_prefill_token_threshold": None}
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    ref_engine = new_engine(small_spec_model, 0, **kw)
+    ref_engine = new_engine(small_spec_model, 0, **kw, kernels="torch")
     ref_log = Log(ref_engine)
     ref = run(ref_engine, _arrivals(), params)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    engine = new_engine(small_spec_model, 0, **kw)
+    engine = new_engine(small_spec_model, 0, **kw, kernels="triton")
     engine.runner.graphs = engine.make_step_graphs(torch.device("cpu"))
     mixed = engine.runner.mixed_graphs = engine.make_mixed_graphs(torch.device("cpu"), buckets)
     calls = []
@@ -159,16 +157,15 @@ def test_gpu_mixed_graphs_equal_eager_mixed_steps(spec_model, dtype, q):  # noqa
 
 
 @pytest.mark.interpreter
-def test_padding_chunk_fits_when_max_model_len_is_below_q(small_spec_model, monkeypatch):  # noqa: F811
+def test_padding_chunk_fits_when_max_model_len_is_below_q(small_spec_model):  # noqa: F811
     """The graphs are captured on a padding chunk of Q tokens, which may be longer than any sequence the engine
     takes (max_model_len 16 < Q = 48, as in mtp_bench's engines): its block table covers all Q tokens, so every
     size's padded step runs on the Triton kernels (interpreted) within the static buffers and gives finite logits.
     (Otherwise its attention reads block ids past the block tables' end: a crash on the CPU, a CUDA error on a GPU
     in `capture_graphs`.)"""
     pytest.importorskip("triton")
-    monkeypatch.setenv("BATON_KERNELS", "triton")
     engine = new_engine(small_spec_model, 0, mixed_graph_tokens=48, long_prefill_token_threshold=None,
-                        max_model_len=16)
+                        max_model_len=16, kernels="triton")
     mixed = engine.make_mixed_graphs(torch.device("cpu"))
     assert sorted(mixed.buckets) == [48]
     graphs = mixed.buckets[48]

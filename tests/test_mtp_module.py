@@ -12,6 +12,7 @@ from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
 from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
+from baton.engine.ops.kernels import resolve_kernels
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
 SEQ_LENS = (9, 14)  # two requests of N target tokens each: a varlen batch crossing block boundaries
@@ -25,8 +26,8 @@ def ckpt(request, tmp_path_factory):
     out = make_model(tmp_path_factory.mktemp("mtp") / "tiny", "tiny", mtp_layers=1, progress=False,
                      overrides={"mtp_hybrid_override_pattern": request.param}, tokenizer=False)
     cfg, state = load_checkpoint(out)
-    target = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32)
-    mtp = MTPModule.from_state_dict(cfg, state, "cpu", torch.float32)
+    target = NemotronHForCausalLM.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
+    mtp = MTPModule.from_state_dict(cfg, state, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
     return cfg, state, target, mtp
 
 
@@ -123,7 +124,7 @@ def test_missing_and_unexpected_weights_are_listed(ckpt):
     bad = {k: v for k, v in state.items() if k != "mtp.layers.0.eh_proj.weight"}
     bad["mtp.layers.9.norm.weight"] = torch.ones(cfg.hidden_size)
     with pytest.raises(ValueError, match=r"mtp\.layers\.0\.eh_proj\.weight.*mtp\.layers\.9\.norm\.weight"):
-        MTPModule.from_state_dict(cfg, bad, "cpu", torch.float32)
+        MTPModule.from_state_dict(cfg, bad, "cpu", torch.float32, resolve_kernels("auto", "cpu"))
 
 
 def test_prefill_of_positions_0_to_n_minus_2_matches_dense(ckpt):

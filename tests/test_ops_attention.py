@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from baton.engine.ops.paged_attention import paged_attention, write_kv
+from baton.engine.ops.attention.reference import paged_attention, write_kv
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 HQ, HKV, HEAD_DIM = 6, 2, 16

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from transformers.models.nemotron_h.modeling_nemotron_h import causal_conv1d_fn
 from transformers.models.nemotron_h.modeling_nemotron_h import causal_conv1d_update as hf_update
 
-from baton.engine.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from baton.engine.ops.conv.reference import causal_conv1d_update, causal_conv1d_varlen
 
 CHANNELS, K = 24, 4
 NUM_SLOTS = 10

@@ -10,8 +10,8 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (
     mamba2_selective_state_update,
 )
 
-from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen
-from baton.engine.ops.selective_state_update import selective_state_update
+from baton.engine.ops.chunk_scan.reference import mamba_chunk_scan_varlen
+from baton.engine.ops.ssm_update.reference import selective_state_update
 
 H, P, N = 4, 8, 16
 NUM_SLOTS = 10

@@ -13,9 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from baton.engine.ops.causal_conv1d import causal_conv1d_update
-from baton.engine.ops.selective_state_update import selective_state_update
-from baton.engine.ops.spec_state_update import causal_conv1d_update_verify, selective_state_update_verify
+from baton.engine.ops.conv.reference import causal_conv1d_update, causal_conv1d_update_verify
+from baton.engine.ops.ssm_update.reference import selective_state_update, selective_state_update_verify
 
 H, P, N, G = 4, 8, 16, 2
 CHANNELS, WIDTH = 24, 4

@@ -1,4 +1,4 @@
-"""Triton relu2 (`ops.triton_act`) against torch's relu(x).square(): bit for bit in every float dtype.
+"""Triton relu2 (`ops.act.kernel`) against torch's relu(x).square(): bit for bit in every float dtype.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors; the `gpu` test runs it compiled at an
 8b-like MLP's width.
@@ -17,9 +17,9 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.layers.mlp import MLP  # noqa: E402
-from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.act import relu2_reference  # noqa: E402
-from baton.engine.ops.triton_act import BLOCK, relu2_triton  # noqa: E402
+from baton.engine.ops.act.kernel import BLOCK, relu2_triton  # noqa: E402
+from baton.engine.ops.act.reference import relu2_reference  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,15 +49,15 @@ def test_relu2_nan_inf_signed_zero_and_strided_input():
         relu2_triton(torch.ones(3, dtype=torch.int32, device=DEVICE))
 
 
-def test_mlp_takes_the_kernel_on_the_triton_path(monkeypatch):
+def test_mlp_takes_the_kernel_on_the_triton_path():
     m = MLP(16, 48, "relu2", bias=False).to(DEVICE, torch.bfloat16)
     x = make((5, 16), torch.bfloat16, seed=2)
     with torch.no_grad():
-        monkeypatch.setenv("BATON_KERNELS", "torch")
+        m.kernels = resolve_kernels("torch", x.device)
         ref = m(x)
-        assert dispatch.relu2(x) is relu2_reference
-        monkeypatch.setenv("BATON_KERNELS", "triton")
-        assert dispatch.relu2(x) is relu2_triton
+        assert m.kernels.relu2 is relu2_reference
+        m.kernels = resolve_kernels("triton", x.device)
+        assert m.kernels.relu2 is relu2_triton
         assert torch.equal(m(x), ref)
 
 

@@ -1,7 +1,7 @@
 """Triton paged attention kernel against its torch reference (`paged_attention`).
 
 Without CUDA the kernel runs in Triton's interpreter on CPU tensors: TRITON_INTERPRET must be set before
-`baton.engine.ops.triton_attention` is imported (its `@triton.jit` reads it at decoration time), so it is
+`baton.engine.ops.attention.kernel` is imported (its `@triton.jit` reads it at decoration time), so it is
 set at the very top of this module. The `gpu` tests run the compiled kernel at the full model size
 (Hq=32, Hkv=8, D=128, block 16), and `bench_attention` times it (a benchmark script may call it).
 """
@@ -19,8 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops.paged_attention import paged_attention, write_kv  # noqa: E402
-from baton.engine.ops.triton_attention import (  # noqa: E402
+from baton.engine.ops.attention.kernel import (  # noqa: E402
     PREFILL_BLOCK_M,
     PREFILL_WARPS,
     SHORT_BLOCK_M,
@@ -29,6 +28,7 @@ from baton.engine.ops.triton_attention import (  # noqa: E402
     build_attention_meta,
     paged_attention_triton,
 )
+from baton.engine.ops.attention.reference import paged_attention, write_kv  # noqa: E402
 from tests.cuda_timing import time_call_ms  # noqa: E402
 
 # (context tokens already cached, query tokens this step) per row: a whole-sequence prefill, a decode step
@@ -180,7 +180,7 @@ def test_prefill_tiles_below_the_diagonal_match_reference(block_m, block_n, monk
     """Prefill key tiles that every query of the block sees whole run without the causal mask: long rows with and
     without prefixes put whole tiles below the diagonal (at small tiles many per program), one row ends a tile
     exactly on its first query, and the last tiles near the diagonal stay masked."""
-    from baton.engine.ops import triton_attention as ta
+    from baton.engine.ops.attention import kernel as ta
     if block_m is not None:
         monkeypatch.setattr(ta, "PREFILL_BLOCK_M", block_m)
         monkeypatch.setattr(ta, "PREFILL_BLOCK_N", block_n)

@@ -1,4 +1,4 @@
-"""Triton chain-inputs kernel (`ops.triton_chain_inputs`) against the torch reference `chain_inputs`: the same
+"""Triton chain-inputs kernel (`ops.chain_inputs.kernel`) against the torch reference `chain_inputs`: the same
 inputs for a verify step chained on the previous one's results, int for int.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors; the `gpu` test runs it compiled.
@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.chain_inputs import chain_inputs  # noqa: E402
-from baton.engine.ops.triton_chain_inputs import ROWS, chain_inputs_triton  # noqa: E402
+from baton.engine.ops.chain_inputs.kernel import ROWS, chain_inputs_triton  # noqa: E402
+from baton.engine.ops.chain_inputs.reference import chain_inputs  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS, SCRATCH = 4, 3
@@ -76,7 +76,7 @@ def test_chain_inputs_equal_reference(m, n, src, K):
 
 def test_dispatch_and_tile_size():
     assert ROWS >= 8
-    assert dispatch.chain_inputs(torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu")) in (
+    assert resolve_kernels("auto", "cuda" if torch.cuda.is_available() else "cpu").chain_inputs in (
         chain_inputs, chain_inputs_triton)
 
 

@@ -19,11 +19,13 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.make_model import build_config  # noqa: E402
-from baton.engine.ops.causal_conv1d import causal_conv1d_update  # noqa: E402
-from baton.engine.ops.spec_state_update import causal_conv1d_update_verify  # noqa: E402
-from baton.engine.ops.triton_conv import (  # noqa: E402
+from baton.engine.ops.conv.kernel import (  # noqa: E402
     causal_conv1d_update_triton,
     causal_conv1d_update_verify_triton,
+)
+from baton.engine.ops.conv.reference import (  # noqa: E402
+    causal_conv1d_update,
+    causal_conv1d_update_verify,
 )
 from tests.cuda_timing import time_call_ms  # noqa: E402
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the
 
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.make_model import build_config  # noqa: E402
-from baton.engine.ops.causal_conv1d import causal_conv1d_varlen  # noqa: E402
-from baton.engine.ops.triton_conv_varlen import causal_conv1d_varlen_triton  # noqa: E402
+from baton.engine.ops.conv.kernel_varlen import causal_conv1d_varlen_triton  # noqa: E402
+from baton.engine.ops.conv.reference import causal_conv1d_varlen  # noqa: E402
 from tests.test_ops_triton_conv import DTYPES, WIDTHS, make_layer, make_x  # noqa: E402, F401
 from tests.test_ops_triton_conv import make_pool as make_pool_of  # noqa: E402
 

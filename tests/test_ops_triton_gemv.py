@@ -1,4 +1,4 @@
-"""The fused-prologue GEMV (`ops.triton_gemv`) against its torch reference (`ops.fused_linear`).
+"""The fused-prologue GEMV (`ops.linear.kernel`) against its torch reference (`ops.linear.reference`).
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors at small shapes; the `gpu` tests run it
 compiled at the 8b-like layer sizes, for each prologue the layers use.
@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops.fused_linear import PROLOGUES, fused_linear  # noqa: E402
-from baton.engine.ops.triton_gemv import GemvTiles, default_tiles, fused_linear_triton  # noqa: E402
+from baton.engine.ops.linear.kernel import GemvTiles, default_tiles, fused_linear_triton  # noqa: E402
+from baton.engine.ops.linear.reference import PROLOGUES, fused_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -130,7 +130,7 @@ def test_prologue_apart_is_the_separate_op_then_the_gemm(prologue):
 def test_split_k_sums_the_partials_in_split_order(m, n, k, split, block_k):
     """K split over programs (ragged K and rows; 7 tiles over 8 splits: the last one empty): the reference's y,
     the K ranges' products summed in split order, and the tile counters back at zero for the next launch."""
-    from baton.engine.ops import triton_gemv
+    from baton.engine.ops.linear import kernel as triton_gemv
 
     a, w, b, _ = args_for("none", m, n, k, torch.float32, bias=True)
     tiles = GemvTiles(16, 32, block_k, 4, 1, split_k=split)
@@ -181,8 +181,8 @@ def test_add_norm_residual_is_exact_and_written_once_per_row():
 def test_relu2_is_the_separate_op_bit_for_bit_and_norm_within_one_rounding():
     # With an identity weight the GEMV returns f(a) itself: relu2 bit for bit; the norm, rounded once where the
     # separate op rounds twice, within one rounding step.
-    from baton.engine.ops.act import relu2_reference
-    from baton.engine.ops.norm import rms_norm_reference
+    from baton.engine.ops.act.reference import relu2_reference
+    from baton.engine.ops.norm.reference import rms_norm_reference
     k = 64
     a, _, _, kw = args_for("norm", 3, 1, k, torch.bfloat16)
     eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)

@@ -1,4 +1,4 @@
-"""Triton KV write (`ops.triton_kv_write`) against the torch reference `write_kv`: the same cache, bit for bit.
+"""Triton KV write (`ops.attention.kernel_kv_write`) against the torch reference `write_kv`: the same cache, bit for bit.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors; the `gpu` test runs it compiled at an
 8b-like attention layer's size.
@@ -16,9 +16,10 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.paged_attention import write_kv  # noqa: E402
-from baton.engine.ops.triton_kv_write import BLOCK, write_kv_triton  # noqa: E402
+from baton.engine.ops.attention.kernel_kv_write import write_kv_triton  # noqa: E402
+from baton.engine.ops.attention.reference import write_kv  # noqa: E402
+from baton.engine.ops.attention.tuning import KV_WRITE_BLOCK as BLOCK  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,12 +76,10 @@ def test_negative_slots_write_nothing_and_errors():
         write_kv_triton(k[:, :1], v, cache, slots)
 
 
-def test_dispatch_picks_by_mode(monkeypatch):
+def test_dispatch_picks_by_mode():
     t = torch.zeros(1)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    assert dispatch.write_kv(t) is write_kv_triton
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    assert dispatch.write_kv(t) is write_kv
+    assert resolve_kernels("triton", t.device).write_kv is write_kv_triton
+    assert resolve_kernels("torch", t.device).write_kv is write_kv
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="triton is not installed (the Makefile's CP
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
 from baton.engine.layers.norms import GatedRMSNorm, RMSNorm  # noqa: E402
-from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
+from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -56,7 +56,7 @@ def gated_module(hidden, groups, dtype, seed=11, device=DEVICE):
 
 
 def run_module(module, monkeypatch, mode, *args):
-    monkeypatch.setenv("BATON_KERNELS", mode)
+    getattr(module, "__self__", module).kernels = resolve_kernels(mode, args[0].device)  # a module or its method
     with torch.no_grad():
         return module(*args)
 
@@ -93,7 +93,7 @@ def test_rms_norm_leading_shapes_and_strided_rows(dtype, atol, rtol, monkeypatch
 def test_rms_norm_weight_dtype_differs_from_input():
     w = make(64, torch.float32, 5, scale=1.0)
     x = make((4, 64), torch.bfloat16, 6)
-    from baton.engine.ops.norm import rms_norm_reference
+    from baton.engine.ops.norm.reference import rms_norm_reference
     ref = rms_norm_reference(x, w, EPS)
     got = rms_norm_triton(x, w, EPS)
     assert_close(got, ref, 1e-2, 8e-3)
@@ -102,7 +102,7 @@ def test_rms_norm_weight_dtype_differs_from_input():
 def test_rms_norm_many_rows_and_empty():
     w = make(40, torch.bfloat16, 5, scale=1.0)
     x = make((300, 40), torch.bfloat16, 7)  # several programs, a partial last row block
-    from baton.engine.ops.norm import rms_norm_reference
+    from baton.engine.ops.norm.reference import rms_norm_reference
     assert_close(rms_norm_triton(x, w, EPS), rms_norm_reference(x, w, EPS), 1e-2, 8e-3)
     empty = torch.empty((0, 40), dtype=torch.bfloat16, device=DEVICE)
     out = rms_norm_triton(empty, w, EPS)
@@ -116,7 +116,7 @@ def test_rms_norm_bf16_rounds_to_nearest_even():
     x = torch.full((1, 4), 1.0, device=DEVICE)
     w = torch.tensor([1.0 + 2 ** -8 + 2 ** -20, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8 + 2 ** -20)],
                      device=DEVICE)
-    from baton.engine.ops.norm import rms_norm_reference
+    from baton.engine.ops.norm.reference import rms_norm_reference
     x16 = x.to(torch.bfloat16)
     # eps = 0 keeps the scale exactly 1 so the weight's low bits decide the rounding.
     assert torch.equal(rms_norm_triton(x16, w, 0.0), rms_norm_reference(x16, w, 0.0))
@@ -186,7 +186,7 @@ def test_gated_rms_norm_strided_gate_from_split(dtype, atol, rtol, monkeypatch):
 @pytest.mark.parametrize("w_dtype, x_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                               (torch.float32, torch.float16)])
 def test_gated_rms_norm_mixed_dtypes_promote_like_torch(w_dtype, x_dtype):
-    from baton.engine.ops.norm import gated_rms_norm_reference
+    from baton.engine.ops.norm.reference import gated_rms_norm_reference
     w = make(64, w_dtype, 5, scale=1.0)
     x, gate = make((3, 64), x_dtype, 6), make((3, 64), torch.bfloat16, 7)
     ref = gated_rms_norm_reference(x, gate, w, 16, EPS)
@@ -196,7 +196,7 @@ def test_gated_rms_norm_mixed_dtypes_promote_like_torch(w_dtype, x_dtype):
 
 
 def test_gated_rms_norm_leading_shape_many_rows_and_empty():
-    from baton.engine.ops.norm import gated_rms_norm_reference
+    from baton.engine.ops.norm.reference import gated_rms_norm_reference
     w = make(60, torch.bfloat16, 5, scale=1.0)
     x, gate = make((3, 70, 60), torch.bfloat16, 6), make((3, 70, 60), torch.bfloat16, 7)
     assert_close(gated_rms_norm_triton(x, gate, w, 20, EPS), gated_rms_norm_reference(x, gate, w, 20, EPS),
@@ -219,18 +219,17 @@ def test_shape_and_dtype_errors():
         gated_rms_norm_triton(x, x[:1], w, 16, EPS)
 
 
-def test_dispatch_picks_by_mode(monkeypatch):
+def test_dispatch_picks_by_mode():
     t = torch.zeros(1)
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    assert dispatch.rms_norm(t) is rms_norm_triton
-    assert dispatch.gated_rms_norm(t) is gated_rms_norm_triton
-    assert dispatch.add_rms_norm(t) is add_rms_norm_triton
-    monkeypatch.setenv("BATON_KERNELS", "torch")
-    assert dispatch.rms_norm(t).__name__ == "rms_norm_reference"
-    assert dispatch.gated_rms_norm(t).__name__ == "gated_rms_norm_reference"
-    assert dispatch.add_rms_norm(t).__name__ == "add_rms_norm_reference"
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    assert dispatch.rms_norm(t).__name__ == "rms_norm_reference"  # CPU tensor
+    kernels = resolve_kernels("triton", t.device)
+    assert kernels.rms_norm is rms_norm_triton
+    assert kernels.gated_rms_norm is gated_rms_norm_triton
+    assert kernels.add_rms_norm is add_rms_norm_triton
+    kernels = resolve_kernels("torch", t.device)
+    assert kernels.rms_norm.__name__ == "rms_norm_reference"
+    assert kernels.gated_rms_norm.__name__ == "gated_rms_norm_reference"
+    assert kernels.add_rms_norm.__name__ == "add_rms_norm_reference"
+    assert resolve_kernels("auto", t.device).rms_norm.__name__ == "rms_norm_reference"  # CPU tensor
 
 
 def test_module_parameters_unchanged():
@@ -279,7 +278,7 @@ def bench_norms(rows=1, dtype=torch.bfloat16, hidden=HIDDEN_8B, intermediate=INT
     """µs per call on CUDA of the Triton kernels and of the torch references, at the 8B-like sizes:
     {"rms_norm_triton", "rms_norm_torch", "gated_rms_norm_triton", "gated_rms_norm_torch"} -> µs.
     Back-to-back launches (no CUDA graph), so the torch numbers include one launch per small kernel."""
-    from baton.engine.ops.norm import gated_rms_norm_reference, rms_norm_reference
+    from baton.engine.ops.norm.reference import gated_rms_norm_reference, rms_norm_reference
     w = make(hidden, dtype, 1, scale=1.0, device="cuda")
     x = make((rows, hidden), dtype, 2, device="cuda")
     wg = make(intermediate, dtype, 3, scale=1.0, device="cuda")

@@ -2,7 +2,7 @@
 `mamba_chunk_scan_varlen`.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET must be set before
-`baton.engine.ops.triton_ssd` is imported, so it is set at the very top of this module. The `gpu` tests run
+`baton.engine.ops.chunk_scan.kernel` is imported, so it is set at the very top of this module. The `gpu` tests run
 the compiled kernels at the size of an 8B-like layer, and `bench_ssd` times them (a benchmark script
 calls it).
 """
@@ -22,9 +22,10 @@ from torch import Tensor  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops import dispatch, triton_ssd  # noqa: E402
-from baton.engine.ops.mamba_chunk_scan import mamba_chunk_scan_varlen  # noqa: E402
-from baton.engine.ops.triton_ssd import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
+from baton.engine.ops.chunk_scan import kernel as triton_ssd  # noqa: E402
+from baton.engine.ops.chunk_scan.kernel import build_chunk_meta, mamba_chunk_scan_varlen_triton  # noqa: E402
+from baton.engine.ops.chunk_scan.reference import mamba_chunk_scan_varlen  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
 
 H, P, N, G = 4, 8, 16, 2
 CHUNK = 16
@@ -347,7 +348,7 @@ def test_chunk_dt_cumsum_against_torch(dt_dtype):
     """Launch 0 (the dt and running-sum buffers the state walk and the output kernel read) against torch: dt as
     `discretize_dt`, and the running sums restart at every chunk's first token (rows' partial last chunks included),
     over more heads than one block of DT_BLOCK_H and a strided dt."""
-    from baton.engine.ops.selective_state_update import discretize_dt
+    from baton.engine.ops.ssm_update.reference import discretize_dt
 
     heads = triton_ssd.DT_BLOCK_H + 3
     params = make_params(heads)
@@ -367,12 +368,10 @@ def test_chunk_dt_cumsum_against_torch(dt_dtype):
     torch.testing.assert_close(cs_buf, want_cs.T, atol=1e-5, rtol=1e-5)
 
 
-def test_dispatch_picks_the_kernel_when_forced(monkeypatch):
+def test_dispatch_picks_the_kernel_when_forced():
     x = torch.zeros(1)
-    monkeypatch.setenv("BATON_KERNELS", "auto")
-    assert dispatch.chunk_scan(x) is mamba_chunk_scan_varlen  # CPU tensor: the reference
-    monkeypatch.setenv("BATON_KERNELS", "triton")
-    assert dispatch.chunk_scan(x) is mamba_chunk_scan_varlen_triton
+    assert resolve_kernels("auto", x.device).chunk_scan is mamba_chunk_scan_varlen  # CPU tensor: the reference
+    assert resolve_kernels("triton", x.device).chunk_scan is mamba_chunk_scan_varlen_triton
 
 
 # ---- argument checks (shapes only; no device reads when chunk_meta is given) ---------------------------

@@ -1,7 +1,7 @@
 """Triton selective state update kernels (decode and speculative verify) against their torch references.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET must be set before
-`baton.engine.ops.triton_ssu` is imported (its `@triton.jit` reads it at decoration time), so it is set at
+`baton.engine.ops.ssm_update.kernel` is imported (its `@triton.jit` reads it at decoration time), so it is set at
 the very top of this module. The `gpu` tests run the compiled kernels at the full model size, and
 `bench_ssu` times them (a benchmark script calls it).
 """
@@ -21,13 +21,15 @@ from torch import Tensor  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops.selective_state_update import selective_state_update  # noqa: E402
-from baton.engine.ops.spec_state_update import selective_state_update_verify  # noqa: E402
-from baton.engine.ops.triton_ssu import (  # noqa: E402
+from baton.engine.ops.ssm_update.kernel import (  # noqa: E402
     ONE_WARP_ROWS,
     _launch_config,
     selective_state_update_triton,
     selective_state_update_verify_triton,
+)
+from baton.engine.ops.ssm_update.reference import (  # noqa: E402
+    selective_state_update,
+    selective_state_update_verify,
 )
 from tests.cuda_timing import time_call_ms  # noqa: E402
 

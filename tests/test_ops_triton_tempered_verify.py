@@ -1,4 +1,4 @@
-"""Triton tempered-verify kernel (`ops.triton_tempered_verify`) against the torch references
+"""Triton tempered-verify kernel (`ops.tempered_verify.kernel`) against the torch references
 `tempered_verify.tempered_decisions` and `filtered_decisions`: the accepted counts and drawn tokens of rows
 sampling at a temperature, without and with top-k / top-p.
 
@@ -20,16 +20,16 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-import baton.engine.ops.triton_tempered_verify as tv  # noqa: E402
-from baton.engine.ops import dispatch  # noqa: E402
-from baton.engine.ops.tempered_verify import filtered_decisions, tempered_decisions  # noqa: E402
-from baton.engine.ops.triton_tempered_verify import (  # noqa: E402
+import baton.engine.ops.tempered_verify.kernel as tv  # noqa: E402
+from baton.engine.ops.kernels import resolve_kernels  # noqa: E402
+from baton.engine.ops.tempered_verify.kernel import (  # noqa: E402
     MAX_SPLITS,
     auto_splits,
     filtered_decisions_triton,
     tempered_decisions_triton,
     usable_sms,
 )
+from baton.engine.ops.tempered_verify.reference import filtered_decisions, tempered_decisions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TEMPS = (0.5, 1.0, 1.7, 1e-4, 0.0)  # 0: a greedy row, which the kernel leaves alone
@@ -194,9 +194,9 @@ def test_tiny_temperature_accepts_the_draft_holding_all_the_mass():
 def test_dispatch_and_bad_layout():
     logits = torch.zeros(2, 3, 8, device=DEVICE)
     if DEVICE == "cuda":
-        assert dispatch.tempered_decisions(logits) is tempered_decisions_triton
+        assert resolve_kernels("auto", logits.device).tempered_decisions is tempered_decisions_triton
     else:
-        assert dispatch.tempered_decisions(logits) is tempered_decisions
+        assert resolve_kernels("auto", logits.device).tempered_decisions is tempered_decisions
     i64 = dict(dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="expected logits with unit stride over V"):
         tempered_decisions_triton(logits.transpose(1, 2), torch.zeros(2, 7, **i64), torch.zeros(2, **i64),

@@ -23,8 +23,8 @@ def test_gpu_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
     """A chain of kernels each reading the one before (GEMV with add + norm -> gated norm -> GEMV -> ...), captured
     in a CUDA graph with PDL, gives the bits of the same chain launched without it: every kernel waits before it
     reads its input or overwrites a buffer an earlier kernel still reads (the graph's pool reuses them)."""
-    from baton.engine.ops.triton_gemv import fused_linear_triton
-    from baton.engine.ops.triton_norm import gated_rms_norm_triton
+    from baton.engine.ops.linear.kernel import fused_linear_triton
+    from baton.engine.ops.norm.kernel import gated_rms_norm_triton
 
     if not _hopper():
         pytest.skip("PDL needs compute capability 9.0")
@@ -77,7 +77,8 @@ def test_fused_gemv_default_is_decided_by_the_device():
 @pytest.mark.gpu
 def test_gpu_fused_gemv_default_is_the_measured_gpus_own():
     from baton.engine.engine_config import EngineConfig
-    from baton.engine.llm_engine import FUSED_GEMV_GPUS, resolved_fused_gemv_max_tokens
+    from baton.engine.llm_engine import resolved_fused_gemv_max_tokens
+    from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
 
     name = torch.cuda.get_device_name()
     want = FUSED_GEMV_GPUS.get(next((g for g in FUSED_GEMV_GPUS if g in name), ""), 0)
@@ -89,9 +90,9 @@ def test_gpu_fused_gemv_default_is_the_measured_gpus_own():
 def test_gpu_pdl_only_up_to_max_rows(monkeypatch):
     """Kernels over more than PDL_MAX_ROWS rows launch without PDL; a graph mixing both kinds of launch (a
     one-row GEMV chain feeding a wide norm and back) gives the bits of the serial chain."""
+    from baton.engine.ops.linear.kernel import fused_linear_triton
+    from baton.engine.ops.norm.kernel import gated_rms_norm_triton
     from baton.engine.ops.triton_common import PDL_MAX_ROWS
-    from baton.engine.ops.triton_gemv import fused_linear_triton
-    from baton.engine.ops.triton_norm import gated_rms_norm_triton
 
     if not _hopper():
         pytest.skip("PDL needs compute capability 9.0")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
-from baton.engine.ops.tempered_verify import stochastic_decisions
+from baton.engine.ops.kernels import resolve_kernels
+from baton.engine.ops.tempered_verify.reference import stochastic_decisions
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.sampling import probs
 from baton.engine.sampling_params import SamplingParams
@@ -58,7 +59,7 @@ def test_greedy_hand_made_cases() -> None:
     drafts = torch.tensor([d for _, d, _ in cases])
     nd = torch.tensor([k for _, _, k in cases])
     R = len(cases)
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, nd, [GREEDY] * R)
+    res = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", "cpu")).verify(logits, drafts, None, nd, [GREEDY] * R)
     assert res.accepted_counts.tolist() == [3, 1, 1, 0, 0, 2]
     assert res.num_emitted.tolist() == [4, 2, 2, 1, 1, 3]
     assert res.output_token_ids.tolist() == [
@@ -74,7 +75,7 @@ def test_greedy_matches_the_argmax_chain_on_random_batches() -> None:
     drafts = torch.where(corrupt, torch.randint(V, (R, Kmax), generator=g), argmax[:, :Kmax])
     nd = torch.randint(Kmax + 1, (R,), generator=g)
     q = torch.rand(R, Kmax, V, generator=g).softmax(-1)  # greedy rows ignore q
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, q, nd, [GREEDY] * R)
+    res = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", "cpu")).verify(logits, drafts, q, nd, [GREEDY] * R)
     for r in range(R):
         # Reference: non-speculative greedy emits argmax[k] at each step; drafts only say how far we get.
         emitted = []
@@ -132,7 +133,7 @@ def test_emitted_tokens_are_distributed_as_the_target(params: SamplingParams, de
     # A seed per row at one position, or one seed at a position per row: the noise must be fresh either way.
     seeds = torch.full((N,), 99) if one_seed else torch.arange(N) * 7919 + 5
     positions = torch.arange(N) * 3 + 17 if one_seed else torch.full((N,), 17)
-    res = RejectionSampler(max_draft=2).verify(logits, drafts, q, torch.full((N,), 2), [params] * N, seeds,
+    res = RejectionSampler(max_draft=2, kernels=resolve_kernels("auto", "cpu")).verify(logits, drafts, q, torch.full((N,), 2), [params] * N, seeds,
                                                positions)
     out, emitted = res.output_token_ids, res.num_emitted
     assert ((res.accepted_counts == 0) | (out[:, 0] == drafts[:, 0])).all()
@@ -161,7 +162,7 @@ def test_q_equal_to_p_accepts_every_draft() -> None:
     q = filtered(logits[:, :3], params)  # the drafter is the target: q == p exactly
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(R, 3)
     nd = torch.randint(4, (R,), generator=g)
-    res = RejectionSampler(max_draft=3).verify(logits, drafts, q, nd, [params] * R, torch.arange(R), ints(R * [0]))
+    res = RejectionSampler(max_draft=3, kernels=resolve_kernels("auto", "cpu")).verify(logits, drafts, q, nd, [params] * R, torch.arange(R), ints(R * [0]))
     assert res.accepted_counts.tolist() == nd.tolist()
 
 
@@ -170,7 +171,7 @@ def test_drafts_outside_the_target_filter_are_never_accepted_or_emitted() -> Non
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0]).expand(R, 2, V).contiguous()
     params = SamplingParams(temperature=2.0, top_k=3)  # keeps ids 0, 1, 2
     drafts = torch.arange(R)[:, None] % V  # [R, 1]: half of the drafts are filtered out by top-k
-    res = RejectionSampler(max_draft=1).verify(logits, drafts, None, torch.ones(R, dtype=torch.long),
+    res = RejectionSampler(max_draft=1, kernels=resolve_kernels("auto", "cpu")).verify(logits, drafts, None, torch.ones(R, dtype=torch.long),
                                                [params] * R, torch.arange(R), torch.full((R,), 4))
     assert (res.accepted_counts[drafts[:, 0] >= 3] == 0).all()
     assert set(res.output_token_ids[:, 0].tolist()) == {0, 1, 2}
@@ -204,7 +205,7 @@ def test_rows_without_drafts_draw_from_the_target() -> None:
     """K = 0 rows (and the bonus position) draw the token by inverse CDF: distributed as p, never a filtered id."""
     params = SamplingParams(temperature=1.1, top_k=4, top_p=0.95)
     logits = torch.tensor([0.5, 2.0, -1.0, 1.0, 0.0, 1.5]).expand(N, 1, 6).contiguous()
-    res = RejectionSampler(max_draft=0).verify(logits, torch.zeros(N, 0, dtype=torch.long), None,
+    res = RejectionSampler(max_draft=0, kernels=resolve_kernels("auto", "cpu")).verify(logits, torch.zeros(N, 0, dtype=torch.long), None,
                                                torch.zeros(N, dtype=torch.long), [params] * N,
                                                torch.full((N,), 3), torch.arange(N))
     assert_distributed_as(res.output_token_ids[:, 0], filtered(logits[0, 0], params))
@@ -217,7 +218,7 @@ def test_seed_reproducible_alone_or_in_a_batch(device: str) -> None:
     target = SamplingParams(temperature=1.2, top_k=12, top_p=0.95, seed=42)
     others = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8), GREEDY,
               SamplingParams(temperature=2.0, seed=42)]
-    rs = RejectionSampler(max_draft=max_draft)
+    rs = RejectionSampler(max_draft=max_draft, kernels=resolve_kernels("auto", device))
     alone, batched, differs = [], [], []
     pos = 30  # the position of the token column 0 decides: the emitted tokens' positions follow on
     for _ in range(steps):
@@ -264,7 +265,7 @@ def test_16_bit_target_logits_verify_as_their_float32_copy(device: str) -> None:
     params = [GREEDY, GREEDY, GREEDY, SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0.6, top_k=8, seed=2), SamplingParams(temperature=1.4, top_p=0.9, seed=3)]
     nd = torch.tensor([3, 3, 2, 3, 1, 2])
-    rs = RejectionSampler(max_draft=Kmax)
+    rs = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", device))
     seeds, pos = ints([0, 0, 0, 1, 2, 3], device), ints([5] * R, device)
     got = rs.verify(logits, drafts, None, nd, params, seeds, pos)
     want = rs.verify(logits.float(), drafts, None, nd, params, seeds, pos)
@@ -292,7 +293,7 @@ def test_verify_tempered_equals_verify_of_the_same_rows(device: str) -> None:
     params = [SamplingParams(temperature=t) for t in temps]
     seeds, pos = torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g)
     logits, drafts, seeds, pos = logits.to(device), drafts.to(device), seeds.to(device), pos.to(device)
-    rs = RejectionSampler(max_draft=Kmax)
+    rs = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", device))
     want = rs.verify(logits, drafts, None, nd, params, seeds, pos)
     got = rs.verify_tempered(logits, drafts, nd.to(device), torch.tensor(temps, device=device), seeds, pos)
     assert got.output_token_ids.tolist() == want.output_token_ids.tolist()
@@ -314,7 +315,7 @@ def test_outputs_are_int64_on_the_logits_device(device: str) -> None:
     logits = torch.randn(R, Kmax + 1, V, device=device, dtype=torch.bfloat16)
     drafts = torch.randint(V, (R, Kmax), device=device, dtype=torch.int32)
     params = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, seed=1)]
-    res = RejectionSampler(max_draft=Kmax).verify(logits, drafts, None, torch.tensor([2, 1, 0]), params,
+    res = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", device)).verify(logits, drafts, None, torch.tensor([2, 1, 0]), params,
                                                   ints([0, 1, 1], device), ints([9, 9, 9], device))
     for t, shape in ((res.accepted_counts, (R,)), (res.num_emitted, (R,)), (res.output_token_ids, (R, Kmax + 1))):
         assert t.dtype == torch.int64 and t.device.type == torch.device(device).type and tuple(t.shape) == shape
@@ -322,7 +323,7 @@ def test_outputs_are_int64_on_the_logits_device(device: str) -> None:
 
 
 def test_empty_batch() -> None:
-    res = RejectionSampler(max_draft=2).verify(torch.zeros(0, 3, 4), torch.zeros(0, 2, dtype=torch.long), None,
+    res = RejectionSampler(max_draft=2, kernels=resolve_kernels("auto", "cpu")).verify(torch.zeros(0, 3, 4), torch.zeros(0, 2, dtype=torch.long), None,
                                                torch.zeros(0, dtype=torch.long), [])
     assert res.output_token_ids.shape == (0, 3) and res.accepted_counts.shape == (0,)
 
@@ -355,14 +356,14 @@ def _args(**over: object) -> dict[str, object]:
 ])
 def test_invalid_arguments_name_the_argument(over: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RejectionSampler(max_draft=4).verify(**_args(**over))
+        RejectionSampler(max_draft=4, kernels=resolve_kernels("auto", "cpu")).verify(**_args(**over))
 
 
 def test_more_drafts_than_max_draft_is_refused() -> None:
     with pytest.raises(ValueError, match=r"draft_token_ids: expected at most max_draft=2 columns, got 3"):
-        RejectionSampler(max_draft=2).verify(**_args())
+        RejectionSampler(max_draft=2, kernels=resolve_kernels("auto", "cpu")).verify(**_args())
     with pytest.raises(ValueError, match=r"max_draft: expected an integer >= 0, got -1"):
-        RejectionSampler(max_draft=-1)
+        RejectionSampler(max_draft=-1, kernels=resolve_kernels("auto", "cpu"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -377,7 +378,7 @@ def test_verify_tempered_with_filters_equals_verify_of_the_same_rows(device: str
     params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(R)]
     seeds, pos = torch.randint(2**62, (R,), generator=g), torch.randint(1000, (R,), generator=g)
     logits, drafts, seeds, pos = logits.to(device), drafts.to(device), seeds.to(device), pos.to(device)
-    rs = RejectionSampler(max_draft=Kmax)
+    rs = RejectionSampler(max_draft=Kmax, kernels=resolve_kernels("auto", device))
     want = rs.verify(logits, drafts, None, nd, params, seeds, pos)
     t = lambda vals, dtype: torch.tensor(vals, dtype=dtype, device=device)  # noqa: E731
     got = rs.verify_tempered(logits, drafts, nd.to(device), t([p.temperature for p in params], torch.float32), seeds,
@@ -420,7 +421,7 @@ def test_sample_is_verify_without_drafts(device: str, filtered: str) -> None:
         params = [SamplingParams(temperature=(0.7, 1.0, 1.6)[i % 3], top_k=(0, 7)[i % 2], top_p=(0.8, 0.95, 0.5)[i % 3],
                                  seed=i) for i in range(R)]
     seeds, pos = ints(list(range(R)), device), ints([40 + i for i in range(R)], device)
-    rs = RejectionSampler(max_draft=0)
+    rs = RejectionSampler(max_draft=0, kernels=resolve_kernels("auto", device))
     got = rs.sample(logits, params, seeds, pos)
     want = rs.verify(logits[:, None], torch.zeros(R, 0, dtype=torch.long, device=device), None,
                      torch.zeros(R, dtype=torch.long), params, seeds, pos).output_token_ids[:, 0]

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.sample_inputs import is_filtered, is_tempered, sample_inputs
 from baton.engine.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ def test_decide_from_one_copy_equals_verify_without_drafts(device: str) -> None:
     R, V = 20, 300
     g = torch.Generator().manual_seed(9)
     logits = (torch.randn(R, V, generator=g) * 3).to(torch.bfloat16).to(device)
-    rs = RejectionSampler(max_draft=0)
+    rs = RejectionSampler(max_draft=0, kernels=resolve_kernels("auto", device))
     for params in ([dataclasses.replace(PARAMS[i % 5], seed=i) for i in range(R)],
                    [dataclasses.replace(PARAMS[2 + i % 3], seed=i) for i in range(R)]):
         seeds, positions = list(range(100, 100 + R)), [50 + i for i in range(R)]

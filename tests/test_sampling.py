@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.sampling import request_seed
 from baton.engine.sampling_params import SamplingParams
@@ -17,7 +18,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # are seeded, so the test is deterministic; the threshold only says how far off a bug must be.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
-sampler = RejectionSampler(0)
+
+
+def sampler_for(device: torch.device | str) -> RejectionSampler:
+    """A sampler on the ops an engine on `device` runs."""
+    return RejectionSampler(0, resolve_kernels("auto", device))
+
+
+sampler = sampler_for("cpu")
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int] | None = None,
@@ -27,7 +35,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int] 
     seeds = [p.seed or 0 for p in params] if seeds is None else seeds
     positions = [0] * n if positions is None else positions
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-    return sampler.sample(logits, params, t(seeds), t(positions))
+    return sampler_for(dev).sample(logits, params, t(seeds), t(positions))
 
 
 def sample_many(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
@@ -48,7 +56,7 @@ def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, i
 def test_greedy_is_argmax_with_ties_to_lowest_id(device: str) -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0)).to(device)
     logits[3, [7, 40, 90]] = 100.0  # a three-way tie for the max
-    out = sampler.sample(logits, [SamplingParams()] * 8, None, None)
+    out = sampler_for(device).sample(logits, [SamplingParams()] * 8, None, None)
     assert out.dtype == torch.int64 and out.device.type == torch.device(device).type
     assert out.tolist() == logits.argmax(dim=-1).tolist()
     assert out[3].item() == 7

@@ -1,6 +1,6 @@
 """benchmarks/step_ops.py: the host work of one engine step on the GPU path, counted on the CPU.
 
-Run as a subprocess (it sets BATON_KERNELS / TRITON_INTERPRET for its own process). The counts are exact, so
+Run as a subprocess (it sets TRITON_INTERPRET for its own process). The counts are exact, so
 they also hold the line on the per-layer work: a change that adds ops to every layer shows here.
 """
 

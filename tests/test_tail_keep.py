@@ -32,16 +32,16 @@ def _caches(engine: LLMEngine) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
-def test_tail_runs_on_the_kept_tokens_only(model, kernels, monkeypatch):
+def test_tail_runs_on_the_kept_tokens_only(model, kernels):
     pattern, (cfg, weights) = model
     if kernels == "triton":
         pytest.importorskip("triton")
         if pattern != TRITON_PATTERN:
             pytest.skip(f"on the interpreted kernels, one pattern: {TRITON_PATTERN} (its last cache layer a Mamba "
                         f"layer); the torch run covers this one")
-    monkeypatch.setenv("BATON_KERNELS", kernels)
     cache_layer, tail = PATTERNS[pattern]
-    engine = LLMEngine(cfg, weights, EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, block_size=8))
+    engine = LLMEngine(cfg, weights, EngineConfig(max_num_batched_tokens=128, max_num_seqs=4, block_size=8,
+                                                  kernels=kernels))
     assert engine.model.model.last_cache_layer == cache_layer
     g = torch.Generator().manual_seed(0)
     for n in (5, 17, 40):

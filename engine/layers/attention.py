@@ -17,13 +17,16 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.project import project
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 
 if TYPE_CHECKING:
     from baton.engine.layers.norms import PendingNorm
 
 
 class Attention(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, cfg: ModelConfig, kv_index: int) -> None:
         super().__init__()
         self.kv_index = kv_index  # which KV pool layer this attention layer owns
@@ -89,9 +92,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kv_cache = batch.kv_caches[self.kv_index]
-        dispatch.write_kv(k)(k, v, kv_cache, batch.slot_mapping)
+        self.kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
         meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
-        out = dispatch.paged_attention(q)(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                          self.scale, **meta)
+        out = self.kernels.paged_attention(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                           self.scale, **meta)
         out = out.reshape(t, self.num_heads * self.head_dim)
-        return project(self.o_proj, out if keep is None else out[keep], batch)
+        return project(self.o_proj, out if keep is None else out[keep], batch, self.kernels)

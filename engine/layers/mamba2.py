@@ -18,7 +18,7 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import GatedRMSNorm
 from baton.engine.layers.project import project
 from baton.engine.layers.recurrent_mixer import RecurrentMixer, States
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 from baton.engine.state_spec import STATE_DTYPE, StateSpec, StateTensor
 
 if TYPE_CHECKING:
@@ -60,12 +60,13 @@ class Mamba2Mixer(RecurrentMixer):
                            StateTensor("B", (g, n)), StateTensor("dt", (h,))))
 
     @classmethod
-    def prefill_meta(cls, cfg: ModelConfig, starts: list[int], like: torch.Tensor) -> object | None:
-        """The Triton chunked scan's chunk layout (`ops.triton_ssd.ChunkMeta`); None on the reference path."""
-        if not dispatch.use_triton(like):
+    def prefill_meta(cls, cfg: ModelConfig, starts: list[int], kernels: Kernels, device: torch.device
+                     ) -> object | None:
+        """The Triton chunked scan's chunk layout (`ops.chunk_scan.kernel.ChunkMeta`); None on the reference path."""
+        if not kernels.triton:
             return None
-        from baton.engine.ops.triton_ssd import build_chunk_meta
-        return build_chunk_meta(starts, cfg.chunk_size, like.device)
+        from baton.engine.ops.chunk_scan.kernel import build_chunk_meta
+        return build_chunk_meta(starts, cfg.chunk_size, device)
 
     @classmethod
     def graph_prefill_meta_ints(cls, meta: object, num_tokens: int) -> list[int]:
@@ -108,7 +109,7 @@ class Mamba2Mixer(RecurrentMixer):
                 return x.new_empty(0, self.out_proj.out_features)
             y, gate = y[keep], gate[keep]
         y = self.norm(y, gate).to(x.dtype)
-        return project(self.out_proj, y, batch)
+        return project(self.out_proj, y, batch, self.kernels)
 
     def _xbc_dt(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
@@ -118,10 +119,10 @@ class Mamba2Mixer(RecurrentMixer):
         """y [Rd, H, P]."""
         (conv_state, ssm_state), nd = states, batch.num_decodes
         xbc, dt = self._xbc_dt(u)
-        xbc_d = dispatch.conv_update(u)(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
+        xbc_d = self.kernels.conv_update(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state,
                                         batch.state_slots[:nd])
         xs, B, C = self._split_xbc(xbc_d)
-        return dispatch.state_update(u)(ssm_state, xs, dt, self.A, B, C, self.D, self.dt_bias,
+        return self.kernels.state_update(ssm_state, xs, dt, self.A, B, C, self.D, self.dt_bias,
                                         batch.state_slots[:nd], self.dt_min)
 
     def prefill(self, u: torch.Tensor, states: States, batch: ForwardBatch, query_start_loc: torch.Tensor,
@@ -130,11 +131,11 @@ class Mamba2Mixer(RecurrentMixer):
         conv_state, ssm_state = states
         qsl, init = query_start_loc, has_initial_state
         xbc, dt = self._xbc_dt(u)
-        xbc_p = dispatch.conv_varlen(u)(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, qsl, slots,
+        xbc_p = self.kernels.conv_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, qsl, slots,
                                         init)
         xs, B, C = self._split_xbc(xbc_p)
         meta = {} if batch.prefill_chunk_meta is None else {"chunk_meta": batch.prefill_chunk_meta}
-        return dispatch.chunk_scan(u)(xs, dt, self.A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots, init,
+        return self.kernels.chunk_scan(xs, dt, self.A, B, C, self.D, self.dt_bias, qsl, ssm_state, slots, init,
                                       self.chunk_size, self.dt_min, **meta)
 
     def verify(self, u: torch.Tensor, states: States, inputs: States, batch: ForwardBatch) -> torch.Tensor:
@@ -152,10 +153,10 @@ class Mamba2Mixer(RecurrentMixer):
             dt_rows = dt[:nd * rows_t].view(nd, rows_t, -1)
         else:
             xbc_rows, dt_rows = xbc[idx], dt[idx]
-        xbc_v = dispatch.conv_update_verify(xbc)(xbc_rows, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        xbc_v = self.kernels.conv_update_verify(xbc_rows, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                                  conv_state, rec_conv, slots, replay, ntok)
         xs, B, C = self._split_xbc(xbc_v.reshape(nd * rows_t, -1))
-        y = dispatch.state_update_verify(xbc)(
+        y = self.kernels.state_update_verify(
             ssm_state, rec_x, rec_B, rec_dt, xs.view(nd, rows_t, self.num_heads, self.head_dim), dt_rows, self.A,
             B.view(nd, rows_t, self.n_groups, self.d_state), C.view(nd, rows_t, self.n_groups, self.d_state),
             self.D, self.dt_bias, slots, replay, self.dt_min, ntok)  # [Rd, T, H, P]

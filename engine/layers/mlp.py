@@ -1,5 +1,5 @@
 """The non-gated MLP of NemotronH: down(act(up(x))), relu2 = relu(x)^2 by default (one Triton launch on
-the GPU path, `ops.triton_act`)."""
+the GPU path, `ops.act.kernel`)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 
 if TYPE_CHECKING:
     from baton.engine.layers.norms import PendingNorm
 
 
 def activation(name: str):
+    """The activation function; None for relu2, which runs as this engine's op (`MLP.kernels.relu2`)."""
     if name == "relu2":
-        return lambda x: dispatch.relu2(x)(x)
+        return None
     if name == "silu":
         return nn.functional.silu
     if name == "gelu":
@@ -27,6 +28,9 @@ def activation(name: str):
 
 
 class MLP(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -35,7 +39,8 @@ class MLP(nn.Module):
         self.act_name = act
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        up = self.up_proj(x)
+        return self.down_proj(self.kernels.relu2(up) if self.act is None else self.act(up))
 
     def forward_pending(self, p: PendingNorm, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in up_proj's GEMV, relu2 in down_proj's."""
@@ -43,4 +48,4 @@ class MLP(nn.Module):
         if self.act_name != "relu2":
             return self.down_proj(self.act(up)), residual
         down = self.down_proj
-        return dispatch.fused_linear(up)(up, down.weight, down.bias, prologue="relu2"), residual
+        return self.kernels.fused_linear(up, down.weight, down.bias, prologue="relu2"), residual

@@ -7,6 +7,7 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.layers.mlp import MLP, activation
+from baton.engine.ops.kernels import Kernels
 
 
 class TopkRouter(nn.Module):
@@ -35,6 +36,9 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d_in = cfg.moe_latent_size or cfg.hidden_size
@@ -46,7 +50,8 @@ class Experts(nn.Module):
         out = torch.zeros_like(x, dtype=weights.dtype)  # [T, d_in]
         for e in idx.unique().tolist():
             tok, k = torch.where(idx == e)
-            h = self.act(torch.nn.functional.linear(x[tok], self.up_proj[e]))
+            h = torch.nn.functional.linear(x[tok], self.up_proj[e])
+            h = self.kernels.relu2(h) if self.act is None else self.act(h)
             h = torch.nn.functional.linear(h, self.down_proj[e]) * weights[tok, k, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out.to(x.dtype)

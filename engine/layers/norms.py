@@ -1,7 +1,7 @@
 """RMSNorm and the gated, grouped RMSNorm of the Mamba2 mixer (computed in fp32, as the reference).
 
-The torch references (and the CPU path) are `ops.norm`; `ops.dispatch` picks the fused Triton kernels of
-`ops.triton_norm` on CUDA (or with BATON_KERNELS=triton), one launch per norm (a residual add and the norm after
+The torch references (and the CPU path) are `ops.norm.reference`; `ops.kernels` picks the fused Triton kernels of
+`ops.norm.kernel` on CUDA (or with `EngineConfig.kernels` "triton"), one launch per norm (a residual add and the norm after
 it are one launch too: `RMSNorm.add_forward`).
 """
 
@@ -14,21 +14,24 @@ import torch
 from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 
 
 class RMSNorm(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.rms_norm(x)(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + x), residual + x) in one kernel on the Triton path."""
-        return dispatch.add_rms_norm(x)(x, residual, self.weight, self.eps)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,10 @@ class PendingNorm:
         """(x @ weight^T + bias, the residual stream) in one GEMV launch."""
         n = self.norm
         if self.residual is None:
-            y = dispatch.fused_linear(self.out)(self.out, weight, bias, prologue="norm", norm_weight=n.weight,
+            y = n.kernels.fused_linear(self.out, weight, bias, prologue="norm", norm_weight=n.weight,
                                                 eps=n.eps)
             return y, self.out
-        return dispatch.fused_linear(self.out)(self.out, weight, bias, prologue="add_norm", residual=self.residual,
+        return n.kernels.fused_linear(self.out, weight, bias, prologue="add_norm", residual=self.residual,
                                                norm_weight=n.weight, eps=n.eps)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +106,9 @@ def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMS
 class GatedRMSNorm(nn.Module):
     """norm(x * silu(gate)) with the RMS taken per group of `group_size` channels."""
 
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -110,4 +116,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return dispatch.gated_rms_norm(x)(x, gate, self.weight, self.group_size, self.eps)
+        return self.kernels.gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.ops import dispatch
+from baton.engine.ops.kernels import Kernels
 
 
-def project(layer: nn.Linear, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+def project(layer: nn.Linear, x: torch.Tensor, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
     """layer(x); in a few-token step (`batch.fused_gemv`) through the GEMV kernel, as the step's other linear
     layers: at one row it reads the weight as fast as cuBLAS (benchmarks/gemv_bench.py), and on Hopper it launches
     while the kernel before it finishes (programmatic dependent launch, `ops.triton_common.pdl`), which cuBLAS's
     GEMM and split-K reduction do not."""
     if batch.fused_gemv:
-        return dispatch.fused_linear(x)(x, layer.weight, layer.bias)
+        return kernels.fused_linear(x, layer.weight, layer.bias)
     return layer(x)

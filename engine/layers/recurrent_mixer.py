@@ -17,12 +17,16 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.ops.kernels import Kernels
 from baton.engine.state_spec import StateSpec
 
 States = tuple[torch.Tensor, ...]  # one layer's declared states (or verify inputs), in declared order
 
 
 class RecurrentMixer(nn.Module, ABC):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, state_index: int) -> None:
         super().__init__()
         self.state_index = state_index  # which state-pool layer this mixer owns
@@ -33,9 +37,10 @@ class RecurrentMixer(nn.Module, ABC):
         """The per-slot state and verify inputs of `num_layers` layers of this mixer under `cfg`."""
 
     @classmethod
-    def prefill_meta(cls, cfg: ModelConfig, starts: list[int], like: torch.Tensor) -> object | None:
-        """Host-built metadata of the prefill rows (query starts `starts`, from 0) for `prefill`, on `like`'s
-        device (`ForwardBatch.prefill_chunk_meta`); None: the mixer needs none."""
+    def prefill_meta(cls, cfg: ModelConfig, starts: list[int], kernels: Kernels, device: torch.device
+                     ) -> object | None:
+        """Host-built metadata of the prefill rows (query starts `starts`, from 0) for `prefill` with `kernels`, on
+        `device` (`ForwardBatch.prefill_chunk_meta`); None: the mixer needs none."""
         return None
 
     @classmethod

@@ -1,6 +1,6 @@
 """Triton causal attention over a paged KV cache, for prefill chunks, verify rows and decode rows alike.
 
-Same signature, semantics and return value as `paged_attention` (paged_attention.py); see that for the
+Same signature, semantics and return value as `paged_attention` (`reference.py`); see that for the
 cache layout and the math. Query i of row r sits at absolute position ctx + i (ctx = seq_len - q_len) and
 sees keys 0 .. ctx + i; query head h reads KV head h // (Hq // Hkv). Scores, softmax and the P @ V sum
 accumulate in fp32; the output is in q.dtype.
@@ -55,6 +55,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from baton.engine.ops.attention.tuning import (
+    DECODE_STAGES,
+    PREFILL_BLOCK_M,
+    PREFILL_BLOCK_N,
+    PREFILL_STAGES,
+    PREFILL_WARPS,
+    SHORT_BLOCK_M,
+    SPLIT_PROGRAMS_PER_SM,
+    WIDE_DECODE_ROWS,
+)
 from baton.engine.ops.checks import check_shape
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, sm_count
 from baton.engine.ops.triton_common import interpreted as _interpreted
@@ -339,35 +349,9 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
     return block_q, block_m, block_n, block_d, 4 if decode or short else PREFILL_WARPS
 
 
-# Query rows (queries x group heads) per prefill program, its key tile, warps and software-pipeline stages: the
-# fastest causal prefill at the 8b-like layer over long, medium and mixed rows (`benchmarks/RESULTS.md`).
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 128, 64, 8, 2
-
-
-# Query tiles of at most this many rows (queries x group heads) that are not decode tiles, e.g. a verify step's rows
-# of 1+K queries, run as decode tiles do: 4 warps, DECODE_STAGES, split-K when they are few, because the prefill
-# tile leaves most of its rows empty and the GPU idle for so few queries.
-SHORT_BLOCK_M = 32
-
-
-# Decode batches of at least this many rows walk their keys in tiles of 128 instead of 64: the wider tile shortens
-# large decode steps and does not help small ones (timed in whole steps by `benchmarks/launch_probe.py`).
-WIDE_DECODE_ROWS = 40
-
-
-# Software-pipeline stages of the key loop for decode tiles (BLOCK_Q 1): fewer than Triton's default 3 is faster for
-# their short, memory-bound loop. Other tiles keep 3.
-DECODE_STAGES = 2
-
-
 def _decode_like(block_q: int, block_m: int) -> bool:
     """Decode tiles (one query) and short ones (at most SHORT_BLOCK_M rows): DECODE_STAGES, split-K allowed."""
     return block_q == 1 or block_m <= SHORT_BLOCK_M
-
-
-# Split-K aims at this many decode (short) programs per SM (`_auto_splits`); more splits cost more in combining
-# partials than they gain in occupancy at serving batch sizes.
-SPLIT_PROGRAMS_PER_SM = 2
 
 
 def _auto_splits(device: torch.device, programs: int, block_q: int, block_m: int, max_keys: int,

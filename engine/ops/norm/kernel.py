@@ -1,7 +1,7 @@
 """Triton kernels of the two RMSNorms: the model's `RMSNorm` and the Mamba2 mixer's gated, grouped `GatedRMSNorm`.
 
-Same semantics, dtypes and casts as the torch references `ops.norm.rms_norm_reference` and
-`ops.norm.gated_rms_norm_reference` (the modules' CPU path), one kernel launch each instead of the
+Same semantics, dtypes and casts as the torch references `ops.norm.reference.rms_norm_reference` and
+`ops.norm.reference.gated_rms_norm_reference` (the modules' CPU path), one kernel launch each instead of the
 reference's chain of small elementwise / reduce kernels:
 
 - `rms_norm_triton(x, weight, eps)`: x -> fp32; y = x * rsqrt(mean(x^2) + eps); out = (fp32(weight) * y)

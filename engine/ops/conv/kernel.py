@@ -1,7 +1,7 @@
 """Triton kernels of the Mamba2 causal conv1d update: decode (one token per row) and speculative verify.
 
 Same semantics and returns as the torch references `causal_conv1d.causal_conv1d_update` and
-`spec_state_update.causal_conv1d_update_verify` (see those for the math, the pool layout and the replay):
+`reference.causal_conv1d_update_verify` (see those for the math, the pool layout and the replay):
 fp32 accumulation, silu, output in x.dtype, the K-1 input window stored in the pool's dtype, each
 position continuing from the window as the pool would hold it (rounded to its dtype).
 

@@ -1,5 +1,5 @@
 """The torch references of the RMS norms (computed in fp32): plain, after a residual add, and the gated, grouped one
-of the Mamba2 mixer. `triton_norm.py` holds their kernels; they are also the CPU path (`dispatch`)."""
+of the Mamba2 mixer. `kernel.py` holds their kernels; they are also the CPU path (`ops.kernels`)."""
 
 from __future__ import annotations
 

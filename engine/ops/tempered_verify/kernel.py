@@ -1,4 +1,4 @@
-"""Triton kernel for `tempered_verify.tempered_decisions` and `filtered_decisions` (the torch references):
+"""Triton kernel for `reference.tempered_decisions` and `filtered_decisions` (the torch references):
 speculative sampling of deterministic drafts at a temperature, with or without top-k / top-p, every row decided in
 one launch without the [R, 1+K, V] float32 copies the references make (upcast, scaled logits, softmax, cumulative
 sums, the residual; with a filter, a sort of every distribution), which on a 128k vocabulary cost more than the
@@ -46,9 +46,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.counter_noise import _STREAM_KEYS, ACCEPT, DRAW
+from baton.engine.ops.tempered_verify.tuning import BLOCK, MAX_SPLITS
 from baton.engine.ops.triton_common import cdiv
-
-BLOCK = 4096
 
 
 @triton.jit
@@ -450,9 +449,6 @@ def _tempered_verify_kernel(logits_ptr, drafts_ptr, nd_ptr, temp_ptr, top_k_ptr,
 _SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
-MAX_SPLITS = 32  # programs a row at most (the `_share` tile's rows)
-
-
 def usable_sms(sms: int, mps_percentage: str | None) -> int:
     """The SMs a process can hold programs on: the device's, or under MPS the share its client is given
     (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which the split rows' wait must not exceed."""
@@ -570,7 +566,7 @@ def _launch(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tens
 
 def tempered_decisions_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
                               positions: Tensor, splits: int | None = None) -> tuple[Tensor, Tensor]:
-    """`tempered_verify.tempered_decisions`, one launch: logits [R, K+1, V] (bf16, fp16 or float32, unit stride
+    """`reference.tempered_decisions`, one launch: logits [R, K+1, V] (bf16, fp16 or float32, unit stride
     over V), drafts [R, K] int64 (padding in range), num_draft / seeds / positions [R] int64, temperature [R]
     float32 -> (accepted [R], final [R]) int64, defined on the rows whose temperature is above 0 (the others:
     zeros). splits: programs per row (`auto_splits` when None; 0: one without the shared passes)."""

@@ -32,8 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.conv.kernel import _check_index
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to
-from baton.engine.ops.triton_conv import _check_index
 
 MIN_WIDTH, MAX_WIDTH = 2, 4
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Triton GEMV for few-token steps with the op before the linear layer fused in (`ops.fused_linear`).
+"""Triton GEMV for few-token steps with the op before the linear layer fused in (`ops.linear.reference`).
 
 Same signature, prologues and return values as the torch reference `fused_linear`. One launch computes
 y = f(a) @ W^T (+ bias) over a grid of (blocks of BLOCK_N output features, blocks of BLOCK_M rows); each program
@@ -29,7 +29,7 @@ with fewer than 16 rows it loads its first W tile before the wait, so a chain of
 gap between them.
 
 2-64 rows on the GPU (`default_tiles`: `GemvTiles.prologue_apart`): the op before the layer runs as its own
-kernel (`triton_norm`, `triton_act`), then the tensor-core GEMM with no prologue, its a tile loaded straight into
+kernel (`ops.norm.kernel`, `ops.act.kernel`), then the tensor-core GEMM with no prologue, its a tile loaded straight into
 the MMA's operand, because computing f(a) inside the K loop made the tensor-core GEMM slower than the separate op
 + cuBLAS while the GEMM alone is faster than cuBLAS. The layers with K > 4096 and N = 4096 (out_proj, down_proj)
 have few blocks of N for the SMs: they take wider K tiles, and past K = 8192 K is split over two programs per
@@ -54,8 +54,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.fused_linear import check_fused_linear
-from baton.engine.ops.triton_act import relu2_triton
+from baton.engine.ops.act.kernel import relu2_triton
+from baton.engine.ops.linear.reference import check_fused_linear
+from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 from baton.engine.ops.triton_common import (
     cdiv,
     next_power_of_2,
@@ -67,7 +68,6 @@ from baton.engine.ops.triton_common import (
     sm_count,
 )
 from baton.engine.ops.triton_common import interpreted as _interpreted
-from baton.engine.ops.triton_norm import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
 
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
@@ -344,7 +344,7 @@ class GemvTiles:
     # > 0: one row only, `_gemv_row_kernel` with this many programs per SM (one under the interpreter), each
     # looping over blocks of N; 0: one program per block of N.
     programs_per_sm: int = 0
-    # True: the op before the layer runs as its own kernel (triton_norm / triton_act), then the GEMM with no
+    # True: the op before the layer runs as its own kernel (ops.norm / ops.act), then the GEMM with no
     # prologue, because on the tensor-core path (block_m >= 16) f(a) inside the K loop costs more than it saves.
     prologue_apart: bool = False
     # With prologue_apart: the GEMM by cuBLAS (F.linear) instead, for shapes where the Triton GEMM is not faster
@@ -441,7 +441,7 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
                         residual: Tensor | None = None, gate: Tensor | None = None, norm_weight: Tensor | None = None,
                         eps: float = 1e-5, group_size: int | None = None,
                         tiles: GemvTiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """y = f(a) @ weight^T (+ bias) in one launch; see `ops.fused_linear.fused_linear`."""
+    """y = f(a) @ weight^T (+ bias) in one launch; see `ops.linear.reference.fused_linear`."""
     fn = "fused_linear_triton"
     check_fused_linear(fn, a, weight, bias, prologue, residual, gate, norm_weight, group_size)
     m, k = a.shape

@@ -1,4 +1,4 @@
-"""The torch reference of speculative verification's decisions (`triton_tempered_verify.py` is its kernel; the
+"""The torch reference of speculative verification's decisions (`kernel.py` is its kernel; the
 rejection sampler, `engine/rejection_sampler.py`, says what is decided and why): greedy rows by the argmax,
 stochastic rows by speculative sampling, rows at a temperature alone (`tempered_decisions`) and with top-k / top-p
 (`filtered_decisions`); every draw from counter-based noise of the row's seed and position."""
@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
+from baton.engine.ops.tempered_verify.tuning import FILTER_ROWS
 from baton.engine.sampling import filtered_logits
 
 
@@ -98,9 +99,6 @@ def stochastic_decisions(p: Tensor, drafts: Tensor, valid: Tensor, q: Tensor | N
     return accepted, _final(p_at, q_at, accepted, valid, seeds, positions)
 
 
-# Rows of [*, V] a filtered distribution is computed for at a time: its sort and float32 copies then take
-# ~40 B x FILTER_ROWS x V (168 MB at V = 131,072) whatever the batch, also inside a CUDA graph's memory pool.
-FILTER_ROWS = 32
 
 
 def _filtered_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, each) -> None:
@@ -142,7 +140,7 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
     num_draft / top_k (0: none) / seeds / positions [R] int64, temperature / top_p [R] float32 -> (accepted [R],
     final [R]), defined on the rows whose temperature is above 0. The final token is `_draw_filtered`'s.
 
-    The torch reference of `ops.triton_tempered_verify.filtered_decisions_triton`, which finds each filter's cut
+    The torch reference of `ops.tempered_verify.kernel.filtered_decisions_triton`, which finds each filter's cut
     by a search instead of sorting."""
     R, K1, V = logits.shape
     K = K1 - 1
@@ -172,7 +170,7 @@ def filtered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temper
 def tempered_decisions(logits: Tensor, drafts: Tensor, num_draft: Tensor, temperature: Tensor, seeds: Tensor,
                        positions: Tensor) -> tuple[Tensor, Tensor]:
     """Speculative sampling of deterministic drafts at a temperature with no top-k / top-p filter (the torch
-    reference of `ops.triton_tempered_verify`): logits [R, K+1, V], drafts [R, K] int64 (padding in range),
+    reference of `ops.tempered_verify.kernel`): logits [R, K+1, V], drafts [R, K] int64 (padding in range),
     num_draft / seeds / positions [R] int64, temperature [R] float32 -> (accepted [R], final [R]), defined on the
     rows whose temperature is above 0."""
     valid = torch.arange(drafts.shape[1], device=drafts.device)[None, :] < num_draft[:, None]

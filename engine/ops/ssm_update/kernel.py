@@ -1,8 +1,8 @@
 """Triton kernels for the Mamba2 selective state update: decode (one token per row) and speculative verify
 (T = 1+K tokens per row, by replay), beside their torch references.
 
-Same signatures, semantics and return values as `selective_state_update` (selective_state_update.py) and
-`selective_state_update_verify` (spec_state_update.py); see those for the math and the replay. One program per
+Same signatures, semantics and return values as `selective_state_update` and
+`selective_state_update_verify` (`reference.py`); see those for the math and the replay. One program per
 (row, head, block of BLOCK_P head-dim rows), numbered head-major (`_program_tile`), holds its [BLOCK_P, N]
 state tile in fp32 registers and reads it from the row's slot once. Decode advances it by the token and stores
 it back. Verify first replays the slot's `replay[b]` pending positions (each rounded to the pool dtype, as a
@@ -26,7 +26,8 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-from baton.engine.ops.spec_state_update import check_verify_shapes
+from baton.engine.ops.ssm_update.reference import check_verify_shapes
+from baton.engine.ops.ssm_update.tuning import ONE_WARP_ROWS, RECORD_BLOCK
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
 
@@ -166,10 +167,6 @@ def _ssu_verify_kernel(
         tl.store(y_row + t * s_y_t + offs_p * s_y_p, round_to(y, y_ptr.dtype.element_ty), mask=mask_p)
 
 
-# Decode batches of at least this many rows run the state update with one warp per program, fewer with two.
-ONE_WARP_ROWS = 34
-
-
 def _launch_config(P: int, N: int, verify: bool = False, batch: int = 0) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps): the whole N in one tile; about 1024 state elements per program for
     decode and 2048 for verify, the best of a tile sweep at the 8b-like size. Decode batches of ONE_WARP_ROWS rows
@@ -234,9 +231,6 @@ def selective_state_update_triton(
             BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, **pdl(x),
         )  # fmt: skip
     return y
-
-
-RECORD_BLOCK = 1024
 
 
 @triton.jit

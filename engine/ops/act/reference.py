@@ -1,5 +1,5 @@
-"""The torch reference of the MLP's activation, relu2 = relu(x)^2 (`triton_act.py` is its kernel; also the CPU
-path, `dispatch`)."""
+"""The torch reference of the MLP's activation, relu2 = relu(x)^2 (`kernel.py` is its kernel; also the CPU
+path, `ops.kernels`)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.spec_verify import check_verify_indices, default_num_tokens
 
 
 def _check_slots(fn: str, state_slots: Tensor, num_slots: int) -> list[int]:
@@ -121,3 +122,70 @@ def causal_conv1d_update(
     # Drop the oldest input; the new token becomes the newest.
     conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
     return F.silu(out).to(x.dtype)
+
+
+def causal_conv1d_update_verify(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_state: Tensor,
+    pending: Tensor,
+    slots: Tensor,
+    replay: Tensor,
+    num_tokens: Tensor | None = None,
+) -> Tensor:
+    """silu(causal conv) over each row's T verify tokens, after replaying its `replay[b]` pending inputs.
+
+    x [B, T, C]; weight [C, K]; bias [C] or None; conv_state [S, C, K-1] pool (oldest input first);
+    pending [S, L, C] (L >= T), the conv inputs of each slot's last verify; slots [B] distinct; replay [B]
+    in 0..L; num_tokens [B] in 1..T (None: all T). Writes conv_state[slots] (the window after the replay)
+    and pending[slots, :T] (this step's inputs). Returns [B, T, C] in x.dtype, zero past num_tokens.
+    """
+    fn = "causal_conv1d_update_verify"
+    if x.dim() != 3 or weight.dim() != 2 or conv_state.dim() != 3 or pending.dim() != 3:
+        raise ValueError(
+            f"{fn}: expected x [B, T, C], weight [C, K], conv_state [S, C, K-1], pending [S, L, C], got "
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}, "
+            f"pending {tuple(pending.shape)}"
+        )
+    batch, T, channels = x.shape
+    width = weight.shape[1]
+    S, L = conv_state.shape[0], pending.shape[1]
+    num_tokens = default_num_tokens(num_tokens, batch, T, x.device)
+    if width < 1:
+        raise ValueError(f"{fn}: weight expected kernel width K >= 1, got {tuple(weight.shape)}")
+    check_shape(fn, "weight", weight, "[C, K]", (channels, width))
+    check_shape(fn, "conv_state", conv_state, "[S, C, K-1]", (S, channels, width - 1))
+    check_shape(fn, "pending", pending, "[S, L, C]", (S, L, channels))
+    if bias is not None:
+        check_shape(fn, "bias", bias, "[C]", (channels,))
+    check_shape(fn, "slots", slots, "[B]", (batch,))
+    check_shape(fn, "replay", replay, "[B]", (batch,))
+    check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
+    if T < 1:
+        raise ValueError(f"{fn}: x expected at least one token per row (T >= 1), got {tuple(x.shape)}")
+    if L < T:
+        raise ValueError(f"{fn}: pending expected a pending length L >= T = {T}, got L = {L}")
+    check_verify_indices(fn, slots, replay, num_tokens, S, L, T)
+
+    idx = slots.long()
+    w = weight.float()  # [C, K]
+    stored = conv_state[idx]  # [B, C, K-1], pool dtype
+    for j in range(L):
+        # Shift the pending input in (rounded to the pool dtype, as a decode step stores it).
+        window = torch.cat([stored, pending[idx, j][:, :, None].to(conv_state.dtype)], dim=-1)[:, :, 1:]
+        stored = torch.where((j < replay)[:, None, None], window, stored)
+    conv_state[idx] = stored
+
+    valid = torch.arange(T, device=x.device)[None, :] < num_tokens[:, None]  # [B, T]
+    y = torch.zeros(batch, T, channels, dtype=x.dtype, device=x.device)
+    for t in range(T):
+        # Per-step [B, C] tensors shaped as one `causal_conv1d_update` call, so silu rounds the same way.
+        window = torch.cat([stored.float(), x[:, t].float()[:, :, None]], dim=-1)  # [B, C, K]
+        out = (window * w).sum(dim=-1)  # [B, C]
+        if bias is not None:
+            out += bias.float()
+        stored = window[:, :, 1:].to(conv_state.dtype)  # [B, C, K-1]
+        y[:, t] = torch.where(valid[:, t, None], F.silu(out).to(x.dtype), 0.0)
+    pending[idx, :T] = x.to(pending.dtype)
+    return y

@@ -9,10 +9,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.chain_inputs import check_chain_inputs
+from baton.engine.ops.chain_inputs.reference import check_chain_inputs
+from baton.engine.ops.chain_inputs.tuning import ROWS
 from baton.engine.ops.triton_common import cdiv, next_power_of_2
-
-ROWS = 32
 
 
 @triton.jit

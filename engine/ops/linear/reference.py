@@ -2,7 +2,7 @@
 
 At decode batch sizes every linear layer is a read of its weight and little else, and the small op in front of
 it (the residual add and the next RMSNorm, the MLP's relu2, the Mamba2 mixer's gated norm) is a kernel launch
-of its own, a few µs each, 100 per 8b-like decode step. `ops.triton_gemv` computes f(a) while it loads a, in
+of its own, a few µs each, 100 per 8b-like decode step. `ops.linear.kernel` computes f(a) while it loads a, in
 the GEMV's own programs; this file is its torch reference (the CPU path) and the argument checks both share.
 
 Prologues f, each what the separate op computes (layers/norms.py, layers/mlp.py), in a's dtype:
@@ -62,8 +62,12 @@ def fused_linear(a: Tensor, weight: Tensor, bias: Tensor | None = None, *, prolo
                  eps: float = 1e-5, group_size: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Torch reference: f(a) by the separate ops' references, then F.linear. Returns y [M, N] in a's dtype, and
     for add_norm (y, s) with s = residual + a."""
-    from baton.engine.ops.act import relu2_reference
-    from baton.engine.ops.norm import add_rms_norm_reference, gated_rms_norm_reference, rms_norm_reference
+    from baton.engine.ops.act.reference import relu2_reference
+    from baton.engine.ops.norm.reference import (
+        add_rms_norm_reference,
+        gated_rms_norm_reference,
+        rms_norm_reference,
+    )
 
     check_fused_linear("fused_linear", a, weight, bias, prologue, residual, gate, norm_weight, group_size)
     s = None

@@ -1,5 +1,5 @@
 """The inputs of a verify step chained on the one before it, built on the device from that step's results (torch
-reference; `triton_chain_inputs` is the kernel).
+reference; `kernel.py` is the kernel).
 
 A whole greedy verify step (`SpecRunner.graph_step_fn`) packs its results as [m counts | m*T emitted | m*K drafts]
 for its graph size m (T = 1 + K). The next step's row i continues the previous step's row src[i]: with c its

@@ -1,6 +1,6 @@
 """Triton kernel that stores a step's K and V into the paged cache: one launch per attention layer.
 
-Same effect as the torch reference `write_kv` (paged_attention.py): token t's K and V go to the cache
+Same effect as the torch reference `write_kv` (`reference.py`): token t's K and V go to the cache
 at its flat slot `block_id * block_size + offset` (kv_cache [num_blocks, 2, block_size, Hkv, D], index 0 =
 K, 1 = V), cast to the cache's dtype (rounded to nearest even). The reference takes four device ops for
 this (the slot's block and offset, two indexed stores); here one program per (token, tile of Hkv * D)
@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.paged_attention import check_write_kv
+from baton.engine.ops.attention.reference import check_write_kv
+from baton.engine.ops.attention.tuning import KV_WRITE_BLOCK
 from baton.engine.ops.triton_common import cdiv, pdl, pdl_wait, round_to
-
-BLOCK = 1024
 
 
 @triton.jit
@@ -55,7 +54,7 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
         return
     width = kv_heads * head_dim
     k2, v2 = _token_rows(k, width), _token_rows(v, width)
-    _write_kv_kernel[(T, cdiv(width, BLOCK))](
+    _write_kv_kernel[(T, cdiv(width, KV_WRITE_BLOCK))](
         k2, v2, kv_cache, slot_mapping, block_size, width, k2.stride(0), v2.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), BLOCK=BLOCK, num_warps=4, **pdl(k2),
+        kv_cache.stride(1), kv_cache.stride(2), BLOCK=KV_WRITE_BLOCK, num_warps=4, **pdl(k2),
     )

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from baton.engine.ops.act.tuning import BLOCK
 from baton.engine.ops.triton_common import cdiv, round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK = 1024
 
 
 @triton.jit

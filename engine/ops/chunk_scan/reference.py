@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
-
-from .selective_state_update import discretize_dt
+from baton.engine.ops.ssm_update.reference import discretize_dt
 
 _FN = "mamba_chunk_scan_varlen"
 

@@ -1,7 +1,7 @@
 """Triton kernels of the Mamba2 chunked selective scan ("SSD") over a varlen batch of prefill rows.
 
 Same signature, semantics and return value as the torch reference `mamba_chunk_scan_varlen`
-(mamba_chunk_scan.py; see it for the math): dt is raw (discretized here exactly as `discretize_dt`),
+(`reference.py`; see it for the math): dt is raw (discretized here exactly as `discretize_dt`),
 each row is cut into chunks of `chunk_size` tokens counted from its own first token, a row starts from
 its slot's state when has_initial_state (from zeros otherwise, and the slot is then never read), y comes
 back in x.dtype with the D * x skip, and the row's final state goes into its slot in the pool's dtype.
@@ -74,6 +74,24 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.checks import check_shape
+from baton.engine.ops.chunk_scan.tuning import (
+    CB_STAGES,
+    CB_WARPS,
+    DT_BLOCK_H,
+    DT_WARPS,
+    FACTOR_RANGE,
+    OUTPUT_MAXNREG,
+    OUTPUT_STAGES,
+    OUTPUT_WARPS,
+    STATE_AFFINE,
+    STATE_BLOCK_P,
+    STATE_BLOCK_P_WIDE,
+    STATE_ONE_WAVE_STAGES,
+    STATE_ONE_WAVE_WARPS,
+    STATE_PROGRAMS_PER_SM,
+    STATE_STAGES,
+    STATE_WARPS,
+)
 from baton.engine.ops.triton_common import (
     cdiv,
     next_power_of_2,
@@ -87,36 +105,6 @@ from baton.engine.ops.triton_common import interpreted as _interpreted
 _FN = "mamba_chunk_scan_varlen_triton"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_BLOCK = 16  # tl.dot's smallest tile side
-# Warps and software-pipeline stages of the launches (module constants, so that a sweep can set them); each was
-# picked by timing the whole scan on a GPU (`benchmarks/RESULTS.md`), and none changes the
-# math: the outputs are bit-identical across settings.
-STATE_WARPS, STATE_STAGES = 4, 2
-STATE_BLOCK_P = 32
-# A row's chunks are walked one after another, so a second wave of state programs doubles the walk: while the rows'
-# programs at STATE_BLOCK_P fit two per SM (rows x H x P / 32 x N / 128 <= 2 x SMs) they take STATE_BLOCK_P, else
-# the wide block, half as many programs.
-STATE_BLOCK_P_WIDE = 64
-STATE_PROGRAMS_PER_SM = 2
-# The wide block with 8 warps and 3 stages walks a row fastest, but its shared memory holds one program per SM, so
-# it is taken only while the rows' wide programs fit on the GPU at once (rows x H x P / 64 x N / 128 <= SMs).
-STATE_ONE_WAVE_WARPS, STATE_ONE_WAVE_STAGES = 8, 3
-CB_WARPS, CB_STAGES = 4, 2
-OUTPUT_WARPS, OUTPUT_STAGES = 4, 1
-# The output kernel is latency-bound: a cap of 128 registers a thread fits four programs per SM instead of three,
-# with the same bits. None: no cap.
-OUTPUT_MAXNREG = 128
-# True: the state kernel computes its chunks' starts from the row's first (affine addresses) instead of loading
-# each chunk's from the metadata: same chunks, same bits, fewer loads on the sequential walk.
-STATE_AFFINE = True
-# The output kernel's factored in-chunk decay (see there) is taken for a block of chunk positions whose running sums
-# of dt * A span at most this much (its factors then stay below exp(FACTOR_RANGE / 2) = 1e13); else the exact
-# per-entry exp. A negative value turns the factored path off.
-FACTOR_RANGE = 60.0
-# The dt launch's block of heads (contiguous in dt's rows) and warps; the block size hardly matters for this small
-# launch.
-DT_BLOCK_H, DT_WARPS = 16, 4
-
-
 
 
 # ---- chunk metadata (host ints -> one small device tensor) --------------------------------------
