@@ -57,6 +57,7 @@ from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model, parse_overrides
 from baton.engine.mtp import MTPModule
+from baton.engine.ops.act.reference import relu2_reference
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import load_tokenizer
 from baton.engine.weights import SINGLE_FILE, TORCH_DTYPES
@@ -213,7 +214,8 @@ def attention_mixer(p: Params, pre: str, cfg: ModelConfig, x: torch.Tensor) -> t
 
 
 def mlp_mixer(p: Params, pre: str, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
-    act = activation(cfg.mlp_hidden_act)
+    # relu2 is an engine op (None here): training differentiates through its torch reference.
+    act = activation(cfg.mlp_hidden_act) or relu2_reference
     return F.linear(act(F.linear(x, p[pre + "up_proj.weight"], p.get(pre + "up_proj.bias"))),
                     p[pre + "down_proj.weight"], p.get(pre + "down_proj.bias"))
 

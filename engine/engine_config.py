@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.engine.memory_budget import check_utilization
-from baton.engine.ops.kernels import check_mode
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Which implementation the ops run (`ops.kernels.resolve_kernels`); here, not there, so that flags need no torch.
+KERNEL_MODES = ("auto", "torch", "triton")
 MAX_SPECULATIVE_TOKENS = 8
 # A prefill node's step budget when none is given: its steps carry no decode rows, so a larger step costs no one's
 # inter-token latency, and prefill throughput levels off only at a few thousand tokens a step
@@ -97,7 +98,7 @@ class EngineConfig:
         check_utilization(self.gpu_memory_utilization)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"engine field 'device': expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        check_mode(self.kernels)
+        check_kernel_mode(self.kernels)
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -135,3 +136,8 @@ class EngineConfig:
     @property
     def prefill_chunk_cap(self) -> int:
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
+
+
+def check_kernel_mode(mode: object) -> None:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"engine field 'kernels': expected one of {', '.join(KERNEL_MODES)}, got {mode!r}")

@@ -6,9 +6,8 @@ import argparse
 import shlex
 from collections.abc import Sequence
 
-from baton.engine.engine_config import MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
+from baton.engine.engine_config import KERNEL_MODES, MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
 from baton.engine.memory_budget import AUTO_MAX_NUM_SEQS, CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
-from baton.engine.ops.kernels import MODES as KERNEL_MODES
 from baton.engine.sampling_params import SamplingParams
 
 

@@ -69,6 +69,14 @@ async def steady_load(router_addr: str, stop: asyncio.Event, loops: int = 8, max
     return out
 
 
+async def burst(router_addr: str, n: int, first: int = 10_000, max_tokens: int = 64,
+                deadline_s: float = 60.0) -> list[Outcome]:
+    """`n` requests sent at once; how each ended."""
+    async with grpc.aio.insecure_channel(router_addr) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        return list(await asyncio.gather(*(_one(stub, first + i, max_tokens, deadline_s) for i in range(n))))
+
+
 def waits_after(outcomes: list[Outcome], t: float) -> list[float]:
     """For every request still running at `t`: how long it ran after `t`, or after it started if later."""
     return [o.ended - max(o.started, t) for o in outcomes if o.ended > t]

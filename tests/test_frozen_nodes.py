@@ -16,6 +16,7 @@ from baton.engine.make_model import make_model
 from tests.node_faults import (
     ENGINE_ARGS,
     all_free,
+    burst,
     frozen,
     metric,
     steady_load,
@@ -25,8 +26,11 @@ from tests.node_faults import (
 
 FREEZE_S = 7.0
 # How long a request may still run once its node froze (or once it started, if later): a keepalive ping that goes
-# unanswered (`proto/keepalive.py`), then the retry elsewhere, on a busy two-core machine. Short of FREEZE_S.
-NOTICED_WITHIN_S = 5.0
+# unanswered (`proto/keepalive.py`), then the retry elsewhere, on a busy two-core machine. Short of FREEZE_S: none
+# waits for the freeze to end.
+NOTICED_WITHIN_S = 6.0
+# Requests sent at once right after a freeze (beside the steady load's 8 in flight), short ones: the retried ones end soon.
+BURST = 8
 # Decode nodes give up a READ from a frozen prefill node after this long and prefill locally.
 READ_TIMEOUT_S = 2.0
 
@@ -54,13 +58,17 @@ def _freeze_under_load(cluster: Cluster, name: str, healthy_while_frozen: tuple[
         await asyncio.sleep(1.5)
         frozen_at = time.monotonic()
         with frozen(cluster, name):
+            # New requests before the router notices: once the other node holds more than the frozen one's stuck
+            # requests, some are sent to the frozen node, so that some requests there have streamed nothing
+            # (without them, whether any had depends on the moment of the freeze).
+            extra = asyncio.create_task(burst(cluster.router_addr, BURST, max_tokens=4))
             await wait_for_health(cluster.router_addr, *healthy_while_frozen, timeout=NOTICED_WITHIN_S)
             await asyncio.sleep(frozen_at + FREEZE_S - time.monotonic())
         # Continued: back in rotation as soon as it answers a Load poll.
         await wait_for_health(cluster.router_addr, 2, 2, timeout=5.0)
         await asyncio.sleep(0.5)
         stop.set()
-        return frozen_at, await load
+        return frozen_at, await load + await extra
 
     return asyncio.run(asyncio.wait_for(go(), 60))
 

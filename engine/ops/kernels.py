@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "torch", "triton")
+from baton.engine.engine_config import check_kernel_mode
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,6 @@ class Kernels:
     filtered_decisions: Callable
 
 
-def check_mode(mode: object) -> None:
-    if mode not in MODES:
-        raise ValueError(f"engine field 'kernels': expected one of {', '.join(MODES)}, got {mode!r}")
-
-
 @functools.cache
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -61,7 +56,7 @@ def _triton_available() -> bool:
 
 def resolve_kernels(mode: str, device: torch.device | str) -> Kernels:
     """The ops `mode` ("auto" | "torch" | "triton") picks for an engine on `device`."""
-    check_mode(mode)
+    check_kernel_mode(mode)
     if mode == "auto":
         return _kernels(torch.device(device).type == "cuda" and _triton_available())
     return _kernels(mode == "triton")
