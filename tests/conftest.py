@@ -3,7 +3,9 @@ Triton kernels run in Triton's interpreter (on CPU tensors), switched on before 
 marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`.
 The interpreter patches `triton.language` once a launch, not again at every helper call
 (tests/interpreter_patch_once.py: the same kernels, about a quarter less time). Every cluster a test starts
-(routers, nodes, `baton up`) shares one cluster secret, generated here, as a deployment's processes do."""
+(routers, nodes, `baton up`) shares one cluster secret, generated here, as a deployment's processes do.
+Tests of `PURE_CPU_MODULES` are marked `pure_cpu`: engine and benchmark-script work with no ports, servers or
+clocks, which `make test` runs two at a time beside the interpreter tests."""
 
 import os
 
@@ -27,6 +29,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         install()
 
 
+PURE_CPU_MODULES = frozenset({
+    "test_alloc_bench", "test_allocator", "test_async_scheduling", "test_cuda_graphs", "test_engine",
+    "test_engine_bench", "test_exactness", "test_gemv_bench", "test_greedy_tokens", "test_loader", "test_make_model",
+    "test_memory_budget", "test_mtp_bench", "test_mtp_module", "test_rejection_sampler", "test_sampling",
+    "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile", "test_tail_keep",
+    "test_tokenizer",
+})
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # Compiled kernels refuse CPU tensors, and the interpreter is off where CUDA is present.
@@ -36,6 +47,8 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA device")
         marker = "gpu"
     for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in PURE_CPU_MODULES:
+            item.add_marker(pytest.mark.pure_cpu)
         # (A module may mark all its tests `interpreter`: its `gpu` ones still run on a GPU machine.)
         if marker in item.keywords and not (marker == "interpreter" and "gpu" in item.keywords):
             item.add_marker(skip)
