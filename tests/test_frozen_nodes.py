@@ -29,7 +29,8 @@ FREEZE_S = 7.0
 # unanswered (`proto/keepalive.py`), then the retry elsewhere, on a busy two-core machine. Short of FREEZE_S: none
 # waits for the freeze to end.
 NOTICED_WITHIN_S = 6.0
-# Requests sent at once right after a freeze (beside the steady load's 8 in flight), short ones: the retried ones end soon.
+# Requests sent at once right after a decode node's freeze (beside the steady load's 8 in flight), short ones: the
+# retried ones end soon.
 BURST = 8
 # Decode nodes give up a READ from a frozen prefill node after this long and prefill locally.
 READ_TIMEOUT_S = 2.0
@@ -49,9 +50,9 @@ def _retries(cluster: Cluster, stage: str) -> float:
     return metric(cluster.router_http_url + "/metrics", "baton_router_retries_total", {"stage": stage})
 
 
-def _freeze_under_load(cluster: Cluster, name: str, healthy_while_frozen: tuple[int, int]):
-    """Runs a steady load, freezes `name` for FREEZE_S mid-way, checks the router's health while frozen and once
-    continued; returns when it froze and how every request ended."""
+def _freeze_under_load(cluster: Cluster, name: str, healthy_while_frozen: tuple[int, int], extra_requests: int = 0):
+    """Runs a steady load, freezes `name` for FREEZE_S mid-way (sending `extra_requests` at once right after), checks
+    the router's health while frozen and once continued; returns when it froze and how every request ended."""
     async def go():
         stop = asyncio.Event()
         load = asyncio.create_task(steady_load(cluster.router_addr, stop))
@@ -61,7 +62,7 @@ def _freeze_under_load(cluster: Cluster, name: str, healthy_while_frozen: tuple[
             # New requests before the router notices: once the other node holds more than the frozen one's stuck
             # requests, some are sent to the frozen node, so that some requests there have streamed nothing
             # (without them, whether any had depends on the moment of the freeze).
-            extra = asyncio.create_task(burst(cluster.router_addr, BURST, max_tokens=4))
+            extra = asyncio.create_task(burst(cluster.router_addr, extra_requests, max_tokens=4))
             await wait_for_health(cluster.router_addr, *healthy_while_frozen, timeout=NOTICED_WITHIN_S)
             await asyncio.sleep(frozen_at + FREEZE_S - time.monotonic())
         # Continued: back in rotation as soon as it answers a Load poll.
@@ -81,7 +82,7 @@ def _check_nothing_waited(outcomes, frozen_at):
 
 def test_a_frozen_decode_node_is_routed_around_and_rejoins(cluster):
     retries_before = _retries(cluster, "decode")
-    frozen_at, outcomes = _freeze_under_load(cluster, "decode-0", (2, 1))
+    frozen_at, outcomes = _freeze_under_load(cluster, "decode-0", (2, 1), BURST)
     _check_nothing_waited(outcomes, frozen_at)
     # Only streams that had sent tokens from the frozen node fail, saying so; the others were retried.
     for o in outcomes:
