@@ -20,6 +20,7 @@ from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from benchmarks.chaos import metric
 from tests.node_channel import node_channel
+from tests.process_stop import stop_group
 
 ENGINE = {"block_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_kv_blocks": 512}
 ENGINE_ARGS = tuple(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v)))
@@ -86,8 +87,8 @@ def waits_after(outcomes: list[Outcome], t: float) -> list[float]:
 def frozen(cluster: Cluster, name: str) -> Iterator[None]:
     """Process `name` (and anything it started) stopped by SIGSTOP while inside; always continued after."""
     pgid = cluster.procs[name].pid  # started in a session of its own: its process group
-    os.killpg(pgid, signal.SIGSTOP)
     try:
+        stop_group(pgid)
         yield
     finally:
         os.killpg(pgid, signal.SIGCONT)

@@ -28,6 +28,7 @@ from baton.transfer.errors import (
     TransferTimeout,
 )
 from baton.transfer.side_channel import SideChannelClient
+from tests.process_stop import stop
 from tests.transfer_peer import call, start_peer
 
 ENGINE_KW = {"block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 256}
@@ -214,7 +215,7 @@ def test_read_past_its_deadline_times_out_and_the_agent_stays_usable(model_dir, 
         sched = engine.cache
         blocks, slot = sched.blocks.allocate(128), sched.slots.allocate(1)[0]
         remote = list(h.kv_block_ids)
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop(proc.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout):
