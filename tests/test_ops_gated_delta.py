@@ -253,6 +253,16 @@ def test_decode_steps_equal_prefill(dtype):
     assert_close(pool, stepped, 2e-5, 1e-4)
 
 
+def test_prefill_empty_rows():
+    """A row with no tokens keeps its slot's state (or zeroes it, when new) and outputs nothing."""
+    params, tok, pool = make_params(), make_tokens((3,), torch.float32), make_pool(torch.float32)
+    before = pool.clone()
+    o = prefill(pool, tok, params, [0, 3, 0], [1, 2, 3], [True, True, False])
+    assert o.shape == (3, HV, DV)
+    assert_same(pool[1], before[1])
+    assert (pool[3] == 0).all()
+
+
 def test_prefill_bad_rows_raise():
     params, tok, pool = make_params(), make_tokens((5,), torch.float32), make_pool(torch.float32)
     fn = "gated_delta_prefill_varlen"
