@@ -1,8 +1,11 @@
-"""Model configuration: a NemotronH-style hybrid described by an HF `config.json`.
+"""Model configuration: a hybrid model (NemotronH, Qwen3.5) described by an HF `config.json`.
 
-`ModelConfig.from_hf_dict` accepts the field names HF transformers writes today and the legacy names
-of the original NemotronH checkpoints (`hybrid_override_pattern`, `mamba_n_groups`, ...). Anything we
-cannot run fails with a `ValueError` naming the field, the value we got and the values we support.
+`ModelConfig.from_hf_dict` accepts the field names HF transformers writes today, the legacy names of the
+original NemotronH checkpoints (`hybrid_override_pattern`, `mamba_n_groups`, ...) and Qwen3.5's text config
+(flat, or nested under `text_config` as the released checkpoints have it: `config_qwen3_5.py`). The engine sees
+one pattern of blocks, each a residual branch around one mixer: a Qwen3.5 decoder layer is two blocks (its
+token mixer, then its MLP). Anything we cannot run fails with a `ValueError` naming the field, the value we got
+and the values we support.
 """
 
 from __future__ import annotations
@@ -10,9 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Layer symbols of `hybrid_override_pattern`.
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
+from baton.engine.config_qwen3_5 import QWEN3_5_MODEL_TYPES, qwen3_5_fields
+from baton.engine.layer_symbols import (
+    ATTENTION,
+    LAYER_SYMBOLS,
+    MAMBA,
+    MLP,
+    MOE,
+    NEMOTRON_H,
+    RECURRENT_SYMBOLS,
+)
+from baton.engine.layer_symbols import config_error as _bad
+
 # HF's `layers_block_type` names for the same layers.
 BLOCK_TYPE_TO_SYMBOL = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
                         "attention": ATTENTION, "mlp": MLP, "moe": MOE}
@@ -33,10 +45,6 @@ LEGACY_KEYS = {
     "attention_head_dim": "head_dim",
     "mamba_ssm_cache_dtype": "mamba_ssm_cache_dtype",
 }
-
-
-def _bad(field_name: str, expected: str, got: Any) -> ValueError:
-    return ValueError(f"config field '{field_name}': expected {expected}, got {got!r}")
 
 
 def parse_pattern(pattern: str, field_name: str = "hybrid_override_pattern") -> tuple[str, ...]:
@@ -107,6 +115,21 @@ class ModelConfig:
     # MTP drafter (reserved; used by the speculative decoding issue)
     num_nextn_predict_layers: int = 0
     mtp_layer_types: tuple[str, ...] = (ATTENTION, MOE)
+    family: str = NEMOTRON_H
+    # Gated DeltaNet (G blocks; its conv width is `conv_kernel`, its prefill chunk `chunk_size`)
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    # Qwen3.5 attention: RoPE on the first `rotary_dim` channels of each head (0: no positional embedding, as
+    # NemotronH), per-head RMSNorm of q and k, and an output gate produced by q_proj beside the queries.
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0
+    qk_norm: bool = False
+    attn_output_gate: bool = False
+    # RMSNorm weights stored as offsets from 1 (Qwen3.5's zero-centred norms: out = norm(x) * (1 + w)).
+    norm_zero_centered: bool = False
+    mlp_gated: bool = False  # down(act(gate(x)) * up(x)) instead of down(act(up(x)))
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +144,12 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise _bad("num_key_value_heads", f"a divisor of num_attention_heads={self.num_attention_heads}",
                        self.num_key_value_heads)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise _bad("linear_num_key_heads", f"a divisor of linear_num_value_heads={self.linear_num_value_heads}",
+                       self.linear_num_key_heads)
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise _bad("partial_rotary_factor", f"a rotary dimension that is even and in [0, head_dim={self.head_dim}]",
+                       self.rotary_dim)
         if self.mamba_num_heads % self.n_groups:
             raise _bad("n_groups", f"a divisor of mamba_num_heads={self.mamba_num_heads}", self.n_groups)
         if self.mlp_hidden_act not in SUPPORTED_MLP_ACTS:
@@ -159,6 +188,24 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MAMBA)
 
     @property
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        """The blocks whose mixer keeps per-request state (Mamba2 or Gated DeltaNet): the state pools' layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in RECURRENT_SYMBOLS)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """The Gated DeltaNet conv's channels: q, k and v."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
     def mamba_intermediate_size(self) -> int:
         return self.mamba_num_heads * self.mamba_head_dim
 
@@ -172,8 +219,10 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise _bad("config.json", "a JSON object", type(d).__name__)
         model_type = d.get("model_type")
+        if model_type in QWEN3_5_MODEL_TYPES:
+            return cls(**qwen3_5_fields(d))
         if model_type != "nemotron_h":
-            raise _bad("model_type", "'nemotron_h'", model_type)
+            raise _bad("model_type", "one of 'nemotron_h', " + ", ".join(map(repr, QWEN3_5_MODEL_TYPES)), model_type)
         d = dict(d)
         for old, new in LEGACY_KEYS.items():
             if old in d and new not in d:

@@ -89,7 +89,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
                 if t.is_floating_point():
                     t = t.to(torch.float32 if keep_fp32 else TORCH_DTYPES[target])
                 raw[name] = t
-    state = canonicalize_names(raw)
+    state = canonicalize_names(raw, cfg)
     del raw
 
     if cfg.num_nextn_predict_layers == 0:

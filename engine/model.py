@@ -1,4 +1,4 @@
-"""The NemotronH hybrid causal LM over varlen batches. Parameter names mirror HF transformers'
+"""The NemotronH hybrid causal LM over varlen batches (a `CausalLM`). Parameter names mirror HF transformers'
 `NemotronHForCausalLM` (`model.layers.{i}.mixer.*`), so a checkpoint's state dict loads as is.
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.engine.causal_lm import CausalLM
 from baton.engine.config import ATTENTION, MAMBA, MOE, ModelConfig
 from baton.engine.config import MLP as MLP_SYMBOL
 from baton.engine.forward_batch import ForwardBatch
@@ -15,9 +16,6 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
-from baton.engine.ops.kernels import Kernels, bind_kernels
-from baton.engine.state_spec import StateSpec
-from baton.engine.weights import MTP_PREFIX, place
 
 
 class Block(nn.Module):
@@ -58,20 +56,11 @@ class Backbone(nn.Module):
                               self.last_cache_layer)
 
 
-class NemotronHForCausalLM(nn.Module):
-    recurrent_mixer = Mamba2Mixer  # the mixer of its MAMBA layers, whose declared state the state pools hold
-    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`); the runners and
-    # graphs read it here.
-    kernels: Kernels | None = None
-
-    @classmethod
-    def state_spec(cls, cfg: ModelConfig) -> StateSpec:
-        """What the state pools hold per slot (`cache_pools.plan_cache`)."""
-        return cls.recurrent_mixer.state_spec(cfg, len(cfg.mamba_layer_ids))
+class NemotronHForCausalLM(CausalLM):
+    recurrent_mixer = Mamba2Mixer  # the mixer of its MAMBA layers
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -82,34 +71,12 @@ class NemotronHForCausalLM(nn.Module):
         written either way."""
         return self.model(input_ids, batch, keep)
 
-    def logits(self, hidden: torch.Tensor, fused: bool = False, upcast: bool = True) -> torch.Tensor:
-        """[T, vocab], float32 unless `upcast` is False (then the weights' dtype: the samplers take the argmax of
-        those values, which a float32 copy would not change, and upcast only the rows they draw from, because
-        a float32 copy of a large batch's logits is a noticeable part of a decode step). `fused` (a step of
-        `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel, which beat cuBLAS on this shape at one
-        row (`benchmarks/gemv_bench.py`)."""
-        weight = self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        if fused:
-            out = self.kernels.fused_linear(hidden, weight)
-        else:
-            out = torch.nn.functional.linear(hidden, weight)
-        return out.float() if upcast else out
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
-    @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype, kernels: Kernels) -> NemotronHForCausalLM:
-        """The model of a (canonical) checkpoint state dict, its layers running `kernels`' ops."""
-        with torch.device("meta"):
-            model = cls(cfg)
-        target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
-        missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
-                             f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
-        for module in model.modules():
+    def finish_load(self) -> None:
+        for module in self.modules():
             if isinstance(module, Mamba2Mixer):
                 module.freeze()
             elif isinstance(module, Attention):
                 module.fuse_qkv()
-        bind_kernels(model, kernels)
-        return model.requires_grad_(False).eval()

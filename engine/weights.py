@@ -34,6 +34,8 @@ from collections.abc import Mapping
 import torch
 
 from baton.engine.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from baton.engine.layer_symbols import QWEN3_5
+from baton.engine.weights_qwen3_5 import canonicalize_qwen3_5, qwen3_5_weight_shapes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -118,6 +120,8 @@ def mtp_layout(cfg: ModelConfig) -> list[tuple[str, str, bool, bool]]:
 
 def expected_weight_shapes(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every tensor a checkpoint of `cfg` holds, in HF module order."""
+    if cfg.family == QWEN3_5:
+        return qwen3_5_weight_shapes(cfg)
     h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embeddings.weight": (cfg.vocab_size, h)}
     for i, symbol in enumerate(cfg.layer_types):
@@ -141,12 +145,15 @@ def num_parameters(shapes: Mapping[str, tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
-def canonicalize_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename legacy NemotronH weights to canonical names; stack per-expert weights into 3D tensors.
+def canonicalize_names(state: Mapping[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Rename legacy NemotronH weights to canonical names; stack per-expert weights into 3D tensors (a Qwen3.5
+    `cfg`'s: `weights_qwen3_5.canonicalize_qwen3_5`).
 
     `backbone.X` -> `model.X`; `P.experts.{j}.up_proj.weight` [inter, in] for j = 0..E-1 ->
     `P.experts.up_proj` [E, inter, in] (same for `down_proj`). Canonical names pass through unchanged.
     """
+    if cfg is not None and cfg.family == QWEN3_5:
+        return canonicalize_qwen3_5(state)
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, t in state.items():

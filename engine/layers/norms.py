@@ -117,3 +117,18 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return self.kernels.gated_rms_norm(x, gate, self.weight, self.group_size, self.eps)
+
+
+class NormGate(nn.Module):
+    """RMSNorm(x) * silu(gate) over the last dim: the norm BEFORE the gate (the Gated DeltaNet's output norm)."""
+
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.kernels.norm_gate(x, gate, self.weight, self.eps)

@@ -9,7 +9,8 @@ Kernels exist for the decode / verify state updates, paged attention and its KV 
 prefill chunked scan, the norms (a residual add fused into the next one), the MLP's relu2, the few-token GEMV with
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
 sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`); MoE
-still runs the torch reference everywhere (issue #7).
+still runs the torch reference everywhere (issue #7), and so do Qwen3.5's Gated DeltaNet ops, its output norm and
+its RoPE.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.
 """
@@ -47,6 +48,12 @@ class Kernels:
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
+    # Qwen3.5's ops: their torch references on both paths until their kernels land.
+    gated_delta_decode: Callable
+    gated_delta_prefill: Callable
+    gated_delta_verify: Callable
+    norm_gate: Callable
+    rope: Callable
 
 
 @functools.cache
@@ -60,6 +67,19 @@ def resolve_kernels(mode: str, device: torch.device | str) -> Kernels:
     if mode == "auto":
         return _kernels(torch.device(device).type == "cuda" and _triton_available())
     return _kernels(mode == "triton")
+
+
+def _reference_only() -> dict[str, Callable]:
+    """The ops without a Triton kernel yet: their torch references on either path."""
+    from baton.engine.ops.gated_delta.reference import (
+        gated_delta_decode,
+        gated_delta_prefill_varlen,
+        gated_delta_verify,
+    )
+    from baton.engine.ops.norm.reference import norm_gate_reference
+    from baton.engine.ops.rope.reference import apply_rope
+    return dict(gated_delta_decode=gated_delta_decode, gated_delta_prefill=gated_delta_prefill_varlen,
+                gated_delta_verify=gated_delta_verify, norm_gate=norm_gate_reference, rope=apply_rope)
 
 
 @functools.cache
@@ -93,7 +113,8 @@ def _kernels(triton: bool) -> Kernels:
             paged_attention=paged_attention_triton, write_kv=write_kv_triton, rms_norm=rms_norm_triton,
             add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton, relu2=relu2_triton,
             fused_linear=fused_linear_triton, chain_inputs=chain_inputs_triton,
-            tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton)
+            tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton,
+            **_reference_only())
     from baton.engine.ops.act.reference import relu2_reference
     from baton.engine.ops.attention.reference import paged_attention, write_kv
     from baton.engine.ops.chain_inputs.reference import chain_inputs
@@ -118,7 +139,7 @@ def _kernels(triton: bool) -> Kernels:
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
         fused_linear=fused_linear, chain_inputs=chain_inputs, tempered_decisions=tempered_decisions,
-        filtered_decisions=filtered_decisions)
+        filtered_decisions=filtered_decisions, **_reference_only())
 
 
 def bind_kernels(root: torch.nn.Module, kernels: Kernels) -> None:

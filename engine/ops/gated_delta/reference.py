@@ -25,9 +25,10 @@ _L2_EPS = 1e-6
 
 
 def gdn_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 (g, beta) from the raw projections a, b [..., Hv]: the log decay g <= 0 and the write strength beta."""
+    """fp32 (g, beta) from the raw projections a, b [..., Hv]: the log decay g <= 0 and the write strength beta
+    (its sigmoid taken in b's dtype, as HF's `b.sigmoid()`)."""
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b.float())
+    return g, torch.sigmoid(b).float()
 
 
 def _unit(x: Tensor, heads_per_key: int) -> Tensor:

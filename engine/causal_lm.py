@@ -1,0 +1,78 @@
+"""What every model family's causal LM shares: its recurrent mixer's declared state, the logits, loading a
+canonical state dict. A family is one subclass in its own file (`model.py` NemotronH, `qwen3_5_model.py`
+Qwen3.5), picked by `model_family.model_class`.
+
+Invariants: `forward(input_ids, batch, keep)` returns final-norm hidden states and writes every cache layer;
+the state pools hold `recurrent_mixer`'s declared state for each of `cfg.recurrent_layer_ids`, in order.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from baton.engine.config import ModelConfig
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.recurrent_mixer import RecurrentMixer
+from baton.engine.ops.kernels import Kernels, bind_kernels
+from baton.engine.state_spec import StateSpec
+from baton.engine.weights import MTP_PREFIX, place
+
+
+class CausalLM(nn.Module):
+    recurrent_mixer: type[RecurrentMixer]  # the mixer whose declared state the state pools hold
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`); the runners and
+    # graphs read it here.
+    kernels: Kernels | None = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    @classmethod
+    def state_spec(cls, cfg: ModelConfig) -> StateSpec:
+        """What the state pools hold per slot (`cache_pools.plan_cache`)."""
+        return cls.recurrent_mixer.state_spec(cfg, len(cfg.recurrent_layer_ids))
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Final hidden states of every token [T, hidden], or of the tokens `keep` lists [len(keep), hidden]. The
+        caches are written either way."""
+
+    @abstractmethod
+    def output_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] weight of the logits: lm_head's, or the tied embeddings'."""
+
+    def finish_load(self) -> None:
+        """Derive what the layers compute once from the loaded weights (fused projections, constants)."""
+
+    def logits(self, hidden: torch.Tensor, fused: bool = False, upcast: bool = True) -> torch.Tensor:
+        """[T, vocab], float32 unless `upcast` is False (then the weights' dtype: the samplers take the argmax of
+        those values, which a float32 copy would not change, and upcast only the rows they draw from, because
+        a float32 copy of a large batch's logits is a noticeable part of a decode step). `fused` (a step of
+        `ForwardBatch.fused_gemv`) reads the weight with the GEMV kernel, which beat cuBLAS on this shape at one
+        row (`benchmarks/gemv_bench.py`)."""
+        weight = self.output_weight()
+        if fused:
+            out = self.kernels.fused_linear(hidden, weight)
+        else:
+            out = torch.nn.functional.linear(hidden, weight)
+        return out.float() if upcast else out
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
+                        dtype: torch.dtype, kernels: Kernels) -> CausalLM:
+        """The model of a (canonical) checkpoint state dict, its layers running `kernels`' ops."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
+        missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
+                             f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+        model.finish_load()
+        bind_kernels(model, kernels)
+        return model.requires_grad_(False).eval()

@@ -1,0 +1,57 @@
+"""Qwen3.5's gated attention: GQA over the paged KV cache with per-head RMSNorm of q and k, partial RoPE, and an
+output gate: out = o_proj(attention(q, k, v) * sigmoid(gate)).
+
+q_proj yields, per head, its D queries followed by its D gate channels (HF `Qwen3_5Attention`). The norms' weights
+are `RMSNorm`s whose zero-centred offsets were folded at load (`CausalLM`); the positions come from the batch's row
+layout on the device (`ops.rope.reference.token_positions`), computed once per forward and kept on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.engine.config import ModelConfig
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.norms import RMSNorm
+from baton.engine.ops.kernels import Kernels
+from baton.engine.ops.rope.reference import rope_inv_freq, token_positions
+
+
+class GatedAttention(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
+    def __init__(self, cfg: ModelConfig, kv_index: int) -> None:
+        super().__init__()
+        self.kv_index = kv_index  # which KV pool layer this attention layer owns
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.layer_norm_epsilon)
+        self.k_norm = RMSNorm(d, cfg.layer_norm_epsilon)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_theta, cfg.rotary_dim), persistent=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output [T, hidden]; with `keep`, only those tokens' (the KV cache is written for all)."""
+        t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qg = self.q_proj(x).view(t, hq, 2 * d)
+        gate = qg[..., d:].reshape(t, hq * d)
+        q = self.q_norm(qg[..., :d].reshape(t * hq, d)).view(t, hq, d)
+        k = self.k_norm(self.k_proj(x).view(t * hk, d)).view(t, hk, d)
+        v = self.v_proj(x).view(t, hk, d)
+        if batch.positions is None or batch.positions.shape[0] != t:
+            batch.positions = token_positions(batch.query_start_loc, batch.seq_lens, t)
+        q, k = self.kernels.rope(q, k, batch.positions, self.inv_freq)
+        kv_cache = batch.kv_caches[self.kv_index]
+        self.kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
+        meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
+        out = self.kernels.paged_attention(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                           self.scale, **meta)
+        out = out.reshape(t, hq * d) * torch.sigmoid(gate)
+        return self.o_proj(out if keep is None else out[keep])

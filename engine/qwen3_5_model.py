@@ -1,0 +1,88 @@
+"""The Qwen3.5 causal LM (text) over varlen batches, a `CausalLM`. Parameter names mirror HF transformers'
+`Qwen3_5ForCausalLM` (`model.layers.{i}.linear_attn.*` / `.self_attn.*`, `.mlp.*`), so a canonical state dict
+(`weights_qwen3_5`) loads as is.
+
+Each decoder layer is two pre-norm residual blocks for `pre_norm_stack`: (input_layernorm, token mixer) and
+(post_attention_layernorm, gated MLP). Qwen3.5's RMSNorms are zero-centred (out = norm(x) * (1 + w)): `finish_load`
+folds the 1 into their weights, kept in fp32 so that the sum is exactly HF's `1.0 + w.float()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from baton.engine.causal_lm import CausalLM
+from baton.engine.config import ModelConfig
+from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layer_symbols import ATTENTION, GDN
+from baton.engine.layers.gated_attention import GatedAttention
+from baton.engine.layers.gated_deltanet import GatedDeltaNetMixer
+from baton.engine.layers.gated_mlp import GatedMLP
+from baton.engine.layers.norms import RMSNorm, pre_norm_stack
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One residual branch as `pre_norm_stack` runs it (the modules are registered by their decoder layer)."""
+
+    norm: nn.Module
+    mixer: nn.Module
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        block = 2 * layer_id  # the token mixer's block; the MLP's is the next one
+        kind = cfg.layer_types[block]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == GDN:
+            self.linear_attn = GatedDeltaNetMixer(cfg, cfg.recurrent_layer_ids.index(block))
+            mixer: nn.Module = self.linear_attn
+        elif kind == ATTENTION:
+            self.self_attn = GatedAttention(cfg, cfg.attention_layer_ids.index(block))
+            mixer = self.self_attn
+        else:
+            raise ValueError(f"qwen3_5 layer {layer_id}: expected a G or * token mixer, got {kind!r}")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.blocks = (_Block(self.input_layernorm, mixer), _Block(self.post_attention_layernorm, self.mlp))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers // 2))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.blocks = [b for layer in self.layers for b in layer.blocks]
+        # The last block that writes a cache: past its mixer a token's hidden state reaches only its own output.
+        self.last_cache_layer = max((i for i, k in enumerate(cfg.layer_types) if k in (GDN, ATTENTION)), default=None)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return pre_norm_stack(self.embed_tokens(input_ids), self.blocks, self.norm, batch, keep,
+                              self.last_cache_layer)
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    recurrent_mixer = GatedDeltaNetMixer
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.model = TextModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return self.model(input_ids, batch, keep)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def finish_load(self) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight = nn.Parameter(1.0 + module.weight.detach().float(), requires_grad=False)
