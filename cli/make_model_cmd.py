@@ -1,4 +1,4 @@
-"""`baton make-model OUT --preset tiny|small|8b-like`: write a random NemotronH checkpoint."""
+"""`baton make-model OUT --preset NAME`: write a random NemotronH or Qwen3.5 checkpoint."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from baton.engine.weights import expected_weight_shapes, num_parameters
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("make-model", help="write a random NemotronH checkpoint (config.json + safetensors)")
+    p = subparsers.add_parser("make-model", help="write a random NemotronH or Qwen3.5 checkpoint (config.json + safetensors)")
     p.add_argument("out", type=Path, help="output directory")
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--mtp-layers", type=int, default=0, metavar="N",

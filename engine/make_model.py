@@ -1,7 +1,8 @@
-"""Write a random NemotronH checkpoint (HF `config.json`, safetensors, a small tokenizer) for tests and demos.
+"""Write a random checkpoint (HF `config.json`, safetensors, a small tokenizer) for tests and demos.
 
-Presets: `tiny` (unit tests), `small` (~29M parameters, `make demo` on a CPU), `8b-like` (exactly the shape
-of nvidia/Nemotron-H-8B-Base-8K: 52 layers, hidden 4096, ~8.1B parameters, bf16). The weights follow the
+NemotronH presets: `tiny` (unit tests), `small` (~29M parameters, `make demo` on a CPU), `8b-like` (exactly the
+shape of nvidia/Nemotron-H-8B-Base-8K: 52 layers, hidden 4096, ~8.1B parameters, bf16). Qwen3.5 presets:
+`qwen3.5-tiny`, `qwen3.5-27b-like` (`make_model_qwen3_5.py`). The weights follow the
 spirit of HF `NemotronHPreTrainedModel._init_weights` (norms = 1, D = 1, A_log = log(1..H), dt_bias =
 softplus^-1 of a log-uniform dt) but linears use std 1/sqrt(fan_in) and embeddings std 1, so that a random
 model's mixers matter next to the embeddings and its logits are spread out (greedy decoding does not
@@ -25,6 +26,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from baton.engine.config import LEGACY_KEYS, ModelConfig
+from baton.engine.layer_symbols import QWEN3_5
+from baton.engine.make_model_qwen3_5 import (
+    QWEN3_5_KNOWN_KEYS,
+    QWEN3_5_PRESETS,
+    init_qwen3_5_tensor,
+    qwen3_5_config,
+)
 from baton.engine.tokenizer_train import write_tokenizer
 from baton.engine.weights import (
     CONFIG_FILE,
@@ -101,7 +109,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "moe_shared_expert_intermediate_size": 7688, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
     },
 }
-PRESET_NAMES = tuple(_PRESETS)
+PRESET_NAMES = (*_PRESETS, *QWEN3_5_PRESETS)
 # MTP block pattern per preset when --mtp-layers > 0. Real NemotronH MTP checkpoints (Nemotron-3 Super)
 # use "*E" (attention then MoE); the dense 8B shape gets a dense MTP block.
 MTP_PATTERNS = {"tiny": "*E", "small": "*E", "8b-like": "*-"}
@@ -149,10 +157,12 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 def build_config(preset: str, mtp_layers: int = 0, overrides: Mapping[str, Any] | None = None,
                  dtype: str | None = None) -> dict[str, Any]:
     """The HF config dict `make_model` writes, validated through `ModelConfig.from_hf_dict`."""
-    if preset not in _PRESETS:
+    if preset not in PRESET_NAMES:
         raise ValueError(f"preset: expected one of {', '.join(PRESET_NAMES)}, got {preset!r}")
     if not isinstance(mtp_layers, int) or mtp_layers < 0:
         raise ValueError(f"mtp_layers: expected an integer >= 0, got {mtp_layers!r}")
+    if preset in QWEN3_5_PRESETS:
+        return _build_qwen3_5(preset, mtp_layers, dict(overrides or {}), dtype)
     d: dict[str, Any] = {**_COMMON, **_PRESETS[preset]}
     if mtp_layers:
         d["num_nextn_predict_layers"] = mtp_layers
@@ -189,6 +199,25 @@ def build_config(preset: str, mtp_layers: int = 0, overrides: Mapping[str, Any] 
     return d
 
 
+def _build_qwen3_5(preset: str, mtp_layers: int, overrides: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    if mtp_layers:
+        raise ValueError(f"mtp_layers: expected 0 for {preset} (MTP is not run for the Qwen3.5 family), "
+                         f"got {mtp_layers}")
+    unknown = sorted(k for k in overrides if k not in QWEN3_5_KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"--set: unknown config key(s) {', '.join(map(repr, unknown))}: expected fields of "
+                         f"HF Qwen3_5TextConfig (e.g. vocab_size, layer_types, linear_num_value_heads)")
+    if "dtype" in overrides:
+        value = overrides.pop("dtype")
+        if overrides.setdefault("torch_dtype", value) != value:
+            raise ValueError(f"--set dtype={value!r} and torch_dtype={overrides['torch_dtype']!r} disagree")
+    if dtype is not None and overrides.setdefault("torch_dtype", dtype) != dtype:
+        raise ValueError(f"dtype: --dtype {dtype!r} and --set torch_dtype={overrides['torch_dtype']!r} disagree")
+    d = qwen3_5_config(preset, overrides)
+    ModelConfig.from_hf_dict(d)  # refuses what the engine cannot run, naming the field
+    return d
+
+
 def _device(device: torch.device | str) -> torch.device:
     try:
         dev = torch.device(device)
@@ -220,6 +249,8 @@ def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, d: Mapping[
     """A random fp32 value for checkpoint tensor `name` (canonical name, see `expected_weight_shapes`), made
     on `device`."""
     g = _generator(seed, name, torch.device(device))
+    if cfg.family == QWEN3_5:
+        return init_qwen3_5_tensor(name, shape, cfg.num_layers // 2, cfg.conv_kernel, g)
     leaf = name.rsplit(".", 1)[-1]
     # Residual-branch outputs are scaled by 1/sqrt(layers) (GPT-2 scheme, HF `rescale_prenorm_residual`).
     residual_scale = 1.0 / math.sqrt(cfg.num_layers)
