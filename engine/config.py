@@ -130,6 +130,8 @@ class ModelConfig:
     # RMSNorm weights stored as offsets from 1 (Qwen3.5's zero-centred norms: out = norm(x) * (1 + w)).
     norm_zero_centered: bool = False
     mlp_gated: bool = False  # down(act(gate(x)) * up(x)) instead of down(act(up(x)))
+    # Qwen3-Next's GDN projections: in_proj_qkvz / in_proj_ba grouped per key head (`weights_qwen3_5` splits them).
+    gdn_interleaved_projections: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,9 +1,11 @@
-"""Qwen3.5's text config (HF `Qwen3_5TextConfig`) -> ModelConfig's fields.
+"""Qwen3.5's text config (HF `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`) -> ModelConfig's fields.
 
 A released Qwen3.5 checkpoint is `Qwen3_5ForConditionalGeneration` (`model_type` "qwen3_5"), its text model's
 fields under `text_config` and a vision tower's under `vision_config`; `Qwen3_5ForCausalLM` writes the text
-config alone ("qwen3_5_text"). Both give the same fields. Each decoder layer becomes two blocks: its token mixer
-(G for `linear_attention`, * for `full_attention`) and its gated MLP (-). The vision tower is not run: Baton
+config alone ("qwen3_5_text"); the MoE models likewise ("qwen3_5_moe", "qwen3_5_moe_text"), and Qwen3-Next
+("qwen3_next") is flat. Each decoder layer becomes two blocks: its token mixer (G for `linear_attention`, * for
+`full_attention`) and its MLP (- gated MLP, E sparse MoE block: every layer of Qwen3.5-MoE, Qwen3-Next's by
+`decoder_sparse_step` and `mlp_only_layers`). The vision tower is not run: Baton
 serves text (the loader drops its weights with a log line).
 """
 
@@ -12,22 +14,24 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from baton.engine.layer_symbols import ATTENTION, GDN, MLP, QWEN3_5, config_error
+from baton.engine.layer_symbols import ATTENTION, GDN, MLP, MOE, QWEN3_5, config_error
 
 logger = logging.getLogger(__name__)
 
-QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+# The outer (ConditionalGeneration) model types whose text model's fields sit under `text_config`.
+_NESTED = ("qwen3_5", "qwen3_5_moe")
 _LAYER_TYPES = {"linear_attention": GDN, "full_attention": ATTENTION}
 GDN_CHUNK_SIZE = 64  # the chunk of the chunked gated delta rule (HF's and flash-linear-attention's)
 
 
 def _text_config(d: dict) -> dict:
-    if d.get("model_type") == "qwen3_5" and "text_config" in d:
+    if d.get("model_type") in _NESTED and "text_config" in d:
         text = d["text_config"]
         if not isinstance(text, dict):
             raise config_error("text_config", "a JSON object", text)
         if d.get("vision_config") is not None:
-            logger.info("qwen3_5: serving the text model; the vision tower (vision_config) is not run")
+            logger.info("%s: serving the text model; the vision tower (vision_config) is not run", d["model_type"])
         # Fields the outer config sets for the whole model (HF reads them there).
         outer = {k: d[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id")
                  if k in d and k not in text}
@@ -50,6 +54,17 @@ def _rope(t: dict, head_dim: int) -> tuple[float, int]:
     return float(theta), int(head_dim * factor)
 
 
+def _sparse(t: dict, model_type: str, layer: int) -> bool:
+    """Whether decoder layer `layer`'s MLP is the sparse MoE block (HF's rule per model type)."""
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return True
+    if model_type != "qwen3_next":
+        return False
+    only = t.get("mlp_only_layers") or []
+    step = t.get("decoder_sparse_step", 1) or 1
+    return layer not in only and t.get("num_experts", 512) > 0 and (layer + 1) % step == 0
+
+
 def qwen3_5_fields(d: dict) -> dict[str, Any]:
     """ModelConfig's keyword arguments for a Qwen3.5 config dict `d`."""
     t = _text_config(d)
@@ -65,11 +80,12 @@ def qwen3_5_fields(d: dict) -> dict[str, Any]:
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     if not isinstance(types, list | tuple) or len(types) != num_layers:
         raise config_error("layer_types", f"a list of num_hidden_layers={num_layers} layer types", types)
+    model_type = t.get("model_type", d.get("model_type"))
     blocks: list[str] = []
-    for kind in types:
+    for i, kind in enumerate(types):
         if kind not in _LAYER_TYPES:
             raise config_error("layer_types", "entries among 'linear_attention', 'full_attention'", kind)
-        blocks += [_LAYER_TYPES[kind], MLP]
+        blocks += [_LAYER_TYPES[kind], MOE if _sparse(t, model_type, i) else MLP]
     for name, ok in (("hidden_act", "silu"),):
         if get(name, ok) != ok:
             raise config_error(name, repr(ok), t[name])
@@ -118,6 +134,12 @@ def qwen3_5_fields(d: dict) -> dict[str, Any]:
         max_position_embeddings=get("max_position_embeddings", 32768),
         torch_dtype=t.get("torch_dtype", t.get("dtype", d.get("torch_dtype", d.get("dtype")))) or "float32",
         mamba_ssm_cache_dtype=get("mamba_ssm_dtype", "float32"),
+        n_routed_experts=get("num_experts", 512),
+        num_experts_per_tok=get("num_experts_per_tok", 10),
+        moe_intermediate_size=get("moe_intermediate_size", 512),
+        moe_shared_expert_intermediate_size=get("shared_expert_intermediate_size", 512),
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        gdn_interleaved_projections=model_type == "qwen3_next",
         num_nextn_predict_layers=0,
         raw=d,
     )

@@ -1,9 +1,10 @@
-"""The Qwen3.5 causal LM (text) over varlen batches, a `CausalLM`. Parameter names mirror HF transformers'
+"""The Qwen3.5 causal LM (text; dense, MoE, and Qwen3-Next, which shares its layers) over varlen batches, a
+`CausalLM`. Parameter names mirror HF transformers'
 `Qwen3_5ForCausalLM` (`model.layers.{i}.linear_attn.*` / `.self_attn.*`, `.mlp.*`), so a canonical state dict
 (`weights_qwen3_5`) loads as is.
 
 Each decoder layer is two pre-norm residual blocks for `pre_norm_stack`: (input_layernorm, token mixer) and
-(post_attention_layernorm, gated MLP). Qwen3.5's RMSNorms are zero-centred (out = norm(x) * (1 + w)): `finish_load`
+(post_attention_layernorm, gated MLP or sparse MoE block). Qwen3.5's RMSNorms are zero-centred (out = norm(x) * (1 + w)): `finish_load`
 folds the 1 into their weights, kept in fp32 so that the sum is exactly HF's `1.0 + w.float()`.
 """
 
@@ -17,11 +18,12 @@ from torch import nn
 from baton.engine.causal_lm import CausalLM
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.layer_symbols import ATTENTION, GDN
+from baton.engine.layer_symbols import ATTENTION, GDN, MOE
 from baton.engine.layers.gated_attention import GatedAttention
 from baton.engine.layers.gated_deltanet import GatedDeltaNetMixer
 from baton.engine.layers.gated_mlp import GatedMLP
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
+from baton.engine.layers.qwen_moe import QwenSparseMoE
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class DecoderLayer(nn.Module):
         else:
             raise ValueError(f"qwen3_5 layer {layer_id}: expected a G or * token mixer, got {kind!r}")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = QwenSparseMoE(cfg) if cfg.layer_types[block + 1] == MOE else GatedMLP(cfg.hidden_size,
+                                                                                         cfg.intermediate_size)
         self.blocks = (_Block(self.input_layernorm, mixer), _Block(self.post_attention_layernorm, self.mlp))
 
 

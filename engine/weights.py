@@ -153,7 +153,7 @@ def canonicalize_names(state: Mapping[str, torch.Tensor], cfg: ModelConfig | Non
     `P.experts.up_proj` [E, inter, in] (same for `down_proj`). Canonical names pass through unchanged.
     """
     if cfg is not None and cfg.family == QWEN3_5:
-        return canonicalize_qwen3_5(state)
+        return canonicalize_qwen3_5(state, cfg)
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, t in state.items():

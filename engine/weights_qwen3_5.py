@@ -5,26 +5,30 @@ Canonical names are HF transformers' `Qwen3_5ForCausalLM` ones: `model.embed_tok
 attention), `...post_attention_layernorm.weight`, `...mlp.{gate,up,down}_proj.weight`, `model.norm.weight`,
 `lm_head.weight`. A released `Qwen3_5ForConditionalGeneration` checkpoint keeps the text model under
 `model.language_model.` (renamed here) beside the vision tower's `model.visual.*` (dropped: Baton serves text).
-Its `mtp.*` tensors are dropped too: this family's MTP is not run.
+Its `mtp.*` tensors are dropped too: this family's MTP is not run. MoE layers (`qwen3_5_moe`, `qwen3_next`) hold
+`mlp.gate`, `mlp.experts.gate_up_proj` / `down_proj` (fused, as HF 5.x; per-expert checkpoints are merged),
+`mlp.shared_expert.*` and `mlp.shared_expert_gate`; Qwen3-Next's fused GDN projections are split into Qwen3.5's.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 
 import torch
 
 from baton.engine.config import ModelConfig
-from baton.engine.layer_symbols import ATTENTION, GDN, MLP
+from baton.engine.layer_symbols import ATTENTION, GDN, MLP, MOE
 
 logger = logging.getLogger(__name__)
 
 TEXT_PREFIX, CANONICAL_PREFIX = "model.language_model.", "model."
 DROPPED_PREFIXES = ("model.visual.", "mtp.")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _layer_shapes(cfg: ModelConfig, prefix: str, mixer: str) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(cfg: ModelConfig, prefix: str, mixer: str, mlp: str) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {f"{prefix}.input_layernorm.weight": (h,)}
     if mixer == GDN:
@@ -49,30 +53,91 @@ def _layer_shapes(cfg: ModelConfig, prefix: str, mixer: str) -> dict[str, tuple[
         out[f"{p}.k_norm.weight"] = (d,)
     else:
         raise ValueError(f"qwen3_5 layer {prefix}: expected a G or * token mixer, got {mixer!r}")
-    i = cfg.intermediate_size
     out[f"{prefix}.post_attention_layernorm.weight"] = (h,)
-    out[f"{prefix}.mlp.gate_proj.weight"] = (i, h)
-    out[f"{prefix}.mlp.up_proj.weight"] = (i, h)
-    out[f"{prefix}.mlp.down_proj.weight"] = (h, i)
+    if mlp == MOE:
+        e, i, p = cfg.n_routed_experts, cfg.moe_intermediate_size, f"{prefix}.mlp"
+        out[f"{p}.gate.weight"] = (e, h)
+        out[f"{p}.experts.gate_up_proj"] = (e, 2 * i, h)
+        out[f"{p}.experts.down_proj"] = (e, h, i)
+        out.update(_gated_mlp(f"{p}.shared_expert", h, cfg.moe_shared_expert_intermediate_size))
+        out[f"{p}.shared_expert_gate.weight"] = (1, h)
+    else:
+        out.update(_gated_mlp(f"{prefix}.mlp", h, cfg.intermediate_size))
     return out
+
+
+def _gated_mlp(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (i, h), f"{prefix}.up_proj.weight": (i, h),
+            f"{prefix}.down_proj.weight": (h, i)}
 
 
 def qwen3_5_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every tensor of `cfg`'s text model, in HF module order."""
     mixers, mlps = cfg.layer_types[0::2], cfg.layer_types[1::2]
-    if len(mixers) != len(mlps) or any(m != MLP for m in mlps):
+    if len(mixers) != len(mlps) or any(m not in (MLP, MOE) for m in mlps):
         raise ValueError(f"qwen3_5 block pattern: expected (mixer, MLP) pairs, got {cfg.pattern!r}")
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    for i, mixer in enumerate(mixers):
-        out.update(_layer_shapes(cfg, f"model.layers.{i}", mixer))
+    for i, (mixer, mlp) in enumerate(zip(mixers, mlps, strict=True)):
+        out.update(_layer_shapes(cfg, f"model.layers.{i}", mixer, mlp))
     out["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return out
 
 
-def canonicalize_qwen3_5(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`model.language_model.X` -> `model.X`; the vision tower's and MTP's tensors dropped with a log line."""
+def _merge_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert `P.experts.{j}.{gate,up,down}_proj.weight` -> `P.experts.gate_up_proj` [E, 2I, H] (each expert's
+    gate rows, then its up rows) and `P.experts.down_proj` [E, H, I], as HF's conversion mapping merges them."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            experts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["expert"])] = t
+        else:
+            out[name] = t
+    for prefix, projs in experts.items():
+        n = 1 + max(j for by in projs.values() for j in by)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            missing = [j for j in range(n) if j not in projs.get(proj, {})]
+            if missing:
+                raise ValueError(f"checkpoint: per-expert weights of '{prefix}': expected {proj} of experts "
+                                 f"0..{n - 1}, missing {missing[:8]}")
+        gate_up = [torch.cat([projs["gate_proj"][j], projs["up_proj"][j]]) for j in range(n)]
+        for name, t in ((f"{prefix}.gate_up_proj", torch.stack(gate_up)),
+                        (f"{prefix}.down_proj", torch.stack([projs["down_proj"][j] for j in range(n)]))):
+            if name in out:
+                raise ValueError(f"checkpoint: tensor '{name}' appears both fused and per expert")
+            out[name] = t
+    return out
+
+
+def _split_interleaved(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's `in_proj_qkvz` (per key head: its q, k, then its value heads' v, then their z) and `in_proj_ba`
+    (per key head: its value heads' b, then their a) -> Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+    `in_proj_a` (HF `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`)."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".in_proj_qkvz.weight"):
+            p = name[:-len("in_proj_qkvz.weight")]
+            q, k, v, z = t.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+            out[p + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+            out[p + "in_proj_z.weight"] = z.reshape(-1, t.shape[-1])
+        elif name.endswith(".in_proj_ba.weight"):
+            p = name[:-len("in_proj_ba.weight")]
+            b, a = t.reshape(hk, 2 * r, -1).split([r, r], dim=1)
+            out[p + "in_proj_b.weight"] = b.reshape(-1, t.shape[-1])
+            out[p + "in_proj_a.weight"] = a.reshape(-1, t.shape[-1])
+        else:
+            out[name] = t
+    return out
+
+
+def canonicalize_qwen3_5(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`model.language_model.X` -> `model.X`; the vision tower's and MTP's tensors dropped with a log line;
+    per-expert weights merged; Qwen3-Next's interleaved GDN projections split."""
     out: dict[str, torch.Tensor] = {}
     dropped = {p: 0 for p in DROPPED_PREFIXES}
     for name, t in state.items():
@@ -89,4 +154,5 @@ def canonicalize_qwen3_5(state: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         if n:
             logger.info("qwen3_5: not loading %d %s* tensors (%s)", n, prefix,
                         "the vision tower" if prefix == "model.visual." else "MTP is not run for this family")
-    return out
+    out = _merge_experts(out)
+    return _split_interleaved(out, cfg) if cfg.gdn_interleaved_projections else out

@@ -83,7 +83,7 @@ REFUSED = [
     ({"layer_types": ["linear_attention", "moe", "linear_attention", "full_attention"]}, "layer_types"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types"),
     ({"linear_num_key_heads": 3}, "linear_num_key_heads"),
-    ({"model_type": "qwen3_next"}, "model_type"),
+    ({"model_type": "jamba"}, "model_type"),
 ]
 
 
@@ -110,3 +110,13 @@ def test_make_model_refuses_mtp_layers_and_unknown_keys_for_qwen_presets():
         build_config("qwen3.5-tiny", mtp_layers=1)
     with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
         build_config("qwen3.5-tiny", overrides={"hybrid_override_pattern": "M*"})
+
+
+def test_the_moe_model_types_give_their_sparse_layers():
+    text = {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}
+    released = ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {}})
+    assert released == ModelConfig.from_hf_dict(text)
+    assert released.pattern == "GEGEGE*E" and released.n_routed_experts == 8 and not released.gdn_interleaved_projections
+    nxt = ModelConfig.from_hf_dict({"model_type": "qwen3_next", "num_hidden_layers": 8, "decoder_sparse_step": 2,
+                                    "mlp_only_layers": [5]})
+    assert nxt.pattern == "G-GEG-*EG-G-G-*E" and nxt.gdn_interleaved_projections
