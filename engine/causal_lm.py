@@ -46,6 +46,10 @@ class CausalLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """The [vocab, hidden] weight of the logits: lm_head's, or the tied embeddings'."""
 
+    @abstractmethod
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding table (the MTP drafter shares it)."""
+
     def finish_load(self) -> None:
         """Derive what the layers compute once from the loaded weights (fused projections, constants)."""
 

@@ -100,9 +100,11 @@ def qwen3_5_fields(d: dict) -> dict[str, Any]:
     eos = t.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
     mtp_layers = get("mtp_num_hidden_layers", 0)
-    if mtp_layers:
-        logger.info("qwen3_5: the checkpoint's %d MTP layer(s) are not used (speculative decoding with them is "
-                    "not supported for this family)", mtp_layers)
+    if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
+        raise config_error("mtp_num_hidden_layers", "an integer >= 0", mtp_layers)
+    # An MTP layer is a full-attention decoder layer with the model's kind of MLP; draft step k runs layer
+    # k % mtp_num_hidden_layers (as vLLM's `spec_step_idx % num_mtp_layers`).
+    mtp_mlp = MOE if model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next") else MLP
     return dict(
         family=QWEN3_5,
         vocab_size=get("vocab_size", 248320),
@@ -140,6 +142,7 @@ def qwen3_5_fields(d: dict) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=get("shared_expert_intermediate_size", 512),
         norm_topk_prob=bool(get("norm_topk_prob", True)),
         gdn_interleaved_projections=model_type == "qwen3_next",
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=mtp_layers,
+        mtp_layer_types=(ATTENTION, mtp_mlp),
         raw=d,
     )

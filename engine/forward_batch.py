@@ -48,8 +48,9 @@ class ForwardBatch:
     # Run the linear layers as GEMVs with the op before each fused in (`layers.norms.PendingNorm`,
     # `ops.linear.reference`): set by the runner for steps of few tokens (EngineConfig.fused_gemv_max_tokens).
     fused_gemv: bool = False
-    # Each token's position [T] int64, for models with rotary embeddings: derived on the device from
-    # query_start_loc and seq_lens by the first layer that needs it (`ops.rope.reference.token_positions`).
+    # Each token's position [T] int64, for models with rotary embeddings: set by the model at the start of each
+    # forward, on the device from query_start_loc and seq_lens (`ops.rope.reference.token_positions`), so that a
+    # batch whose buffers a graph refills in place never carries another step's positions.
     positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

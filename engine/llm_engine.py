@@ -37,8 +37,7 @@ from baton.engine.memory_budget import (
 )
 from baton.engine.memory_budget import summary as budget_summary
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
-from baton.engine.model_family import model_class
-from baton.engine.mtp import MTPModule
+from baton.engine.model_family import model_class, mtp_class
 from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
 from baton.engine.request import Request, RequestStatus
@@ -162,7 +161,7 @@ class LLMEngine:
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
         self.kernels = resolve_kernels(config.kernels, device)
         self.model = model_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels)
-        self.mtp = MTPModule.from_state_dict(model_cfg, weights, device, self.dtype, self.kernels) if k else None
+        self.mtp = mtp_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels) if k else None
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
         # `capture_graphs` ran.
         self.memory: MemoryReport | None = None

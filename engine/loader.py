@@ -95,7 +95,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
     if cfg.num_nextn_predict_layers == 0:
         mtp = [n for n in state if n.startswith(MTP_PREFIX)]
         if mtp:
-            logger.warning("%s: ignoring %d mtp.* tensors: config.json sets num_nextn_predict_layers=0",
+            logger.warning("%s: ignoring %d mtp.* tensors: config.json declares no MTP layers",
                            model_dir, len(mtp))
             for n in mtp:
                 del state[n]

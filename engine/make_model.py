@@ -200,9 +200,9 @@ def build_config(preset: str, mtp_layers: int = 0, overrides: Mapping[str, Any] 
 
 
 def _build_qwen3_5(preset: str, mtp_layers: int, overrides: dict[str, Any], dtype: str | None) -> dict[str, Any]:
-    if mtp_layers:
-        raise ValueError(f"mtp_layers: expected 0 for {preset} (MTP is not run for the Qwen3.5 family), "
-                         f"got {mtp_layers}")
+    if mtp_layers and overrides.setdefault("mtp_num_hidden_layers", mtp_layers) != mtp_layers:
+        raise ValueError(f"mtp_layers: --mtp-layers {mtp_layers} and --set mtp_num_hidden_layers="
+                         f"{overrides['mtp_num_hidden_layers']!r} disagree")
     unknown = sorted(k for k in overrides if k not in QWEN3_5_KNOWN_KEYS)
     if unknown:
         raise ValueError(f"--set: unknown config key(s) {', '.join(map(repr, unknown))}: expected fields of "

@@ -76,8 +76,8 @@ def init_qwen3_5_tensor(name: str, shape: tuple[int, ...], num_layers: int, conv
         return normal(2.0 / math.sqrt(shape[-1]))  # logits std ~2
     if name.endswith("linear_attn.norm.weight"):
         return 1.0 + normal(0.1)  # a plain gated norm: weights around 1
-    if name.endswith("norm.weight"):
-        return normal(0.1)  # zero-centred: the norm multiplies by 1 + w
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return normal(0.1)  # zero-centred (layer norms, q/k norms, the MTP's norms): the norm multiplies by 1 + w
     if leaf == "A_log":
         # Computed on the CPU: a constant must not depend on the draw device.
         return torch.log(torch.linspace(1.0, 16.0, shape[0], dtype=torch.float32)).to(g.device)
@@ -87,7 +87,7 @@ def init_qwen3_5_tensor(name: str, shape: tuple[int, ...], num_layers: int, conv
         bound = 1.0 / math.sqrt(conv_kernel)
         return torch.rand(shape, generator=g, dtype=torch.float32, device=g.device).mul_(2 * bound).sub_(bound)
     std = 1.0 / math.sqrt(shape[-1])
-    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+    if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj", "down_proj.weight")):
         std /= math.sqrt(2 * num_layers)  # residual-branch outputs, two per decoder layer
     return normal(std)
 

@@ -74,6 +74,9 @@ class NemotronHForCausalLM(CausalLM):
     def output_weight(self) -> torch.Tensor:
         return self.model.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings
+
     def finish_load(self) -> None:
         for module in self.modules():
             if isinstance(module, Mamba2Mixer):

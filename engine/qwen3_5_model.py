@@ -24,6 +24,7 @@ from baton.engine.layers.gated_deltanet import GatedDeltaNetMixer
 from baton.engine.layers.gated_mlp import GatedMLP
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.layers.qwen_moe import QwenSparseMoE
+from baton.engine.ops.rope.reference import token_positions
 
 
 @dataclass(frozen=True)
@@ -35,30 +36,44 @@ class _Block:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """A token mixer (`mixer` G or *, owning state-pool layer / KV-pool layer `index`) and an MLP (`mlp` - or E)."""
+
+    def __init__(self, cfg: ModelConfig, mixer: str, mlp: str, index: int) -> None:
         super().__init__()
-        block = 2 * layer_id  # the token mixer's block; the MLP's is the next one
-        kind = cfg.layer_types[block]
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        if kind == GDN:
-            self.linear_attn = GatedDeltaNetMixer(cfg, cfg.recurrent_layer_ids.index(block))
-            mixer: nn.Module = self.linear_attn
-        elif kind == ATTENTION:
-            self.self_attn = GatedAttention(cfg, cfg.attention_layer_ids.index(block))
-            mixer = self.self_attn
+        if mixer == GDN:
+            self.linear_attn = GatedDeltaNetMixer(cfg, index)
+            token_mixer: nn.Module = self.linear_attn
+        elif mixer == ATTENTION:
+            self.self_attn = GatedAttention(cfg, index)
+            token_mixer = self.self_attn
         else:
-            raise ValueError(f"qwen3_5 layer {layer_id}: expected a G or * token mixer, got {kind!r}")
+            raise ValueError(f"qwen3_5 decoder layer: expected a G or * token mixer, got {mixer!r}")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.mlp = QwenSparseMoE(cfg) if cfg.layer_types[block + 1] == MOE else GatedMLP(cfg.hidden_size,
-                                                                                         cfg.intermediate_size)
-        self.blocks = (_Block(self.input_layernorm, mixer), _Block(self.post_attention_layernorm, self.mlp))
+        self.mlp = QwenSparseMoE(cfg) if mlp == MOE else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.blocks = (_Block(self.input_layernorm, token_mixer), _Block(self.post_attention_layernorm, self.mlp))
+
+
+def decoder_layer(cfg: ModelConfig, layer_id: int) -> DecoderLayer:
+    """Decoder layer `layer_id` of the target model: blocks 2 * layer_id (its mixer) and the next (its MLP)."""
+    block = 2 * layer_id
+    mixer = cfg.layer_types[block]
+    ids = cfg.recurrent_layer_ids if mixer == GDN else cfg.attention_layer_ids
+    return DecoderLayer(cfg, mixer, cfg.layer_types[block + 1], ids.index(block) if block in ids else -1)
+
+
+def fold_zero_centered_norms(root: nn.Module) -> None:
+    """norm(x) * (1 + w) as an RMSNorm of weight 1 + w, in fp32 (exactly HF's `1.0 + w.float()`)."""
+    for module in root.modules():
+        if isinstance(module, RMSNorm):
+            module.weight = nn.Parameter(1.0 + module.weight.detach().float(), requires_grad=False)
 
 
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers // 2))
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_layers // 2))
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.blocks = [b for layer in self.layers for b in layer.blocks]
         # The last block that writes a cache: past its mixer a token's hidden state reaches only its own output.
@@ -66,6 +81,7 @@ class TextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
                 ) -> torch.Tensor:
+        batch.positions = token_positions(batch.query_start_loc, batch.seq_lens, input_ids.shape[0])
         return pre_norm_stack(self.embed_tokens(input_ids), self.blocks, self.norm, batch, keep,
                               self.last_cache_layer)
 
@@ -85,7 +101,8 @@ class Qwen3_5ForCausalLM(CausalLM):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
     def finish_load(self) -> None:
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.weight = nn.Parameter(1.0 + module.weight.detach().float(), requires_grad=False)
+        fold_zero_centered_norms(self)

@@ -200,13 +200,13 @@ class SpecRunner(ModelRunner):
         at the drafting rows' anchors [D, hidden] (their last accepted position: where draft 1 comes from; the
         drafter's layers past its attention run on those alone) and its batch."""
         mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
-        return self.mtp(hidden, next_ids, self.model.model.embeddings, mtp_batch, step=0, keep=anchor), mtp_batch
+        return self.mtp(hidden, next_ids, self.model.input_embeddings(), mtp_batch, step=0, keep=anchor), mtp_batch
 
     def _chain(self, h: torch.Tensor, mtp_batch: ForwardBatch, pos: torch.Tensor, tables: torch.Tensor
                ) -> torch.Tensor:
         """K drafts per drafting row: draft 1 from the catch-up's output at the row's anchor (h [D, hidden]), then
         the drafter on its own output, one position further each time. Returns [D, K]."""
-        emb = self.model.model.embeddings
+        emb = self.model.input_embeddings()
         tok = self.model.logits(h, upcast=False).argmax(dim=-1)  # [D] draft 1
         chain = [tok]
         for k in range(1, self.num_spec):

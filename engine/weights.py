@@ -121,7 +121,7 @@ def mtp_layout(cfg: ModelConfig) -> list[tuple[str, str, bool, bool]]:
 def expected_weight_shapes(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every tensor a checkpoint of `cfg` holds, in HF module order."""
     if cfg.family == QWEN3_5:
-        return qwen3_5_weight_shapes(cfg)
+        return qwen3_5_weight_shapes(cfg, include_mtp)
     h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embeddings.weight": (cfg.vocab_size, h)}
     for i, symbol in enumerate(cfg.layer_types):

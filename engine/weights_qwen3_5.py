@@ -5,7 +5,9 @@ Canonical names are HF transformers' `Qwen3_5ForCausalLM` ones: `model.embed_tok
 attention), `...post_attention_layernorm.weight`, `...mlp.{gate,up,down}_proj.weight`, `model.norm.weight`,
 `lm_head.weight`. A released `Qwen3_5ForConditionalGeneration` checkpoint keeps the text model under
 `model.language_model.` (renamed here) beside the vision tower's `model.visual.*` (dropped: Baton serves text).
-Its `mtp.*` tensors are dropped too: this family's MTP is not run. MoE layers (`qwen3_5_moe`, `qwen3_next`) hold
+The MTP drafter (`mtp_num_hidden_layers`, HF ignores it; names as vLLM's `Qwen3_5MultiTokenPredictor` loads them):
+`mtp.fc.weight` [hidden, 2 * hidden], `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`,
+`mtp.layers.{i}.*` (full-attention decoder layers, named as `model.layers`), `mtp.norm.weight`. MoE layers (`qwen3_5_moe`, `qwen3_next`) hold
 `mlp.gate`, `mlp.experts.gate_up_proj` / `down_proj` (fused, as HF 5.x; per-expert checkpoints are merged),
 `mlp.shared_expert.*` and `mlp.shared_expert_gate`; Qwen3-Next's fused GDN projections are split into Qwen3.5's.
 """
@@ -24,7 +26,7 @@ from baton.engine.layer_symbols import ATTENTION, GDN, MLP, MOE
 logger = logging.getLogger(__name__)
 
 TEXT_PREFIX, CANONICAL_PREFIX = "model.language_model.", "model."
-DROPPED_PREFIXES = ("model.visual.", "mtp.")
+VISION_PREFIX = "model.visual."
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -71,7 +73,7 @@ def _gated_mlp(prefix: str, h: int, i: int) -> dict[str, tuple[int, ...]]:
             f"{prefix}.down_proj.weight": (h, i)}
 
 
-def qwen3_5_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def qwen3_5_weight_shapes(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every tensor of `cfg`'s text model, in HF module order."""
     mixers, mlps = cfg.layer_types[0::2], cfg.layer_types[1::2]
     if len(mixers) != len(mlps) or any(m not in (MLP, MOE) for m in mlps):
@@ -82,6 +84,15 @@ def qwen3_5_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (cfg.hidden_size,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    if include_mtp and cfg.num_nextn_predict_layers:
+        h = cfg.hidden_size
+        out["mtp.fc.weight"] = (h, 2 * h)  # [out, in]: in = [pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)]
+        out["mtp.pre_fc_norm_embedding.weight"] = (h,)
+        out["mtp.pre_fc_norm_hidden.weight"] = (h,)
+        mixer, mlp = cfg.mtp_layer_types
+        for i in range(cfg.num_nextn_predict_layers):
+            out.update(_layer_shapes(cfg, f"mtp.layers.{i}", mixer, mlp))
+        out["mtp.norm.weight"] = (h,)
     return out
 
 
@@ -136,23 +147,20 @@ def _split_interleaved(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def canonicalize_qwen3_5(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """`model.language_model.X` -> `model.X`; the vision tower's and MTP's tensors dropped with a log line;
+    """`model.language_model.X` -> `model.X`; the vision tower's tensors dropped with a log line;
     per-expert weights merged; Qwen3-Next's interleaved GDN projections split."""
     out: dict[str, torch.Tensor] = {}
-    dropped = {p: 0 for p in DROPPED_PREFIXES}
+    dropped = 0
     for name, t in state.items():
         if name.startswith(TEXT_PREFIX):
             name = CANONICAL_PREFIX + name[len(TEXT_PREFIX):]
-        prefix = next((p for p in DROPPED_PREFIXES if name.startswith(p)), None)
-        if prefix is not None:
-            dropped[prefix] += 1
+        if name.startswith(VISION_PREFIX):
+            dropped += 1
             continue
         if name in out:
             raise ValueError(f"checkpoint: tensor '{name}' appears twice (with and without 'model.language_model.')")
         out[name] = t
-    for prefix, n in dropped.items():
-        if n:
-            logger.info("qwen3_5: not loading %d %s* tensors (%s)", n, prefix,
-                        "the vision tower" if prefix == "model.visual." else "MTP is not run for this family")
+    if dropped:
+        logger.info("qwen3_5: not loading %d %s* tensors (the vision tower)", dropped, VISION_PREFIX)
     out = _merge_experts(out)
     return _split_interleaved(out, cfg) if cfg.gdn_interleaved_projections else out

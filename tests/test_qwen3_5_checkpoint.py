@@ -23,17 +23,15 @@ from baton.engine.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def causal_lm(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen") / "causal"
-    make_model(out, preset="qwen3.5-tiny", seed=3, progress=False, tokenizer=False)
+    make_model(out, preset="qwen3.5-tiny", mtp_layers=1, seed=3, progress=False, tokenizer=False)
     return out
 
 
-def _as_conditional_generation(src, dst, mtp: bool) -> None:
+def _as_conditional_generation(src, dst) -> None:
     """Rewrite a Qwen3_5ForCausalLM checkpoint in the released Qwen3_5ForConditionalGeneration layout."""
     dst.mkdir()
     text = json.loads((src / "config.json").read_text())
     text["model_type"] = "qwen3_5_text"
-    if mtp:
-        text["mtp_num_hidden_layers"] = 1
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
               "vision_config": {"depth": 2, "hidden_size": 16}, "image_token_id": 248056,
               "tie_word_embeddings": text.pop("tie_word_embeddings")}
@@ -43,9 +41,6 @@ def _as_conditional_generation(src, dst, mtp: bool) -> None:
                for k, v in state.items()}
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(16, 3, 2, 16, 16)
     renamed["model.visual.blocks.0.norm1.weight"] = torch.ones(16)
-    if mtp:
-        renamed["mtp.fc.weight"] = torch.zeros(64, 128)
-        renamed["mtp.norm.weight"] = torch.zeros(64)
     half = len(renamed) // 2  # sharded, as released checkpoints are
     names = sorted(renamed)
     shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
@@ -55,10 +50,9 @@ def _as_conditional_generation(src, dst, mtp: bool) -> None:
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("mtp", [False, True])
-def test_the_released_layout_loads_as_the_causal_lm_layout(causal_lm, tmp_path, caplog, mtp):
+def test_the_released_layout_loads_as_the_causal_lm_layout(causal_lm, tmp_path, caplog):
     dst = tmp_path / "released"
-    _as_conditional_generation(causal_lm, dst, mtp)
+    _as_conditional_generation(causal_lm, dst)
     with caplog.at_level(logging.INFO):
         cfg_b, weights_b = load_checkpoint(dst)
     cfg_a, weights_a = load_checkpoint(causal_lm)
@@ -68,8 +62,9 @@ def test_the_released_layout_loads_as_the_causal_lm_layout(causal_lm, tmp_path, 
         assert torch.equal(weights_b[name], t), name
     logs = caplog.text
     assert "vision tower" in logs and "model.visual.*" in logs
-    assert ("mtp.*" in logs) == mtp
-    engine = LLMEngine(cfg_b, weights_b, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, block_size=8))
+    assert cfg_b.num_nextn_predict_layers == 1 and "mtp.fc.weight" in weights_b  # the MTP stays at the top level
+    engine = LLMEngine(cfg_b, weights_b, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, block_size=8,
+                                                      num_speculative_tokens=2))
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
 
 
@@ -99,15 +94,18 @@ def test_a_nested_text_config_that_is_not_an_object_is_refused():
         ModelConfig.from_hf_dict({"model_type": "qwen3_5", "text_config": [1, 2]})
 
 
-def test_speculative_decoding_is_refused_for_the_family(causal_lm):
-    cfg, weights = load_checkpoint(causal_lm)
+def test_speculative_decoding_is_refused_without_mtp_layers(tmp_path):
+    make_model(tmp_path, preset="qwen3.5-tiny", progress=False, tokenizer=False)
+    cfg, weights = load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLMEngine(cfg, weights, EngineConfig(num_speculative_tokens=1, max_num_seqs=2))
 
 
-def test_make_model_refuses_mtp_layers_and_unknown_keys_for_qwen_presets():
-    with pytest.raises(ValueError, match="mtp_layers: expected 0"):
-        build_config("qwen3.5-tiny", mtp_layers=1)
+def test_make_model_refuses_disagreeing_mtp_layers_and_unknown_keys_for_qwen_presets():
+    with pytest.raises(ValueError, match="disagree"):
+        build_config("qwen3.5-tiny", mtp_layers=1, overrides={"mtp_num_hidden_layers": 2})
+    with pytest.raises(ValueError, match="'mtp_num_hidden_layers'"):
+        ModelConfig.from_hf_dict({**build_config("qwen3.5-tiny"), "mtp_num_hidden_layers": -1})
     with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
         build_config("qwen3.5-tiny", overrides={"hybrid_override_pattern": "M*"})
 

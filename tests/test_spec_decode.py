@@ -1,7 +1,7 @@
 """MTP speculative decoding in the engine (issue #5): R2-R6 and R8 with every row type in one batch.
 
-The model: the `tiny` preset with one MTP layer and an 8-token vocabulary, so that random drafts are
-sometimes accepted and sometimes not. fp32 throughout: greedy outputs must be equal token for token.
+The models: the `tiny` (NemotronH, Mamba2) and `qwen3.5-tiny` (Gated DeltaNet) presets with one MTP layer and an
+8-token vocabulary, so that random drafts are sometimes accepted and sometimes not. fp32 throughout: greedy outputs must be equal token for token.
 "Disaggregated" here moves the caches by tensor copy between two engines in this process (the NIXL path
 is tested between processes in test_transfer_nixl.py and end to end in test_e2e.py).
 """
@@ -26,9 +26,11 @@ BLOCK = 4
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def spec_model(tmp_path_factory):
-    out = make_model(tmp_path_factory.mktemp("spec") / "m", "tiny", mtp_layers=1, seed=11, progress=False,
+@pytest.fixture(scope="module", params=["tiny", "qwen3.5-tiny"], ids=["mamba2", "gdn"])
+def spec_model(request, tmp_path_factory):
+    """Each family with its recurrent mixer: NemotronH (Mamba2, MTP attention + MoE) and Qwen3.5 (Gated DeltaNet, MTP
+    a gated-attention decoder layer): the rules hold for both."""
+    out = make_model(tmp_path_factory.mktemp("spec") / "m", request.param, mtp_layers=1, seed=11, progress=False,
                      overrides={"vocab_size": 8}, tokenizer=False)
     return load_checkpoint(out)
 
@@ -239,7 +241,7 @@ def test_r4_only_the_accepted_positions_ever_reach_the_state(spec_model):
     def poison(engine: LLMEngine) -> None:
         replay = engine.runner.replay.tolist()
         pools = engine.pools
-        rec = (pools.verify["conv"], pools.verify["x"], pools.verify["B"], pools.verify["dt"])
+        rec = tuple(pools.verify.values())  # the mixer's declared verify inputs
         running = {r.state_slot for r in engine.scheduler.running}
         for slot in running:
             for t in rec:
@@ -351,7 +353,8 @@ def test_spec_engine_config_errors(spec_model, tmp_path):
 
 
 ORCHESTRATION = {"llm_engine.py", "scheduler.py", "step_update.py", "step_pipeline.py", "runner.py", "spec_runner.py",
-                 "rejection_sampler.py", "sampling.py", "mtp.py", "model.py", "mamba2.py", "attention.py"}
+                 "rejection_sampler.py", "sampling.py", "mtp.py", "model.py", "mamba2.py", "attention.py",
+                 "causal_lm.py", "qwen3_5_model.py", "qwen3_5_mtp.py", "gated_deltanet.py", "gated_attention.py"}
 
 
 def test_r3_a_spec_step_reads_the_device_once(spec_model, monkeypatch):

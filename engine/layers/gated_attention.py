@@ -2,8 +2,8 @@
 output gate: out = o_proj(attention(q, k, v) * sigmoid(gate)).
 
 q_proj yields, per head, its D queries followed by its D gate channels (HF `Qwen3_5Attention`). The norms' weights
-are `RMSNorm`s whose zero-centred offsets were folded at load (`CausalLM`); the positions come from the batch's row
-layout on the device (`ops.rope.reference.token_positions`), computed once per forward and kept on the batch.
+are `RMSNorm`s whose zero-centred offsets were folded at load (`CausalLM`); the positions are the batch's
+(`ForwardBatch.positions`, set by the model at the start of each forward).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.norms import RMSNorm
 from baton.engine.ops.kernels import Kernels
-from baton.engine.ops.rope.reference import rope_inv_freq, token_positions
+from baton.engine.ops.rope.reference import rope_inv_freq
 
 
 class GatedAttention(nn.Module):
@@ -45,8 +45,8 @@ class GatedAttention(nn.Module):
         q = self.q_norm(qg[..., :d].reshape(t * hq, d)).view(t, hq, d)
         k = self.k_norm(self.k_proj(x).view(t * hk, d)).view(t, hk, d)
         v = self.v_proj(x).view(t, hk, d)
-        if batch.positions is None or batch.positions.shape[0] != t:
-            batch.positions = token_positions(batch.query_start_loc, batch.seq_lens, t)
+        if batch.positions is None:
+            raise RuntimeError("GatedAttention: the model sets ForwardBatch.positions before its layers run")
         q, k = self.kernels.rope(q, k, batch.positions, self.inv_freq)
         kv_cache = batch.kv_caches[self.kv_index]
         self.kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
