@@ -25,7 +25,7 @@ from baton.engine.ops.gated_delta.kernel import (  # noqa: E402
     gated_delta_decode_triton,
     gated_delta_verify_triton,
 )
-from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton  # noqa: E402
+from baton.engine.ops.gated_delta.kernel_prefill import chunked, gated_delta_prefill_varlen_triton  # noqa: E402
 from baton.engine.ops.gated_delta.reference import (  # noqa: E402
     gated_delta_decode,
     gated_delta_prefill_varlen,
@@ -305,6 +305,21 @@ def test_prefill_matches_reference(dtype, state_dtype, atol, rtol):
     assert_same(pool[others], before[others])
 
 
+@pytest.mark.parametrize("chunk", [4, 24, CHUNK, 32])
+def test_prefill_each_algorithm_matches_reference(chunk):
+    """Power-of-two chunks of at least 16 run the chunked (WY) kernel, other chunk sizes the token-by-token one; a
+    row of several chunks carries its state from chunk to chunk, a row shorter than the chunk is one padded chunk."""
+    assert chunked(chunk) == (chunk in (CHUNK, 32))
+    lengths, slots, has_init = [2 * CHUNK + 3, 5, CHUNK], [3, 8, 10], [True, False, True]
+    params, tok = make_params(4), make_tokens((sum(lengths),), torch.float32, **SMALL, seed=6)
+    pool = make_pool(torch.float32, 4, 16, 8)
+    ref_pool = pool.clone()
+    o = prefill(gated_delta_prefill_varlen_triton, pool, tok, params, lengths, slots, has_init, chunk)
+    o_ref = prefill(gated_delta_prefill_varlen, ref_pool, tok, params, lengths, slots, has_init, chunk)
+    close(o, o_ref, 2e-5, 1e-4)
+    close(pool, ref_pool, 2e-5, 1e-4)
+
+
 def test_prefill_odd_sizes_strided_inputs_and_empty_rows():
     """Dk != Dv, neither a power of two; q, k, v views of one wider projection; empty rows keep their state or
     zero it (new rows); no rows at all."""
@@ -425,8 +440,9 @@ def test_gpu_verify_full_size(dtype, state_dtype, atol, rtol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [FULL_CHUNK, FULL_CHUNK - 1], ids=["chunked", "token-by-token"])
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
-def test_gpu_prefill_full_size(dtype, state_dtype, atol, rtol):
+def test_gpu_prefill_full_size(dtype, state_dtype, atol, rtol, chunk):
     lengths = [FULL_CHUNK - 1, FULL_CHUNK, FULL_CHUNK + 1, 1, 1000, 0, 3 * FULL_CHUNK]
     slots = torch.randperm(GPU_SLOTS, generator=torch.Generator().manual_seed(2))[: len(lengths)].tolist()
     has_init = [r % 2 == 0 for r in range(len(lengths))]
@@ -437,8 +453,8 @@ def test_gpu_prefill_full_size(dtype, state_dtype, atol, rtol):
         if not init:
             pool[s] = float("nan")
     ref_pool = pool.clone()
-    o = prefill(gated_delta_prefill_varlen_triton, pool, tok, params, lengths, slots, has_init, FULL_CHUNK)
-    o_ref = prefill(gated_delta_prefill_varlen, ref_pool, tok, params, lengths, slots, has_init, FULL_CHUNK)
+    o = prefill(gated_delta_prefill_varlen_triton, pool, tok, params, lengths, slots, has_init, chunk)
+    o_ref = prefill(gated_delta_prefill_varlen, ref_pool, tok, params, lengths, slots, has_init, chunk)
     close(o, o_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
 
