@@ -87,3 +87,50 @@ def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch)
     assert "gated_norm" not in prologues  # the gated norm stays a kernel: fused, every program would redo its RMS
     assert max(sizes) <= 4  # larger steps took the separate kernels
     assert max(separate) > 4  # ... and they ran (the final norm of fused steps is an add + norm too)
+
+
+@pytest.fixture(scope="module")
+def small_qwen_spec_model(tmp_path_factory):
+    """qwen3.5-tiny cut to one Gated DeltaNet and one attention layer, with an MTP layer: its ops in the interpreter."""
+    from baton.engine.loader import load_checkpoint
+    from baton.engine.make_model import make_model
+
+    out = make_model(tmp_path_factory.mktemp("small-qwen") / "m", "qwen3.5-tiny", mtp_layers=1, seed=11,
+                     progress=False, tokenizer=False,
+                     overrides={"vocab_size": 8, "num_hidden_layers": 2,
+                                "layer_types": ["linear_attention", "full_attention"]})
+    return load_checkpoint(out)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k", [0, 2])
+def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, k, monkeypatch):
+    """The Gated DeltaNet kernels (decode or verify by replay, chunked prefill) and its norm-then-gate, beside the
+    conv and attention kernels the Mamba2 path shares, give the references' tokens and drafts."""
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    ref_engine = new_engine(small_qwen_spec_model, k, kernels="torch")
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, arrivals)
+    calls = []
+    kernels = resolve_kernels("triton", "cpu")
+    names = ("gated_delta_decode", "gated_delta_verify", "gated_delta_prefill", "norm_gate", "conv_update",
+             "conv_update_verify", "conv_varlen", "paged_attention", "write_kv")
+    spies = {}
+    for name in names:
+        fn = getattr(kernels, name)
+
+        def spy(*args, fn=fn, name=name, **kw):
+            calls.append((name, fn.__name__))
+            return fn(*args, **kw)
+        spies[name] = spy
+    monkeypatch.setattr(llm_engine, "resolve_kernels", lambda mode, device: dataclasses.replace(kernels, **spies))
+    engine = new_engine(small_qwen_spec_model, k, kernels="triton")
+    log = Log(engine)
+    got = run(engine, arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
+        {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
+    assert calls and all(fn.endswith("_triton") for _, fn in calls)
+    decode = {"conv_update_verify", "gated_delta_verify"} if k else {"conv_update", "gated_delta_decode"}
+    assert {n for n, _ in calls} == decode | {"gated_delta_prefill", "norm_gate", "conv_varlen", "paged_attention",
+                                           "write_kv"}

@@ -9,8 +9,8 @@ Kernels exist for the decode / verify state updates, paged attention and its KV 
 prefill chunked scan, the norms (a residual add fused into the next one), the MLP's relu2, the few-token GEMV with
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
 sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`); MoE
-still runs the torch reference everywhere (issue #7), and so do Qwen3.5's Gated DeltaNet ops, its output norm and
-its RoPE.
+still runs the torch reference everywhere (issue #7), and so do Qwen3.5's RoPE and its sparse MoE block. The Gated
+DeltaNet ops (decode, verify by replay, chunked varlen prefill) and its norm-then-gate have kernels.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.
 """
@@ -48,7 +48,7 @@ class Kernels:
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
-    # Qwen3.5's ops: their torch references on both paths until their kernels land.
+    # Qwen3.5's ops (RoPE still the torch reference on both paths)
     gated_delta_decode: Callable
     gated_delta_prefill: Callable
     gated_delta_verify: Callable
@@ -69,15 +69,21 @@ def resolve_kernels(mode: str, device: torch.device | str) -> Kernels:
     return _kernels(mode == "triton")
 
 
-def _reference_only() -> dict[str, Callable]:
-    """The ops without a Triton kernel yet: their torch references on either path."""
+def _gated_delta(triton: bool) -> dict[str, Callable]:
+    """The Gated DeltaNet ops and its output norm, and RoPE (whose Triton kernel is still to come: its reference)."""
+    from baton.engine.ops.rope.reference import apply_rope
+    if triton:
+        from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton, gated_delta_verify_triton
+        from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
+        from baton.engine.ops.norm.kernel_norm_gate import norm_gate_triton
+        return dict(gated_delta_decode=gated_delta_decode_triton, gated_delta_prefill=gated_delta_prefill_varlen_triton,
+                    gated_delta_verify=gated_delta_verify_triton, norm_gate=norm_gate_triton, rope=apply_rope)
     from baton.engine.ops.gated_delta.reference import (
         gated_delta_decode,
         gated_delta_prefill_varlen,
         gated_delta_verify,
     )
     from baton.engine.ops.norm.reference import norm_gate_reference
-    from baton.engine.ops.rope.reference import apply_rope
     return dict(gated_delta_decode=gated_delta_decode, gated_delta_prefill=gated_delta_prefill_varlen,
                 gated_delta_verify=gated_delta_verify, norm_gate=norm_gate_reference, rope=apply_rope)
 
@@ -114,7 +120,7 @@ def _kernels(triton: bool) -> Kernels:
             add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton, relu2=relu2_triton,
             fused_linear=fused_linear_triton, chain_inputs=chain_inputs_triton,
             tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton,
-            **_reference_only())
+            **_gated_delta(True))
     from baton.engine.ops.act.reference import relu2_reference
     from baton.engine.ops.attention.reference import paged_attention, write_kv
     from baton.engine.ops.chain_inputs.reference import chain_inputs
@@ -139,7 +145,7 @@ def _kernels(triton: bool) -> Kernels:
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
         fused_linear=fused_linear, chain_inputs=chain_inputs, tempered_decisions=tempered_decisions,
-        filtered_decisions=filtered_decisions, **_reference_only())
+        filtered_decisions=filtered_decisions, **_gated_delta(False))
 
 
 def bind_kernels(root: torch.nn.Module, kernels: Kernels) -> None:
