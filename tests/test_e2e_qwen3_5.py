@@ -2,7 +2,7 @@
 state and the KV blocks -> decode node): greedy tokens through the gRPC SDK and the OpenAI HTTP API equal the
 offline engine's, for prompt lengths 1, 2, 3, KV block±1, GDN chunk±1 and a long one, all in flight at once; a text
 prompt and a chat message go through the checkpoint's tokenizer and chat template; every block and state slot is
-free on both nodes afterwards.
+free on both nodes afterwards. With the checkpoint's MTP layer drafting 2 tokens per step, the tokens are the same.
 """
 
 import asyncio
@@ -29,14 +29,15 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e-qwen") / "qwen3.5-tiny"
-    make_model(out, preset="qwen3.5-tiny", seed=5, progress=False)
+    make_model(out, preset="qwen3.5-tiny", mtp_layers=1, seed=5, progress=False)
     cfg = json.loads((out / TOKENIZER_CONFIG_FILE).read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
     (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg))
     return str(out)
 
 
-def test_greedy_through_grpc_and_openai_http_equals_offline(model, tmp_path):
+@pytest.mark.parametrize("k", [0, 2], ids=["no-drafts", "mtp-2"])
+def test_greedy_through_grpc_and_openai_http_equals_offline(model, tmp_path, k):
     from transformers import PreTrainedTokenizerFast
 
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -46,8 +47,9 @@ def test_greedy_through_grpc_and_openai_http_equals_offline(model, tmp_path):
     chat_ids = tok.encode(PreTrainedTokenizerFast.from_pretrained(model).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False))
     text_ids = tok.encode("The capital of France is")
-    ref = offline(model, [*prompts, text_ids, chat_ids], params)
-    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+    ref = offline(model, [*prompts, text_ids, chat_ids], params)  # without drafts: K > 0 must not change a token
+    engine_args = (*ENGINE_ARGS, "--speculative-tokens", str(k)) if k else ENGINE_ARGS
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=engine_args,
                  log_dir=str(tmp_path / "logs")) as cluster:
 
         async def main():
@@ -75,3 +77,5 @@ def test_greedy_through_grpc_and_openai_http_equals_offline(model, tmp_path):
         remote = sum(len(p) > 1 for p in prompts) + 3  # the HTTP completions and chat prompts are longer
         assert sum(decode["baton_node_transfers_total"].values()) == remote
         assert not any(decode["baton_node_transfer_fallbacks_total"].values())
+        if k:  # the drafter ran on the decode node, from its KV that came with the target's (R8)
+            assert sum(decode["baton_node_spec_drafted_tokens_total"].values()) > 0
