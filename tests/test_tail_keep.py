@@ -9,7 +9,6 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
-from baton.engine.mtp import MTPModule
 from baton.engine.sampling_params import SamplingParams
 from tests.test_spec_decode import new_engine, run, spec_model, staggered  # noqa: F401
 
@@ -83,7 +82,7 @@ def test_tail_runs_on_the_kept_tokens_only(model, kernels):
 
 
 def _recording(engine: LLMEngine) -> tuple[list[dict], list[int]]:
-    """Every step's drafts, and the rows the drafter's last layer (its MoE, past its attention) ran on."""
+    """Every step's drafts, and the rows the drafter's last block (its MoE or MLP, past its attention) ran on."""
     drafts: list[dict] = []
     rows: list[int] = []
     execute = engine.runner.execute
@@ -94,7 +93,9 @@ def _recording(engine: LLMEngine) -> tuple[list[dict], list[int]]:
         return res
 
     engine.runner.execute = record
-    engine.runner.mtp.layers[-1].mixer.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    last = engine.runner.mtp.layers[-1]
+    tail = last.mixer if hasattr(last, "mixer") else last.mlp  # NemotronH's MTP block, or Qwen3.5's decoder layer
+    tail.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
     return drafts, rows
 
 
@@ -110,7 +111,7 @@ def test_drafter_tail_runs_on_the_anchors_only(spec_model, k):  # noqa: F811
     mtp = ref.runner.mtp
 
     def every_token(*args, keep=None, **kw):  # the whole drafter on every token, then the anchors' outputs
-        out = MTPModule.forward(mtp, *args, **kw)
+        out = type(mtp).forward(mtp, *args, **kw)
         return out if keep is None else out[keep]
 
     mtp.forward = every_token
