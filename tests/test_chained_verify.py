@@ -23,6 +23,7 @@ from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
 from baton.engine.step_update import StepUpdate
 from tests.test_cuda_graphs import dense_spec_model  # noqa: F401
+from tests.test_kernels_in_engine import small_qwen_spec_model  # noqa: F401
 from tests.test_spec_decode import Log, new_engine, prompt_of, run, small_spec_model  # noqa: F401
 
 
@@ -112,9 +113,13 @@ def _run(engine: LLMEngine, after_step=None, max_tokens: dict[int, int] = SHORT)
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
 @pytest.mark.parametrize("k", [2])
-def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, k):  # noqa: F811
+def test_chained_verify_steps_equal_steps_one_at_a_time(small_spec_model, small_qwen_spec_model, k, family):  # noqa: F811
+    """vllm-45100's scenario for both recurrent mixers: requests go from prefill to their first verify while other
+    rows verify, chained on the step in flight, the accepted counts read only on the device."""
     pytest.importorskip("triton")
+    small_spec_model = small_spec_model if family == "mamba2" else small_qwen_spec_model
     # One step at a time: eager steps on the torch references (the interpreter would double this test's time;
     # tests/test_cuda_graphs.py holds the static layout, tests/test_kernels_in_engine.py the kernels, to them).
     ref_engine = new_engine(small_spec_model, k, async_scheduling=False, kernels="torch")
