@@ -15,6 +15,8 @@
 #   pdl       engine_bench.py at batch 1 and 32, fused GEMVs off / on (FUSED_MAX, default 1) x BATON_PDL=0 / 1
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
+#   gdn       gdn_bench.py: (#48 b) our Gated DeltaNet chunked prefill vs flash-linear-attention's, decode vs copy
+#             bandwidth (carry .whl-fla, see below; GDN_ARGS)
 #   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   spec      spec_bench.py: (d) on the 8b-like model: verify steps (K = 1..4) against decode steps at batch 1, 8,
@@ -30,13 +32,14 @@
 #   zip -d .whl-slim/nixl_cu13-*.whl 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest_cuda*'   (59 -> 37 MB)
 #   .whl-mtp: pip download safetensors tokenizers tqdm --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux2014_x86_64 -d .whl-mtp
+#   .whl-fla: pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps -d .whl-fla
 # serving: SERVING_PRESET (default 8b-like), RATES (default auto), SERVING_ARGS and ENGINE_ARGS override the
 #   defaults below; PREFILL_ARGS: extra engine flags of disagg's prefill node (e.g. '--max-num-batched-tokens 8192'),
 #   DECODE_ARGS: of disagg's decode node;
 #   MODEL_DIR (default .bench-model/PRESET). Node logs stay in /tmp/serving-logs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-for w in .whl/*.whl .whl-mtp/*.whl .whl-slim/*.whl .whl-serve/*.whl; do
+for w in .whl/*.whl .whl-mtp/*.whl .whl-slim/*.whl .whl-serve/*.whl .whl-fla/*.whl; do
   [ -e "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$w"
 done
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
@@ -92,6 +95,9 @@ if stage scan; then
 fi
 if stage kernels; then
   python3 benchmarks/kernels_bench.py 2>&1 | tail -24 | tee "$OUT/kernels.txt"
+fi
+if stage gdn; then
+  python3 benchmarks/gdn_bench.py ${GDN_ARGS:-} --json "$OUT/gdn.json" 2>&1 | tail -12 | tee "$OUT/gdn.txt"
 fi
 if stage sampling; then
   python3 benchmarks/sampling_bench.py --no-progress ${SAMPLING_ARGS:-} --json "$OUT/sampling.json" 2>&1 \

@@ -1,0 +1,167 @@
+"""Issue #48 (b): Baton's Triton Gated DeltaNet kernels against flash-linear-attention's, measured in one run.
+
+1. Chunked prefill: `gated_delta_prefill_varlen_triton` against fla's `chunk_gated_delta_rule` (the field's
+   reference, `fla.ops.gated_delta_rule`), on the same inputs: one row of `--tokens` tokens at one Qwen3.5-27B
+   linear-attention layer (16 key heads, 48 value heads, head dims 128), bf16 q, k, v, an fp32 initial state, the
+   final state returned, q/k L2-normalised in the kernel. Ours takes the raw gate projections (a, b) and makes g
+   and beta itself; fla gets them made (outside its timing). Outputs and final states are compared (relative max
+   error) before timing. Device time: `--calls` calls queued back to back between two events (median of 7).
+2. Decode (the recurrent update) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` launches, in GB/s of
+   the bytes it must move (the fp32 state read and written, q, k, v, a, b read, the output written) against a
+   device-to-device copy measured in the run.
+
+fla is not a dependency: carry its wheels (`pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps
+-d .whl-fla`; pure Python + Triton) and install them on the GPU machine; without it, part 1 times ours alone.
+
+  python benchmarks/gdn_bench.py --json out.json     # one CUDA GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HK, HV, DK, DV = 16, 48, 128, 128  # one Qwen3.5-27B Gated DeltaNet layer
+CHUNK = 64
+
+
+def device_ms(fn: Callable[[], object], calls: int = 20, reps: int = 7) -> float:
+    from tests.cuda_timing import time_call_ms
+
+    return statistics.median(time_call_ms(fn, warmup=3 if i == 0 else 0, iters=calls) for i in range(reps))
+
+
+def inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    return dict(q=randn(tokens, HK, DK), k=randn(tokens, HK, DK), v=randn(tokens, HV, DV), a=randn(tokens, HV),
+                b=randn(tokens, HV), A_log=torch.log(torch.linspace(1, 16, HV, device="cuda")),
+                dt_bias=randn(HV, scale=0.5, dtype=torch.float32), init=randn(HV, DK, DV, scale=0.1,
+                                                                               dtype=torch.float32))
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
+    from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
+    from baton.engine.ops.gated_delta.reference import gdn_gates
+
+    t = inputs(tokens)
+    pool = torch.zeros(2, HV, DK, DV, dtype=torch.float32, device="cuda")
+    qsl = torch.tensor([0, tokens], device="cuda")
+    slots = torch.tensor([1], device="cuda")
+    init = torch.tensor([True], device="cuda")
+
+    # The slot is set once, for the checked call; timed calls start from what the one before left (the work does
+    # not depend on the state's values).
+    def ours():
+        return gated_delta_prefill_varlen_triton(pool, t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"],
+                                                 t["dt_bias"], qsl, slots, init, CHUNK)
+
+    pool[1] = t["init"]
+    o = ours()
+    final = pool[1].clone()
+    out: dict[str, object] = {"tokens": tokens, "ours_ms": device_ms(ours, calls)}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        out["fla"] = f"not installed ({e})"
+        return out
+    g, beta = gdn_gates(t["a"], t["b"], t["A_log"], t["dt_bias"])
+    q, k, v = t["q"][None], t["k"][None], t["v"][None]
+    expand = ""
+    try:  # fla with grouped value heads (more v heads than q/k heads), as Qwen3.5 runs it
+        chunk_gated_delta_rule(q, k, v, g=g[None], beta=beta[None].to(v.dtype), initial_state=t["init"][None],
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+    except Exception as e:  # an fla without grouped heads: q, k repeated per value head (3x their reads)
+        expand = f"q/k repeated to {HV} heads ({type(e).__name__})"
+        q, k = (x.repeat_interleave(HV // HK, dim=2) for x in (q, k))
+
+    def fla():
+        return chunk_gated_delta_rule(q, k, v, g=g[None], beta=beta[None].to(v.dtype), initial_state=t["init"][None],
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    o_ref, final_ref = fla()
+    out.update(fla_ms=device_ms(fla, calls), err_o=rel_err(o, o_ref[0]), err_state=rel_err(final, final_ref[0]),
+               fla_heads=expand or "grouped")
+    out["speedup"] = out["fla_ms"] / out["ours_ms"]
+    return out
+
+
+def bench_decode(batch: int, launches: int, copy: float) -> dict[str, float]:
+    from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton
+    from tests.cuda_timing import time_call_ms
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pool = torch.randn(batch, HV, DK, DV, generator=g, device="cuda") * 0.1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").bfloat16()
+
+    q, k, v, a, b = randn(batch, HK, DK), randn(batch, HK, DK), randn(batch, HV, DV), randn(batch, HV), randn(batch, HV)
+    A_log, dt_bias = torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda")
+    slots = torch.arange(batch, device="cuda")
+
+    def once():
+        gated_delta_decode_triton(pool, q, k, v, a, b, A_log, dt_bias, slots)
+
+    ms = time_call_ms(once, warmup=1, iters=10, graph_launches=launches)
+    nbytes = batch * (2 * HV * DK * DV * 4 + (2 * HK * DK + 2 * HV * DV + 2 * HV) * 2 + 8)
+    gbps = nbytes / (ms / 1e3) / 1e9
+    return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192, help="prefill row length")
+    p.add_argument("--batches", default="1,32,256", help="decode batch sizes, comma-separated")
+    p.add_argument("--graph-launches", type=int, default=100)
+    p.add_argument("--calls", type=int, default=20, help="prefill calls queued back to back per timing")
+    p.add_argument("--json", type=Path, default=None, help="write the results here too")
+    a = p.parse_args(argv)
+    try:
+        batches = [int(x) for x in a.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+    if a.tokens < 1 or any(b < 1 for b in batches) or a.graph_launches < 1 or a.calls < 1:
+        p.error(f"--tokens, --batches, --graph-launches, --calls: expected integers >= 1, got {a.tokens}, "
+                f"{a.batches}, {a.graph_launches}, {a.calls}")
+    if not torch.cuda.is_available():
+        print("gdn_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from benchmarks.kernels_bench import copy_gbps
+
+    print(f"device: {torch.cuda.get_device_name()}")
+    prefill = bench_prefill(a.tokens, a.calls)
+    print(f"prefill, {a.tokens} tokens, one 27B GDN layer: ours {prefill['ours_ms']:.3f} ms", end="")
+    if "fla_ms" in prefill:
+        print(f", fla {prefill['fla_ms']:.3f} ms ({prefill['fla_heads']}): {prefill['speedup']:.2f}x; rel err "
+              f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
+    else:
+        print(f"; fla {prefill['fla']}")
+    copy = copy_gbps()
+    decode = [bench_decode(b, a.graph_launches, copy) for b in batches]
+    print(f"decode (graph of {a.graph_launches} launches), copy {copy:.0f} GB/s")
+    print("| batch | us | GB/s | of copy |\n| ---: | ---: | ---: | ---: |")
+    for d in decode:
+        print(f"| {d['batch']} | {d['us']:.1f} | {d['gbps']:.0f} | {d['vs_copy']:.0%} |")
+    if a.json:
+        a.json.write_text(json.dumps({"prefill": prefill, "decode": decode, "copy_gbps": copy}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

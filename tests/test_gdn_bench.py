@@ -1,0 +1,27 @@
+"""benchmarks/gdn_bench.py: its flags are checked, and without a GPU it says so (the run itself is GPU-only)."""
+
+import pytest
+import torch
+
+from benchmarks import gdn_bench
+
+
+@pytest.mark.parametrize("argv", [["--batches", "1,x"], ["--tokens", "0"], ["--graph-launches", "0"]])
+def test_bad_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        gdn_bench.main(argv)
+    assert e.value.code == 2 and "expected" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_without_a_gpu_it_says_so(capsys):
+    assert gdn_bench.main(["--tokens", "64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_a_short_run_compares_and_times(tmp_path):
+    out = tmp_path / "gdn.json"
+    assert gdn_bench.main(["--tokens", "512", "--batches", "1,8", "--graph-launches", "5", "--calls", "3",
+                           "--json", str(out)]) == 0
+    assert out.is_file()
