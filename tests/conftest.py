@@ -4,8 +4,8 @@ marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is p
 The interpreter patches `triton.language` once a launch, not again at every helper call
 (tests/interpreter_patch_once.py: the same kernels, about a quarter less time). Every cluster a test starts
 (routers, nodes, `baton up`) shares one cluster secret, generated here, as a deployment's processes do.
-Tests of `PURE_CPU_MODULES` are marked `pure_cpu`: engine and benchmark-script work with no ports, servers or
-clocks, which `make test` runs two at a time beside the interpreter tests."""
+Tests of `PURE_CPU_MODULES` are marked `pure_cpu`: engine and benchmark-script work and the container install
+script's venv, with no ports, servers or clocks, which `make test` runs two at a time beside the interpreter tests."""
 
 import os
 
@@ -30,11 +30,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 PURE_CPU_MODULES = frozenset({
-    "test_alloc_bench", "test_allocator", "test_async_scheduling", "test_cuda_graphs", "test_engine",
-    "test_engine_bench", "test_exactness", "test_gemv_bench", "test_greedy_tokens", "test_loader", "test_make_model",
-    "test_memory_budget", "test_mtp_bench", "test_mtp_module", "test_ops_gated_delta", "test_qwen3_5_checkpoint",
-    "test_qwen3_5_exactness", "test_rejection_sampler", "test_sampling", "test_scheduler", "test_spec_bench",
-    "test_spec_decode", "test_step_ops", "test_step_profile", "test_tail_keep", "test_tokenizer",
+    "test_alloc_bench", "test_allocator", "test_async_scheduling", "test_container_install", "test_cuda_graphs",
+    "test_engine", "test_engine_bench", "test_exactness", "test_gdn_bench", "test_gemv_bench", "test_greedy_tokens",
+    "test_launch_probe", "test_loader", "test_make_model", "test_memory_budget", "test_mtp_bench", "test_mtp_module",
+    "test_ops_gated_delta", "test_qwen3_5_checkpoint", "test_qwen3_5_exactness", "test_rejection_sampler",
+    "test_sampling", "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile",
+    "test_tail_keep", "test_tokenizer",
 })
 
 

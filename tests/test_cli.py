@@ -1,16 +1,19 @@
-"""The `baton` command line as a user runs it: a real subprocess of the installed console script."""
+"""The `baton` command line as a user runs it: its commands through `main(argv)` in this process (exit code, stdout
+and stderr as the user sees them), and `baton up` as a real process that Ctrl-C stops."""
 
+import io
 import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
 from baton.cli.cluster import free_port_block
-from baton.cli.main import build_parser
+from baton.cli.main import build_parser, main
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.sampling_params import SamplingParams
@@ -18,6 +21,21 @@ from baton.node.engine_args import engine_config_from_args, engine_flags
 
 
 def baton(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`baton ARGS` in this process (no interpreter start per call); argparse's refusals exit like the script's."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+    proc = subprocess.CompletedProcess(["baton", *args], code, out.getvalue(), err.getvalue())
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def baton_process(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`baton ARGS` as a process of its own, for a command whose point is talking to another process."""
     proc = subprocess.run([sys.executable, "-m", "baton.cli.main", *args], capture_output=True, text=True,
                           timeout=300)
     if check:
@@ -158,12 +176,13 @@ def test_up_serves_until_interrupted_then_stops_every_process(model_dir, tmp_pat
         while line and "Ctrl-C stops" not in line:
             line = proc.stdout.readline()
         assert f"router on 127.0.0.1:{port} (metrics http://127.0.0.1:{port + 1}/metrics)" in line
-        out = json.loads(baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
-                               "--max-tokens", "3", "--ignore-eos", "--json", "--api-key", "k1").stdout)
+        out = json.loads(baton_process("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids",
+                                       "3 4 5 6", "--max-tokens", "3", "--ignore-eos", "--json", "--api-key",
+                                       "k1").stdout)
         assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length"
         # The router got the key file: without a key the call is refused.
-        refused = baton("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
-                        "--max-tokens", "3", check=False)
+        refused = baton_process("client", "generate", "--addr", f"127.0.0.1:{port}", "--prompt-ids", "3 4 5 6",
+                                "--max-tokens", "3", check=False)
         assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
     finally:
         proc.send_signal(signal.SIGINT)

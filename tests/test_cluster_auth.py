@@ -4,7 +4,6 @@ attacks that once worked against bare nodes, each refused now; TLS on the router
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -175,12 +174,15 @@ def test_forged_transfer_handles_are_refused_before_any_connection_or_read(clust
         listener.close()
 
 
-def test_a_node_without_a_cluster_secret_refuses_to_start(model):
-    env = {k: v for k, v in os.environ.items() if k != CLUSTER_SECRET_ENV}
-    for role in ("prefill", "decode"):
-        r = subprocess.run([sys.executable, "-m", f"baton.{role}_node.server", "--model", model, "--port", "1"],
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and CLUSTER_SECRET_ENV in r.stderr and "--insecure-no-cluster-auth" in r.stderr
+def test_a_node_without_a_cluster_secret_refuses_to_start(model, monkeypatch, capsys):
+    from baton.decode_node.server import main as decode_main
+    from baton.prefill_node.server import main as prefill_main
+
+    monkeypatch.delenv(CLUSTER_SECRET_ENV)
+    for main in (prefill_main, decode_main):
+        assert main(["--model", model, "--port", "1"]) == 2
+        err = capsys.readouterr().err
+        assert CLUSTER_SECRET_ENV in err and "--insecure-no-cluster-auth" in err
 
 
 def _free_port() -> int:
@@ -247,7 +249,7 @@ def test_tls_on_every_hop_behind_the_router(model, tmp_path):
                     p.kill()
 
 
-def test_baton_secret_prints_and_writes_a_usable_secret(tmp_path):
+def test_baton_secret_prints_and_writes_a_usable_secret(tmp_path, capsys):
     from baton.cli.main import main
 
     out = tmp_path / "secret"
@@ -255,6 +257,7 @@ def test_baton_secret_prints_and_writes_a_usable_secret(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o600
     assert ClusterCredential.from_sources(str(out)).token()
     assert main(["secret", "--out", str(out)]) == 2  # never overwrites a secret
-    r = subprocess.run([sys.executable, "-m", "baton.cli.main", "secret"], capture_output=True, text=True,
-                       timeout=60)
-    assert ClusterCredential.parse(r.stdout).secret != ClusterCredential.from_sources(str(out)).secret
+    capsys.readouterr()
+    assert main(["secret"]) == 0
+    printed = capsys.readouterr().out
+    assert ClusterCredential.parse(printed).secret != ClusterCredential.from_sources(str(out)).secret

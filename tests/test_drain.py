@@ -162,45 +162,48 @@ def test_the_router_drains_its_streams_and_refuses_new_ones(cluster):
     assert cluster.procs["router"].wait(30) == 0
 
 
-def test_a_drain_that_times_out_ends_the_streams_left_with_a_clear_status(model):
-    c = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=ENGINE_ARGS, drain_timeout_s=1)
-    c.start(router=False)
-    try:
-        with node_channel(c.decode_addrs[0]) as ch:
-            req = wk.DecodeRequest(request_id="long", prompt_token_ids=[3, 4, 5],
-                                   sampling=sampling_to_proto(SamplingParams(max_tokens=4000, ignore_eos=True)))
-            call = wk_grpc.WorkerStub(ch).Decode(req, timeout=60)
-            next(call)
-            terminate(c, "decode-0")
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as cut:
-                for _ in call:
-                    pass
-            assert time.monotonic() - t0 < 10
-        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "drain timeout (1 s)" in cut.value.details()
-        assert c.procs["decode-0"].wait(30) == 0
-    finally:
-        c.stop()
-
-
-def test_a_router_drain_that_times_out_ends_the_streams_left_with_a_clear_status(model):
-    c = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=ENGINE_ARGS, drain_timeout_s=1)
+@pytest.fixture(scope="module")
+def short_drain(model, tmp_path_factory):
+    """A router and a decode node that drain for one second: the router's test ends the router, then the decode
+    node's test (which calls the node directly) ends the node."""
+    c = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=ENGINE_ARGS, drain_timeout_s=1,
+                log_dir=str(tmp_path_factory.mktemp("short-drain-logs")))
     c.start()
-    try:
-        streams = Streams(c.router_addr, 3, 4000)
-        assert streams.started.wait(60)
-        terminate(c, "router")
+    yield c
+    c.stop()
+
+
+def test_a_router_drain_that_times_out_ends_the_streams_left_with_a_clear_status(short_drain):
+    c = short_drain
+    streams = Streams(c.router_addr, 3, 4000)
+    assert streams.started.wait(60)
+    terminate(c, "router")
+    t0 = time.monotonic()
+    results = streams.join(30)
+    assert time.monotonic() - t0 < 15
+    assert all(r.status == "UNAVAILABLE" and "drain timeout (1 s)" in r.details for r in results), results
+    assert c.procs["router"].wait(30) == 0
+    # The decode node was told: nothing of the cut streams stays allocated there.
+    with node_channel(c.decode_addrs[0]) as ch:
+        deadline = time.monotonic() + 10
+        while (load := wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)).running and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
+
+
+def test_a_drain_that_times_out_ends_the_streams_left_with_a_clear_status(short_drain):
+    c = short_drain
+    with node_channel(c.decode_addrs[0]) as ch:
+        req = wk.DecodeRequest(request_id="long", prompt_token_ids=[3, 4, 5],
+                               sampling=sampling_to_proto(SamplingParams(max_tokens=4000, ignore_eos=True)))
+        call = wk_grpc.WorkerStub(ch).Decode(req, timeout=60)
+        next(call)
+        terminate(c, "decode-0")
         t0 = time.monotonic()
-        results = streams.join(30)
-        assert time.monotonic() - t0 < 15
-        assert all(r.status == "UNAVAILABLE" and "drain timeout (1 s)" in r.details for r in results), results
-        assert c.procs["router"].wait(30) == 0
-        # The decode node was told: nothing of the cut streams stays allocated there.
-        with node_channel(c.decode_addrs[0]) as ch:
-            deadline = time.monotonic() + 10
-            while (load := wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5)).running and \
-                    time.monotonic() < deadline:
-                time.sleep(0.1)
-        assert load.running == 0 and load.free_kv_blocks == load.total_kv_blocks
-    finally:
-        c.stop()
+        with pytest.raises(grpc.RpcError) as cut:
+            for _ in call:
+                pass
+        assert time.monotonic() - t0 < 10
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "drain timeout (1 s)" in cut.value.details()
+    assert c.procs["decode-0"].wait(30) == 0

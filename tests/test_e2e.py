@@ -44,6 +44,15 @@ def model(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def cluster_1p1d(model, tmp_path_factory):
+    """One prefill and one decode node shared by the tests that leave them as they found them (each checks that
+    every block and slot is free again at its end)."""
+    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
+                 log_dir=str(tmp_path_factory.mktemp("e2e-logs"))) as cluster:
+        yield cluster
+
+
 def prompts_for(lengths, salt=0):
     return [[(11 * i + 5 * n + salt) % 500 + 3 for i in range(n)] for n in lengths]
 
@@ -55,56 +64,6 @@ def offline(model, prompts, params):
 
 async def collect(client, prompt, **kw):
     return await client.generate(prompt, **kw)
-
-
-@pytest.mark.parametrize("prefill_workers", [1, 2], ids=["1P1D", "2P1D"])
-def test_r6_greedy_through_the_router_equals_offline(model, tmp_path, prefill_workers):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = prompts_for(LENGTHS) + prompts_for(LENGTHS, salt=7)  # 16 requests in flight at once
-    ref = offline(model, prompts, params)
-    with Cluster(model, prefill_workers=prefill_workers, decode_workers=1, engine_args=ENGINE_ARGS,
-                 log_dir=str(tmp_path / "logs")) as cluster:
-
-        async def main():
-            async with AsyncClient(cluster.router_addr) as client:
-                return await asyncio.gather(*(collect(client, p, max_tokens=MAX_TOKENS, ignore_eos=True)
-                                              for p in prompts))
-
-        outs = asyncio.run(main())
-        assert [list(o.token_ids) for o in outs] == ref
-        assert all(o.finish_reason == "length" and o.completion_tokens == MAX_TOKENS for o in outs)
-        assert [o.prompt_tokens for o in outs] == [len(p) for p in prompts]
-        free, loads = all_free(cluster)
-        assert free, loads
-
-
-def test_r7_cancelled_stream_frees_everything_on_both_nodes_and_text_prompts_work(model, tmp_path):
-    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
-                 log_dir=str(tmp_path / "logs")) as cluster:
-
-        async def main():
-            async with AsyncClient(cluster.router_addr) as client:
-                seen = 0
-                stream = client.stream(prompts_for([120])[0], max_tokens=400, ignore_eos=True)
-                async for chunk in stream:
-                    seen += len(chunk.token_ids)
-                    if seen >= 5:
-                        break  # the client walks away mid-stream
-                await stream.aclose()
-                # Requests still work after the cancel; a text prompt goes through the router's tokenizer.
-                again = await collect(client, prompts_for([40])[0], max_tokens=4, ignore_eos=True)
-                text = await collect(client, TEXT, max_tokens=MAX_TOKENS, ignore_eos=True)
-                return again, text
-
-        again, text = asyncio.run(main())
-        assert len(again.token_ids) == 4
-        tok = load_tokenizer(model)
-        ids = tok.encode(TEXT)
-        assert text.prompt_tokens == len(ids) > 1
-        assert [list(text.token_ids)] == offline(model, [ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-        assert text.text == tok.decode(list(text.token_ids))
-        free, loads = all_free(cluster)
-        assert free, loads
 
 
 def test_prefill_node_killed_mid_request_falls_back_to_local_prefill(model, tmp_path):
@@ -158,12 +117,64 @@ def test_speculative_decoding_through_the_cli_client_equals_offline(tmp_path):
     assert spec == [(o.num_drafted, o.num_accepted) for o in agg]
 
 
-def test_r7_cancels_at_random_moments_leak_nothing(model, tmp_path):
+@pytest.mark.parametrize("prefill_workers", [2, 1], ids=["2P1D", "1P1D"])
+def test_r6_greedy_through_the_router_equals_offline(model, tmp_path, prefill_workers, request):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = prompts_for(LENGTHS) + prompts_for(LENGTHS, salt=7)  # 16 requests in flight at once
+    ref = offline(model, prompts, params)
+    if prefill_workers == 1:
+        shared = contextlib.nullcontext(request.getfixturevalue("cluster_1p1d"))
+    else:
+        shared = Cluster(model, prefill_workers=prefill_workers, decode_workers=1, engine_args=ENGINE_ARGS,
+                         log_dir=str(tmp_path / "logs"))
+    with shared as cluster:
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                return await asyncio.gather(*(collect(client, p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                                              for p in prompts))
+
+        outs = asyncio.run(main())
+        assert [list(o.token_ids) for o in outs] == ref
+        assert all(o.finish_reason == "length" and o.completion_tokens == MAX_TOKENS for o in outs)
+        assert [o.prompt_tokens for o in outs] == [len(p) for p in prompts]
+        free, loads = all_free(cluster)
+        assert free, loads
+
+
+def test_r7_cancelled_stream_frees_everything_on_both_nodes_and_text_prompts_work(model, cluster_1p1d):
+    with contextlib.nullcontext(cluster_1p1d) as cluster:
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                seen = 0
+                stream = client.stream(prompts_for([120])[0], max_tokens=400, ignore_eos=True)
+                async for chunk in stream:
+                    seen += len(chunk.token_ids)
+                    if seen >= 5:
+                        break  # the client walks away mid-stream
+                await stream.aclose()
+                # Requests still work after the cancel; a text prompt goes through the router's tokenizer.
+                again = await collect(client, prompts_for([40])[0], max_tokens=4, ignore_eos=True)
+                text = await collect(client, TEXT, max_tokens=MAX_TOKENS, ignore_eos=True)
+                return again, text
+
+        again, text = asyncio.run(main())
+        assert len(again.token_ids) == 4
+        tok = load_tokenizer(model)
+        ids = tok.encode(TEXT)
+        assert text.prompt_tokens == len(ids) > 1
+        assert [list(text.token_ids)] == offline(model, [ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert text.text == tok.decode(list(text.token_ids))
+        free, loads = all_free(cluster)
+        assert free, loads
+
+
+def test_r7_cancels_at_random_moments_leak_nothing(model, cluster_1p1d):
     # Cancels land during the prefill, the lease, the pull, the first token or the stream.
     rng = random.Random(17)
     prompts = prompts_for([rng.randint(2, 300) for _ in range(12)])
-    with Cluster(model, prefill_workers=1, decode_workers=1, engine_args=ENGINE_ARGS,
-                 log_dir=str(tmp_path / "logs")) as cluster:
+    with contextlib.nullcontext(cluster_1p1d) as cluster:
 
         async def one(client, p, delay):
             task = asyncio.create_task(collect(client, p, max_tokens=64, ignore_eos=True))
