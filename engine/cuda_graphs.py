@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import float_bits, host_tensor
-from baton.engine.model import NemotronHForCausalLM
 from baton.engine.pending_step import device_mark, fill_pending
 
 # Verify graph variants, by the rows a step holds: greedy only; some sampling at a temperature; some with top-k or
@@ -154,7 +154,7 @@ class StepGraphs:
     packed results.
     """
 
-    def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
+    def __init__(self, model: CausalLM, pools: CachePools, block_size: int, max_rows: int,
                  max_blocks: int, device: torch.device, tokens_per_row: int = 1,
                  replay: torch.Tensor | None = None, step_fn: Callable | None = None) -> None:
         """step_fn(input_ids, batch, next_ids, verify_base, sampling) -> packed tensor: a whole verify step to

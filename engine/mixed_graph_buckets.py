@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.causal_lm import CausalLM
 from baton.engine.mixed_graphs import DecodeRows, MixedStepGraphs, PromptChunk
-from baton.engine.model import NemotronHForCausalLM
 
 MIN_BUCKET_TOKENS = 32
 BUCKET_STEP = 4  # each bucket a quarter of the next
@@ -33,7 +33,7 @@ class MixedGraphBuckets:
     """`MixedStepGraphs` for each chunk size of `buckets` (default `bucket_sizes(chunk_tokens)`; the largest must be
     chunk_tokens); the same `run` / `capture_all` / `size_for` as one of them."""
 
-    def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
+    def __init__(self, model: CausalLM, pools: CachePools, block_size: int, max_rows: int,
                  max_blocks: int, device: torch.device, chunk_tokens: int,
                  buckets: tuple[int, ...] | None = None) -> None:
         sizes = bucket_sizes(chunk_tokens) if buckets is None else tuple(sorted(set(buckets)))

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import capture_graph, capture_missing, graph_sizes
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
-from baton.engine.model import NemotronHForCausalLM
 from baton.engine.pending_step import device_mark, fill_pending
 
 
@@ -64,7 +64,7 @@ _NO_ROWS = DecodeRows((), (), (), (), ())
 
 
 class MixedStepGraphs:
-    def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int, max_rows: int,
+    def __init__(self, model: CausalLM, pools: CachePools, block_size: int, max_rows: int,
                  max_blocks: int, device: torch.device, chunk_tokens: int, pool: tuple | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"mixed step graphs: expected chunk_tokens >= 1, got {chunk_tokens}")

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
-from baton.engine.model import NemotronHForCausalLM
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.request import PENDING
@@ -51,7 +51,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: NemotronHForCausalLM, pools: CachePools, block_size: int,
+    def __init__(self, model: CausalLM, pools: CachePools, block_size: int,
                  device: torch.device | str) -> None:
         self.model = model
         # CUDA graphs of decode (or verify) steps, set by the engine where they can run; None: all eager.

@@ -31,10 +31,11 @@ import dataclasses
 import torch
 
 from baton.engine.cache_pools import CachePools
+from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.model import NemotronHForCausalLM
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
+from baton.engine.qwen3_5_mtp import Qwen3_5MTP
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.runner import ModelRunner, StepOutput
 from baton.engine.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ class VerifyFlight:
 
 
 class SpecRunner(ModelRunner):
-    def __init__(self, model: NemotronHForCausalLM, mtp: MTPModule, pools: CachePools, block_size: int,
+    def __init__(self, model: CausalLM, mtp: MTPModule | Qwen3_5MTP, pools: CachePools, block_size: int,
                  device: torch.device | str, num_speculative_tokens: int, draft: bool = True) -> None:
         """draft=False (a prefill node): only the drafter's KV is filled, nothing is sampled or drafted."""
         super().__init__(model, pools, block_size, device)
@@ -199,7 +200,7 @@ class SpecRunner(ModelRunner):
         """The drafter over every position of the batch with (h_i, t_{i+1}): fills its KV (R8). Returns its output
         at the drafting rows' anchors [D, hidden] (their last accepted position: where draft 1 comes from; the
         drafter's layers past its attention run on those alone) and its batch."""
-        mtp_batch = MTPModule.with_kv_caches(batch, self._mtp_kv)
+        mtp_batch = self.mtp.with_kv_caches(batch, self._mtp_kv)
         return self.mtp(hidden, next_ids, self.model.input_embeddings(), mtp_batch, step=0, keep=anchor), mtp_batch
 
     def _chain(self, h: torch.Tensor, mtp_batch: ForwardBatch, pos: torch.Tensor, tables: torch.Tensor
