@@ -4,7 +4,7 @@
 
     weights    every parameter once (model dtype), lm_head included; of the embedding table only the B rows
                gathered (with tied embeddings the whole table, which the lm_head reads)
-    SSM state  read + write, B x L_mamba x H x P x N x (pool dtype size)
+    SSM state  read + write, B x L_mamba x H x P x N x (pool dtype size)  (Gated DeltaNet: L_gdn x Hv x Dk x Dv)
     conv state read + write, B x L_mamba x conv_dim x (d_conv - 1) x (dtype size)
     KV read    every request's context (computed tokens) in every attention layer: ctx x L_attn x 2 x Hkv x D x size
     KV write   the new token's K and V: B x L_attn x 2 x Hkv x D x size
@@ -36,6 +36,9 @@
     + L_mamba x T x (4 H P N + (Q + 1)(G N + H P))                          SSD scan, chunk size Q, G groups:
       chunk states (B^T x) and their read-out (C s): 2 H P N each; the causal in-chunk C B^T (G N (Q+1)) and
       its product with dt x (H P (Q+1)), counting the causal half of each Q x Q chunk.
+    + L_gdn x T x Hv x (8 Dk Dv + 2 (Q + 1)(Dk + Dv))                       Gated DeltaNet, chunk Q (Qwen3.5):
+      per value head the state's read-out by q and by k and its update and the WY form's k-products (2 Dk Dv
+      each), the causal in-chunk q k^T, k k^T and their products with v (Q + 1 over two, 4 ways).
     Element-wise work (norms, conv1d, gating, softmax) is not counted. MFU = FLOP/s / measured matmul FLOP/s.
     Then a serving-like step (unless --no-prefill-continued): a prompt's last tokens/2 continuing after its first
     half (prefix KV and initial states, as a chunked prompt's later chunk) beside a fresh prompt of tokens/2;
@@ -70,11 +73,12 @@ import torch
 from tqdm import tqdm
 
 from baton.engine.cache_pools import CachePlan, plan_cache
-from baton.engine.config import ATTENTION, MAMBA, ModelConfig
+from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
+from baton.engine.layer_symbols import GDN, QWEN3_5, RECURRENT_SYMBOLS
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
-from baton.engine.model import NemotronHForCausalLM
+from baton.engine.model_family import model_class
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
 
@@ -89,7 +93,12 @@ MIXED_CHUNKS = 6  # chunks of the prompt timed beside the decode rows, per promp
 # Linear layers (their FLOPs are counted for MFU).
 _MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
                   "o_proj.weight", "up_proj.weight", "down_proj.weight", "experts.up_proj", "experts.down_proj",
-                  "fc1_latent_proj.weight", "fc2_latent_proj.weight", "gate.weight", "eh_proj.weight")
+                  "fc1_latent_proj.weight", "fc2_latent_proj.weight", "gate.weight", "eh_proj.weight",
+                  # Qwen3.5
+                  "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight",
+                  "gate_proj.weight", "experts.gate_up_proj", "shared_expert_gate.weight")
+# The embedding table of each family (only its gathered rows are read, unless the lm_head reads it).
+_EMBEDDINGS = ("model.embeddings.weight", "model.embed_tokens.weight")
 
 
 # ---- configuration ------------------------------------------------------------------------------------------
@@ -270,7 +279,7 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     max_len = max(seq_len, bc.prefill_tokens, *((mixed_len, mixed_prompt) if bc.mixed_batch else ())) + bs
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                          num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
-    plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), probe, dtype, ssm_dtype)
+    plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), probe, dtype, ssm_dtype)
     return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                  num_kv_blocks=plan.num_blocks, plan=plan)
 
@@ -334,7 +343,7 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """All parameters once, minus the embedding table unless the lm_head reads it (tied)."""
     total = 0
     for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
-        if name == "model.embeddings.weight" and not cfg.tie_word_embeddings:
+        if name in _EMBEDDINGS and not cfg.tie_word_embeddings:
             continue
         total += math.prod(shape) * (4 if name.endswith(FP32_SUFFIXES) else dtype.itemsize)
     return total
@@ -347,10 +356,11 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def decode_traffic(cfg: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype, batch: int,
                    context_tokens: float) -> Traffic:
-    """context_tokens: the sum over the batch's requests of their computed tokens (KV read this step)."""
-    n_mamba = len(cfg.mamba_layer_ids)
-    ssm = n_mamba * cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * ssm_dtype.itemsize
-    conv = n_mamba * cfg.conv_dim * (cfg.conv_kernel - 1) * dtype.itemsize
+    """context_tokens: the sum over the batch's requests of their computed tokens (KV read this step). The state
+    bytes are the family's recurrent mixer's declared states (Mamba2 or Gated DeltaNet: `ssm` and `conv`)."""
+    spec = model_class(cfg).state_spec(cfg)
+    per_layer = {t.name: t.nbytes(dtype, ssm_dtype) for t in spec.states}
+    ssm, conv = spec.num_layers * per_layer["ssm"], spec.num_layers * per_layer["conv"]
     return Traffic(
         weights=weight_bytes(cfg, dtype),
         embedding_rows=0 if cfg.tie_word_embeddings else batch * cfg.hidden_size * dtype.itemsize,
@@ -364,7 +374,7 @@ def decode_traffic(cfg: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype,
 def traffic_from_tensors(engine: LLMEngine, batch: int, context_tokens: float) -> Traffic:
     """The same bytes counted from the engine's real parameter and pool tensors (a check of the formula)."""
     model, pools, bs = engine.model, engine.pools, engine.config.block_size
-    emb = model.model.embeddings.weight
+    emb = model.input_embeddings().weight
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tied = model.lm_head is None
     kv_token = pools.kv[0, :pools.num_target_kv_layers].numel() * pools.kv.element_size() // bs
@@ -599,17 +609,19 @@ def matmul_params_per_token(cfg: ModelConfig, tail: bool | None = None) -> int:
     """Weights a token multiplies in the layers (lm_head and embeddings apart; routed experts: top_k of E). tail
     True: only the tail's, which a prefill runs on its sampled tokens alone (the last cache-writing layer's output
     projection and every layer after it: `layers.norms.pre_norm_stack`); False: all but the tail's."""
-    last = max(i for i, k in enumerate(cfg.layer_types) if k in (MAMBA, ATTENTION))
+    last = max(i for i, k in enumerate(cfg.layer_types) if k in (*RECURRENT_SYMBOLS, ATTENTION))
     total = 0
     for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
         if not name.startswith("model.layers.") or not name.endswith(_MATMUL_LEAVES):
             continue
         layer = int(name.split(".")[2])
+        if cfg.family == QWEN3_5:  # decoder layer i holds blocks 2i (its token mixer) and 2i + 1 (its MLP)
+            layer = 2 * layer + (".mlp." in name)
         in_tail = layer > last or (layer == last and name.endswith(("out_proj.weight", "o_proj.weight")))
         if tail is not None and in_tail != tail:
             continue
         n = math.prod(shape)
-        if ".mixer.experts." in name:
+        if ".mixer.experts." in name or ".mlp.experts." in name:
             n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
         total += n
     return total
@@ -621,13 +633,16 @@ def prefill_flops(cfg: ModelConfig, lengths: Sequence[int]) -> Flops:
     t = sum(lengths)
     h, p, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size
     q, g = cfg.chunk_size, cfg.n_groups
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    n_gdn = sum(k == GDN for k in cfg.layer_types)
     per_layer_attn = sum(4 * cfg.num_attention_heads * cfg.head_dim * L * (L + 1) // 2 for L in lengths)
     return Flops(
         linear=2 * (t * matmul_params_per_token(cfg, tail=False)
                     + len(lengths) * matmul_params_per_token(cfg, tail=True)),
         lm_head=2 * len(lengths) * cfg.vocab_size * cfg.hidden_size,
         attention=len(cfg.attention_layer_ids) * per_layer_attn,
-        ssd=len(cfg.mamba_layer_ids) * t * (4 * h * p * n + (q + 1) * (g * n + h * p)),
+        ssd=len(cfg.mamba_layer_ids) * t * (4 * h * p * n + (q + 1) * (g * n + h * p))
+        + n_gdn * t * hv * (8 * dk * dv + 2 * (q + 1) * (dk + dv)),
     )
 
 

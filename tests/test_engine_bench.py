@@ -212,3 +212,20 @@ def test_run_info_commit_can_be_named_by_the_environment(monkeypatch):
     assert git_commit()  # this checkout's HEAD (or "unknown" without git)
     monkeypatch.setenv("BATON_COMMIT", "f5cb2b7")
     assert git_commit() == "f5cb2b7"
+
+
+def test_qwen3_5_smoke_counts_its_gated_deltanet_state_and_flops(tmp_path):
+    """The Qwen3.5 family through the same benchmark: its decode bytes (the Gated DeltaNet's recurrent and conv state)
+    equal the count from the engine's real tensors, and its prefill FLOPs count the GDN layers."""
+    assert eb.main(["--smoke", "--preset", "qwen3.5-tiny", "--mixed-batch", "0", "--no-prefill-continued",
+                    "--out", str(tmp_path), "--no-progress"]) == 0
+    r = json.loads((tmp_path / eb.JSON_NAME).read_text())
+    assert r["decode"] and r["prefill"]
+    for d in r["decode"]:
+        assert d["traffic"] == d["traffic_from_tensors"]
+        assert d["traffic"]["ssm_state"] > 0 and d["traffic"]["conv_state"] > 0
+    cfg = ModelConfig.from_hf_dict(build_config("qwen3.5-tiny"))
+    t = r["prefill"][0]["tokens"]
+    hv, dk, dv, q = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.chunk_size
+    gdn = 3 * t * hv * (8 * dk * dv + 2 * (q + 1) * (dk + dv))  # the preset's three GDN layers
+    assert r["prefill"][0]["flops"]["ssd"] == gdn
