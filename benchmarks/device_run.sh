@@ -2,9 +2,9 @@
 # One device call: install the carried wheels and Baton, then run the stages named in STAGES (comma-separated,
 # in this order), each printing its table; results land under $OUT.
 #   tests     pytest -m gpu (files with gpu tests only: the machine's grpcio may be older than the stubs need)
-#   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like
-#             by default, or "--preset qwen3.5-27b-like";
-#             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048")
+#   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like,
+#             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048",
+#             or "--preset qwen3.5-27b-like" for Qwen3.5's shape)
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
