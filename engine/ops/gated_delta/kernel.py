@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.checks import check_shape
+from baton.engine.ops.gated_delta.checks import check_decode_shapes, check_verify_shapes
 from baton.engine.ops.gated_delta.tuning import RECORD_BLOCK, STEP_TILE, STEP_WARPS
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
@@ -193,11 +193,6 @@ def launch_config(Dk: int, Dv: int, tile: int = STEP_TILE) -> tuple[int, int]:
     return block_k, min(next_power_of_2(Dv), max(1, tile // block_k))
 
 
-def check_heads(fn: str, Hv: int, Hk: int) -> None:
-    if Hk == 0 or Hv % Hk != 0:
-        raise ValueError(f"{fn}: expected Hv ({Hv}) to be a multiple of Hk, got Hk = {Hk}")
-
-
 def gated_delta_decode_triton(
     state: Tensor,
     q: Tensor,
@@ -216,23 +211,7 @@ def gated_delta_decode_triton(
     Returns o [B, Hv, Dv] in v.dtype.
     """
     fn = "gated_delta_decode_triton"
-    if q.dim() != 3 or v.dim() != 3 or state.dim() != 4:
-        raise ValueError(
-            f"{fn}: expected q [B, Hk, Dk], v [B, Hv, Dv], state [S, Hv, Dk, Dv], "
-            f"got q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}"
-        )
-    batch, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    S = state.shape[0]
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "k", k, "[B, Hk, Dk]", (batch, Hk, Dk))
-    check_shape(fn, "v", v, "[B, Hv, Dv]", (batch, Hv, Dv))
-    check_shape(fn, "a", a, "[B, Hv]", (batch, Hv))
-    check_shape(fn, "b", b, "[B, Hv]", (batch, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "state_slots", state_slots, "[B]", (batch,))
-    check_heads(fn, Hv, Hk)
+    batch, Hk, Dk, Hv, Dv, _ = check_decode_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, state_slots)
 
     o = torch.empty_like(v)
     if batch:
@@ -306,41 +285,6 @@ def _record_pending(pending: list[Tensor], inputs: list[Tensor], slots: Tensor) 
     )  # fmt: skip
 
 
-def _check_verify_shapes(fn: str, state: Tensor, pending_k: Tensor, pending_v: Tensor, pending_a: Tensor,
-                         pending_b: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                         dt_bias: Tensor, slots: Tensor, replay: Tensor, num_tokens: Tensor | None) -> None:
-    """The reference's shape checks, without its host reads of index values."""
-    if q.dim() != 4 or v.dim() != 4 or state.dim() != 4 or pending_k.dim() != 4:
-        raise ValueError(
-            f"{fn}: expected q [B, T, Hk, Dk], v [B, T, Hv, Dv], state [S, Hv, Dk, Dv], pending_k [S, L, Hk, Dk], "
-            f"got q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}, "
-            f"pending_k {tuple(pending_k.shape)}"
-        )
-    batch, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[3]
-    S, L = state.shape[0], pending_k.shape[1]
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "pending_k", pending_k, "[S, L, Hk, Dk]", (S, L, Hk, Dk))
-    check_shape(fn, "pending_v", pending_v, "[S, L, Hv, Dv]", (S, L, Hv, Dv))
-    check_shape(fn, "pending_a", pending_a, "[S, L, Hv]", (S, L, Hv))
-    check_shape(fn, "pending_b", pending_b, "[S, L, Hv]", (S, L, Hv))
-    check_shape(fn, "k", k, "[B, T, Hk, Dk]", (batch, T, Hk, Dk))
-    check_shape(fn, "v", v, "[B, T, Hv, Dv]", (batch, T, Hv, Dv))
-    check_shape(fn, "a", a, "[B, T, Hv]", (batch, T, Hv))
-    check_shape(fn, "b", b, "[B, T, Hv]", (batch, T, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "slots", slots, "[B]", (batch,))
-    check_shape(fn, "replay", replay, "[B]", (batch,))
-    if num_tokens is not None:
-        check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
-    if T < 1:
-        raise ValueError(f"{fn}: q expected at least one token per row (T >= 1), got {tuple(q.shape)}")
-    if L < T:
-        raise ValueError(f"{fn}: pending_k expected a pending length L >= T = {T}, got L = {L}")
-    check_heads(fn, Hv, Hk)
-
-
 def gated_delta_verify_triton(
     state: Tensor,
     pending_k: Tensor,
@@ -367,10 +311,8 @@ def gated_delta_verify_triton(
     Returns o [B, T, Hv, Dv] in v.dtype, zero past num_tokens.
     """
     fn = "gated_delta_verify_triton"
-    _check_verify_shapes(fn, state, pending_k, pending_v, pending_a, pending_b, q, k, v, a, b, A_log, dt_bias,
-                         slots, replay, num_tokens)  # fmt: skip
-    batch, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[3]
+    batch, T, Hk, Dk, Hv, Dv, _ = check_verify_shapes(fn, state, pending_k, pending_v, pending_a, pending_b, q, k, v,
+                                                      a, b, A_log, dt_bias, slots, replay, num_tokens)
     o = torch.empty_like(v)
     if batch:
         block_k, block_v = launch_config(Dk, Dv)

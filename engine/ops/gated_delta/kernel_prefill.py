@@ -25,13 +25,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.checks import check_shape
+from baton.engine.ops.gated_delta.checks import check_prefill_shapes
 from baton.engine.ops.gated_delta.kernel import (
     _delta_step,
     _gates,
     _program_tile,
     _unit,
-    check_heads,
     launch_config,
 )
 from baton.engine.ops.gated_delta.tuning import (
@@ -210,27 +209,8 @@ def gated_delta_prefill_varlen_triton(
     Returns o [T, Hv, Dv] in v.dtype.
     """
     fn = "gated_delta_prefill_varlen_triton"
-    if q.dim() != 3 or v.dim() != 3 or state.dim() != 4 or state_slots.dim() != 1:
-        raise ValueError(
-            f"{fn}: expected q [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv], state_slots [R], got "
-            f"q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}, "
-            f"state_slots {tuple(state_slots.shape)}"
-        )
-    T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    S, R = state.shape[0], state_slots.shape[0]
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "k", k, "[T, Hk, Dk]", (T, Hk, Dk))
-    check_shape(fn, "v", v, "[T, Hv, Dv]", (T, Hv, Dv))
-    check_shape(fn, "a", a, "[T, Hv]", (T, Hv))
-    check_shape(fn, "b", b, "[T, Hv]", (T, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
-    check_shape(fn, "has_initial_state", has_initial_state, "[R]", (R,))
-    check_heads(fn, Hv, Hk)
-    if chunk_size <= 0:
-        raise ValueError(f"{fn}: expected chunk_size > 0, got {chunk_size}")
+    T, Hk, Dk, Hv, Dv, S, R = check_prefill_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, query_start_loc,
+                                                   state_slots, has_initial_state, chunk_size)
 
     # A bool tensor read as bytes (a view, no copy): one flag load per row on any Triton.
     init_flags = has_initial_state.view(torch.uint8) if has_initial_state.dtype == torch.bool else has_initial_state

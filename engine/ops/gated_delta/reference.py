@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from baton.engine.ops.checks import check_shape
+from baton.engine.ops.gated_delta.checks import check_decode_shapes, check_prefill_shapes, check_verify_shapes
 from baton.engine.ops.spec_verify import check_verify_indices, default_num_tokens
 
 _L2_EPS = 1e-6
@@ -59,11 +59,6 @@ def _read(state: Tensor, q: Tensor, heads_per_key: int) -> Tensor:
     return (state * q32[..., None]).sum(-2)
 
 
-def _check_heads(fn: str, Hv: int, Hk: int) -> None:
-    if Hk == 0 or Hv % Hk != 0:
-        raise ValueError(f"{fn}: expected Hv ({Hv}) to be a multiple of Hk, got Hk = {Hk}")
-
-
 def _check_slots(fn: str, name: str, slots: Tensor, num_slots: int) -> None:
     values = slots.tolist()
     if any(s < 0 or s >= num_slots for s in values):
@@ -90,23 +85,7 @@ def gated_delta_decode(
     raw; A_log, dt_bias [Hv]; state_slots [B] distinct. Returns o [B, Hv, Dv] in v.dtype.
     """
     fn = "gated_delta_decode"
-    if q.dim() != 3 or v.dim() != 3 or state.dim() != 4:
-        raise ValueError(
-            f"{fn}: expected q [B, Hk, Dk], v [B, Hv, Dv], state [S, Hv, Dk, Dv], "
-            f"got q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}"
-        )
-    batch, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    S = state.shape[0]
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "k", k, "[B, Hk, Dk]", (batch, Hk, Dk))
-    check_shape(fn, "v", v, "[B, Hv, Dv]", (batch, Hv, Dv))
-    check_shape(fn, "a", a, "[B, Hv]", (batch, Hv))
-    check_shape(fn, "b", b, "[B, Hv]", (batch, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "state_slots", state_slots, "[B]", (batch,))
-    _check_heads(fn, Hv, Hk)
+    batch, Hk, Dk, Hv, Dv, S = check_decode_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, state_slots)
     _check_slots(fn, "state_slots", state_slots, S)
 
     idx = state_slots.long()
@@ -181,27 +160,8 @@ def gated_delta_prefill_varlen(
     Returns o [T, Hv, Dv] in v.dtype.
     """
     fn = "gated_delta_prefill_varlen"
-    if q.dim() != 3 or v.dim() != 3 or state.dim() != 4 or state_slots.dim() != 1:
-        raise ValueError(
-            f"{fn}: expected q [T, Hk, Dk], v [T, Hv, Dv], state [S, Hv, Dk, Dv], state_slots [R], got "
-            f"q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}, "
-            f"state_slots {tuple(state_slots.shape)}"
-        )
-    T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    S, R = state.shape[0], state_slots.shape[0]
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "k", k, "[T, Hk, Dk]", (T, Hk, Dk))
-    check_shape(fn, "v", v, "[T, Hv, Dv]", (T, Hv, Dv))
-    check_shape(fn, "a", a, "[T, Hv]", (T, Hv))
-    check_shape(fn, "b", b, "[T, Hv]", (T, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "query_start_loc", query_start_loc, "[R+1]", (R + 1,))
-    check_shape(fn, "has_initial_state", has_initial_state, "[R]", (R,))
-    _check_heads(fn, Hv, Hk)
-    if chunk_size <= 0:
-        raise ValueError(f"{fn}: expected chunk_size > 0, got {chunk_size}")
+    T, Hk, Dk, Hv, Dv, S, R = check_prefill_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, query_start_loc,
+                                                   state_slots, has_initial_state, chunk_size)
     bounds = query_start_loc.tolist()
     if bounds[0] != 0 or bounds[-1] != T or any(x > y for x, y in zip(bounds, bounds[1:], strict=False)):
         raise ValueError(f"{fn}: query_start_loc expected non-decreasing from 0 to T = {T}, got {bounds}")
@@ -249,35 +209,10 @@ def gated_delta_verify(
     v.dtype, zero past num_tokens.
     """
     fn = "gated_delta_verify"
-    if q.dim() != 4 or v.dim() != 4 or state.dim() != 4 or pending_k.dim() != 4:
-        raise ValueError(
-            f"{fn}: expected q [B, T, Hk, Dk], v [B, T, Hv, Dv], state [S, Hv, Dk, Dv], pending_k [S, L, Hk, Dk], "
-            f"got q {tuple(q.shape)}, v {tuple(v.shape)}, state {tuple(state.shape)}, "
-            f"pending_k {tuple(pending_k.shape)}"
-        )
-    batch, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[3]
-    S, L = state.shape[0], pending_k.shape[1]
+    batch, T, Hk, Dk, Hv, Dv, L = check_verify_shapes(fn, state, pending_k, pending_v, pending_a, pending_b, q, k, v,
+                                                      a, b, A_log, dt_bias, slots, replay, num_tokens)
+    S = state.shape[0]
     num_tokens = default_num_tokens(num_tokens, batch, T, v.device)
-    check_shape(fn, "state", state, "[S, Hv, Dk, Dv]", (S, Hv, Dk, Dv))
-    check_shape(fn, "pending_k", pending_k, "[S, L, Hk, Dk]", (S, L, Hk, Dk))
-    check_shape(fn, "pending_v", pending_v, "[S, L, Hv, Dv]", (S, L, Hv, Dv))
-    check_shape(fn, "pending_a", pending_a, "[S, L, Hv]", (S, L, Hv))
-    check_shape(fn, "pending_b", pending_b, "[S, L, Hv]", (S, L, Hv))
-    check_shape(fn, "k", k, "[B, T, Hk, Dk]", (batch, T, Hk, Dk))
-    check_shape(fn, "v", v, "[B, T, Hv, Dv]", (batch, T, Hv, Dv))
-    check_shape(fn, "a", a, "[B, T, Hv]", (batch, T, Hv))
-    check_shape(fn, "b", b, "[B, T, Hv]", (batch, T, Hv))
-    check_shape(fn, "A_log", A_log, "[Hv]", (Hv,))
-    check_shape(fn, "dt_bias", dt_bias, "[Hv]", (Hv,))
-    check_shape(fn, "slots", slots, "[B]", (batch,))
-    check_shape(fn, "replay", replay, "[B]", (batch,))
-    check_shape(fn, "num_tokens", num_tokens, "[B]", (batch,))
-    if T < 1:
-        raise ValueError(f"{fn}: q expected at least one token per row (T >= 1), got {tuple(q.shape)}")
-    if L < T:
-        raise ValueError(f"{fn}: pending_k expected a pending length L >= T = {T}, got L = {L}")
-    _check_heads(fn, Hv, Hk)
     check_verify_indices(fn, slots, replay, num_tokens, S, L, T)
 
     J = Hv // Hk
