@@ -62,11 +62,14 @@ def decoder_layer(cfg: ModelConfig, layer_id: int) -> DecoderLayer:
     return DecoderLayer(cfg, mixer, cfg.layer_types[block + 1], ids.index(block) if block in ids else -1)
 
 
-def fold_zero_centered_norms(root: nn.Module) -> None:
-    """norm(x) * (1 + w) as an RMSNorm of weight 1 + w, in fp32 (exactly HF's `1.0 + w.float()`)."""
+def finish_qwen_load(root: nn.Module) -> None:
+    """What the loaded weights fix once: norm(x) * (1 + w) as an RMSNorm of weight 1 + w, in fp32 (exactly HF's
+    `1.0 + w.float()`), and RoPE's constants on the weights' device."""
     for module in root.modules():
         if isinstance(module, RMSNorm):
             module.weight = nn.Parameter(1.0 + module.weight.detach().float(), requires_grad=False)
+        elif isinstance(module, GatedAttention):
+            module.place_rope()
 
 
 class TextModel(nn.Module):
@@ -105,4 +108,4 @@ class Qwen3_5ForCausalLM(CausalLM):
         return self.model.embed_tokens
 
     def finish_load(self) -> None:
-        fold_zero_centered_norms(self)
+        finish_qwen_load(self)

@@ -25,7 +25,7 @@ from baton.engine.layer_symbols import ATTENTION
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.ops.rope.reference import token_positions
-from baton.engine.qwen3_5_model import DecoderLayer, fold_zero_centered_norms
+from baton.engine.qwen3_5_model import DecoderLayer, finish_qwen_load
 from baton.engine.weights import MTP_PREFIX, place
 
 
@@ -76,6 +76,6 @@ class Qwen3_5MTP(nn.Module):
                              f"{[MTP_PREFIX + k for k in missing[:8]]}, unexpected "
                              f"{[MTP_PREFIX + k for k in unexpected[:8]]}")
         module.load_state_dict(own, strict=True, assign=True)
-        fold_zero_centered_norms(module)
+        finish_qwen_load(module)
         bind_kernels(module, kernels)
         return module.requires_grad_(False).eval()

@@ -118,3 +118,17 @@ def test_the_moe_model_types_give_their_sparse_layers():
     nxt = ModelConfig.from_hf_dict({"model_type": "qwen3_next", "num_hidden_layers": 8, "decoder_sparse_step": 2,
                                     "mlp_only_layers": [5]})
     assert nxt.pattern == "G-GEG-*EG-G-G-*E" and nxt.gdn_interleaved_projections
+
+
+def test_every_tensor_of_the_loaded_model_and_drafter_lies_on_the_engine_device(causal_lm):
+    """The model is built on `meta` and its weights assigned at load: a buffer computed at construction (RoPE's
+    inverse frequencies) must follow the weights to the device, or the first step on a GPU mixes devices."""
+    from baton.engine.model_family import model_class, mtp_class
+    from baton.engine.ops.kernels import resolve_kernels
+
+    cfg, weights = load_checkpoint(causal_lm)
+    kernels = resolve_kernels("torch", "meta")
+    for cls in (model_class(cfg), mtp_class(cfg)):
+        module = cls.from_state_dict(cfg, weights, "meta", torch.float32, kernels)
+        placed = {name: t.device.type for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        assert placed and set(placed.values()) == {"meta"}, {n: d for n, d in placed.items() if d != "meta"}

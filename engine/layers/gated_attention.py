@@ -34,8 +34,14 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.layer_norm_epsilon)
         self.k_norm = RMSNorm(d, cfg.layer_norm_epsilon)
+        self.rope_theta, self.rotary_dim = cfg.rope_theta, cfg.rotary_dim
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_theta, cfg.rotary_dim), persistent=False)
+
+    def place_rope(self) -> None:
+        """The inverse frequencies on the weights' device: loading assigns the weights and leaves buffers where
+        construction put them."""
+        self.inv_freq = rope_inv_freq(self.rope_theta, self.rotary_dim, self.q_proj.weight.device)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output [T, hidden]; with `keep`, only those tokens' (the KV cache is written for all)."""
