@@ -20,8 +20,9 @@
 #             bandwidth (carry .whl-fla, see below; GDN_ARGS)
 #   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
-#   spec      spec_bench.py: (d) on the 8b-like model: verify steps (K = 1..4) against decode steps at batch 1, 8,
-#             32, and the speedup at the mtp stage's acceptance lengths (run mtp first, or SPEC_ARGS="--acceptance ...")
+#   spec      spec_bench.py: (d) on SPEC_PRESET (default 8b-like; "qwen3.5-27b-like" for Qwen3.5's shape, #48 6(d)):
+#             verify steps (K = 1..4) against decode steps at batch 1, 8, 32, and the speedup at the mtp stage's
+#             acceptance lengths (run mtp first, or SPEC_ARGS="--acceptance ...")
 #   transfer  transfer_bench.py on cuda (2 GPUs: NIXL state slot first and as one READ, and CUDA IPC; progress delay 1000
 #             and 0 us, PROGRESS_DELAYS; block ids contiguous, served / served-lowest, scattered) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several
@@ -109,11 +110,11 @@ if stage mtp; then
     --k-max 4 --no-progress --json "$OUT/mtp.json" 2>&1 | tee "$OUT/mtp.txt" | tail -32
 fi
 if stage spec; then
-  # Verify steps against decode steps on the 8b-like model, at the acceptance lengths the mtp stage measured
+  # Verify steps against decode steps on SPEC_PRESET, at the acceptance lengths the mtp stage measured
   # (SPEC_ARGS, e.g. "--acceptance 1.6,1.8,1.9,1.9" without the mtp stage).
   acc=${SPEC_ARGS:-$([ -f "$OUT/mtp.json" ] && echo "--acceptance-json $OUT/mtp.json")}
-  python3 benchmarks/spec_bench.py --device cuda --no-progress $acc --out "$OUT/spec" 2>&1 | tee "$OUT/spec.txt" \
-    | tail -24
+  python3 benchmarks/spec_bench.py --device cuda --no-progress --preset "${SPEC_PRESET:-8b-like}" $acc \
+    --out "$OUT/spec" 2>&1 | tee "$OUT/spec.txt" | tail -24
 fi
 if stage transfer; then
   if [ "$gpus" -ge 2 ]; then

@@ -1,12 +1,14 @@
-"""Speculative decoding on the 8b-like model (issue #7 (d)): what a verify step costs against a decode step, measured in
-one run, and the output tokens/s that follows at a checkpoint's acceptance lengths.
+"""Speculative decoding on a large model (issue #7 (d); Qwen3.5, issue #48 item 6 (d)): what a verify step costs
+against a decode step, measured in one run, and the output tokens/s that follows at a checkpoint's acceptance lengths.
 
 `mtp_bench.py` measures acceptance on a checkpoint it trains, but that model is 20M parameters: its steps last
-~0.5 ms, so they time the host, not the GPU. A decode step of the 8b-like model is bound by reading its weights and
+~0.5 ms, so they time the host, not the GPU. A decode step of a large model is bound by reading its weights and
 states, and a verify step reads the same bytes once for its 1+K tokens a row; whether drafting pays is decided here.
 
-Model: the 8b-like preset with one MTP layer (`make_model`'s `*-` block for this shape: attention and an MLP after
-`eh_proj`), random weights drawn on the device. For each K in `--ks` (0: plain decode) one LLMEngine, and for each
+Model: `--preset` (a make_model preset: 8b-like by default, qwen3.5-27b-like for Qwen3.5) with one MTP layer, random
+weights drawn on the device. NemotronH's MTP layer is `make_model`'s `*-` block for this shape (attention and an MLP
+after `eh_proj`); Qwen3.5's is its own `mtp.*` drafter (`fc` over the pre-fc-normed embedding and hidden state, one
+gated-attention decoder layer, `mtp.norm`). For each K in `--ks` (0: plain decode) one LLMEngine, and for each
 batch B in `--batches`: B requests of `--context` prompt tokens enter decode (prefill-only, then re-admitted on their
 caches, as `engine_bench.py` does), `--steps` warm-up steps, then `--steps` timed engine steps as a server runs them.
 Steps run with async scheduling (step time: the device's steady state, idle gaps included): a verify step (K > 0:
@@ -20,17 +22,20 @@ carries K drafts through fixed-shape graphs). Acceptance comes from a checkpoint
 tokens emitted per verify row for K = 1, 2, ...) or `--acceptance-json` (mtp_bench.py's `--json`, measured on its
 trained model). Per (K, B):
 
-    break-even   step_K / step_0: the acceptance length at which K drafts give K = 0's tokens/s
+    break-even   step_K / step_0: the acceptance length at which K drafts give K = 0's tokens/s (also in the JSON)
     speedup      tau_K x step_0 / step_K, at the checkpoint's acceptance length tau_K
-    floor        decode traffic (engine_bench.decode_traffic: weights, states, KV) + K x a draft pass's bytes
-                 (MTP layer weights, lm_head, the MTP attention's KV read), / the copy bandwidth measured in the
-                 run: what a verify step would take at the traffic roofline, the state read once whatever K
-                 (issue #7 item 2), the verify's extra query tokens free.
+    floor        decode traffic (engine_bench.decode_traffic: weights, the family's recurrent states, KV) + K x a
+                 draft pass's bytes (one draft step's `mtp.*` weights as `expected_weight_shapes` declares them,
+                 the lm_head, the MTP attention's KV read), / the copy bandwidth measured in the run: what a verify
+                 step would take at the traffic roofline, the state read once whatever K (issue #7 item 2), the
+                 verify's extra query tokens free.
 
-  python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec   # 8b-like (~20 GB)
+  python benchmarks/spec_bench.py --device cuda --acceptance-json /tmp/mtp.json --out /tmp/spec  # 8b-like (~20 GB)
   python benchmarks/spec_bench.py --device cuda --temperature 0.8 --ks 0,1,2                     # sampled rows
-  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --top-p 0.95 --ks 0,1,2         # filtered rows
-  python benchmarks/spec_bench.py --smoke --out /tmp/spec                                         # tiny, CPU
+  python benchmarks/spec_bench.py --device cuda --temperature 0.8 --top-p 0.95 --ks 0,1,2        # filtered rows
+  python benchmarks/spec_bench.py --device cuda --preset qwen3.5-27b-like --out /tmp/spec-qwen   # Qwen3.5
+  python benchmarks/spec_bench.py --smoke --out /tmp/spec                                        # tiny, CPU
+  python benchmarks/spec_bench.py --smoke --preset qwen3.5-tiny --out /tmp/spec-qwen             # Qwen3.5, CPU
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import argparse
 import gc
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -52,11 +58,12 @@ from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import build_config
-from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
+from baton.engine.weights import FP32_SUFFIXES, MTP_PREFIX, TORCH_DTYPES, expected_weight_shapes
 
 # `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_bench import (  # noqa: E402
+    _EMBEDDINGS,
     _check_decode_step,
     _int_list,
     _step,
@@ -75,6 +82,7 @@ from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 JSON_NAME = "spec_bench.json"
 MAX_K = 8  # EngineConfig's limit on num_speculative_tokens
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -139,16 +147,39 @@ def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torc
     return engine_random_weights(cfg, hf, device, dtype, seed, progress, include_mtp=True)
 
 
+def _tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * (4 if name.endswith(FP32_SUFFIXES) else dtype.itemsize)
+
+
+def _mtp_layer_index(name: str) -> int | None:
+    m = _MTP_LAYER.match(name)
+    return None if m is None else int(m[1])
+
+
+def mtp_step_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One draft step's MTP weights, as the model declares them: every `mtp.*` tensor outside `mtp.layers` (Qwen3.5's
+    fc, pre-fc norms and norm) and one step's layers (NemotronH's carry its fusion and final norms), since in both
+    families draft step k runs only the layers of step k % num_nextn_predict_layers."""
+    shapes = {n: s for n, s in expected_weight_shapes(cfg, include_mtp=True).items() if n.startswith(MTP_PREFIX)}
+    layers = {i for i in map(_mtp_layer_index, shapes) if i is not None}
+    per_step = len(layers) // cfg.num_nextn_predict_layers
+    return sum(_tensor_bytes(n, s, dtype) for n, s in shapes.items()
+               if (i := _mtp_layer_index(n)) is None or i < per_step)
+
+
+def lm_head_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The weight a draft's logits read: the family's `lm_head`, or the embedding table it is tied to."""
+    shapes = expected_weight_shapes(cfg, include_mtp=False)
+    name = "lm_head.weight" if "lm_head.weight" in shapes else next(n for n in _EMBEDDINGS if n in shapes)
+    return _tensor_bytes(name, shapes[name], dtype)
+
+
 def draft_pass_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, context_tokens: float) -> float:
-    """Bytes one drafter pass must read: the MTP layers' weights, the lm_head (the embedding table when tied), and
-    the MTP attention layers' KV of the batch's context (`context_tokens` summed over the rows)."""
-    shapes = expected_weight_shapes(cfg, include_mtp=True)
-    mtp = sum(math.prod(s) * (4 if n.endswith(FP32_SUFFIXES) else dtype.itemsize)
-              for n, s in shapes.items() if n.startswith("mtp."))
-    head = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
-    attn = sum(t == ATTENTION for t in cfg.mtp_layer_types)
+    """Bytes one drafter pass must read: one draft step's MTP weights, the lm_head, and that step's attention layers'
+    KV of the batch's context (`context_tokens` summed over the rows; shaped as the target's attention layers)."""
+    attn = sum(t == ATTENTION for t in cfg.mtp_layer_types)  # one draft step's pattern, in both families
     kv = context_tokens * attn * kv_bytes_per_token(cfg, dtype) / max(len(cfg.attention_layer_ids), 1)
-    return mtp + head + kv
+    return mtp_step_weight_bytes(cfg, dtype) + lm_head_bytes(cfg, dtype) + kv
 
 
 def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], bc: SpecBenchConfig, k: int) -> LLMEngine:
@@ -271,14 +302,19 @@ def acceptance_of(bc: SpecBenchConfig, k: int) -> float | None:
     return bc.acceptance[k - 1] if k and len(bc.acceptance) >= k else (1.0 if not k else None)
 
 
+def break_even(results: list[SpecResult]) -> list[dict]:
+    """Per result, step_K / step_0 at its batch: the acceptance length at which K drafts give K = 0's tokens/s."""
+    base = {x.batch: x.step_ms for x in results if x.k == 0}
+    return [{"k": x.k, "batch": x.batch, "acceptance": x.step_ms / base[x.batch]} for x in results]
+
+
 def table(r: Report, bc: SpecBenchConfig) -> str:
     base = {x.batch: x.step_ms for x in r.results if x.k == 0}
     lines = ["| K | batch | step ms | one at a time ms | gpu ms | graphed | floor ms | step / floor | tokens / step here "
              "| break-even acceptance | acceptance | speedup | output tok/s |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for x in r.results:
-        tau = acceptance_of(bc, x.k)
-        be = x.step_ms / base[x.batch]
+    for x, even in zip(r.results, break_even(r.results), strict=True):
+        tau, be = acceptance_of(bc, x.k), even["acceptance"]
         speed = "–" if tau is None else f"{tau * base[x.batch] / x.step_ms:.2f}×"
         tok = "–" if tau is None else f"{x.batch * tau / x.step_ms * 1e3:,.0f}"
         one = f"{x.one_at_a_time_ms:.3f}" if x.one_at_a_time_ms else "–"
@@ -336,7 +372,8 @@ def acceptance_from_json(path: Path) -> tuple[float, ...]:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SpecBenchConfig]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"])
-    ap.add_argument("--preset", help="make_model preset (default 8b-like; tiny with --smoke)")
+    ap.add_argument("--preset", help="make_model preset (default 8b-like; tiny with --smoke; Qwen3.5: "
+                                     "qwen3.5-27b-like, or qwen3.5-tiny with --smoke)")
     ap.add_argument("--ks", default="0,1,2,3,4", help="draft tokens per step, comma-separated, 0 included")
     ap.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,8,32)")
     ap.add_argument("--context", type=int, help="prompt tokens per request (default 1024)")
@@ -375,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / JSON_NAME
-        path.write_text(json.dumps({**asdict(report), "acceptance": list(bc.acceptance)}, indent=1) + "\n")
+        path.write_text(json.dumps({**asdict(report), "acceptance": list(bc.acceptance),
+                                    "break_even": break_even(report.results)}, indent=1) + "\n")
         print(f"wrote {path}")
     print()
     print(f"## Speculative decoding steps — {report.meta['device_name']}, commit {report.meta['commit']}, "

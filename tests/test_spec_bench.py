@@ -1,16 +1,21 @@
-"""benchmarks/spec_bench.py in its smoke mode (tiny preset with one MTP layer, CPU): every (K, batch) is timed, a
-draft pass's bytes equal a count of the engine's real MTP and lm_head tensors, the table's break-even and speedup
-follow from the step times, and bad flags fail with a ValueError."""
+"""benchmarks/spec_bench.py in its smoke mode (tiny presets with one MTP layer, CPU; NemotronH's and Qwen3.5's):
+every (K, batch) is timed, a draft pass's bytes equal a count of the engine's real MTP and lm_head tensors, the
+table's break-even and speedup follow from the step times, and bad flags fail with a ValueError."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from baton.engine.config import ModelConfig
+from baton.engine.make_model import build_config
+from baton.engine.weights import expected_weight_shapes
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "spec_bench.py"
 _spec = importlib.util.spec_from_file_location("spec_bench", _PATH)
@@ -39,15 +44,29 @@ def test_every_k_and_batch_is_timed(smoke):
     assert smoke["acceptance"] == [1.5, 1.75]
 
 
-def test_floor_adds_k_draft_passes_of_the_real_tensors(smoke):
-    bc = sb.SpecBenchConfig(device="cpu", preset="tiny", ks=(0, 1), batches=(2,), context=24, steps=3,
+@pytest.fixture(scope="module")
+def qwen_smoke(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("spec_bench_qwen")
+    assert sb.main(["--smoke", "--preset", "qwen3.5-tiny", "--ks", "0,1,2", "--acceptance", "1.5,1.75",
+                    "--out", str(out), "--no-progress"]) == 0
+    return json.loads((out / sb.JSON_NAME).read_text())
+
+
+SMOKES = [("tiny", "smoke"), ("qwen3.5-tiny", "qwen_smoke")]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny"])
+def test_draft_pass_bytes_equal_the_engines_real_tensors(preset):
+    """The drafter's parameters (Qwen3.5: fc, pre-fc norms, its layer, norm), the lm_head and the MTP attention's
+    own KV pool layer, counted from the engine a verify step runs."""
+    bc = sb.SpecBenchConfig(device="cpu", preset=preset, ks=(0, 1), batches=(2,), context=24, steps=3,
                             progress=False)
-    cfg, hf = sb.model_config("tiny")
+    cfg, hf = sb.model_config(preset)
     weights = sb.random_weights(cfg, hf, torch.device("cpu"), torch.float32, 0, False)
     engine = sb.build_engine(cfg, weights, bc, 1)
-    module = engine.runner.mtp
-    mtp = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-    head = engine.model.lm_head.weight
+    # Its state dict: the checkpoint's tensors (Qwen3.5's rotary frequencies are a buffer computed, not read).
+    mtp = sum(t.numel() * t.element_size() for t in engine.runner.mtp.state_dict().values())
+    head = engine.model.output_weight()
     assert sb.draft_pass_bytes(cfg, engine.dtype, 2, 0) == mtp + head.numel() * head.element_size()
     # The MTP attention layers' KV of the batch's context: its own pool layers, one token each.
     kv = engine.pools.kv[0, engine.pools.num_target_kv_layers:]
@@ -55,14 +74,50 @@ def test_floor_adds_k_draft_passes_of_the_real_tensors(smoke):
     assert per_token > 0
     assert sb.draft_pass_bytes(cfg, engine.dtype, 2, 100) - sb.draft_pass_bytes(cfg, engine.dtype, 2, 0) \
         == pytest.approx(100 * per_token)
-    # In the run: the decode traffic plus K draft passes at the steps' context, over the copy rate.
-    copy = smoke["copy_gbps"] * 1e9
-    for r in smoke["results"]:
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny"])
+def test_draft_pass_reads_one_step_of_several_mtp_layers(preset):
+    """Draft step k runs only the layers of step k % n in both families: more MTP layers, the same bytes a pass."""
+    one, two = (ModelConfig.from_hf_dict(build_config(preset, mtp_layers=n)) for n in (1, 2))
+    total = sum(math.prod(s) for n, s in expected_weight_shapes(two).items() if n.startswith("mtp.")) * 4
+    assert sb.mtp_step_weight_bytes(two, torch.float32) == sb.mtp_step_weight_bytes(one, torch.float32) < total
+
+
+@pytest.mark.parametrize("preset,fixture", SMOKES)
+def test_floor_adds_k_draft_passes(preset, fixture, request):
+    """In the run: the decode traffic (the family's recurrent states) plus K draft passes at the steps' context,
+    over the copy rate."""
+    run = request.getfixturevalue(fixture)
+    assert run["meta"]["bench_config"]["preset"] == preset
+    cfg, _ = sb.model_config(preset)
+    copy = run["copy_gbps"] * 1e9
+    for r in run["results"]:
         ctx = r["context_tokens"]
-        assert ctx >= r["batch"] * smoke["meta"]["bench_config"]["context"]
+        assert ctx >= r["batch"] * run["meta"]["bench_config"]["context"]
         want = sb.decode_traffic(cfg, torch.float32, torch.float32, r["batch"], ctx).total
         want += r["k"] * sb.draft_pass_bytes(cfg, torch.float32, r["batch"], ctx)
         assert r["floor_ms"] == pytest.approx(want / copy * 1e3, rel=1e-9)
+
+
+def test_qwen3_5_smoke_times_every_k_with_a_break_even(qwen_smoke):
+    """Qwen3.5 through the same benchmark: its MTP drafter's `mtp.*` weights loaded (the parameter count), every
+    (K, batch) timed, a floor growing with K, and a positive break-even acceptance per row in the JSON."""
+    bc = qwen_smoke["meta"]["bench_config"]
+    cfg, _ = sb.model_config("qwen3.5-tiny")
+    shapes = expected_weight_shapes(cfg, include_mtp=True)
+    assert "mtp.fc.weight" in shapes and qwen_smoke["meta"]["params"] == sum(math.prod(s) for s in shapes.values())
+    got = [(r["k"], r["batch"]) for r in qwen_smoke["results"]]
+    assert got == [(k, b) for k in bc["ks"] for b in bc["batches"]]
+    floors = {(r["k"], r["batch"]): r["floor_ms"] for r in qwen_smoke["results"]}
+    for r, even in zip(qwen_smoke["results"], qwen_smoke["break_even"], strict=True):
+        assert r["step_ms"] > 0 and (even["k"], even["batch"]) == (r["k"], r["batch"])
+        assert even["acceptance"] == pytest.approx(r["step_ms"] / next(
+            x["step_ms"] for x in qwen_smoke["results"] if x["k"] == 0 and x["batch"] == r["batch"]))
+        assert even["acceptance"] > 0 and (r["k"] or even["acceptance"] == 1.0)
+        assert r["batch"] <= r["tokens_per_step"] <= r["batch"] * (1 + r["k"])
+        if r["k"]:
+            assert floors[r["k"], r["batch"]] > floors[r["k"] - 1, r["batch"]]
 
 
 def test_table_break_even_and_speedup(smoke):
