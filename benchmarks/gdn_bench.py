@@ -8,7 +8,8 @@
    error) before timing. Device time: `--calls` calls queued back to back between two events (median of 7).
 2. Decode (the recurrent update) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` launches, in GB/s of
    the bytes it must move (the fp32 state read and written, q, k, v, a, b read, the output written) against a
-   device-to-device copy measured in the run.
+   device-to-device copy measured in the run. `--decode-sweep 2048x4,8192x8,...` also times each (state elements
+   per program) x (warps) launch at every batch: what `tuning.DECODE_LAUNCH` is chosen from.
 
 fla is not a dependency: carry its wheels (`pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps
 -d .whl-fla`; pure Python + Triton) and install them on the GPU machine; without it, part 1 times ours alone.
@@ -101,7 +102,8 @@ def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
     return out
 
 
-def bench_decode(batch: int, launches: int, copy: float) -> dict[str, float]:
+def bench_decode(batch: int, launches: int, copy: float, tile: int | None = None,
+                 warps: int | None = None) -> dict[str, float]:
     from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton
     from tests.cuda_timing import time_call_ms
 
@@ -116,12 +118,27 @@ def bench_decode(batch: int, launches: int, copy: float) -> dict[str, float]:
     slots = torch.arange(batch, device="cuda")
 
     def once():
-        gated_delta_decode_triton(pool, q, k, v, a, b, A_log, dt_bias, slots)
+        gated_delta_decode_triton(pool, q, k, v, a, b, A_log, dt_bias, slots, tile=tile, num_warps=warps)
 
     ms = time_call_ms(once, warmup=1, iters=10, graph_launches=launches)
     nbytes = batch * (2 * HV * DK * DV * 4 + (2 * HK * DK + 2 * HV * DV + 2 * HV) * 2 + 8)
     gbps = nbytes / (ms / 1e3) / 1e9
-    return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy)
+    return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy, tile=tile, warps=warps)
+
+
+def parse_sweep(text: str) -> list[tuple[int, int]]:
+    """'2048x4,8192x8' -> [(2048, 4), (8192, 8)]: tiles and warps, powers of two."""
+    out = []
+    for item in text.split(","):
+        tile, _, warps = item.partition("x")
+        try:
+            t, w = int(tile), int(warps)
+        except ValueError:
+            raise ValueError(f"--decode-sweep: expected TILExWARPS items like 4096x4, got {item!r}") from None
+        if t < 1 or w < 1 or t & (t - 1) or w & (w - 1):
+            raise ValueError(f"--decode-sweep: expected powers of two, got tile {t}, warps {w}")
+        out.append((t, w))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,32,256", help="decode batch sizes, comma-separated")
     p.add_argument("--graph-launches", type=int, default=100)
     p.add_argument("--calls", type=int, default=20, help="prefill calls queued back to back per timing")
+    p.add_argument("--decode-sweep", default="", help="decode launches to time too, TILExWARPS comma-separated")
+    p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     a = p.parse_args(argv)
+    try:
+        sweep = parse_sweep(a.decode_sweep) if a.decode_sweep else []
+    except ValueError as e:
+        p.error(str(e))
     try:
         batches = [int(x) for x in a.batches.split(",")]
     except ValueError:
@@ -145,21 +168,28 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.kernels_bench import copy_gbps
 
     print(f"device: {torch.cuda.get_device_name()}")
-    prefill = bench_prefill(a.tokens, a.calls)
-    print(f"prefill, {a.tokens} tokens, one 27B GDN layer: ours {prefill['ours_ms']:.3f} ms", end="")
-    if "fla_ms" in prefill:
-        print(f", fla {prefill['fla_ms']:.3f} ms ({prefill['fla_heads']}): {prefill['speedup']:.2f}x; rel err "
-              f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
-    else:
-        print(f"; fla {prefill['fla']}")
+    prefill = {} if a.no_prefill else bench_prefill(a.tokens, a.calls)
+    if prefill:
+        print(f"prefill, {a.tokens} tokens, one 27B GDN layer: ours {prefill['ours_ms']:.3f} ms", end="")
+        if "fla_ms" in prefill:
+            print(f", fla {prefill['fla_ms']:.3f} ms ({prefill['fla_heads']}): {prefill['speedup']:.2f}x; rel err "
+                  f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
+        else:
+            print(f"; fla {prefill['fla']}")
     copy = copy_gbps()
     decode = [bench_decode(b, a.graph_launches, copy) for b in batches]
     print(f"decode (graph of {a.graph_launches} launches), copy {copy:.0f} GB/s")
     print("| batch | us | GB/s | of copy |\n| ---: | ---: | ---: | ---: |")
     for d in decode:
         print(f"| {d['batch']} | {d['us']:.1f} | {d['gbps']:.0f} | {d['vs_copy']:.0%} |")
+    swept = [bench_decode(b, a.graph_launches, copy, t, w) for b in batches for t, w in sweep]
+    if swept:
+        print("| batch | tile x warps | us | of copy |\n| ---: | --- | ---: | ---: |")
+        for d in swept:
+            print(f"| {d['batch']} | {d['tile']}x{d['warps']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
     if a.json:
-        a.json.write_text(json.dumps({"prefill": prefill, "decode": decode, "copy_gbps": copy}, indent=2) + "\n")
+        a.json.write_text(json.dumps({"prefill": prefill, "decode": decode, "decode_sweep": swept, "copy_gbps": copy},
+                                     indent=2) + "\n")
     return 0
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.gated_delta.checks import check_decode_shapes, check_verify_shapes
-from baton.engine.ops.gated_delta.tuning import RECORD_BLOCK, STEP_TILE, STEP_WARPS
+from baton.engine.ops.gated_delta.tuning import RECORD_BLOCK, STEP_TILE, STEP_WARPS, decode_launch
 from baton.engine.ops.triton_common import cdiv, next_power_of_2, pdl, pdl_wait, round_to, softplus
 
 
@@ -203,24 +203,29 @@ def gated_delta_decode_triton(
     A_log: Tensor,
     dt_bias: Tensor,
     state_slots: Tensor,
+    *,
+    tile: int | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """Advance each row's state by one token and return that token's output (`gated_delta_decode`).
 
     state [S, Hv, Dk, Dv] pool, updated in place at `state_slots` only; q, k [B, Hk, Dk]; v [B, Hv, Dv]; a, b [B, Hv]
     raw; A_log, dt_bias [Hv]; state_slots [B] distinct ints in [0, S) (unchecked: see the module docstring).
-    Returns o [B, Hv, Dv] in v.dtype.
+    Returns o [B, Hv, Dv] in v.dtype. `tile` and `num_warps` override the batch size's tuning (`decode_launch`:
+    benchmarks sweep them).
     """
     fn = "gated_delta_decode_triton"
     batch, Hk, Dk, Hv, Dv, _ = check_decode_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, state_slots)
 
     o = torch.empty_like(v)
     if batch:
-        block_k, block_v = launch_config(Dk, Dv)
+        tuned_tile, tuned_warps = decode_launch(batch)
+        block_k, block_v = launch_config(Dk, Dv, tile or tuned_tile)
         _gdn_decode_kernel[(cdiv(Dv, block_v) * Hv * batch,)](
             state, q, k, v, a, b, A_log, dt_bias, state_slots, o,
             Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
             *state.stride(), *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *o.stride(),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=STEP_WARPS, **pdl(v),
+            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps or tuned_warps, **pdl(v),
         )  # fmt: skip
     return o
 

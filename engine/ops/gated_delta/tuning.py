@@ -16,3 +16,16 @@ DOT_PRECISION = "ieee"
 STEP_WARPS = 4
 # Elements per program of the verify inputs' record: a wide block keeps that copy to few programs.
 RECORD_BLOCK = 1024
+# Decode launches by batch size, (smallest batch, STEP_TILE-like tile, warps), the last entry whose batch is reached
+# applies: a decode step's state traffic grows with the batch, and the tile that fills the GPU at one row is not the
+# one that streams the state fastest at hundreds.
+DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS),)
+
+
+def decode_launch(batch: int) -> tuple[int, int]:
+    """(tile, warps) of a decode launch over `batch` rows."""
+    tile, warps = DECODE_LAUNCH[0][1:]
+    for start, t, w in DECODE_LAUNCH:
+        if batch >= start:
+            tile, warps = t, w
+    return tile, warps
