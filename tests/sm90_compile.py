@@ -82,8 +82,10 @@ def _with_pdl(fn: Callable[[], object]) -> Callable[[], object]:
         from baton.engine.ops.conv import kernel as triton_conv
         from baton.engine.ops.linear import kernel as triton_gemv
         from baton.engine.ops.norm import kernel as triton_norm
+        from baton.engine.ops.rope import kernel as triton_rope
         from baton.engine.ops.ssm_update import kernel as triton_ssu
-        modules = [m for m in (triton_attention, triton_conv, triton_gemv, triton_norm, triton_ssu) if hasattr(m, "pdl")]
+        modules = [m for m in (triton_attention, triton_conv, triton_gemv, triton_norm, triton_rope, triton_ssu)
+                   if hasattr(m, "pdl")]
         saved = [m.pdl for m in modules]
         for m in modules:
             m.pdl = lambda t: {"PDL": True, "launch_pdl": True}
@@ -184,6 +186,16 @@ def _relu2():
     relu2_triton(_g(32, 4 * HIDDEN))
 
 
+def _rope():
+    from baton.engine.ops.rope.kernel import apply_rope_triton
+    from baton.engine.ops.rope.reference import rope_inv_freq
+    # Qwen3.5's attention heads (a quarter of 256 channels rotary, q sliced from q_proj's output), and full rotary
+    qg, k, positions = _g(20, 6, 2 * 256), _g(20, 2, 256), torch.arange(20)
+    apply_rope_triton(qg[..., :256], k, positions, rope_inv_freq(1e7, 64))
+    apply_rope_triton(_g(20, HQ, D, dtype=torch.float32), _g(20, HKV, D, dtype=torch.float32), positions,
+                      rope_inv_freq(1e4, D))
+
+
 def _gemv():
     from baton.engine.ops.linear.kernel import default_tiles, fused_linear_triton
     for m, n, k in ((1, 512, HIDDEN), (8, 512, HIDDEN), (8, HIDDEN, 8192 + 512), (40, 512, HIDDEN), (40, 9216, HIDDEN),
@@ -255,7 +267,8 @@ CASES: dict[str, Callable[[], object]] = {
     "attention": _attention, "attention (PDL)": _with_pdl(_attention), "kv write": _kv_write, "norms": _norms,
     "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
     "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
-    "tempered verify": _tempered_verify, "filtered verify": _filtered_verify,
+    "tempered verify": _tempered_verify, "filtered verify": _filtered_verify, "rope": _rope,
+    "rope (PDL)": _with_pdl(_rope),
 }
 
 

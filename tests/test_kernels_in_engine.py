@@ -105,8 +105,8 @@ def small_qwen_spec_model(tmp_path_factory):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("k", [0, 2])
 def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, k, monkeypatch):
-    """The Gated DeltaNet kernels (decode or verify by replay, chunked prefill) and its norm-then-gate, beside the
-    conv and attention kernels the Mamba2 path shares, give the references' tokens and drafts."""
+    """The Gated DeltaNet kernels (decode or verify by replay, chunked prefill), its norm-then-gate and RoPE, beside
+    the conv and attention kernels the Mamba2 path shares, give the references' tokens and drafts."""
     arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
     ref_engine = new_engine(small_qwen_spec_model, k, kernels="torch")
     ref_log = Log(ref_engine)
@@ -114,7 +114,7 @@ def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, 
     calls = []
     kernels = resolve_kernels("triton", "cpu")
     names = ("gated_delta_decode", "gated_delta_verify", "gated_delta_prefill", "norm_gate", "conv_update",
-             "conv_update_verify", "conv_varlen", "paged_attention", "write_kv")
+             "conv_update_verify", "conv_varlen", "paged_attention", "write_kv", "rope")
     spies = {}
     for name in names:
         fn = getattr(kernels, name)
@@ -133,4 +133,4 @@ def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, 
     assert calls and all(fn.endswith("_triton") for _, fn in calls)
     decode = {"conv_update_verify", "gated_delta_verify"} if k else {"conv_update", "gated_delta_decode"}
     assert {n for n, _ in calls} == decode | {"gated_delta_prefill", "norm_gate", "conv_varlen", "paged_attention",
-                                           "write_kv"}
+                                           "write_kv", "rope"}

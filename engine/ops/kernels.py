@@ -9,8 +9,8 @@ Kernels exist for the decode / verify state updates, paged attention and its KV 
 prefill chunked scan, the norms (a residual add fused into the next one), the MLP's relu2, the few-token GEMV with
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
 sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`); MoE
-still runs the torch reference everywhere (issue #7), and so do Qwen3.5's RoPE and its sparse MoE block. The Gated
-DeltaNet ops (decode, verify by replay, chunked varlen prefill) and its norm-then-gate have kernels.
+still runs the torch reference everywhere (issue #7), and so does Qwen3.5's sparse MoE block. The Gated
+DeltaNet ops (decode, verify by replay, chunked varlen prefill), its norm-then-gate and Qwen3.5's RoPE have kernels.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.
 """
@@ -48,7 +48,7 @@ class Kernels:
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
-    # Qwen3.5's ops (RoPE still the torch reference on both paths)
+    # Qwen3.5's ops
     gated_delta_decode: Callable
     gated_delta_prefill: Callable
     gated_delta_verify: Callable
@@ -70,20 +70,21 @@ def resolve_kernels(mode: str, device: torch.device | str) -> Kernels:
 
 
 def _gated_delta(triton: bool) -> dict[str, Callable]:
-    """The Gated DeltaNet ops and its output norm, and RoPE (whose Triton kernel is still to come: its reference)."""
-    from baton.engine.ops.rope.reference import apply_rope
+    """The Gated DeltaNet ops and its output norm, and RoPE."""
     if triton:
         from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton, gated_delta_verify_triton
         from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
         from baton.engine.ops.norm.kernel_norm_gate import norm_gate_triton
+        from baton.engine.ops.rope.kernel import apply_rope_triton
         return dict(gated_delta_decode=gated_delta_decode_triton, gated_delta_prefill=gated_delta_prefill_varlen_triton,
-                    gated_delta_verify=gated_delta_verify_triton, norm_gate=norm_gate_triton, rope=apply_rope)
+                    gated_delta_verify=gated_delta_verify_triton, norm_gate=norm_gate_triton, rope=apply_rope_triton)
     from baton.engine.ops.gated_delta.reference import (
         gated_delta_decode,
         gated_delta_prefill_varlen,
         gated_delta_verify,
     )
     from baton.engine.ops.norm.reference import norm_gate_reference
+    from baton.engine.ops.rope.reference import apply_rope
     return dict(gated_delta_decode=gated_delta_decode, gated_delta_prefill=gated_delta_prefill_varlen,
                 gated_delta_verify=gated_delta_verify, norm_gate=norm_gate_reference, rope=apply_rope)
 
