@@ -25,3 +25,10 @@ def test_a_short_run_compares_and_times(tmp_path):
     assert gdn_bench.main(["--tokens", "512", "--batches", "1,8", "--graph-launches", "5", "--calls", "3",
                            "--json", str(out)]) == 0
     assert out.is_file()
+
+
+@pytest.mark.parametrize("sweep", ["4096", "4096x3", "4000x4", "ax4"])
+def test_a_bad_decode_sweep_is_refused(sweep, capsys):
+    with pytest.raises(SystemExit) as e:
+        gdn_bench.main(["--decode-sweep", sweep])
+    assert e.value.code == 2 and "--decode-sweep: expected" in capsys.readouterr().err
