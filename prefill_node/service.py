@@ -83,8 +83,9 @@ class PrefillService(wk_grpc.WorkerServicer):
         handle = handles.get(rid)
         if handle is None:
             await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid!r} was aborted")
-        if context.cancelled():
-            await in_engine(self.thread, lambda e: self.held.release(rid))
+        # Whether this reply reaches the router is not known here (a grpc.aio handler is told neither that its peer
+        # left once it has returned nor that the reply was lost): a router that gave up on the request re-sends its
+        # Abort once this node answers again (router/unsent_aborts.py), and the lease's expiry bounds the rest.
         return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel, self.credential))
 
     async def Decode(self, request, context):

@@ -19,6 +19,7 @@ from baton.router.inflight import InFlight
 from baton.router.limits import Admission, Caller, caller_of, retry_after_metadata
 from baton.router.security import principal
 from baton.router.validation import ValidatedRequest, validate
+from baton.router.worker_ids import ID_REUSE_AFTER_S
 from baton.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -26,10 +27,6 @@ log = logging.getLogger(__name__)
 _UNSPECIFIED = generation_pb2.FINISH_REASON_UNSPECIFIED
 # Text prompts longer than this are tokenized on a worker thread, off the event loop.
 _TOKENIZE_INLINE_CHARS = 4096
-# A node may still be ending a request (its Abort or stream cancellation on the way, its last step in flight, the
-# lease of its prefill not yet released) when a new request with the same id arrives: for this long after a request
-# ended, a new one under its id gets a distinct id on the workers.
-_ID_REUSE_AFTER_S = 30.0
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -153,7 +150,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._record(state, outcome, started)
 
     def _recently_ended(self, worker_id: str) -> bool:
-        horizon = time.monotonic() - _ID_REUSE_AFTER_S
+        horizon = time.monotonic() - ID_REUSE_AFTER_S
         for rid, at in list(self._ended_ids.items()):
             if at >= horizon:
                 break

@@ -18,6 +18,7 @@ from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, StaticDiscovery, UnionDiscovery, discovery_for
 from baton.router.load_tracker import LoadSnapshot, LoadTracker
 from baton.router.policy import Role, pick
+from baton.router.unsent_aborts import UnsentAborts
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ _CHANNEL_OPTIONS = (
     # Pings while calls are in flight: a node that stops answering them fails those calls within seconds.
     *ROUTER_CHANNEL_OPTIONS,
 )
+# An Abort that failed with these never reached the node, or got no answer: it may still hold the request.
+_UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Worker:
@@ -60,6 +63,8 @@ class Worker:
         # compares the count with the one it saw when the call started.
         self.stops = 0
         self.stop_reason = ""
+        # Aborts it did not answer: sent again once it answers a Load poll.
+        self.unsent_aborts = UnsentAborts()
         # No longer discovered: gets no new requests; its channel closes once its requests have ended.
         self.retired = False
         self.closed = False
@@ -110,6 +115,7 @@ class WorkerPool:
         self._workers: tuple[Worker, ...] = ()
         self._retiring: dict[Worker, asyncio.Task[None]] = {}
         self._polls: dict[Worker, asyncio.Task[None]] = {}
+        self._resends: dict[Worker, asyncio.Task[None]] = {}
         self._refresh_task: asyncio.Task[None] | None = None
         self._started = False
         self._next_index = 0
@@ -140,7 +146,7 @@ class WorkerPool:
     async def close(self) -> None:
         # Snapshot first: a cancelled retire task drops its worker from `_retiring` when it ends.
         to_close = [*self._active.values(), *self._retiring]
-        tasks = [*self._polls.values(), *self._retiring.values()]
+        tasks = [*self._polls.values(), *self._retiring.values(), *self._resends.values()]
         if self._refresh_task is not None:
             tasks.append(self._refresh_task)
         for t in tasks:
@@ -149,7 +155,7 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._active, self._workers = {}, ()
-        self._polls, self._retiring, self._refresh_task, self._started = {}, {}, None, False
+        self._polls, self._retiring, self._resends, self._refresh_task, self._started = {}, {}, {}, None, False
         for w in to_close:
             w.closed = True
         # Closing twice is harmless: a retiring worker's own close may have been cancelled above.
@@ -249,6 +255,10 @@ class WorkerPool:
         if not w.healthy:
             log.info("%r is healthy", w)
             w.healthy = True
+        if w.unsent_aborts and w not in self._resends:
+            task = asyncio.create_task(self._resend_aborts(w), name=f"baton-router-resend-aborts-{w.addr}")
+            self._resends[w] = task
+            task.add_done_callback(lambda t: self._resends.pop(w) if self._resends.get(w) is t else None)
 
     def _poll_failed(self, w: Worker, code: grpc.StatusCode, reason: str) -> None:
         w.failed_polls += 1
@@ -294,7 +304,7 @@ class WorkerPool:
         return known[0].info if known else None
 
     async def abort(self, w: Worker, request_id: str) -> bool:
-        """Best effort: a worker that cannot be reached holds nothing we can free from here."""
+        """Best effort: a worker that does not answer is sent the abort again once it answers a Load poll."""
         if w.closed:
             log.info("abort of %s on %r skipped: it is no longer discovered", request_id, w)
             return False
@@ -302,6 +312,19 @@ class WorkerPool:
             resp = await w.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id),
                                       timeout=self.control_timeout_s)
         except grpc.aio.AioRpcError as e:
-            log.warning("abort of %s on %r failed: %s: %s", request_id, w, e.code().name, e.details())
+            again = e.code() in _UNANSWERED
+            if again:
+                w.unsent_aborts.add(request_id)
+            log.warning("abort of %s on %r failed: %s: %s%s", request_id, w, e.code().name, e.details(),
+                        "; sent again once it answers" if again else "")
             return False
+        w.unsent_aborts.discard(request_id)
         return resp.found
+
+    async def _resend_aborts(self, w: Worker) -> None:
+        """Sends `w` the aborts it did not answer, oldest first, until one fails again (it stopped answering)."""
+        for rid in w.unsent_aborts.due():
+            found = await self.abort(w, rid)
+            if rid in w.unsent_aborts:
+                return
+            log.info("abort of %s re-sent to %r: %s", rid, w, "it still held the request" if found else "nothing held")

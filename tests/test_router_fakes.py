@@ -64,6 +64,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.pull_fails = False  # with a handle: answer prefilled_locally=True
         self.load_fails = False
         self.load_silent = False  # Load never answers (a node that stopped answering): the caller's deadline ends it
+        self.abort_silent = False  # Abort never answers (and is not recorded): the caller's deadline ends it
         self.script: list[int] | None = None  # output tokens instead of `expected_tokens`
         self.spec_k = 0  # > 0: every token message carries MTP totals `spec_totals(spec_k, tokens so far)`
         # What Load reports.
@@ -138,6 +139,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.active.discard(rid)
 
     async def Abort(self, request, context):
+        if self.abort_silent:
+            await asyncio.sleep(3600)  # cancelled when the caller's deadline passes
         self.aborts.append(request.request_id)
         self._event(request.request_id).set()
         return worker_pb2.WorkerAbortResponse(found=request.request_id in self.active)

@@ -86,6 +86,33 @@ def test_a_prefill_worker_that_stops_answering_has_its_prefill_retried():
     run(go())
 
 
+def test_an_abort_a_silent_prefill_worker_missed_is_sent_again_once_it_answers():
+    """Regression (lease leak after a freeze): a prefill worker that stopped answering may hold the request's lease
+    once it runs again (its reply lost, or the decode node gave up its READ), and the router's Abort timed out
+    meanwhile; that Abort reaches it once it answers a poll again, and only then."""
+    def setup(c):
+        c.prefill[1].outstanding_prefill_tokens = 1000  # p0 looks emptier: two choices pick it
+
+    async def go():
+        async with cluster(2, 1, configure=setup, **FAST) as c:
+            p0, p1 = c.prefill
+            p0.prefill_delay_s = 60.0
+            prompt = list(range(30, 40))
+            task = asyncio.create_task(c.generate(prompt, request_id="r", timeout=CLIENT_DEADLINE_S))
+            await eventually(lambda: len(p0.prefills) == 1, what="the prefill on p0")
+            p0.load_silent = p0.abort_silent = True
+            assert tokens_of(await task) == expected_tokens(prompt)
+            assert [r.request_id for r in p1.prefills] == ["r"]
+            (w0,) = [w for w in c.router.service.prefill_pool.workers if w.info.engine_id == "p0"]
+            await eventually(lambda: "r" in w0.unsent_aborts, what="the abort on p0 to time out")
+            assert p0.aborts == []
+            p0.load_silent = p0.abort_silent = False
+            await eventually(lambda: p0.aborts == ["r"], what="the missed abort sent again")
+            await eventually(lambda: not w0.unsent_aborts, what="the abort no longer kept")
+            assert p0.aborts == ["r"] and "r" not in p1.aborts
+    run(go())
+
+
 def test_a_worker_that_refuses_polls_keeps_the_streams_it_serves():
     """A draining node answers Load with UNAVAILABLE: it leaves rotation, but what it streams finishes there."""
     def setup(c):
