@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import functools  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -31,6 +32,7 @@ from baton.engine.ops.gated_delta.reference import (  # noqa: E402
     gated_delta_prefill_varlen,
     gated_delta_verify,
 )
+from baton.engine.ops.gated_delta.tuning import DECODE_LAUNCH  # noqa: E402
 from baton.engine.ops.norm.kernel_norm_gate import norm_gate_triton  # noqa: E402
 from baton.engine.ops.norm.reference import norm_gate_reference  # noqa: E402
 
@@ -405,14 +407,17 @@ GPU_SLOTS = 64
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", [None, *[(tile, warps) for _, tile, warps in DECODE_LAUNCH]])
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
-def test_gpu_decode_full_size(dtype, state_dtype, atol, rtol):
+def test_gpu_decode_full_size(dtype, state_dtype, atol, rtol, launch):
+    """At the batch's own tuning and at every launch `DECODE_LAUNCH` may pick."""
+    tile, warps = launch or (None, None)
     slots = torch.randperm(GPU_SLOTS, generator=torch.Generator().manual_seed(0))[:40].tolist()
     params = make_params(FULL["Hv"], device="cuda")
     tok = make_tokens((len(slots),), dtype, **FULL, device="cuda")
     pool = make_pool(state_dtype, FULL["Hv"], FULL["Dk"], FULL["Dv"], slots=GPU_SLOTS, device="cuda")
     before, ref_pool = pool.clone(), pool.clone()
-    o = decode(gated_delta_decode_triton, pool, tok, params, slots)
+    o = decode(functools.partial(gated_delta_decode_triton, tile=tile, num_warps=warps), pool, tok, params, slots)
     o_ref = decode(gated_delta_decode, ref_pool, tok, params, slots)
     close(o, o_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
@@ -468,3 +473,13 @@ def test_gpu_norm_gate_full_size(dtype):
     weight = (1.0 + 0.1 * torch.randn(FULL["Dv"], generator=g, device="cuda")).to(dtype)
     atol, rtol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     close(norm_gate_triton(x, gate, weight, 1e-6), norm_gate_reference(x, gate, weight, 1e-6), atol, rtol)
+
+
+def test_decode_launch_takes_the_last_entry_its_batch_reaches():
+    from baton.engine.ops.gated_delta import tuning
+
+    starts = [start for start, _, _ in tuning.DECODE_LAUNCH]
+    assert starts[0] == 1 and starts == sorted(set(starts))
+    for i, (start, tile, warps) in enumerate(tuning.DECODE_LAUNCH):
+        end = starts[i + 1] if i + 1 < len(starts) else start + 1000
+        assert {tuning.decode_launch(b) for b in (start, end - 1)} == {(tile, warps)}

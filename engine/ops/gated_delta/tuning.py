@@ -19,7 +19,7 @@ RECORD_BLOCK = 1024
 # Decode launches by batch size, (smallest batch, STEP_TILE-like tile, warps), the last entry whose batch is reached
 # applies: a decode step's state traffic grows with the batch, and the tile that fills the GPU at one row is not the
 # one that streams the state fastest at hundreds.
-DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS),)
+DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS), (16, 4096, 2), (128, 8192, 4))
 
 
 def decode_launch(batch: int) -> tuple[int, int]:
