@@ -1,4 +1,8 @@
-"""NemotronH MoE: sigmoid top-k router with group selection, non-gated experts, one shared expert."""
+"""NemotronH MoE: sigmoid top-k router with group selection, non-gated experts, one shared expert.
+
+The routing math and the routed experts live in `ops.moe` (`route_sigmoid_grouped`, this engine's `moe_experts`:
+the torch reference on CPU, the fused-MoE kernels on CUDA); the shared expert and the latent projections stay
+ordinary linears."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.layers.mlp import MLP, activation
 from baton.engine.ops.kernels import Kernels
+from baton.engine.ops.moe.reference import route_sigmoid_grouped
 
 
 class TopkRouter(nn.Module):
@@ -20,19 +25,9 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        e = cfg.n_routed_experts
-        scores = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, cfg.n_group, e // cfg.n_group).topk(2, dim=-1)[0].sum(-1)  # [T, n_group]
-        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, e // cfg.n_group).reshape(-1, e)
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]  # [T, k]
-        weights = scores.gather(1, idx)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return idx, weights * cfg.routed_scaling_factor
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        return route_sigmoid_grouped(logits, self.e_score_correction_bias, cfg.n_group, cfg.topk_group,
+                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 class Experts(nn.Module):
@@ -44,17 +39,11 @@ class Experts(nn.Module):
         d_in = cfg.moe_latent_size or cfg.hidden_size
         self.up_proj = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.moe_intermediate_size, d_in))
         self.down_proj = nn.Parameter(torch.empty(cfg.n_routed_experts, d_in, cfg.moe_intermediate_size))
-        self.act = activation(cfg.mlp_hidden_act)
+        activation(cfg.mlp_hidden_act)  # (refuses an unknown name at load)
+        self.act_name = cfg.mlp_hidden_act
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x, dtype=weights.dtype)  # [T, d_in]
-        for e in idx.unique().tolist():
-            tok, k = torch.where(idx == e)
-            h = torch.nn.functional.linear(x[tok], self.up_proj[e])
-            h = self.kernels.relu2(h) if self.act is None else self.act(h)
-            h = torch.nn.functional.linear(h, self.down_proj[e]) * weights[tok, k, None]
-            out.index_add_(0, tok, h.to(out.dtype))
-        return out.to(x.dtype)
+        return self.kernels.moe_experts(x, self.up_proj, self.down_proj, idx, weights, activation=self.act_name)
 
 
 class MoE(nn.Module):

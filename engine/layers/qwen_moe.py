@@ -1,6 +1,8 @@
-"""The sparse MoE block of Qwen3.5-MoE and Qwen3-Next (torch reference on every path; a fused MoE kernel is its own
-issue): a softmax router picks each token's top-k experts (renormalised over them when `norm_topk_prob`), each a
-gated SiLU MLP, plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
+"""The sparse MoE block of Qwen3.5-MoE and Qwen3-Next: a softmax router picks each token's top-k experts
+(renormalised over them when `norm_topk_prob`), each a gated SiLU MLP, plus a shared expert scaled by
+sigmoid(shared_expert_gate(x)). The routing math and the routed experts live in `ops.moe` (`route_softmax`, this
+engine's `moe_experts`: the torch reference on CPU, the fused-MoE kernels on CUDA); the shared expert stays ordinary
+linears.
 
 Parameter names mirror HF transformers 5.x (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, H] with each
 expert's gate rows before its up rows, `mlp.experts.down_proj` [E, H, I], `mlp.shared_expert.*`,
@@ -14,6 +16,8 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.layers.gated_mlp import GatedMLP
+from baton.engine.ops.kernels import Kernels
+from baton.engine.ops.moe.reference import route_softmax
 
 
 class _Experts(nn.Module):
@@ -24,6 +28,9 @@ class _Experts(nn.Module):
 
 
 class QwenSparseMoE(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, e = cfg.hidden_size, cfg.n_routed_experts
@@ -34,17 +41,8 @@ class QwenSparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        # Each expert once over the tokens that picked it (no host loop over tokens).
-        for e in torch.unique(experts).tolist():
-            token, slot = torch.where(experts == e)
-            gate, up = nn.functional.linear(x[token], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.experts.down_proj[e])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        experts, weights = route_softmax(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k]
+        out = self.kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, experts,
+                                       weights.to(x.dtype), activation="silu", gated=True)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared

@@ -8,8 +8,9 @@ and the runners and graphs read it from there: nothing reads the choice again pe
 Kernels exist for the decode / verify state updates, paged attention and its KV write, the prefill conv and the
 prefill chunked scan, the norms (a residual add fused into the next one), the MLP's relu2, the few-token GEMV with
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
-sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`); MoE
-still runs the torch reference everywhere (issue #7), and so does Qwen3.5's sparse MoE block. The Gated
+sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`), and the
+routed experts of both MoE layers (`moe_experts`: NemotronH's and Qwen3.5-MoE's, fused-MoE grouped GEMMs; the
+routing stays torch ops on both paths). The Gated
 DeltaNet ops (decode, verify by replay, chunked varlen prefill), its norm-then-gate and Qwen3.5's RoPE have kernels.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.
@@ -45,6 +46,7 @@ class Kernels:
     gated_rms_norm: Callable
     relu2: Callable
     fused_linear: Callable
+    moe_experts: Callable
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
@@ -104,6 +106,7 @@ def _kernels(triton: bool) -> Kernels:
         )
         from baton.engine.ops.conv.kernel_varlen import causal_conv1d_varlen_triton
         from baton.engine.ops.linear.kernel import fused_linear_triton
+        from baton.engine.ops.moe.reference import moe_experts_reference as moe_experts_triton
         from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
         from baton.engine.ops.ssm_update.kernel import (
             selective_state_update_triton,
@@ -119,7 +122,7 @@ def _kernels(triton: bool) -> Kernels:
             state_update_verify=selective_state_update_verify_triton, chunk_scan=mamba_chunk_scan_varlen_triton,
             paged_attention=paged_attention_triton, write_kv=write_kv_triton, rms_norm=rms_norm_triton,
             add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton, relu2=relu2_triton,
-            fused_linear=fused_linear_triton, chain_inputs=chain_inputs_triton,
+            fused_linear=fused_linear_triton, moe_experts=moe_experts_triton, chain_inputs=chain_inputs_triton,
             tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton,
             **_gated_delta(True))
     from baton.engine.ops.act.reference import relu2_reference
@@ -132,6 +135,7 @@ def _kernels(triton: bool) -> Kernels:
         causal_conv1d_varlen,
     )
     from baton.engine.ops.linear.reference import fused_linear
+    from baton.engine.ops.moe.reference import moe_experts_reference
     from baton.engine.ops.norm.reference import (
         add_rms_norm_reference,
         gated_rms_norm_reference,
@@ -145,7 +149,7 @@ def _kernels(triton: bool) -> Kernels:
         state_update_verify=selective_state_update_verify, chunk_scan=mamba_chunk_scan_varlen,
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
-        fused_linear=fused_linear, chain_inputs=chain_inputs, tempered_decisions=tempered_decisions,
+        fused_linear=fused_linear, moe_experts=moe_experts_reference, chain_inputs=chain_inputs, tempered_decisions=tempered_decisions,
         filtered_decisions=filtered_decisions, **_gated_delta(False))
 
 
