@@ -106,7 +106,7 @@ def _kernels(triton: bool) -> Kernels:
         )
         from baton.engine.ops.conv.kernel_varlen import causal_conv1d_varlen_triton
         from baton.engine.ops.linear.kernel import fused_linear_triton
-        from baton.engine.ops.moe.reference import moe_experts_reference as moe_experts_triton
+        from baton.engine.ops.moe.kernel import moe_experts_triton
         from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
         from baton.engine.ops.ssm_update.kernel import (
             selective_state_update_triton,
@@ -149,8 +149,8 @@ def _kernels(triton: bool) -> Kernels:
         state_update_verify=selective_state_update_verify, chunk_scan=mamba_chunk_scan_varlen,
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
-        fused_linear=fused_linear, moe_experts=moe_experts_reference, chain_inputs=chain_inputs, tempered_decisions=tempered_decisions,
-        filtered_decisions=filtered_decisions, **_gated_delta(False))
+        fused_linear=fused_linear, moe_experts=moe_experts_reference, chain_inputs=chain_inputs,
+        tempered_decisions=tempered_decisions, filtered_decisions=filtered_decisions, **_gated_delta(False))
 
 
 def bind_kernels(root: torch.nn.Module, kernels: Kernels) -> None:
