@@ -1,5 +1,5 @@
 """The engine's steps on the Triton kernels (decode / verify state updates, paged attention and its KV write,
-prefill conv and chunked scan, RMSNorm, residual add + RMSNorm, gated RMSNorm, relu2) (`EngineConfig.kernels="triton"`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
+prefill conv and chunked scan, RMSNorm, residual add + RMSNorm, gated RMSNorm, relu2, the routed MoE experts) (`EngineConfig.kernels="triton"`; on CPU they run in Triton's interpreter) produce the greedy tokens, drafts and acceptance of the torch references."""
 
 from __future__ import annotations
 
@@ -134,3 +134,34 @@ def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, 
     decode = {"conv_update_verify", "gated_delta_verify"} if k else {"conv_update", "gated_delta_decode"}
     assert {n for n, _ in calls} == decode | {"gated_delta_prefill", "norm_gate", "conv_varlen", "paged_attention",
                                            "write_kv", "rope"}
+
+
+@pytest.fixture(scope="module")
+def small_moe_model(tmp_path_factory):
+    """tiny cut to one attention layer and one MoE layer (4 experts, top-2): the fused-MoE path in the interpreter."""
+    from baton.engine.loader import load_checkpoint
+    from baton.engine.make_model import make_model
+
+    out = make_model(tmp_path_factory.mktemp("small-moe") / "m", "tiny", seed=13, progress=False, tokenizer=False,
+                     overrides={"vocab_size": 8, "hybrid_override_pattern": "*E"})
+    return load_checkpoint(out)
+
+
+@pytest.mark.interpreter
+def test_moe_engine_on_triton_kernels_equals_the_references(small_moe_model, monkeypatch):
+    """The routed experts on the fused-MoE kernels (align, grouped GEMMs, top-k sum), beside the attention and norm
+    kernels, give the references' greedy tokens over prefill chunks and decode steps."""
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    ref = run(new_engine(small_moe_model, 0, kernels="torch"), arrivals)
+    calls = []
+    kernels = resolve_kernels("triton", "cpu")
+    orig = kernels.moe_experts
+
+    def spy(x, *args, **kw):
+        calls.append(x.shape[0])
+        return orig(x, *args, **kw)
+    monkeypatch.setattr(llm_engine, "resolve_kernels",
+                        lambda mode, device: dataclasses.replace(kernels, moe_experts=spy))
+    got = run(new_engine(small_moe_model, 0, kernels="triton"), arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert orig.__name__ == "moe_experts_triton" and min(calls) == 1 < max(calls)  # decode rows and prompt chunks
