@@ -33,3 +33,8 @@ def test_smoke_times_every_path_and_checks_the_fused_one(tmp_path):
 def test_bad_tokens_are_refused(tokens, message):
     with pytest.raises(SystemExit, match=f"--tokens: {message}"):
         moe_bench.main(["--smoke", "--tokens", tokens])
+
+
+def test_bad_iters_are_refused():
+    with pytest.raises(SystemExit, match="--iters: expected an integer >= 1, got 0"):
+        moe_bench.main(["--smoke", "--iters", "0"])

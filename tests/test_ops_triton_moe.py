@@ -232,7 +232,7 @@ def test_model_sizes_match_the_reference(shape, t, dtype):
     act = "silu" if shape["gated"] else "relu2"
     got = moe_experts_triton(x, w_up, w_down, ids, weights, activation=act, gated=shape["gated"])
     want = moe_experts_reference(x, w_up, w_down, ids, weights, activation=act, gated=shape["gated"])
-    atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
+    atol, rtol = (3e-2, 3e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
     torch.testing.assert_close(got, want, atol=atol * want.abs().max().item(), rtol=rtol)
 
 
@@ -242,7 +242,7 @@ def test_both_tilings_compile_and_match(tiles):
     x, w_up, w_down, ids, weights = _model_case(NANO, 256, torch.bfloat16, 1)
     got = moe_experts_triton(x, w_up, w_down, ids, weights, tiles=tiles)
     want = moe_experts_reference(x, w_up, w_down, ids, weights)
-    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
 
 
 @pytest.mark.gpu
@@ -271,4 +271,4 @@ def test_cuda_graph_replays_other_routing(shape):
         weights.copy_(weights2)
         graph.replay()
         want = moe_experts_reference(x, w_up, w_down, ids, weights, activation=act, gated=shape["gated"])
-        torch.testing.assert_close(out, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+        torch.testing.assert_close(out, want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
