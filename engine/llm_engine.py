@@ -310,11 +310,12 @@ class LLMEngine:
         return self.make_step_graphs(device)
 
     def graphs_capturable(self) -> bool:
-        """Whether a step's layers can be captured: no MoE layer (its expert loop reads routing decisions on
-        the host), in the target or, with drafts, in the drafter (the verify graph holds its steps too)."""
+        """Whether a step's layers can be captured: on the Triton kernels every layer can (the fused MoE keeps its
+        routing on the device); on the references no MoE layer (their expert loop reads routing decisions on the
+        host), in the target or, with drafts, in the drafter (the verify graph holds its steps too)."""
         mc = self.model_config
         layers = mc.layer_types + (mc.mtp_layer_types if self.config.num_speculative_tokens else ())
-        return MOE not in layers
+        return MOE not in layers or self.kernels.triton
 
     def make_step_graphs(self, device: torch.device) -> StepGraphs:
         """The step graphs for this engine's shapes (on a CPU device they run their static layout eagerly)."""
