@@ -7,7 +7,13 @@ from pathlib import Path
 
 from baton.engine.config import SUPPORTED_DTYPES, ModelConfig
 from baton.engine.loader import read_hf_config
-from baton.engine.make_model import DEFAULT_SHARD_SIZE_BYTES, PRESET_NAMES, make_model, parse_overrides
+from baton.engine.make_model import (
+    DEFAULT_SHARD_SIZE_BYTES,
+    PRESET_NAMES,
+    QUANTIZE_CHOICES,
+    make_model,
+    parse_overrides,
+)
 from baton.engine.weights import expected_weight_shapes, num_parameters
 
 
@@ -28,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "than the CPU's for the same seed)")
     p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
                    help="do not write tokenizer.json / tokenizer_config.json (default: a small byte-level BPE)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                   help="write FP8 weights: fp8 = ModelOpt per-tensor scales (weight_scale), fp8-block = 128x128 "
+                        "block scales (weight_scale_inv); every Linear but the MoE routers and lm_head "
+                        "(default: unquantized)")
     p.set_defaults(run=run)
 
 
@@ -35,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
     out = make_model(args.out, preset=args.preset, mtp_layers=args.mtp_layers, seed=args.seed,
                      overrides=parse_overrides(args.overrides), dtype=args.dtype,
                      shard_size_bytes=args.shard_size_mb * 2**20, tokenizer=args.tokenizer,
-                     device=args.device)
+                     device=args.device, quantize=args.quantize)
     cfg = ModelConfig.from_hf_dict(read_hf_config(out))
     params = num_parameters(expected_weight_shapes(cfg))
     size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+    weights = cfg.torch_dtype if args.quantize is None else f"{args.quantize} ({cfg.torch_dtype} rest)"
     print(f"{out}: {args.preset}, {params / 1e6:.2f}M parameters ({cfg.pattern}, "
-          f"{cfg.num_nextn_predict_layers} MTP), {cfg.torch_dtype}, {size / 2**20:.1f} MiB")
+          f"{cfg.num_nextn_predict_layers} MTP), {weights}, {size / 2**20:.1f} MiB")
     return 0

@@ -15,6 +15,7 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.recurrent_mixer import RecurrentMixer
 from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.state_spec import StateSpec
@@ -73,10 +74,13 @@ class CausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
+        quant = cfg.quantization
+        swap_fp8_linears(model, target, None if quant is None else quant.block_size)
         missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "
                              f"{sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
         model.finish_load()
+        bind_fp8_linears(model)
         bind_kernels(model, kernels)
         return model.requires_grad_(False).eval()

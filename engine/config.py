@@ -24,6 +24,7 @@ from baton.engine.layer_symbols import (
     RECURRENT_SYMBOLS,
 )
 from baton.engine.layer_symbols import config_error as _bad
+from baton.engine.quant_config import FP8Config, parse_quantization_config
 
 # HF's `layers_block_type` names for the same layers.
 BLOCK_TYPE_TO_SYMBOL = {"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION,
@@ -132,6 +133,8 @@ class ModelConfig:
     mlp_gated: bool = False  # down(act(gate(x)) * up(x)) instead of down(act(up(x)))
     # Qwen3-Next's GDN projections: in_proj_qkvz / in_proj_ba grouped per key head (`weights_qwen3_5` splits them).
     gdn_interleaved_projections: bool = False
+    # FP8 checkpoint format (`quant_config.py`); None: 16/32-bit weights.
+    quantization: FP8Config | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -222,7 +225,7 @@ class ModelConfig:
             raise _bad("config.json", "a JSON object", type(d).__name__)
         model_type = d.get("model_type")
         if model_type in QWEN3_5_MODEL_TYPES:
-            return cls(**qwen3_5_fields(d))
+            return cls(**qwen3_5_fields(d), quantization=parse_quantization_config(d.get("quantization_config")))
         if model_type != "nemotron_h":
             raise _bad("model_type", "one of 'nemotron_h', " + ", ".join(map(repr, QWEN3_5_MODEL_TYPES)), model_type)
         d = dict(d)
@@ -299,5 +302,6 @@ class ModelConfig:
             mamba_ssm_cache_dtype=get("mamba_ssm_cache_dtype", "float32"),
             num_nextn_predict_layers=get("num_nextn_predict_layers", 0),
             mtp_layer_types=mtp_types,
+            quantization=parse_quantization_config(d.get("quantization_config")),
             raw=d,
         )

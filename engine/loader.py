@@ -5,6 +5,10 @@ anything missing, unexpected or of the wrong shape is a `ValueError` that lists 
 the requested dtype except the MoE router (`gate.weight`, `gate.e_score_correction_bias`), which stays fp32
 as in HF. The returned names are exactly those of `expected_weight_shapes(cfg)`: with `tie_word_embeddings`
 there is no `lm_head.weight` (the model reuses `model.embeddings.weight`; a stored one is ignored).
+
+FP8 checkpoints (`quant_config.py`: ModelOpt per-tensor, block-wise `fp8`): the FP8 Linears keep their
+float8_e4m3fn weights, and their scales (`*.weight_scale` / `*.weight_scale_inv`, `*.input_scale`, fp32) are
+returned beside them; the rest is `fp8_checkpoint.prepare_fp8`'s. `cfg.quantization` says which format.
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ import torch
 from safetensors import safe_open
 
 from baton.engine.config import SUPPORTED_DTYPES, ModelConfig
+from baton.engine.fp8_checkpoint import is_fp8_sidecar, prepare_fp8
+from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
+from baton.engine.quant_config import read_quant_config
 from baton.engine.weights import (
     CONFIG_FILE,
+    FP8_SCALE_SUFFIXES,
     FP32_SUFFIXES,
     INDEX_FILE,
     MTP_PREFIX,
@@ -73,7 +81,11 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
                     device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read `model_dir`; return its config (torch_dtype = the dtype loaded) and canonical name -> tensor."""
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_hf_dict(read_hf_config(model_dir))
+    hf = read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf_dict(hf)
+    quant = read_quant_config(model_dir, hf)
+    if quant != cfg.quantization:
+        cfg = dataclasses.replace(cfg, quantization=quant)
     target = dtype or cfg.torch_dtype
     if target not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(SUPPORTED_DTYPES)}, got {target!r}")
@@ -85,10 +97,11 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
                 if name in raw:
                     raise ValueError(f"weights: tensor '{name}' appears in more than one file ({file.name})")
                 t = f.get_tensor(name)
-                keep_fp32 = name.endswith(FP32_SUFFIXES)
-                if t.is_floating_point():
+                keep_fp32 = name.endswith(FP32_SUFFIXES) or name.endswith(FP8_SCALE_SUFFIXES)
+                if t.is_floating_point() and t.dtype != FP8_DTYPE:
                     t = t.to(torch.float32 if keep_fp32 else TORCH_DTYPES[target])
                 raw[name] = t
+    prepare_fp8(raw, cfg.quantization, TORCH_DTYPES[target])
     state = canonicalize_names(raw, cfg)
     del raw
 
@@ -108,7 +121,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
     missing = [n for n in expected if n not in state]
     if missing:
         problems.append(_listing("missing", missing))
-    unexpected = sorted(n for n in state if n not in expected)
+    unexpected = sorted(n for n in state if n not in expected and not is_fp8_sidecar(n, state))
     if unexpected:
         problems.append(_listing("unexpected", unexpected))
     mismatched = [f"{n} expected {list(s)} got {list(state[n].shape)}"

@@ -1,7 +1,11 @@
 """Write a random checkpoint (HF `config.json`, safetensors, a small tokenizer) for tests and demos.
 
-NemotronH presets: `tiny` (unit tests), `small` (~29M parameters, `make demo` on a CPU), `8b-like` (exactly the
-shape of nvidia/Nemotron-H-8B-Base-8K: 52 layers, hidden 4096, ~8.1B parameters, bf16). Qwen3.5 presets:
+NemotronH presets: `tiny` (unit tests), `tiny-moe` (unit tests of MoE layers: Mamba / MoE / attention interleaved
+as in Nemotron 3 Nano, an attention + MoE MTP block), `small` (~29M parameters, `make demo` on a CPU), `8b-like`
+(exactly the shape of nvidia/Nemotron-H-8B-Base-8K: 52 layers, hidden 4096, ~8.1B parameters, bf16),
+`nano-30b-a3b-like` (the shape of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: 52 layers, 23 Mamba2, 23 MoE of 128
+experts top-6 plus a shared expert, 6 attention, hidden 2688, ~31.6B parameters, bf16; with `--mtp-layers` an
+attention + MoE MTP block, as the Nemotron 3 MTP checkpoints have). Qwen3.5 presets:
 `qwen3.5-tiny`, `qwen3.5-27b-like` (`make_model_qwen3_5.py`). The weights follow the
 spirit of HF `NemotronHPreTrainedModel._init_weights` (norms = 1, D = 1, A_log = log(1..H), dt_bias =
 softplus^-1 of a log-uniform dt) but linears use std 1/sqrt(fan_in) and embeddings std 1, so that a random
@@ -10,6 +14,11 @@ repeat one token, top-2 logits are rarely near-ties). Every tensor is drawn from
 by (seed, name): the output is deterministic and independent of sharding. `device="cuda"` draws them on the
 GPU (seconds for the 8b-like preset, against minutes on a CPU); CUDA's generator gives other values than the
 CPU's for the same seed, deterministic again.
+
+`quantize="fp8"` writes an FP8 checkpoint in ModelOpt's per-tensor format, `"fp8-block"` in the block-wise
+(128x128) one (`quant_config.py`, `fp8_checkpoint.quantize_for_checkpoint`): the weights are drawn as without it,
+then rounded. The writer has no calibration data, so it stores no static `input_scale`: the engine quantizes
+activations dynamically.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from baton.engine.config import LEGACY_KEYS, ModelConfig
+from baton.engine.fp8_checkpoint import quantizable, quantize_for_checkpoint, unquantized_linears
 from baton.engine.layer_symbols import QWEN3_5
 from baton.engine.make_model_qwen3_5 import (
     QWEN3_5_KNOWN_KEYS,
@@ -33,6 +43,7 @@ from baton.engine.make_model_qwen3_5 import (
     init_qwen3_5_tensor,
     qwen3_5_config,
 )
+from baton.engine.quant_config import FP8, MODELOPT, FP8Config
 from baton.engine.tokenizer_train import write_tokenizer
 from baton.engine.weights import (
     CONFIG_FILE,
@@ -92,6 +103,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "moe_shared_expert_intermediate_size": 128, "max_position_embeddings": 4096, "torch_dtype": "float32",
     },
+    # Nemotron 3 Nano's interleave (Mamba, MoE, attention) at unit-test size; MoE fields Triton-friendly (>= 16).
+    "tiny-moe": {
+        "vocab_size": 512, "hidden_size": 64, "hybrid_override_pattern": "MEM*EME",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 64, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+    },
     "small": {
         "vocab_size": 8192, "hidden_size": 512, "hybrid_override_pattern": "M-M*-M-M*-M-",
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048,
@@ -108,11 +128,33 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
         "moe_shared_expert_intermediate_size": 7688, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
     },
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json.
+    "nano-30b-a3b-like": {
+        "vocab_size": 131072, "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "chunk_size": 128,
+        "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
+    },
 }
 PRESET_NAMES = (*_PRESETS, *QWEN3_5_PRESETS)
 # MTP block pattern per preset when --mtp-layers > 0. Real NemotronH MTP checkpoints (Nemotron-3 Super)
 # use "*E" (attention then MoE); the dense 8B shape gets a dense MTP block.
-MTP_PATTERNS = {"tiny": "*E", "small": "*E", "8b-like": "*-"}
+MTP_PATTERNS = {"tiny": "*E", "tiny-moe": "*E", "small": "*E", "8b-like": "*-", "nano-30b-a3b-like": "*E"}
+QUANTIZE_CHOICES = ("fp8", "fp8-block")
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's and Qwen3's weight_block_size
+
+
+def fp8_config(quantize: str, shapes: Mapping[str, tuple[int, ...]]) -> FP8Config:
+    """The `FP8Config` a `--quantize` choice writes, its ignore list the Linears left unquantized."""
+    ignore = tuple(unquantized_linears(dict(shapes)))
+    if quantize == "fp8":
+        return FP8Config(MODELOPT, None, "static", ignore)
+    if quantize == "fp8-block":
+        return FP8Config(FP8, FP8_BLOCK, "dynamic", ignore)
+    raise ValueError(f"quantize: expected one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
 
 # Every field HF NemotronHConfig (transformers 5.x) or its PreTrainedConfig base accepts, plus the legacy
 # names HF still reads. `--set` refuses anything else.
@@ -298,13 +340,14 @@ def _plan_shards(sizes: Mapping[str, int], shard_size_bytes: int) -> list[list[s
 def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, seed: int = 0,
                overrides: Mapping[str, Any] | None = None, dtype: str | None = None,
                shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, progress: bool = True,
-               tokenizer: bool = True, device: torch.device | str = "cpu") -> Path:
+               tokenizer: bool = True, device: torch.device | str = "cpu", quantize: str | None = None) -> Path:
     """Write `config.json` and random safetensors weights of `preset` into `out_dir`; return `out_dir`.
     The weights are drawn on `device` (see the module docstring), then written from host memory.
 
     Weights larger than `shard_size_bytes` go to `model-0000i-of-0000N.safetensors` shards plus
     `model.safetensors.index.json`, one shard in memory at a time; smaller ones to `model.safetensors`.
     With `tokenizer`, also a small byte-level BPE `tokenizer.json` (see `tokenizer_train.write_tokenizer`).
+    `quantize` ("fp8", "fp8-block"): an FP8 checkpoint (see the module docstring).
     """
     if shard_size_bytes <= 0:
         raise ValueError(f"shard_size_bytes: expected a positive integer, got {shard_size_bytes!r}")
@@ -317,23 +360,33 @@ def make_model(out_dir: str | Path, preset: str = "tiny", mtp_layers: int = 0, s
         stale.unlink(missing_ok=True)
 
     shapes = expected_weight_shapes(cfg)
+    qcfg = None if quantize is None else fp8_config(quantize, shapes)
+    if qcfg is not None:
+        d["quantization_config"] = qcfg.to_hf_dict()
     dtypes = {n: torch.float32 if n.endswith(FP32_SUFFIXES) else TORCH_DTYPES[cfg.torch_dtype] for n in shapes}
-    sizes = {n: math.prod(s) * dtypes[n].itemsize for n, s in shapes.items()}
+    sizes = {n: math.prod(s) * (1 if qcfg is not None and quantizable(n, s) else dtypes[n].itemsize)
+             for n, s in shapes.items()}
     shards = _plan_shards(sizes, shard_size_bytes)
     files = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"make-model {preset}",
               disable=not progress) as bar:
+        weight_map, total = {}, 0
         for names, file in zip(shards, files, strict=True):
             tensors = {}
             for n in names:
-                tensors[n] = init_tensor(n, shapes[n], cfg, d, seed, device).to(dtypes[n]).cpu()
+                t = init_tensor(n, shapes[n], cfg, d, seed, device)
+                # A quantized weight is rounded from the value the 16-bit checkpoint would store.
+                parts = {n: t} if qcfg is None else quantize_for_checkpoint(n, t.to(dtypes[n]).float(), qcfg)
+                for k, v in parts.items():
+                    tensors[k] = (v if v.dtype == torch.float8_e4m3fn or k != n else v.to(dtypes[n])).cpu()
+                    weight_map[k] = file
+                    total += tensors[k].numel() * tensors[k].element_size()
                 bar.update(sizes[n])
             save_file(tensors, str(out / file), metadata={"format": "pt"})
             del tensors
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {n: f for names, f in zip(shards, files, strict=True) for n in names}}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / CONFIG_FILE).write_text(json.dumps(d, indent=2, sort_keys=True, allow_nan=False) + "\n")
     if tokenizer:

@@ -49,6 +49,7 @@ from baton.engine.config import ATTENTION, MAMBA, MOE, ModelConfig
 from baton.engine.config import MLP as MLP_SYMBOL
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.attention import Attention
+from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
@@ -118,7 +119,7 @@ class MTPModule(nn.Module):
         j0 = (step % self.cfg.num_nextn_predict_layers) * n
         layers = self.layers[j0:j0 + n]
         first = layers[0]
-        dtype = first.eh_proj.weight.dtype
+        dtype = embeddings.weight.dtype  # the model's (eh_proj's weight may be FP8)
         e = embeddings(next_token_ids).to(dtype)  # [T, hidden]
         h = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
         keep_from = max((i for i, layer in enumerate(layers) if layer.kind == ATTENTION), default=None)
@@ -156,10 +157,12 @@ class MTPModule(nn.Module):
         with torch.device("meta"):
             module = cls(cfg)
         own = place(cls.mtp_entries(state), device, dtype)
+        swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
         module._check_keys(own)
         module.load_state_dict(own, strict=True, assign=True)
         for m in module.modules():
             if isinstance(m, Attention):
                 m.fuse_qkv()
+        bind_fp8_linears(module)
         bind_kernels(module, kernels)
         return module.requires_grad_(False).eval()

@@ -22,6 +22,7 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layer_symbols import ATTENTION
+from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.ops.rope.reference import token_positions
@@ -52,7 +53,7 @@ class Qwen3_5MTP(nn.Module):
         """One draft step at every token of `batch` (the arguments and result of `MTPModule.forward`)."""
         layer = self.layers[step % len(self.layers)]
         batch.positions = token_positions(batch.query_start_loc, batch.seq_lens, next_token_ids.shape[0])
-        dtype = self.fc.weight.dtype
+        dtype = embeddings.weight.dtype  # the model's (fc's weight may be FP8)
         e = self.pre_fc_norm_embedding(embeddings(next_token_ids).to(dtype))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(dtype))], dim=-1))
         return pre_norm_stack(x, layer.blocks, self.norm, batch, keep, 0)
@@ -69,6 +70,7 @@ class Qwen3_5MTP(nn.Module):
         with torch.device("meta"):
             module = cls(cfg)
         own = place({k[len(MTP_PREFIX):]: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, device, dtype)
+        swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
         expected = set(module.state_dict())
         missing, unexpected = sorted(expected - set(own)), sorted(set(own) - expected)
         if missing or unexpected:
@@ -77,5 +79,6 @@ class Qwen3_5MTP(nn.Module):
                              f"{[MTP_PREFIX + k for k in unexpected[:8]]}")
         module.load_state_dict(own, strict=True, assign=True)
         finish_qwen_load(module)
+        bind_fp8_linears(module)
         bind_kernels(module, kernels)
         return module.requires_grad_(False).eval()

@@ -43,6 +43,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF keeps the MoE router in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
 FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
+# An FP8 Linear's scales (`quant_config.py`), kept fp32 whatever the model dtype.
+FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 LEGACY_PREFIX, CANONICAL_PREFIX = "backbone.", "model."
 MTP_PREFIX = "mtp."
 # `...mixer.experts.{j}.up_proj.weight` -> groups (prefix, expert index, projection).
@@ -179,8 +181,16 @@ def canonicalize_names(state: Mapping[str, torch.Tensor], cfg: ModelConfig | Non
     return out
 
 
+def _place_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    if t.dtype == torch.float8_e4m3fn:
+        return t.dtype  # an FP8 Linear's weight (`layers.fp8_linear`)
+    if name.endswith(FP32_SUFFIXES) or name.endswith(FP8_SCALE_SUFFIXES):
+        return torch.float32
+    return dtype
+
+
 def place(state: Mapping[str, torch.Tensor], device: str | torch.device,
           dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Move weights to `device` in `dtype`, except the MoE router, which stays fp32 (as the reference keeps it)."""
-    return {k: v.to(device=device, dtype=torch.float32 if k.endswith(FP32_SUFFIXES) else dtype)
-            for k, v in state.items()}
+    """Move weights to `device` in `dtype`, except the MoE router, which stays fp32 (as the reference keeps it), and
+    FP8 weights and their scales, which keep their float8_e4m3fn and fp32."""
+    return {k: v.to(device=device, dtype=_place_dtype(k, v, dtype)) for k, v in state.items()}

@@ -304,3 +304,41 @@ def test_cli(tmp_path, capsys):
     assert cfg.num_nextn_predict_layers == 1 and cfg.torch_dtype == "bfloat16"
     with pytest.raises(ValueError, match="bogus"):
         make_model_cmd.run(parser.parse_args(["make-model", str(tmp_path / "n"), "--set", "bogus=1"]))
+
+
+def test_nano_30b_a3b_like_is_the_real_nano_shape():
+    d = build_config("nano-30b-a3b-like", mtp_layers=1)
+    cfg = ModelConfig.from_hf_dict(d)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (2688, 52, 131072)
+    assert (cfg.pattern.count("M"), cfg.pattern.count("E"), cfg.pattern.count("*")) == (23, 23, 6)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.moe_shared_expert_intermediate_size) == (128, 6, 1856, 3712)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.mamba_num_heads, cfg.mamba_head_dim) == (32, 2, 64, 64)
+    assert cfg.mtp_layer_types == ("*", "E")  # the Nemotron 3 MTP block: attention then MoE
+    body = expected_weight_shapes(cfg, include_mtp=False)
+    assert num_parameters(body) == pytest.approx(31.6e9, rel=0.01)
+    transformers.NemotronHConfig(**d)
+
+
+def test_tiny_moe_runs_moe_layers_and_an_moe_mtp_block(tmp_path):
+    out = make_model(tmp_path / "m", "tiny-moe", mtp_layers=1, progress=False, tokenizer=False)
+    cfg = ModelConfig.from_hf_dict(json.loads((out / "config.json").read_text()))
+    assert "E" in cfg.pattern and "M" in cfg.pattern and "*" in cfg.pattern and cfg.mtp_layer_types == ("*", "E")
+    assert _file_shapes(out) == expected_weight_shapes(cfg)
+    _hf_load(out)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8-block"])
+def test_cli_quantize(tmp_path, capsys, quantize):
+    parser = argparse.ArgumentParser()
+    make_model_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["make-model", str(tmp_path / "q"), "--preset", "tiny", "--quantize", quantize,
+                              "--no-tokenizer"])
+    assert args.run(args) == 0
+    assert quantize in capsys.readouterr().out
+    d = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert d["quantization_config"]["quant_method"] == ("modelopt" if quantize == "fp8" else "fp8")
+    shapes = _file_shapes(tmp_path / "q")
+    scale = "weight_scale" if quantize == "fp8" else "weight_scale_inv"
+    assert f"model.layers.0.mixer.in_proj.{scale}" in shapes and "lm_head.weight" in shapes
+    assert "model.layers.0.mixer.conv1d.weight" in shapes and "model.layers.0.mixer.conv1d.weight_scale" not in shapes

@@ -43,6 +43,8 @@ class Attention(nn.Module):
     def fuse_qkv(self) -> None:
         """Put q_proj, k_proj, v_proj's weights into one tensor and make them its views (no copy kept)."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(p, nn.Linear) for p in parts):
+            return  # FP8 projections: each has its own scale, so they stay three GEMMs
         qkv = torch.cat([p.weight.detach() for p in parts])
         start = 0
         for p in parts:

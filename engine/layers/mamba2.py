@@ -92,7 +92,7 @@ class Mamba2Mixer(RecurrentMixer):
         """Few-token steps: the block's add + norm run in in_proj's GEMV. The gated norm stays a kernel of its own
         before out_proj's GEMV, because fused into it the group RMS over all channels would be recomputed by every
         program."""
-        zxbcdt, residual = p.linear(self.in_proj.weight, self.in_proj.bias)
+        zxbcdt, residual = p.apply(self.in_proj)
         return self._mix(zxbcdt, batch), residual
 
     def _mix(self, zxbcdt: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,8 +44,10 @@ class MLP(nn.Module):
 
     def forward_pending(self, p: PendingNorm, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Few-token steps: the block's add + norm run in up_proj's GEMV, relu2 in down_proj's."""
-        up, residual = p.linear(self.up_proj.weight, self.up_proj.bias)
+        up, residual = p.apply(self.up_proj)
         if self.act_name != "relu2":
             return self.down_proj(self.act(up)), residual
         down = self.down_proj
+        if not isinstance(down, nn.Linear):  # FP8: the GEMV kernel reads 16-bit weights only
+            return down(self.kernels.relu2(up)), residual
         return self.kernels.fused_linear(up, down.weight, down.bias, prologue="relu2"), residual

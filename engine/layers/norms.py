@@ -55,6 +55,14 @@ class PendingNorm:
         return n.kernels.fused_linear(self.out, weight, bias, prologue="add_norm", residual=self.residual,
                                                norm_weight=n.weight, eps=n.eps)
 
+    def apply(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer(x), the residual stream): fused into the GEMV for an `nn.Linear`, computed first for any other
+        layer (an `FP8Linear`, which the 16-bit GEMV kernel cannot read)."""
+        if isinstance(layer, nn.Linear):
+            return self.linear(layer.weight, layer.bias)
+        x, residual = self.materialize()
+        return layer(x), residual
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, the residual stream)."""
         if self.residual is None:

@@ -9,11 +9,12 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops.kernels import Kernels
 
 
-def project(layer: nn.Linear, x: torch.Tensor, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
+def project(layer: nn.Module, x: torch.Tensor, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
     """layer(x); in a few-token step (`batch.fused_gemv`) through the GEMV kernel, as the step's other linear
     layers: at one row it reads the weight as fast as cuBLAS (benchmarks/gemv_bench.py), and on Hopper it launches
     while the kernel before it finishes (programmatic dependent launch, `ops.triton_common.pdl`), which cuBLAS's
-    GEMM and split-K reduction do not."""
-    if batch.fused_gemv:
+    GEMM and split-K reduction do not. An FP8 layer (`layers.fp8_linear`) always runs its own forward: the GEMV
+    kernel reads 16-bit weights only."""
+    if batch.fused_gemv and isinstance(layer, nn.Linear):
         return kernels.fused_linear(x, layer.weight, layer.bias)
     return layer(x)

@@ -1,0 +1,25 @@
+"""benchmarks/fp8_quality.py end to end on the CPU (`--smoke`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_quality.py"
+_spec = importlib.util.spec_from_file_location("fp8_quality", _PATH)
+fp8_quality = importlib.util.module_from_spec(_spec)
+sys.modules["fp8_quality"] = fp8_quality  # dataclasses look their module up
+_spec.loader.exec_module(fp8_quality)
+
+
+def test_smoke_reports_both_variants(tmp_path, capsys):
+    assert fp8_quality.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "fp8 " in printed and "fp8-block" in printed
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert [r["variant"] for r in res["rows"]] == ["fp8", "fp8-block"]
+    for r in res["rows"]:
+        # a random tiny model: e4m3 weights move its logits by a few percent, its perplexity by about as much
+        assert abs(r["ppl_delta"]) < 0.1 and r["max_dlogit"] < 0.15 and r["argmax_agree"] > 0.8
