@@ -1,0 +1,295 @@
+"""Chunk-parallel Triton kernels of the Gated DeltaNet varlen prefill (the chunked WY form of the reference's
+`_chunk_row`), launched by `kernel_prefill.py`.
+
+A row's long walk is split so that only one cheap loop stays serial. Chunks of CHUNK tokens are counted from each
+row's first token (a row's last chunk is partial; its missing tokens act as padding with k = v = 0, g = 0, beta = 0,
+which leave the state as it is) and numbered over the batch, row after row.
+
+1. `_chunk_table_kernel`: per chunk its first token and length, per row the number of its first chunk, built on the
+   device from `query_start_loc` (no host read, so a CUDA graph can capture it). The table has room for the bound
+   cdiv(T, CHUNK) + R; the chunks past the batch's last have length 0 and their programs exit at once.
+2. `_wy_prep_kernel`, one program per (chunk, value head), all independent: from the raw inputs (q, k of key head
+   h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the decode kernel makes them) the within-chunk
+   cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse
+   T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j)
+   (i >= j). T is solved by blocks of SUB rows: the diagonal blocks by forward substitution (all blocks at once,
+   SUB serial steps), then each block row from the ones above it by SUB x SUB products, through a per-program
+   workspace in global memory (a register tile cannot be sliced); barriers order those writes and reads.
+3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
+   fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
+   chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
+   stored once, rounded to the pool dtype. No per-chunk state goes to memory: the state kernel and the output
+   kernel of the usual chunked pipeline are one.
+
+Scratch (`wy_scratch`) is fp32: W, U and the scores feed a loop that carries the state over thousands of tokens, and
+16-bit copies would add their rounding to every chunk's state update. Products run on tensor cores in TF32 for
+16-bit inputs (the solve of the UT system, which amplifies its inputs' rounding, in 3xTF32), and in full fp32 for
+fp32 inputs (`tuning.WY_PRECISION`).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
+from baton.engine.ops.gated_delta.tuning import (
+    WY_PRECISION,
+    WY_PREP_WARPS,
+    WY_SCAN_TILE,
+    WY_SCAN_WARPS,
+    WY_SUB,
+    WY_TABLE_BLOCK,
+)
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to
+
+# tl.dot's smallest tile side.
+MIN_DOT = 16
+
+
+@triton.jit
+def _chunk_table_kernel(qsl_ptr, start_ptr, len_ptr, first_ptr, R, n_max, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr):  # fmt: skip
+    """start/len [n_max]: each chunk's first token and length (0 past the batch's chunks); first [R]: each row's
+    first chunk. Every program walks the rows (R is small beside the tokens) and fills its block of chunks."""
+    pid = tl.program_id(0)
+    cid = pid * BLOCK + tl.arange(0, BLOCK)
+    start = tl.zeros([BLOCK], dtype=tl.int32)
+    length = tl.zeros([BLOCK], dtype=tl.int32)
+    before = pid * 0  # chunks of the rows before row r
+    lo = tl.load(qsl_ptr).to(tl.int32)
+    for r in range(R):
+        hi = tl.load(qsl_ptr + r + 1).to(tl.int32)
+        n = (hi - lo + CHUNK - 1) // CHUNK
+        first_token = lo + (cid - before) * CHUNK
+        inrow = (cid >= before) & (cid < before + n)
+        start = tl.where(inrow, first_token, start)
+        length = tl.where(inrow, tl.minimum(hi - first_token, CHUNK), length)
+        tl.store(first_ptr + r, before, mask=pid == 0)
+        before += n
+        lo = hi
+    tl.store(start_ptr + cid, start, mask=cid < n_max)
+    tl.store(len_ptr + cid, length, mask=cid < n_max)
+
+
+@triton.jit
+def _block(i, j, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Offsets of the [SUB, SUB] block (i, j) of a row-major [CHUNK, CHUNK] matrix."""
+    offs = tl.arange(0, SUB)
+    return (i * SUB + offs[:, None]) * CHUNK + j * SUB + offs[None, :]
+
+
+@triton.jit
+def _unit_rows(ptr, t, valid, offs_k, mask_k, s_t, s_d):
+    """fp32 [CHUNK, BLOCK_K] rows at tokens t, each l2-normalised as `kernel._unit` (rows not valid: 0)."""
+    x = tl.load(ptr + t[:, None] * s_t + offs_k[None, :] * s_d, mask=valid[:, None] & mask_k[None, :], other=0.0)
+    x = x.to(tl.float32)
+    return x * tl.math.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _wy_prep_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr,
+    w_ptr, u_ptr, p_ptr, g_ptr, sys_ptr, inv_ptr,
+    Hv, Dk, Dv, heads_per_key, scale,
+    s_q_t, s_q_h, s_q_d,
+    s_k_t, s_k_h, s_k_d,
+    s_v_t, s_v_h, s_v_d,
+    s_a_t, s_a_h,
+    s_b_t, s_b_h,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    ci = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(clen_ptr + ci)
+    if n == 0:  # past the batch's last chunk
+        return
+    kh = h // heads_per_key
+    t = tl.load(cstart_ptr + ci).to(tl.int64) + tl.arange(0, CHUNK)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_k = offs_k < Dk
+    mask_dv = offs_dv < Dv
+    valid = offs_c < n
+    e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
+    mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
+    sys_at = sys_ptr + e * CHUNK * CHUNK
+    inv_at = inv_ptr + e * CHUNK * CHUNK
+
+    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
+                     tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
+                     b_ptr.dtype.element_ty)  # fmt: skip
+    # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
+    g = tl.where(valid, g, 0.0)
+    beta = tl.where(valid, beta, 0.0)
+    cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
+    tl.store(g_ptr + e * CHUNK + offs_c, cum)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
+    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
+    k_beta = k * beta[:, None]
+    system = tl.dot(k_beta, tl.trans(k), input_precision=SOLVE_PRECISION) * decay
+    tl.store(sys_at + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
+    tl.store(p_ptr + e * CHUNK * CHUNK + mat, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay)
+    tl.debug_barrier()  # the system's blocks are read back below by other threads of this program
+
+    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks: forward substitution on all NB = CHUNK / SUB
+    # blocks at once,
+    # one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows before r already final.
+    offs_b = tl.arange(0, NB)
+    offs_s = tl.arange(0, SUB)
+    diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
+        + offs_s[None, None, :]  # fmt: skip
+    inv = -tl.load(sys_at + diag)  # [NB, SUB, SUB], strictly lower
+    for r in range(1, SUB):
+        row = -tl.load(sys_at + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
+        row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
+        inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
+    inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
+    tl.store(inv_at + diag, inv)
+    tl.debug_barrier()
+    # Block row i from the rows above it: T_ij = -T_ii sum_{j <= m < i} A_im T_mj.
+    for i in tl.static_range(1, NB):
+        inv_ii = tl.load(inv_at + _block(i, i, CHUNK, SUB))
+        for j in tl.static_range(0, i):
+            acc = tl.zeros([SUB, SUB], dtype=tl.float32)
+            for m in tl.static_range(j, i):
+                acc += tl.dot(tl.load(sys_at + _block(i, m, CHUNK, SUB)), tl.load(inv_at + _block(m, j, CHUNK, SUB)),
+                              input_precision=SOLVE_PRECISION)  # fmt: skip
+            tl.store(inv_at + _block(i, j, CHUNK, SUB), -tl.dot(inv_ii, acc, input_precision=SOLVE_PRECISION))
+        tl.debug_barrier()
+    # Blocks above the diagonal were never written: masked to their zeros.
+    upper = (offs_c // SUB)[:, None] < (offs_c // SUB)[None, :]
+    solve = tl.load(inv_at + mat, mask=~upper, other=0.0)  # [CHUNK, CHUNK]
+
+    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk.
+    w = tl.dot(solve, k_beta * tl.exp(cum)[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
+    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], w, mask=mask_k[None, :])
+    v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
+                mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
+    u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
+    tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
+
+
+@triton.jit
+def _wy_scan_kernel(
+    state_ptr, q_ptr, k_ptr, qsl_ptr, slot_ptr, init_ptr, first_ptr, w_ptr, u_ptr, p_ptr, g_ptr, o_ptr,
+    Hv, Dk, Dv, heads_per_key, scale,
+    s_st_slot, s_st_h, s_st_k, s_st_v,
+    s_q_t, s_q_h, s_q_d,
+    s_k_t, s_k_h, s_k_d,
+    s_o_t, s_o_h, s_o_d,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_v, h, r = _program_tile(Hv, Dv, BLOCK_V)
+    kh = h // heads_per_key
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < Dk
+    mask_v = offs_v < Dv
+    mat = offs_c[:, None] * CHUNK + offs_c[None, :]
+
+    lo = tl.load(qsl_ptr + r).to(tl.int64)
+    hi = tl.load(qsl_ptr + r + 1).to(tl.int64)
+    first = tl.load(first_ptr + r).to(tl.int64)
+    k_limit = tl.where(tl.load(init_ptr + r) != 0, Dk, 0)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + offs_k[:, None] * s_st_k \
+        + offs_v[None, :] * s_st_v  # fmt: skip
+    # A row without an initial state starts from zeros: the masked load never touches its slot.
+    s = tl.load(state_at, mask=(offs_k < k_limit)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+
+    q_row = q_ptr + kh * s_q_h
+    k_row = k_ptr + kh * s_k_h
+    o_col = o_ptr + h * s_o_h + offs_v[None, :] * s_o_d
+    for j in range(0, tl.cdiv(hi - lo, CHUNK)):
+        e = (first + j) * Hv + h
+        t = lo + j * CHUNK + offs_c
+        valid = t < hi
+        cum = tl.load(g_ptr + e * CHUNK + offs_c)
+        cum_last = tl.load(g_ptr + e * CHUNK + CHUNK - 1)
+        w = tl.load(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        u = tl.load(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_v[None, :], mask=mask_v[None, :], other=0.0)
+        # The part of each write that the chunk's start state already predicts is not written again.
+        v_new = u - tl.dot(w, s, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+
+        q = _unit_rows(q_row, t, valid, offs_k, mask_k, s_q_t, s_q_d) * (scale * tl.exp(cum))[:, None]
+        o = tl.dot(q, s, input_precision=PRECISION)
+        o += tl.dot(tl.load(p_ptr + e * CHUNK * CHUNK + mat), v_new, input_precision=PRECISION)
+        tl.store(o_col + t[:, None] * s_o_t, round_to(o, o_ptr.dtype.element_ty),
+                 mask=valid[:, None] & mask_v[None, :])  # fmt: skip
+
+        k = _unit_rows(k_row, t, valid, offs_k, mask_k, s_k_t, s_k_d) * tl.exp(cum_last - cum)[:, None]
+        s = s * tl.exp(cum_last) + tl.dot(tl.trans(k), v_new, input_precision=PRECISION)
+    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
+
+
+def chunk_parallel(chunk_size: int) -> bool:
+    """Whether a prefill of `chunk_size` can run these kernels: their tiles need a power of two of at least
+    MIN_DOT (and WY_SUB) tokens."""
+    return chunk_size >= max(MIN_DOT, WY_SUB) and chunk_size & (chunk_size - 1) == 0
+
+
+def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, device: torch.device) -> dict[str, Tensor]:
+    """The per-(chunk, value head) fp32 tensors the prep kernel writes: w [., C, Dk], u [., C, Dv], scores p
+    [., C, C] and the cumulative log decay g [., C] for the scan; sys and inv [., C, C], the prep's own workspace."""
+    f32 = dict(dtype=torch.float32, device=device)
+    n = (max_chunks, Hv)
+    return dict(w=torch.empty(*n, chunk, Dk, **f32), u=torch.empty(*n, chunk, Dv, **f32),
+                p=torch.empty(*n, chunk, chunk, **f32), g=torch.empty(*n, chunk, **f32),
+                sys=torch.empty(*n, chunk, chunk, **f32), inv=torch.empty(*n, chunk, chunk, **f32))
+
+
+def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, init_flags: Tensor,
+                     chunk_size: int, o: Tensor) -> None:  # fmt: skip
+    """The three launches of a chunk-parallel prefill of R >= 1 rows (shapes checked by the caller; init_flags is
+    has_initial_state as bytes), writing o [T, Hv, Dv] and the rows' final states into their slots."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    R = state_slots.shape[0]
+    dev = v.device
+    max_chunks = cdiv(T, chunk_size) + R
+    starts = torch.empty(max_chunks, dtype=torch.int32, device=dev)
+    lengths = torch.empty(max_chunks, dtype=torch.int32, device=dev)
+    first = torch.empty(R, dtype=torch.int32, device=dev)
+    _chunk_table_kernel[(cdiv(max_chunks, WY_TABLE_BLOCK),)](
+        query_start_loc, starts, lengths, first, R, max_chunks, CHUNK=chunk_size, BLOCK=WY_TABLE_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, dev)
+    solve_precision, precision = WY_PRECISION[q.dtype == k.dtype == v.dtype == torch.float32]
+    block_k = max(MIN_DOT, next_power_of_2(Dk))
+    _wy_prep_kernel[(max_chunks, Hv)](
+        q, k, v, a, b, A_log, dt_bias, starts, lengths,
+        scratch["w"], scratch["u"], scratch["p"], scratch["g"], scratch["sys"], scratch["inv"],
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
+        CHUNK=chunk_size, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
+        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
+    )  # fmt: skip
+
+    block_v = max(MIN_DOT, min(next_power_of_2(Dv), WY_SCAN_TILE // block_k))
+    _wy_scan_kernel[(cdiv(Dv, block_v) * Hv * R,)](
+        state, q, k, query_start_loc, state_slots, init_flags, first,
+        scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        *state.stride(), *q.stride(), *k.stride(), *o.stride(),
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=WY_SCAN_WARPS,
+    )  # fmt: skip
