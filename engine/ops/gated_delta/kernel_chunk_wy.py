@@ -13,8 +13,9 @@ which leave the state as it is) and numbered over the batch, row after row.
    cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse
    T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j)
    (i >= j). T is solved by blocks of SUB rows: the diagonal blocks by forward substitution (all blocks at once,
-   SUB serial steps), then each block row from the ones above it by SUB x SUB products, through a per-program
-   workspace in global memory (a register tile cannot be sliced); barriers order those writes and reads.
+   SUB serial steps), then each block row from the ones above it by SUB x SUB products, in place in global memory
+   (a register tile cannot be sliced into blocks): the scores' own place, written last, is that workspace, and
+   barriers order its writes and reads among the program's threads.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -36,6 +37,7 @@ from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
 from baton.engine.ops.gated_delta.tuning import (
     WY_PRECISION,
     WY_PREP_WARPS,
+    WY_SCAN_STAGES,
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
     WY_SUB,
@@ -89,8 +91,7 @@ def _unit_rows(ptr, t, valid, offs_k, mask_k, s_t, s_d):
 
 @triton.jit
 def _wy_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr,
-    w_ptr, u_ptr, p_ptr, g_ptr, sys_ptr, inv_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, p_ptr, g_ptr,
     Hv, Dk, Dv, heads_per_key, scale,
     s_q_t, s_q_h, s_q_d,
     s_k_t, s_k_h, s_k_d,
@@ -120,8 +121,9 @@ def _wy_prep_kernel(
     valid = offs_c < n
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
     mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
-    sys_at = sys_ptr + e * CHUNK * CHUNK
-    inv_at = inv_ptr + e * CHUNK * CHUNK
+    # The scores' [CHUNK, CHUNK] place is the UT solve's workspace until the scores are written, last: the system
+    # goes there and is turned into its inverse in place, block by block.
+    ws = p_ptr + e * CHUNK * CHUNK
 
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -138,41 +140,43 @@ def _wy_prep_kernel(
     decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
     k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
-    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
     k_beta = k * beta[:, None]
     system = tl.dot(k_beta, tl.trans(k), input_precision=SOLVE_PRECISION) * decay
-    tl.store(sys_at + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
-    tl.store(p_ptr + e * CHUNK * CHUNK + mat, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay)
-    tl.debug_barrier()  # the system's blocks are read back below by other threads of this program
+    tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
+    tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
 
     # T = (I + A)^-1, unit lower triangular. Its diagonal blocks: forward substitution on all NB = CHUNK / SUB
-    # blocks at once,
-    # one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows before r already final.
+    # blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows before r
+    # already final.
     offs_b = tl.arange(0, NB)
     offs_s = tl.arange(0, SUB)
     diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
         + offs_s[None, None, :]  # fmt: skip
-    inv = -tl.load(sys_at + diag)  # [NB, SUB, SUB], strictly lower
+    inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
     for r in range(1, SUB):
-        row = -tl.load(sys_at + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
+        row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
         row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
         inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
     inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
-    tl.store(inv_at + diag, inv)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
+    tl.store(ws + diag, inv)
     tl.debug_barrier()
-    # Block row i from the rows above it: T_ij = -T_ii sum_{j <= m < i} A_im T_mj.
+    # Block row i from the rows above it: T_ij = -T_ii sum_{j <= m < i} A_im T_mj, for j = 0, 1, ...: block (i, j)
+    # overwrites A_ij, which only the blocks (i, j') with j' <= j read.
     for i in tl.static_range(1, NB):
-        inv_ii = tl.load(inv_at + _block(i, i, CHUNK, SUB))
+        inv_ii = tl.load(ws + _block(i, i, CHUNK, SUB))
         for j in tl.static_range(0, i):
             acc = tl.zeros([SUB, SUB], dtype=tl.float32)
             for m in tl.static_range(j, i):
-                acc += tl.dot(tl.load(sys_at + _block(i, m, CHUNK, SUB)), tl.load(inv_at + _block(m, j, CHUNK, SUB)),
+                acc += tl.dot(tl.load(ws + _block(i, m, CHUNK, SUB)), tl.load(ws + _block(m, j, CHUNK, SUB)),
                               input_precision=SOLVE_PRECISION)  # fmt: skip
-            tl.store(inv_at + _block(i, j, CHUNK, SUB), -tl.dot(inv_ii, acc, input_precision=SOLVE_PRECISION))
+            inv_ij = -tl.dot(inv_ii, acc, input_precision=SOLVE_PRECISION)
+            tl.debug_barrier()
+            tl.store(ws + _block(i, j, CHUNK, SUB), inv_ij)
         tl.debug_barrier()
-    # Blocks above the diagonal were never written: masked to their zeros.
+    # Blocks above the diagonal hold nothing of T: masked to their zeros.
     upper = (offs_c // SUB)[:, None] < (offs_c // SUB)[None, :]
-    solve = tl.load(inv_at + mat, mask=~upper, other=0.0)  # [CHUNK, CHUNK]
+    solve = tl.load(ws + mat, mask=~upper, other=0.0)  # [CHUNK, CHUNK]
 
     # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk.
     w = tl.dot(solve, k_beta * tl.exp(cum)[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
@@ -181,6 +185,11 @@ def _wy_prep_kernel(
                 mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
     u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
     tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
+
+    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    tl.debug_barrier()  # every thread's read of T, before the scores take its place
+    tl.store(ws + mat, scores)
 
 
 @triton.jit
@@ -247,13 +256,12 @@ def chunk_parallel(chunk_size: int) -> bool:
 
 
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, device: torch.device) -> dict[str, Tensor]:
-    """The per-(chunk, value head) fp32 tensors the prep kernel writes: w [., C, Dk], u [., C, Dv], scores p
-    [., C, C] and the cumulative log decay g [., C] for the scan; sys and inv [., C, C], the prep's own workspace."""
+    """The per-(chunk, value head) fp32 tensors the prep kernel writes for the scan: w [., C, Dk], u [., C, Dv], the
+    scores p [., C, C] (before them, the prep's UT-solve workspace) and the cumulative log decay g [., C]."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
     return dict(w=torch.empty(*n, chunk, Dk, **f32), u=torch.empty(*n, chunk, Dv, **f32),
-                p=torch.empty(*n, chunk, chunk, **f32), g=torch.empty(*n, chunk, **f32),
-                sys=torch.empty(*n, chunk, chunk, **f32), inv=torch.empty(*n, chunk, chunk, **f32))
+                p=torch.empty(*n, chunk, chunk, **f32), g=torch.empty(*n, chunk, **f32))
 
 
 def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -276,9 +284,10 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, dev)
     solve_precision, precision = WY_PRECISION[q.dtype == k.dtype == v.dtype == torch.float32]
     block_k = max(MIN_DOT, next_power_of_2(Dk))
+    # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
     _wy_prep_kernel[(max_chunks, Hv)](
         q, k, v, a, b, A_log, dt_bias, starts, lengths,
-        scratch["w"], scratch["u"], scratch["p"], scratch["g"], scratch["sys"], scratch["inv"],
+        scratch["w"], scratch["u"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
         CHUNK=chunk_size, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
@@ -292,4 +301,5 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
         CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=WY_SCAN_WARPS,
+        num_stages=WY_SCAN_STAGES,
     )  # fmt: skip

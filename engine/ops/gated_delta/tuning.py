@@ -25,6 +25,10 @@ WY_PREP_WARPS = 8
 WY_SCAN_TILE = 4096
 # Warps per program of the scan: its [CHUNK, Dk] W and query/key tiles sit beside the state tile.
 WY_SCAN_WARPS = 8
+# Software-pipeline stages of the scan's chunk loop: the next chunk's W, U and scores load while this one's state
+# update runs; each stage holds a chunk's fp32 [CHUNK, Dk] W and [CHUNK, CHUNK] scores in shared memory, so more
+# stages would not fit beside the state tile's operands.
+WY_SCAN_STAGES = 2
 # tl.dot input precisions (the UT solve's, the other products') by whether q, k and v are all fp32: 16-bit inputs
 # take tensor-core TF32, except the UT solve, whose inverse amplifies TF32's input rounding, in 3xTF32 (about
 # fp32); fp32 inputs get full fp32 products, to stay within fp32 rounding of the reference.
