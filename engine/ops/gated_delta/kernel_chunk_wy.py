@@ -8,7 +8,7 @@ which leave the state as it is) and numbered over the batch, row after row.
 1. `_chunk_table_kernel`: per chunk its first token and length, per row the number of its first chunk, built on the
    device from `query_start_loc` (no host read, so a CUDA graph can capture it). The table has room for the bound
    cdiv(T, CHUNK) + R; the chunks past the batch's last have length 0 and their programs exit at once.
-2. `_wy_prep_kernel`, one program per (chunk, value head), all independent: from the raw inputs (q, k of key head
+2. `_wy_prep_kernel`, one program per (chunk, value head), all independent (the heads of a chunk adjacent): from the raw inputs (q, k of key head
    h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the decode kernel makes them) the within-chunk
    cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse
    T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j)
@@ -22,10 +22,12 @@ which leave the state as it is) and numbered over the batch, row after row.
    stored once, rounded to the pool dtype. No per-chunk state goes to memory: the state kernel and the output
    kernel of the usual chunked pipeline are one.
 
-Scratch (`wy_scratch`) is fp32: W, U and the scores feed a loop that carries the state over thousands of tokens, and
-16-bit copies would add their rounding to every chunk's state update. Products run on tensor cores in TF32 for
-16-bit inputs (the solve of the UT system, which amplifies its inputs' rounding, in 3xTF32), and in full fp32 for
-fp32 inputs (`tuning.WY_PRECISION`).
+Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
+within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32, the UT system and
+its solve (whose inverse amplifies its inputs' rounding) in 3xTF32; the scan, the serial part, multiplies bf16
+operands (the state, W, V', the scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
+Scratch (`wy_scratch`) is fp32 except W, stored in bf16 when the scan rounds it so anyway (half the bytes, the same
+products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V' small.
 """
 
 import torch
@@ -37,13 +39,14 @@ from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
 from baton.engine.ops.gated_delta.tuning import (
     WY_PRECISION,
     WY_PREP_WARPS,
+    WY_SCAN_BF16,
     WY_SCAN_STAGES,
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
     WY_SUB,
     WY_TABLE_BLOCK,
 )
-from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to
+from baton.engine.ops.triton_common import cdiv, interpreted, next_power_of_2, round_to
 
 # tl.dot's smallest tile side.
 MIN_DOT = 16
@@ -89,6 +92,25 @@ def _unit_rows(ptr, t, valid, offs_k, mask_k, s_t, s_d):
     return x * tl.math.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
+# Whether kernels run in Triton's interpreter, whose tl.dot takes no bf16 operands (decided as `triton.jit` was).
+_INTERPRETED = tl.constexpr(interpreted())
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
+    """a @ b accumulated in fp32: fp32 operands at PRECISION, or (BF16) both rounded to bf16 first, as tensor cores
+    take them at twice TF32's rate (the interpreter multiplies the rounded values in fp32: the same products)."""
+    if BF16:
+        a = round_to(a.to(tl.float32), tl.bfloat16)
+        b = round_to(b.to(tl.float32), tl.bfloat16)
+        if _INTERPRETED:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
+
+
 @triton.jit
 def _wy_prep_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, p_ptr, g_ptr,
@@ -106,8 +128,9 @@ def _wy_prep_kernel(
     SOLVE_PRECISION: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    ci = tl.program_id(0)
-    h = tl.program_id(1)
+    # The value heads of one chunk are neighbours: those of one key head read the same q and k.
+    h = tl.program_id(0) % Hv
+    ci = tl.program_id(0) // Hv
     n = tl.load(clen_ptr + ci)
     if n == 0:  # past the batch's last chunk
         return
@@ -180,7 +203,8 @@ def _wy_prep_kernel(
 
     # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk.
     w = tl.dot(solve, k_beta * tl.exp(cum)[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
-    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], w, mask=mask_k[None, :])
+    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
+             mask=mask_k[None, :])  # fmt: skip
     v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
                 mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
     u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
@@ -204,6 +228,7 @@ def _wy_scan_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
+    BF16_DOTS: tl.constexpr,
 ):  # fmt: skip
     pid_v, h, r = _program_tile(Hv, Dv, BLOCK_V)
     kh = h // heads_per_key
@@ -236,16 +261,16 @@ def _wy_scan_kernel(
         w = tl.load(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], mask=mask_k[None, :], other=0.0)
         u = tl.load(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_v[None, :], mask=mask_v[None, :], other=0.0)
         # The part of each write that the chunk's start state already predicts is not written again.
-        v_new = u - tl.dot(w, s, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+        v_new = u - _mm(w, s, PRECISION, BF16_DOTS)  # [CHUNK, BLOCK_V]
 
         q = _unit_rows(q_row, t, valid, offs_k, mask_k, s_q_t, s_q_d) * (scale * tl.exp(cum))[:, None]
-        o = tl.dot(q, s, input_precision=PRECISION)
-        o += tl.dot(tl.load(p_ptr + e * CHUNK * CHUNK + mat), v_new, input_precision=PRECISION)
+        o = _mm(q, s, PRECISION, BF16_DOTS)
+        o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + mat), v_new, PRECISION, BF16_DOTS)
         tl.store(o_col + t[:, None] * s_o_t, round_to(o, o_ptr.dtype.element_ty),
                  mask=valid[:, None] & mask_v[None, :])  # fmt: skip
 
         k = _unit_rows(k_row, t, valid, offs_k, mask_k, s_k_t, s_k_d) * tl.exp(cum_last - cum)[:, None]
-        s = s * tl.exp(cum_last) + tl.dot(tl.trans(k), v_new, input_precision=PRECISION)
+        s = s * tl.exp(cum_last) + _mm(tl.trans(k), v_new, PRECISION, BF16_DOTS)
     tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
 
 
@@ -255,12 +280,14 @@ def chunk_parallel(chunk_size: int) -> bool:
     return chunk_size >= max(MIN_DOT, WY_SUB) and chunk_size & (chunk_size - 1) == 0
 
 
-def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, device: torch.device) -> dict[str, Tensor]:
-    """The per-(chunk, value head) fp32 tensors the prep kernel writes for the scan: w [., C, Dk], u [., C, Dv], the
-    scores p [., C, C] (before them, the prep's UT-solve workspace) and the cumulative log decay g [., C]."""
+def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, w_dtype: torch.dtype,
+               device: torch.device) -> dict[str, Tensor]:  # fmt: skip
+    """The per-(chunk, value head) tensors the prep kernel writes for the scan: w [., C, Dk] in `w_dtype`; in fp32
+    u [., C, Dv], the scores p [., C, C] (before them, the prep's UT-solve workspace) and the cumulative log decay
+    g [., C]."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
-    return dict(w=torch.empty(*n, chunk, Dk, **f32), u=torch.empty(*n, chunk, Dv, **f32),
+    return dict(w=torch.empty(*n, chunk, Dk, dtype=w_dtype, device=device), u=torch.empty(*n, chunk, Dv, **f32),
                 p=torch.empty(*n, chunk, chunk, **f32), g=torch.empty(*n, chunk, **f32))
 
 
@@ -281,11 +308,14 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         query_start_loc, starts, lengths, first, R, max_chunks, CHUNK=chunk_size, BLOCK=WY_TABLE_BLOCK, num_warps=4,
     )  # fmt: skip
 
-    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, dev)
-    solve_precision, precision = WY_PRECISION[q.dtype == k.dtype == v.dtype == torch.float32]
+    fp32 = q.dtype == k.dtype == v.dtype == torch.float32
+    solve_precision, precision = WY_PRECISION[fp32]
+    bf16_dots = WY_SCAN_BF16 and not fp32
+    # The scan rounds W to bf16 for its products anyway: stored so, it moves half the bytes for the same result.
+    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
     block_k = max(MIN_DOT, next_power_of_2(Dk))
     # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
-    _wy_prep_kernel[(max_chunks, Hv)](
+    _wy_prep_kernel[(max_chunks * Hv,)](
         q, k, v, a, b, A_log, dt_bias, starts, lengths,
         scratch["w"], scratch["u"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
@@ -300,6 +330,6 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=WY_SCAN_WARPS,
-        num_stages=WY_SCAN_STAGES,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, BF16_DOTS=bf16_dots,
+        num_warps=WY_SCAN_WARPS, num_stages=WY_SCAN_STAGES,
     )  # fmt: skip

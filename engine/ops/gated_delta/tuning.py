@@ -33,3 +33,7 @@ WY_SCAN_STAGES = 2
 # take tensor-core TF32, except the UT solve, whose inverse amplifies TF32's input rounding, in 3xTF32 (about
 # fp32); fp32 inputs get full fp32 products, to stay within fp32 rounding of the reference.
 WY_PRECISION = {False: ("tf32x3", "tf32"), True: ("ieee", "ieee")}
+# 16-bit inputs: the scan's products take bf16 operands (fp32 sums) at twice TF32's tensor-core rate, since that
+# serial loop bounds a long row; its error stays well inside the 16-bit tolerances (the state's bf16 rounding
+# decays away chunk after chunk, as in flash-linear-attention). False: TF32 operands, about four times closer.
+WY_SCAN_BF16 = True
