@@ -13,9 +13,9 @@ which leave the state as it is) and numbered over the batch, row after row.
    cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse
    T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j)
    (i >= j). T is solved by blocks of SUB rows: the diagonal blocks by forward substitution (all blocks at once,
-   SUB serial steps), then each block row from the ones above it by SUB x SUB products, in place in global memory
-   (a register tile cannot be sliced into blocks): the scores' own place, written last, is that workspace, and
-   barriers order its writes and reads among the program's threads.
+   SUB serial steps, their rows read back from a workspace in global memory: a register tile cannot be sliced),
+   then the rest by CHUNK / SUB - 1 block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the
+   scores' own place, written last; barriers order its writes and reads among the program's threads.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -26,8 +26,9 @@ Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every pro
 within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32, the UT system and
 its solve (whose inverse amplifies its inputs' rounding) in 3xTF32; the scan, the serial part, multiplies bf16
 operands (the state, W, V', the scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
-Scratch (`wy_scratch`) is fp32 except W, stored in bf16 when the scan rounds it so anyway (half the bytes, the same
-products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V' small.
+Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the scan rounds them so anyway (half the
+bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
+small.
 """
 
 import torch
@@ -113,14 +114,15 @@ def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _wy_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, p_ptr, g_ptr,
-    Hv, Dk, Dv, heads_per_key, scale,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
+    g_ptr, Hv, Dk, Dv, heads_per_key, scale,
     s_q_t, s_q_h, s_q_d,
     s_k_t, s_k_h, s_k_d,
     s_v_t, s_v_h, s_v_d,
     s_a_t, s_a_h,
     s_b_t, s_b_h,
     CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
     SUB: tl.constexpr,
     NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -144,9 +146,10 @@ def _wy_prep_kernel(
     valid = offs_c < n
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
     mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
-    # The scores' [CHUNK, CHUNK] place is the UT solve's workspace until the scores are written, last: the system
-    # goes there and is turned into its inverse in place, block by block.
-    ws = p_ptr + e * CHUNK * CHUNK
+    # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
+    # is the UT solve's workspace until the scores are written, last: the system goes there and is turned into its
+    # inverse in place, block by block.
+    ws = ws_ptr + e * CHUNK * CHUNK
 
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -163,20 +166,19 @@ def _wy_prep_kernel(
     decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
     k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
-    k_beta = k * beta[:, None]
-    system = tl.dot(k_beta, tl.trans(k), input_precision=SOLVE_PRECISION) * decay
+    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=SOLVE_PRECISION) * decay
     tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
     tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
 
-    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks: forward substitution on all NB = CHUNK / SUB
-    # blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows before r
-    # already final.
+    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks D^-1 first: forward substitution on all
+    # NB = CHUNK / SUB blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows
+    # before r already final (unrolled, so the row loads are issued together).
     offs_b = tl.arange(0, NB)
     offs_s = tl.arange(0, SUB)
     diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
         + offs_s[None, None, :]  # fmt: skip
     inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
-    for r in range(1, SUB):
+    for r in tl.static_range(1, SUB):
         row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
         row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
         inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
@@ -184,25 +186,20 @@ def _wy_prep_kernel(
     tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
     tl.store(ws + diag, inv)
     tl.debug_barrier()
-    # Block row i from the rows above it: T_ij = -T_ii sum_{j <= m < i} A_im T_mj, for j = 0, 1, ...: block (i, j)
-    # overwrites A_ij, which only the blocks (i, j') with j' <= j read.
-    for i in tl.static_range(1, NB):
-        inv_ii = tl.load(ws + _block(i, i, CHUNK, SUB))
-        for j in tl.static_range(0, i):
-            acc = tl.zeros([SUB, SUB], dtype=tl.float32)
-            for m in tl.static_range(j, i):
-                acc += tl.dot(tl.load(ws + _block(i, m, CHUNK, SUB)), tl.load(ws + _block(m, j, CHUNK, SUB)),
-                              input_precision=SOLVE_PRECISION)  # fmt: skip
-            inv_ij = -tl.dot(inv_ii, acc, input_precision=SOLVE_PRECISION)
-            tl.debug_barrier()
-            tl.store(ws + _block(i, j, CHUNK, SUB), inv_ij)
-        tl.debug_barrier()
-    # Blocks above the diagonal hold nothing of T: masked to their zeros.
-    upper = (offs_c // SUB)[:, None] < (offs_c // SUB)[None, :]
-    solve = tl.load(ws + mat, mask=~upper, other=0.0)  # [CHUNK, CHUNK]
+    # Then the whole of T from D^-1 and the blocks A_off below the diagonal: with X = D^-1 A_off (nilpotent: block
+    # strictly lower), T = (I + X)^-1 D^-1 = D^-1 - X T, exact after NB - 1 steps from T = D^-1; all in registers.
+    blk = offs_c // SUB
+    both = tl.load(ws + mat)  # D^-1 on the diagonal blocks, A below them
+    d_inv = tl.where(blk[:, None] == blk[None, :], both, 0.0)
+    x = tl.dot(d_inv, tl.where(blk[:, None] > blk[None, :], both, 0.0), input_precision=SOLVE_PRECISION)
+    solve = d_inv
+    for _ in tl.static_range(1, NB):
+        solve = d_inv - tl.dot(x, solve, input_precision=SOLVE_PRECISION)
 
-    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk.
-    w = tl.dot(solve, k_beta * tl.exp(cum)[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
+    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk. (k is
+    # loaded again, from cache: kept across the solve it would hold registers the solve needs.)
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)
+    w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
     tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
              mask=mask_k[None, :])  # fmt: skip
     v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
@@ -211,9 +208,10 @@ def _wy_prep_kernel(
     tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
 
     q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
     tl.debug_barrier()  # every thread's read of T, before the scores take its place
-    tl.store(ws + mat, scores)
+    tl.store(p_ptr + e * P_REGION + mat, round_to(scores, p_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -225,6 +223,7 @@ def _wy_scan_kernel(
     s_k_t, s_k_h, s_k_d,
     s_o_t, s_o_h, s_o_d,
     CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -237,41 +236,42 @@ def _wy_scan_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < Dk
     mask_v = offs_v < Dv
-    mat = offs_c[:, None] * CHUNK + offs_c[None, :]
 
     lo = tl.load(qsl_ptr + r).to(tl.int64)
     hi = tl.load(qsl_ptr + r + 1).to(tl.int64)
     first = tl.load(first_ptr + r).to(tl.int64)
     k_limit = tl.where(tl.load(init_ptr + r) != 0, Dk, 0)
     slot = tl.load(slot_ptr + r).to(tl.int64)
-    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + offs_k[:, None] * s_st_k \
-        + offs_v[None, :] * s_st_v  # fmt: skip
+    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h
+    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v  # [BLOCK_K, BLOCK_V]
     # A row without an initial state starts from zeros: the masked load never touches its slot.
-    s = tl.load(state_at, mask=(offs_k < k_limit)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    s = tl.load(state_at + tile, mask=(offs_k < k_limit)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
 
-    q_row = q_ptr + kh * s_q_h
-    k_row = k_ptr + kh * s_k_h
-    o_col = o_ptr + h * s_o_h + offs_v[None, :] * s_o_d
+    # 64-bit scalar bases, 32-bit tile offsets: a tile of 64-bit addresses kept across the loop would cost registers.
+    rows_k = offs_c[:, None] * Dk + offs_k[None, :]
+    rows_v = offs_c[:, None] * Dv + offs_v[None, :]
     for j in range(0, tl.cdiv(hi - lo, CHUNK)):
         e = (first + j) * Hv + h
-        t = lo + j * CHUNK + offs_c
-        valid = t < hi
+        t0 = lo + j * CHUNK
+        valid = offs_c < hi - t0
         cum = tl.load(g_ptr + e * CHUNK + offs_c)
         cum_last = tl.load(g_ptr + e * CHUNK + CHUNK - 1)
-        w = tl.load(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        u = tl.load(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_v[None, :], mask=mask_v[None, :], other=0.0)
+        w = tl.load(w_ptr + e * CHUNK * Dk + rows_k, mask=mask_k[None, :], other=0.0)
+        u = tl.load(u_ptr + e * CHUNK * Dv + rows_v, mask=mask_v[None, :], other=0.0)
         # The part of each write that the chunk's start state already predicts is not written again.
         v_new = u - _mm(w, s, PRECISION, BF16_DOTS)  # [CHUNK, BLOCK_V]
 
-        q = _unit_rows(q_row, t, valid, offs_k, mask_k, s_q_t, s_q_d) * (scale * tl.exp(cum))[:, None]
-        o = _mm(q, s, PRECISION, BF16_DOTS)
-        o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + mat), v_new, PRECISION, BF16_DOTS)
-        tl.store(o_col + t[:, None] * s_o_t, round_to(o, o_ptr.dtype.element_ty),
-                 mask=valid[:, None] & mask_v[None, :])  # fmt: skip
+        q = _unit_rows(q_ptr + t0 * s_q_t + kh * s_q_h, offs_c, valid, offs_k, mask_k, s_q_t, s_q_d)
+        o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
+        o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
+                 BF16_DOTS)  # fmt: skip
+        tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
+                 round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
 
-        k = _unit_rows(k_row, t, valid, offs_k, mask_k, s_k_t, s_k_d) * tl.exp(cum_last - cum)[:, None]
-        s = s * tl.exp(cum_last) + _mm(tl.trans(k), v_new, PRECISION, BF16_DOTS)
-    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
+        k = _unit_rows(k_ptr + t0 * s_k_t + kh * s_k_h, offs_c, valid, offs_k, mask_k, s_k_t, s_k_d)
+        s = s * tl.exp(cum_last) + _mm(tl.trans(k * tl.exp(cum_last - cum)[:, None]), v_new, PRECISION, BF16_DOTS)
+    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
+    tl.store(state_at + tile, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
 
 
 def chunk_parallel(chunk_size: int) -> bool:
@@ -280,15 +280,16 @@ def chunk_parallel(chunk_size: int) -> bool:
     return chunk_size >= max(MIN_DOT, WY_SUB) and chunk_size & (chunk_size - 1) == 0
 
 
-def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, w_dtype: torch.dtype,
+def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
-    """The per-(chunk, value head) tensors the prep kernel writes for the scan: w [., C, Dk] in `w_dtype`; in fp32
-    u [., C, Dv], the scores p [., C, C] (before them, the prep's UT-solve workspace) and the cumulative log decay
-    g [., C]."""
+    """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
+    [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
+    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
-    return dict(w=torch.empty(*n, chunk, Dk, dtype=w_dtype, device=device), u=torch.empty(*n, chunk, Dv, **f32),
-                p=torch.empty(*n, chunk, chunk, **f32), g=torch.empty(*n, chunk, **f32))
+    ws = torch.empty(*n, chunk, chunk, **f32)
+    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
+                p=ws.view(low), g=torch.empty(*n, chunk, **f32))
 
 
 def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -311,16 +312,18 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     fp32 = q.dtype == k.dtype == v.dtype == torch.float32
     solve_precision, precision = WY_PRECISION[fp32]
     bf16_dots = WY_SCAN_BF16 and not fp32
-    # The scan rounds W to bf16 for its products anyway: stored so, it moves half the bytes for the same result.
+    # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
+    # same result.
     scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
+    p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
     # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
     _wy_prep_kernel[(max_chunks * Hv,)](
         q, k, v, a, b, A_log, dt_bias, starts, lengths,
-        scratch["w"], scratch["u"], scratch["p"], scratch["g"],
+        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
+        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
         SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
 
@@ -330,6 +333,7 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, BF16_DOTS=bf16_dots,
-        num_warps=WY_SCAN_WARPS, num_stages=WY_SCAN_STAGES,
+        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
+        BF16_DOTS=bf16_dots,
+        num_warps=WY_SCAN_WARPS, num_stages=1 if fp32 else WY_SCAN_STAGES,
     )  # fmt: skip

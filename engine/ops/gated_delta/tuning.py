@@ -16,23 +16,25 @@ WY_TABLE_BLOCK = 1024
 # Rows per diagonal block of the UT solve: tl.dot's smallest tile side, so the block products are single tl.dots and
 # the serial forward substitution is only this many steps.
 WY_SUB = 16
-# Warps per program of the prep kernel: its [CHUNK, Dk] key, query and value tiles and [CHUNK, CHUNK] scores share
-# the registers.
-WY_PREP_WARPS = 8
-# State elements per program of the scan (a [Dk, BLOCK_V] tile): the scan is the only serial part, so Dv is split
-# into narrow blocks to spread a long row's heads over more programs, while each still reads its chunk's W and
-# scores once per BLOCK_V columns.
-WY_SCAN_TILE = 4096
-# Warps per program of the scan: its [CHUNK, Dk] W and query/key tiles sit beside the state tile.
+# Warps per program of the prep kernel: four keep its registers and shared memory to half an SM's at chunk 64 and
+# head dim 128, so two programs share an SM and hide each other's waits (its barriers and workspace reads).
+WY_PREP_WARPS = 4
+# State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
+# one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
+# memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
+# once per 64 columns.
+WY_SCAN_TILE = 8192
+# Warps per program of the scan: its [CHUNK, Dk] W and query/key tiles sit beside the [Dk, 64] state tile.
 WY_SCAN_WARPS = 8
-# Software-pipeline stages of the scan's chunk loop: the next chunk's W, U and scores load while this one's state
-# update runs; each stage holds a chunk's fp32 [CHUNK, Dk] W and [CHUNK, CHUNK] scores in shared memory, so more
-# stages would not fit beside the state tile's operands.
+# Software-pipeline stages of the scan's chunk loop (16-bit inputs): the next chunk's W, U, q, k and scores load
+# while this chunk's state update runs. fp32 inputs run one stage: their fp32 tiles would not fit twice in shared
+# memory.
 WY_SCAN_STAGES = 2
-# tl.dot input precisions (the UT solve's, the other products') by whether q, k and v are all fp32: 16-bit inputs
-# take tensor-core TF32, except the UT solve, whose inverse amplifies TF32's input rounding, in 3xTF32 (about
-# fp32); fp32 inputs get full fp32 products, to stay within fp32 rounding of the reference.
-WY_PRECISION = {False: ("tf32x3", "tf32"), True: ("ieee", "ieee")}
+# tl.dot input precisions (the UT system and its block solve, the prep's other products) by whether q, k and v are
+# all fp32. 16-bit inputs: tensor-core TF32 for both; 3xTF32 for the solve would double the prep's shared memory,
+# halving the programs an SM holds, for an error far below the scan's bf16 rounding. fp32 inputs: full fp32
+# products, to stay within fp32 rounding of the reference.
+WY_PRECISION = {False: ("tf32", "tf32"), True: ("ieee", "ieee")}
 # 16-bit inputs: the scan's products take bf16 operands (fp32 sums) at twice TF32's tensor-core rate, since that
 # serial loop bounds a long row; its error stays well inside the 16-bit tolerances (the state's bf16 rounding
 # decays away chunk after chunk, as in flash-linear-attention). False: TF32 operands, about four times closer.
