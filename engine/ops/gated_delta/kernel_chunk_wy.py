@@ -8,14 +8,15 @@ which leave the state as it is) and numbered over the batch, row after row.
 1. `_chunk_table_kernel`: per chunk its first token and length, per row the number of its first chunk, built on the
    device from `query_start_loc` (no host read, so a CUDA graph can capture it). The table has room for the bound
    cdiv(T, CHUNK) + R; the chunks past the batch's last have length 0 and their programs exit at once.
-2. `_wy_prep_kernel`, one program per (chunk, value head), all independent (the heads of a chunk adjacent): from the raw inputs (q, k of key head
-   h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the decode kernel makes them) the within-chunk
-   cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse
-   T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j)
-   (i >= j). T is solved by blocks of SUB rows: the diagonal blocks by forward substitution (all blocks at once,
-   SUB serial steps, their rows read back from a workspace in global memory: a register tile cannot be sliced),
-   then the rest by CHUNK / SUB - 1 block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the
-   scores' own place, written last; barriers order its writes and reads among the program's threads.
+2. `_wy_prep_kernel`, one program per (chunk, value head), all independent (a chunk's heads numbered together):
+   from the raw inputs (q, k of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the
+   decode kernel makes them) the within-chunk cumulative log decay G, the UT system
+   A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse T = (I + A)^-1, W = T (beta exp(G) k),
+   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). T is solved by blocks of
+   SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
+   back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
+   block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
+   last; barriers order its writes and reads among the program's threads.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -23,9 +24,9 @@ which leave the state as it is) and numbered over the batch, row after row.
    kernel of the usual chunked pipeline are one.
 
 Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
-within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32, the UT system and
-its solve (whose inverse amplifies its inputs' rounding) in 3xTF32; the scan, the serial part, multiplies bf16
-operands (the state, W, V', the scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
+within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32 (the diagonal
+blocks' forward substitution in fp32); the scan, the serial part, multiplies bf16 operands (the state, W, V', the
+scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
 Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the scan rounds them so anyway (half the
 bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
 small.
@@ -76,13 +77,6 @@ def _chunk_table_kernel(qsl_ptr, start_ptr, len_ptr, first_ptr, R, n_max, CHUNK:
         lo = hi
     tl.store(start_ptr + cid, start, mask=cid < n_max)
     tl.store(len_ptr + cid, length, mask=cid < n_max)
-
-
-@triton.jit
-def _block(i, j, CHUNK: tl.constexpr, SUB: tl.constexpr):
-    """Offsets of the [SUB, SUB] block (i, j) of a row-major [CHUNK, CHUNK] matrix."""
-    offs = tl.arange(0, SUB)
-    return (i * SUB + offs[:, None]) * CHUNK + j * SUB + offs[None, :]
 
 
 @triton.jit
@@ -147,8 +141,8 @@ def _wy_prep_kernel(
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
     mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
     # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
-    # is the UT solve's workspace until the scores are written, last: the system goes there and is turned into its
-    # inverse in place, block by block.
+    # is the UT solve's workspace until the scores are written, last: the system goes there, then its diagonal
+    # blocks' inverses.
     ws = ws_ptr + e * CHUNK * CHUNK
 
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
@@ -323,7 +317,8 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k, BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
+        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
+        BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
         SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
 
