@@ -39,6 +39,7 @@ from torch import Tensor
 
 from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
 from baton.engine.ops.gated_delta.tuning import (
+    WY_MAX_CHUNK,
     WY_PRECISION,
     WY_PREP_WARPS,
     WY_SCAN_BF16,
@@ -270,8 +271,8 @@ def _wy_scan_kernel(
 
 def chunk_parallel(chunk_size: int) -> bool:
     """Whether a prefill of `chunk_size` can run these kernels: their tiles need a power of two of at least
-    MIN_DOT (and WY_SUB) tokens."""
-    return chunk_size >= max(MIN_DOT, WY_SUB) and chunk_size & (chunk_size - 1) == 0
+    MIN_DOT (and WY_SUB) tokens, and at most WY_MAX_CHUNK."""
+    return max(MIN_DOT, WY_SUB) <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
 
 
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,

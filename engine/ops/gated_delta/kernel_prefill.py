@@ -2,8 +2,8 @@
 reference `gated_delta_prefill_varlen` (`reference.py`): same signature, semantics and return value.
 
 Algorithms, picked by `chunked(chunk_size)`:
-- chunk-parallel (power-of-two chunk_size >= 16): the reference's WY/UT form in `kernel_chunk_wy.py`, chunks of
-  `chunk_size` tokens counted from each row's first token. Every (chunk, value head) is prepared at once (the UT
+- chunk-parallel (power-of-two chunk_size from 16 to `tuning.WY_MAX_CHUNK`): the reference's WY/UT form in
+  `kernel_chunk_wy.py`, chunks of `chunk_size` tokens counted from each row's first token. Every (chunk, value head) is prepared at once (the UT
   solve, W, U and the causal scores), then one scan per (row, value head, value block) carries the state over the
   row's chunks and writes the outputs on the way; only that scan's cheap per-chunk update is serial.
 - token by token (any other chunk_size): one program per (row, value head h, block of BLOCK_V value columns), the
@@ -80,8 +80,8 @@ def _gdn_prefill_kernel(
 
 
 def chunked(chunk_size: int) -> bool:
-    """Whether a prefill of `chunk_size` runs the chunk-parallel kernels (a power of two of at least 16 tokens); any
-    other chunk size runs the token-by-token kernel (same results to fp32 rounding)."""
+    """Whether a prefill of `chunk_size` runs the chunk-parallel kernels (a power of two from 16 to WY_MAX_CHUNK
+    tokens); any other chunk size runs the token-by-token kernel (same results to fp32 rounding)."""
     return chunk_parallel(chunk_size)
 
 

@@ -13,6 +13,9 @@ RECORD_BLOCK = 1024
 # Chunk-parallel prefill (kernel_chunk_wy.py).
 # Chunks per program of the chunk table: one program covers most batches; the table is tiny beside the prefill.
 WY_TABLE_BLOCK = 1024
+# Largest chunk the chunk-parallel kernels take (larger ones run token by token): at head dim 128 a chunk of 128 puts
+# the scan's pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
+WY_MAX_CHUNK = 64
 # Rows per diagonal block of the UT solve: tl.dot's smallest tile side, so the block products are single tl.dots and
 # the serial forward substitution is only this many steps.
 WY_SUB = 16
