@@ -3,9 +3,10 @@ reference `gated_delta_prefill_varlen` (`reference.py`): same signature, semanti
 
 Algorithms, picked by `chunked(chunk_size)`:
 - chunk-parallel (power-of-two chunk_size from 16 to `tuning.WY_MAX_CHUNK`): the reference's WY/UT form in
-  `kernel_chunk_wy.py`, chunks of `chunk_size` tokens counted from each row's first token. Every (chunk, value head) is prepared at once (the UT
-  solve, W, U and the causal scores), then one scan per (row, value head, value block) carries the state over the
-  row's chunks and writes the outputs on the way; only that scan's cheap per-chunk update is serial.
+  `kernel_chunk_wy.py`, chunks of `chunk_size` tokens counted from each row's first token. Every (chunk, value
+  head) is prepared at once (the UT solve, W, U and the causal scores), then one scan per (row, value head, value
+  block) carries the state over the row's chunks and writes the outputs on the way; only that scan's cheap
+  per-chunk update is serial.
 - token by token (any other chunk_size): one program per (row, value head h, block of BLOCK_V value columns), the
   value block fastest, then the head. It reads its row's bounds from `query_start_loc` and its [Dk, BLOCK_V] start
   state from the row's slot, walks the row with the decode kernel's step per token (o = S^T q from the fp32 state)
