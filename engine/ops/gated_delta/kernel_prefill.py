@@ -1,20 +1,19 @@
 """Triton kernels of the Gated DeltaNet varlen prefill with initial and final states in pool slots, beside their torch
 reference `gated_delta_prefill_varlen` (`reference.py`): same signature, semantics and return value.
 
-Grid (both kernels): one program per (row, value head h, block of BLOCK_V value columns), numbered with the value
-block fastest, then the head. A program reads its row's bounds from `query_start_loc` and its [Dk, BLOCK_V] start
-state from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), walks the row with the
-state in fp32 registers and stores the final state once, rounded to the pool dtype. q and k (key head h // (Hv //
-Hk)) are l2-normalised and the gates computed in-kernel from the raw inputs, as in the decode kernel.
-
 Algorithms, picked by `chunked(chunk_size)`:
-- chunked (power-of-two chunk_size >= MIN_DOT): the reference's WY/UT form, chunk after chunk of `chunk_size` tokens
-  counted from the row's first token (the last one padded with tokens that leave the state as it is): (I + L)^-1 by
-  forward substitution, u and w from it, v_new = u - w S, o = (q exp(cum)) S + (q k^T * decay) v_new, then
-  S = exp(cum_last) S + (k exp(cum_last - cum))^T v_new; the products are tl.dot in DOT_PRECISION.
-- token by token (any other chunk_size): the decode kernel's step per token, o = S^T q from the fp32 state.
-Both agree with the reference to fp32 rounding, not bit for bit. Rows and heads run in parallel; the chunks (tokens)
-of a row run in order, so a long row is the kernel's critical path.
+- chunk-parallel (power-of-two chunk_size from 16 to `tuning.WY_MAX_CHUNK`): the reference's WY/UT form in
+  `kernel_chunk_wy.py`, chunks of `chunk_size` tokens counted from each row's first token. Every (chunk, value
+  head) is prepared at once (the UT solve, W, U and the causal scores), then one scan per (row, value head, value
+  block) carries the state over the row's chunks and writes the outputs on the way; only that scan's cheap
+  per-chunk update is serial.
+- token by token (any other chunk_size): one program per (row, value head h, block of BLOCK_V value columns), the
+  value block fastest, then the head. It reads its row's bounds from `query_start_loc` and its [Dk, BLOCK_V] start
+  state from the row's slot, walks the row with the decode kernel's step per token (o = S^T q from the fp32 state)
+  and stores the final state once, rounded to the pool dtype.
+Both read a row's start state from its slot (zeros, the slot never read, where has_initial_state[r] is False),
+compute q, k (key head h // (Hv // Hk), l2-normalised) and the gates in-kernel from the raw inputs, as the decode
+kernel does, and agree with the reference to fp32 rounding (16-bit inputs: to TF32 products), not bit for bit.
 
 No host reads of device tensors: only shapes are checked here; query_start_loc (non-decreasing from 0 to T),
 distinct slots in [0, S) and chunk_size > 0 are the caller's contract, unchecked (the reference checks them).
@@ -26,24 +25,10 @@ import triton.language as tl
 from torch import Tensor
 
 from baton.engine.ops.gated_delta.checks import check_prefill_shapes
-from baton.engine.ops.gated_delta.kernel import (
-    _delta_step,
-    _gates,
-    _program_tile,
-    _unit,
-    launch_config,
-)
-from baton.engine.ops.gated_delta.tuning import (
-    CHUNKED_TILE,
-    CHUNKED_WARPS,
-    DOT_PRECISION,
-    PREFILL_TILE,
-    STEP_WARPS,
-)
-from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to
-
-# tl.dot's smallest tile side.
-MIN_DOT = 16
+from baton.engine.ops.gated_delta.kernel import _delta_step, _gates, _program_tile, _unit, launch_config
+from baton.engine.ops.gated_delta.kernel_chunk_wy import chunk_parallel, chunk_wy_prefill
+from baton.engine.ops.gated_delta.tuning import PREFILL_TILE, STEP_WARPS
+from baton.engine.ops.triton_common import cdiv, round_to
 
 
 @triton.jit
@@ -95,95 +80,10 @@ def _gdn_prefill_kernel(
     tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_kv)
 
 
-@triton.jit
-def _gdn_prefill_chunked_kernel(
-    state_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, qsl_ptr, slot_ptr, init_ptr, o_ptr,
-    Hv, Dk, Dv, heads_per_key, scale,
-    s_st_slot, s_st_h, s_st_k, s_st_v,
-    s_q_t, s_q_h, s_q_d,
-    s_k_t, s_k_h, s_k_d,
-    s_v_t, s_v_h, s_v_d,
-    s_a_t, s_a_h,
-    s_b_t, s_b_h,
-    s_o_t, s_o_h, s_o_d,
-    CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid_v, h, r = _program_tile(Hv, Dv, BLOCK_V)
-    kh = h // heads_per_key
-    offs_c = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k = offs_k < Dk
-    mask_v = offs_v < Dv
-    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v  # [BLOCK_K, BLOCK_V]
-    causal = offs_c[:, None] >= offs_c[None, :]  # [CHUNK, CHUNK]: position j at or before position i
-    eye = offs_c[:, None] == offs_c[None, :]
-
-    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    lo = tl.load(qsl_ptr + r).to(tl.int64)
-    hi = tl.load(qsl_ptr + r + 1).to(tl.int64)
-    k_limit = tl.where(tl.load(init_ptr + r) != 0, Dk, 0)
-    slot = tl.load(slot_ptr + r).to(tl.int64)
-    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + tile
-    # A row without an initial state starts from zeros: the masked load never touches its slot.
-    s = tl.load(state_at, mask=(offs_k < k_limit)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-
-    for c0 in range(lo, hi, CHUNK):
-        t = c0 + offs_c  # [CHUNK] token indices; those at or past hi are padding
-        valid = t < hi
-        mask_ck = valid[:, None] & mask_k[None, :]
-        mask_cv = valid[:, None] & mask_v[None, :]
-        k = tl.load(k_ptr + t[:, None] * s_k_t + kh * s_k_h + offs_k[None, :] * s_k_d, mask=mask_ck, other=0.0)
-        k = k.to(tl.float32)
-        k = k * tl.math.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]  # [CHUNK, BLOCK_K]
-        v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_v[None, :] * s_v_d, mask=mask_cv, other=0.0)
-        g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
-                         tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
-                         b_ptr.dtype.element_ty)  # fmt: skip
-        # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
-        g = tl.where(valid, g, 0.0)
-        beta = tl.where(valid, beta, 0.0)
-        cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
-        cum_last = tl.sum(tl.where(offs_c == CHUNK - 1, cum, 0.0), axis=0)
-        # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
-        decay = tl.where(causal, tl.exp(cum[:, None] - cum[None, :]), 0.0)  # [CHUNK, CHUNK]
-
-        # The UT transform: (I + L)^-1 with L the strictly lower part of (k_beta k^T) * decay, by forward
-        # substitution one row at a time (rows before i are already final when row i is updated).
-        k_beta = k * beta[:, None]
-        inv = -tl.where(eye, 0.0, tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION) * decay)
-        for i in range(1, CHUNK):
-            row = tl.sum(tl.where(offs_c[:, None] == i, inv, 0.0), axis=0)  # [CHUNK], nonzero before i
-            row = row + tl.sum(row[:, None] * inv, axis=0)
-            inv = tl.where(offs_c[:, None] == i, row[None, :], inv)
-        inv = tl.where(eye, 1.0, inv)
-        u = tl.dot(inv, v.to(tl.float32) * beta[:, None], input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_V]
-        w = tl.dot(inv, k_beta * tl.exp(cum)[:, None], input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_K]
-        # The part of each write that the chunk's start state already predicts is not written again.
-        v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_V]
-
-        q = tl.load(q_ptr + t[:, None] * s_q_t + kh * s_q_h + offs_k[None, :] * s_q_d, mask=mask_ck, other=0.0)
-        q = q.to(tl.float32)
-        q = q * (tl.math.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]  # [CHUNK, BLOCK_K]
-        attn = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay  # [CHUNK, CHUNK], causal
-        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
-        o += tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [CHUNK, BLOCK_V]
-        tl.store(o_ptr + t[:, None] * s_o_t + h * s_o_h + offs_v[None, :] * s_o_d,
-                 round_to(o, o_ptr.dtype.element_ty), mask=mask_cv)  # fmt: skip
-
-        k_to_end = k * tl.exp(cum_last - cum)[:, None]  # [CHUNK, BLOCK_K]
-        s = s * tl.exp(cum_last) + tl.dot(tl.trans(k_to_end), v_new, input_precision=DOT_PRECISION)
-    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
-
-
 def chunked(chunk_size: int) -> bool:
-    """Whether a prefill of `chunk_size` runs the chunked kernel: its tiles need a power of two of at least MIN_DOT
-    tokens; any other chunk size runs the token-by-token kernel (same results to fp32 rounding)."""
-    return chunk_size >= MIN_DOT and chunk_size & (chunk_size - 1) == 0
+    """Whether a prefill of `chunk_size` runs the chunk-parallel kernels (a power of two from 16 to WY_MAX_CHUNK
+    tokens); any other chunk size runs the token-by-token kernel (same results to fp32 rounding)."""
+    return chunk_parallel(chunk_size)
 
 
 def gated_delta_prefill_varlen_triton(
@@ -217,20 +117,14 @@ def gated_delta_prefill_varlen_triton(
     o = torch.empty_like(v)
     if not R:
         return o
-    args = (
+    if chunked(chunk_size):
+        chunk_wy_prefill(state, q, k, v, a, b, A_log, dt_bias, query_start_loc, state_slots, init_flags, chunk_size, o)
+        return o
+    block_k, block_v = launch_config(Dk, Dv, PREFILL_TILE)
+    _gdn_prefill_kernel[(cdiv(Dv, block_v) * Hv * R,)](
         state, q, k, v, a, b, A_log, dt_bias, query_start_loc, state_slots, init_flags, o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *o.stride(),
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=STEP_WARPS,
     )  # fmt: skip
-    if chunked(chunk_size):
-        block_k = max(MIN_DOT, next_power_of_2(Dk))
-        block_v = max(MIN_DOT, min(next_power_of_2(Dv), CHUNKED_TILE // block_k))
-        _gdn_prefill_chunked_kernel[(cdiv(Dv, block_v) * Hv * R,)](
-            *args, CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, DOT_PRECISION=DOT_PRECISION,
-            num_warps=CHUNKED_WARPS,
-        )  # fmt: skip
-    else:
-        block_k, block_v = launch_config(Dk, Dv, PREFILL_TILE)
-        _gdn_prefill_kernel[(cdiv(Dv, block_v) * Hv * R,)](*args, BLOCK_K=block_k, BLOCK_V=block_v,
-                                                             num_warps=STEP_WARPS)  # fmt: skip
     return o

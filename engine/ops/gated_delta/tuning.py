@@ -5,13 +5,6 @@
 STEP_TILE = 4096
 # State elements per program of the recurrent prefill: a longer walk per program favours a smaller register tile.
 PREFILL_TILE = 2048
-# State elements per program of the chunked prefill: its [Dk, BLOCK_V] state sits beside [CHUNK, Dk] key, query and
-# WY tiles, so the value block stays narrow.
-CHUNKED_TILE = 4096
-# Warps per program of the chunked prefill: its [CHUNK, Dk] tiles need more registers than one step's tile.
-CHUNKED_WARPS = 8
-# fp32 products of the chunked prefill in full fp32 ("ieee"): the WY solve amplifies TF32's input rounding.
-DOT_PRECISION = "ieee"
 # Warps per program of decode, verify and prefill: the [Dk, BLOCK_V] tile's reductions run over Dk.
 STEP_WARPS = 4
 # Elements per program of the verify inputs' record: a wide block keeps that copy to few programs.
@@ -20,6 +13,40 @@ RECORD_BLOCK = 1024
 # applies: a decode step's state traffic grows with the batch, and the tile that fills the GPU at one row is not the
 # one that streams the state fastest at hundreds.
 DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS), (16, 4096, 2), (128, 8192, 4))
+
+
+# Chunk-parallel prefill (kernel_chunk_wy.py).
+# Chunks per program of the chunk table: one program covers most batches; the table is tiny beside the prefill.
+WY_TABLE_BLOCK = 1024
+# Largest chunk the chunk-parallel kernels take (larger ones run token by token): at head dim 128 a chunk of 128 puts
+# the scan's pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
+WY_MAX_CHUNK = 64
+# Rows per diagonal block of the UT solve: tl.dot's smallest tile side, so the block products are single tl.dots and
+# the serial forward substitution is only this many steps.
+WY_SUB = 16
+# Warps per program of the prep kernel: four keep its registers and shared memory to half an SM's at chunk 64 and
+# head dim 128, so two programs share an SM and hide each other's waits (its barriers and workspace reads).
+WY_PREP_WARPS = 4
+# State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
+# one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
+# memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
+# once per 64 columns.
+WY_SCAN_TILE = 8192
+# Warps per program of the scan: its [CHUNK, Dk] W and query/key tiles sit beside the [Dk, 64] state tile.
+WY_SCAN_WARPS = 8
+# Software-pipeline stages of the scan's chunk loop (16-bit inputs): the next chunk's W, U, q, k and scores load
+# while this chunk's state update runs. fp32 inputs run one stage: their fp32 tiles would not fit twice in shared
+# memory.
+WY_SCAN_STAGES = 2
+# tl.dot input precisions (the UT system and its block solve, the prep's other products) by whether q, k and v are
+# all fp32. 16-bit inputs: tensor-core TF32 for both; 3xTF32 for the solve would double the prep's shared memory,
+# halving the programs an SM holds, for an error far below the scan's bf16 rounding. fp32 inputs: full fp32
+# products, to stay within fp32 rounding of the reference.
+WY_PRECISION = {False: ("tf32", "tf32"), True: ("ieee", "ieee")}
+# 16-bit inputs: the scan's products take bf16 operands (fp32 sums) at twice TF32's tensor-core rate, since that
+# serial loop bounds a long row; its error stays well inside the 16-bit tolerances (the state's bf16 rounding
+# decays away chunk after chunk, as in flash-linear-attention). False: TF32 operands, about four times closer.
+WY_SCAN_BF16 = True
 
 
 def decode_launch(batch: int) -> tuple[int, int]:

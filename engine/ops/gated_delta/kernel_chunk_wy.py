@@ -1,0 +1,335 @@
+"""Chunk-parallel Triton kernels of the Gated DeltaNet varlen prefill (the chunked WY form of the reference's
+`_chunk_row`), launched by `kernel_prefill.py`.
+
+A row's long walk is split so that only one cheap loop stays serial. Chunks of CHUNK tokens are counted from each
+row's first token (a row's last chunk is partial; its missing tokens act as padding with k = v = 0, g = 0, beta = 0,
+which leave the state as it is) and numbered over the batch, row after row.
+
+1. `_chunk_table_kernel`: per chunk its first token and length, per row the number of its first chunk, built on the
+   device from `query_start_loc` (no host read, so a CUDA graph can capture it). The table has room for the bound
+   cdiv(T, CHUNK) + R; the chunks past the batch's last have length 0 and their programs exit at once.
+2. `_wy_prep_kernel`, one program per (chunk, value head), all independent (a chunk's heads numbered together):
+   from the raw inputs (q, k of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the
+   decode kernel makes them) the within-chunk cumulative log decay G, the UT system
+   A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse T = (I + A)^-1, W = T (beta exp(G) k),
+   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). T is solved by blocks of
+   SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
+   back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
+   block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
+   last; barriers order its writes and reads among the program's threads.
+3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
+   fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
+   chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
+   stored once, rounded to the pool dtype. No per-chunk state goes to memory: the state kernel and the output
+   kernel of the usual chunked pipeline are one.
+
+Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
+within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32 (the diagonal
+blocks' forward substitution in fp32); the scan, the serial part, multiplies bf16 operands (the state, W, V', the
+scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
+Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the scan rounds them so anyway (half the
+bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
+small.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
+from baton.engine.ops.gated_delta.tuning import (
+    WY_MAX_CHUNK,
+    WY_PRECISION,
+    WY_PREP_WARPS,
+    WY_SCAN_BF16,
+    WY_SCAN_STAGES,
+    WY_SCAN_TILE,
+    WY_SCAN_WARPS,
+    WY_SUB,
+    WY_TABLE_BLOCK,
+)
+from baton.engine.ops.triton_common import cdiv, interpreted, next_power_of_2, round_to
+
+# tl.dot's smallest tile side.
+MIN_DOT = 16
+
+
+@triton.jit
+def _chunk_table_kernel(qsl_ptr, start_ptr, len_ptr, first_ptr, R, n_max, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr):  # fmt: skip
+    """start/len [n_max]: each chunk's first token and length (0 past the batch's chunks); first [R]: each row's
+    first chunk. Every program walks the rows (R is small beside the tokens) and fills its block of chunks."""
+    pid = tl.program_id(0)
+    cid = pid * BLOCK + tl.arange(0, BLOCK)
+    start = tl.zeros([BLOCK], dtype=tl.int32)
+    length = tl.zeros([BLOCK], dtype=tl.int32)
+    before = pid * 0  # chunks of the rows before row r
+    lo = tl.load(qsl_ptr).to(tl.int32)
+    for r in range(R):
+        hi = tl.load(qsl_ptr + r + 1).to(tl.int32)
+        n = (hi - lo + CHUNK - 1) // CHUNK
+        first_token = lo + (cid - before) * CHUNK
+        inrow = (cid >= before) & (cid < before + n)
+        start = tl.where(inrow, first_token, start)
+        length = tl.where(inrow, tl.minimum(hi - first_token, CHUNK), length)
+        tl.store(first_ptr + r, before, mask=pid == 0)
+        before += n
+        lo = hi
+    tl.store(start_ptr + cid, start, mask=cid < n_max)
+    tl.store(len_ptr + cid, length, mask=cid < n_max)
+
+
+@triton.jit
+def _unit_rows(ptr, t, valid, offs_k, mask_k, s_t, s_d):
+    """fp32 [CHUNK, BLOCK_K] rows at tokens t, each l2-normalised as `kernel._unit` (rows not valid: 0)."""
+    x = tl.load(ptr + t[:, None] * s_t + offs_k[None, :] * s_d, mask=valid[:, None] & mask_k[None, :], other=0.0)
+    x = x.to(tl.float32)
+    return x * tl.math.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+# Whether kernels run in Triton's interpreter, whose tl.dot takes no bf16 operands (decided as `triton.jit` was).
+_INTERPRETED = tl.constexpr(interpreted())
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
+    """a @ b accumulated in fp32: fp32 operands at PRECISION, or (BF16) both rounded to bf16 first, as tensor cores
+    take them at twice TF32's rate (the interpreter multiplies the rounded values in fp32: the same products)."""
+    if BF16:
+        a = round_to(a.to(tl.float32), tl.bfloat16)
+        b = round_to(b.to(tl.float32), tl.bfloat16)
+        if _INTERPRETED:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
+
+
+@triton.jit
+def _wy_prep_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
+    g_ptr, Hv, Dk, Dv, heads_per_key, scale,
+    s_q_t, s_q_h, s_q_d,
+    s_k_t, s_k_h, s_k_d,
+    s_v_t, s_v_h, s_v_d,
+    s_a_t, s_a_h,
+    s_b_t, s_b_h,
+    CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
+    SUB: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SOLVE_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # The value heads of one chunk are neighbours: those of one key head read the same q and k.
+    h = tl.program_id(0) % Hv
+    ci = tl.program_id(0) // Hv
+    n = tl.load(clen_ptr + ci)
+    if n == 0:  # past the batch's last chunk
+        return
+    kh = h // heads_per_key
+    t = tl.load(cstart_ptr + ci).to(tl.int64) + tl.arange(0, CHUNK)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_k = offs_k < Dk
+    mask_dv = offs_dv < Dv
+    valid = offs_c < n
+    e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
+    mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
+    # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
+    # is the UT solve's workspace until the scores are written, last: the system goes there, then its diagonal
+    # blocks' inverses.
+    ws = ws_ptr + e * CHUNK * CHUNK
+
+    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
+                     tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
+                     b_ptr.dtype.element_ty)  # fmt: skip
+    # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
+    g = tl.where(valid, g, 0.0)
+    beta = tl.where(valid, beta, 0.0)
+    cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
+    tl.store(g_ptr + e * CHUNK + offs_c, cum)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
+    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=SOLVE_PRECISION) * decay
+    tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
+    tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
+
+    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks D^-1 first: forward substitution on all
+    # NB = CHUNK / SUB blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows
+    # before r already final (unrolled, so the row loads are issued together).
+    offs_b = tl.arange(0, NB)
+    offs_s = tl.arange(0, SUB)
+    diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
+        + offs_s[None, None, :]  # fmt: skip
+    inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
+    for r in tl.static_range(1, SUB):
+        row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
+        row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
+        inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
+    inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
+    tl.store(ws + diag, inv)
+    tl.debug_barrier()
+    # Then the whole of T from D^-1 and the blocks A_off below the diagonal: with X = D^-1 A_off (nilpotent: block
+    # strictly lower), T = (I + X)^-1 D^-1 = D^-1 - X T, exact after NB - 1 steps from T = D^-1; all in registers.
+    blk = offs_c // SUB
+    both = tl.load(ws + mat)  # D^-1 on the diagonal blocks, A below them
+    d_inv = tl.where(blk[:, None] == blk[None, :], both, 0.0)
+    x = tl.dot(d_inv, tl.where(blk[:, None] > blk[None, :], both, 0.0), input_precision=SOLVE_PRECISION)
+    solve = d_inv
+    for _ in tl.static_range(1, NB):
+        solve = d_inv - tl.dot(x, solve, input_precision=SOLVE_PRECISION)
+
+    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk. (k is
+    # loaded again, from cache: kept across the solve it would hold registers the solve needs.)
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)
+    w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
+    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
+             mask=mask_k[None, :])  # fmt: skip
+    v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
+                mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
+    u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
+    tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
+
+    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    tl.debug_barrier()  # every thread's read of T, before the scores take its place
+    tl.store(p_ptr + e * P_REGION + mat, round_to(scores, p_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _wy_scan_kernel(
+    state_ptr, q_ptr, k_ptr, qsl_ptr, slot_ptr, init_ptr, first_ptr, w_ptr, u_ptr, p_ptr, g_ptr, o_ptr,
+    Hv, Dk, Dv, heads_per_key, scale,
+    s_st_slot, s_st_h, s_st_k, s_st_v,
+    s_q_t, s_q_h, s_q_d,
+    s_k_t, s_k_h, s_k_d,
+    s_o_t, s_o_h, s_o_d,
+    CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BF16_DOTS: tl.constexpr,
+):  # fmt: skip
+    pid_v, h, r = _program_tile(Hv, Dv, BLOCK_V)
+    kh = h // heads_per_key
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < Dk
+    mask_v = offs_v < Dv
+
+    lo = tl.load(qsl_ptr + r).to(tl.int64)
+    hi = tl.load(qsl_ptr + r + 1).to(tl.int64)
+    first = tl.load(first_ptr + r).to(tl.int64)
+    k_limit = tl.where(tl.load(init_ptr + r) != 0, Dk, 0)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h
+    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v  # [BLOCK_K, BLOCK_V]
+    # A row without an initial state starts from zeros: the masked load never touches its slot.
+    s = tl.load(state_at + tile, mask=(offs_k < k_limit)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+
+    # 64-bit scalar bases, 32-bit tile offsets: a tile of 64-bit addresses kept across the loop would cost registers.
+    rows_k = offs_c[:, None] * Dk + offs_k[None, :]
+    rows_v = offs_c[:, None] * Dv + offs_v[None, :]
+    for j in range(0, tl.cdiv(hi - lo, CHUNK)):
+        e = (first + j) * Hv + h
+        t0 = lo + j * CHUNK
+        valid = offs_c < hi - t0
+        cum = tl.load(g_ptr + e * CHUNK + offs_c)
+        cum_last = tl.load(g_ptr + e * CHUNK + CHUNK - 1)
+        w = tl.load(w_ptr + e * CHUNK * Dk + rows_k, mask=mask_k[None, :], other=0.0)
+        u = tl.load(u_ptr + e * CHUNK * Dv + rows_v, mask=mask_v[None, :], other=0.0)
+        # The part of each write that the chunk's start state already predicts is not written again.
+        v_new = u - _mm(w, s, PRECISION, BF16_DOTS)  # [CHUNK, BLOCK_V]
+
+        q = _unit_rows(q_ptr + t0 * s_q_t + kh * s_q_h, offs_c, valid, offs_k, mask_k, s_q_t, s_q_d)
+        o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
+        o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
+                 BF16_DOTS)  # fmt: skip
+        tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
+                 round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
+
+        k = _unit_rows(k_ptr + t0 * s_k_t + kh * s_k_h, offs_c, valid, offs_k, mask_k, s_k_t, s_k_d)
+        s = s * tl.exp(cum_last) + _mm(tl.trans(k * tl.exp(cum_last - cum)[:, None]), v_new, PRECISION, BF16_DOTS)
+    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
+    tl.store(state_at + tile, round_to(s, state_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
+
+
+def chunk_parallel(chunk_size: int) -> bool:
+    """Whether a prefill of `chunk_size` can run these kernels: their tiles need a power of two of at least
+    MIN_DOT (and WY_SUB) tokens, and at most WY_MAX_CHUNK."""
+    return max(MIN_DOT, WY_SUB) <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
+
+
+def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,
+               device: torch.device) -> dict[str, Tensor]:  # fmt: skip
+    """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
+    [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
+    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]."""
+    f32 = dict(dtype=torch.float32, device=device)
+    n = (max_chunks, Hv)
+    ws = torch.empty(*n, chunk, chunk, **f32)
+    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
+                p=ws.view(low), g=torch.empty(*n, chunk, **f32))
+
+
+def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, init_flags: Tensor,
+                     chunk_size: int, o: Tensor) -> None:  # fmt: skip
+    """The three launches of a chunk-parallel prefill of R >= 1 rows (shapes checked by the caller; init_flags is
+    has_initial_state as bytes), writing o [T, Hv, Dv] and the rows' final states into their slots."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    R = state_slots.shape[0]
+    dev = v.device
+    max_chunks = cdiv(T, chunk_size) + R
+    starts = torch.empty(max_chunks, dtype=torch.int32, device=dev)
+    lengths = torch.empty(max_chunks, dtype=torch.int32, device=dev)
+    first = torch.empty(R, dtype=torch.int32, device=dev)
+    _chunk_table_kernel[(cdiv(max_chunks, WY_TABLE_BLOCK),)](
+        query_start_loc, starts, lengths, first, R, max_chunks, CHUNK=chunk_size, BLOCK=WY_TABLE_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+    fp32 = q.dtype == k.dtype == v.dtype == torch.float32
+    solve_precision, precision = WY_PRECISION[fp32]
+    bf16_dots = WY_SCAN_BF16 and not fp32
+    # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
+    # same result.
+    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
+    p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
+    block_k = max(MIN_DOT, next_power_of_2(Dk))
+    # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
+    _wy_prep_kernel[(max_chunks * Hv,)](
+        q, k, v, a, b, A_log, dt_bias, starts, lengths,
+        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
+        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
+        BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
+        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
+    )  # fmt: skip
+
+    block_v = max(MIN_DOT, min(next_power_of_2(Dv), WY_SCAN_TILE // block_k))
+    _wy_scan_kernel[(cdiv(Dv, block_v) * Hv * R,)](
+        state, q, k, query_start_loc, state_slots, init_flags, first,
+        scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+        *state.stride(), *q.stride(), *k.stride(), *o.stride(),
+        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
+        BF16_DOTS=bf16_dots,
+        num_warps=WY_SCAN_WARPS, num_stages=1 if fp32 else WY_SCAN_STAGES,
+    )  # fmt: skip
