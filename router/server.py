@@ -121,7 +121,8 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     decode = WorkerPool.from_config(config, Role.DECODE, cluster=cluster)
     await asyncio.gather(prefill.start(), decode.start())
     security = security or RouterSecurity()
-    service = GenerationService(Flow(config, prefill, decode), tokenizer, keyed_clients=security.requires_key)
+    service = GenerationService(Flow(config, prefill, decode), tokenizer, keyed_clients=security.requires_key,
+                                served_model_name=served_model_name)
     # Long prompts arrive as repeated uint32 (up to 5 bytes a token): gRPC's 4 MB default is lifted to the limit.
     server = grpc.aio.server(options=server_options(config.max_request_bytes),
                              interceptors=[*security.interceptors(), DecodeInterceptor()])
@@ -137,8 +138,7 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     if http_port is not None:
         try:
             limits = http_limits or HttpLimits()
-            front = OpenAIFront(service, served_model_name, load_chat_template(config.tokenizer_path), security,
-                                limits)
+            front = OpenAIFront(service, load_chat_template(config.tokenizer_path), security, limits)
             tls = (security.tls_cert_chain, security.tls_private_key) if security.tls else None
             http = AsgiServer.start(RouterApp(http_routes(service), front, limits), host, http_port, limits,
                                     name="baton-router-http", tls=tls)
@@ -181,7 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-tls-ca", default=None,
                    help="PEM CA bundle: call the nodes over TLS, checking their certificates against it")
     p.add_argument("--served-model-name", default=None,
-                   help="model id of the OpenAI-compatible API (default: the workers' model directory name)")
+                   help="the model's name to clients: the OpenAI API's model id and gRPC ModelInfo's model "
+                        "(default: the name of the workers' model directory)")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                    help="prefill workers (none: every prompt is prefilled on the decode node)")
     p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="HOST:PORT",
