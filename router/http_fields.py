@@ -95,6 +95,11 @@ def _shown(v: Any) -> str:
     return s if len(s) <= 200 else s[:200] + "..."
 
 
+def _key(name: str) -> str:
+    """A client's key as an error's param: cut short, and never empty (`""` names the empty key)."""
+    return (name if len(name) <= 64 else name[:64] + "...") or '""'
+
+
 def _expected(neutral: Neutral) -> str:
     return " or ".join([*(repr(n) for n in neutral.values), "null"])
 
@@ -106,7 +111,7 @@ def check_fields(body: dict, path: str) -> None:
         if name in IMPLEMENTED[path]:
             continue
         neutral = NEUTRAL_ONLY.get(name)
-        shown = name if len(name) <= 64 else name[:64] + "..."
+        shown = _key(name)
         if neutral is None or path not in neutral.paths:
             raise ApiError(400, f"{shown}: unrecognized request argument (this server implements "
                                 f"{', '.join(sorted(IMPLEMENTED[path]))})", param=shown, code="unknown_parameter")
@@ -117,6 +122,6 @@ def check_fields(body: dict, path: str) -> None:
     if isinstance(options, dict):
         for key in options:
             if key not in STREAM_OPTIONS:
-                name = f"stream_options.{key if len(key) <= 64 else key[:64] + '...'}"
+                name = f"stream_options.{_key(key)}"
                 raise ApiError(400, f"{name}: unrecognized stream option (this server implements "
                                     f"{', '.join(sorted(STREAM_OPTIONS))})", param=name, code="unknown_parameter")
