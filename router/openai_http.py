@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP front of the router: `POST /v1/completions`, `POST /v1/chat/completions`,
-`GET /v1/models`, `GET /v1/models/{id}`, on the router's HTTP port (README.md "OpenAI-compatible HTTP"), served by `asgi_server.py`
-on the router's event loop.
+`GET /v1/models`, `GET /v1/models/{id}`, on the router's HTTP port (README.md "OpenAI-compatible HTTP"), served by
+`asgi_server.py` on the router's event loop.
 
 Every request runs through `GenerationService.Generate`, as a gRPC call does (validation, routing, retries,
 metrics, cancellation): one Generate task per prompt, with a stand-in for the gRPC context whose `write`
