@@ -23,6 +23,9 @@ def deny_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message:
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
                                                     handler.response_serializer)
+    if handler.stream_stream is not None:  # (server reflection)
+        return grpc.stream_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                     handler.response_serializer)
     return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer,
                                                handler.response_serializer)
 

@@ -1,10 +1,13 @@
-"""Request decoding on every Baton gRPC server (router and nodes): bytes that are not the method's message, and
-integers too wide for their field, end the call as INVALID_ARGUMENT naming the message and field.
+"""Request decoding on every Baton gRPC server (router and nodes): bytes that are not the method's message,
+integers too wide for their field, and fields the message does not declare end the call as INVALID_ARGUMENT naming
+the message and field.
 
 grpc turns a deserializer's exception into UNKNOWN, so the wrapped deserializer never raises: it returns an
 `Undecodable` that the wrapped method answers with INVALID_ARGUMENT. Protobuf parsing truncates a varint that
 does not fit a 32-bit field (2**40 + 7 arrives as 7), so every request is also parsed as a "wide" twin of its
-message, whose 32-bit integer fields are 64-bit, and each value is checked against its declared type.
+message, whose 32-bit integer fields are 64-bit, and each value is checked against its declared type. Protobuf
+also keeps a field number it does not know as an "unknown field" and ignores it: a client built against a newer
+API would have a request field silently dropped, so such a request is refused naming the field number.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from functools import cache
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
@@ -93,6 +96,21 @@ def _out_of_range(declared: Descriptor, wide: Message, path: str = "") -> str | 
     return None
 
 
+def _unknown_field(msg: Message, path: str = "") -> str | None:
+    """The first field number set in `msg` (or a message inside it) that its type does not declare."""
+    for f in unknown_fields.UnknownFieldSet(msg):
+        return f"{path}field number {f.field_number}"
+    for field, value in msg.ListFields():
+        if field.type != _T.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+            continue
+        items = value if field.is_repeated else (value,)
+        for i, item in enumerate(items):
+            where = f"{path}{field.name}[{i}]." if field.is_repeated else f"{path}{field.name}."
+            if (found := _unknown_field(item, where)) is not None:
+                return found
+    return None
+
+
 def checked_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     """`message_class.FromString` that returns an `Undecodable` instead of raising or truncating."""
     descriptor = message_class.DESCRIPTOR
@@ -104,6 +122,10 @@ def checked_deserializer(message_class: type[Message]) -> Callable[[bytes], Mess
         except (DecodeError, ValueError, RuntimeError) as e:
             return Undecodable(f"request: expected a serialized {name}, got {len(data)} bytes that do not "
                                f"decode as one ({e})")
+        unknown = _unknown_field(msg)
+        if unknown is not None:
+            return Undecodable(f"request: {name}.{unknown} is not implemented by this server (expected only the "
+                               f"fields of {name}; is the client built against a newer API?)")
         wide = _wide_class(name)
         if wide is not None:
             bad = _out_of_range(descriptor, wide.FromString(data))

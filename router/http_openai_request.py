@@ -54,22 +54,11 @@ def opt_bool(body: dict, name: str) -> bool:
 
 def sampling(body: dict, chat: bool) -> generation_pb2.SamplingParams:
     """OpenAI's parameters (and vLLM-style extensions: top_k, stop_token_ids, ignore_eos) as the proto's.
-    Ranges beyond the proto's types are checked by the service's validation (400 with its message)."""
-    for name in ("n", "best_of"):
-        if body.get(name) is not None and (not is_int(body[name]) or body[name] != 1):
-            raise bad(name, "1 (one choice per prompt)", body.get(name))
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != 0):
-            raise unsupported(name, "a non-zero penalty")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias", "logit_bias")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise unsupported("logprobs", "logprobs")
+    Ranges beyond the proto's types are checked by the service's validation (400 with its message); fields
+    Baton does not implement were refused before (`http_fields.py`)."""
     p = generation_pb2.SamplingParams()
-    max_tokens = _opt_int(body, "max_completion_tokens", 0, 2**32 - 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 0, 2**32 - 1)
+    name = max_tokens_field(body, chat)
+    max_tokens = _opt_int(body, name, 0, 2**32 - 1) if name is not None else None
     if max_tokens is not None:
         p.max_tokens = max_tokens
     # OpenAI's defaults (temperature 1, top_p 1), not the gRPC API's greedy default.
@@ -89,6 +78,25 @@ def sampling(body: dict, chat: bool) -> generation_pb2.SamplingParams:
         p.stop_token_ids.extend(stop_ids)
     p.ignore_eos = opt_bool(body, "ignore_eos")
     return p
+
+
+def max_tokens_field(body: dict, chat: bool) -> str | None:
+    """The field that sets the output length: chat's `max_completion_tokens` wins over `max_tokens`."""
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
+        if body.get(name) is not None:
+            return name
+    return None
+
+
+def check_room(field: str | None, max_tokens: int, prompt_tokens: int, max_model_len: int) -> None:
+    """400 naming `field` when the prompt and the asked-for output do not fit the context (OpenAI and vLLM refuse
+    this too; cutting the output short instead would hide that the client asked for more than it can get)."""
+    if field is None or not max_model_len or prompt_tokens >= max_model_len:  # (a prompt too long: the service)
+        return
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(400, f"{field}: expected at most max_model_len - prompt tokens = {max_model_len} - "
+                            f"{prompt_tokens} = {max_model_len - prompt_tokens}, got {max_tokens}", param=field,
+                       code="context_length_exceeded")
 
 
 def stops(body: dict) -> tuple[str, ...]:

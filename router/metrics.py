@@ -31,7 +31,7 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("baton_router_requests", "Generate calls by outcome: ok (finished), error, "
                                 "aborted (Generation.Abort), cancelled (client gone / deadline / shutdown), "
-                                "invalid (rejected by validation)", ["outcome"], registry=r)
+                                "invalid (rejected by validation, or by the OpenAI front before a Generate call)", ["outcome"], registry=r)
         self.in_flight = Gauge("baton_router_in_flight_requests", "Generate calls in flight", registry=r)
         self.ttft = Histogram("baton_router_time_to_first_token_seconds",
                               "From the Generate call to its first token sent", buckets=LATENCY_BUCKETS, registry=r)

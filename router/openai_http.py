@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP front of the router: `POST /v1/completions`, `POST /v1/chat/completions`,
-`GET /v1/models`, on the router's HTTP port (README.md "OpenAI-compatible HTTP"), served by `asgi_server.py`
-on the router's event loop.
+`GET /v1/models`, `GET /v1/models/{id}`, on the router's HTTP port (README.md "OpenAI-compatible HTTP"), served by
+`asgi_server.py` on the router's event loop.
 
 Every request runs through `GenerationService.Generate`, as a gRPC call does (validation, routing, retries,
 metrics, cancellation): one Generate task per prompt, with a stand-in for the gRPC context whose `write`
@@ -16,7 +16,9 @@ a few worker threads, never on the loop. Limits (`http_limits.py`): a request ta
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}` (`http_errors.py`), with the
 HTTP status of the gRPC status the service ended with (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429,
-UNAVAILABLE 503, DEADLINE_EXCEEDED 504, ...).
+UNAVAILABLE 503, DEADLINE_EXCEEDED 504, ...). A body field Baton does not implement is refused, never ignored
+(`http_fields.py`). A generation request refused here, before any Generate call, counts as outcome "invalid" in
+`baton_router_requests_total`, as the service's own refusals do.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,9 +38,13 @@ from baton.engine.tokenizer import TOKENIZER_CONFIG_FILE, TextTokenizer
 from baton.proto.convert import FINISH_FROM_PROTO
 from baton.proto.v1 import generation_pb2
 from baton.router import http_openai_request as rq
+from baton.router import metrics as rm
 from baton.router.http_chat_template import ChatTemplate, load_chat_template
-from baton.router.http_errors import ApiError, busy, shutting_down, unsupported
+from baton.router.http_errors import ApiError, busy, shutting_down
 from baton.router.http_exchange import ClientGone, Exchange
+from baton.router.http_fields import CHAT as CHAT_FIELDS
+from baton.router.http_fields import COMPLETIONS as COMPLETION_FIELDS
+from baton.router.http_fields import check_fields
 from baton.router.http_json import decode_object
 from baton.router.http_limits import HttpLimits
 from baton.router.security import RouterSecurity
@@ -50,6 +55,10 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 PATHS = (COMPLETIONS, CHAT, MODELS)
+# `GET /v1/models/{id}`: the id may hold slashes ("org/name").
+MODEL_PREFIX = MODELS + "/"
+# Refusals that are the request's fault (outcome "invalid"); 401, 429 and 503 are not.
+_INVALID_STATUSES = frozenset({400, 404, 405, 408, 413})
 # Threads for requests' CPU-bound parsing: few, so that held requests never add threads.
 PARSE_THREADS = 4
 
@@ -169,12 +178,11 @@ def _usage(choices: Sequence[_Choice]) -> dict:
 class OpenAIFront:
     """The OpenAI paths of the router's ASGI app (`asgi_app.py`); everything runs on the router's loop."""
 
-    def __init__(self, service: Any, served_model_name: str | None = None, chat_template: str | None = None,
+    def __init__(self, service: Any, chat_template: str | None = None,
                  security: RouterSecurity | None = None, limits: HttpLimits | None = None) -> None:
         self.service = service
         self.security = security or RouterSecurity()
         self.limits = limits or HttpLimits()
-        self.served_model_name = served_model_name
         tok: TextTokenizer | None = service.tokenizer
         self.chat_template = None
         if chat_template is not None and tok is not None:
@@ -188,30 +196,44 @@ class OpenAIFront:
 
     # ---- the ASGI app's front ----
     def claims(self, path: str) -> bool:
-        return path in PATHS
+        return path in PATHS or path.startswith(MODEL_PREFIX)
 
     async def handle(self, ex: Exchange) -> None:
         path = ex.path.rstrip("/")
         if not self.security.allows(ex.header("authorization")):
             raise ApiError(401, "missing or unknown API key (expected 'Authorization: Bearer <key>')",
                            "authentication_error", code="invalid_api_key")
-        method = "GET" if path == MODELS else "POST"
-        if ex.method != method:
-            raise ApiError(405, f"{path}: expected {method}, got {ex.method[:20]}", code="method_not_allowed")
-        if path == MODELS:
-            await ex.json(200, self._models())
+        if path == MODELS or path.startswith(MODEL_PREFIX):
+            if ex.method != "GET":
+                raise ApiError(405, f"{path[:200]}: expected GET, got {ex.method[:20]}")
+            await ex.json(200, self._models() if path == MODELS else self._model(path.removeprefix(MODEL_PREFIX)))
             return
-        if self.closed:
-            raise shutting_down()
-        held = self._take(1, "requests")
         try:
-            body = await ex.body()
-            loop = asyncio.get_running_loop()
-            job = await loop.run_in_executor(self._executor, self._parse, body, path == CHAT)
-            held += self._take(len(job.requests) - 1, "generations")
+            if ex.method != "POST":
+                raise ApiError(405, f"{path}: expected POST, got {ex.method[:20]}")
+            if self.closed:
+                raise shutting_down()
+            held = self._take(1, "requests")
+        except ApiError as e:
+            self._count_refusal(e)
+            raise
+        try:
+            try:
+                body = await ex.body()
+                loop = asyncio.get_running_loop()
+                job = await loop.run_in_executor(self._executor, self._parse, body, path == CHAT)
+                held += self._take(len(job.requests) - 1, "generations")
+            except ApiError as e:
+                self._count_refusal(e)
+                raise
             await self._generate(ex, job)
         finally:
             self.in_flight -= held
+
+    def _count_refusal(self, e: ApiError) -> None:
+        """A generation request answered before any Generate call: counted as the service counts its own."""
+        outcome = rm.INVALID if e.status in _INVALID_STATUSES else rm.ERROR
+        self.service.metrics.requests.labels(outcome=outcome).inc()
 
     def _take(self, n: int, what: str) -> int:
         if self.in_flight + n > self.limits.max_in_flight:
@@ -232,19 +254,27 @@ class OpenAIFront:
     # ---- models ----
     def model_id(self) -> str:
         """`--served-model-name`, else the name of the model directory the decode workers serve."""
-        if self.served_model_name:
-            return self.served_model_name
-        info = self.service.decode_pool.model_info()
-        if info is None:
+        name = self.service.model_name()
+        if name is None:
             raise ApiError(503, "no decode worker has reported its model yet", "server_error", code="unavailable")
-        return Path(info.model.model.rstrip("/")).name or info.model.model
+        return name
 
-    def _models(self) -> dict:
+    def _card(self) -> dict:
         info = self.service.decode_pool.model_info()
         card = {"id": self.model_id(), "object": "model", "created": self.created, "owned_by": "baton"}
         if info is not None and info.model.max_model_len:
             card["max_model_len"] = info.model.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    def _models(self) -> dict:
+        return {"object": "list", "data": [self._card()]}
+
+    def _model(self, model_id: str) -> dict:
+        card = self._card()
+        if model_id != card["id"]:
+            raise ApiError(404, f"The model `{model_id[:200]}` does not exist (this server serves `{card['id']}`).",
+                           param="model", code="model_not_found")
+        return card
 
     # ---- parsing (on a worker thread) ----
     def _parse(self, raw: bytes, chat: bool) -> rq.Job:
@@ -253,6 +283,7 @@ class OpenAIFront:
         body = decode_object(raw, self.limits.max_json_depth)
         model = self.model_id()
         rq.check_model(body, model)
+        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         tok: TextTokenizer | None = self.service.tokenizer
         sampling = rq.sampling(body, chat)
         stops = rq.stops(body)
@@ -261,16 +292,14 @@ class OpenAIFront:
         if stops and tok is None:
             raise ApiError(400, "stop: stop strings need the router's tokenizer (start it with --tokenizer); "
                                 "send stop_token_ids instead", param="stop")
+        info = self.service.decode_pool.model_info()
+        max_model_len = info.model.max_model_len if info is not None else 0
         if chat:
             prompts: list = self._chat_prompt(body, tok)
-            info = self.service.decode_pool.model_info()
-            if not sampling.HasField("max_tokens") and info is not None and info.model.max_model_len:
+            if not sampling.HasField("max_tokens") and max_model_len:
                 # OpenAI's chat default: as many tokens as the context has room for.
-                sampling.max_tokens = max(1, info.model.max_model_len - len(prompts[0]))
+                sampling.max_tokens = max(1, max_model_len - len(prompts[0]))
         else:
-            for name in ("echo", "suffix"):
-                if body.get(name):
-                    raise unsupported(name, name)
             prompts = rq.prompts(body.get("prompt"))
             if len(prompts) > self.limits.max_choices:
                 raise ApiError(400, f"prompt: expected at most {self.limits.max_choices} prompts (n x prompts, "
@@ -285,6 +314,7 @@ class OpenAIFront:
                 # No BOS is added, as for gRPC text prompts.
                 prompt = tok.encode(prompt)
             rq.check_ids(prompt)
+            rq.check_room(rq.max_tokens_field(body, chat), sampling.max_tokens, len(prompt), max_model_len)
             requests.append(generation_pb2.GenerateRequest(
                 request_id=f"{job_id}-{i}", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling))
         return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, stops)
@@ -294,11 +324,6 @@ class OpenAIFront:
             raise ApiError(400, f"model `{self.model_id()}` has no chat template (no `chat_template` in its "
                                 f"{TOKENIZER_CONFIG_FILE}, or the router has no tokenizer): use /v1/completions",
                            param="messages", code="no_chat_template")
-        if body.get("tools") or body.get("functions"):
-            raise unsupported("tools", "tool calling")
-        fmt = body.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise unsupported("response_format", "a response format other than text")
         text = self.chat_template.render(rq.messages(body), add_generation_prompt=True)
         return [tok.encode(text)]
 

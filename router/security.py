@@ -2,7 +2,8 @@
 
 - API keys: every client call must carry `authorization: Bearer <key>` (gRPC metadata, or the HTTP header
   of the OpenAI-compatible API) naming one of the configured keys; otherwise UNAUTHENTICATED (HTTP 401).
-  `Health` stays open (load balancers and probes call it without a key), as do `/health` and `/metrics`.
+  `Health` and the standard `grpc.health.v1.Health` stay open (load balancers and probes call them without a key),
+  as do `/health` and `/metrics`.
   Keys come from a file (one per line, `#` comments) or `BATON_API_KEYS` (comma-separated), never the
   command line, where any user of the host could read them.
 - TLS: a PEM certificate chain and private key make the gRPC port TLS-only.
@@ -22,10 +23,11 @@ from pathlib import Path
 import grpc
 
 from baton.proto.auth_grpc import deny_handler
+from baton.serving.grpc_health import HEALTH_METHODS
 from baton.serving.pem import read_pem
 
 API_KEYS_ENV = "BATON_API_KEYS"
-OPEN_METHODS = frozenset({"/baton.v1.Generation/Health"})
+OPEN_METHODS = frozenset({"/baton.v1.Generation/Health", *HEALTH_METHODS})
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def principal(authorization: str | None) -> str:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call but `Health` whose metadata lacks a configured key, before any work is done."""
+    """Refuses every call but the health checks whose metadata lacks a configured key, before any work is done."""
 
     def __init__(self, security: RouterSecurity) -> None:
         self._security = security

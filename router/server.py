@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 
 from baton.engine.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer
+from baton.proto.grpc.health.v1 import health_pb2_grpc
 from baton.proto.grpc_decode import DecodeInterceptor
 from baton.proto.message_limits import server_options
-from baton.proto.v1 import generation_pb2_grpc
+from baton.proto.v1 import generation_pb2, generation_pb2_grpc
 from baton.router.asgi_app import RouterApp
 from baton.router.asgi_server import AsgiServer
 from baton.router.cluster_client import ClusterClient
@@ -30,11 +31,14 @@ from baton.router.policy import Role
 from baton.router.security import API_KEYS_ENV, RouterSecurity
 from baton.router.service import GenerationService
 from baton.router.workers import WorkerPool
+from baton.serving.grpc_health import HEALTH_SERVICE, HealthService
+from baton.serving.grpc_reflection import add_reflection
 from baton.serving.listen_error import CannotListen, run_main
 from baton.serving.ops_http import health_route, json_response, metrics_route
 
 log = logging.getLogger(__name__)
 
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 @dataclass
@@ -81,6 +85,15 @@ async def _close_when_stopped(server: grpc.aio.Server, service: GenerationServic
     await asyncio.gather(service.prefill_pool.close(), service.decode_pool.close())
 
 
+def add_services(server: grpc.aio.Server, service: GenerationService) -> None:
+    """`baton.v1.Generation`, plus what probes and tools expect of any gRPC server: the standard health service
+    (SERVING while `service.health().ok`: a healthy decode worker and no drain) and server reflection."""
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService([GENERATION_SERVICE], lambda: service.health().ok),
+                                                 server)
+    add_reflection(server, [GENERATION_SERVICE, HEALTH_SERVICE])
+
+
 def http_routes(service: GenerationService) -> dict:
     def detail() -> dict:
         h = service.health()
@@ -108,11 +121,12 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     decode = WorkerPool.from_config(config, Role.DECODE, cluster=cluster)
     await asyncio.gather(prefill.start(), decode.start())
     security = security or RouterSecurity()
-    service = GenerationService(Flow(config, prefill, decode), tokenizer, keyed_clients=security.requires_key)
+    service = GenerationService(Flow(config, prefill, decode), tokenizer, keyed_clients=security.requires_key,
+                                served_model_name=served_model_name)
     # Long prompts arrive as repeated uint32 (up to 5 bytes a token): gRPC's 4 MB default is lifted to the limit.
     server = grpc.aio.server(options=server_options(config.max_request_bytes),
                              interceptors=[*security.interceptors(), DecodeInterceptor()])
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    add_services(server, service)
     creds = security.server_credentials()
     try:
         bound = (server.add_secure_port(f"{host}:{port}", creds) if creds is not None
@@ -124,8 +138,7 @@ async def start_router(config: RouterConfig, port: int = 0, host: str = "127.0.0
     if http_port is not None:
         try:
             limits = http_limits or HttpLimits()
-            front = OpenAIFront(service, served_model_name, load_chat_template(config.tokenizer_path), security,
-                                limits)
+            front = OpenAIFront(service, load_chat_template(config.tokenizer_path), security, limits)
             tls = (security.tls_cert_chain, security.tls_private_key) if security.tls else None
             http = AsgiServer.start(RouterApp(http_routes(service), front, limits), host, http_port, limits,
                                     name="baton-router-http", tls=tls)
@@ -168,7 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-tls-ca", default=None,
                    help="PEM CA bundle: call the nodes over TLS, checking their certificates against it")
     p.add_argument("--served-model-name", default=None,
-                   help="model id of the OpenAI-compatible API (default: the workers' model directory name)")
+                   help="the model's name to clients: the OpenAI API's model id and gRPC ModelInfo's model "
+                        "(default: the name of the workers' model directory)")
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                    help="prefill workers (none: every prompt is prefilled on the decode node)")
     p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="HOST:PORT",

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from pathlib import PurePath
 
 import grpc
 
@@ -31,9 +32,14 @@ _TOKENIZE_INLINE_CHARS = 4096
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, flow: Flow, tokenizer: TextTokenizer | None = None,
-                 metrics: rm.RouterMetrics | None = None, keyed_clients: bool = False) -> None:
-        """`keyed_clients`: API keys are configured, so a client is its key (`limits.caller_of`)."""
+                 metrics: rm.RouterMetrics | None = None, keyed_clients: bool = False,
+                 served_model_name: str | None = None) -> None:
+        """`keyed_clients`: API keys are configured, so a client is its key (`limits.caller_of`).
+        `served_model_name`: the model's name to clients (default: the name of the workers' model directory)."""
+        if served_model_name is not None and not served_model_name.strip():
+            raise ValueError(f"served_model_name: expected a non-empty name, got {served_model_name!r}")
         self.flow = flow
+        self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.keyed_clients = keyed_clients
         self.admission = Admission(flow.config.max_inflight_requests, flow.config.max_inflight_per_client)
@@ -338,6 +344,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             "max_num_batched_tokens": info.max_num_batched_tokens if info is not None else None})
         return out
 
+    def model_name(self) -> str | None:
+        """The model's name to clients (None until a decode worker has reported its model). Never the workers'
+        directory path: that tells clients about the servers' file systems."""
+        if self.served_model_name:
+            return self.served_model_name
+        info = self.decode_pool.model_info()
+        if info is None:
+            return None
+        return PurePath(info.model.model.rstrip("/")).name or "model"
+
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
         info: worker_pb2.InfoResponse | None = self.decode_pool.model_info()
@@ -345,6 +361,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker has reported its model yet")
         out = generation_pb2.ModelInfoResponse()
         out.CopyFrom(info.model)
+        out.model = self.model_name()
         # Text is tokenized here, in the router: that is what decides whether text prompts work.
         out.has_tokenizer = self.tokenizer is not None
         return out

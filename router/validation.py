@@ -74,6 +74,11 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
     params.validate_for_vocab(model.vocab_size)
     prompt = _prompt_ids(request, tokenizer)
     _check_prompt_length(len(prompt), model)
+    # Refused, not cut short: the client would not learn that it asked for more than the context holds.
+    if model.max_model_len and s.HasField("max_tokens") and len(prompt) + s.max_tokens > model.max_model_len:
+        room = model.max_model_len - len(prompt)
+        raise ValueError(f"sampling.max_tokens: expected at most max_model_len - prompt tokens = "
+                         f"{model.max_model_len} - {len(prompt)} = {room}, got {s.max_tokens}")
     if max(prompt) >= model.vocab_size:
         bad = [t for t in prompt if t >= model.vocab_size]
         raise ValueError(f"prompt token ids: expected ids in [0, vocab_size={model.vocab_size}), got {bad[:5]}")

@@ -205,7 +205,8 @@ def test_errors_have_openai_format_and_status_over_fakes():
             assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
             status, body = await asyncio.to_thread(http, "GET", env.url + "/v1/completions")
             assert status == 405 and body["error"]["type"] == "invalid_request_error"
-            assert requests_total(env.router, "invalid") == 2  # only the two that reached the service
+            # Every refusal counts, those of the HTTP front as those of the service.
+            assert requests_total(env.router, "invalid") == len(cases) + 5
             env.decode.load_fails = True
             await eventually(lambda: not env.router.service.decode_pool.healthy_count(), what="decode unhealthy")
             with pytest.raises(openai.InternalServerError) as e:

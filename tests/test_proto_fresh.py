@@ -62,8 +62,8 @@ def test_worker_proto_shares_generation_types():
 def test_check_names_an_edited_stub(tmp_path):
     from baton.proto import codegen
 
-    shutil.copytree(codegen.V1_DIR, tmp_path, dirs_exist_ok=True)
-    stub = tmp_path / "generation_pb2.py"
+    shutil.copytree(codegen.PROTO_DIR, tmp_path, dirs_exist_ok=True)
+    stub = tmp_path / "v1" / "generation_pb2.py"
     stub.write_text(stub.read_text() + "# hand edit\n")
     proc = codegen_check("--stubs-dir", str(tmp_path))
     assert proc.returncode == 1 and "stale: proto/v1/generation_pb2.py" in proc.stderr

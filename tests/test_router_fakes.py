@@ -53,6 +53,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, role: str, name: str) -> None:
         self.role = role
         self.name = name
+        self.model = "fake"  # what Info reports as the model (a node reports its model directory)
         # Failure and speed knobs.
         self.prefill_failures = 0  # the next this-many Prefill calls fail with UNAVAILABLE (-1: all)
         self.prefill_delay_s = 0.0
@@ -155,7 +156,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                                        outstanding_prefill_tokens=self.outstanding_prefill_tokens)
 
     async def Info(self, request, context):
-        model = generation_pb2.ModelInfoResponse(model="fake", vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
+        model = generation_pb2.ModelInfoResponse(model=self.model, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
                                                  layer_pattern="M*", eos_token_ids=[2])
         return worker_pb2.InfoResponse(role=self.role, engine_id=self.name, model=model, block_size=BLOCK_SIZE,
                                        max_num_batched_tokens=self.max_num_batched_tokens)

@@ -188,6 +188,8 @@ def _field(number: int, payload: bytes) -> bytes:
 WIDE_TOKEN_ID = _field(2, _field(1, varint(2**40 + 7)))
 # sampling (field 4) with max_tokens (field 1) of 2**33.
 WIDE_MAX_TOKENS = _field(4, varint(1 << 3) + varint(2**33)) + _field(2, _field(1, varint(5)))
+# sampling (field 4) with a field 9 that SamplingParams does not declare (a newer client's, say min_p).
+UNKNOWN_SAMPLING_FIELD = _field(4, varint(9 << 3) + varint(1)) + _field(2, _field(1, varint(5)))
 
 
 @pytest.mark.parametrize(("method", "streaming", "raw", "match"), [
@@ -196,10 +198,13 @@ WIDE_MAX_TOKENS = _field(4, varint(1 << 3) + varint(2**33)) + _field(2, _field(1
     ("Generate", True, WIDE_TOKEN_ID,
      f"baton.v1.GenerateRequest.token_ids.ids: expected integers in \\[0, {2**32}\\), got {2**40 + 7}"),
     ("Generate", True, WIDE_MAX_TOKENS, f"sampling.max_tokens: expected integers in \\[0, {2**32}\\), got {2**33}"),
+    ("Generate", True, UNKNOWN_SAMPLING_FIELD,
+     "baton.v1.GenerateRequest.sampling.field number 9 is not implemented by this server"),
+    ("Abort", False, varint(7 << 3) + varint(1), "baton.v1.AbortRequest.field number 7 is not implemented"),
     ("Abort", False, b"\x0a\xff", "expected a serialized baton.v1.AbortRequest"),
     ("ModelInfo", False, b"\x08", "expected a serialized baton.v1.ModelInfoRequest"),
 ])
-def test_undecodable_or_too_wide_bytes_are_invalid_argument(method, streaming, raw, match):
+def test_undecodable_too_wide_or_unknown_fields_are_invalid_argument(method, streaming, raw, match):
     async def go():
         async with cluster(1, 1) as c:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{c.router.port}") as ch:

@@ -1,0 +1,1 @@
+"""Standard gRPC protocols Baton serves (see `baton.proto.codegen`)."""

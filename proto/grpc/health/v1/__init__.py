@@ -1,0 +1,1 @@
+"""Generated stubs of the standard gRPC health checking protocol (see `baton.proto.codegen`)."""

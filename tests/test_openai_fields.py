@@ -1,0 +1,95 @@
+"""Nothing is silently ignored: every parameter of OpenAI's `/v1/completions` and `/v1/chat/completions`, as the
+installed `openai` client types them, is either implemented by the router (`http_fields.IMPLEMENTED`) or refused
+with 400 naming it; one that Baton accepts only with a neutral value (`http_fields.NEUTRAL_ONLY`: `n: 1`,
+`min_p: 0`, `response_format: {"type": "text"}`, ...) is answered 200 with that value. Fields of no API are refused
+as unknown, and so are unknown `stream_options` keys."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import completion_create_params as chat_params
+
+from baton.router.http_errors import ApiError
+from baton.router.http_fields import CHAT, COMPLETIONS, IMPLEMENTED, NEUTRAL_ONLY, check_fields
+from tests.test_openai_http import fake_front, http, requests_total, tok_dir  # noqa: F401  (fixture)
+from tests.test_router_fakes import run
+
+# The parameters as the client library sends them, so that this list follows the client.
+OPENAI_PARAMS = {
+    COMPLETIONS: sorted(completion_params.CompletionCreateParamsBase.__annotations__),
+    CHAT: sorted(chat_params.CompletionCreateParamsBase.__annotations__),
+}
+PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+# A value no field takes as neutral.
+ODD = {"baton-test": 1}
+
+
+def _base(path: str) -> dict:
+    if path == CHAT:
+        return {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    return {"model": "fake", "prompt": [5, 6], "max_tokens": 2}
+
+
+def test_the_openai_parameter_lists_are_read():
+    # `stream` is typed on the streaming/non-streaming subclasses, not the base.
+    assert {"prompt", "max_tokens", "temperature", "logit_bias"} <= set(OPENAI_PARAMS[COMPLETIONS])
+    assert {"messages", "max_completion_tokens", "response_format", "tools"} <= set(OPENAI_PARAMS[CHAT])
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_every_openai_parameter_is_implemented_or_refused_naming_it(path, tok_dir):  # noqa: F811
+    not_implemented = [p for p in OPENAI_PARAMS[path] if p not in IMPLEMENTED[path]]
+
+    async def go():
+        async with fake_front(tok_dir) as env:
+            url = env.url + PATHS[path]
+            refused = 0
+            for name in not_implemented:
+                body = {**_base(path), name: ODD}
+                status, answer = await asyncio.to_thread(http, "POST", url, json.dumps(body).encode())
+                assert status == 400, (name, answer)
+                assert answer["error"]["param"] == name and name in answer["error"]["message"], answer
+                assert answer["error"]["code"] in ("unsupported_parameter", "unknown_parameter"), answer
+                refused += 1
+                neutral = NEUTRAL_ONLY.get(name)
+                if neutral is None or path not in neutral.paths:
+                    continue
+                for value in (None, *neutral.values):
+                    body = {**_base(path), name: value}
+                    status, answer = await asyncio.to_thread(http, "POST", url, json.dumps(body).encode())
+                    assert status == 200, (name, value, answer)
+            for name in ("frobnicate", "best_of" if path == CHAT else "max_completion_tokens"):
+                body = {**_base(path), name: 1}
+                status, answer = await asyncio.to_thread(http, "POST", url, json.dumps(body).encode())
+                assert status == 400 and answer["error"]["code"] == "unknown_parameter", (name, answer)
+                assert answer["error"]["param"] == name
+            body = {**_base(path), "stream": True, "stream_options": {"include_usage": True, "x": True}}
+            status, answer = await asyncio.to_thread(http, "POST", url, json.dumps(body).encode())
+            assert status == 400 and answer["error"]["param"] == "stream_options.x", answer
+            assert requests_total(env.router, "invalid") == refused + 3
+    run(go())
+
+
+@pytest.mark.parametrize(("field", "neutral", "used"), [
+    ("min_p", 0, 0.05), ("min_p", 0.0, 1), ("repetition_penalty", 1.0, 1.1), ("repetition_penalty", 1, 0.9),
+    ("response_format", {"type": "text"}, {"type": "json_object"}), ("n", 1, 2), ("presence_penalty", 0.0, 0.5),
+    ("logprobs", False, True), ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+])
+def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, used):
+    check_fields({field: neutral}, CHAT)
+    with pytest.raises(ApiError) as e:
+        check_fields({field: used}, CHAT)
+    assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported_parameter")
+    assert e.value.message.startswith(f"{field}: not implemented by this server: expected ")
+
+
+def test_a_boolean_is_not_a_neutral_number():
+    # JSON's true is not 1: `n: true` asks for something, if anything, other than one choice.
+    for field, v in [("n", True), ("presence_penalty", False), ("logprobs", 0)]:
+        with pytest.raises(ApiError) as e:
+            check_fields({field: v}, CHAT)
+        assert e.value.param == field
