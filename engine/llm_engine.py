@@ -40,7 +40,7 @@ from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model_family import model_class, mtp_class
 from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
-from baton.engine.parallel.group import TPGroup
+from baton.engine.parallel.group import TPGroup, rank_device
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
@@ -150,7 +150,13 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[dtype_name]
         self.ssm_dtype = TORCH_DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        device = resolved_device(config.device)
+        if tp is None:
+            tp = TPGroup.from_env(config.tensor_parallel_size, resolved_device(config.device))
+        if tp.size != config.tensor_parallel_size:
+            raise ValueError(f"engine field 'tensor_parallel_size': expected the group's size {tp.size}, got "
+                             f"{config.tensor_parallel_size}")
+        self.tp = tp
+        device = rank_device(resolved_device(config.device), tp)
         k = config.num_speculative_tokens
         if k and model_cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
@@ -163,12 +169,6 @@ class LLMEngine:
             torch.cuda.empty_cache()
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
         self.kernels = resolve_kernels(config.kernels, device)
-        if tp is None:
-            tp = TPGroup.from_env(config.tensor_parallel_size, device)
-        if tp.size != config.tensor_parallel_size:
-            raise ValueError(f"engine field 'tensor_parallel_size': expected the group's size {tp.size}, got "
-                             f"{config.tensor_parallel_size}")
-        self.tp = tp
         group = tp if tp.size > 1 else None
         self.model = model_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels,
                                                             group)

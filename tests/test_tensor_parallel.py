@@ -15,8 +15,11 @@ import torch
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.layers.qwen_moe import QwenSparseMoE
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import build_config, make_model
 from baton.engine.ops.kernels import bind_kernels, resolve_kernels
+from baton.engine.parallel.group import TPGroup
 from baton.engine.parallel.parallel_config import ParallelConfig
 from baton.engine.parallel.shard_config import shard_config
 from baton.engine.parallel.shard_weights import shard_state_dict
@@ -79,6 +82,20 @@ def test_every_model_is_exact_and_every_rank_agrees(runs):
     assert all(sum(r.num_drafted) and sum(r.num_accepted) for r in mtp)
 
 
+@pytest.mark.interpreter
+def test_triton_kernels_on_two_ranks_equal_one(tmp_path):
+    """The kernels the GPU runs (here in Triton's interpreter) over the shards' shapes: one layer of each NemotronH
+    kind, MoE through the fused-MoE op, with MTP K=2."""
+    out = make_model(tmp_path / "m", "tiny", mtp_layers=1, seed=3, progress=False, tokenizer=False,
+                     overrides={"hybrid_override_pattern": "M*-E", "vocab_size": 8})
+    jobs = [Job("triton", str(out), ((3, 5, 7, 2, 4), (6, 1, 2, 3, 7, 4, 5, 1, 2, 3, 6)), 4,
+                {**ENGINE, "kernels": "triton", "num_speculative_tokens": 2})]
+    ref, ranks = run_single(jobs)["triton"], run_ranks(jobs, 2, tmp_path / "ranks")
+    for got in (r["triton"] for r in ranks):
+        assert (got.tokens, got.num_drafted, got.num_accepted) == (ref.tokens, ref.num_drafted, ref.num_accepted)
+        torch.testing.assert_close(got.prefill_logits, ref.prefill_logits, rtol=1e-4, atol=1e-4)
+
+
 def _cfg(preset: str, **overrides) -> ModelConfig:
     return ModelConfig.from_hf_dict(build_config(preset, overrides=overrides))
 
@@ -108,12 +125,17 @@ def test_fp8_weights_are_refused_above_one_rank():
         shard_config(cfg, 2)
 
 
-@pytest.mark.parametrize("kw, field", [({"tensor_parallel_size": 0}, "tensor_parallel_size")])
-def test_engine_and_parallel_fields_are_validated(kw, field):
-    with pytest.raises(ValueError, match=f"'{field}'"):
-        EngineConfig(**kw)
+def test_engine_and_parallel_fields_are_validated(reference, monkeypatch):
+    with pytest.raises(ValueError, match="'tensor_parallel_size': expected a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="'rank': expected an integer in 0..1"):
         ParallelConfig(2, 2)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="'RANK': expected this process's rank 0..1"):
+        TPGroup.from_env(2, torch.device("cpu"))
+    cfg, weights = load_checkpoint(reference[0][0].model_dir)
+    with pytest.raises(ValueError, match="'tensor_parallel_size': expected the group's size 1, got 2"):
+        LLMEngine(cfg, weights, EngineConfig(tensor_parallel_size=2, device="cpu"), tp=TPGroup.single())
 
 
 def test_vocab_rows_pad_the_last_rank():

@@ -20,6 +20,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def rank_device(device: torch.device, tp: TPGroup) -> torch.device:
+    """A rank's device: GPU `rank` of the node where the device names no GPU (`cuda`, or `auto` resolved to it),
+    else `device` as given."""
+    if device.type == "cuda" and device.index is None and tp.size > 1:
+        return torch.device("cuda", tp.rank)
+    return device
+
+
 class TPGroup:
     """This rank's view of the tensor-parallel group (`config.tp_size` ranks, all of this process group)."""
 
@@ -46,6 +54,8 @@ class TPGroup:
         config = ParallelConfig(tp_size, rank)
         if tp_size == 1:
             return cls(config)
+        if device.type == "cuda":  # NCCL binds each rank to its own GPU
+            torch.cuda.set_device(rank_device(device, cls(config)))
         if not dist.is_initialized():
             dist.init_process_group(backend_for(device), init_method=init_method or "env://", world_size=tp_size,
                                     rank=rank)
