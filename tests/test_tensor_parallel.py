@@ -9,8 +9,11 @@ import are the larger part of the time on a 2-core box.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
@@ -38,10 +41,24 @@ MODELS = [
     ("qwen3.5-mtp", "qwen3.5-tiny", 1, {"linear_num_key_heads": 4, "vocab_size": 8}, 2),
     # MQA (the one KV head replicated on every rank) and a vocabulary that splits evenly on no TP size
     ("mqa-odd-vocab", "tiny", 0, {"n_groups": 4, "num_key_value_heads": 1, "vocab_size": 509}, 0),
+    # Biases (random: `_randomize_biases`) on every projection, row-parallel ones added once; a latent MoE; the
+    # lm_head tied to the vocab-parallel embeddings
+    ("biased-latent-tied", "tiny", 0, {"hybrid_override_pattern": "M*-E", "n_groups": 4, "mlp_bias": True,
+                                       "use_bias": True, "moe_latent_size": 32, "tie_word_embeddings": True}, 0),
 ]
 ENGINE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=8,
               num_kv_blocks=64)
 PROMPT_LENGTHS = (5, 1, 19)
+
+
+def _randomize_biases(path: Path) -> None:
+    """The linear layers' biases, which a made model leaves at zero, drawn at random."""
+    state = load_file(path)
+    g = torch.Generator().manual_seed(1)
+    for name, t in state.items():
+        if name.endswith("proj.bias"):
+            state[name] = torch.randn(t.shape, generator=g) * 0.1
+    save_file(state, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +69,8 @@ def reference(tmp_path_factory):
     for name, preset, mtp, overrides, k in MODELS:
         out = make_model(root / name, preset, mtp_layers=mtp, seed=3, overrides=overrides, progress=False,
                          tokenizer=False)
+        if overrides.get("mlp_bias"):
+            _randomize_biases(out / "model.safetensors")
         vocab = overrides.get("vocab_size", 512)
         g = torch.Generator().manual_seed(len(name))
         prompts = tuple(tuple(torch.randint(3, vocab, (n,), generator=g).tolist()) for n in PROMPT_LENGTHS)
