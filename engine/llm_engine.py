@@ -187,6 +187,11 @@ class LLMEngine:
             self.config = config = replace(
                 config, device=str(device), max_num_seqs=config.max_num_seqs or CPU_MAX_NUM_SEQS,
                 cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
+        if tp.size > 1:
+            # Every rank schedules alike only with the same pools: the smallest rank's budget (its GPU's free memory).
+            # (A budget of None, where the pools' size was given in blocks, is None on every rank.)
+            budget, seqs = tp.agree_min((config.cache_memory_bytes or 0, config.max_num_seqs))
+            self.config = config = replace(config, cache_memory_bytes=budget or None, max_num_seqs=seqs)
         shard = self.shard_config
         self.plan = plan_cache(shard, self.model.state_spec(shard), config, self.dtype, self.ssm_dtype)
         self.pools = CachePools(shard, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)

@@ -31,9 +31,11 @@ def rank_device(device: torch.device, tp: TPGroup) -> torch.device:
 class TPGroup:
     """This rank's view of the tensor-parallel group (`config.tp_size` ranks, all of this process group)."""
 
-    def __init__(self, config: ParallelConfig, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, config: ParallelConfig, group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None) -> None:
         self.config = config
         self.group = group
+        self.device = device or torch.device("cpu")  # where this rank's collectives run (its GPU under NCCL)
 
     @property
     def size(self) -> int:
@@ -54,15 +56,19 @@ class TPGroup:
         config = ParallelConfig(tp_size, rank)
         if tp_size == 1:
             return cls(config)
+        device = rank_device(device, cls(config))
         if device.type == "cuda":  # NCCL binds each rank to its own GPU
-            torch.cuda.set_device(rank_device(device, cls(config)))
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend_for(device), init_method=init_method or "env://", world_size=tp_size,
                                     rank=rank)
         if dist.get_world_size() != tp_size or dist.get_rank() != rank:
             raise ValueError(f"tensor parallel group: expected world size {tp_size} and rank {rank}, got "
                              f"{dist.get_world_size()} and {dist.get_rank()}")
-        return cls(config, dist.group.WORLD)
+        group = cls(config, dist.group.WORLD, device)
+        # A first collective now: NCCL creates its communicator then, not inside a CUDA graph's capture.
+        group.all_reduce(torch.zeros(1, device=device))
+        return group
 
     @classmethod
     def from_env(cls, tp_size: int, device: torch.device) -> TPGroup:
@@ -88,6 +94,14 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def agree_min(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """Each of `values`' minimum over the ranks, on every rank (sizes that every rank must share)."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return tuple(t.tolist())
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` (in place), on every rank."""
