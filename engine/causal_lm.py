@@ -3,7 +3,9 @@ canonical state dict. A family is one subclass in its own file (`model.py` Nemot
 Qwen3.5), picked by `model_family.model_class`.
 
 Invariants: `forward(input_ids, batch, keep)` returns final-norm hidden states and writes every cache layer;
-the state pools hold `recurrent_mixer`'s declared state for each of `cfg.recurrent_layer_ids`, in order.
+the state pools hold `recurrent_mixer`'s declared state for each of `cfg.recurrent_layer_ids`, in order. Under
+tensor parallelism (`from_state_dict`'s `tp`) `cfg` is this rank's shard's (`parallel.shard_config`: its heads and
+channels, the full vocabulary), the hidden states are whole on every rank and so are the logits (gathered).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.recurrent_mixer import RecurrentMixer
 from baton.engine.ops.kernels import Kernels, bind_kernels
+from baton.engine.parallel.group import TPGroup, bind_group
+from baton.engine.parallel.shard_config import shard_config
+from baton.engine.parallel.shard_weights import shard_state_dict
+from baton.engine.parallel.vocab import swap_vocab_parallel
 from baton.engine.state_spec import StateSpec
 from baton.engine.weights import MTP_PREFIX, place
 
@@ -27,6 +33,7 @@ class CausalLM(nn.Module):
     # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`); the runners and
     # graphs read it here.
     kernels: Kernels | None = None
+    tp: TPGroup | None = None  # this rank's tensor-parallel group, set at load (`parallel.group.bind_group`)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -65,15 +72,28 @@ class CausalLM(nn.Module):
             out = self.kernels.fused_linear(hidden, weight)
         else:
             out = torch.nn.functional.linear(hidden, weight)
+        if self.tp is not None and self.tp.size > 1:
+            # This rank's vocabulary columns -> all of them, in rank order, without the last rank's padding.
+            out = self.tp.all_gather(out)
+            if out.shape[-1] != self.cfg.vocab_size:
+                out = out[..., :self.cfg.vocab_size].contiguous()
         return out.float() if upcast else out
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype, kernels: Kernels) -> CausalLM:
-        """The model of a (canonical) checkpoint state dict, its layers running `kernels`' ops."""
+                        dtype: torch.dtype, kernels: Kernels, tp: TPGroup | None = None) -> CausalLM:
+        """The model of a (canonical) checkpoint state dict, its layers running `kernels`' ops; with `tp`, this
+        rank's shard of it (ValueError naming the config field that cannot be split)."""
+        size = 1 if tp is None else tp.size
+        local = shard_config(cfg, size)
         with torch.device("meta"):
-            model = cls(cfg)
-        target = place({k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}, device, dtype)
+            model = cls(local)
+            if size > 1:
+                swap_vocab_parallel(model, cfg.vocab_size, tp)
+        target = {k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}
+        if size > 1:
+            target = shard_state_dict(cfg, target, tp.rank, size)
+        target = place(target, device, dtype)
         quant = cfg.quantization
         swap_fp8_linears(model, target, None if quant is None else quant.block_size)
         missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
@@ -83,4 +103,6 @@ class CausalLM(nn.Module):
         model.finish_load()
         bind_fp8_linears(model)
         bind_kernels(model, kernels)
+        if size > 1:
+            bind_group(model, tp)
         return model.requires_grad_(False).eval()

@@ -88,6 +88,9 @@ class EngineConfig:
     # `llm_engine.AUTO_MIXED_GRAPH_TOKENS` (at most max_num_batched_tokens) where decode steps replay CUDA graphs
     # and K = 0, else 0 (`llm_engine.resolved_mixed_graph_tokens`).
     mixed_graph_tokens: int | None = None
+    # Tensor-parallel ranks of this engine (one process each, `parallel.group`): every rank builds an engine with
+    # the same config and its own rank's group, each holding its shard of the weights and of the caches.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -101,6 +104,7 @@ class EngineConfig:
         check_kernel_mode(self.kernels)
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
+        _check_pos_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"engine field 'dtype': expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:

@@ -40,6 +40,7 @@ from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.model_family import model_class, mtp_class
 from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.ops.linear.tuning import FUSED_GEMV_GPUS
+from baton.engine.parallel.group import TPGroup, rank_device
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
@@ -138,7 +139,9 @@ def resolved_mixed_graph_tokens(config: EngineConfig, device: torch.device, grap
 
 class LLMEngine:
     def __init__(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, tp: TPGroup | None = None) -> None:
+        """`tp`: this rank's tensor-parallel group where `config.tensor_parallel_size` > 1 (None: joined from the
+        environment, `TPGroup.from_env`); every rank's engine is built with the same arguments otherwise."""
         self.config = config = config or EngineConfig()
         self.model_config = model_cfg
         self._arrivals = itertools.count()
@@ -147,7 +150,13 @@ class LLMEngine:
         self.dtype = TORCH_DTYPES[dtype_name]
         self.ssm_dtype = TORCH_DTYPES[config.ssm_state_dtype or model_cfg.mamba_ssm_cache_dtype]
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
-        device = resolved_device(config.device)
+        if tp is None:
+            tp = TPGroup.from_env(config.tensor_parallel_size, resolved_device(config.device))
+        if tp.size != config.tensor_parallel_size:
+            raise ValueError(f"engine field 'tensor_parallel_size': expected the group's size {tp.size}, got "
+                             f"{config.tensor_parallel_size}")
+        self.tp = tp
+        device = rank_device(resolved_device(config.device), tp)
         k = config.num_speculative_tokens
         if k and model_cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"engine field 'num_speculative_tokens': expected 0 for a checkpoint without MTP "
@@ -160,8 +169,13 @@ class LLMEngine:
             torch.cuda.empty_cache()
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
         self.kernels = resolve_kernels(config.kernels, device)
-        self.model = model_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels)
-        self.mtp = mtp_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels) if k else None
+        group = tp if tp.size > 1 else None
+        self.model = model_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels,
+                                                            group)
+        self.mtp = mtp_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels,
+                                                        group) if k else None
+        # This rank's shapes (its heads and channels: `parallel.shard_config`), which its caches hold.
+        self.shard_config = self.model.cfg
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
         # `capture_graphs` ran.
         self.memory: MemoryReport | None = None
@@ -173,8 +187,14 @@ class LLMEngine:
             self.config = config = replace(
                 config, device=str(device), max_num_seqs=config.max_num_seqs or CPU_MAX_NUM_SEQS,
                 cache_memory_bytes=config.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES)
-        self.plan = plan_cache(model_cfg, self.model.state_spec(model_cfg), config, self.dtype, self.ssm_dtype)
-        self.pools = CachePools(model_cfg, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
+        if tp.size > 1:
+            # Every rank schedules alike only with the same pools: the smallest rank's budget (its GPU's free memory).
+            # (A budget of None, where the pools' size was given in blocks, is None on every rank.)
+            budget, seqs = tp.agree_min((config.cache_memory_bytes or 0, config.max_num_seqs))
+            self.config = config = replace(config, cache_memory_bytes=budget or None, max_num_seqs=seqs)
+        shard = self.shard_config
+        self.plan = plan_cache(shard, self.model.state_spec(shard), config, self.dtype, self.ssm_dtype)
+        self.pools = CachePools(shard, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
         graphable = self.graphs_capturable() and self.kernels.triton
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
@@ -227,7 +247,7 @@ class LLMEngine:
             if cache is None:  # the pools' size given in blocks: the CPU's default count
                 seqs = CPU_MAX_NUM_SEQS
             else:
-                unit = plan_cache(self.model_config, self.model.state_spec(self.model_config),
+                unit = plan_cache(self.shard_config, self.model.state_spec(self.shard_config),
                                   replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype)
                 seqs = auto_max_num_seqs(cache, unit.slot_bytes, unit.block_bytes, config.max_num_batched_tokens,
                                          1 + k)
@@ -246,8 +266,9 @@ class LLMEngine:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        plan = plan_cache(self.model_config, self.model.state_spec(self.model_config), probe, self.dtype, self.ssm_dtype)
-        pools = CachePools(self.model_config, plan, bs, self.dtype, self.ssm_dtype, device)
+        plan = plan_cache(self.shard_config, self.model.state_spec(self.shard_config), probe, self.dtype,
+                          self.ssm_dtype)
+        pools = CachePools(self.shard_config, plan, bs, self.dtype, self.ssm_dtype, device)
         with_pools = torch.cuda.memory_reserved(device)
         runner = self._make_runner(pools, device)
         scheduler = Scheduler(probe, plan.num_blocks, plan.num_slots)

@@ -16,6 +16,7 @@ from baton.engine.layers.mamba2 import Mamba2Mixer
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
+from baton.engine.parallel.group import TPGroup
 
 
 class Block(nn.Module):
@@ -40,6 +41,8 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
+    tp: TPGroup | None = None  # this rank's tensor-parallel group, set at load (`parallel.group.bind_group`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -53,7 +56,7 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
                 ) -> torch.Tensor:
         return pre_norm_stack(self.embeddings(input_ids), self.layers, self.norm_f, batch, keep,
-                              self.last_cache_layer)
+                              self.last_cache_layer, self.tp)
 
 
 class NemotronHForCausalLM(CausalLM):

@@ -54,6 +54,9 @@ from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops.kernels import Kernels, bind_kernels
+from baton.engine.parallel.group import TPGroup, bind_group
+from baton.engine.parallel.shard_config import shard_config
+from baton.engine.parallel.shard_weights import shard_state_dict
 from baton.engine.weights import MTP_PREFIX, mtp_layout, place
 
 
@@ -84,6 +87,8 @@ class MTPLayer(nn.Module):
 
 class MTPModule(nn.Module):
     """The `mtp.*` subtree of a NemotronH checkpoint; parameter names match it under an attribute `mtp`."""
+
+    tp: TPGroup | None = None  # this rank's tensor-parallel group, set at load (`parallel.group.bind_group`)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -123,7 +128,7 @@ class MTPModule(nn.Module):
         e = embeddings(next_token_ids).to(dtype)  # [T, hidden]
         h = first.eh_proj(torch.cat([first.enorm(e), first.hnorm(hidden.to(dtype))], dim=-1))  # [T, hidden]
         keep_from = max((i for i, layer in enumerate(layers) if layer.kind == ATTENTION), default=None)
-        return pre_norm_stack(h, layers, layers[-1].final_layernorm, batch, keep, keep_from)
+        return pre_norm_stack(h, layers, layers[-1].final_layernorm, batch, keep, keep_from, self.tp)
 
     @staticmethod
     def with_kv_caches(batch: ForwardBatch, mtp_kv_caches: list[torch.Tensor]) -> ForwardBatch:
@@ -151,11 +156,14 @@ class MTPModule(nn.Module):
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype, kernels: Kernels) -> MTPModule:
+                        dtype: torch.dtype, kernels: Kernels, tp: TPGroup | None = None) -> MTPModule:
         """Build from the `mtp.*` entries of a (canonical) checkpoint state dict (other entries are ignored), its
         layers running `kernels`' ops."""
+        size = 1 if tp is None else tp.size
         with torch.device("meta"):
-            module = cls(cfg)
+            module = cls(shard_config(cfg, size))
+        if size > 1:  # this rank's shard (`parallel.shard_weights`)
+            state = shard_state_dict(cfg, {k: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, tp.rank, size)
         own = place(cls.mtp_entries(state), device, dtype)
         swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
         module._check_keys(own)
@@ -165,4 +173,6 @@ class MTPModule(nn.Module):
                 m.fuse_qkv()
         bind_fp8_linears(module)
         bind_kernels(module, kernels)
+        if size > 1:
+            bind_group(module, tp)
         return module.requires_grad_(False).eval()

@@ -25,6 +25,7 @@ from baton.engine.layers.gated_mlp import GatedMLP
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.layers.qwen_moe import QwenSparseMoE
 from baton.engine.ops.rope.reference import token_positions
+from baton.engine.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ def finish_qwen_load(root: nn.Module) -> None:
 
 
 class TextModel(nn.Module):
+    tp: TPGroup | None = None  # this rank's tensor-parallel group, set at load (`parallel.group.bind_group`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -86,7 +89,7 @@ class TextModel(nn.Module):
                 ) -> torch.Tensor:
         batch.positions = token_positions(batch.query_start_loc, batch.seq_lens, input_ids.shape[0])
         return pre_norm_stack(self.embed_tokens(input_ids), self.blocks, self.norm, batch, keep,
-                              self.last_cache_layer)
+                              self.last_cache_layer, self.tp)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

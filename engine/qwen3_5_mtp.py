@@ -26,11 +26,16 @@ from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops.kernels import Kernels, bind_kernels
 from baton.engine.ops.rope.reference import token_positions
+from baton.engine.parallel.group import TPGroup, bind_group
+from baton.engine.parallel.shard_config import shard_config
+from baton.engine.parallel.shard_weights import shard_state_dict
 from baton.engine.qwen3_5_model import DecoderLayer, finish_qwen_load
 from baton.engine.weights import MTP_PREFIX, place
 
 
 class Qwen3_5MTP(nn.Module):
+    tp: TPGroup | None = None  # this rank's tensor-parallel group, set at load (`parallel.group.bind_group`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         n = cfg.num_nextn_predict_layers
@@ -56,7 +61,7 @@ class Qwen3_5MTP(nn.Module):
         dtype = embeddings.weight.dtype  # the model's (fc's weight may be FP8)
         e = self.pre_fc_norm_embedding(embeddings(next_token_ids).to(dtype))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(dtype))], dim=-1))
-        return pre_norm_stack(x, layer.blocks, self.norm, batch, keep, 0)
+        return pre_norm_stack(x, layer.blocks, self.norm, batch, keep, 0, self.tp)
 
     @staticmethod
     def with_kv_caches(batch: ForwardBatch, mtp_kv_caches: list[torch.Tensor]) -> ForwardBatch:
@@ -65,10 +70,13 @@ class Qwen3_5MTP(nn.Module):
 
     @classmethod
     def from_state_dict(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                        dtype: torch.dtype, kernels: Kernels) -> Qwen3_5MTP:
+                        dtype: torch.dtype, kernels: Kernels, tp: TPGroup | None = None) -> Qwen3_5MTP:
         """Build from the `mtp.*` entries of a canonical checkpoint state dict, its layers running `kernels`' ops."""
+        size = 1 if tp is None else tp.size
         with torch.device("meta"):
-            module = cls(cfg)
+            module = cls(shard_config(cfg, size))
+        if size > 1:  # this rank's shard (`parallel.shard_weights`)
+            state = shard_state_dict(cfg, {k: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, tp.rank, size)
         own = place({k[len(MTP_PREFIX):]: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, device, dtype)
         swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
         expected = set(module.state_dict())
@@ -81,4 +89,6 @@ class Qwen3_5MTP(nn.Module):
         finish_qwen_load(module)
         bind_fp8_linears(module)
         bind_kernels(module, kernels)
+        if size > 1:
+            bind_group(module, tp)
         return module.requires_grad_(False).eval()

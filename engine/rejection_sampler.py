@@ -30,6 +30,9 @@ Reproducibility: a stochastic row's noise is a function of its seed and of the p
 row verifies the same way whatever batch it is in and whatever the batch's Kmax (its own drafts decide which tests
 it makes). A draw is by inverse CDF (one uniform against the cumulative distribution), so it costs one uniform
 per row, not one per vocabulary entry.
+
+Tensor parallelism (R3 across ranks): every rank holds the same gathered logits, but the decisions are rank 0's,
+broadcast (`_agree`), so that every rank emits, accepts and resumes from the same tokens whatever its kernels did.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch import Tensor
 from .host_copy import to_device
 from .ops.kernels import Kernels
 from .ops.tempered_verify.reference import greedy_decisions, stochastic_decisions
+from .parallel.group import TPGroup
 from .sample_inputs import SampleInputs, is_filtered, is_tempered, sample_inputs
 from .sampling import probs
 from .sampling_params import SamplingParams
@@ -69,13 +73,22 @@ def _result(drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
 class RejectionSampler:
     """Stateless apart from `max_draft` and `kernels`; per-request state lives in the params and seeds passed in."""
 
-    def __init__(self, max_draft: int, kernels: Kernels) -> None:
+    def __init__(self, max_draft: int, kernels: Kernels, tp: TPGroup | None = None) -> None:
         # The widest batch accepted (the engine's --speculative-tokens).
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 0:
             raise ValueError(f"max_draft: expected an integer >= 0, got {max_draft!r}")
         self.max_draft = max_draft
         # The engine's implementation of the tempered / filtered decisions (`ops.kernels`).
         self.kernels = kernels
+        # The tensor-parallel group whose rank 0 decides for all (None: this process alone).
+        self.tp = tp
+
+    def _agree(self, decided: Tensor) -> Tensor:
+        """Rank 0's `decided`, on every rank (itself where there is no group)."""
+        return decided if self.tp is None else self.tp.broadcast(decided)
+
+    def _agreed_result(self, drafts: Tensor, accepted: Tensor, final: Tensor) -> VerifyResult:
+        return _result(drafts, self._agree(accepted), self._agree(final))
 
     def verify(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None = None,
@@ -116,7 +129,7 @@ class RejectionSampler:
                                              seeds[idx], positions[idx])
             accepted[idx] = acc_s
             final[idx] = final_s
-        return _result(drafts, accepted, final)
+        return self._agreed_result(drafts, accepted, final)
 
     def sample(self, logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,
                positions: Tensor | None) -> Tensor:
@@ -127,7 +140,7 @@ class RejectionSampler:
         if len(params) != n:
             raise ValueError(f"params: expected one SamplingParams per row ({n} rows), got {len(params)}")
         if seeds is None and all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return self._agree(logits.argmax(dim=-1))
         if seeds is None or positions is None:  # (the checks' error for the missing one)
             zeros = torch.zeros(n, dtype=torch.int64, device=logits.device)
             self._check(logits[:, None], zeros[:, None][:, :0], None, zeros, params, seeds, positions)
@@ -148,7 +161,7 @@ class RejectionSampler:
                 drawn = op(logits[:, None], none, inputs.no_drafts, temp, *extra, inputs.seeds, inputs.positions)[1]
                 final = drawn if final is None else torch.where(temp > 0, drawn, final)
         assert final is not None  # (every row is greedy, tempered or filtered)
-        return final
+        return self._agree(final)
 
     def verify_tempered(self, target_logits: Tensor, draft_token_ids: Tensor, num_draft: Tensor,
                         temperature: Tensor, seeds: Tensor, positions: Tensor, top_k: Tensor | None = None,
@@ -170,15 +183,16 @@ class RejectionSampler:
                                  f"{target_logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         drafts, nd, _, accepted, final = greedy_decisions(target_logits, draft_token_ids, num_draft)
         if top_k is None:
-            return _result(drafts, *self._tempered(target_logits, drafts, nd, temperature, seeds, positions,
-                                                   accepted, final))
+            return self._agreed_result(drafts, *self._tempered(target_logits, drafts, nd, temperature, seeds,
+                                                               positions, accepted, final))
         assert top_p is not None
         filtered = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
         accepted, final = self._tempered(target_logits, drafts, nd, torch.where(filtered, 0.0, temperature), seeds,
                                          positions, accepted, final)
         acc_f, final_f = self.kernels.filtered_decisions(
             target_logits, drafts, nd, torch.where(filtered, temperature, 0.0), top_k, top_p, seeds, positions)
-        return _result(drafts, torch.where(filtered, acc_f, accepted), torch.where(filtered, final_f, final))
+        return self._agreed_result(drafts, torch.where(filtered, acc_f, accepted),
+                                   torch.where(filtered, final_f, final))
 
     def _tempered(self, logits: Tensor, drafts: Tensor, nd: Tensor, temperature: Tensor, seeds: Tensor,
                   positions: Tensor, accepted: Tensor, final: Tensor) -> tuple[Tensor, Tensor]:

@@ -67,7 +67,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         # Draws each row's next token (`RejectionSampler.sample`); a spec runner's verifies drafts too.
-        self.rejection = RejectionSampler(0, model.kernels)
+        self.rejection = RejectionSampler(0, model.kernels, model.tp)
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()

@@ -66,7 +66,7 @@ class SpecRunner(ModelRunner):
         self._mtp_kv = pools.mtp_kv_layers()
         if len(self._mtp_kv) != mtp.num_kv_layers:
             raise ValueError(f"cache pools: expected {mtp.num_kv_layers} MTP KV layers, got {len(self._mtp_kv)}")
-        self.rejection = RejectionSampler(num_speculative_tokens, model.kernels)
+        self.rejection = RejectionSampler(num_speculative_tokens, model.kernels, model.tp)
         # The last eager step's start mark (`pending_step.device_mark`): a prefill-only launch's PendingStep times
         # from it.
         self._started: torch.cuda.Event | None = None

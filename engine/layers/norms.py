@@ -15,6 +15,7 @@ from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.ops.kernels import Kernels
+from baton.engine.parallel.group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -71,7 +72,8 @@ class PendingNorm:
 
 
 def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMSNorm, batch: ForwardBatch,
-                   keep: torch.Tensor | None = None, keep_from: int | None = None) -> torch.Tensor:
+                   keep: torch.Tensor | None = None, keep_from: int | None = None, tp: TPGroup | None = None
+                   ) -> torch.Tensor:
     """h + mixer(norm(h)) through `layers` (each with `.norm` and `.mixer(x, batch)`), then `final_norm`; each
     residual add runs fused into the norm after it (`RMSNorm.add_forward`). Returns final_norm's output.
 
@@ -83,7 +85,11 @@ def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMS
 
     With `batch.fused_gemv` the add and the norm go one step further, into the next mixer's first linear layer
     (`mixer.forward_pending(PendingNorm, batch) -> (out, residual)`, where the mixer has it); such a step has
-    few tokens, and keep only selects the outputs."""
+    few tokens, and keep only selects the outputs.
+
+    tp (tensor parallelism): each mixer's output is this rank's partial sum (its heads' or channels' share of the
+    row-parallel projection), so it is all-reduced once per block, before the residual add."""
+    reduce = (lambda x: x) if tp is None else tp.all_reduce
     if batch.fused_gemv:
         out, res = h, None
         for layer in layers:
@@ -93,20 +99,21 @@ def pre_norm_stack(h: torch.Tensor, layers: Sequence[nn.Module], final_norm: RMS
             else:
                 x, res = pending.materialize()
                 out = layer.mixer(x, batch)
+            out = reduce(out)
         x = PendingNorm(out, res, final_norm).materialize()[0]
         return x if keep is None else x[keep]
     if keep is not None and keep_from is None:
-        return pre_norm_stack(h, layers, final_norm, batch)[keep]
+        return pre_norm_stack(h, layers, final_norm, batch, tp=tp)[keep]
     x = layers[0].norm(h)
     norms = [layer.norm for layer in layers[1:]] + [final_norm]
     for i, (layer, norm) in enumerate(zip(layers, norms, strict=True)):
         if keep is not None and i == keep_from:
-            out = layer.mixer(x, batch, keep=keep)  # the kept tokens' outputs only
+            out = reduce(layer.mixer(x, batch, keep=keep))  # the kept tokens' outputs only
             h = h[keep]
             if not h.shape[0]:  # nothing to return: the caches are written
                 return out
         else:
-            out = layer.mixer(x, batch)
+            out = reduce(layer.mixer(x, batch))
         x, h = norm.add_forward(out, h)  # h += mixer(x); x = the next norm of h
     return x
 
