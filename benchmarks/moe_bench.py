@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.engine_bench import time_ms  # noqa: E402
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
 
 
@@ -63,19 +63,9 @@ class Row:
 def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]], float]:
     def run(fn: Callable[[], object]) -> float:
         fn()  # warm-up (compiles)
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            return (time.perf_counter() - t0) / iters * 1e3
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / iters
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time_ms(fn, iters, device)
 
     return run
 
