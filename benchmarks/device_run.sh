@@ -99,7 +99,7 @@ if stage kernels; then
   python3 benchmarks/kernels_bench.py 2>&1 | tail -24 | tee "$OUT/kernels.txt"
 fi
 if stage gdn; then
-  python3 benchmarks/gdn_bench.py ${GDN_ARGS:-} --json "$OUT/gdn.json" 2>&1 | tail -12 | tee "$OUT/gdn.txt"
+  python3 benchmarks/gdn_bench.py ${GDN_ARGS:-} --json "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.txt" | tail -60
 fi
 if stage sampling; then
   python3 benchmarks/sampling_bench.py --no-progress ${SAMPLING_ARGS:-} --json "$OUT/sampling.json" 2>&1 \

@@ -8,8 +8,10 @@
    error) before timing. Device time: `--calls` calls queued back to back between two events (median of 7).
 2. Decode (the recurrent update) at batch 1, 32, 256 as a CUDA graph of `--graph-launches` launches, in GB/s of
    the bytes it must move (the fp32 state read and written, q, k, v, a, b read, the output written) against a
-   device-to-device copy measured in the run. `--decode-sweep 2048x4,8192x8,...` also times each (state elements
-   per program) x (warps) launch at every batch: what `tuning.DECODE_LAUNCH` is chosen from.
+   device-to-device copy measured in the run. `--decode-sweep 2048x4,8192x4x2s,...` also times each (state
+   elements per tile) x (warps) [x (tiles per program)] [s: L2 streaming hints] launch at every batch: what
+   `tuning.DECODE_LAUNCH` is chosen from. `--wy-sweep 8192x8x2x4,...` times the chunk-parallel prefill at each
+   (scan tile x scan warps x scan stages x prep warps): what `tuning.WY_*` are chosen from.
 
 fla is not a dependency: carry its wheels (`pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps
 -d .whl-fla`; pure Python + Triton) and install them on the GPU machine; without it, part 1 times ours alone.
@@ -102,8 +104,8 @@ def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
     return out
 
 
-def bench_decode(batch: int, launches: int, copy: float, tile: int | None = None,
-                 warps: int | None = None) -> dict[str, float]:
+def bench_decode(batch: int, launches: int, copy: float, launch: tuple[int, int, int, bool] | None = None
+                 ) -> dict[str, object]:  # fmt: skip
     from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton
     from tests.cuda_timing import time_call_ms
 
@@ -116,29 +118,85 @@ def bench_decode(batch: int, launches: int, copy: float, tile: int | None = None
     q, k, v, a, b = randn(batch, HK, DK), randn(batch, HK, DK), randn(batch, HV, DV), randn(batch, HV), randn(batch, HV)
     A_log, dt_bias = torch.zeros(HV, device="cuda"), torch.zeros(HV, device="cuda")
     slots = torch.arange(batch, device="cuda")
+    tile, warps, tiles, stream = launch or (None, None, None, None)
 
     def once():
-        gated_delta_decode_triton(pool, q, k, v, a, b, A_log, dt_bias, slots, tile=tile, num_warps=warps)
+        gated_delta_decode_triton(pool, q, k, v, a, b, A_log, dt_bias, slots, tile=tile, num_warps=warps, tiles=tiles,
+                                  stream=stream)
 
     ms = time_call_ms(once, warmup=1, iters=10, graph_launches=launches)
     nbytes = batch * (2 * HV * DK * DV * 4 + (2 * HK * DK + 2 * HV * DV + 2 * HV) * 2 + 8)
     gbps = nbytes / (ms / 1e3) / 1e9
-    return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy, tile=tile, warps=warps)
+    name = "tuned" if launch is None else f"{tile}x{warps}x{tiles}" + ("s" if stream else "")
+    return dict(batch=batch, us=ms * 1e3, gbps=gbps, vs_copy=gbps / copy, launch=name)
 
 
-def parse_sweep(text: str) -> list[tuple[int, int]]:
-    """'2048x4,8192x8' -> [(2048, 4), (8192, 8)]: tiles and warps, powers of two."""
+def parse_sweep(text: str) -> list[tuple[int, int, int, bool]]:
+    """'2048x4,8192x4x2s' -> [(2048, 4, 1, False), (8192, 4, 2, True)]: state elements per program x warps, then
+    optionally x tiles per program, and a trailing 's' for the L2 streaming hints; powers of two."""
     out = []
     for item in text.split(","):
-        tile, _, warps = item.partition("x")
+        stream = item.endswith("s")
+        parts = item.removesuffix("s").split("x")
         try:
-            t, w = int(tile), int(warps)
+            t, w, n = (int(x) for x in (parts + ["1"])[:3]) if len(parts) in (2, 3) else (0, 0, 0)
         except ValueError:
-            raise ValueError(f"--decode-sweep: expected TILExWARPS items like 4096x4, got {item!r}") from None
-        if t < 1 or w < 1 or t & (t - 1) or w & (w - 1):
-            raise ValueError(f"--decode-sweep: expected powers of two, got tile {t}, warps {w}")
-        out.append((t, w))
+            t = w = n = 0
+        if min(t, w, n) < 1 or t & (t - 1) or w & (w - 1):
+            raise ValueError(f"--decode-sweep: expected TILExWARPS[xTILES][s] items of powers of two like 4096x4 or "
+                             f"8192x4x2s, got {item!r}")
+        out.append((t, w, n, stream))
     return out
+
+
+def parse_wy_sweep(text: str) -> list[tuple[int, int, int, int]]:
+    """'8192x8x2x4,4096x4x3x4' -> [(scan tile, scan warps, scan stages, prep warps), ...]."""
+    out = []
+    for item in text.split(","):
+        try:
+            vals = tuple(int(x) for x in item.split("x"))
+        except ValueError:
+            vals = ()
+        if len(vals) != 4 or min(vals) < 1:
+            raise ValueError(f"--wy-sweep: expected SCANTILExSCANWARPSxSTAGESxPREPWARPS items like 8192x8x2x4, "
+                             f"got {item!r}")
+        out.append(vals)
+    return out
+
+
+def bench_wy(tokens: int, calls: int, sweep: list[tuple[int, int, int, int]]) -> list[dict[str, object]]:
+    """The chunk-parallel prefill at each (scan tile, scan warps, scan stages, prep warps), its output checked
+    against the tuned launch's."""
+    from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
+    from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
+
+    t = inputs(tokens)
+    pool = torch.zeros(2, HV, DK, DV, dtype=torch.float32, device="cuda")
+    qsl = torch.tensor([0, tokens], device="cuda")
+    slots = torch.tensor([1], device="cuda")
+    init = torch.tensor([True], device="cuda")
+
+    def ours():
+        return gated_delta_prefill_varlen_triton(pool, t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"],
+                                                 t["dt_bias"], qsl, slots, init, CHUNK)
+
+    pool[1] = t["init"]
+    ref = ours()
+    tuned = (wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS)
+    rows = []
+    try:
+        for tile, warps, stages, prep in sweep:
+            wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS = tile, warps, stages, prep
+            name = f"{tile}x{warps}x{stages}x{prep}"
+            try:
+                pool[1] = t["init"]
+                err = rel_err(ours(), ref)
+                rows.append(dict(launch=name, ms=device_ms(ours, calls), err_vs_tuned=err))
+            except Exception as e:  # a launch past the SM's shared memory: recorded, not fatal
+                rows.append(dict(launch=name, error=f"{type(e).__name__}: {str(e)[:120]}"))
+    finally:
+        wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS = tuned
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,32,256", help="decode batch sizes, comma-separated")
     p.add_argument("--graph-launches", type=int, default=100)
     p.add_argument("--calls", type=int, default=20, help="prefill calls queued back to back per timing")
-    p.add_argument("--decode-sweep", default="", help="decode launches to time too, TILExWARPS comma-separated")
+    p.add_argument("--decode-sweep", default="",
+                   help="decode launches to time too, TILExWARPS[xTILES][s] comma-separated (s: L2 streaming hints)")
+    p.add_argument("--wy-sweep", default="", help="chunk-parallel prefill launches to time too, "
+                   "SCANTILExSCANWARPSxSTAGESxPREPWARPS comma-separated")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     a = p.parse_args(argv)
     try:
         sweep = parse_sweep(a.decode_sweep) if a.decode_sweep else []
+        wy_sweep = parse_wy_sweep(a.wy_sweep) if a.wy_sweep else []
     except ValueError as e:
         p.error(str(e))
     try:
@@ -176,19 +238,26 @@ def main(argv: list[str] | None = None) -> int:
                   f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
         else:
             print(f"; fla {prefill['fla']}")
+    wy_rows = bench_wy(a.tokens, a.calls, wy_sweep) if wy_sweep and not a.no_prefill else []
+    if wy_rows:
+        print("| prefill launch (scan tile x warps x stages x prep warps) | ms | rel err vs tuned |\n| --- | ---: | ---: |")
+        for r in wy_rows:
+            print(f"| {r['launch']} | " + (f"{r['ms']:.3f} | {r['err_vs_tuned']:.1e} |" if "ms" in r
+                                           else f"{r['error']} | |"))
     copy = copy_gbps()
     decode = [bench_decode(b, a.graph_launches, copy) for b in batches]
     print(f"decode (graph of {a.graph_launches} launches), copy {copy:.0f} GB/s")
     print("| batch | us | GB/s | of copy |\n| ---: | ---: | ---: | ---: |")
     for d in decode:
         print(f"| {d['batch']} | {d['us']:.1f} | {d['gbps']:.0f} | {d['vs_copy']:.0%} |")
-    swept = [bench_decode(b, a.graph_launches, copy, t, w) for b in batches for t, w in sweep]
+    swept = [bench_decode(b, a.graph_launches, copy, launch) for b in batches for launch in sweep]
     if swept:
-        print("| batch | tile x warps | us | of copy |\n| ---: | --- | ---: | ---: |")
+        print("| batch | tile x warps x tiles | us | of copy |\n| ---: | --- | ---: | ---: |")
         for d in swept:
-            print(f"| {d['batch']} | {d['tile']}x{d['warps']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
+            print(f"| {d['batch']} | {d['launch']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
     if a.json:
-        a.json.write_text(json.dumps({"prefill": prefill, "decode": decode, "decode_sweep": swept, "copy_gbps": copy},
+        a.json.write_text(json.dumps({"prefill": prefill, "prefill_sweep": wy_rows, "decode": decode, "decode_sweep": swept,
+                                     "copy_gbps": copy},
                                      indent=2) + "\n")
     return 0
 

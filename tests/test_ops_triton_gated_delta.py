@@ -144,6 +144,22 @@ def test_decode_matches_reference_and_leaves_other_slots(dtype, state_dtype, ato
     assert_same(pool[others], before[others])
 
 
+@pytest.mark.parametrize("tiles,stream", [(2, False), (3, True), (8, False)])
+def test_decode_several_tiles_per_program_and_stream_hints(tiles, stream):
+    """A program walking several tiles (the next tile's read issued early), the tile count not dividing the grid's
+    (its last program runs past the end and must touch nothing), and the L2 hints: the same results."""
+    params, tok = make_params(4), make_tokens((BATCH,), torch.float32, **SMALL)
+    pool = make_pool(torch.float32, 4, 16, 8)
+    before, ref_pool = pool.clone(), pool.clone()
+    run = functools.partial(gated_delta_decode_triton, tile=64, tiles=tiles, stream=stream)  # 2 tiles per head
+    o = decode(run, pool, tok, params, SLOTS)
+    o_ref = decode(gated_delta_decode, ref_pool, tok, params, SLOTS)
+    close(o, o_ref, 2e-5, 1e-4)
+    close(pool, ref_pool, 2e-5, 1e-4)
+    others = [s for s in range(NUM_SLOTS) if s not in SLOTS]
+    assert_same(pool[others], before[others])
+
+
 def test_decode_odd_sizes_and_strided_inputs():
     """Dk and Dv not powers of two (masked tile edges), Hk = 1; q, k, v views with non-unit strides."""
     shape = dict(Hk=1, Hv=3, Dk=12, Dv=6)
@@ -408,17 +424,18 @@ GPU_SLOTS = 64
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [None, *[(tile, warps) for _, tile, warps in DECODE_LAUNCH]])
+@pytest.mark.parametrize("launch", [None, *[tuple(launch) for _, *launch in DECODE_LAUNCH], (8192, 4, 4, True)])
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
 def test_gpu_decode_full_size(dtype, state_dtype, atol, rtol, launch):
     """At the batch's own tuning and at every launch `DECODE_LAUNCH` may pick."""
-    tile, warps = launch or (None, None)
+    tile, warps, tiles, stream = launch or (None, None, None, None)
     slots = torch.randperm(GPU_SLOTS, generator=torch.Generator().manual_seed(0))[:40].tolist()
     params = make_params(FULL["Hv"], device="cuda")
     tok = make_tokens((len(slots),), dtype, **FULL, device="cuda")
     pool = make_pool(state_dtype, FULL["Hv"], FULL["Dk"], FULL["Dv"], slots=GPU_SLOTS, device="cuda")
     before, ref_pool = pool.clone(), pool.clone()
-    o = decode(functools.partial(gated_delta_decode_triton, tile=tile, num_warps=warps), pool, tok, params, slots)
+    run = functools.partial(gated_delta_decode_triton, tile=tile, num_warps=warps, tiles=tiles, stream=stream)
+    o = decode(run, pool, tok, params, slots)
     o_ref = decode(gated_delta_decode, ref_pool, tok, params, slots)
     close(o, o_ref, atol, rtol)
     close(pool, ref_pool, atol, rtol)
@@ -479,8 +496,8 @@ def test_gpu_norm_gate_full_size(dtype):
 def test_decode_launch_takes_the_last_entry_its_batch_reaches():
     from baton.engine.ops.gated_delta import tuning
 
-    starts = [start for start, _, _ in tuning.DECODE_LAUNCH]
+    starts = [start for start, *_ in tuning.DECODE_LAUNCH]
     assert starts[0] == 1 and starts == sorted(set(starts))
-    for i, (start, tile, warps) in enumerate(tuning.DECODE_LAUNCH):
+    for i, (start, *launch) in enumerate(tuning.DECODE_LAUNCH):
         end = starts[i + 1] if i + 1 < len(starts) else start + 1000
-        assert {tuning.decode_launch(b) for b in (start, end - 1)} == {(tile, warps)}
+        assert {tuning.decode_launch(b) for b in (start, end - 1)} == {tuning.DecodeLaunch(*launch)}

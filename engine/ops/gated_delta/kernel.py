@@ -56,18 +56,40 @@ def _delta_step(s, k, v, g, beta):
 
 
 @triton.jit
-def _program_tile(Hv, Dv, BLOCK_V: tl.constexpr):
-    """(block of Dv, value head, row) of this program: the value block varies fastest, then the head, so
-    consecutive programs walk one slot's [Hv, Dk, Dv] state contiguously."""
-    pid = tl.program_id(0)
+def _tile_of(p, Hv, Dv, BLOCK_V: tl.constexpr):
+    """(block of Dv, value head, row) of tile number p: the value block varies fastest, then the head, so
+    consecutive tiles walk one slot's [Hv, Dk, Dv] state contiguously."""
     n_blocks = tl.cdiv(Dv, BLOCK_V)
-    return pid % n_blocks, (pid // n_blocks) % Hv, pid // (n_blocks * Hv)
+    return p % n_blocks, (p // n_blocks) % Hv, p // (n_blocks * Hv)
+
+
+@triton.jit
+def _program_tile(Hv, Dv, BLOCK_V: tl.constexpr):
+    """(block of Dv, value head, row) of this program's one tile (`_tile_of`)."""
+    return _tile_of(tl.program_id(0), Hv, Dv, BLOCK_V)
+
+
+@triton.jit
+def _load_state_at(state_ptr, slot_ptr, p, Hv, Dv, s_st_slot, s_st_h, s_st_k, s_st_v, offs_k, offs_vb, mask_k,
+                   BLOCK_V: tl.constexpr, STREAM: tl.constexpr):  # fmt: skip
+    """The fp32 [BLOCK_K, BLOCK_V] state tile of decode tile number p (a real tile: the caller clamps)."""
+    pid_v, h, b = _tile_of(p, Hv, Dv, BLOCK_V)
+    offs_v = pid_v * BLOCK_V + offs_vb
+    mask = mask_k[:, None] & (offs_v < Dv)[None, :]
+    # 64-bit slot offsets: a pool can hold more than 2**31 elements.
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v
+    if STREAM:  # read once per step: not worth a place in L2
+        x = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(at, mask=mask, other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
 def _gdn_decode_kernel(
     state_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, slot_ptr, o_ptr,
-    Hv, Dk, Dv, heads_per_key, scale,
+    n_tiles, Hv, Dk, Dv, heads_per_key, scale,
     s_st_slot, s_st_h, s_st_k, s_st_v,
     s_q_b, s_q_h, s_q_d,
     s_k_b, s_k_h, s_k_d,
@@ -77,35 +99,51 @@ def _gdn_decode_kernel(
     s_o_b, s_o_h, s_o_d,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    TILES: tl.constexpr,
+    STREAM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pid_v, h, b = _program_tile(Hv, Dv, BLOCK_V)
-    kh = h // heads_per_key
+    # TILES consecutive tiles per program, the next one's state load issued before this one's update and store, so
+    # a program keeps a read in flight while it computes.
+    first = tl.program_id(0) * TILES
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_vb = tl.arange(0, BLOCK_V)
     mask_k = offs_k < Dk
-    mask_v = offs_v < Dv
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    tile = offs_k[:, None] * s_st_k + offs_v[None, :] * s_st_v  # [BLOCK_K, BLOCK_V]
-
-    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    pdl_wait(PDL)  # (A_log and dt_bias above are constants)
-    # 64-bit slot offsets: a pool can hold more than 2**31 elements.
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    state_at = state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + tile
-    s = tl.load(state_at, mask=mask_kv, other=0.0).to(tl.float32)
-
-    bb = b.to(tl.int64)
-    q = _unit(q_ptr + bb * s_q_b + kh * s_q_h, offs_k * s_q_d, mask_k) * scale
-    k = _unit(k_ptr + bb * s_k_b + kh * s_k_h, offs_k * s_k_d, mask_k)
-    v = tl.load(v_ptr + bb * s_v_b + h * s_v_h + offs_v * s_v_d, mask=mask_v, other=0.0).to(tl.float32)
-    g, beta = _gates(tl.load(a_ptr + bb * s_a_b + h * s_a_h), tl.load(b_ptr + bb * s_b_b + h * s_b_h), neg_A,
-                     dt_bias, b_ptr.dtype.element_ty)  # fmt: skip
-    s = _delta_step(s, k, v, g, beta)
-    o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V], from the fp32 state
-    tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_kv)
-    tl.store(o_ptr + bb * s_o_b + h * s_o_h + offs_v * s_o_d, round_to(o, o_ptr.dtype.element_ty), mask=mask_v)
+    pdl_wait(PDL)
+    # Tiles past the end (the last program's, when TILES does not divide the count) redo the last tile's reads and
+    # store nothing.
+    last = n_tiles - 1
+    s_next = _load_state_at(state_ptr, slot_ptr, tl.minimum(first, last), Hv, Dv, s_st_slot, s_st_h, s_st_k, s_st_v,
+                            offs_k, offs_vb, mask_k, BLOCK_V, STREAM)  # fmt: skip
+    for i in tl.static_range(TILES):
+        p = tl.minimum(first + i, last)
+        s = s_next
+        if i + 1 < TILES:
+            s_next = _load_state_at(state_ptr, slot_ptr, tl.minimum(first + i + 1, last), Hv, Dv, s_st_slot, s_st_h,
+                                    s_st_k, s_st_v, offs_k, offs_vb, mask_k, BLOCK_V, STREAM)  # fmt: skip
+        pid_v, h, b = _tile_of(p, Hv, Dv, BLOCK_V)
+        kh = h // heads_per_key
+        offs_v = pid_v * BLOCK_V + offs_vb
+        mask_v = (offs_v < Dv) & (first + i + offs_vb * 0 < n_tiles)
+        neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        bb = b.to(tl.int64)
+        q = _unit(q_ptr + bb * s_q_b + kh * s_q_h, offs_k * s_q_d, mask_k) * scale
+        k = _unit(k_ptr + bb * s_k_b + kh * s_k_h, offs_k * s_k_d, mask_k)
+        v = tl.load(v_ptr + bb * s_v_b + h * s_v_h + offs_v * s_v_d, mask=mask_v, other=0.0).to(tl.float32)
+        g, beta = _gates(tl.load(a_ptr + bb * s_a_b + h * s_a_h), tl.load(b_ptr + bb * s_b_b + h * s_b_h), neg_A,
+                         dt_bias, b_ptr.dtype.element_ty)  # fmt: skip
+        s = _delta_step(s, k, v, g, beta)
+        o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V], from the fp32 state
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        state_at = (state_ptr + slot * s_st_slot + h.to(tl.int64) * s_st_h + offs_k[:, None] * s_st_k
+                    + offs_v[None, :] * s_st_v)  # fmt: skip
+        mask_kv = mask_k[:, None] & mask_v[None, :]
+        if STREAM:  # written once, read next step: streamed past L2
+            tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_kv, cache_modifier=".cs")
+        else:
+            tl.store(state_at, round_to(s, state_ptr.dtype.element_ty), mask=mask_kv)
+        tl.store(o_ptr + bb * s_o_b + h * s_o_h + offs_v * s_o_d, round_to(o, o_ptr.dtype.element_ty), mask=mask_v)
 
 
 @triton.jit
@@ -206,26 +244,31 @@ def gated_delta_decode_triton(
     *,
     tile: int | None = None,
     num_warps: int | None = None,
+    tiles: int | None = None,
+    stream: bool | None = None,
 ) -> Tensor:
     """Advance each row's state by one token and return that token's output (`gated_delta_decode`).
 
     state [S, Hv, Dk, Dv] pool, updated in place at `state_slots` only; q, k [B, Hk, Dk]; v [B, Hv, Dv]; a, b [B, Hv]
     raw; A_log, dt_bias [Hv]; state_slots [B] distinct ints in [0, S) (unchecked: see the module docstring).
-    Returns o [B, Hv, Dv] in v.dtype. `tile` and `num_warps` override the batch size's tuning (`decode_launch`:
-    benchmarks sweep them).
+    Returns o [B, Hv, Dv] in v.dtype. `tile`, `num_warps`, `tiles` (tiles per program) and `stream` (L2 eviction
+    hints) override the batch size's tuning (`decode_launch`: benchmarks sweep them).
     """
     fn = "gated_delta_decode_triton"
     batch, Hk, Dk, Hv, Dv, _ = check_decode_shapes(fn, state, q, k, v, a, b, A_log, dt_bias, state_slots)
 
     o = torch.empty_like(v)
     if batch:
-        tuned_tile, tuned_warps = decode_launch(batch)
-        block_k, block_v = launch_config(Dk, Dv, tile or tuned_tile)
-        _gdn_decode_kernel[(cdiv(Dv, block_v) * Hv * batch,)](
+        tuned = decode_launch(batch)
+        block_k, block_v = launch_config(Dk, Dv, tile or tuned.tile)
+        tiles_per_program = tiles or tuned.tiles
+        n_tiles = cdiv(Dv, block_v) * Hv * batch
+        _gdn_decode_kernel[(cdiv(n_tiles, tiles_per_program),)](
             state, q, k, v, a, b, A_log, dt_bias, state_slots, o,
-            Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
+            n_tiles, Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
             *state.stride(), *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *o.stride(),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps or tuned_warps, **pdl(v),
+            BLOCK_K=block_k, BLOCK_V=block_v, TILES=tiles_per_program,
+            STREAM=tuned.stream if stream is None else stream, num_warps=num_warps or tuned.warps, **pdl(v),
         )  # fmt: skip
     return o
 

@@ -1,5 +1,7 @@
 """Tuning of the Gated DeltaNet kernels, each entry with its reason."""
 
+from typing import NamedTuple
+
 # State elements per program of decode and verify (a [Dk, BLOCK_V] tile): Dv is split so a row's heads spread over
 # enough programs to fill the GPU at small batches while each tile still fits in registers.
 STEP_TILE = 4096
@@ -9,10 +11,11 @@ PREFILL_TILE = 2048
 STEP_WARPS = 4
 # Elements per program of the verify inputs' record: a wide block keeps that copy to few programs.
 RECORD_BLOCK = 1024
-# Decode launches by batch size, (smallest batch, STEP_TILE-like tile, warps), the last entry whose batch is reached
-# applies: a decode step's state traffic grows with the batch, and the tile that fills the GPU at one row is not the
-# one that streams the state fastest at hundreds.
-DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS), (16, 4096, 2), (128, 8192, 4))
+# Decode launches by batch size, the last entry whose batch is reached applies: a decode step's state traffic grows
+# with the batch, and the tile that fills the GPU at one row is not the one that streams the state fastest at
+# hundreds. Each entry: (smallest batch, STEP_TILE-like tile, warps, tiles per program: more than one issues the
+# next tile's state read before this one's update, stream: L2 eviction hints on the state's read and write).
+DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS, 1, False), (16, 4096, 2, 1, False), (128, 8192, 4, 1, False))
 
 
 # Chunk-parallel prefill (kernel_chunk_wy.py).
@@ -49,10 +52,17 @@ WY_PRECISION = {False: ("tf32", "tf32"), True: ("ieee", "ieee")}
 WY_SCAN_BF16 = True
 
 
-def decode_launch(batch: int) -> tuple[int, int]:
-    """(tile, warps) of a decode launch over `batch` rows."""
-    tile, warps = DECODE_LAUNCH[0][1:]
-    for start, t, w in DECODE_LAUNCH:
+class DecodeLaunch(NamedTuple):
+    tile: int
+    warps: int
+    tiles: int
+    stream: bool
+
+
+def decode_launch(batch: int) -> DecodeLaunch:
+    """The launch of a decode over `batch` rows (`DECODE_LAUNCH`)."""
+    chosen = DecodeLaunch(*DECODE_LAUNCH[0][1:])
+    for start, *launch in DECODE_LAUNCH:
         if batch >= start:
-            tile, warps = t, w
-    return tile, warps
+            chosen = DecodeLaunch(*launch)
+    return chosen
