@@ -15,7 +15,7 @@ RECORD_BLOCK = 1024
 # with the batch, and the tile that fills the GPU at one row is not the one that streams the state fastest at
 # hundreds. Each entry: (smallest batch, STEP_TILE-like tile, warps, tiles per program: more than one issues the
 # next tile's state read before this one's update, stream: L2 eviction hints on the state's read and write).
-DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS, 1, False), (16, 4096, 2, 1, False), (128, 8192, 4, 1, False))
+DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS, 1, False), (16, 8192, 4, 1, True), (128, 8192, 4, 1, True))
 
 
 # Chunk-parallel prefill (kernel_chunk_wy.py).
