@@ -341,11 +341,11 @@ class Traffic:
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """All parameters once, minus the embedding table unless the lm_head reads it (tied)."""
-    total = 0
+    total, family = 0, model_class(cfg)
     for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
         if name in _EMBEDDINGS and not cfg.tie_word_embeddings:
             continue
-        total += math.prod(shape) * (4 if name.endswith(FP32_SUFFIXES) else dtype.itemsize)
+        total += math.prod(shape) * (4 if family.runs_in_fp32(name) else dtype.itemsize)
     return total
 
 

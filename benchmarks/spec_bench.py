@@ -58,7 +58,8 @@ from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import build_config
-from baton.engine.weights import FP32_SUFFIXES, MTP_PREFIX, TORCH_DTYPES, expected_weight_shapes
+from baton.engine.model_family import model_class
+from baton.engine.weights import MTP_PREFIX, TORCH_DTYPES, expected_weight_shapes
 
 # `python benchmarks/X.py` puts only benchmarks/ on the path; the shared helpers are imported as a package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -147,8 +148,8 @@ def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torc
     return engine_random_weights(cfg, hf, device, dtype, seed, progress, include_mtp=True)
 
 
-def _tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * (4 if name.endswith(FP32_SUFFIXES) else dtype.itemsize)
+def _tensor_bytes(cfg: ModelConfig, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * (4 if model_class(cfg).runs_in_fp32(name) else dtype.itemsize)
 
 
 def _mtp_layer_index(name: str) -> int | None:
@@ -163,7 +164,7 @@ def mtp_step_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     shapes = {n: s for n, s in expected_weight_shapes(cfg, include_mtp=True).items() if n.startswith(MTP_PREFIX)}
     layers = {i for i in map(_mtp_layer_index, shapes) if i is not None}
     per_step = len(layers) // cfg.num_nextn_predict_layers
-    return sum(_tensor_bytes(n, s, dtype) for n, s in shapes.items()
+    return sum(_tensor_bytes(cfg, n, s, dtype) for n, s in shapes.items()
                if (i := _mtp_layer_index(n)) is None or i < per_step)
 
 
@@ -171,7 +172,7 @@ def lm_head_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """The weight a draft's logits read: the family's `lm_head`, or the embedding table it is tied to."""
     shapes = expected_weight_shapes(cfg, include_mtp=False)
     name = "lm_head.weight" if "lm_head.weight" in shapes else next(n for n in _EMBEDDINGS if n in shapes)
-    return _tensor_bytes(name, shapes[name], dtype)
+    return _tensor_bytes(cfg, name, shapes[name], dtype)
 
 
 def draft_pass_bytes(cfg: ModelConfig, dtype: torch.dtype, batch: int, context_tokens: float) -> float:

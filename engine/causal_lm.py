@@ -25,7 +25,7 @@ from baton.engine.parallel.shard_config import shard_config
 from baton.engine.parallel.shard_weights import shard_state_dict
 from baton.engine.parallel.vocab import swap_vocab_parallel
 from baton.engine.state_spec import StateSpec
-from baton.engine.weights import MTP_PREFIX, place
+from baton.engine.weights import FP32_SUFFIXES, MTP_PREFIX, place
 
 
 class CausalLM(nn.Module):
@@ -43,6 +43,12 @@ class CausalLM(nn.Module):
     def state_spec(cls, cfg: ModelConfig) -> StateSpec:
         """What the state pools hold per slot (`cache_pools.plan_cache`)."""
         return cls.recurrent_mixer.state_spec(cfg, len(cfg.recurrent_layer_ids))
+
+    @classmethod
+    def runs_in_fp32(cls, name: str) -> bool:
+        """Whether canonical weight `name` is held in fp32 whatever the model dtype once loaded: the loader's
+        (`FP32_SUFFIXES`), and what a family's `finish_load` makes fp32."""
+        return name.endswith(FP32_SUFFIXES)
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None

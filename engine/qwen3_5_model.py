@@ -63,6 +63,11 @@ def decoder_layer(cfg: ModelConfig, layer_id: int) -> DecoderLayer:
     return DecoderLayer(cfg, mixer, cfg.layer_types[block + 1], ids.index(block) if block in ids else -1)
 
 
+# The canonical weights of the RMSNorms `finish_qwen_load` folds (the final norms `model.norm`, `mtp.norm` apart).
+RMSNORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+                   "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+
+
 def finish_qwen_load(root: nn.Module) -> None:
     """What the loaded weights fix once: norm(x) * (1 + w) as an RMSNorm of weight 1 + w, in fp32 (exactly HF's
     `1.0 + w.float()`), and RoPE's constants on the weights' device."""
@@ -112,3 +117,9 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     def finish_load(self) -> None:
         finish_qwen_load(self)
+
+    @classmethod
+    def runs_in_fp32(cls, name: str) -> bool:
+        """The RMSNorms' weights too: `finish_qwen_load` holds 1 + w in fp32."""
+        return super().runs_in_fp32(name) or name.endswith(RMSNORM_WEIGHTS) or name in ("model.norm.weight",
+                                                                                            "mtp.norm.weight")

@@ -229,3 +229,20 @@ def test_qwen3_5_smoke_counts_its_gated_deltanet_state_and_flops(tmp_path):
     hv, dk, dv, q = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.chunk_size
     gdn = 3 * t * hv * (8 * dk * dv + 2 * (q + 1) * (dk + dv))  # the preset's three GDN layers
     assert r["prefill"][0]["flops"]["ssd"] == gdn
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3.5-tiny"])
+def test_weight_bytes_count_what_a_bf16_model_holds(preset):
+    """The decode roofline's weight bytes at bf16 equal the loaded model's tensors, the parameters a family holds in
+    fp32 whatever the model dtype (Qwen3.5's folded RMSNorm weights) included."""
+    from baton.engine.model_family import model_class
+    from baton.engine.ops.kernels import resolve_kernels
+
+    hf = build_config(preset)
+    cfg = ModelConfig.from_hf_dict(hf)
+    weights = eb.random_weights(cfg, hf, torch.device("cpu"), torch.bfloat16, progress=False)
+    model = model_class(cfg).from_state_dict(cfg, weights, "cpu", torch.bfloat16, resolve_kernels("auto", "cpu"))
+    emb = model.input_embeddings().weight
+    held = sum(tensor_bytes(p) for p in model.parameters()) - (0 if cfg.tie_word_embeddings else tensor_bytes(emb))
+    assert any(p.dtype == torch.float32 for p in model.parameters()) == (preset == "qwen3.5-tiny")
+    assert eb.weight_bytes(cfg, torch.bfloat16) == held
