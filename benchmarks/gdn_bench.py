@@ -54,6 +54,22 @@ def inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
                                                                                dtype=torch.float32))
 
 
+def kernel_us(fn: Callable[[], object], calls: int = 5) -> dict[str, float]:
+    """Device µs per call of each kernel `fn` launches, from the torch profiler (mean over `calls` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:60]] = per.get(e.name[:60], 0.0) + e.device_time / calls
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
@@ -98,6 +114,7 @@ def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     o_ref, final_ref = fla()
+    out["kernels"] = {"ours": kernel_us(ours), "fla": kernel_us(fla)}
     out.update(fla_ms=device_ms(fla, calls), err_o=rel_err(o, o_ref[0]), err_state=rel_err(final, final_ref[0]),
                fla_heads=expand or "grouped")
     out["speedup"] = out["fla_ms"] / out["ours_ms"]
@@ -238,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
         else:
             print(f"; fla {prefill['fla']}")
+        for side, kernels in prefill.get("kernels", {}).items():
+            print(f"  {side} kernels (µs per call): " + ", ".join(f"{n} {us:.0f}" for n, us in list(kernels.items())[:8]))
     wy_rows = bench_wy(a.tokens, a.calls, wy_sweep) if wy_sweep and not a.no_prefill else []
     if wy_rows:
         print("| prefill launch (scan tile x warps x stages x prep warps) | ms | rel err vs tuned |\n| --- | ---: | ---: |")

@@ -68,10 +68,12 @@ JSON_NAME = "step_profile.json"
 GAP_MIN_US = 20.0  # an idle stretch this long is host time not hidden (launch latency is a few µs)
 # (kind, regex on the kernel name), first match wins. GPU kernel names, and aten op names for the CPU smoke run.
 KINDS: tuple[tuple[str, str], ...] = (
-    ("state update", r"_ssu_|selective_state_update|_record_kernel"),
+    ("state update", r"_ssu_|selective_state_update|_record_kernel|_gdn_decode|_gdn_verify"),
+    ("gdn prefill", r"_wy_|_chunk_table|_gdn_prefill"),
     ("conv", r"_conv_|conv1d"),
     ("scan", r"_ssd_|chunk_scan"),
-    ("gated norm", r"_gated_rms_norm|gated_rms_norm"),
+    ("gated norm", r"_gated_rms_norm|gated_rms_norm|_norm_gate"),
+    ("rope", r"_rope_"),
     ("norm", r"_rms_norm|rms_norm|rsqrt"),
     ("relu2", r"_relu2"),
     ("attention", r"_paged_attention|paged_attention|_attn_"),
