@@ -70,12 +70,16 @@ RMSNORM_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", 
 
 def finish_qwen_load(root: nn.Module) -> None:
     """What the loaded weights fix once: norm(x) * (1 + w) as an RMSNorm of weight 1 + w, in fp32 (exactly HF's
-    `1.0 + w.float()`), and RoPE's constants on the weights' device."""
+    `1.0 + w.float()`), RoPE's constants on the weights' device, and the projections that read one input fused
+    (`fused_linears`)."""
     for module in root.modules():
         if isinstance(module, RMSNorm):
             module.weight = nn.Parameter(1.0 + module.weight.detach().float(), requires_grad=False)
         elif isinstance(module, GatedAttention):
             module.place_rope()
+            module.fuse()
+        elif isinstance(module, GatedDeltaNetMixer | GatedMLP):
+            module.fuse()
 
 
 class TextModel(nn.Module):

@@ -136,6 +136,38 @@ def test_qwen3_5_on_triton_kernels_equals_the_references(small_qwen_spec_model, 
                                            "write_kv", "rope"}
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k", [0, 2])
+def test_qwen3_5_fused_gemv_steps_equal_the_references(small_qwen_spec_model, k, monkeypatch):
+    """Qwen3.5's few-token steps read every projection with the GEMV kernel, the block's norm fused into the Gated
+    DeltaNet's input projections, the attention's q/k/v and the MLP's gate/up (each one fused weight); greedy tokens
+    and drafts stay the references'."""
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    ref_engine = new_engine(small_qwen_spec_model, k, kernels="torch")
+    ref_log = Log(ref_engine)
+    ref = run(ref_engine, arrivals)
+    kernels = resolve_kernels("triton", "cpu")
+    orig = kernels.fused_linear
+    widths = []
+
+    def spy(a, weight, *args, **kw):
+        widths.append((kw.get("prologue", "none"), weight.shape[0]))
+        return orig(a, weight, *args, **kw)
+    monkeypatch.setattr(llm_engine, "resolve_kernels",
+                        lambda mode, device: dataclasses.replace(kernels, fused_linear=spy))
+    engine = new_engine(small_qwen_spec_model, k, fused_gemv_max_tokens=4, kernels="triton")
+    log = Log(engine)
+    got = run(engine, arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert {r: [d for *_, d in rows] for r, rows in log.rows.items()} == \
+        {r: [d for *_, d in rows] for r, rows in ref_log.rows.items()}
+    cfg = engine.model.cfg
+    gdn_in = cfg.gdn_conv_dim + 2 * cfg.linear_num_value_heads + cfg.gdn_value_dim
+    qkv = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    fused = {w for p, w in widths if p in ("norm", "add_norm")}
+    assert {gdn_in, qkv, 2 * cfg.intermediate_size} <= fused  # each block's one GEMV with its norm
+
+
 @pytest.fixture(scope="module")
 def small_moe_model(tmp_path_factory):
     """tiny cut to one attention layer and one MoE layer (4 experts, top-2): the fused-MoE path in the interpreter."""

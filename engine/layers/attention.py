@@ -1,10 +1,7 @@
 """NemotronH attention: GQA, no positional embedding (position comes from the Mamba layers), paged KV.
 
-The checkpoint's q_proj / k_proj / v_proj stay the parameters (their names load), but after `fuse_qkv()` (run
-once the weights are in place) they are views of one [Hq*D + 2*Hkv*D, hidden] weight, and the layer runs one
-GEMM instead of three: at decode batch sizes each projection is a weight read of its own, and the small k / v
-ones do not fill the GPU. An in-place load (`load_state_dict` without assign) writes through the views; a load
-that assigns new tensors unties them, and the layer falls back to the three GEMMs until `fuse_qkv()` again.
+After `fuse_qkv()` q_proj / k_proj / v_proj are views of one [Hq*D + 2*Hkv*D, hidden] weight and the layer runs
+one GEMM instead of three (`fused_linears`).
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.fused_linears import fuse_weights, fused_weight
 from baton.engine.layers.project import project
 from baton.engine.ops.kernels import Kernels
 
@@ -41,30 +39,11 @@ class Attention(nn.Module):
         self._qkv: torch.Tensor | None = None  # the fused weight, while q/k/v are its views
 
     def fuse_qkv(self) -> None:
-        """Put q_proj, k_proj, v_proj's weights into one tensor and make them its views (no copy kept)."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(p, nn.Linear) for p in parts):
-            return  # FP8 projections: each has its own scale, so they stay three GEMMs
-        qkv = torch.cat([p.weight.detach() for p in parts])
-        start = 0
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight = nn.Parameter(qkv[start:start + n], requires_grad=False)
-            start += n
-        self._qkv = qkv
+        """Put q_proj, k_proj, v_proj's weights into one tensor and make them its views (`fused_linears`)."""
+        self._qkv = fuse_weights((self.q_proj, self.k_proj, self.v_proj))
 
     def _fused(self) -> torch.Tensor | None:
-        qkv = self._qkv
-        if qkv is None:
-            return None
-        ws = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        start = 0
-        for w in ws:  # still views of it, in order (host pointers only: no device work)
-            if w.untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr() or \
-                    w.storage_offset() != start * qkv.shape[1]:
-                return None
-            start += w.shape[0]
-        return qkv
+        return fused_weight((self.q_proj, self.k_proj, self.v_proj), self._qkv)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output [T, hidden]; with `keep`, only those tokens' [len(keep), hidden] (the KV cache is

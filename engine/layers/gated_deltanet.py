@@ -18,7 +18,9 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.layers.norms import NormGate
+from baton.engine.layers.fused_linears import fuse_weights, fused_weight
+from baton.engine.layers.norms import NormGate, PendingNorm
+from baton.engine.layers.project import project
 from baton.engine.layers.recurrent_mixer import RecurrentMixer, States
 from baton.engine.state_spec import STATE_DTYPE, StateSpec, StateTensor
 
@@ -40,6 +42,7 @@ class GatedDeltaNetMixer(RecurrentMixer):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = NormGate(self.head_v_dim, cfg.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self._in_w: torch.Tensor | None = None  # the fused input projections' weight (`fuse`)
 
     @classmethod
     def state_spec(cls, cfg: ModelConfig, num_layers: int) -> StateSpec:
@@ -52,16 +55,46 @@ class GatedDeltaNetMixer(RecurrentMixer):
             verify_inputs=(StateTensor("conv", (cfg.gdn_conv_dim,)), StateTensor("k", (hk, dk)),
                            StateTensor("v", (hv, dv)), StateTensor("a", (hv,)), StateTensor("b", (hv,))))
 
+    def _in_parts(self) -> tuple[nn.Module, ...]:
+        # u (what the rows' ops take: the conv's input, then the raw gates a, b) and then z, in one output.
+        return self.in_proj_qkv, self.in_proj_a, self.in_proj_b, self.in_proj_z
+
+    def fuse(self) -> None:
+        """The four input projections as one GEMM (`fused_linears`)."""
+        self._in_w = fuse_weights(self._in_parts())
+
+    def _fused(self) -> torch.Tensor | None:
+        return fused_weight(self._in_parts(), self._in_w)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The mixer's output [T, hidden]; with `keep`, only those tokens' (the states are written for all)."""
-        u = torch.cat([self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
-        z = self.in_proj_z(x)
+        w = self._fused()
+        if w is None:
+            u = torch.cat([self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)], dim=-1)
+            return self._mix(u, self.in_proj_z(x), batch, keep)
+        return self._mix(*self._split_in(nn.functional.linear(x, w)), batch, keep)
+
+    def forward_pending(self, p: PendingNorm, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Few-token steps: the block's add + norm run in the input projections' GEMV."""
+        w = self._fused()
+        if w is None:
+            x, residual = p.materialize()
+            return self.forward(x, batch), residual
+        y, residual = p.linear(w)
+        return self._mix(*self._split_in(y), batch), residual
+
+    def _split_in(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projections' output -> u, z (views: the ops take row strides)."""
+        return y.split([self.conv_dim + 2 * self.num_v_heads, self.value_dim], dim=-1)
+
+    def _mix(self, u: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, keep: torch.Tensor | None = None
+             ) -> torch.Tensor:
         o = self.run_rows(u, batch)  # [T, Hv, Dv]
         if keep is not None:
             o, z = o[keep], z[keep]
         t = o.shape[0]
         o = self.norm(o.reshape(t * self.num_v_heads, self.head_v_dim), z.reshape(t * self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(t, self.value_dim).to(x.dtype))
+        return project(self.out_proj, o.reshape(t, self.value_dim).to(z.dtype), batch, self.kernels)
 
     def _split_u(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return u.split([self.conv_dim, self.num_v_heads, self.num_v_heads], dim=-1)

@@ -37,10 +37,10 @@ WY_PREP_WARPS = 4
 WY_SCAN_TILE = 8192
 # Warps per program of the scan: its [CHUNK, Dk] W and query/key tiles sit beside the [Dk, 64] state tile.
 WY_SCAN_WARPS = 8
-# Software-pipeline stages of the scan's chunk loop (16-bit inputs): the next chunk's W, U, q, k and scores load
-# while this chunk's state update runs. fp32 inputs run one stage: their fp32 tiles would not fit twice in shared
-# memory.
-WY_SCAN_STAGES = 2
+# Software-pipeline stages of the scan's chunk loop (16-bit inputs): the next chunks' W, U, q, k and scores load
+# while this chunk's state update runs; three beat two on the 27B layer's shapes. fp32 inputs run one stage: their
+# fp32 tiles would not fit twice in shared memory.
+WY_SCAN_STAGES = 3
 # tl.dot input precisions (the UT system and its block solve, the prep's other products) by whether q, k and v are
 # all fp32. 16-bit inputs: tensor-core TF32 for both; 3xTF32 for the solve would double the prep's shared memory,
 # halving the programs an SM holds, for an error far below the scan's bf16 rounding. fp32 inputs: full fp32
