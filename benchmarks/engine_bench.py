@@ -375,7 +375,8 @@ def traffic_from_tensors(engine: LLMEngine, batch: int, context_tokens: float) -
     """The same bytes counted from the engine's real parameter and pool tensors (a check of the formula)."""
     model, pools, bs = engine.model, engine.pools, engine.config.block_size
     emb = model.input_embeddings().weight
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The state dict: parameters and the weights held as buffers (the MoE router's correction bias).
+    params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     tied = model.lm_head is None
     kv_token = pools.kv[0, :pools.num_target_kv_layers].numel() * pools.kv.element_size() // bs
     return Traffic(
