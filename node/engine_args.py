@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                    help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
                         "CUDA graph instead of running eagerly (0 = off; default 256 where decode steps replay "
                         "CUDA graphs and K = 0, else 0)")
+    g.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="tensor-parallel ranks, one process each (on CUDA rank r computes on visible GPU r); the "
+                        "node starts them, and rank 0 serves (1)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -59,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
                 "kernels", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens")
+                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens",
+                "tensor_parallel_size")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 
