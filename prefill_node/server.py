@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
+from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.cluster_auth import NodeSecurity
@@ -43,6 +43,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_prefill_ranks(config: EngineConfig) -> None:
+    """A prefill node's caches exist to travel, and a transfer from a node of several tensor-parallel ranks is not
+    implemented (its rank 0's pools hold one shard), so such a node is refused at start."""
+    # TODO(#50): each decode rank reads its heads' shard from the prefill ranks that hold them.
+    if config.tensor_parallel_size != 1:
+        raise ValueError(f"engine field 'tensor_parallel_size': expected 1 on a prefill node (transfers from a node "
+                         f"of several tensor-parallel ranks are not implemented yet), got "
+                         f"{config.tensor_parallel_size}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
@@ -54,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     limit_transfer_interfaces(a.host)
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
-    engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
+    try:
+        config = dataclasses.replace(engine_config_from_args(a), prefill_only=True)
+        check_prefill_ranks(config)
+        engine = LLMEngine.from_pretrained(a.model, config)
+    except ValueError as e:
+        print(f"error: prefill node: {e}", file=sys.stderr)
+        return 2
     print(f"prefill node: {engine.memory_summary()}", flush=True)
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,

@@ -1,0 +1,129 @@
+"""Tensor-parallel nodes (issue #50) with real processes on CPU (gloo): a decode node started with
+`--tensor-parallel-size 2` serves through the router (aggregated: it prefills itself) the greedy tokens of one
+rank, its Load counts the node once, SIGTERM drains it and stops both ranks; killing rank 1 ends the node with an
+error naming the rank and leaves no process behind; a config that cannot be split is refused at start naming the
+field, before any rank starts. `baton generate --tensor-parallel-size 2` gives one rank's tokens too, and a rank
+whose scheduler drifted from rank 0's stops with an error instead of running collectives that do not match.
+
+Each node start spawns a second torch process, the larger part of the time on a 2-core box: the serving, load and
+SIGTERM checks share one node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.cli.cluster import Cluster
+from baton.client import AsyncClient
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.make_model import make_model
+from baton.engine.parallel.rank_processes import RANK_DIED_EXIT
+from baton.engine.sampling_params import SamplingParams
+from tests.node_faults import all_free
+
+ENGINE = {"block_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_kv_blocks": 128}
+ENGINE_ARGS = (*(x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"), str(v))), "--device", "cpu")
+TP2 = ("--tensor-parallel-size", "2")
+MAX_TOKENS = 8
+PROMPTS = [[(7 * i + n) % 500 + 3 for i in range(n)] for n in (1, 2, 9, 33, 70)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_model(tmp_path_factory.mktemp("tp-serving") / "tiny", preset="tiny", seed=5, progress=False,
+                          tokenizer=False))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """One rank's greedy tokens for PROMPTS."""
+    engine = LLMEngine.from_pretrained(model, EngineConfig(**ENGINE, device="cpu"))
+    return [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                ignore_eos=True))]
+
+
+def rank_pids(log: Path) -> list[int]:
+    """Ranks 1..N-1's process ids, from the node's start line."""
+    m = re.search(r"ranks 1\.\.\d+ pids ([\d ]+)", log.read_text())
+    assert m, log.read_text()
+    return [int(p) for p in m.group(1).split()]
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process `pid` has exited (and was reaped: no zombie left either) within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_tp2_node_serves_one_ranks_tokens_counts_once_and_stops_every_rank_on_sigterm(model, reference, tmp_path):
+    logs = tmp_path / "logs"
+    cluster = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=(*ENGINE_ARGS, *TP2),
+                      log_dir=str(logs))
+    with cluster:
+        pids = rank_pids(logs / "decode-0.log")
+
+        async def main():
+            async with AsyncClient(cluster.router_addr) as client:
+                return await asyncio.gather(*(client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                                              for p in PROMPTS))
+
+        outs = asyncio.run(main())
+        assert [list(o.token_ids) for o in outs] == reference
+        free, loads = all_free(cluster)
+        assert free, loads
+        # The router sees one worker, and its slots are one rank's (every rank holds the same slots).
+        assert len(loads) == 1 and loads[0].total_state_slots == ENGINE["max_num_seqs"]
+        node = cluster.procs["decode-0"]
+        cluster.stop()
+        assert node.returncode == 0, (logs / "decode-0.log").read_text()
+        assert all(gone(p) for p in pids)
+
+
+def test_killing_rank_1_ends_the_node_with_an_error_and_leaves_no_process(model, tmp_path):
+    logs = tmp_path / "logs"
+    cluster = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=(*ENGINE_ARGS, *TP2),
+                      log_dir=str(logs))
+    try:
+        cluster.start(router=False)
+        [pid] = rank_pids(logs / "decode-0.log")
+        os.kill(pid, signal.SIGKILL)
+        node = cluster.procs["decode-0"]
+        assert node.wait(30) == RANK_DIED_EXIT
+        assert f"error: tensor-parallel rank 1 of 2 (pid {pid}) exited with code -9" in (
+            logs / "decode-0.log").read_text()
+        assert gone(pid)
+    finally:
+        cluster.stop()
+
+
+def test_an_unsplittable_config_is_refused_at_start_naming_the_field(model):
+    proc = subprocess.run([sys.executable, "-m", "baton.decode_node.server", "--model", model, "--port", "0",
+                           *ENGINE_ARGS, "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "config field 'num_attention_heads': expected a multiple of tensor_parallel_size=3" in proc.stderr
+    assert "tensor parallel:" not in proc.stdout  # refused before any rank started
+
+
+def test_offline_generate_at_tp2_equals_one_rank(model, reference):
+    cmd = [sys.executable, "-m", "baton.cli.main", "generate", "--model", model, "--json", "--max-tokens",
+           str(MAX_TOKENS), "--ignore-eos", *ENGINE_ARGS, *TP2]
+    for p in PROMPTS:
+        cmd += ["--prompt-ids", " ".join(map(str, p))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(x)["token_ids"] for x in proc.stdout.splitlines() if x.startswith("{")] == reference
