@@ -52,8 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                         "CUDA graph instead of running eagerly (0 = off; default 256 where decode steps replay "
                         "CUDA graphs and K = 0, else 0)")
     g.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                   help="tensor-parallel ranks, one process each (on CUDA rank r computes on visible GPU r); the "
-                        "node starts them, and rank 0 serves (1)")
+                   help="tensor-parallel ranks, one process each, which the node starts (rank 0 serves; on CUDA "
+                        "rank r computes on visible GPU r); nodes whose caches travel between nodes (prefill nodes, "
+                        "decode nodes beside them) take 1 so far (1)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -108,6 +109,15 @@ def role_engine_flags(text: str, option: str, common: Sequence[str] = (),
         raise ValueError(f"{option}: expected shell words, got {text!r}: {e}") from None
     engine_config_from_args(parse_engine_flags((*common, *flags), option, max_num_batched_tokens))
     return flags
+
+
+def check_transfer_ranks(tp: int, where: str) -> None:
+    """Nodes whose caches travel to or from another node (every prefill node, and decode nodes beside prefill
+    nodes) run one tensor-parallel rank: a rank's pools hold only its shard of the heads."""
+    # TODO(#50): each decode rank reads its heads' shard from the prefill ranks that hold them.
+    if tp != 1:
+        raise ValueError(f"{where}: expected tensor_parallel_size 1 where caches travel between nodes (transfers of "
+                         f"sharded caches are not implemented yet; aggregated serving runs any size), got {tp}")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import grpc
 
-from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
-from baton.node.engine_args import engine_config_from_args
+from baton.node.engine_args import check_transfer_ranks, engine_config_from_args
 from baton.node.metrics import NodeMetrics, start_node_http
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
@@ -43,16 +43,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_prefill_ranks(config: EngineConfig) -> None:
-    """A prefill node's caches exist to travel, and a transfer from a node of several tensor-parallel ranks is not
-    implemented (its rank 0's pools hold one shard), so such a node is refused at start."""
-    # TODO(#50): each decode rank reads its heads' shard from the prefill ranks that hold them.
-    if config.tensor_parallel_size != 1:
-        raise ValueError(f"engine field 'tensor_parallel_size': expected 1 on a prefill node (transfers from a node "
-                         f"of several tensor-parallel ranks are not implemented yet), got "
-                         f"{config.tensor_parallel_size}")
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
@@ -66,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
     try:
         config = dataclasses.replace(engine_config_from_args(a), prefill_only=True)
-        check_prefill_ranks(config)
+        check_transfer_ranks(config.tensor_parallel_size, "prefill node")
         engine = LLMEngine.from_pretrained(a.model, config)
     except ValueError as e:
         print(f"error: prefill node: {e}", file=sys.stderr)
