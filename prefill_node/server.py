@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
     try:
         config = dataclasses.replace(engine_config_from_args(a), prefill_only=True)
-        check_transfer_ranks(config.tensor_parallel_size, "prefill node")
+        check_transfer_ranks(config.tensor_parallel_size, "--tensor-parallel-size")
         engine = LLMEngine.from_pretrained(a.model, config)
     except ValueError as e:
         print(f"error: prefill node: {e}", file=sys.stderr)

@@ -2,8 +2,9 @@
 `--tensor-parallel-size 2` serves through the router (aggregated: it prefills itself) the greedy tokens of one
 rank, its Load counts the node once, SIGTERM drains it and stops both ranks; killing rank 1 ends the node with an
 error naming the rank and leaves no process behind; a config that cannot be split is refused at start naming the
-field, before any rank starts. `baton generate --tensor-parallel-size 2` gives one rank's tokens too, and a rank
-whose scheduler drifted from rank 0's stops with an error instead of running collectives that do not match.
+field, before any rank starts, and so is a prefill node of two ranks (its caches would travel). The offline
+engine at two ranks gives one rank's tokens too, and a rank whose scheduler drifted from rank 0's stops the
+ranks with an error instead of running collectives that do not match.
 
 Each node start spawns a second torch process, the larger part of the time on a 2-core box: the serving, load and
 SIGTERM checks share one node.
@@ -119,11 +120,40 @@ def test_an_unsplittable_config_is_refused_at_start_naming_the_field(model):
     assert "tensor parallel:" not in proc.stdout  # refused before any rank started
 
 
-def test_offline_generate_at_tp2_equals_one_rank(model, reference):
-    cmd = [sys.executable, "-m", "baton.cli.main", "generate", "--model", model, "--json", "--max-tokens",
-           str(MAX_TOKENS), "--ignore-eos", *ENGINE_ARGS, *TP2]
-    for p in PROMPTS:
-        cmd += ["--prompt-ids", " ".join(map(str, p))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert [json.loads(x)["token_ids"] for x in proc.stdout.splitlines() if x.startswith("{")] == reference
+def test_a_prefill_node_refuses_more_than_one_rank_at_start(model):
+    proc = subprocess.run([sys.executable, "-m", "baton.prefill_node.server", "--model", model, "--port", "0",
+                           *ENGINE_ARGS, *TP2], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert ("error: prefill node: --tensor-parallel-size: expected tensor_parallel_size 1 where caches travel "
+            "between nodes") in proc.stderr
+
+
+# The offline engine at two ranks generates, then a call changes rank 0's scheduler without being sent to rank 1
+# (the base class's, past the recording).
+OFFLINE_THEN_DRIFT = """
+import json, sys, time
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.parallel.rank_processes import start_engine
+from baton.engine.sampling_params import SamplingParams
+engine = start_engine(sys.argv[1], EngineConfig(**{config}))
+outs = engine.generate({prompts}, SamplingParams(max_tokens={max_tokens}, ignore_eos=True))
+print(json.dumps([list(o.token_ids) for o in outs]), flush=True)
+LLMEngine.add_request(engine, [5, 6, 7], SamplingParams(max_tokens=2))
+try:
+    engine.step()
+finally:
+    time.sleep(60)  # rank 1's end ends this process, through rank 0's watch
+"""
+
+
+def test_offline_engine_at_tp2_equals_one_rank_and_a_drifted_rank_stops_the_ranks(model, reference):
+    config = {**ENGINE, "device": "cpu", "tensor_parallel_size": 2}
+    script = OFFLINE_THEN_DRIFT.format(config=config, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    proc = subprocess.run([sys.executable, "-c", script, model], capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout.splitlines()[-1]) == reference, proc.stderr
+    assert proc.returncode == RANK_DIED_EXIT, proc.stderr
+    steps = re.search(r"expected rank 0's state before step (\d+) \(waiting, running, free blocks, free slots, "
+                      r"steps\) \(1, 0, ", proc.stderr)
+    assert steps and int(steps.group(1)) > 0, proc.stderr
+    assert "error: tensor-parallel rank 1 of 2" in proc.stderr

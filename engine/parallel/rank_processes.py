@@ -112,9 +112,10 @@ def start_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
     device = resolved_device(config.device)
     if device.type == "cpu":  # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // tp))
-    model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
+    # The other ranks start (import torch, load the checkpoint) while this one loads it.
     ranks = RankProcesses(str(model_dir), config)
     try:
+        model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
         group = TPGroup.init(tp, 0, device, ranks.init_method)
         engine = LeaderEngine(model_cfg, weights, config, group, CommandChannel(group))
     except BaseException:
