@@ -373,21 +373,23 @@ class RayCluster:
 
 def run(a: argparse.Namespace) -> int:
     from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
-    from baton.node.engine_args import engine_flags, role_engine_flags
+    from baton.node.engine_args import check_role_ranks, engine_flags, role_engine_flags
 
     try:
         import ray
     except ImportError:
         raise ValueError("ray is not installed: pip install 'baton-serve[ray]'") from None
     common = tuple(engine_flags(a))
+    prefill_args = role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
+                                     PREFILL_MAX_NUM_BATCHED_TOKENS)
+    decode_args = role_engine_flags(a.decode_engine_args, "--decode-engine-args", common)
+    check_role_ranks(a.prefill_workers, common, prefill_args, decode_args)
     cluster = RayCluster(str(Path(a.model).resolve()), a.prefill_workers, a.decode_workers, port=a.port,
                          http_port=a.http_port, namespace=a.namespace, local_prefill_threshold=a.local_prefill_threshold,
                          engine_args=common, gpus_per_node=a.gpus_per_node,
                          cpus_per_node=a.cpus_per_node, log_dir=a.log_dir,
                          prefill_queue_limit_tokens=a.prefill_queue_limit_tokens,
-                         prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
-                                                               PREFILL_MAX_NUM_BATCHED_TOKENS),
-                         decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
+                         prefill_engine_args=prefill_args, decode_engine_args=decode_args,
                          drain_timeout_s=a.drain_timeout_s)
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.

@@ -232,6 +232,10 @@ def test_up_passes_the_tensor_parallel_size_to_aggregated_nodes_and_refuses_it_w
         with pytest.raises(ValueError, match="with --prefill-workers 1: expected tensor_parallel_size 1 where caches "
                                              "travel between nodes"):
             cluster_from_args(a, gpus=0)
+    # `baton ray up` alike, before it connects to any Ray cluster.
+    a = build_parser().parse_args(["ray", "up", "--model", "m", "--decode-engine-args", "--tensor-parallel-size 2"])
+    with pytest.raises(ValueError, match="--decode-engine-args with --prefill-workers 1: expected tensor_parallel_size"):
+        a.run(a)
 
 
 def test_up_router_args_reach_the_router_and_bad_ones_are_refused_before_starting():
