@@ -13,6 +13,7 @@ SIGTERM checks share one node.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import re
@@ -29,8 +30,9 @@ from baton.client import AsyncClient
 from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
-from baton.engine.parallel.rank_processes import RANK_DIED_EXIT
+from baton.engine.parallel.rank_processes import RANK_DIED_EXIT, RankProcesses
 from baton.engine.sampling_params import SamplingParams
+from baton.node.transfer_listen import UCX_NET_DEVICES
 from tests.node_faults import all_free
 
 ENGINE = {"block_size": 8, "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_kv_blocks": 128}
@@ -112,20 +114,24 @@ def test_killing_rank_1_ends_the_node_with_an_error_and_leaves_no_process(model,
         cluster.stop()
 
 
-def test_an_unsplittable_config_is_refused_at_start_naming_the_field(model):
-    proc = subprocess.run([sys.executable, "-m", "baton.decode_node.server", "--model", model, "--port", "0",
-                           *ENGINE_ARGS, "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "config field 'num_attention_heads': expected a multiple of tensor_parallel_size=3" in proc.stderr
-    assert "tensor parallel:" not in proc.stdout  # refused before any rank started
+@pytest.mark.parametrize("role, flags, error", [
+    ("decode", ("--tensor-parallel-size", "3"),
+     "error: decode node: config field 'num_attention_heads': expected a multiple of tensor_parallel_size=3"),
+    ("prefill", TP2, "error: prefill node: --tensor-parallel-size: expected tensor_parallel_size 1 where caches "
+                     "travel between nodes"),
+], ids=["unsplittable", "prefill"])
+def test_a_node_that_cannot_run_its_ranks_is_refused_at_start_before_any_starts(model, role, flags, error, capsys,
+                                                                                monkeypatch):
+    """An unsplittable config names the field; a prefill node of two ranks is refused (its caches would travel)."""
+    monkeypatch.setenv(UCX_NET_DEVICES, "all")  # the node would set it for its transfers otherwise
 
+    def no_rank(*args, **kwargs):
+        raise AssertionError(f"a rank started: {args}")
 
-def test_a_prefill_node_refuses_more_than_one_rank_at_start(model):
-    proc = subprocess.run([sys.executable, "-m", "baton.prefill_node.server", "--model", model, "--port", "0",
-                           *ENGINE_ARGS, *TP2], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert ("error: prefill node: --tensor-parallel-size: expected tensor_parallel_size 1 where caches travel "
-            "between nodes") in proc.stderr
+    monkeypatch.setattr(RankProcesses, "__init__", no_rank)
+    server = importlib.import_module(f"baton.{role}_node.server")
+    assert server.main(["--model", model, "--port", "0", *ENGINE_ARGS, *flags]) == 2
+    assert error in capsys.readouterr().err
 
 
 # The offline engine at two ranks generates, then a call changes rank 0's scheduler without being sent to rank 1
@@ -136,6 +142,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.parallel.rank_processes import start_engine
 from baton.engine.sampling_params import SamplingParams
+from baton.node.transfer_listen import UCX_NET_DEVICES
 engine = start_engine(sys.argv[1], EngineConfig(**{config}))
 outs = engine.generate({prompts}, SamplingParams(max_tokens={max_tokens}, ignore_eos=True))
 print(json.dumps([list(o.token_ids) for o in outs]), flush=True)
