@@ -1,6 +1,6 @@
 """Tensor-parallel nodes (issue #50) with real processes on CPU (gloo): a decode node started with
-`--tensor-parallel-size 2` serves through the router (aggregated: it prefills itself) the greedy tokens of one
-rank, its Load counts the node once, SIGTERM drains it and stops both ranks; killing rank 1 ends the node with an
+`--tensor-parallel-size 2` serves through the router (aggregated: it prefills itself) the greedy and the seeded
+sampled tokens of one rank, its Load counts the node once, SIGTERM drains it and stops both ranks; killing rank 1 ends the node with an
 error naming the rank and leaves no process behind; a config that cannot be split is refused at start naming the
 field, before any rank starts, and so is a prefill node of two ranks (its caches would travel). The offline
 engine at two ranks gives one rank's tokens too, and a rank whose scheduler drifted from rank 0's stops the
@@ -48,12 +48,21 @@ def model(tmp_path_factory):
                           tokenizer=False))
 
 
+# Seeded sampling: rank 0 samples and every rank takes its tokens, so that two ranks draw what one does.
+SAMPLED = {"temperature": 1.0, "top_k": 50, "seed": 11}
+
+
 @pytest.fixture(scope="module")
-def reference(model):
-    """One rank's greedy tokens for PROMPTS."""
+def one_rank(model):
+    """One rank's tokens for PROMPTS: greedy, and sampled with SAMPLED."""
     engine = LLMEngine.from_pretrained(model, EngineConfig(**ENGINE, device="cpu"))
-    return [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                ignore_eos=True))]
+    return {name: [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, **kw))] for name, kw in (("greedy", {}), ("sampled", SAMPLED))}
+
+
+@pytest.fixture(scope="module")
+def reference(one_rank):
+    return one_rank["greedy"]
 
 
 def rank_pids(log: Path) -> list[int]:
@@ -73,20 +82,20 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
     return True
 
 
-def test_tp2_node_serves_one_ranks_tokens_counts_once_and_stops_every_rank_on_sigterm(model, reference, tmp_path):
+def test_tp2_node_serves_one_ranks_tokens_counts_once_and_stops_every_rank_on_sigterm(model, one_rank, tmp_path):
     logs = tmp_path / "logs"
     cluster = Cluster(model, prefill_workers=0, decode_workers=1, engine_args=(*ENGINE_ARGS, *TP2),
                       log_dir=str(logs))
     with cluster:
         pids = rank_pids(logs / "decode-0.log")
 
-        async def main():
+        async def main(**kw):
             async with AsyncClient(cluster.router_addr) as client:
-                return await asyncio.gather(*(client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                return await asyncio.gather(*(client.generate(p, max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
                                               for p in PROMPTS))
 
-        outs = asyncio.run(main())
-        assert [list(o.token_ids) for o in outs] == reference
+        for name, kw in (("greedy", {}), ("sampled", SAMPLED)):
+            assert [list(o.token_ids) for o in asyncio.run(main(**kw))] == one_rank[name], name
         free, loads = all_free(cluster)
         assert free, loads
         # The router sees one worker, and its slots are one rank's (every rank holds the same slots).
