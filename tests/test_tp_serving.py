@@ -1,7 +1,7 @@
 """Tensor-parallel nodes (issue #50) with real processes on CPU (gloo): a decode node started with
 `--tensor-parallel-size 2` serves through the router (aggregated: it prefills itself) the greedy and the seeded
 sampled tokens of one rank, its Load counts the node once, SIGTERM drains it and stops both ranks; killing rank 1 ends the node with an
-error naming the rank and leaves no process behind; a config that cannot be split is refused at start naming the
+error naming the rank and leaves no process behind, as does killing rank 0; a config that cannot be split is refused at start naming the
 field, before any rank starts, and so is a prefill node of two ranks (its caches would travel). The offline
 engine at two ranks gives one rank's tokens too, and a rank whose scheduler drifted from rank 0's stops the
 ranks with an error instead of running collectives that do not match.
@@ -141,6 +141,27 @@ def test_a_node_that_cannot_run_its_ranks_is_refused_at_start_before_any_starts(
     server = importlib.import_module(f"baton.{role}_node.server")
     assert server.main(["--model", model, "--port", "0", *ENGINE_ARGS, *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def test_killing_rank_0_while_the_ranks_start_leaves_no_rank_behind(model):
+    """Rank 0 killed outright before the group formed (rank 1 then waits at the rendezvous, where no peer's socket
+    closes): the kernel ends rank 1 with it (`follower_main.die_with_parent`)."""
+    script = ("import sys, time\nfrom baton.engine.engine_config import EngineConfig\n"
+              "from baton.engine.parallel.rank_processes import RankProcesses\n"
+              f"ranks = RankProcesses(sys.argv[1], EngineConfig(**{ENGINE}, device='cpu', tensor_parallel_size=2))\n"
+              "print(ranks.init_method, *ranks.pids, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, model], stdout=subprocess.PIPE, text=True)
+    try:
+        init_method, pid = proc.stdout.readline().split()
+        rendezvous = Path(init_method.removeprefix("file://"))
+        deadline = time.monotonic() + 60
+        while not rendezvous.exists():  # rank 1 has come to the rendezvous (it writes the file)
+            assert time.monotonic() < deadline, "rank 1 did not reach the rendezvous"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert gone(int(pid))
 
 
 # The offline engine at two ranks generates, then a call changes rank 0's scheduler without being sent to rank 1
