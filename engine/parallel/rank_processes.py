@@ -103,7 +103,8 @@ class RankProcesses:
 def start_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
     """The engine of a node or command: at one rank an `LLMEngine`; with `tensor_parallel_size` N > 1 rank 0's
     `LeaderEngine`, ranks 1..N-1 started as processes (`close()` stops them). A config or device set that cannot
-    be split raises ValueError naming the field before any process starts."""
+    be split raises ValueError naming the field before any process starts. Call it on the main thread: the
+    kernel's parent-death signal follows the thread that started the ranks, not the process."""
     tp = config.tensor_parallel_size
     if tp == 1:
         return LLMEngine.from_pretrained(model_dir, config)
