@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from baton.node.engine_args import flags_ranks
 from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 
 # How long a node may take to load, measure its memory and capture its CUDA graphs: a large checkpoint on a fresh GPU
@@ -150,14 +151,8 @@ class Cluster:
                [f"decode-{i}" for i in range(self.decode_workers)]
 
     def node_ranks(self, name: str) -> int:
-        """Node `name`'s tensor-parallel ranks: the last --tensor-parallel-size on its command line, else 1."""
-        argv, tp = self.node_argv(name), 1
-        for i, arg in enumerate(argv):
-            if arg == "--tensor-parallel-size" and i + 1 < len(argv):
-                tp = int(argv[i + 1])
-            elif arg.startswith("--tensor-parallel-size="):
-                tp = int(arg.split("=", 1)[1])
-        return tp
+        """Node `name`'s tensor-parallel ranks (its command line's `flags_ranks`)."""
+        return flags_ranks(self.node_argv(name))
 
     def node_gpu_ids(self, name: str) -> list[int]:
         """The GPUs node `name` computes on, one per rank: nodes in launch order take the next `node_gpus` each

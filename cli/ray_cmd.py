@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="while every prefill worker has more than this many prompt tokens queued, prefill new "
                          "requests on their decode node (0: off)")
     up.add_argument("--gpus-per-node", type=float, default=None,
-                    help="GPUs each prefill/decode actor asks for (default: 1 if the cluster has GPUs, else 0)")
+                    help="GPUs each prefill/decode actor asks for per tensor-parallel rank (default: 1 if the "
+                         "cluster has GPUs, else 0)")
     up.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs each prefill/decode actor asks for")
     up.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
                     help="on Ctrl-C/SIGTERM the router, then the nodes, stop taking requests and give those in flight "
@@ -288,6 +289,12 @@ class RayCluster:
     def addrs(self, role: str) -> list[str]:
         return [i["addr"] for n, i in sorted(self.info.items()) if n.startswith(f"{role}-")]
 
+    def role_ranks(self, role: str) -> int:
+        """Tensor-parallel ranks of the role's nodes: each actor asks for that many times `gpus_per_node`."""
+        from baton.node.engine_args import flags_ranks
+
+        return flags_ranks((*self.engine_args, *self.role_engine_args[role]))
+
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> RayCluster:
         import ray
 
@@ -307,7 +314,8 @@ class RayCluster:
                 for i in range(n):
                     name = f"{role}-{i}"
                     self.actors[name] = actor.options(
-                        name=name, namespace=self.namespace, scheduling_strategy="SPREAD", num_gpus=gpus,
+                        name=name, namespace=self.namespace, scheduling_strategy="SPREAD",
+                        num_gpus=gpus * self.role_ranks(role),
                         num_cpus=self.cpus_per_node).remote(name, self.credential.encoded())
                     starts[name] = self.actors[name].start.remote(
                         role, ["--model", self.model, "--engine-id", name, *engine_args,

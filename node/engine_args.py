@@ -111,6 +111,18 @@ def role_engine_flags(text: str, option: str, common: Sequence[str] = (),
     return flags
 
 
+def flags_ranks(flags: Sequence[str]) -> int:
+    """The tensor-parallel ranks a node command line asks for: its last --tensor-parallel-size (either spelling),
+    else 1 (the flags were checked already, `role_engine_flags`)."""
+    tp = 1
+    for i, arg in enumerate(flags):
+        if arg == "--tensor-parallel-size" and i + 1 < len(flags):
+            tp = int(flags[i + 1])
+        elif arg.startswith("--tensor-parallel-size="):
+            tp = int(arg.split("=", 1)[1])
+    return tp
+
+
 def check_transfer_ranks(tp: int, where: str) -> None:
     """Nodes whose caches travel to or from another node (every prefill node, and decode nodes beside prefill
     nodes) run one tensor-parallel rank: a rank's pools hold only its shard of the heads."""

@@ -232,6 +232,12 @@ def test_up_passes_the_tensor_parallel_size_to_aggregated_nodes_and_refuses_it_w
         with pytest.raises(ValueError, match="with --prefill-workers 1: expected tensor_parallel_size 1 where caches "
                                              "travel between nodes"):
             cluster_from_args(a, gpus=0)
+    # A Ray actor asks for a GPU share per rank of its role's nodes.
+    from baton.cli.ray_cmd import RayCluster
+
+    ray = RayCluster("m", prefill_workers=0, engine_args=("--tensor-parallel-size", "2"),
+                     decode_engine_args=("--tensor-parallel-size=4",))
+    assert (ray.role_ranks("prefill"), ray.role_ranks("decode")) == (2, 4)
     # `baton ray up` alike, before it connects to any Ray cluster.
     a = build_parser().parse_args(["ray", "up", "--model", "m", "--decode-engine-args", "--tensor-parallel-size 2"])
     with pytest.raises(ValueError, match="--decode-engine-args with --prefill-workers 1: expected tensor_parallel_size"):
