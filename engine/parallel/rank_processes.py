@@ -79,6 +79,7 @@ class RankProcesses:
               f"the node (each rank holds a shard of every layer, so none can serve without it)",
               file=sys.stderr, flush=True)
         self._kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
         os._exit(RANK_DIED_EXIT)
 
     def _kill(self) -> None:
