@@ -75,6 +75,7 @@ class RankProcesses:
         code = proc.wait()
         if self._stopping.is_set():
             return
+        self._stopping.set()  # the ranks killed below are no news
         print(f"error: tensor-parallel rank {rank} of {self.tp} (pid {proc.pid}) exited with code {code}; stopping "
               f"the node (each rank holds a shard of every layer, so none can serve without it)",
               file=sys.stderr, flush=True)
