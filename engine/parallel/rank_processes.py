@@ -59,6 +59,7 @@ class RankProcesses:
         self._dir = tempfile.mkdtemp(prefix="baton-tp-")
         self.init_method = f"file://{Path(self._dir) / 'rendezvous'}"
         self._stopping = threading.Event()
+        self._lock = threading.Lock()
         args = ["--model", str(model_dir), "--config", json.dumps(dataclasses.asdict(config)),
                 "--init-method", self.init_method, "--parent-pid", str(os.getpid())]
         self.procs = {r: subprocess.Popen([sys.executable, "-m", "baton.engine.parallel.follower_main", *args,
@@ -73,9 +74,10 @@ class RankProcesses:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._stopping.is_set():
-            return
-        self._stopping.set()  # the ranks killed below are no news
+        with self._lock:  # the first death is the news; the ranks killed below are not
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
         print(f"error: tensor-parallel rank {rank} of {self.tp} (pid {proc.pid}) exited with code {code}; stopping "
               f"the node (each rank holds a shard of every layer, so none can serve without it)",
               file=sys.stderr, flush=True)
@@ -92,7 +94,8 @@ class RankProcesses:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Wait for the ranks to leave (they were told to stop), killing those still there after `timeout`."""
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
         for proc in self.procs.values():
             try:
                 proc.wait(timeout)
