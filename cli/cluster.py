@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from baton.node.engine_args import flags_ranks
 from baton.proto.auth import CLUSTER_SECRET_ENV, ClusterCredential
 
 # How long a node may take to load, measure its memory and capture its CUDA graphs: a large checkpoint on a fresh GPU
@@ -149,19 +150,33 @@ class Cluster:
         return [f"prefill-{i}" for i in range(self.prefill_workers)] + \
                [f"decode-{i}" for i in range(self.decode_workers)]
 
-    def node_gpu(self, name: str) -> int | None:
-        """The GPU node `name` computes on (first in its CUDA_VISIBLE_DEVICES), or None without `node_gpus`."""
+    def node_ranks(self, name: str) -> int:
+        """Node `name`'s tensor-parallel ranks (its command line's `flags_ranks`)."""
+        return flags_ranks(self.node_argv(name))
+
+    def node_gpu_ids(self, name: str) -> list[int]:
+        """The GPUs node `name` computes on, one per rank: nodes in launch order take the next `node_gpus` each
+        (cyclically, so that nodes share GPUs only once every GPU has one); [] without `node_gpus`."""
         if not self.node_gpus:
-            return None
-        return self.node_gpus[self.node_names.index(name) % len(self.node_gpus)]
+            return []
+        names = self.node_names
+        start = sum(self.node_ranks(n) for n in names[:names.index(name)])
+        n = len(self.node_gpus)
+        return list(dict.fromkeys(self.node_gpus[(start + k) % n] for k in range(self.node_ranks(name))))
+
+    def node_gpu(self, name: str) -> int | None:
+        """The GPU node `name`'s rank 0 computes on (first in its CUDA_VISIBLE_DEVICES), or None without
+        `node_gpus`."""
+        gpus = self.node_gpu_ids(name)
+        return gpus[0] if gpus else None
 
     def node_env(self, name: str) -> dict[str, str] | None:
-        """The environment of node `name`: this process's with CUDA_VISIBLE_DEVICES set to its GPU first, then
-        the other `node_gpus`; None (inherit unchanged) without `node_gpus`."""
-        gpu = self.node_gpu(name)
-        if gpu is None:
+        """The environment of node `name`: this process's with CUDA_VISIBLE_DEVICES set to its GPUs first (one per
+        rank, `node_gpu_ids`), then the other `node_gpus`; None (inherit unchanged) without `node_gpus`."""
+        mine = self.node_gpu_ids(name)
+        if not mine:
             return None
-        order = [gpu, *(g for g in self.node_gpus if g != gpu)]
+        order = [*mine, *(g for g in self.node_gpus if g not in mine)]
         return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, order))}
 
     def process_env(self, name: str) -> dict[str, str]:

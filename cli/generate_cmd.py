@@ -28,12 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from baton.engine.llm_engine import LLMEngine
+    from baton.engine.parallel.rank_processes import start_engine
 
     params = sampling_from_args(a)
-    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
+    engine = start_engine(a.model, engine_config_from_args(a))
     t0 = time.perf_counter()
-    outs = engine.generate(a.prompt_ids, params)
+    try:
+        outs = engine.generate(a.prompt_ids, params)
+    finally:
+        engine.close()
     dt = time.perf_counter() - t0
     for o in outs:
         if a.json:

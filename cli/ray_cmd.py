@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="while every prefill worker has more than this many prompt tokens queued, prefill new "
                          "requests on their decode node (0: off)")
     up.add_argument("--gpus-per-node", type=float, default=None,
-                    help="GPUs each prefill/decode actor asks for (default: 1 if the cluster has GPUs, else 0)")
+                    help="GPUs each prefill/decode actor asks for per tensor-parallel rank (default: 1 if the "
+                         "cluster has GPUs, else 0)")
     up.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs each prefill/decode actor asks for")
     up.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
                     help="on Ctrl-C/SIGTERM the router, then the nodes, stop taking requests and give those in flight "
@@ -288,6 +289,12 @@ class RayCluster:
     def addrs(self, role: str) -> list[str]:
         return [i["addr"] for n, i in sorted(self.info.items()) if n.startswith(f"{role}-")]
 
+    def role_ranks(self, role: str) -> int:
+        """Tensor-parallel ranks of the role's nodes: each actor asks for that many times `gpus_per_node`."""
+        from baton.node.engine_args import flags_ranks
+
+        return flags_ranks((*self.engine_args, *self.role_engine_args[role]))
+
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> RayCluster:
         import ray
 
@@ -307,7 +314,8 @@ class RayCluster:
                 for i in range(n):
                     name = f"{role}-{i}"
                     self.actors[name] = actor.options(
-                        name=name, namespace=self.namespace, scheduling_strategy="SPREAD", num_gpus=gpus,
+                        name=name, namespace=self.namespace, scheduling_strategy="SPREAD",
+                        num_gpus=gpus * self.role_ranks(role),
                         num_cpus=self.cpus_per_node).remote(name, self.credential.encoded())
                     starts[name] = self.actors[name].start.remote(
                         role, ["--model", self.model, "--engine-id", name, *engine_args,
@@ -373,21 +381,23 @@ class RayCluster:
 
 def run(a: argparse.Namespace) -> int:
     from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
-    from baton.node.engine_args import engine_flags, role_engine_flags
+    from baton.node.engine_args import check_role_ranks, engine_flags, role_engine_flags
 
     try:
         import ray
     except ImportError:
         raise ValueError("ray is not installed: pip install 'baton-serve[ray]'") from None
     common = tuple(engine_flags(a))
+    prefill_args = role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
+                                     PREFILL_MAX_NUM_BATCHED_TOKENS)
+    decode_args = role_engine_flags(a.decode_engine_args, "--decode-engine-args", common)
+    check_role_ranks(a.prefill_workers, common, prefill_args, decode_args)
     cluster = RayCluster(str(Path(a.model).resolve()), a.prefill_workers, a.decode_workers, port=a.port,
                          http_port=a.http_port, namespace=a.namespace, local_prefill_threshold=a.local_prefill_threshold,
                          engine_args=common, gpus_per_node=a.gpus_per_node,
                          cpus_per_node=a.cpus_per_node, log_dir=a.log_dir,
                          prefill_queue_limit_tokens=a.prefill_queue_limit_tokens,
-                         prefill_engine_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
-                                                               PREFILL_MAX_NUM_BATCHED_TOKENS),
-                         decode_engine_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
+                         prefill_engine_args=prefill_args, decode_engine_args=decode_args,
                          drain_timeout_s=a.drain_timeout_s)
     ray.init(address=a.address, namespace=cluster.namespace, logging_level="WARNING")
     # After ray.init, which installs a SIGTERM handler of its own.

@@ -15,7 +15,7 @@ import threading
 from baton.cli.cluster import NODE_HTTP_OFFSET, PROCESS_DRAIN_TIMEOUT_S, Cluster
 from baton.cli.supervisor import Supervisor
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from baton.node.engine_args import add_engine_args, engine_flags, role_engine_flags
+from baton.node.engine_args import add_engine_args, check_role_ranks, engine_flags, role_engine_flags
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -126,12 +126,14 @@ def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster
     prefill = a.prefill_workers if a.prefill_workers is not None else 0 if gpus == 1 else 1
     cuda_ipc = a.cuda_ipc if a.cuda_ipc is not None else gpus > 0
     common = tuple(engine_flags(a)) + shared_gpu_flags(a, prefill + a.decode_workers, a.node_gpus, gpus)
+    prefill_args = role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
+                                     PREFILL_MAX_NUM_BATCHED_TOKENS)
+    decode_args = role_engine_flags(a.decode_engine_args, "--decode-engine-args", common)
+    check_role_ranks(prefill, common, prefill_args, decode_args)
     return Cluster(a.model, prefill_workers=prefill, decode_workers=a.decode_workers, port=a.port,
                    http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                    engine_args=common, node_args=("--cuda-ipc",) if cuda_ipc else (),
-                   prefill_args=role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
-                                                  PREFILL_MAX_NUM_BATCHED_TOKENS),
-                   decode_args=role_engine_flags(a.decode_engine_args, "--decode-engine-args", common),
+                   prefill_args=prefill_args, decode_args=decode_args,
                    log_dir=a.log_dir, node_gpus=a.node_gpus, drain_timeout_s=a.drain_timeout_s,
                    router_args=(("--api-keys-file", a.api_keys_file) if a.api_keys_file else ())
                    + (("--prefill-queue-limit-tokens", str(a.prefill_queue_limit_tokens))

@@ -16,7 +16,7 @@ import grpc
 from baton.decode_node.puller import Puller
 from baton.decode_node.service import DecodeService
 from baton.engine.engine_thread import EngineThread
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.parallel.rank_processes import start_engine
 from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
 from baton.node.engine_args import engine_config_from_args
@@ -51,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
     limit_transfer_interfaces(a.host)
-    engine = LLMEngine.from_pretrained(a.model, engine_config_from_args(a))
+    try:
+        # With --tensor-parallel-size N this starts ranks 1..N-1 too (this process is rank 0, which serves).
+        engine = start_engine(a.model, engine_config_from_args(a))
+    except ValueError as e:
+        print(f"error: decode node: {e}", file=sys.stderr)
+        return 2
     # Capture every decode batch size's CUDA graph before taking traffic (no request waits on a capture).
     t0 = time.perf_counter()
     if captured := engine.capture_graphs():
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
                           num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
-                          progress_delay_us=a.nixl_progress_delay_us, state_first=a.nixl_read_order == "state-first")
+                          progress_delay_us=a.nixl_progress_delay_us, state_first=a.nixl_read_order == "state-first",
+                          tensor_parallel_size=engine.config.tensor_parallel_size)
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout, credential=security.credential,
                     ssl_context=security.side_channel_client_ssl())
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.ready = False
         http.close()
         thread.stop()
+        engine.close()
         puller.close()
         agent.close()
 

@@ -381,6 +381,10 @@ class LLMEngine:
         model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
         return cls(model_cfg, weights, config)
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its memory: nothing at one rank (rank 0 of several stops the
+        others, `parallel.leader`)."""
+
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prefill_only: bool = False) -> str:

@@ -77,15 +77,19 @@ def _listing(kind: str, names: list[str]) -> str:
     return f"{len(names)} {kind}: {', '.join(names[:_SHOW])}{more}"
 
 
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """`model_dir`'s config (with its quantization), without reading any weights."""
+    hf = read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf_dict(hf)
+    quant = read_quant_config(Path(model_dir), hf)
+    return cfg if quant == cfg.quantization else dataclasses.replace(cfg, quantization=quant)
+
+
 def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
                     device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read `model_dir`; return its config (torch_dtype = the dtype loaded) and canonical name -> tensor."""
     model_dir = Path(model_dir)
-    hf = read_hf_config(model_dir)
-    cfg = ModelConfig.from_hf_dict(hf)
-    quant = read_quant_config(model_dir, hf)
-    if quant != cfg.quantization:
-        cfg = dataclasses.replace(cfg, quantization=quant)
+    cfg = read_model_config(model_dir)
     target = dtype or cfg.torch_dtype
     if target not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(SUPPORTED_DTYPES)}, got {target!r}")

@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                    help="steps with decode rows carry at most one prompt chunk of at most Q tokens and replay a "
                         "CUDA graph instead of running eagerly (0 = off; default 256 where decode steps replay "
                         "CUDA graphs and K = 0, else 0)")
+    g.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="tensor-parallel ranks, one process each, which the node starts (rank 0 serves; on CUDA "
+                        "rank r computes on visible GPU r); nodes whose caches travel between nodes (prefill nodes, "
+                        "decode nodes beside them) take 1 so far (1)")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -59,7 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
                 "kernels", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens")
+                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens",
+                "tensor_parallel_size")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 
@@ -104,6 +109,39 @@ def role_engine_flags(text: str, option: str, common: Sequence[str] = (),
         raise ValueError(f"{option}: expected shell words, got {text!r}: {e}") from None
     engine_config_from_args(parse_engine_flags((*common, *flags), option, max_num_batched_tokens))
     return flags
+
+
+def flags_ranks(flags: Sequence[str]) -> int:
+    """The tensor-parallel ranks a node command line asks for: its last --tensor-parallel-size (either spelling),
+    else 1 (the flags were checked already, `role_engine_flags`)."""
+    tp = 1
+    for i, arg in enumerate(flags):
+        if arg == "--tensor-parallel-size" and i + 1 < len(flags):
+            tp = int(flags[i + 1])
+        elif arg.startswith("--tensor-parallel-size="):
+            tp = int(arg.split("=", 1)[1])
+    return tp
+
+
+def check_transfer_ranks(tp: int, where: str) -> None:
+    """Nodes whose caches travel to or from another node (every prefill node, and decode nodes beside prefill
+    nodes) run one tensor-parallel rank: a rank's pools hold only its shard of the heads."""
+    # TODO(#50): each decode rank reads its heads' shard from the prefill ranks that hold them.
+    if tp != 1:
+        raise ValueError(f"{where}: expected tensor_parallel_size 1 where caches travel between nodes (transfers of "
+                         f"sharded caches are not implemented yet; aggregated serving runs any size), got {tp}")
+
+
+def check_role_ranks(prefill_workers: int, common: Sequence[str], prefill_flags: Sequence[str],
+                     decode_flags: Sequence[str]) -> None:
+    """A launcher's roles (`baton up`, `baton ray up`): with prefill nodes, every node runs one rank
+    (`check_transfer_ranks`); without, decode nodes run any size. The flags were checked already
+    (`role_engine_flags`)."""
+    if not prefill_workers:
+        return
+    for option, flags in (("--prefill-engine-args", prefill_flags), ("--decode-engine-args", decode_flags)):
+        tp = parse_engine_flags((*common, *flags), option).tensor_parallel_size or 1
+        check_transfer_ranks(tp, f"{option} with --prefill-workers {prefill_workers}")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

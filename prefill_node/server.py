@@ -19,7 +19,7 @@ from baton.engine.engine_thread import EngineThread
 from baton.engine.llm_engine import LLMEngine
 from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
-from baton.node.engine_args import engine_config_from_args
+from baton.node.engine_args import check_transfer_ranks, engine_config_from_args
 from baton.node.metrics import NodeMetrics, start_node_http
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
@@ -54,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     limit_transfer_interfaces(a.host)
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
-    engine = LLMEngine.from_pretrained(a.model, dataclasses.replace(engine_config_from_args(a), prefill_only=True))
+    try:
+        config = dataclasses.replace(engine_config_from_args(a), prefill_only=True)
+        check_transfer_ranks(config.tensor_parallel_size, "--tensor-parallel-size")
+        engine = LLMEngine.from_pretrained(a.model, config)
+    except ValueError as e:
+        print(f"error: prefill node: {e}", file=sys.stderr)
+        return 2
     print(f"prefill node: {engine.memory_summary()}", flush=True)
     pools = engine.pools.by_name()
     agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,

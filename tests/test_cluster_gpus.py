@@ -1,6 +1,7 @@
 """Per-node GPU pinning of the local cluster (`Cluster.node_gpus`, `baton up --node-gpus`): node i in launch order
-(prefill nodes, then decode nodes) gets CUDA_VISIBLE_DEVICES = its GPU first, then the other listed GPUs; the
-router and every process without `node_gpus` inherit the environment unchanged."""
+(prefill nodes, then decode nodes) gets CUDA_VISIBLE_DEVICES = its GPU first (one per tensor-parallel rank, the next
+ones in the list), then the other listed GPUs; the router and every process without `node_gpus` inherit the
+environment unchanged."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ def test_each_node_gets_its_gpu_first_then_the_others(prefill, decode, gpus, exp
     assert c.node_names == [*(f"prefill-{i}" for i in range(prefill)), *(f"decode-{i}" for i in range(decode))]
     assert visible(c) == expected
     assert {n: c.node_gpu(n) for n in c.node_names} == {n: int(v.split(",")[0]) for n, v in expected.items()}
+
+
+@pytest.mark.parametrize(("prefill", "decode", "gpus", "flags", "expected"), [
+    # Two aggregated nodes of two ranks on 4 GPUs: two GPUs each, none shared.
+    (0, 2, (0, 1, 2, 3), ("--tensor-parallel-size", "2"), {"decode-0": "0,1,2,3", "decode-1": "2,3,0,1"}),
+    # A later flag wins, in either spelling; fewer GPUs than ranks: the node refuses to start (`check_devices`).
+    (0, 1, (4, 5, 6), ("--tensor-parallel-size", "2", "--tensor-parallel-size=3"), {"decode-0": "4,5,6"}),
+    (0, 2, (0, 1, 2), ("--tensor-parallel-size", "2"), {"decode-0": "0,1,2", "decode-1": "2,0,1"}),
+])
+def test_a_node_of_several_ranks_gets_one_gpu_per_rank_first(prefill, decode, gpus, flags, expected):
+    c = Cluster("m", prefill_workers=prefill, decode_workers=decode, port=PORT, node_gpus=gpus, engine_args=flags)
+    assert visible(c) == expected
 
 
 def test_node_env_is_this_environment_plus_the_gpu_list(monkeypatch):

@@ -306,6 +306,14 @@ def test_mixed_graph_tokens_reach_the_decode_nodes_only():
     assert "--speculative-tokens" not in decode
 
 
+def test_tensor_parallel_decode_pods_ask_for_a_gpu_per_rank():
+    vals = {"prefill": {"replicas": 0}, "decode": {"gpus": 1, "engine": {"tensor-parallel-size": 4}}}
+    docs = render(vals)
+    c = container(one(docs, "StatefulSet", "decode"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert arg_map(expand(c, docs))["--tensor-parallel-size"] == ["4"]
+
+
 def test_a_cluster_secret_is_generated_url_safe_and_reaches_every_pod_as_env():
     docs = manifests("default")
     secret = one(docs, "Secret")
@@ -357,6 +365,9 @@ def test_every_process_drains_within_its_pods_grace_period(case):
     ({"decode": {"engine": {"mixed-graph-tokens": -8}}}, "mixed-graph-tokens"),
     ({"engine": {"speculative-tokens": 2}, "decode": {"engine": {"mixed-graph-tokens": 128}}},
      "mixed-graph-tokens must be 0 or unset with speculative-tokens > 0 \\(decode"),
+    ({"engine": {"tensor-parallel-size": 0}}, "tensor-parallel-size"),
+    ({"decode": {"engine": {"tensor-parallel-size": 2}}},
+     "tensor-parallel-size must be 1 or unset where prefill nodes run \\(prefill.replicas 1; decode"),
     ({"model": {"source": "s3"}}, "source"),
     ({"router": {"discovery": "consul"}}, "discovery"),
 ])

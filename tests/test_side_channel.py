@@ -27,13 +27,13 @@ from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash
 from baton.transfer.side_channel import SideChannelClient, SideChannelServer
 
 
-def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0):
+def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1):
     cfg = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
     pools = CachePools(cfg, plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
                        ssm_dtype, "cpu")
     regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
-    compat = make_compat(cfg, regions, block_size, spec)
+    compat = make_compat(cfg, regions, block_size, spec, tp)
     return AgentMetadata(engine_id=engine_id, agent_name=f"agent-{engine_id}", nixl_metadata=b"\x00nixl",
                          compat=compat, compat_hash=compat_hash(compat), regions=regions)
 
@@ -137,11 +137,18 @@ def test_compatible_peers_pass():
     (lambda: metadata(overrides={"hybrid_override_pattern": "M*M-M*-M"}), "model_fingerprint"),
     (lambda: metadata(ssm_dtype=torch.bfloat16), "ssm_dtype"),
     (lambda: metadata(spec=2), "num_speculative_tokens"),
+    (lambda: metadata(tp=2), "tp_size"),
 ])
 def test_mismatch_is_refused_naming_the_field(remote, field):
     with pytest.raises(IncompatiblePeer, match=f"'{field}'") as e:
         check_compatible(metadata("d0"), remote())
     assert e.value.field == field
+
+
+def test_nodes_of_several_tensor_parallel_ranks_are_refused():
+    """Equal TP sizes above one still hold only rank 0's shard in the pools the agents registered (#50)."""
+    with pytest.raises(TransferError, match="expected nodes of one tensor-parallel rank for a transfer, got tp_size 2"):
+        check_compatible(metadata("d0", tp=2), metadata(tp=2))
 
 
 def test_forged_hash_is_refused():

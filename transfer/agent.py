@@ -109,7 +109,8 @@ class TransferAgent:
     def __init__(self, engine_id: str, model_cfg: ModelConfig, pools: dict[str, torch.Tensor], block_size: int,
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
-                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True) -> None:
+                 progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True,
+                 tensor_parallel_size: int = 1) -> None:
         """`pools`: the id-major cache pools by name ("kv", then the state pools), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
@@ -118,7 +119,8 @@ class TransferAgent:
         default: one busy core per agent). `state_first` (default): a NIXL read posts the request's state slot (a
         third of a 16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the
         blocks, so the link starts while the host still works (the CUDA IPC path's order); the notification then
-        follows both. False: one READ of blocks and state."""
+        follows both. False: one READ of blocks and state. `tensor_parallel_size`: the node's ranks (`pools` are
+        rank 0's), which the handshake compares."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
@@ -132,7 +134,7 @@ class TransferAgent:
                                                                          backends=list(backends)),
                                       progress_delay_us)
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
-        compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens)
+        compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens, tensor_parallel_size)
         self.cuda_ipc = cuda_ipc
         self.state_first = state_first
         self.metadata = AgentMetadata(engine_id=engine_id, agent_name=self.agent_name,

@@ -1,8 +1,9 @@
 """`AgentMetadata`: what a node publishes on its side channel so that a peer can READ from it.
 
 The compatibility part (`CompatInfo`) must be equal on both sides for a transfer to mean anything: same
-model, dtypes, layer layout, cache item shapes, block size, speculative-decoding config and protocol.
-A mismatch is refused with an `IncompatiblePeer` naming the first differing field.
+model, tensor-parallel size, dtypes, layer layout, cache item shapes, block size, speculative-decoding config and
+protocol. A mismatch is refused with an `IncompatiblePeer` naming the first differing field; nodes of more than one
+tensor-parallel rank are refused too (`check_compatible`: their pools hold one rank's shard).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import msgspec
 
 from baton.engine.config import ModelConfig
 from baton.transfer.cuda_ipc import IpcRegion
-from baton.transfer.errors import IncompatiblePeer
+from baton.transfer.errors import IncompatiblePeer, TransferError
 from baton.transfer.layout import RegionLayout
 
-PROTOCOL_VERSION = 2  # 2: pools keyed by name (the mixer's declared states) in CompatInfo
+PROTOCOL_VERSION = 3  # 2: pools keyed by name (the mixer's declared states) in CompatInfo; 3: tp_size
 
 
 class CompatInfo(msgspec.Struct, frozen=True):
     protocol_version: int
     model_fingerprint: str       # sha256 of the model's config.json content
     layer_pattern: str           # hybrid_override_pattern, e.g. "M*M-"
+    tp_size: int                 # the node's tensor-parallel ranks (its pools hold one rank's heads)
     block_size: int
     dtypes: dict[str, str]                  # pool name ("kv", then the declared states) -> dtype
     item_shapes: dict[str, tuple[int, ...]]  # pool name -> one item's shape
@@ -50,11 +52,12 @@ def model_fingerprint(cfg: ModelConfig) -> str:
 
 
 def make_compat(cfg: ModelConfig, regions: dict[str, RegionLayout], block_size: int,
-                num_speculative_tokens: int = 0) -> CompatInfo:
+                num_speculative_tokens: int = 0, tp_size: int = 1) -> CompatInfo:
     return CompatInfo(
         protocol_version=PROTOCOL_VERSION,
         model_fingerprint=model_fingerprint(cfg),
         layer_pattern=cfg.pattern,
+        tp_size=tp_size,
         block_size=block_size,
         dtypes={name: r.dtype for name, r in regions.items()},
         item_shapes={name: r.item_shape for name, r in regions.items()},
@@ -91,3 +94,8 @@ def check_compatible(local: AgentMetadata, remote: AgentMetadata) -> None:
             raise IncompatiblePeer(field, mine.get(field), theirs.get(field), peer=remote.engine_id)
     if compat_hash(remote.compat) != remote.compat_hash:
         raise IncompatiblePeer("compat_hash", compat_hash(remote.compat), remote.compat_hash, peer=remote.engine_id)
+    if local.compat.tp_size > 1:
+        # TODO(#50): each rank reads its shard from the prefill rank that holds it.
+        raise TransferError(f"peer {remote.engine_id!r}: expected nodes of one tensor-parallel rank for a transfer, "
+                            f"got tp_size {local.compat.tp_size} on both (a rank's pools hold only its shard)",
+                            peer=remote.engine_id)

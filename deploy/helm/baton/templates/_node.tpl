@@ -164,7 +164,8 @@ spec:
           {{- if gt (int $v.preStopSleepSeconds) 0 }}
           {{- include "baton.preStop" $v.preStopSleepSeconds | nindent 10 }}
           {{- end }}
-          {{- $gpu := dict $root.Values.gpu.resourceName (toString $v.gpus) }}
+          {{- $ranks := int (default 1 (index $settings "tensor-parallel-size")) }}
+          {{- $gpu := dict $root.Values.gpu.resourceName (toString (mul (int $v.gpus) $ranks)) }}
           {{- if $root.Values.rdma.enabled }}
           {{- $_ := set $gpu $root.Values.rdma.resourceName (toString $root.Values.rdma.count) }}
           {{- end }}
