@@ -8,9 +8,13 @@
     conv state read + write, B x L_mamba x conv_dim x (d_conv - 1) x (dtype size)
     KV read    every request's context (computed tokens) in every attention layer: ctx x L_attn x 2 x Hkv x D x size
     KV write   the new token's K and V: B x L_attn x 2 x Hkv x D x size
+    MoE        of the routed experts only those the step's B tokens route to: with top-k of E experts, a fraction
+               1 - (1 - k/E)^B of each layer's expert weights in expectation under uniform routing (random weights
+               route near uniformly; a trained router's skew touches fewer, so this is the larger count); the
+               rest (`inactive_experts`) is not counted
 
     roofline ms = bytes / (device-to-device copy bandwidth, bytes read + written, measured in the run).
-    Activations and the [B, V] fp32 logits are not counted. MoE layers (none in `8b-like`) count all experts.
+    Activations and the [B, V] fp32 logits are not counted.
 
     Per batch size B: B prefill-only requests of `--context` tokens (untimed, R1: all but the last token),
     then the same B requests re-admitted with those caches (`add_computed_request`), so that every request
@@ -73,7 +77,7 @@ import torch
 from tqdm import tqdm
 
 from baton.engine.cache_pools import CachePlan, plan_cache
-from baton.engine.config import ATTENTION, ModelConfig
+from baton.engine.config import ATTENTION, MOE, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.layer_symbols import GDN, QWEN3_5, RECURRENT_SYMBOLS
 from baton.engine.llm_engine import LLMEngine
@@ -333,20 +337,37 @@ class Traffic:
     conv_state: int
     kv_read: float
     kv_write: int
+    inactive_experts: float = 0.0  # routed experts' bytes the step's tokens are not expected to route to
 
     @property
     def total(self) -> float:
-        return self.weights + self.embedding_rows + self.ssm_state + self.conv_state + self.kv_read + self.kv_write
+        return (self.weights - self.inactive_experts + self.embedding_rows + self.ssm_state + self.conv_state
+                + self.kv_read + self.kv_write)
+
+
+def routed_expert(name: str) -> bool:
+    """Whether canonical weight `name` is a routed expert's (stacked over experts; shared experts are not)."""
+    return ".experts." in name
+
+
+def inactive_expert_fraction(cfg: ModelConfig, tokens: int) -> float:
+    """The expected fraction of each MoE layer's routed experts that `tokens` tokens do not route to, under uniform
+    routing: (1 - k/E)^tokens (0 without MoE layers)."""
+    if MOE not in cfg.layer_types:
+        return 0.0
+    return (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** tokens
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """All parameters once, minus the embedding table unless the lm_head reads it (tied)."""
-    total, family = 0, model_class(cfg)
-    for name, shape in expected_weight_shapes(cfg, include_mtp=False).items():
-        if name in _EMBEDDINGS and not cfg.tie_word_embeddings:
-            continue
-        total += math.prod(shape) * (4 if family.runs_in_fp32(name) else dtype.itemsize)
-    return total
+    return sum(_weight_bytes(cfg, dtype).values())
+
+
+def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    family = model_class(cfg)
+    return {name: math.prod(shape) * (4 if family.runs_in_fp32(name) else dtype.itemsize)
+            for name, shape in expected_weight_shapes(cfg, include_mtp=False).items()
+            if not (name in _EMBEDDINGS and not cfg.tie_word_embeddings)}
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -361,8 +382,11 @@ def decode_traffic(cfg: ModelConfig, dtype: torch.dtype, ssm_dtype: torch.dtype,
     spec = model_class(cfg).state_spec(cfg)
     per_layer = {t.name: t.nbytes(dtype, ssm_dtype) for t in spec.states}
     ssm, conv = spec.num_layers * per_layer["ssm"], spec.num_layers * per_layer["conv"]
+    per_weight = _weight_bytes(cfg, dtype)
+    experts = sum(n for name, n in per_weight.items() if routed_expert(name))
     return Traffic(
-        weights=weight_bytes(cfg, dtype),
+        weights=sum(per_weight.values()),
+        inactive_experts=experts * inactive_expert_fraction(cfg, batch),
         embedding_rows=0 if cfg.tie_word_embeddings else batch * cfg.hidden_size * dtype.itemsize,
         ssm_state=2 * batch * ssm,
         conv_state=2 * batch * conv,
@@ -376,11 +400,14 @@ def traffic_from_tensors(engine: LLMEngine, batch: int, context_tokens: float) -
     model, pools, bs = engine.model, engine.pools, engine.config.block_size
     emb = model.input_embeddings().weight
     # The state dict: parameters and the weights held as buffers (the MoE router's correction bias).
-    params = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held = {name: t.numel() * t.element_size() for name, t in model.state_dict().items()}
+    params = sum(held.values())
+    experts = sum(n for name, n in held.items() if routed_expert(name))
     tied = model.lm_head is None
     kv_token = pools.kv[0, :pools.num_target_kv_layers].numel() * pools.kv.element_size() // bs
     return Traffic(
         weights=params - (0 if tied else emb.numel() * emb.element_size()),
+        inactive_experts=experts * inactive_expert_fraction(engine.model.cfg, batch),
         embedding_rows=0 if tied else batch * emb[0].numel() * emb.element_size(),
         ssm_state=2 * batch * pools.states["ssm"][0].numel() * pools.states["ssm"].element_size(),
         conv_state=2 * batch * pools.states["conv"][0].numel() * pools.states["conv"].element_size(),
@@ -931,7 +958,7 @@ def table(r: Report) -> str:
                      f"| {d.step_ms_one_at_a_time:.3f} "
                      f"| {d.forward_ms:.3f} "
                      f"| {d.roofline_ms:.3f} | {d.ratio:.2f}× | {goal} | {d.forward_ratio:.2f}× "
-                     f"| {d.tokens_per_s:,.0f} | {_gb(t.weights + t.embedding_rows)} / {_gb(t.ssm_state)} / "
+                     f"| {d.tokens_per_s:,.0f} | {_gb(t.weights - t.inactive_experts + t.embedding_rows)} / {_gb(t.ssm_state)} / "
                      f"{_gb(t.conv_state)} / {_gb(t.kv_read + t.kv_write)} |")
     lines += ["", "| prompts × tokens | step ms | tok/s | TFLOP | TFLOP/s | MFU (step) | MFU (forward) | goal |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

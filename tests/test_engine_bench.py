@@ -246,3 +246,20 @@ def test_weight_bytes_count_what_a_bf16_model_holds(preset):
     held = sum(tensor_bytes(p) for p in model.parameters()) - (0 if cfg.tie_word_embeddings else tensor_bytes(emb))
     assert any(p.dtype == torch.float32 for p in model.parameters()) == (preset == "qwen3.5-tiny")
     assert eb.weight_bytes(cfg, torch.bfloat16) == held
+
+
+def test_moe_decode_roofline_counts_the_experts_its_tokens_route_to():
+    """A MoE model's decode bytes hold of the routed experts the expected share B tokens route to (top-k of E,
+    uniform routing): at one token k/E of them, at 256 nearly all; shared experts and dense models count whole."""
+    cfg = ModelConfig.from_hf_dict(build_config("nano-30b-a3b-like"))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    routed = sum(math.prod(s) * 2 for n, s in eb.expected_weight_shapes(cfg, include_mtp=False).items()
+                 if ".experts." in n)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    one, many = eb.decode_traffic(cfg, bf16, fp32, 1, 1000.0), eb.decode_traffic(cfg, bf16, fp32, 256, 256e3)
+    assert one.inactive_experts == pytest.approx(routed * (1 - k / e), rel=1e-12)
+    assert one.total == pytest.approx(one.weights - routed * (1 - k / e) + one.embedding_rows + one.ssm_state
+                                      + one.conv_state + one.kv_read + one.kv_write, rel=1e-12)
+    assert many.inactive_experts < 0.01 * routed
+    dense = ModelConfig.from_hf_dict(build_config("8b-like"))
+    assert eb.decode_traffic(dense, bf16, fp32, 1, 1000.0).inactive_experts == 0
