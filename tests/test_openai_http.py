@@ -179,7 +179,17 @@ def test_errors_have_openai_format_and_status_over_fakes():
         async with fake_front() as env:
             c = env.client
             cases = [
-                (dict(prompt=[1, 2], n=2), openai.BadRequestError, "n"),
+                (dict(prompt=[1, 2], n=0), openai.BadRequestError, "n"),
+                (dict(prompt=[1, 2], best_of=2), openai.BadRequestError, "best_of"),
+                (dict(prompt=[1], presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+                (dict(prompt=[1], extra_body={"min_p": 1.5}), openai.BadRequestError, "min_p"),
+                (dict(prompt=[1], extra_body={"repetition_penalty": 0}), openai.BadRequestError,
+                 "repetition_penalty"),
+                (dict(prompt=[1], logit_bias={"x": 1}), openai.BadRequestError, "logit_bias"),
+                (dict(prompt=[1], logit_bias={"3": 101}), openai.BadRequestError, "logit_bias"),
+                (dict(prompt=[1], logit_bias={str(VOCAB): 1}), openai.BadRequestError, "logit_bias"),  # the service
+                (dict(prompt=[1], max_tokens=4, extra_body={"min_tokens": 5}), openai.BadRequestError,
+                 "min_tokens"),
                 (dict(prompt=[1, VOCAB]), openai.BadRequestError, "prompt"),  # the service's validation
                 (dict(prompt=[1], temperature=-1), openai.BadRequestError, "temperature"),
                 (dict(prompt="text"), openai.BadRequestError, "prompt"),  # no tokenizer
@@ -193,7 +203,7 @@ def test_errors_have_openai_format_and_status_over_fakes():
                 assert e.value.status_code == 400 and e.value.type == "invalid_request_error", kw
                 assert e.value.param == param and e.value.message, kw
             with pytest.raises(openai.BadRequestError) as e:  # also when streaming: before any event
-                await c.completions.create(model="fake", prompt=[1], n=3, stream=True)
+                await c.completions.create(model="fake", prompt=[1], n=100, stream=True)
             assert e.value.param == "n"
             with pytest.raises(openai.NotFoundError) as e:
                 await c.completions.create(model="gpt-4", prompt=[1])
