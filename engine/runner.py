@@ -20,7 +20,7 @@ from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
-from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs
+from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs, needs_processing
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
@@ -100,7 +100,10 @@ class ModelRunner:
         """Whether any of these requests' logits are processed: such rows run eagerly (a whole-graph verify step
         holds no processing inputs yet; TODO(#52) capture them) and never chained (their counts need the
         previous step's tokens on the host)."""
-        return bool(self._history) and any(r in self._history for r in request_ids)
+        if not self._history:
+            return False
+        hist = [(r, self._history.get(r)) for r in request_ids]
+        return any(h is not None and needs_processing(self._sampling[r][0], len(h.outputs)) for r, h in hist)
 
     def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> LogitsInputs | None:
         """The rows' logits processing inputs (None: nothing to process). A request without a history has
