@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from baton.engine.sampling_params import SamplingParams
-from tests.test_spec_decode import new_engine, small_spec_model  # noqa: F401  (fixture)
+from tests.test_spec_decode import new_engine, prefill_elsewhere, run, small_spec_model  # noqa: F401  (fixture)
 
 PROMPTS = [[1, 2, 3, 1, 2], [7], [4, 4, 4, 4, 4, 4, 4, 4, 4, 5]]
 N = 10
@@ -76,3 +77,50 @@ def test_min_p_of_one_keeps_only_the_top_token(small_spec_model, k):  # noqa: F8
     only_top, _ = _generate(small_spec_model, k, SamplingParams(max_tokens=N, ignore_eos=True, temperature=5.0,
                                                                   seed=3, min_p=1.0))
     assert only_top == greedy
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_transferred_request_is_penalised_as_an_aggregated_one(small_spec_model, k):  # noqa: F811
+    """Disaggregated: the decode engine gets the prompt with the transferred caches, so repetition_penalty (which
+    reads the prompt) and the other fields give the aggregated engine's tokens (R6)."""
+    params = SamplingParams(max_tokens=N, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=0.5,
+                            logit_bias={1: -2.0}, min_tokens=3, stop_token_ids=[0])
+    prompt = PROMPTS[2]
+    aggregated, _ = _generate(small_spec_model, k, params, prompts=[prompt])
+    dec = new_engine(small_spec_model, k)
+    moved = run(dec, [[("moved", "m", prompt, prefill_elsewhere(small_spec_model, k, prompt))]], params)
+    assert [list(moved["m"].token_ids)] == aggregated
+    plain, _ = _generate(small_spec_model, k, SamplingParams(max_tokens=N, ignore_eos=True), prompts=[prompt])
+    assert plain != aggregated
+
+
+def _raw_logits(engine, tokens: list[int]):
+    """The model's raw next-token logits after `tokens` [V] float32 (one prefill step of a throwaway request)."""
+    rid = engine.add_request(tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+    while True:  # (a long prompt is prefilled in chunks: the last one samples)
+        out = engine.scheduler.schedule()
+        res = engine.runner.execute(out, return_logits=True)
+        engine.step_update.update(out, res.sampled)
+        if rid in res.logits:
+            engine.runner.remove_request(rid)
+            return res.logits[rid].float().clone()
+
+
+def test_repetition_penalty_reads_the_prompt_aggregated_and_disaggregated(small_spec_model):  # noqa: F811
+    """HF / vLLM's repetition penalty over prompt + outputs (a positive logit divided, a negative one multiplied),
+    step by step from the raw logits, is what the engine emits: plain, with MTP, and transferred with MTP."""
+    params = SamplingParams(max_tokens=N, ignore_eos=True, repetition_penalty=3.0)
+    prompt = PROMPTS[2]
+    ref_engine = new_engine(small_spec_model, 0, async_scheduling=False)
+    want: list[int] = []
+    for _ in range(N):
+        z = _raw_logits(ref_engine, prompt + want)
+        seen = sorted(set(prompt + want))
+        z[seen] = torch.where(z[seen] > 0, z[seen] / 3.0, z[seen] * 3.0)
+        want.append(int(z.argmax()))
+    assert want != _generate(small_spec_model, 0, SamplingParams(max_tokens=N, ignore_eos=True), prompts=[prompt])[0][0]
+    for k in (0, 2):
+        assert _generate(small_spec_model, k, params, prompts=[prompt])[0] == [want], k
+    dec = new_engine(small_spec_model, 2)
+    moved = run(dec, [[("moved", "m", prompt, prefill_elsewhere(small_spec_model, 2, prompt))]], params)
+    assert list(moved["m"].token_ids) == want
