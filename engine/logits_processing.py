@@ -15,7 +15,8 @@ distribution. Repetition penalty also reads the prompt (the decode node of a dis
 
 Everything on the device is a function of device tensors alone (no host read, no per-row loop): the per-row
 inputs come in one host -> device copy (`logits_inputs`), and the per-token lists (generated tokens, prompt,
-bias, stop ids) as flat (row, token) pairs scattered into [R, V].
+bias, stop ids) as flat (row, token) pairs scattered into [P, V]. Only the P rows that have something to process
+are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of the batch).
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ class RowHistory:
 
 @dataclass(frozen=True)
 class LogitsInputs:
-    """One step's processing inputs on the device. Per row [R]: `anchor` (the row's newest token, counted as
-    generated where `anchor_counts` is 1), `min_left` (outputs still to come before a stop id may be decided),
-    and float32 `presence`, `frequency`, `repetition`, `min_p` (0 on greedy rows), `temperature`. Flat pairs:
-    `gen` (row, token) of host-known generated tokens, `prompt` (row, token), `bias` (row, token) with
+    """One step's processing inputs on the device, for the P processed rows: `rows` [P], their rows in the batch
+    (`batch_rows` on the host). Per processed row [P]: `anchor` (the row's newest token, counted as generated
+    where `anchor_counts` is 1), `min_left` (outputs still to come before a stop id may be decided), and float32
+    `presence`, `frequency`, `repetition`, `min_p` (0 on greedy rows), `temperature`. Flat pairs, by processed
+    row: `gen` (row, token) of host-known generated tokens, `prompt` (row, token), `bias` (row, token) with
     `bias_values`, `stop` (row, token). The flags say which ops run (host bools: no device read)."""
 
+    rows: Tensor
+    batch_rows: tuple[int, ...]
+    num_rows: int  # rows in the batch (R)
     anchor: Tensor
     anchor_counts: Tensor
     min_left: Tensor
@@ -68,10 +73,19 @@ class LogitsInputs:
     min_tokens: bool
     min_p_used: bool
 
-    def with_anchor(self, rows: Tensor, tokens: Tensor) -> LogitsInputs:
-        """These inputs with anchor[rows] = tokens (a step in flight's tokens, on the device)."""
+    def with_anchor(self, rows: Sequence[int], tokens: Tensor) -> LogitsInputs:
+        """These inputs with the anchors of batch rows `rows` (host ints) set to `tokens` ([len(rows)], a step in
+        flight's tokens, on the device); rows that are not processed are left out."""
+        if any(not isinstance(r, int) for r in rows):
+            raise ValueError(f"rows: expected host ints (batch rows), got {rows!r}")
+        at = {r: i for i, r in enumerate(self.batch_rows)}
+        pairs = [(i, at[r]) for i, r in enumerate(rows) if r in at]
+        if not pairs:
+            return self
+        dev = self.anchor.device
         anchor = self.anchor.clone()
-        anchor[rows] = tokens
+        anchor[to_device([p for _, p in pairs], torch.int64, dev)] = tokens[to_device([i for i, _ in pairs],
+                                                                                       torch.int64, dev)]
         return replace(self, anchor=anchor)
 
 
@@ -86,11 +100,16 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
                   ) -> LogitsInputs | None:
     """The rows' inputs in one copy, or None when no row has anything to process. A row's anchor is its newest
     output (PENDING: to be set with `with_anchor`), counted when it has one."""
-    n = len(params)
-    if len(histories) != n:
-        raise ValueError(f"histories: expected one per row ({n}), got {len(histories)}")
-    if not any(needs_processing(p, len(h.outputs)) for p, h in zip(params, histories, strict=True)):
+    if len(histories) != len(params):
+        raise ValueError(f"histories: expected one per row ({len(params)}), got {len(histories)}")
+    batch_rows = [i for i, (p, h) in enumerate(zip(params, histories, strict=True))
+                  if needs_processing(p, len(h.outputs))]
+    if not batch_rows:
         return None
+    num_rows = len(params)
+    params = [params[i] for i in batch_rows]
+    histories = [histories[i] for i in batch_rows]
+    n = len(params)
     anchor, counted, left = [], [], []
     gen: tuple[list[int], list[int]] = ([], [])
     prompt: tuple[list[int], list[int]] = ([], [])
@@ -121,7 +140,7 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
     floats = ([p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
               + [p.repetition_penalty for p in params] + [0.0 if p.greedy else p.min_p for p in params]
               + [p.temperature for p in params] + bias_values)
-    parts = [anchor, counted, left, *gen, *prompt, *bias, *stop]
+    parts = [batch_rows, anchor, counted, left, *gen, *prompt, *bias, *stop]
     buf = to_device([v for part in parts for v in part] + float_bits(floats), torch.int64, device)
     views: list[Tensor] = []
     at = 0
@@ -129,10 +148,10 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
         views.append(buf[at:at + len(part)])
         at += len(part)
     f = buf[at:].to(torch.int32).view(torch.float32)
-    a, c, m, g0, g1, p0, p1, b0, b1, s0, s1 = views
+    rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1 = views
     return LogitsInputs(
-        anchor=a, anchor_counts=c, min_left=m, presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n],
-        min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
+        rows=rows, batch_rows=tuple(batch_rows), num_rows=num_rows, anchor=a, anchor_counts=c, min_left=m,
+        presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n], min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
         bias=torch.stack([b0, b1]), bias_values=f[5 * n:], stop=torch.stack([s0, s1]),
         penalised=any(p.penalised for p in params), repetition_used=any(p.repetition_penalty != 1 for p in params),
         biased=bool(bias_values), min_tokens=any(left), min_p_used=any(p.min_p > 0 and not p.greedy for p in params))
@@ -145,9 +164,9 @@ def _mask(pairs: Tensor, R: int, V: int, device: torch.device) -> Tensor:
 
 
 def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V: int) -> Tensor:
-    """How often each token was generated before each position a row decides: drafts [R, K] int64 (padding in
-    range), num_draft [R] -> [R, K+1, V] float32; position j counts the host-known outputs, the anchor and
-    drafts 0..j-1."""
+    """How often each token was generated before each position a processed row decides: drafts [P, K] int64
+    (padding in range), num_draft [P] -> [P, K+1, V] float32; position j counts the host-known outputs, the anchor
+    and drafts 0..j-1."""
     R, K = drafts.shape
     dev = drafts.device
     base = torch.zeros(R, V, dtype=torch.float32, device=dev)
@@ -164,13 +183,28 @@ def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V:
 
 def apply_processing(logits: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs) -> Tensor:
     """logits [R, K+1, V] (raw, any float dtype), drafts [R, K] (padding: any value), num_draft [R] on the
-    logits' device -> the processed logits [R, K+1, V] float32 (a new tensor)."""
+    logits' device -> the processed logits [R, K+1, V] float32 (a new tensor; rows not processed as they were)."""
     R, K1, V = logits.shape
+    if inputs.num_rows != R:
+        raise ValueError(f"logits: expected the {inputs.num_rows} rows the inputs were built for, got {R}")
     dev = logits.device
+    out = logits.to(torch.float32, copy=True)
+    every = len(inputs.batch_rows) == R
     num_draft = num_draft.to(device=dev, dtype=torch.int64)
     valid = torch.arange(K1 - 1, device=dev)[None, :] < num_draft[:, None]
     drafts = torch.where(valid, drafts.to(dev, torch.int64), 0)  # [R, K], padding zeroed (never counted)
-    z = logits.float().clone()
+    if every:  # (no gather: every row is processed, in batch order)
+        return _processed(out, drafts, num_draft, inputs)
+    rows = inputs.rows
+    out[rows] = _processed(out[rows], drafts[rows], num_draft[rows], inputs)
+    return out
+
+
+def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs) -> Tensor:
+    """`apply_processing` on the processed rows alone: z [P, K+1, V] float32 (modified), drafts [P, K] (padding
+    zeroed), num_draft [P] -> [P, K+1, V]."""
+    R, K1, V = z.shape
+    dev = z.device
     if inputs.biased:
         bias = torch.zeros(R, V, dtype=torch.float32, device=dev)
         bias.index_put_((inputs.bias[0], inputs.bias[1]), inputs.bias_values, accumulate=True)

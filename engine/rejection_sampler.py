@@ -157,8 +157,8 @@ class RejectionSampler:
     @staticmethod
     def processed(logits: Tensor, processing: LogitsInputs) -> Tensor:
         """Rows without drafts: logits [R, V] -> their processed logits [R, V] float32 (`logits_processing`)."""
-        none = processing.anchor[:, None][:, :0]
-        return apply_processing(logits[:, None], none, torch.zeros_like(processing.anchor), processing)[:, 0]
+        none = torch.zeros(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+        return apply_processing(logits[:, None], none, none.new_zeros(logits.shape[0]), processing)[:, 0]
 
     def decide(self, logits: Tensor, params: Sequence[SamplingParams], inputs: SampleInputs,
                processing: LogitsInputs | None = None) -> Tensor:

@@ -217,7 +217,7 @@ class ModelRunner:
         if processing is not None and fill is not None:
             # A decode row's newest output is its input token, maybe still PENDING: the step in flight's, on the
             # device (decode rows come first and all sample, so row i is sampling row i).
-            processing = processing.with_anchor(self._t(fill[0]), fill[2][self._t(fill[1])])
+            processing = processing.with_anchor(fill[0], fill[2][self._t(fill[1])])
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
             started = self.graphs.started

@@ -47,12 +47,15 @@ def test_penalised_greedy_equals_a_step_by_step_logit_bias_reference(small_spec_
     SamplingParams(max_tokens=N, ignore_eos=True, presence_penalty=1.5, repetition_penalty=0.6),
 ], ids=["repetition-frequency", "presence-repetition"])
 def test_speculative_decoding_with_penalties_emits_the_plain_engines_tokens(small_spec_model, params):  # noqa: F811
-    plain, _ = _generate(small_spec_model, 0, params)
-    spec, accepted = _generate(small_spec_model, 2, params)
+    # The middle request is not penalised: a batch mixes processed and unprocessed rows.
+    none = SamplingParams(max_tokens=N, ignore_eos=True)
+    mixed = [params, none, params]
+    plain, _ = _generate(small_spec_model, 0, mixed)
+    spec, accepted = _generate(small_spec_model, 2, mixed)
     assert accepted > 0  # drafts were accepted, so verify positions after them were penalised with them counted
     assert spec == plain
-    unpenalised, _ = _generate(small_spec_model, 0, SamplingParams(max_tokens=N, ignore_eos=True))
-    assert plain != unpenalised
+    unpenalised, _ = _generate(small_spec_model, 0, none)
+    assert plain[1] == unpenalised[1] and (plain[0], plain[2]) != (unpenalised[0], unpenalised[2])
 
 
 @pytest.mark.parametrize("k", [0, 2])

@@ -78,7 +78,7 @@ def test_a_pending_newest_output_is_counted_from_the_device():
     p = SamplingParams(max_tokens=8, frequency_penalty=1.0)
     hist = [RowHistory([0], [2, 2, PENDING], frozenset())]
     inputs = logits_inputs([p], hist, torch.device("cpu"))
-    inputs = inputs.with_anchor(torch.tensor([0]), torch.tensor([4]))
+    inputs = inputs.with_anchor([0], torch.tensor([4]))
     counts = generated_counts(inputs, torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), V)
     assert counts[0, 0].tolist() == [0, 0, 2, 0, 1, 0]
     with pytest.raises(ValueError, match="at most the newest output PENDING"):

@@ -141,15 +141,14 @@ def test_the_sdk_sends_the_fields_and_collects_n_choices():
     from baton.client import AsyncClient
 
     async def go():
-        async with cluster() as c:
-            async with AsyncClient(f"127.0.0.1:{c.router.port}", retries=0) as client:
-                out = await client.generate([4, 5], n=3, seed=2, **FIELDS)
-                assert [ch.index for ch in out.choices] == [0, 1, 2]
-                assert all(ch.token_ids == tuple(expected_tokens([4, 5], 6)) for ch in out.choices)
-                assert out.token_ids == out.choices[0].token_ids and out.completion_tokens == 18
-                sent = [d.sampling for d in c.decode[0].decodes]
-                assert sorted(s.seed for s in sent) == sorted(choice_seed(2, i) for i in range(3))
-                assert all(dict(s.logit_bias) == {7: 3.5, 9: -100.0} and s.min_tokens == 2 for s in sent)
-                chunks = [ch async for ch in client.stream([4, 5], n=2, max_tokens=2)]
-                assert sorted(ch.index for ch in chunks if ch.finish_reason) == [0, 1]
+        async with cluster() as c, AsyncClient(f"127.0.0.1:{c.router.port}", retries=0) as client:
+            out = await client.generate([4, 5], n=3, seed=2, **FIELDS)
+            assert [ch.index for ch in out.choices] == [0, 1, 2]
+            assert all(ch.token_ids == tuple(expected_tokens([4, 5], 6)) for ch in out.choices)
+            assert out.token_ids == out.choices[0].token_ids and out.completion_tokens == 18
+            sent = [d.sampling for d in c.decode[0].decodes]
+            assert sorted(s.seed for s in sent) == sorted(choice_seed(2, i) for i in range(3))
+            assert all(dict(s.logit_bias) == {7: 3.5, 9: -100.0} and s.min_tokens == 2 for s in sent)
+            chunks = [ch async for ch in client.stream([4, 5], n=2, max_tokens=2)]
+            assert sorted(ch.index for ch in chunks if ch.finish_reason) == [0, 1]
     run(go())
