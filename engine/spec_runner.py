@@ -20,7 +20,9 @@ One step, all on the device until the single host read of its tokens at the end:
 
 A verify step whose rows all verify, greedy or sampling (at a temperature, with top-k / top-p), replays one CUDA
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
-(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take
+(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
+whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
+never chained, since its counts need the previous step's tokens on the host. Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
 """
 
