@@ -68,6 +68,14 @@ def test_grpc_n_streams_every_choice_with_its_index_and_seed():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 _ = [m async for m in c.stub.Generate(req, timeout=10)]
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: expected at most" in e.value.details()
+            # A choice refused (each is validated as a request) ends the call with its status.
+            bad = generation_pb2.GenerateRequest()
+            bad.CopyFrom(req)
+            bad.n, bad.sampling.presence_penalty = 3, 9.0
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                _ = [m async for m in c.stub.Generate(bad, timeout=10)]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'presence_penalty'" in e.value.details()
+            assert not c.router.service._fans and not c.router.service._inflight
             # Abort by the request's id ends every choice on the node.
             c.decode[0].token_delay_s = 0.05
             req.n, req.request_id = 3, "q"
