@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from baton.client import AsyncClient, BatonError, Completion
-from baton.node.engine_args import add_sampling_args, parse_ids
+from baton.node.engine_args import add_sampling_args, parse_ids, sampling_options
 
 PROG = "baton client generate"
 
@@ -66,9 +66,7 @@ async def _generate_all(a: argparse.Namespace, roots: bytes | None) -> list[Comp
     async with AsyncClient(a.addr, timeout=a.timeout, api_key=a.api_key, tls=a.tls,
                            root_certificates=roots) as client:
         return list(await asyncio.gather(*(
-            client.generate(p, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos)
-            for p in a.prompts)))
+            client.generate(p, **sampling_options(a)) for p in a.prompts)))
 
 
 def _json_line(prompt: list[int] | str, o: Completion) -> str:

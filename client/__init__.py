@@ -7,6 +7,7 @@
             print(chunk.text, end="")
 """
 
+from baton.client._common import Sampling
 from baton.client.async_client import AsyncClient, AsyncStream
 from baton.client.client import Client, Stream
 from baton.client.errors import (
@@ -17,10 +18,10 @@ from baton.client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from baton.client.types import Chunk, Completion, FinishReason, Health, ModelInfo
+from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "BatonError", "Chunk", "Client", "Completion", "DeadlineExceededError",
-    "FinishReason", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Stream",
+    "AsyncClient", "AsyncStream", "BatonError", "Choice", "Chunk", "Client", "Completion", "DeadlineExceededError",
+    "FinishReason", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Sampling", "Stream",
     "UnauthenticatedError", "UnavailableError",
 ]

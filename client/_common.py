@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 from baton.client.errors import BatonError
-from baton.client.types import Chunk, Completion, FinishReason, Health, ModelInfo
+from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo
 from baton.proto.v1 import generation_pb2 as pb
 
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -59,13 +59,42 @@ def call_metadata(api_key: str | None) -> Metadata:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def generate_request(prompt: Sequence[int] | str, *, max_tokens: int, temperature: float, top_p: float, top_k: int,
-                     seed: int | None, stop_token_ids: Sequence[int], ignore_eos: bool,
-                     request_id: str | None) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                 seed=seed, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling options, as `Client.generate` / `stream` take them (the server validates them)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    # Stop strings: the text ends before the first match (needs the router's tokenizer).
+    stop: Sequence[str] = ()
+    # Choices to generate; each has its own seed, derived from `seed`.
+    n: int = 1
+
+
+def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id: str | None) -> pb.GenerateRequest:
+    o = options
+    sampling = pb.SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                                 seed=o.seed, stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos,
+                                 logit_bias=dict(o.logit_bias))
+    d = Sampling()
+    # Only what differs from the defaults: an older router refuses a field it does not know, even a neutral one.
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(o, name) != getattr(d, name):
+            setattr(sampling, name, getattr(o, name))
     # Empty request_id: the router assigns one and sends it back in every response.
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling)
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling, stop=list(o.stop),
+                             n=o.n if o.n != 1 else 0)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -79,35 +108,46 @@ def finish_reason(resp: pb.GenerateResponse) -> FinishReason | None:
 
 def to_chunk(resp: pb.GenerateResponse) -> Chunk:
     return Chunk(request_id=resp.request_id, token_ids=tuple(resp.token_ids), text=resp.text,
-                 finish_reason=finish_reason(resp))
+                 finish_reason=finish_reason(resp), index=resp.index)
 
 
 class CompletionBuilder:
-    """Collects the responses of one Generate stream into a `Completion`."""
+    """Collects the responses of one Generate stream (n choices, by their index) into a `Completion`."""
 
-    def __init__(self, prompt: Sequence[int] | str) -> None:
+    def __init__(self, prompt: Sequence[int] | str, n: int = 1) -> None:
         self._prompt_ids = None if isinstance(prompt, str) else tuple(prompt)
         self._request_id = ""
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
-        self._last: pb.GenerateResponse | None = None
+        self._n = n
+        self._token_ids: list[list[int]] = [[] for _ in range(n)]
+        self._text: list[list[str]] = [[] for _ in range(n)]
+        self._last: list[pb.GenerateResponse | None] = [None] * n
 
     def add(self, resp: pb.GenerateResponse) -> None:
+        i = resp.index
+        if i >= self._n:
+            raise BatonError("UNKNOWN", f"a response of choice {i}: expected choices 0..{self._n - 1}")
         self._request_id = resp.request_id or self._request_id
-        self._token_ids.extend(resp.token_ids)
-        self._text.append(resp.text)
-        self._last = resp
+        self._token_ids[i].extend(resp.token_ids)
+        self._text[i].append(resp.text)
+        self._last[i] = resp
 
     def build(self) -> Completion:
-        reason = finish_reason(self._last) if self._last is not None else None
-        if reason is None:
-            # The server closed the stream without a last message: never hand out a truncated answer.
-            raise BatonError("UNKNOWN", "the Generate stream ended without a finish reason")
-        usage = self._last.usage
+        choices = []
+        for i, last in enumerate(self._last):
+            reason = finish_reason(last) if last is not None else None
+            if last is None or reason is None:
+                # The server closed the stream without a last message: never hand out a truncated answer.
+                raise BatonError("UNKNOWN", f"the Generate stream ended without a finish reason for choice {i}")
+            choices.append(Choice(index=i, token_ids=tuple(self._token_ids[i]), text="".join(self._text[i]),
+                                  finish_reason=reason, completion_tokens=last.usage.completion_tokens))
+        usages = [last.usage for last in self._last if last is not None]
+        first = choices[0]
         return Completion(request_id=self._request_id, prompt_token_ids=self._prompt_ids,
-                          token_ids=tuple(self._token_ids), text="".join(self._text), finish_reason=reason,
-                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                          num_drafted_tokens=usage.num_drafted_tokens, num_accepted_tokens=usage.num_accepted_tokens)
+                          token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+                          prompt_tokens=usages[0].prompt_tokens,
+                          completion_tokens=sum(u.completion_tokens for u in usages),
+                          num_drafted_tokens=sum(u.num_drafted_tokens for u in usages),
+                          num_accepted_tokens=sum(u.num_accepted_tokens for u in usages), choices=tuple(choices))
 
 
 def to_health(resp: pb.HealthResponse) -> Health:

@@ -12,6 +12,7 @@ import grpc.aio
 from baton.client._common import (
     CompletionBuilder,
     RetryPolicy,
+    Sampling,
     call_metadata,
     channel_credentials,
     generate_request,
@@ -106,28 +107,27 @@ class AsyncClient:
         self._timeout = timeout
         self._metadata = call_metadata(api_key)
 
-    async def generate(self, prompt: Sequence[int] | str, *, max_tokens: int = 16, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                       request_id: str | None = None) -> Completion:
-        """Generates for one prompt (token ids or text) and returns the whole completion."""
-        builder = CompletionBuilder(prompt)
-        async with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                               request_id=request_id) as s:
+    async def generate(self, prompt: Sequence[int] | str, *, request_id: str | None = None,
+                 **options: Any) -> Completion:
+        """Generates for one prompt (token ids or text) and returns the whole completion (its n choices in
+        `choices`). Keyword options: the fields of `Sampling` (max_tokens, temperature, top_p, top_k, seed,
+        stop_token_ids, ignore_eos, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+        min_tokens, stop, n)."""
+        sampling = Sampling(**options)
+        builder = CompletionBuilder(prompt, sampling.n)
+        async with self._start(generate_request(prompt, sampling, request_id), request_id) as s:
             while (resp := await s._next_response()) is not None:
                 builder.add(resp)
         return builder.build()
 
-    def stream(self, prompt: Sequence[int] | str, *, max_tokens: int = 16, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-               ignore_eos: bool = False, request_id: str | None = None) -> AsyncStream:
-        """Starts generating for one prompt; `async for` over the returned stream for its chunks."""
-        req = generate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                               request_id=request_id)
+    def stream(self, prompt: Sequence[int] | str, *, request_id: str | None = None, **options: Any) -> AsyncStream:
+        """Starts generating for one prompt; iterate the returned stream for its chunks (each names its choice in
+        `index`). Keyword options as for `generate`."""
+        return self._start(generate_request(prompt, Sampling(**options), request_id), request_id)
+
+    def _start(self, req: pb.GenerateRequest, request_id: str | None) -> AsyncStream:
         return AsyncStream(lambda: self._stub.Generate(req, timeout=self._timeout, metadata=self._metadata),
-                           self._retry, request_id)
+                      self._retry, request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request; False when the router does not know it (finished or never seen)."""

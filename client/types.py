@@ -17,11 +17,25 @@ class Chunk:
     text: str
     # None while the request is still generating; set on the last chunk only.
     finish_reason: FinishReason | None
+    # The choice these tokens belong to (0..n-1; always 0 for n = 1).
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a request's n choices, collected from its stream."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole request, collected from its stream."""
+    """A whole request, collected from its stream: choice 0's tokens, text and finish reason (the request's own for
+    n = 1), every choice in `choices`, and the usage summed over them."""
 
     request_id: str
     # The prompt as sent; None for a text prompt (the server tokenizes it).
@@ -35,6 +49,7 @@ class Completion:
     # (both 0 when the decode node runs without it).
     num_drafted_tokens: int
     num_accepted_tokens: int
+    choices: tuple[Choice, ...] = ()
 
 
 @dataclass(frozen=True)

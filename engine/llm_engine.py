@@ -27,6 +27,7 @@ from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
+from baton.engine.logits_processing import RowHistory
 from baton.engine.memory_budget import (
     CPU_CACHE_MEMORY_BYTES,
     CPU_MAX_NUM_SEQS,
@@ -398,7 +399,8 @@ class LLMEngine:
 
     def _own(self, req: Request) -> None:
         self._owners[req.request_id] = req
-        self.runner.add_request(req.request_id, req.sampling)
+        self.runner.add_request(req.request_id, req.sampling,
+                                RowHistory(req.prompt_token_ids, req.output_token_ids, req.stop_ids))
 
     def _forget(self, req: Request) -> None:
         """Drop the runner's sampling state of `req`, unless a newer request took its id since."""
@@ -530,6 +532,8 @@ class LLMEngine:
     def _chain(self, done: LaunchedStep) -> LaunchedStep | None:
         """Launch the next verify step on `done`'s results on the device, before `done` is read, where it can
         only be that (`Scheduler.chain`); its rows are set once `done` is read."""
+        if self.runner.processes([r.request_id for r in done.out.rows]):
+            return None
         plan = self.scheduler.chain(done.out)
         if plan is None:
             return None

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from .host_copy import to_device
+from .logits_processing import LogitsInputs, apply_processing
 from .ops.kernels import Kernels
 from .ops.tempered_verify.reference import greedy_decisions, stochastic_decisions
 from .parallel.group import TPGroup
@@ -92,15 +93,20 @@ class RejectionSampler:
 
     def verify(self, target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                num_draft: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None = None,
-               positions: Tensor | None = None) -> VerifyResult:
+               positions: Tensor | None = None, processing: LogitsInputs | None = None) -> VerifyResult:
         """target_logits [R, Kmax+1, V], draft_token_ids [R, Kmax] (padding: any value, e.g. -1),
         draft_probs [R, Kmax, V] or None, num_draft [R] (K_r <= Kmax; on the host or the device). With any
         stochastic row: seeds [R] int64 (`sampling.request_seed`) and positions [R] int64, the position of the
         token that column 0 decides (a row's last token's position + 1), both on the logits' device.
 
         num_draft values are range-checked only when it is a CPU tensor (checking a device tensor would sync).
+        `processing` (`logits_processing`): the rows' penalties, logit_bias, min_tokens and min_p, applied to
+        every position's logits first, so that greedy rows take the processed argmax and p is the processed
+        distribution (a draft is counted as generated at the positions after it).
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
+        if processing is not None:
+            target_logits = apply_processing(target_logits, draft_token_ids, num_draft, processing)
         # The argmax needs no float32 copy (16-bit logits give their float32 copy's); stochastic rows upcast below.
         drafts, nd, valid, accepted, final = greedy_decisions(target_logits, draft_token_ids, num_draft)
         tempered = draft_probs is None and any(is_tempered(p) for p in params)
@@ -132,13 +138,15 @@ class RejectionSampler:
         return self._agreed_result(drafts, accepted, final)
 
     def sample(self, logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor | None,
-               positions: Tensor | None) -> Tensor:
+               positions: Tensor | None, processing: LogitsInputs | None = None) -> Tensor:
         """The next token of rows without drafts: logits [R, V] -> [R] int64 on their device, the argmax of
         greedy rows, the others drawn from their filtered distribution as `verify` draws a row's bonus token
         (seeds / positions as there: the position of the token drawn; None when every row is greedy)."""
         n = logits.shape[0]
         if len(params) != n:
             raise ValueError(f"params: expected one SamplingParams per row ({n} rows), got {len(params)}")
+        if processing is not None:
+            logits = self.processed(logits, processing)
         if seeds is None and all(p.greedy for p in params):
             return self._agree(logits.argmax(dim=-1))
         if seeds is None or positions is None:  # (the checks' error for the missing one)
@@ -146,11 +154,20 @@ class RejectionSampler:
             self._check(logits[:, None], zeros[:, None][:, :0], None, zeros, params, seeds, positions)
         return self.decide(logits, params, sample_inputs(params, seeds, positions, logits.device))
 
-    def decide(self, logits: Tensor, params: Sequence[SamplingParams], inputs: SampleInputs) -> Tensor:
+    @staticmethod
+    def processed(logits: Tensor, processing: LogitsInputs) -> Tensor:
+        """Rows without drafts: logits [R, V] -> their processed logits [R, V] float32 (`logits_processing`)."""
+        none = torch.zeros(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+        return apply_processing(logits[:, None], none, none.new_zeros(logits.shape[0]), processing)[:, 0]
+
+    def decide(self, logits: Tensor, params: Sequence[SamplingParams], inputs: SampleInputs,
+               processing: LogitsInputs | None = None) -> Tensor:
         """`sample` from the rows' inputs already on the device (`sample_inputs`: a runner builds them before the
         step's forward, in one copy). What `verify` decides for these rows without its accept-test bookkeeping
         (fewer launches on every sampling step): the argmax, `tempered_decisions`' draw, or
-        `filtered_decisions`'."""
+        `filtered_decisions`'. `processing`: as in `sample`."""
+        if processing is not None:
+            logits = self.processed(logits, processing)
         none = inputs.no_drafts[:, None][:, :0]
         self._check(logits[:, None], none, None, inputs.no_drafts, params, inputs.seeds, inputs.positions)
         final = logits.argmax(dim=-1) if any(p.greedy for p in params) else None

@@ -20,6 +20,7 @@ from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
+from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs, needs_processing
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
@@ -69,6 +70,8 @@ class ModelRunner:
         # Draws each row's next token (`RejectionSampler.sample`); a spec runner's verifies drafts too.
         self.rejection = RejectionSampler(0, model.kernels, model.tp)
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
+        # The requests whose logits are processed (`logits_processing`): their prompt, outputs and stop ids.
+        self._history: dict[str, RowHistory] = {}
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
         # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
@@ -79,11 +82,36 @@ class ModelRunner:
         self.replay = torch.zeros(pools.plan.num_slots + 1, dtype=torch.int64, device=self.device)
 
     # ---- per-request sampling state -------------------------------------------------------------
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, params: SamplingParams, history: RowHistory | None = None) -> None:
+        """`history` (a request with params.processed): its prompt, its output list (read as it grows) and its
+        stop ids."""
         self._sampling[request_id] = (params, request_seed(params.seed))
+        if params.processed:
+            if history is None:
+                raise ValueError(f"history: expected the prompt and outputs of {request_id!r}, whose logits are "
+                                 f"processed (penalties, logit_bias, min_tokens or min_p), got None")
+            self._history[request_id] = history
 
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
+        self._history.pop(request_id, None)
+
+    def processes(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these requests' logits are processed: such rows run eagerly (a whole-graph verify step
+        holds no processing inputs yet; TODO(#52) capture them) and never chained (their counts need the
+        previous step's tokens on the host)."""
+        if not self._history:
+            return False
+        hist = [(r, self._history.get(r)) for r in request_ids]
+        return any(h is not None and needs_processing(self._sampling[r][0], len(h.outputs)) for r, h in hist)
+
+    def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> LogitsInputs | None:
+        """The rows' logits processing inputs (None: nothing to process). A request without a history has
+        nothing to process."""
+        if not self._history:
+            return None
+        empty = RowHistory((), (), frozenset())
+        return logits_inputs(params, [self._history.get(r, empty) for r in request_ids], self.device)
 
     def reset_slot(self, slot: int) -> None:
         """A transferred state arrives whole in its slot: nothing to replay."""
@@ -184,7 +212,12 @@ class ModelRunner:
         inputs = None if all(p.greedy for p in params) else sample_inputs(
             params, [self._sampling[r][1] for r in ids], [r.num_computed_tokens + r.num_tokens for r in rows_s],
             self.device)
+        processing = self.processing_of(ids, params)
         fill = self._pending_inputs(out, prev)
+        if processing is not None and fill is not None:
+            # A decode row's newest output is its input token, maybe still PENDING: the step in flight's, on the
+            # device (decode rows come first and all sample, so row i is sampling row i).
+            processing = processing.with_anchor(fill[0], fill[2][self._t(fill[1])])
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
             started = self.graphs.started
@@ -207,8 +240,8 @@ class ModelRunner:
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
-        tokens = (self.rejection.sample(logits, params, None, None) if inputs is None
-                  else self.rejection.decide(logits, params, inputs))
+        tokens = (self.rejection.sample(logits, params, None, None, processing) if inputs is None
+                  else self.rejection.decide(logits, params, inputs, processing))
         return PendingStep(ids, tokens, self.device,
                            logits.float() if return_logits else None, started=started)
 

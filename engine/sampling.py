@@ -1,7 +1,9 @@
 """The distribution a row samples its next token from, and its noise seed.
 
-Order of operations (as in HF's logits warpers and vLLM): temperature, then top-k, then top-p on the
-top-k-renormalised distribution. Greedy rows (temperature 0) take the argmax instead.
+Order of operations (vLLM's): on the raw logits, logit_bias and min_tokens (the stop ids masked until min_tokens
+outputs), then the repetition, frequency and presence penalties (`logits_processing`); then temperature, min_p
+(tokens with p >= min_p * p_max; written as a mask on the raw logits, `logits_processing`), top-k, and top-p on the
+distribution those leave. Greedy rows (temperature 0) take the argmax of the processed logits instead.
 
 The draw itself is the rejection sampler's (`RejectionSampler.sample`: a row without drafts), by inverse CDF with
 noise that is a function of the request's seed and the position of the token drawn (`counter_noise`). So a seeded

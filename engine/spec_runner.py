@@ -20,7 +20,9 @@ One step, all on the device until the single host read of its tokens at the end:
 
 A verify step whose rows all verify, greedy or sampling (at a temperature, with top-k / top-p), replays one CUDA
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
-(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`). Sampled rows take
+(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
+whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
+never chained, since its counts need the previous step's tokens on the host. Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
 """
 
@@ -33,6 +35,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.logits_processing import LogitsInputs
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
 from baton.engine.qwen3_5_mtp import Qwen3_5MTP
@@ -103,12 +106,14 @@ class SpecRunner(ModelRunner):
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
             params, seeds = self.sampling_of([r.request_id for r in rows[:nd]])
+            processing = self.processing_of([r.request_id for r in rows[:nd]], params)
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
             p_params, p_seeds = self.sampling_of([rows[i].request_id for i in prefill_sampling])
+            p_processing = self.processing_of([rows[i].request_id for i in prefill_sampling], p_params)
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -116,7 +121,8 @@ class SpecRunner(ModelRunner):
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
         anchors, anchor_pos, anchor_rows = [], [], []
         if nd:
-            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, seeds)
+            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, seeds,
+                                            processing=processing)
             pieces += got
             anchors.append(anchor)
             anchor_pos.append(pos)
@@ -128,7 +134,7 @@ class SpecRunner(ModelRunner):
             # as every engine samples, so that a transferred request's first decode step (a verify row of token N,
             # R1) samples what the aggregated engine's last prefill chunk does (R6).
             tokens = self.rejection.sample(self.model.logits(hidden[last], upcast=False), p_params, p_seeds,
-                                           None if p_seeds is None else last_pos + 1)
+                                           None if p_seeds is None else last_pos + 1, p_processing)
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
@@ -164,13 +170,13 @@ class SpecRunner(ModelRunner):
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                 num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None,
-                sampling: tuple[torch.Tensor, ...] | None = None
+                sampling: tuple[torch.Tensor, ...] | None = None, processing: LogitsInputs | None = None
                 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
         tokens written into `next_ids` as the drafter's successors. `sampling` (a graph's rows that sample): the
         rows' (temperature, seeds) tensors, with top-k / top-p ones (temperature, seeds, top_k, top_p), which
-        `params` / `seeds` then stand aside for. Returns (the results to read back: emitted counts [Rd] and tokens
-        [Rd*Tv], the flat token of each row's last committed position [Rd], its position [Rd])."""
+        `params` / `seeds` then stand aside for; `processing`: the rows' logits processing (eager steps only).
+        Returns (the results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last committed position [Rd], its position [Rd])."""
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, Tv]
         Tv = idx.shape[1]
@@ -185,7 +191,7 @@ class SpecRunner(ModelRunner):
                                                  *sampling[2:])
         else:
             res = self.rejection.verify(logits, drafts, None, num_draft, params, seeds,
-                                        None if seeds is None else verify_base + 1)
+                                        None if seeds is None else verify_base + 1, processing)
         # R3: the device decides how far each row's state advances (its last token + the accepted drafts).
         self.replay[batch.state_slots[:nd]] = res.accepted_counts + 1
         emitted = res.output_token_ids  # [Rd, Tv]: accepted drafts, the sampled token, then -1
@@ -220,7 +226,7 @@ class SpecRunner(ModelRunner):
     def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
         """Verify rows only, each with at most K drafts (padded to K), drafting: the step is a fixed sequence of
         device ops, so a graph holds all of it (`StepGraphs`' greedy, tempered or filtered variant)."""
-        return self.draft and self._graphable(out)
+        return self.draft and self._graphable(out) and not self.processes([r.request_id for r in out.rows])
 
     def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
         """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from baton.engine.engine_config import KERNEL_MODES, MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
 from baton.engine.memory_budget import AUTO_MAX_NUM_SEQS, CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
@@ -164,11 +165,32 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="per-request seed (each prompt gets this seed)")
     g.add_argument("--stop-token-ids", type=parse_ids, default=(), help='e.g. "5 7"')
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= min_p * p_max; 0 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--logit-bias", type=parse_bias, default={}, help='token id:bias pairs, e.g. "5:-100 7:2.5"')
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop token ids are masked until this many")
+
+
+def sampling_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as keyword arguments of SamplingParams (and of the client's generate)."""
+    return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_p=a.min_p,
+                presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                repetition_penalty=a.repetition_penalty, logit_bias=dict(a.logit_bias), min_tokens=a.min_tokens)
 
 
 def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                          seed=a.seed, stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos)
+    return SamplingParams(**sampling_options(a))
+
+
+def parse_bias(text: str) -> dict[int, float]:
+    try:
+        pairs = [t.split(":") for t in text.replace(",", " ").split()]
+        return {int(k): float(v) for k, v in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected token id:bias pairs such as "5:-100 7:2.5", got {text!r}') from None
 
 
 def parse_ids(text: str) -> list[int]:

@@ -26,6 +26,12 @@ def sampling_from_proto(p: gen.SamplingParams) -> SamplingParams:
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        min_p=p.min_p if p.HasField("min_p") else d.min_p,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else d.presence_penalty,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else d.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else d.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens if p.HasField("min_tokens") else d.min_tokens,
     )
 
 
@@ -34,4 +40,9 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
                            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.seed is not None:
         p.seed = s.seed
+    d = SamplingParams()
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(s, name) != getattr(d, name):
+            setattr(p, name, getattr(s, name))
+    p.logit_bias.update(dict(s.logit_bias))
     return p

@@ -78,6 +78,15 @@ def _out_of_range(declared: Descriptor, wide: Message, path: str = "") -> str | 
     for field, value in wide.ListFields():
         name = f"{path}{field.name}"
         declared_field = declared.fields_by_name[field.name]
+        if field.type == _T.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            # A map (of scalar values): its keys are what a truncated varint would change.
+            key = declared_field.message_type.fields_by_name["key"]
+            if key.type in _WIDENED:
+                _, lo, hi = _WIDENED[key.type]
+                got = next((k for k in value if not lo <= k < hi), None)
+                if got is not None:
+                    return f"{name}: expected keys in [{lo}, {hi}), got {got}"
+            continue
         if field.type == _T.TYPE_MESSAGE:
             items = value if field.is_repeated else (value,)
             for i, item in enumerate(items):

@@ -2,10 +2,10 @@
 ignored: a client that asks for something Baton does not do learns it at once instead of getting another answer.
 
 - `IMPLEMENTED`: parsed and honoured (`http_openai_request.py`), including Baton's documented extensions, as vLLM
-  names them (`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`).
-- `NEUTRAL_ONLY`: not implemented, but accepted with null or a value that asks for nothing (`n: 1`,
-  `presence_penalty: 0`, `min_p: 0`, `repetition_penalty: 1`, `response_format: {"type": "text"}`, ...): clients
-  and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
+  names them (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+  `return_token_ids`).
+- `NEUTRAL_ONLY`: not implemented, but accepted with null or a value that asks for nothing (`best_of: 1`,
+  `logprobs: false`, `response_format: {"type": "text"}`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
 - Any other field (OpenAI's or not) is refused with code "unknown_parameter", as OpenAI does.
 
 `tests/test_openai_fields.py` walks the `openai` client's parameter lists and checks each is one or the other.
@@ -21,7 +21,9 @@ from baton.router.http_errors import ApiError
 COMPLETIONS, CHAT = "completions", "chat"
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-                       "top_k", "stop_token_ids", "ignore_eos", "return_token_ids"})
+                     "n", "presence_penalty", "frequency_penalty", "logit_bias",
+                     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                     "return_token_ids"})
 IMPLEMENTED = {
     COMPLETIONS: _COMMON | {"prompt"},
     CHAT: _COMMON | {"messages", "max_completion_tokens"},
@@ -43,20 +45,14 @@ class Neutral:
 
 _CHAT, _COMPLETIONS = frozenset({CHAT}), frozenset({COMPLETIONS})
 NEUTRAL_ONLY = {
-    "n": Neutral((1,)),
+    # Ranking best_of candidates by log probability is not implemented: n choices are all returned.
     "best_of": Neutral((1,), _COMPLETIONS),
-    "presence_penalty": Neutral((0,)),
-    "frequency_penalty": Neutral((0,)),
-    "logit_bias": Neutral(({},)),
     # Completions' logprobs is a count (0 still returns the sampled token's); chat's a boolean.
     "logprobs": Neutral((False,)),
     "top_logprobs": Neutral((0,), _CHAT),
     "echo": Neutral((False,), _COMPLETIONS),
     "suffix": Neutral(("",), _COMPLETIONS),
     "user": Neutral(()),
-    # vLLM's sampling extensions, not implemented yet.
-    "min_p": Neutral((0,)),
-    "repetition_penalty": Neutral((1,)),
     "response_format": Neutral(({"type": "text"},), _CHAT),
     "tools": Neutral(([],), _CHAT),
     "tool_choice": Neutral(("none",), _CHAT),

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton.proto.convert import sampling_from_proto
 from baton.proto.v1 import generation_pb2
 from baton.router.http_errors import ApiError, bad, unsupported
+from baton.router.stop_strings import MAX_STOP_CHARS, MAX_STOPS
+from baton.router.validation import MAX_LOGIT_BIAS
 
-# A stop string is searched for in the pending text after every token: their number and length are capped.
-MAX_STOPS = 64
-MAX_STOP_CHARS = 1024
 # A float32 field (temperature, top_p) holds at most this.
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -77,7 +77,51 @@ def sampling(body: dict, chat: bool) -> generation_pb2.SamplingParams:
             raise bad("stop_token_ids", "a list of token ids", stop_ids)
         p.stop_token_ids.extend(stop_ids)
     p.ignore_eos = opt_bool(body, "ignore_eos")
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if (v := _opt_float(body, name)) is not None:
+            setattr(p, name, v)
+    if (min_tokens := _opt_int(body, "min_tokens", 0, 2**32 - 1)) is not None:
+        p.min_tokens = min_tokens
+    p.logit_bias.update(logit_bias(body))
     return p
+
+
+def logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as strings (JSON keys) -> biases; ranges are SamplingParams' (`check_sampling`)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"an object of at most {MAX_LOGIT_BIAS} token ids (as strings) -> biases", v)
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) < 2**32):
+            raise bad("logit_bias", "token ids as decimal strings", k)
+        if not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b):
+            raise bad("logit_bias", "numeric biases in [-100, 100]", b)
+        out[int(k)] = float(b)
+    return out
+
+
+def check_sampling(p: generation_pb2.SamplingParams) -> None:
+    """400 naming the field of the first sampling value out of range (what SamplingParams refuses)."""
+    try:
+        sampling_from_proto(p)
+    except ValueError as e:
+        msg = str(e)
+        name = msg.split("'")[1] if msg.startswith("sampling field '") else None
+        raise ApiError(400, msg, param=name) from None
+
+
+def choices(body: dict, most: int) -> int:
+    """`n`, the choices per prompt (1 when absent); `best_of` is refused beyond 1 by `http_fields`."""
+    n = _opt_int(body, "n", 1, 2**32 - 1)
+    if n is None:
+        return 1
+    if n > most:
+        raise ApiError(400, f"n: expected at most {most} choices in all (n x prompts, --max-choices), got {n}",
+                       param="n", code="too_many_choices")
+    return n
 
 
 def max_tokens_field(body: dict, chat: bool) -> str | None:
@@ -191,5 +235,4 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
-    stops: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))

@@ -6,8 +6,8 @@ Every request runs through `GenerationService.Generate`, as a gRPC call does (va
 metrics, cancellation): one Generate task per prompt, with a stand-in for the gRPC context whose `write`
 puts messages into a queue that the handler turns into the HTTP answer. A client that goes away (its
 disconnect, or a write stalled past `--http-write-timeout-s`) cancels those tasks: the request is aborted on
-the nodes exactly as a cancelled gRPC stream is. Stop strings are matched here, on the detokenized text; a
-match ends the request through `GenerationService.finish` (its workers are aborted, it counts as ok).
+the nodes exactly as a cancelled gRPC stream is. Stop strings and `n` travel in the Generate requests: the
+service matches stop strings (`stop_strings.py`), and n choices of a prompt are n requests (`choices.py`).
 
 CPU-bound work of a request (decoding its JSON, tokenizing its prompts, rendering the chat template) runs on
 a few worker threads, never on the loop. Limits (`http_limits.py`): a request takes one of
@@ -39,6 +39,7 @@ from baton.proto.convert import FINISH_FROM_PROTO
 from baton.proto.v1 import generation_pb2
 from baton.router import http_openai_request as rq
 from baton.router import metrics as rm
+from baton.router.choices import fan_out
 from baton.router.http_chat_template import ChatTemplate, load_chat_template
 from baton.router.http_errors import ApiError, busy, shutting_down
 from baton.router.http_exchange import ClientGone, Exchange
@@ -123,9 +124,6 @@ class _Run:
         finally:
             self.queue.put_nowait((i, _END, None))
 
-    def finish(self, i: int) -> None:
-        self.service.finish(self.request_ids[i], self.authorization)
-
     def gone(self) -> None:
         self.queue.put_nowait((-1, _GONE, None))
 
@@ -134,31 +132,9 @@ class _Run:
             t.cancel()
 
 
-# ---- stop strings -------------------------------------------------------------------------------------
-class _StopMatcher:
-    """Holds back the text that could still start a stop string; cuts the text before the first match."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def push(self, delta: str, final: bool) -> tuple[str, bool]:
-        """(text to emit, whether a stop string matched)."""
-        self.pending += delta
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        keep = 0 if final else min(self.hold, len(self.pending))
-        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        return out, False
-
-
 @dataclass
 class _Choice:
     prompt_tokens: int
-    matcher: _StopMatcher
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -286,6 +262,7 @@ class OpenAIFront:
         check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         tok: TextTokenizer | None = self.service.tokenizer
         sampling = rq.sampling(body, chat)
+        n = rq.choices(body, self.limits.max_choices)
         stops = rq.stops(body)
         stream, include_usage = rq.stream_options(body)
         return_ids = rq.opt_bool(body, "return_token_ids")
@@ -301,12 +278,14 @@ class OpenAIFront:
                 sampling.max_tokens = max(1, max_model_len - len(prompts[0]))
         else:
             prompts = rq.prompts(body.get("prompt"))
-            if len(prompts) > self.limits.max_choices:
-                raise ApiError(400, f"prompt: expected at most {self.limits.max_choices} prompts (n x prompts, "
-                                    f"--max-choices), got {len(prompts)}", param="prompt", code="too_many_choices")
+            if len(prompts) * n > self.limits.max_choices:
+                raise ApiError(400, f"prompt: expected at most {self.limits.max_choices} generations (n x prompts, "
+                                    f"--max-choices), got {n} x {len(prompts)}", param="prompt",
+                               code="too_many_choices")
+        rq.check_sampling(sampling)
         job_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests = []
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             if isinstance(prompt, str):
                 if tok is None:
                     raise ApiError(400, "prompt: text prompts need the router's tokenizer (start it with "
@@ -315,9 +294,13 @@ class OpenAIFront:
                 prompt = tok.encode(prompt)
             rq.check_ids(prompt)
             rq.check_room(rq.max_tokens_field(body, chat), sampling.max_tokens, len(prompt), max_model_len)
-            requests.append(generation_pb2.GenerateRequest(
-                request_id=f"{job_id}-{i}", token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling))
-        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, stops)
+            one = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling,
+                                                 stop=stops)
+            # OpenAI's order: the n choices of prompt 0, then prompt 1's, ...; each choice its own Generate call.
+            for r in fan_out(one, n):
+                r.request_id = f"{job_id}-{len(requests)}"
+                requests.append(r)
+        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids)
 
     def _chat_prompt(self, body: dict, tok: TextTokenizer | None) -> list[list[int]]:
         if self.chat_template is None or tok is None:
@@ -344,7 +327,7 @@ class OpenAIFront:
             self._runs.discard(run)
 
     async def _answer(self, ex: Exchange, job: rq.Job, run: _Run) -> None:
-        choices = [_Choice(len(r.token_ids.ids), _StopMatcher(job.stops)) for r in job.requests]
+        choices = [_Choice(len(r.token_ids.ids)) for r in job.requests]
         ended = 0
         while ended < len(choices):
             i, kind, item = await run.queue.get()
@@ -356,16 +339,11 @@ class OpenAIFront:
             if kind == _ERROR:
                 raise item
             c = choices[i]
-            if c.done:  # a stop string already ended it: what was in flight is dropped
-                continue
             ids = list(item.token_ids)
             c.token_ids += ids
-            final = item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
-            text, matched = c.matcher.push(item.text, final)
-            if matched:
-                c.finish_reason = "stop"
-                run.finish(i)
-            elif final:
+            # (Stop strings are matched by the service: its text stops before a match, which ends the request.)
+            text = item.text
+            if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                 c.finish_reason = FINISH_FROM_PROTO.get(item.finish_reason, "stop")
             c.text.append(text)
             if job.stream and (text or ids or c.done):

@@ -14,11 +14,12 @@ import grpc
 from baton.engine.tokenizer import TextTokenizer
 from baton.proto.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from baton.router import metrics as rm
+from baton.router.choices import MAX_CHOICES, ChoiceContext, fan_out
 from baton.router.errors import RequestAborted, RouterError, StreamStalled
 from baton.router.flow import DecodeStream, Flow
 from baton.router.inflight import InFlight
 from baton.router.limits import Admission, Caller, caller_of, retry_after_metadata
-from baton.router.security import principal
+from baton.router.stop_strings import StopMatcher
 from baton.router.validation import ValidatedRequest, validate
 from baton.router.worker_ids import ID_REUSE_AFTER_S
 from baton.router.workers import WorkerPool
@@ -48,8 +49,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._by_caller: dict[tuple[str, str], InFlight] = {}
         # Worker ids of requests that ended -> when (oldest first).
         self._ended_ids: dict[str, float] = {}
-        # Requests that `finish` ended early (an OpenAI stop string matched): they end as ok, not aborted.
+        # Requests that a stop string ended early (`_stream`): they end as ok, not aborted.
         self._finished: set[str] = set()
+        # Requests of n > 1 choices in flight, by (caller's principal, client's id) -> n (`_choices`).
+        self._fans: dict[tuple[str, str], int] = {}
         # Set when the router drains (SIGTERM): new requests are refused and Health says not ok.
         self.draining = False
         self.metrics = metrics if metrics is not None else rm.RouterMetrics()
@@ -73,6 +76,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # ---- Generate -------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
+        if request.n > 1:
+            await self._choices(request, context)
+            return
         started = time.monotonic()
         if self.draining:
             self.metrics.requests.labels(outcome=rm.ERROR).inc()
@@ -89,6 +95,33 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await self._admitted(request, context, caller, started)
         finally:
             self.admission.release(caller.client)
+
+    async def _choices(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """n > 1: the choices as n Generate calls of their own (`choices.fan_out`), their messages on this stream
+        with their `index`; one that fails ends the call with its status and cancels the others."""
+        if request.n > MAX_CHOICES:
+            self.metrics.requests.labels(outcome=rm.INVALID).inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"n: expected at most {MAX_CHOICES} choices, got {request.n}")
+        client_id = request.request_id or uuid.uuid4().hex
+        one = generation_pb2.GenerateRequest()
+        one.CopyFrom(request)
+        one.request_id = client_id
+        key = (caller_of(context, self.keyed_clients).principal, client_id)
+        if key in self._fans:
+            self.metrics.requests.labels(outcome=rm.INVALID).inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {client_id!r} is already in flight")
+        self._fans[key] = request.n
+        lock = asyncio.Lock()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, r in enumerate(fan_out(one, request.n)):
+                    tg.create_task(self.Generate(r, ChoiceContext(context, i, client_id, lock)))
+        except BaseExceptionGroup as group:
+            # The first failure is the call's (an abort's status, as one request's would be).
+            raise group.exceptions[0] from None
+        finally:
+            del self._fans[key]
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         model, limit = self._model(), self.flow.config.max_stop_ids
@@ -211,15 +244,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # open_decode may have turned a disaggregated request into a fallback (failed pull, decode retry).
         self.metrics.decisions.labels(decision=state.route).inc()
         try:
-            await self._stream(state, stream, context, started)
+            await self._stream(state, stream, context, started, req.stops)
         finally:
             # Ends our side of the stream on every path (a no-op once the worker has closed it).
             stream.call.cancel()
 
     async def _stream(self, state: InFlight, stream: DecodeStream, context: grpc.aio.ServicerContext,
-                      started: float) -> None:
+                      started: float, stops: tuple[str, ...] = ()) -> None:
         # Deltas never end inside a multi-byte character; together they equal decode(all output ids).
         detok = self.tokenizer.detokenizer() if self.tokenizer else None
+        matcher = StopMatcher(stops) if stops else None
         msg = stream.first
         last_sent: float | None = None
         while True:
@@ -231,8 +265,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             text = detok.push(ids) if detok else ""
             if final and detok:
                 text += detok.flush()
+            matched = False
+            if matcher is not None:
+                text, matched = matcher.push(text, final)
             out = generation_pb2.GenerateResponse(request_id=state.client_id, token_ids=ids, text=text)
-            if final:
+            if matched:
+                out.finish_reason = generation_pb2.FINISH_REASON_STOP
+                self._set_usage(out.usage, state)
+            elif final:
                 out.finish_reason = msg.finish_reason
                 self._set_usage(out.usage, state)
                 # The stream ended as the worker meant it to: nothing is left to abort there.
@@ -245,6 +285,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self.metrics.ttft.observe(now - started)
                 self.metrics.tokens_sent(len(ids), None if last_sent is None else now - last_sent)
                 last_sent = now
+            if matched:
+                # A stop string ended it: the workers stop generating, and it counts as finished.
+                self._finished.add(state.request_id)
+                state.abort()
+                self.flow.release_all(state)
+                return
             if final:
                 return
             if state.aborted:
@@ -252,7 +298,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             msg = await self.flow.next(state, stream)
 
     async def _end_aborted(self, state: InFlight, context: grpc.aio.ServicerContext) -> str:
-        """The outcome of an aborted request: ok, writing nothing, if `finish` ended it; the status `end_all` gave
+        """The outcome of an aborted request: ok, writing nothing, if a stop string ended it; the status `end_all` gave
         it; else aborted."""
         if state.request_id in self._finished:
             return rm.OK
@@ -288,12 +334,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
         # Only the caller's own requests: another's id is answered exactly as an unknown one.
         caller = caller_of(context, self.keyed_clients)
-        state = self._by_caller.get((caller.principal, request.request_id))
-        if state is None:
+        rid = request.request_id
+        # A request of n choices is its choices' requests ("<id>", "<id>/1", ...), those still in flight.
+        n = self._fans.get((caller.principal, rid), 1)
+        states = [s for i in range(n) if (s := self._by_caller.get((caller.principal, f"{rid}/{i}" if i else rid)))]
+        if not states:
             return generation_pb2.AbortResponse(found=False)
-        state.abort()
+        tasks = []
+        for state in states:
+            state.abort()
+            tasks += self.flow.release_all(state)
         # Wait for the workers' answers, so that an Abort that returned means the nodes were told.
-        tasks = self.flow.release_all(state)
         if tasks:
             await asyncio.gather(*tasks)
         return generation_pb2.AbortResponse(found=True)
@@ -304,18 +355,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         for state in states:
             state.end(code, message)
         return len(states)
-
-    def finish(self, request_id: str, authorization: str | None = None) -> bool:
-        """Ends a request early as finished (the HTTP front saw a stop string): its workers are aborted as
-        by `Abort`, but it counts as ok and its stream ends without an abort message. `request_id` and
-        `authorization` as its Generate call had them. Runs on the loop."""
-        state = self._by_caller.get((principal(authorization), request_id))
-        if state is None:
-            return False
-        self._finished.add(state.request_id)
-        state.abort()
-        self.flow.release_all(state)
-        return True
 
     async def Health(self, request: generation_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> generation_pb2.HealthResponse:

@@ -14,6 +14,7 @@ from baton.engine.tokenizer import TextTokenizer
 from baton.proto.convert import sampling_from_proto
 from baton.proto.message_limits import WORKER_MAX_MESSAGE_BYTES
 from baton.proto.v1 import generation_pb2
+from baton.router.stop_strings import check_stops
 
 # Request ids travel to every node and into their logs.
 MAX_REQUEST_ID_CHARS = 256
@@ -21,6 +22,8 @@ MAX_REQUEST_ID_CHARS = 256
 _WORKER_MESSAGE_OVERHEAD = 4096
 # A uint32 on the wire takes at most this many bytes.
 _MAX_VARINT_BYTES = 5
+# Entries of a request's logit_bias (each rides in every worker message of the request).
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class ValidatedRequest:
     prompt_token_ids: tuple[int, ...]
     # Forwarded to the decode node as the client sent it: the node applies the same defaults.
     sampling: generation_pb2.SamplingParams
+    # Stop strings, matched by the router on the detokenized text.
+    stops: tuple[str, ...] = ()
 
 
 def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: TextTokenizer | None) -> tuple[int, ...]:
@@ -61,6 +66,7 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
                          f"got {len(request.request_id)}")
     if request.WhichOneof("prompt") == "token_ids":
         _check_prompt_length(len(request.token_ids.ids), model)
+    check_stops(request.stop, tokenizer is not None)
     s = request.sampling
     if len(s.stop_token_ids) > max_stop_ids:
         raise ValueError(f"sampling.stop_token_ids: expected at most {max_stop_ids} ids (--max-stop-ids), "
@@ -68,6 +74,8 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
     if model.max_model_len and s.HasField("max_tokens") and s.max_tokens > model.max_model_len:
         raise ValueError(f"sampling.max_tokens: expected at most max_model_len={model.max_model_len}, "
                          f"got {s.max_tokens}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"sampling.logit_bias: expected at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
     if s.HasField("top_k") and s.top_k > model.vocab_size:
         raise ValueError(f"sampling.top_k: expected at most vocab_size={model.vocab_size} (0: off), got {s.top_k}")
     params = sampling_from_proto(s)
@@ -82,10 +90,11 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
     if max(prompt) >= model.vocab_size:
         bad = [t for t in prompt if t >= model.vocab_size]
         raise ValueError(f"prompt token ids: expected ids in [0, vocab_size={model.vocab_size}), got {bad[:5]}")
-    # A Decode message carries the prompt, the stop ids and at most one KV block id per prompt token.
-    ids = 2 * len(prompt) + len(s.stop_token_ids)
+    # A Decode message carries the prompt, the stop ids, the logit_bias entries (each no wider than three uint32s)
+    # and at most one KV block id per prompt token.
+    ids = 2 * len(prompt) + len(s.stop_token_ids) + 3 * len(s.logit_bias)
     if _MAX_VARINT_BYTES * ids + _WORKER_MESSAGE_OVERHEAD > WORKER_MAX_MESSAGE_BYTES:
         most = (WORKER_MAX_MESSAGE_BYTES - _WORKER_MESSAGE_OVERHEAD) // (2 * _MAX_VARINT_BYTES)
         raise ValueError(f"prompt: expected at most {most} tokens (the nodes' message limit), got {len(prompt)}")
     request_id = request.request_id or uuid.uuid4().hex
-    return ValidatedRequest(request_id, prompt, s)
+    return ValidatedRequest(request_id, prompt, s, tuple(request.stop))

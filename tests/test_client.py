@@ -66,6 +66,7 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
         self.finished_order: list[list[int]] = []
         self.inflight = self.peak_inflight = 0
         self.gather = 0  # Generate: each stream waits (up to 10 s) until this many are in flight at once
+        self.samplings: list[pb.SamplingParams] = []  # Generate: each request's sampling, as received
 
     def _enter(self, method: str, context: grpc.ServicerContext) -> None:
         auth = dict(context.invocation_metadata()).get("authorization")
@@ -82,6 +83,7 @@ class FakeRouter(generation_pb2_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         self._enter("Generate", context)
         sp = request.sampling
+        self.samplings.append(sp)
         if sp.max_tokens == 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1")
         prompt = _prompt_ids(request)
@@ -414,6 +416,19 @@ def test_cli_text_output_and_sampling_flags(router, capsys):
     stop = fake_tokens([1, 2], 4)[1]
     assert _cli("--addr", router.addr, "--prompt-ids", "1 2", "--max-tokens", "4", "--stop-token-ids", str(stop)) == 0
     assert capsys.readouterr().out == f"[1, 2] -> {fake_tokens([1, 2], 2)} (stop)\n"
+
+
+def test_cli_sends_the_logits_processing_flags(router, capsys):
+    assert _cli("--addr", router.addr, "--prompt-ids", "1 2", "--max-tokens", "4", "--min-p", "0.25",
+                "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--repetition-penalty", "1.5",
+                "--logit-bias", "5:-100 7:2.5", "--min-tokens", "2") == 0
+    sp = router.samplings[-1]
+    assert (sp.min_p, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, dict(sp.logit_bias),
+            sp.min_tokens) == (0.25, 0.5, -1.0, 1.5, {5: -100.0, 7: 2.5}, 2)
+    assert _cli("--addr", router.addr, "--prompt-ids", "1", "--max-tokens", "4") == 0
+    plain = router.samplings[-1]
+    assert not any(plain.HasField(f) for f in ("min_p", "presence_penalty", "repetition_penalty", "min_tokens"))
+    capsys.readouterr()
 
 
 def test_cli_errors(router, capsys):

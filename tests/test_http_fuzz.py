@@ -56,6 +56,13 @@ FIELDS = {
     "top_k": _or_anything(small_int),
     "seed": _or_anything(st.integers(-1, 2**64)),
     "n": _or_anything(st.integers(0, 3)),
+    "presence_penalty": _or_anything(st.floats(-3, 3)),
+    "frequency_penalty": _or_anything(st.floats(-3, 3)),
+    "repetition_penalty": _or_anything(st.floats(-1, 3)),
+    "min_p": _or_anything(st.floats(-0.5, 1.5)),
+    "min_tokens": _or_anything(small_int),
+    "logit_bias": _or_anything(st.dictionaries(st.integers(-2, VOCAB + 2).map(str) | texts, st.floats(-200, 200),
+                                               max_size=3)),
     "stop": _or_anything(texts | st.lists(texts, max_size=3)),
     "stop_token_ids": _or_anything(ids),
     "ignore_eos": _or_anything(st.booleans()),
@@ -89,7 +96,10 @@ sampling = {"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "to
             "top_k": st.integers(0, 20), "seed": st.integers(0, 2**63 - 1), "ignore_eos": st.booleans(),
             "stop": valid_text | st.lists(valid_text, min_size=1, max_size=3), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-            "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "return_token_ids": st.booleans()}
+            "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "return_token_ids": st.booleans(),
+            "n": st.integers(1, 3), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+            "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1), "min_tokens": st.integers(0, 1),
+            "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3)}
 valid_ids = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=8)
 completion = st.fixed_dictionaries(
     {"model": st.just("fake"), "prompt": valid_ids | valid_text | st.lists(valid_ids | valid_text, min_size=1,

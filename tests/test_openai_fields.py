@@ -1,7 +1,7 @@
 """Nothing is silently ignored: every parameter of OpenAI's `/v1/completions` and `/v1/chat/completions`, as the
 installed `openai` client types them, is either implemented by the router (`http_fields.IMPLEMENTED`) or refused
-with 400 naming it; one that Baton accepts only with a neutral value (`http_fields.NEUTRAL_ONLY`: `n: 1`,
-`min_p: 0`, `response_format: {"type": "text"}`, ...) is answered 200 with that value. Fields of no API are refused
+with 400 naming it; one that Baton accepts only with a neutral value (`http_fields.NEUTRAL_ONLY`: `best_of: 1`,
+`logprobs: false`, `response_format: {"type": "text"}`, ...) is answered 200 with that value. Fields of no API are refused
 as unknown, and so are unknown `stream_options` keys."""
 
 from __future__ import annotations
@@ -75,9 +75,8 @@ def test_every_openai_parameter_is_implemented_or_refused_naming_it(path, tok_di
 
 
 @pytest.mark.parametrize(("field", "neutral", "used"), [
-    ("min_p", 0, 0.05), ("min_p", 0.0, 1), ("repetition_penalty", 1.0, 1.1), ("repetition_penalty", 1, 0.9),
-    ("response_format", {"type": "text"}, {"type": "json_object"}), ("n", 1, 2), ("presence_penalty", 0.0, 0.5),
-    ("logprobs", False, True), ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "text"}, {"type": "json_object"}), ("logprobs", False, True),
+    ("tools", [], [{"type": "function", "function": {"name": "f"}}]), ("top_logprobs", 0, 2),
 ])
 def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, used):
     check_fields({field: neutral}, CHAT)
@@ -89,7 +88,7 @@ def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, us
 
 def test_a_boolean_is_not_a_neutral_number():
     # JSON's true is not 1: `n: true` asks for something, if anything, other than one choice.
-    for field, v in [("n", True), ("presence_penalty", False), ("logprobs", 0)]:
+    for field, v in [("logprobs", 0), ("top_logprobs", False)]:
         with pytest.raises(ApiError) as e:
             check_fields({field: v}, CHAT)
         assert e.value.param == field

@@ -179,7 +179,17 @@ def test_errors_have_openai_format_and_status_over_fakes():
         async with fake_front() as env:
             c = env.client
             cases = [
-                (dict(prompt=[1, 2], n=2), openai.BadRequestError, "n"),
+                (dict(prompt=[1, 2], n=0), openai.BadRequestError, "n"),
+                (dict(prompt=[1, 2], best_of=2), openai.BadRequestError, "best_of"),
+                (dict(prompt=[1], presence_penalty=2.5), openai.BadRequestError, "presence_penalty"),
+                (dict(prompt=[1], extra_body={"min_p": 1.5}), openai.BadRequestError, "min_p"),
+                (dict(prompt=[1], extra_body={"repetition_penalty": 0}), openai.BadRequestError,
+                 "repetition_penalty"),
+                (dict(prompt=[1], logit_bias={"x": 1}), openai.BadRequestError, "logit_bias"),
+                (dict(prompt=[1], logit_bias={"3": 101}), openai.BadRequestError, "logit_bias"),
+                (dict(prompt=[1], logit_bias={str(VOCAB): 1}), openai.BadRequestError, "logit_bias"),  # the service
+                (dict(prompt=[1], max_tokens=4, extra_body={"min_tokens": 5}), openai.BadRequestError,
+                 "min_tokens"),
                 (dict(prompt=[1, VOCAB]), openai.BadRequestError, "prompt"),  # the service's validation
                 (dict(prompt=[1], temperature=-1), openai.BadRequestError, "temperature"),
                 (dict(prompt="text"), openai.BadRequestError, "prompt"),  # no tokenizer
@@ -193,7 +203,7 @@ def test_errors_have_openai_format_and_status_over_fakes():
                 assert e.value.status_code == 400 and e.value.type == "invalid_request_error", kw
                 assert e.value.param == param and e.value.message, kw
             with pytest.raises(openai.BadRequestError) as e:  # also when streaming: before any event
-                await c.completions.create(model="fake", prompt=[1], n=3, stream=True)
+                await c.completions.create(model="fake", prompt=[1], n=100, stream=True)
             assert e.value.param == "n"
             with pytest.raises(openai.NotFoundError) as e:
                 await c.completions.create(model="gpt-4", prompt=[1])
@@ -239,6 +249,53 @@ def test_client_gone_mid_stream_cancels_the_request_over_fakes():
 
 
 # ---- a real cluster -----------------------------------------------------------------------------------
+def check_sampling_fields(cluster: Cluster, client: openai.OpenAI, model: Path, prompt: list[int],
+                          greedy_ref: list[int], greedy_text: str) -> None:
+    """Each sampling field takes effect through the disaggregated cluster, over HTTP and gRPC: the tokens are the
+    offline engine's with the same params, and differ from plain greedy decoding where the field changes them."""
+    from baton.client import Client
+
+    plain = {"max_tokens": 8, "ignore_eos": True}
+    cases = {
+        "penalties": ({"presence_penalty": 0.5, "frequency_penalty": 0.75, "repetition_penalty": 1.5}, True),
+        "logit_bias": ({"logit_bias": {7: 100.0}}, True),
+        "min_tokens": ({"stop_token_ids": [greedy_ref[0]], "min_tokens": 4}, False),
+        "min_p": ({"temperature": 1.5, "seed": 3, "min_p": 1.0}, False),
+    }
+    want = offline(str(model), [prompt] * len(cases), [SamplingParams(**plain, **kw) for kw, _ in cases.values()])
+    assert want[1] == [7] * 8 and want[3] == greedy_ref  # logit_bias forces 7; min_p = 1 keeps only the top token
+    assert len(want[2]) >= 4 and greedy_ref[0] not in want[2][:4]
+    with Client(cluster.router_addr, retries=0) as grpc_client:
+        for (name, (kw, differs)), expect in zip(cases.items(), want, strict=True):
+            if differs:
+                assert expect != greedy_ref, name
+            body = {**kw, "ignore_eos": True, "return_token_ids": True}
+            if "logit_bias" in kw:
+                body["logit_bias"] = {str(t): b for t, b in kw["logit_bias"].items()}
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                            temperature=kw.get("temperature", 0), extra_body=body)
+            assert out.choices[0].model_dump()["token_ids"] == expect, name
+            assert list(grpc_client.generate(prompt, **plain, **kw).token_ids) == expect, name
+        # n: three choices, each reproducible from the request's seed; choice 0 is the request with n = 1.
+        hot = {"max_tokens": 8, "temperature": 1.5, "seed": 9, "ignore_eos": True}
+        out = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=8, temperature=1.5, seed=9,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        http_choices = [ch.model_dump()["token_ids"] for ch in out.choices]
+        assert [ch.index for ch in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 24
+        assert len({tuple(c) for c in http_choices}) > 1
+        both = grpc_client.generate(prompt, n=3, **hot)
+        assert [list(ch.token_ids) for ch in both.choices] == http_choices
+        assert list(grpc_client.generate(prompt, **hot).token_ids) == http_choices[0]
+        # Stop strings on gRPC: the text ends before the match, which is not returned.
+        stop = greedy_text[3:6]
+        cut = grpc_client.generate("The capital of France is", max_tokens=8, ignore_eos=True, stop=[stop])
+        assert len(stop) == 3 and (cut.text, cut.finish_reason) == (greedy_text[:greedy_text.index(stop)], "stop")
+        # Without min_tokens the stop id ends the request at once.
+        early = grpc_client.generate(prompt, **plain, stop_token_ids=[greedy_ref[0]])
+        assert (list(early.token_ids), early.finish_reason) == ([greedy_ref[0]], "stop")
+
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("openai") / "tiny"
@@ -279,9 +336,7 @@ def test_openai_client_against_a_real_cluster(model, tmp_path):
         chat = client.chat.completions.create(model="tiny", messages=messages, **greedy)
         assert chat.choices[0].message.content == tok.decode(ref[2])
         assert chat.usage.prompt_tokens == len(prompts[2])
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model="tiny", prompt=id_prompt, n=2)
-        assert (e.value.status_code, e.value.type, e.value.param) == (400, "invalid_request_error", "n")
+        check_sampling_fields(cluster, client, model, id_prompt, ref[0], tok.decode(ref[1]))
         # A client that walks away mid-stream: the request is aborted on both nodes.
         stream = client.completions.create(model="tiny", prompt=id_prompt * 3, max_tokens=400, stream=True,
                                            extra_body={"ignore_eos": True})

@@ -44,8 +44,8 @@ def test_models_by_id_and_unknown_paths_answer_openai_errors():
 
 
 def test_every_refusal_has_a_string_code_and_counts_as_invalid():
-    bodies = [b"", b"{not json", b"[1]", b'{"prompt": [1], "max_tokens": -1}', b'{"prompt": [1], "n": 2}',
-              b'{"prompt": [1], "frobnicate": 1}', b'{"prompt": [1], "min_p": 0.1}', b'{"model": "x", "prompt": [1]}',
+    bodies = [b"", b"{not json", b"[1]", b'{"prompt": [1], "max_tokens": -1}', b'{"prompt": [1], "n": 0}',
+              b'{"prompt": [1], "frobnicate": 1}', b'{"prompt": [1], "min_p": 1.1}', b'{"model": "x", "prompt": [1]}',
               b'{"prompt": [1], "temperature": -1}', b'{"prompt": [1, 2, 3], "max_tokens": 62}']
 
     async def go():

@@ -317,3 +317,26 @@ def test_gpu_a_split_grid_the_gpu_cannot_hold_is_refused_not_left_waiting(K, mon
         acc, final = filtered_decisions_triton(*args)
     graph.replay()
     check(acc, final)
+
+
+@pytest.mark.parametrize("K, V", [(0, 100), (2, 257), (1, 3000)])
+def test_kernels_equal_the_reference_on_processed_logits_with_masked_ids(K, V):
+    """Logits processing (`logits_processing`: min_p, min_tokens) hands the kernels float32 logits with -inf ids,
+    the top one always finite: the kernels' decisions are still the reference's, and a masked id is never drawn
+    or accepted (top-k asking for more ids than survive included)."""
+    logits, drafts, nd, temps, top_k, top_p, seeds, pos = filtered_case(60, K, V, torch.float32, seed=K + V)
+    g = torch.Generator().manual_seed(V)
+    z = logits.float()
+    # min_p's cut: ids below a random share of the row max's probability, at each position.
+    keep = z >= z.amax(-1, keepdim=True) - torch.rand(z.shape[:2], generator=g).to(z.device)[..., None] * 4
+    z = z.masked_fill(~keep, float("-inf"))
+    sampled = temps > 0
+    for got, want in ((tempered_decisions_triton(z, drafts, nd, temps, seeds, pos),
+                       tempered_decisions(z, drafts, nd, temps, seeds, pos)),
+                      (filtered_decisions_triton(z, drafts, nd, temps, top_k, top_p, seeds, pos),
+                       filtered_decisions(z, drafts, nd, temps, top_k, top_p, seeds, pos))):
+        assert got[0][sampled].tolist() == want[0][sampled].tolist()
+        assert got[1][sampled].tolist() == want[1][sampled].tolist()
+        at = got[0].clamp(max=K)[:, None, None].expand(-1, 1, V)
+        final_ok = keep.gather(1, at).squeeze(1).gather(1, got[1][:, None]).squeeze(1)
+        assert final_ok[sampled].all()

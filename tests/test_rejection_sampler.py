@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from baton.engine.counter_noise import ACCEPT, DRAW, uniform
+from baton.engine.logits_processing import RowHistory, logits_inputs
 from baton.engine.ops.kernels import resolve_kernels
 from baton.engine.ops.tempered_verify.reference import stochastic_decisions
 from baton.engine.rejection_sampler import RejectionSampler
@@ -431,3 +432,63 @@ def test_sample_is_verify_without_drafts(device: str, filtered: str) -> None:
     assert (got != logits.float().argmax(-1)).any()  # the others draw
     with pytest.raises(ValueError, match="positions: expected an int64 tensor"):
         rs.sample(logits, params, seeds, None)
+
+
+# ---- logits processing: penalties, min_p, logit_bias, min_tokens ----------------------------------------
+
+PROCESSED = [
+    SamplingParams(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4,
+                   logit_bias={1: 1.5}, min_tokens=2, max_tokens=8),
+    SamplingParams(temperature=0.8, min_p=0.15, repetition_penalty=0.7, top_k=4, max_tokens=8),
+]
+# Each row's request so far: a prompt and one output; stop id 0 is masked for its first min_tokens outputs.
+HISTORY = RowHistory(prompt=[2, 4], outputs=[3], stop_ids=frozenset({0}))
+
+
+def processed_target(z: torch.Tensor, params: SamplingParams, drafts_before: list[int]) -> torch.Tensor:
+    """The non-speculative sampler's distribution after `drafts_before` were generated: processing by the per-row
+    reference of tests/test_logits_processing.py, then temperature / top-k / top-p."""
+    from tests.test_logits_processing import reference
+
+    return filtered(reference(z, params, list(HISTORY.prompt), [*HISTORY.outputs, *drafts_before],
+                              set(HISTORY.stop_ids)), params)
+
+
+@pytest.mark.parametrize("params", PROCESSED)
+@pytest.mark.parametrize("deterministic_drafts", [False, True])
+def test_processed_rows_emit_the_processed_target_distribution(params: SamplingParams,
+                                                               deterministic_drafts: bool) -> None:
+    """Speculative sampling with penalties / min_p / logit_bias / min_tokens samples what a plain step after the
+    accepted drafts would: position j's target counts drafts 0..j-1 as generated."""
+    logits, drafts, q = spec_batch(deterministic_drafts)
+    processing = logits_inputs([params] * N, [HISTORY] * N, torch.device("cpu"))
+    res = RejectionSampler(max_draft=2, kernels=resolve_kernels("auto", "cpu")).verify(
+        logits, drafts, q, torch.full((N,), 2), [params] * N, torch.arange(N) * 7919 + 5, torch.full((N,), 17),
+        processing)
+    out, emitted = res.output_token_ids, res.num_emitted
+    assert (emitted > 1).any() and (emitted < 3).any()  # drafts are sometimes accepted, sometimes not
+    assert_distributed_as(out[:, 0], processed_target(P_LOGITS0, params, []))
+    tested = 0
+    # The token at position j, given the accepted drafts before it (all of them: the counts depend on each).
+    for pos, table in ((1, P_LOGITS1), (2, P_LOGITS2)):
+        for before in {tuple(r) for r in out[emitted > pos, :pos].tolist()}:
+            sel = (emitted > pos) & (out[:, :pos] == torch.tensor(before)).all(dim=1)
+            if sel.sum() >= 1000:
+                assert_distributed_as(out[sel, pos], processed_target(table[before[-1]], params, list(before)))
+                tested += 1
+    assert tested >= 1
+    if params.min_tokens:
+        assert (out[:, 0] != 0).all()  # the first output of a request with min_tokens=2 never stops
+
+
+def test_greedy_processed_rows_take_the_processed_argmax_at_every_position() -> None:
+    V, R = 6, 3
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0, -2.0, 1.0]]).expand(R, 3, V).contiguous()
+    params = [SamplingParams(presence_penalty=1.5, max_tokens=8), SamplingParams(logit_bias={4: 10}, max_tokens=8),
+              SamplingParams(min_tokens=3, max_tokens=8)]
+    hist = [RowHistory([5], [], frozenset({0}))] * R
+    rs = RejectionSampler(max_draft=2, kernels=resolve_kernels("auto", "cpu"))
+    # Row 0: 0 is the argmax, then penalised below 1 once drafted; 1 then follows.
+    drafts = torch.tensor([[0, 1], [4, 4], [1, 1]])
+    res = rs.verify(logits, drafts, None, torch.full((R,), 2), params, processing=logits_inputs(params, hist, torch.device("cpu")))
+    assert res.output_token_ids.tolist() == [[0, 1, 5], [4, 4, 4], [1, 1, 1]]
