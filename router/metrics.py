@@ -70,7 +70,7 @@ class RouterMetrics:
                                          "Prompt tokens the worker a prompt was sent to is predicted to hold in its "
                                          "prefix cache (the router's own index; prefix affinity on), by role",
                                          ["role"], registry=r)
-        self.affinity_picks = Counter("baton_router_prefix_affinity_picks", "Workers picked for a prompt while "
+        self.affinity_picks = Counter("baton_router_prefix_affinity_decisions", "Workers picked for a prompt while "
                                       "prefix affinity is on: affinity (for the prefix it holds, where load alone "
                                       "would have picked another or tossed a coin) or load, by role",
                                       ["role", "by"], registry=r)

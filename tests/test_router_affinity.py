@@ -213,7 +213,7 @@ def test_metrics_count_picks_by_reason_and_predicted_hit_tokens():
     m.watch_prefix_index("decode", lambda: 7)
     value = m.registry.get_sample_value
     assert value("baton_router_prefix_predicted_hit_tokens_total", {"role": "prefill"}) == 48
-    assert value("baton_router_prefix_affinity_picks_total", {"role": "prefill", "by": "affinity"}) == 1
-    assert value("baton_router_prefix_affinity_picks_total", {"role": "prefill", "by": "load"}) == 1
-    assert value("baton_router_prefix_affinity_picks_total", {"role": "decode", "by": "load"}) == 0
+    assert value("baton_router_prefix_affinity_decisions_total", {"role": "prefill", "by": "affinity"}) == 1
+    assert value("baton_router_prefix_affinity_decisions_total", {"role": "prefill", "by": "load"}) == 1
+    assert value("baton_router_prefix_affinity_decisions_total", {"role": "decode", "by": "load"}) == 0
     assert value("baton_router_prefix_index_blocks", {"role": "decode"}) == 7
