@@ -11,11 +11,12 @@ prompt it has to prefill (`load_tokens`), is at most `weight` times the extra pr
     load_tokens(a) - load_tokens(b) <= weight * (hits[a] - hits[b])
 
 With weight 1 a saved token is worth a queued one, so the request goes where it finishes prefilling first. Past
-that budget, and whenever a decode worker `a` has no free state slot while `b` has one, load decides exactly as
-`policy.score` does. Load wins past a point because the budget is bounded by the prompt's own length (hits never
-exceed it): a hot prefix piles onto its holder only until the holder's backlog is that much longer, then the
-request goes to `b`, which records the prefix too; from then on both hold it, their hits tie, and load alone
-decides between them. Weight 0, or hits that tie over every candidate, is `policy.pick` itself, RNG draws
+that budget, and whenever a decode worker `a` has less than half the free state slots of `b` (so also when it has
+none and `b` has one), load decides exactly as `policy.score` does. Load wins past a point in both: the token
+budget is bounded by the prompt's own length (hits never exceed it), and a decode worker's running requests by the
+slot rule. A hot prefix therefore piles onto its holder only until the holder's backlog is that much longer (or its
+free slots that much fewer); then the request goes to `b`, which records the prefix too; from then on both hold
+it, their hits tie, and load alone decides between them. Weight 0, or hits that tie over every candidate, is `policy.pick` itself, RNG draws
 included.
 """
 
@@ -43,8 +44,10 @@ def load_tokens(load: WorkerLoad) -> int:
 
 
 def _affinity_wins(a: WorkerLoad, b: WorkerLoad, hit_gap: int, role: Role, weight: float) -> bool:
-    # A free state slot is what admits a request on a decode worker: no prefix makes up for lacking one.
-    if role is Role.DECODE and a.free_state_slots <= 0 < b.free_state_slots:
+    # A decode worker's running requests are not prompt tokens: each one there slows every decode step of it for
+    # a prefill saved once, so a holder left with under half the other's free state slots (none at all included)
+    # is past the point where a prefix is worth it.
+    if role is Role.DECODE and 2 * a.free_state_slots < b.free_state_slots:
         return False
     return load_tokens(a) - load_tokens(b) <= weight * hit_gap
 

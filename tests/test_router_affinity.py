@@ -100,10 +100,15 @@ def test_load_wins_once_the_gap_exceeds_weight_times_the_hit():
     assert (c.index, c.by_affinity) == (1, False)
 
 
-def test_a_decode_worker_without_a_free_slot_loses_whatever_prefix_it_holds():
+def test_a_decode_worker_with_under_half_the_others_free_slots_loses_whatever_prefix_it_holds():
     rng = random.Random(0)
-    loads = [WorkerLoad(True, free_state_slots=0, free_kv_blocks=100), WorkerLoad(True, free_state_slots=3)]
-    assert all(pick_by_affinity(loads, [10**6, 0], rng, Role.DECODE, 10.0).index == 1 for _ in range(20))
+    for a_free, b_free in ((0, 3), (0, 1), (4, 9)):
+        loads = [WorkerLoad(True, free_state_slots=a_free, free_kv_blocks=100), WorkerLoad(True, free_state_slots=b_free)]
+        assert all(pick_by_affinity(loads, [10**6, 0], rng, Role.DECODE, 10.0).index == 1 for _ in range(20))
+    # Half of them is still close enough: the prefix wins.
+    loads = [WorkerLoad(True, free_state_slots=5), WorkerLoad(True, free_state_slots=10)]
+    c = pick_by_affinity(loads, [64, 0], rng, Role.DECODE, 1.0)
+    assert (c.index, c.by_affinity) == (0, True)
 
 
 def test_weight_zero_or_tied_hits_make_exactly_the_load_only_choices():
