@@ -1,5 +1,6 @@
 """Prefix affinity in the router (issue #51): the per-worker index of chained block hashes, the policy that weighs
-predicted prefix hits against load, and the pool that keeps one index per worker. No servers."""
+predicted prefix hits against load, the pool that keeps one index per worker, and the flow over fake prefill
+nodes (tests/test_router_affinity_cluster.py: real decode nodes)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from baton.router.metrics import RouterMetrics
 from baton.router.policy import Role, WorkerLoad, pick
 from baton.router.prefix_index import PrefixIndex, block_hashes, chain_seed
 from baton.router.workers import WorkerPool
+from tests.test_router_fakes import cluster, expected_tokens, run, tokens_of
 
 SEED = chain_seed("model-a")
 
@@ -222,3 +224,45 @@ def test_metrics_count_picks_by_reason_and_predicted_hit_tokens():
     assert value("baton_router_prefix_affinity_decisions_total", {"role": "prefill", "by": "load"}) == 1
     assert value("baton_router_prefix_affinity_decisions_total", {"role": "decode", "by": "load"}) == 0
     assert value("baton_router_prefix_index_blocks", {"role": "decode"}) == 7
+
+
+# ---- the flow over fake workers: prefill nodes -----------------------------------------------------
+
+
+def test_prefill_nodes_get_a_shared_prefix_back_and_a_retry_goes_elsewhere():
+    """Prompts sharing two blocks (of the N-1 tokens a prefill node computes) go to the prefill node that computed
+    them; a prefill that fails there is retried on the other node, which then holds the prefix too."""
+    prefix = list(range(200, 232))
+
+    async def go():
+        async with cluster(2, 1, prefix_affinity_weight=1.0) as c:
+            m = c.router.service.metrics.registry.get_sample_value
+            for i in range(4):
+                prompt = [*prefix, *range(300 + 8 * i, 308 + 8 * i)]
+                assert tokens_of(await c.generate(prompt)) == expected_tokens(prompt)
+            counts = sorted(len(p.prefills) for p in c.prefill)
+            assert counts == [0, 4]
+            assert m("baton_router_prefix_affinity_decisions_total", {"role": "prefill", "by": "affinity"}) == 3
+            assert m("baton_router_prefix_predicted_hit_tokens_total", {"role": "prefill"}) == 3 * len(prefix)
+            # The local-prefill path is not taken: decode nodes record nothing.
+            assert m("baton_router_prefix_index_blocks", {"role": "decode"}) == 0
+            holder = next(p for p in c.prefill if p.prefills)
+            other = next(p for p in c.prefill if p is not holder)
+            holder.prefill_failures = 1
+            prompt = [*prefix, *range(400, 408)]
+            assert tokens_of(await c.generate(prompt)) == expected_tokens(prompt)
+            assert len(other.prefills) == 1
+            hits = m("baton_router_prefix_predicted_hit_tokens_total", {"role": "prefill"})
+            assert hits == 4 * len(prefix)  # the retry's node held nothing yet
+            prompt = [*prefix, *range(500, 508)]
+            await c.generate(prompt)
+            assert m("baton_router_prefix_predicted_hit_tokens_total", {"role": "prefill"}) == hits + len(prefix)
+
+        async with cluster(2, 1) as c:  # weight 0: nothing is indexed or counted
+            for _ in range(3):
+                await c.generate([*prefix, 1, 2, 3])
+            m = c.router.service.metrics.registry.get_sample_value
+            assert m("baton_router_prefix_index_blocks", {"role": "prefill"}) == 0
+            assert m("baton_router_prefix_affinity_decisions_total", {"role": "prefill", "by": "load"}) == 0
+
+    run(go())
