@@ -139,7 +139,7 @@ class Flow:
             if picked is None:
                 break
             worker = picked.worker
-            self.prefill_pool.record(worker, computed)
+            self.prefill_pool.record(picked)
             state.prefill_retries += bool(tried)
             tried.append(worker)
             handle = await self._prefill_on(state, worker, req, client_timeout)
@@ -203,8 +203,8 @@ class Flow:
             if handle is None:
                 picked = self._pick(self.decode_pool, req.prompt_token_ids, tried)
                 worker = picked.worker if picked is not None else None
-                if worker is not None:
-                    self.decode_pool.record(worker, req.prompt_token_ids)
+                if picked is not None:
+                    self.decode_pool.record(picked)
             else:
                 worker = self.decode_pool.pick(exclude=tried)
             if worker is None:

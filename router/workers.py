@@ -49,6 +49,8 @@ class Picked:
     # Leading prompt tokens it is predicted to hold in its prefix cache, and whether that is why it was picked.
     hit_tokens: int = 0
     by_affinity: bool = False
+    # The prompt's block hash chain by its block size and model (affinity on), for `WorkerPool.record`.
+    chain: tuple[bytes, ...] = ()
 
 
 class Worker:
@@ -350,17 +352,19 @@ class WorkerPool:
             return None if w is None else Picked(w)
         workers = self.workers
         loads = [w.tracker.load(w.healthy) for w in workers]
-        hits = [w.prefix_index.hit_blocks(c) * self._block_size(w)
-                for w, c in zip(workers, self._chains(workers, token_ids), strict=True)]
+        chains = self._chains(workers, token_ids)
+        hits = [w.prefix_index.hit_blocks(c) * self._block_size(w) for w, c in zip(workers, chains, strict=True)]
         choice = pick_by_affinity(loads, hits, self._rng, self.role, self.prefix_affinity_weight,
                                   exclude={j for j, w in enumerate(workers) if w in exclude})
-        return None if choice is None else Picked(workers[choice.index], choice.hit_tokens, choice.by_affinity)
+        if choice is None:
+            return None
+        return Picked(workers[choice.index], choice.hit_tokens, choice.by_affinity, tuple(chains[choice.index]))
 
-    def record(self, w: Worker, token_ids: Sequence[int]) -> None:
-        """`w` was sent `token_ids` to prefill: it will hold their full blocks (affinity on; else nothing)."""
-        if self.affinity:
-            (chain,) = self._chains((w,), token_ids)
-            w.prefix_index.record(chain)
+    @staticmethod
+    def record(picked: Picked) -> None:
+        """The prompt `picked` was chosen for is sent there to prefill: the worker will hold its full blocks
+        (nothing is recorded with affinity off, where `pick_for` hashes nothing)."""
+        picked.worker.prefix_index.record(picked.chain)
 
     def index_blocks(self) -> int:
         """Block hashes held over every worker's prefix index (read at every scrape, from another thread)."""

@@ -180,8 +180,10 @@ def test_pool_records_by_each_workers_block_size_and_drops_a_removed_workers_ind
             _healthy(pool, 8)
             w0, w1 = pool.workers
             prompt = list(range(40))
-            pool.record(w1, prompt)
-            assert len(w1.prefix_index) == 5 and pool.index_blocks() == 5  # 40 // 8 full blocks
+            first = pool.pick_for(prompt, exclude=[w0])
+            assert first.worker is w1 and first.hit_tokens == 0 and len(first.chain) == 5  # 40 // 8 full blocks
+            pool.record(first)
+            assert len(w1.prefix_index) == 5 and pool.index_blocks() == 5
             for _ in range(10):
                 p = pool.pick_for(prompt + [1, 2, 3])
                 assert p.worker is w1 and p.hit_tokens == 40 and p.by_affinity
@@ -205,8 +207,9 @@ def test_pool_with_affinity_off_records_nothing():
             pool.set_addresses(("127.0.0.1:1",))
             _healthy(pool, 8)
             (w,) = pool.workers
-            pool.record(w, list(range(64)))
-            assert pool.index_blocks() == 0 and pool.pick_for(list(range(64))).worker is w
+            picked = pool.pick_for(list(range(64)))
+            pool.record(picked)
+            assert picked.worker is w and picked.chain == () and pool.index_blocks() == 0
         finally:
             await pool.close()
 
