@@ -54,6 +54,16 @@ def _check_limits(cfg: RouterConfig) -> None:
     _check_seconds(cfg, "stream_write_timeout_s")
 
 
+def _check_prefix_affinity(cfg: RouterConfig) -> None:
+    w = cfg.prefix_affinity_weight
+    if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+        raise _bad("prefix_affinity_weight", "a finite number >= 0", w)
+    for name in ("prefix_index_blocks", "prefix_block_size"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _bad(name, "an integer >= 1", v)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     # Static workers. Either role may also (or only) be discovered through DNS, below.
@@ -106,6 +116,14 @@ class RouterConfig:
     # answer has stopped answering: it leaves rotation, and the requests it serves are retried elsewhere (nothing
     # streamed yet) or end with UNAVAILABLE. (A frozen process is noticed sooner, by keepalive pings.)
     poll_timeout_s: float = 2.0
+    # Prefix affinity (`router/affinity.py`): how many queued prompt tokens on a worker one prompt token it is
+    # predicted to hold in its prefix cache is worth. 0: off, workers are picked by load alone.
+    prefix_affinity_weight: float = 0.0
+    # Chained block hashes the router remembers per worker (`router/prefix_index.py`), least recently sent
+    # evicted first.
+    prefix_index_blocks: int = 32768
+    # Tokens per block of a worker that has not reported its own block size yet.
+    prefix_block_size: int = 16
 
     def __post_init__(self) -> None:
         # Normalise through object.__setattr__ so lists given by callers still make a hashable config.
@@ -130,6 +148,7 @@ class RouterConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise _bad("unhealthy_after", "an integer >= 1", n)
         _check_limits(self)
+        _check_prefix_affinity(self)
         p = self.tokenizer_path
         if p is not None and (not isinstance(p, str) or not p):
             raise _bad("tokenizer_path", "None or a non-empty path", p)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -22,7 +23,7 @@ from baton.router.errors import RequestAborted, RouterError, describe
 from baton.router.inflight import InFlight
 from baton.router.policy import Role, queued_prefill_tokens
 from baton.router.validation import ValidatedRequest
-from baton.router.workers import Worker, WorkerPool
+from baton.router.workers import Picked, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,11 @@ def _stopped(state: InFlight, worker: Worker, stops: int) -> bool:
 
 
 class Flow:
-    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool) -> None:
+    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool,
+                 metrics: rm.RouterMetrics | None = None) -> None:
         self.config = config
+        # Where prefix affinity picks are counted (GenerationService puts its own here).
+        self.metrics = metrics if metrics is not None else rm.RouterMetrics()
         self.prefill_pool = prefill
         self.decode_pool = decode
         # Abort RPCs run in the background (they must survive the cancellation of the request's task);
@@ -116,6 +120,12 @@ class Flow:
             return rm.PREFILL_OVERFLOW
         return rm.DISAGGREGATED
 
+    def _pick(self, pool: WorkerPool, token_ids: Sequence[int], tried: list[Worker]) -> Picked | None:
+        picked = pool.pick_for(token_ids, exclude=tried)
+        if picked is not None and pool.affinity:
+            self.metrics.picked(pool.role.value, picked.hit_tokens, picked.by_affinity)
+        return picked
+
     async def prefill(self, state: InFlight, req: ValidatedRequest,
                       client_timeout: float | None) -> Prefilled | None:
         """A finished prefill (its worker holds the caches under a lease until the decode node pulls them
@@ -123,9 +133,13 @@ class Flow:
         tried: list[Worker] = []
         for _ in range(2):
             _check_aborted(state)
-            worker = self.prefill_pool.pick(exclude=tried)
-            if worker is None:
+            # The node computes the first N-1 tokens: those are the blocks its prefix cache gets.
+            computed = req.prompt_token_ids[:-1]
+            picked = self._pick(self.prefill_pool, computed, tried)
+            if picked is None:
                 break
+            worker = picked.worker
+            self.prefill_pool.record(picked)
             state.prefill_retries += bool(tried)
             tried.append(worker)
             handle = await self._prefill_on(state, worker, req, client_timeout)
@@ -185,7 +199,14 @@ class Flow:
         handle, prefill_worker = (prefilled.handle, prefilled.worker) if prefilled else (None, None)
         while True:
             _check_aborted(state)
-            worker = self.decode_pool.pick(exclude=tried)
+            # Without a handle the decode node prefills the prompt itself: its prefix cache is what counts.
+            if handle is None:
+                picked = self._pick(self.decode_pool, req.prompt_token_ids, tried)
+                worker = picked.worker if picked is not None else None
+                if picked is not None:
+                    self.decode_pool.record(picked)
+            else:
+                worker = self.decode_pool.pick(exclude=tried)
             if worker is None:
                 if failure:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,

@@ -18,6 +18,10 @@ STAGES = ("prefill", "decode")
 # Why a Generate call was refused (`router/limits.py`) or cut (its client stopped reading).
 GLOBAL_LIMIT, CLIENT_LIMIT, WRITE_TIMEOUT = "max_inflight_requests", "max_inflight_per_client", "stream_write_timeout"
 REJECT_REASONS = (GLOBAL_LIMIT, CLIENT_LIMIT, WRITE_TIMEOUT)
+# Why a worker was picked while prefix affinity is on (`router/affinity.py`).
+BY_AFFINITY, BY_LOAD = "affinity", "load"
+PICK_REASONS = (BY_AFFINITY, BY_LOAD)
+ROLES = ("prefill", "decode")
 
 # Seconds: from sub-millisecond (small models, ITL) to minutes (long prompts queued behind others).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -62,6 +66,16 @@ class RouterMetrics:
                                 registry=r)
         self.healthy_workers = Gauge("baton_router_healthy_workers", "Workers in rotation, by role", ["role"],
                                      registry=r)
+        self.prefix_hit_tokens = Counter("baton_router_prefix_predicted_hit_tokens",
+                                         "Prompt tokens the worker a prompt was sent to is predicted to hold in its "
+                                         "prefix cache (the router's own index; prefix affinity on), by role",
+                                         ["role"], registry=r)
+        self.affinity_picks = Counter("baton_router_prefix_affinity_decisions", "Workers picked for a prompt while "
+                                      "prefix affinity is on: affinity (for the prefix it holds, where load alone "
+                                      "would have picked another or tossed a coin) or load, by role",
+                                      ["role", "by"], registry=r)
+        self.prefix_index_blocks = Gauge("baton_router_prefix_index_blocks", "Block hashes in the router's per-worker "
+                                         "prefix indexes, summed over the workers of a role", ["role"], registry=r)
         # Every label value is exported from the start (at 0), so that rates and dashboards need no traffic.
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
@@ -71,10 +85,23 @@ class RouterMetrics:
             self.retries.labels(stage=s)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason=reason)
+        for role in ROLES:
+            self.prefix_hit_tokens.labels(role=role)
+            for by in PICK_REASONS:
+                self.affinity_picks.labels(role=role, by=by)
 
     def watch_workers(self, role: str, healthy_count: Callable[[], int]) -> None:
         """Read `healthy_count()` at every scrape."""
         self.healthy_workers.labels(role=role).set_function(healthy_count)
+
+    def watch_prefix_index(self, role: str, blocks: Callable[[], int]) -> None:
+        """Read `blocks()` at every scrape."""
+        self.prefix_index_blocks.labels(role=role).set_function(blocks)
+
+    def picked(self, role: str, hit_tokens: int, by_affinity: bool) -> None:
+        """A worker of `role` was picked for a prompt with prefix affinity on."""
+        self.prefix_hit_tokens.labels(role=role).inc(hit_tokens)
+        self.affinity_picks.labels(role=role, by=BY_AFFINITY if by_affinity else BY_LOAD).inc()
 
     def tokens_sent(self, n: int, gap_s: float | None) -> None:
         """`n` tokens went out in one message, `gap_s` after the previous one (None: the first)."""

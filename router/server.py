@@ -192,6 +192,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
                    help="while every prefill worker has more than this many prompt tokens queued, prefill new "
                         "requests on their decode node (0: off)")
+    p.add_argument("--prefix-affinity-weight", type=float, default=0.0,
+                   help="route a prompt to a worker predicted to hold its prefix in its prefix cache (from this "
+                        "router's own routing history) while that worker's extra queued prompt tokens are at most "
+                        "this weight times the prefix tokens it holds beyond the other candidate's (0: off, load "
+                        "alone decides)")
+    p.add_argument("--prefix-index-blocks", type=int, default=32768,
+                   help="prefix block hashes remembered per worker for --prefix-affinity-weight, least recently "
+                        "sent forgotten first")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json, or a model directory holding one")
     p.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds between Load polls")
     p.add_argument("--prefill-timeout", type=float, default=120.0, help="seconds for one Prefill RPC")
@@ -249,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = RouterConfig(prefill_addrs=tuple(a.prefill), decode_addrs=tuple(a.decode),
                               local_prefill_threshold=a.local_prefill_threshold,
                               prefill_queue_limit_tokens=a.prefill_queue_limit_tokens, tokenizer_path=a.tokenizer,
+                              prefix_affinity_weight=a.prefix_affinity_weight,
+                              prefix_index_blocks=a.prefix_index_blocks,
                               load_poll_interval_s=a.load_poll_interval, prefill_timeout_s=a.prefill_timeout,
                               decode_idle_timeout_s=a.decode_idle_timeout,
                               max_request_bytes=a.http_max_request_bytes, **grpc_limits_from_args(a),

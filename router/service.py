@@ -55,9 +55,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._fans: dict[tuple[str, str], int] = {}
         # Set when the router drains (SIGTERM): new requests are refused and Health says not ok.
         self.draining = False
-        self.metrics = metrics if metrics is not None else rm.RouterMetrics()
+        self.metrics = metrics if metrics is not None else flow.metrics
+        flow.metrics = self.metrics
         self.metrics.watch_workers("prefill", lambda: self.prefill_pool.healthy_count())
         self.metrics.watch_workers("decode", lambda: self.decode_pool.healthy_count())
+        self.metrics.watch_prefix_index("prefill", lambda: self.prefill_pool.index_blocks())
+        self.metrics.watch_prefix_index("decode", lambda: self.decode_pool.index_blocks())
 
     @property
     def prefill_pool(self) -> WorkerPool:

@@ -7,17 +7,20 @@ import contextlib
 import logging
 import random
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from baton.proto.keepalive import ROUTER_CHANNEL_OPTIONS
 from baton.proto.v1 import worker_pb2, worker_pb2_grpc
+from baton.router.affinity import pick_by_affinity
 from baton.router.cluster_client import ClusterClient
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, StaticDiscovery, UnionDiscovery, discovery_for
 from baton.router.load_tracker import LoadSnapshot, LoadTracker
 from baton.router.policy import Role, pick
+from baton.router.prefix_index import PrefixIndex, block_hashes, chain_seed
 from baton.router.unsent_aborts import UnsentAborts
 
 log = logging.getLogger(__name__)
@@ -40,10 +43,21 @@ _CHANNEL_OPTIONS = (
 _UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+@dataclass(frozen=True)
+class Picked:
+    worker: Worker
+    # Leading prompt tokens it is predicted to hold in its prefix cache, and whether that is why it was picked.
+    hit_tokens: int = 0
+    by_affinity: bool = False
+    # The prompt's block hash chain by its block size and model (affinity on), for `WorkerPool.record`.
+    chain: tuple[bytes, ...] = ()
+
+
 class Worker:
     """One node as seen from the router. Healthy only once it has answered both `Load` and `Info`."""
 
-    def __init__(self, index: int, addr: str, role: Role, cluster: ClusterClient | None = None) -> None:
+    def __init__(self, index: int, addr: str, role: Role, cluster: ClusterClient | None = None,
+                 prefix_index_blocks: int = 32768) -> None:
         self.index = index
         self.addr = addr
         self.role = role
@@ -68,6 +82,8 @@ class Worker:
         # No longer discovered: gets no new requests; its channel closes once its requests have ended.
         self.retired = False
         self.closed = False
+        # The prompt prefixes this router sent it lately (prefix affinity).
+        self.prefix_index = PrefixIndex(prefix_index_blocks)
 
     def __repr__(self) -> str:
         return f"{self.role.value} worker {self.addr}"
@@ -97,8 +113,15 @@ class WorkerPool:
     def __init__(self, role: Role, addrs: Sequence[str] = (), *, discovery: Discovery | None = None,
                  poll_interval_s: float = 0.5, control_timeout_s: float = 5.0, unhealthy_after: int = 1,
                  poll_timeout_s: float = 2.0, rng: random.Random | None = None,
-                 cluster: ClusterClient | None = None) -> None:
+                 cluster: ClusterClient | None = None, prefix_affinity_weight: float = 0.0,
+                 prefix_index_blocks: int = 32768, prefix_block_size: int = 16) -> None:
+        """`prefix_affinity_weight` > 0: `pick_for` weighs the prompt prefix each worker is predicted to hold
+        against its load (`router/affinity.py`); `prefix_block_size`: tokens per block of a worker whose Info has
+        not told its own."""
         self.role = role
+        self.prefix_affinity_weight = prefix_affinity_weight
+        self.prefix_index_blocks = prefix_index_blocks
+        self.prefix_block_size = prefix_block_size
         self.cluster = cluster
         if discovery is None:
             discovery = StaticDiscovery(addrs)
@@ -124,7 +147,9 @@ class WorkerPool:
     def from_config(cls, config: RouterConfig, role: Role, **kw: Any) -> WorkerPool:
         return cls(role, discovery=discovery_for(config, role), poll_interval_s=config.load_poll_interval_s,
                    control_timeout_s=config.control_timeout_s, unhealthy_after=config.unhealthy_after,
-                   poll_timeout_s=config.poll_timeout_s, **kw)
+                   poll_timeout_s=config.poll_timeout_s, prefix_affinity_weight=config.prefix_affinity_weight,
+                   prefix_index_blocks=config.prefix_index_blocks, prefix_block_size=config.prefix_block_size,
+                   **kw)
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -192,7 +217,7 @@ class WorkerPool:
                 w = revived
                 log.info("%r is discovered again", w)
             else:
-                w = Worker(self._next_index, addr, self.role, self.cluster)
+                w = Worker(self._next_index, addr, self.role, self.cluster, self.prefix_index_blocks)
                 self._next_index += 1
                 log.info("%r discovered", w)
             self._active[addr] = w
@@ -202,6 +227,8 @@ class WorkerPool:
 
     def _retire(self, w: Worker) -> None:
         w.retired = True
+        # Gone from rotation: what it held no longer attracts requests (and a rediscovered one starts afresh).
+        w.prefix_index.clear()
         task = self._polls.pop(w, None)
         if task is not None:
             task.cancel()
@@ -239,6 +266,8 @@ class WorkerPool:
             load = await w.stub.Load(worker_pb2.LoadRequest(), timeout=self.poll_timeout_s)
             # Re-read Info whenever a worker comes (back) into rotation: a restarted node may differ.
             if w.info is None or not w.healthy:
+                # A node coming back may have restarted with an empty prefix cache.
+                w.prefix_index.clear()
                 w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.poll_timeout_s)
                 w.tracker.block_size = w.info.block_size
                 w.tracker.step_tokens = w.info.max_num_batched_tokens
@@ -294,6 +323,52 @@ class WorkerPool:
         loads = [w.tracker.load(w.healthy) for w in workers]
         i = pick(loads, self._rng, self.role, exclude={j for j, w in enumerate(workers) if w in exclude})
         return None if i is None else workers[i]
+
+    @property
+    def affinity(self) -> bool:
+        return self.prefix_affinity_weight > 0
+
+    def _block_size(self, w: Worker) -> int:
+        bs = w.info.block_size if w.info is not None else 0
+        return bs if bs > 0 else self.prefix_block_size
+
+    def _chains(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> list[list[bytes]]:
+        """Each worker's block hash chain of `token_ids`: by its own block size and model (computed once per
+        distinct pair)."""
+        memo: dict[tuple[str, int], list[bytes]] = {}
+        out = []
+        for w in workers:
+            m = w.info.model if w.info is not None else None
+            key = (f"{m.model}\0{m.layer_pattern}" if m is not None else "", self._block_size(w))
+            if key not in memo:
+                memo[key] = block_hashes(token_ids, key[1], chain_seed(key[0]))
+            out.append(memo[key])
+        return out
+
+    def pick_for(self, token_ids: Sequence[int], exclude: Collection[Worker] = ()) -> Picked | None:
+        """`pick`, weighing the prefix of `token_ids` each worker is predicted to hold when affinity is on."""
+        if not self.affinity:
+            w = self.pick(exclude)
+            return None if w is None else Picked(w)
+        workers = self.workers
+        loads = [w.tracker.load(w.healthy) for w in workers]
+        chains = self._chains(workers, token_ids)
+        hits = [w.prefix_index.hit_blocks(c) * self._block_size(w) for w, c in zip(workers, chains, strict=True)]
+        choice = pick_by_affinity(loads, hits, self._rng, self.role, self.prefix_affinity_weight,
+                                  exclude={j for j, w in enumerate(workers) if w in exclude})
+        if choice is None:
+            return None
+        return Picked(workers[choice.index], choice.hit_tokens, choice.by_affinity, tuple(chains[choice.index]))
+
+    @staticmethod
+    def record(picked: Picked) -> None:
+        """The prompt `picked` was chosen for is sent there to prefill: the worker will hold its full blocks
+        (nothing is recorded with affinity off, where `pick_for` hashes nothing)."""
+        picked.worker.prefix_index.record(picked.chain)
+
+    def index_blocks(self) -> int:
+        """Block hashes held over every worker's prefix index (read at every scrape, from another thread)."""
+        return sum(len(w.prefix_index) for w in tuple(self._workers))
 
     def model_info(self) -> worker_pb2.InfoResponse | None:
         """The Info of a healthy worker, else the last one any worker gave, else None."""

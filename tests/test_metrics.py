@@ -60,6 +60,11 @@ ROUTER_METRICS = {
     "baton_router_spec_drafted_tokens_total": "positive",
     "baton_router_spec_accepted_tokens_total": "positive",
     "baton_router_healthy_workers": "positive",
+    # Prefix affinity is off by default (--prefix-affinity-weight 0): these move with it on, through real decode
+    # nodes, in tests/test_router_affinity_cluster.py.
+    "baton_router_prefix_predicted_hit_tokens_total": "exists: moved in tests/test_router_affinity_cluster.py",
+    "baton_router_prefix_affinity_decisions_total": "exists: moved in tests/test_router_affinity_cluster.py",
+    "baton_router_prefix_index_blocks": "exists: moved in tests/test_router_affinity_cluster.py",
 }
 NODE_METRICS = {  # in both nodes
     "baton_node_info": "positive",
