@@ -74,9 +74,10 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
 
 
-def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
+def prefill_call(tokens: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, Callable[[], torch.Tensor]]:
+    """(inputs, a two-slot pool, our prefill of one `tokens`-token row into slot 1 from its state there). Timed
+    calls start from what the one before left: the work does not depend on the state's values."""
     from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
-    from baton.engine.ops.gated_delta.reference import gdn_gates
 
     t = inputs(tokens)
     pool = torch.zeros(2, HV, DK, DV, dtype=torch.float32, device="cuda")
@@ -84,11 +85,17 @@ def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
     slots = torch.tensor([1], device="cuda")
     init = torch.tensor([True], device="cuda")
 
-    # The slot is set once, for the checked call; timed calls start from what the one before left (the work does
-    # not depend on the state's values).
     def ours():
         return gated_delta_prefill_varlen_triton(pool, t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"],
                                                  t["dt_bias"], qsl, slots, init, CHUNK)
+
+    return t, pool, ours
+
+
+def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
+    from baton.engine.ops.gated_delta.reference import gdn_gates
+
+    t, pool, ours = prefill_call(tokens)
 
     pool[1] = t["init"]
     o = ours()
@@ -185,17 +192,8 @@ def bench_wy(tokens: int, calls: int, sweep: list[tuple[int, int, int, int]]) ->
     """The chunk-parallel prefill at each (scan tile, scan warps, scan stages, prep warps), its output checked
     against the tuned launch's."""
     from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
-    from baton.engine.ops.gated_delta.kernel_prefill import gated_delta_prefill_varlen_triton
 
-    t = inputs(tokens)
-    pool = torch.zeros(2, HV, DK, DV, dtype=torch.float32, device="cuda")
-    qsl = torch.tensor([0, tokens], device="cuda")
-    slots = torch.tensor([1], device="cuda")
-    init = torch.tensor([True], device="cuda")
-
-    def ours():
-        return gated_delta_prefill_varlen_triton(pool, t["q"], t["k"], t["v"], t["a"], t["b"], t["A_log"],
-                                                 t["dt_bias"], qsl, slots, init, CHUNK)
+    t, pool, ours = prefill_call(tokens)
 
     pool[1] = t["init"]
     ref = ours()

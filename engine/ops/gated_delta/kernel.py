@@ -2,8 +2,9 @@
 by replay), beside their torch references.
 
 Same signatures, semantics and return values as `gated_delta_decode` and `gated_delta_verify` (`reference.py`); see
-there for the math. Grid: one program per (row, value head h, block of BLOCK_V value columns), numbered with the
-value block fastest, then the head (`_program_tile`). A program holds its [Dk, BLOCK_V] state tile in fp32 registers,
+there for the math. Tiles: one per (row, value head h, block of BLOCK_V value columns), numbered with the value
+block fastest, then the head (`_tile_of`); one program per tile, but decode may give a program several consecutive
+tiles (`tuning.DECODE_LAUNCH`). A program holds its [Dk, BLOCK_V] state tile in fp32 registers,
 reads it from the row's slot once and computes from the RAW inputs in-kernel: q and k of key head h // (Hv // Hk)
 l2-normalised (q scaled by Dk^-0.5), g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) rounded to b's
 dtype. One step decays the tile by exp(g) and adds outer(k, beta * (v - S^T k)); the output o = S^T q reads the fp32
