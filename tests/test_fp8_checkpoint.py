@@ -176,4 +176,7 @@ def test_qwen3_5_fp8_equals_its_dequantized_model(tmp_path):
     assert any(v.dtype == FP8_DTYPE for v in state.values())
     got, fp8_layers = prefill_logits(cfg, state)
     want, _ = prefill_logits(dataclasses.replace(cfg, quantization=None), dequantize_state(state, torch.float32))
-    assert fp8_layers and torch.equal(got, want)
+    # The dequantized model runs its input projections as one fused GEMM and the FP8 one as separate GEMMs (each
+    # part has its own scales), so the sums round differently: equal to fp32 rounding, not bit for bit.
+    assert fp8_layers and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -174,7 +174,7 @@ def test_temperature_times_seeded_sampling_rows(top_p, label):
     engine = sb.build_engine(cfg, weights, bc, 1)
     added = []
     add = engine.runner.add_request
-    engine.runner.add_request = lambda rid, params: added.append(params) or add(rid, params)
+    engine.runner.add_request = lambda rid, params, history: added.append(params) or add(rid, params, history)
     r = sb.bench_batch(engine, bc, 2, copy=10.0)
     assert r.step_ms > 0 and 2 <= r.tokens_per_step <= 4
     decode = added[2:]  # (the first two: the prefill-only requests)
