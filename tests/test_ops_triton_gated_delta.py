@@ -323,13 +323,13 @@ def test_prefill_matches_reference(dtype, state_dtype, atol, rtol):
     assert_same(pool[others], before[others])
 
 
-@pytest.mark.parametrize("chunk", [4, 24, CHUNK, 32])
+@pytest.mark.parametrize("chunk", [4, 24, CHUNK, 32, 64])
 def test_prefill_each_algorithm_matches_reference(chunk):
     """Power-of-two chunks of at least 16 run the chunk-parallel (WY) kernels, other chunk sizes the token-by-token
     one; a row of several chunks carries its state from chunk to chunk, a row shorter than the chunk is one padded
-    chunk."""
-    assert chunked(chunk) == (chunk in (CHUNK, 32))
-    lengths, slots, has_init = [2 * CHUNK + 3, 5, CHUNK], [3, 8, 10], [True, False, True]
+    chunk (the prep holds a chunk as one, two or four sub-blocks)."""
+    assert chunked(chunk) == (chunk in (CHUNK, 32, 64))
+    lengths, slots, has_init = [2 * chunk + 3, 5, chunk], [3, 8, 10], [True, False, True]
     params, tok = make_params(4), make_tokens((sum(lengths),), torch.float32, **SMALL, seed=6)
     pool = make_pool(torch.float32, 4, 16, 8)
     ref_pool = pool.clone()

@@ -12,11 +12,10 @@ which leave the state as it is) and numbered over the batch, row after row.
    from the raw inputs (q, k of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the
    decode kernel makes them) the within-chunk cumulative log decay G, the UT system
    A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse T = (I + A)^-1, W = T (beta exp(G) k),
-   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). T is solved by blocks of
-   SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
-   back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
-   block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
-   last; barriers order its writes and reads among the program's threads.
+   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). The chunk is held as up to
+   four sub-blocks of MIN_DOT tokens, each its own register tile: T's diagonal blocks by forward substitution within
+   a [MIN_DOT, MIN_DOT] tile, the blocks below them from those (T_ij = -T_ii sum_m A_im T_mj), every other product
+   one tl.dot between sub-blocks; no workspace, no barrier.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -46,7 +45,6 @@ from baton.engine.ops.gated_delta.tuning import (
     WY_SCAN_STAGES,
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
-    WY_SUB,
     WY_TABLE_BLOCK,
 )
 from baton.engine.ops.triton_common import cdiv, interpreted, next_power_of_2, round_to
@@ -108,23 +106,72 @@ def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _sub_gates(a_ptr, b_ptr, t, valid, neg_A, dt_bias, carry, s_a_t, s_b_t):
+    """(cumulative log decay from the chunk's start, beta) of one sub-block's tokens `t`; `carry` is the decay up to
+    the sub-block's start. Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is."""
+    g, beta = _gates(tl.load(a_ptr + t * s_a_t, mask=valid, other=0.0), tl.load(b_ptr + t * s_b_t, mask=valid, other=0.0),
+                     neg_A, dt_bias, b_ptr.dtype.element_ty)  # fmt: skip
+    return tl.cumsum(tl.where(valid, g, 0.0), axis=0) + carry, tl.where(valid, beta, 0.0)
+
+
+@triton.jit
+def _last(x, SUB: tl.constexpr):
+    """The last element of a [SUB] vector, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, SUB) == SUB - 1, x, 0.0), axis=0)
+
+
+@triton.jit
+def _decay(cum_i, cum_j, DIAG: tl.constexpr, SUB: tl.constexpr):
+    """exp(G_i - G_j) between the tokens of sub-block i and those of sub-block j before it. DIAG (1: j < i,
+    2: j <= i): the same sub-block, the other entries 0, masked before the exponent can overflow."""
+    if DIAG == 0:
+        return tl.exp(cum_i[:, None] - cum_j[None, :])
+    else:
+        offs = tl.arange(0, SUB)
+        keep = offs[:, None] > offs[None, :] if DIAG == 1 else offs[:, None] >= offs[None, :]
+        return tl.where(keep, tl.exp(tl.where(keep, cum_i[:, None] - cum_j[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _inv_unit_lower(a, SUB: tl.constexpr):
+    """(I + a)^-1 of a strictly lower [SUB, SUB] tile by forward substitution in registers: row i is
+    e_i - sum over j < i of a[i, j] times row j (rows 0 and 1 need no step)."""
+    offs = tl.arange(0, SUB)
+    inv = -a
+    for i in tl.static_range(2, SUB):
+        row = tl.sum(tl.where((offs == i)[:, None], -a, 0.0), axis=0)
+        row = row + tl.sum(row[:, None] * inv, axis=0)
+        inv = tl.where((offs == i)[:, None], row[None, :], inv)
+    return inv + tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _store_rows(ptr, tile, row0, offs_r, offs_c, ncols, mask_c):
+    """Store a [SUB, cols] tile as rows row0.. of a row-major [., ncols] region, in the region's dtype."""
+    tl.store(ptr + (row0 + offs_r)[:, None] * ncols + offs_c[None, :], round_to(tile, ptr.dtype.element_ty),
+             mask=mask_c[None, :])  # fmt: skip
+
+
+@triton.jit
 def _wy_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
-    g_ptr, Hv, Dk, Dv, heads_per_key, scale,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, p_ptr, g_ptr,
+    Hv, Dk, Dv, heads_per_key, scale,
     s_q_t, s_q_h, s_q_d,
     s_k_t, s_k_h, s_k_d,
     s_v_t, s_v_h, s_v_d,
     s_a_t, s_a_h,
     s_b_t, s_b_h,
     CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
-    SUB: tl.constexpr,
     NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # The chunk's NB <= 4 sub-blocks of SUB tokens are separate register tiles, unrolled, so the UT solve's serial
+    # forward substitution stays within [SUB, SUB] tiles in registers (no workspace, no barriers) and every other
+    # product is a tl.dot between sub-blocks.
+    SUB: tl.constexpr = CHUNK // NB
     # The value heads of one chunk are neighbours: those of one key head read the same q and k.
     h = tl.program_id(0) % Hv
     ci = tl.program_id(0) // Hv
@@ -132,81 +179,142 @@ def _wy_prep_kernel(
     if n == 0:  # past the batch's last chunk
         return
     kh = h // heads_per_key
-    t = tl.load(cstart_ptr + ci).to(tl.int64) + tl.arange(0, CHUNK)
-    offs_c = tl.arange(0, CHUNK)
+    t0 = tl.load(cstart_ptr + ci).to(tl.int64)
+    offs_s = tl.arange(0, SUB)
     offs_k = tl.arange(0, BLOCK_K)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_k = offs_k < Dk
     mask_dv = offs_dv < Dv
-    valid = offs_c < n
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
-    mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
-    # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
-    # is the UT solve's workspace until the scores are written, last: the system goes there, then its diagonal
-    # blocks' inverses.
-    ws = ws_ptr + e * CHUNK * CHUNK
-
+    w_at = w_ptr + e * CHUNK * Dk
+    u_at = u_ptr + e * CHUNK * Dv
+    p_at = p_ptr + e * CHUNK * CHUNK
+    g_at = g_ptr + e * CHUNK
+    a_at = a_ptr + h * s_a_h
+    b_at = b_ptr + h * s_b_h
+    k_at = k_ptr + kh * s_k_h
+    q_at = q_ptr + kh * s_q_h
+    v_at = v_ptr + h * s_v_h
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
-                     tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
-                     b_ptr.dtype.element_ty)  # fmt: skip
-    # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
-    g = tl.where(valid, g, 0.0)
-    beta = tl.where(valid, beta, 0.0)
-    cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
-    tl.store(g_ptr + e * CHUNK + offs_c, cum)
-    causal = offs_c[:, None] >= offs_c[None, :]
-    # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
-    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
-    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
-    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=SOLVE_PRECISION) * decay
-    tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
-    tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
+    # Sub-block 0: its gates, unit keys and the diagonal block of the UT system A[i, j] = beta_i (k_i . k_j)
+    # exp(G_i - G_j), i > j.
+    t_0 = t0 + offs_s
+    m_0 = offs_s < n
+    cum_0, beta_0 = _sub_gates(a_at, b_at, t_0, m_0, neg_A, dt_bias, 0.0, s_a_t, s_b_t)
+    tl.store(g_at + offs_s, cum_0)
+    k_0 = _unit_rows(k_at, t_0, m_0, offs_k, mask_k, s_k_t, s_k_d)
+    kb_0 = k_0 * beta_0[:, None]
+    a_00 = tl.dot(kb_0, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_0, cum_0, 1, SUB)
+    i_00 = _inv_unit_lower(a_00, SUB)
+    if NB >= 2:
+        t_1 = t_0 + SUB
+        m_1 = offs_s + SUB < n
+        cum_1, beta_1 = _sub_gates(a_at, b_at, t_1, m_1, neg_A, dt_bias, _last(cum_0, SUB), s_a_t, s_b_t)
+        tl.store(g_at + SUB + offs_s, cum_1)
+        k_1 = _unit_rows(k_at, t_1, m_1, offs_k, mask_k, s_k_t, s_k_d)
+        kb_1 = k_1 * beta_1[:, None]
+        a_11 = tl.dot(kb_1, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_1, cum_1, 1, SUB)
+        a_10 = tl.dot(kb_1, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_1, cum_0, 0, SUB)
+        i_11 = _inv_unit_lower(a_11, SUB)
+        # The blocks of T = (I + A)^-1 below its diagonal from those on it: T_ij = -T_ii (sum over j <= m < i of
+        # A_im T_mj).
+        i_10 = -tl.dot(tl.dot(i_11, a_10, input_precision=SOLVE_PRECISION), i_00, input_precision=SOLVE_PRECISION)
+    if NB >= 4:
+        t_2 = t_1 + SUB
+        m_2 = offs_s + 2 * SUB < n
+        cum_2, beta_2 = _sub_gates(a_at, b_at, t_2, m_2, neg_A, dt_bias, _last(cum_1, SUB), s_a_t, s_b_t)
+        tl.store(g_at + 2 * SUB + offs_s, cum_2)
+        k_2 = _unit_rows(k_at, t_2, m_2, offs_k, mask_k, s_k_t, s_k_d)
+        kb_2 = k_2 * beta_2[:, None]
+        a_22 = tl.dot(kb_2, tl.trans(k_2), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_2, 1, SUB)
+        a_20 = tl.dot(kb_2, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_0, 0, SUB)
+        a_21 = tl.dot(kb_2, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_1, 0, SUB)
+        t_3 = t_2 + SUB
+        m_3 = offs_s + 3 * SUB < n
+        cum_3, beta_3 = _sub_gates(a_at, b_at, t_3, m_3, neg_A, dt_bias, _last(cum_2, SUB), s_a_t, s_b_t)
+        tl.store(g_at + 3 * SUB + offs_s, cum_3)
+        k_3 = _unit_rows(k_at, t_3, m_3, offs_k, mask_k, s_k_t, s_k_d)
+        kb_3 = k_3 * beta_3[:, None]
+        a_33 = tl.dot(kb_3, tl.trans(k_3), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_3, 1, SUB)
+        a_30 = tl.dot(kb_3, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_0, 0, SUB)
+        a_31 = tl.dot(kb_3, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_1, 0, SUB)
+        a_32 = tl.dot(kb_3, tl.trans(k_2), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_2, 0, SUB)
+        i_22 = _inv_unit_lower(a_22, SUB)
+        i_33 = _inv_unit_lower(a_33, SUB)
+        i_21 = -tl.dot(tl.dot(i_22, a_21, input_precision=SOLVE_PRECISION), i_11, input_precision=SOLVE_PRECISION)
+        i_32 = -tl.dot(tl.dot(i_33, a_32, input_precision=SOLVE_PRECISION), i_22, input_precision=SOLVE_PRECISION)
+        i_20 = -tl.dot(i_22, tl.dot(a_20, i_00, input_precision=SOLVE_PRECISION)
+                       + tl.dot(a_21, i_10, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
+        i_31 = -tl.dot(i_33, tl.dot(a_31, i_11, input_precision=SOLVE_PRECISION)
+                       + tl.dot(a_32, i_21, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
+        i_30 = -tl.dot(i_33, tl.dot(a_30, i_00, input_precision=SOLVE_PRECISION)
+                       + tl.dot(a_31, i_10, input_precision=SOLVE_PRECISION)
+                       + tl.dot(a_32, i_20, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
 
-    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks D^-1 first: forward substitution on all
-    # NB = CHUNK / SUB blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows
-    # before r already final (unrolled, so the row loads are issued together).
-    offs_b = tl.arange(0, NB)
-    offs_s = tl.arange(0, SUB)
-    diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
-        + offs_s[None, None, :]  # fmt: skip
-    inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
-    for r in tl.static_range(1, SUB):
-        row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
-        row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
-        inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
-    inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
-    tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
-    tl.store(ws + diag, inv)
-    tl.debug_barrier()
-    # Then the whole of T from D^-1 and the blocks A_off below the diagonal: with X = D^-1 A_off (nilpotent: block
-    # strictly lower), T = (I + X)^-1 D^-1 = D^-1 - X T, exact after NB - 1 steps from T = D^-1; all in registers.
-    blk = offs_c // SUB
-    both = tl.load(ws + mat)  # D^-1 on the diagonal blocks, A below them
-    d_inv = tl.where(blk[:, None] == blk[None, :], both, 0.0)
-    x = tl.dot(d_inv, tl.where(blk[:, None] > blk[None, :], both, 0.0), input_precision=SOLVE_PRECISION)
-    solve = d_inv
-    for _ in tl.static_range(1, NB):
-        solve = d_inv - tl.dot(x, solve, input_precision=SOLVE_PRECISION)
+    # The chunk's delta-rule writes at once, W = T (beta exp(G) k) and U = T (beta v): what each token writes given
+    # the ones before it in the chunk.
+    x_0 = kb_0 * tl.exp(cum_0)[:, None]
+    _store_rows(w_at, tl.dot(i_00, x_0, input_precision=PRECISION), 0, offs_s, offs_k, Dk, mask_k)
+    y_0 = tl.load(v_at + t_0[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_0[:, None] & mask_dv[None, :],
+                  other=0.0).to(tl.float32) * beta_0[:, None]  # fmt: skip
+    _store_rows(u_at, tl.dot(i_00, y_0, input_precision=PRECISION), 0, offs_s, offs_dv, Dv, mask_dv)
+    if NB >= 2:
+        x_1 = kb_1 * tl.exp(cum_1)[:, None]
+        w_1 = tl.dot(i_10, x_0, input_precision=PRECISION) + tl.dot(i_11, x_1, input_precision=PRECISION)
+        _store_rows(w_at, w_1, SUB, offs_s, offs_k, Dk, mask_k)
+        y_1 = tl.load(v_at + t_1[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_1[:, None] & mask_dv[None, :],
+                      other=0.0).to(tl.float32) * beta_1[:, None]  # fmt: skip
+        u_1 = tl.dot(i_10, y_0, input_precision=PRECISION) + tl.dot(i_11, y_1, input_precision=PRECISION)
+        _store_rows(u_at, u_1, SUB, offs_s, offs_dv, Dv, mask_dv)
+    if NB >= 4:
+        x_2 = kb_2 * tl.exp(cum_2)[:, None]
+        w_2 = tl.dot(i_20, x_0, input_precision=PRECISION) + tl.dot(i_21, x_1, input_precision=PRECISION) \
+            + tl.dot(i_22, x_2, input_precision=PRECISION)  # fmt: skip
+        _store_rows(w_at, w_2, 2 * SUB, offs_s, offs_k, Dk, mask_k)
+        x_3 = kb_3 * tl.exp(cum_3)[:, None]
+        w_3 = tl.dot(i_30, x_0, input_precision=PRECISION) + tl.dot(i_31, x_1, input_precision=PRECISION) \
+            + tl.dot(i_32, x_2, input_precision=PRECISION) + tl.dot(i_33, x_3, input_precision=PRECISION)  # fmt: skip
+        _store_rows(w_at, w_3, 3 * SUB, offs_s, offs_k, Dk, mask_k)
+        y_2 = tl.load(v_at + t_2[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_2[:, None] & mask_dv[None, :],
+                      other=0.0).to(tl.float32) * beta_2[:, None]  # fmt: skip
+        u_2 = tl.dot(i_20, y_0, input_precision=PRECISION) + tl.dot(i_21, y_1, input_precision=PRECISION) \
+            + tl.dot(i_22, y_2, input_precision=PRECISION)  # fmt: skip
+        _store_rows(u_at, u_2, 2 * SUB, offs_s, offs_dv, Dv, mask_dv)
+        y_3 = tl.load(v_at + t_3[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_3[:, None] & mask_dv[None, :],
+                      other=0.0).to(tl.float32) * beta_3[:, None]  # fmt: skip
+        u_3 = tl.dot(i_30, y_0, input_precision=PRECISION) + tl.dot(i_31, y_1, input_precision=PRECISION) \
+            + tl.dot(i_32, y_2, input_precision=PRECISION) + tl.dot(i_33, y_3, input_precision=PRECISION)  # fmt: skip
+        _store_rows(u_at, u_3, 3 * SUB, offs_s, offs_dv, Dv, mask_dv)
 
-    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk. (k is
-    # loaded again, from cache: kept across the solve it would hold registers the solve needs.)
-    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)
-    w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
-    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
-             mask=mask_k[None, :])  # fmt: skip
-    v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
-                mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
-    u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
-    tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
-
-    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
-    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-    tl.debug_barrier()  # every thread's read of T, before the scores take its place
-    tl.store(p_ptr + e * P_REGION + mat, round_to(scores, p_ptr.dtype.element_ty))
+    # The causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j), i >= j, by [SUB, SUB] blocks (zeros above the
+    # diagonal: the scan reads the whole [CHUNK, CHUNK] tile).
+    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for bi in tl.static_range(NB):
+        if bi == 0:
+            q_i, cum_i = _unit_rows(q_at, t_0, m_0, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_0
+        elif bi == 1:
+            q_i, cum_i = _unit_rows(q_at, t_1, m_1, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_1
+        elif bi == 2:
+            q_i, cum_i = _unit_rows(q_at, t_2, m_2, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_2
+        else:
+            q_i, cum_i = _unit_rows(q_at, t_3, m_3, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_3
+        for bj in tl.static_range(NB):
+            # (the diagonal block keeps i >= j)
+            mode: tl.constexpr = 2 if bj == bi else 0
+            if bj > bi:
+                blk = zero
+            elif bj == 0:
+                blk = tl.dot(q_i, tl.trans(k_0), input_precision=PRECISION) * _decay(cum_i, cum_0, mode, SUB)
+            elif bj == 1:
+                blk = tl.dot(q_i, tl.trans(k_1), input_precision=PRECISION) * _decay(cum_i, cum_1, mode, SUB)
+            elif bj == 2:
+                blk = tl.dot(q_i, tl.trans(k_2), input_precision=PRECISION) * _decay(cum_i, cum_2, mode, SUB)
+            else:
+                blk = tl.dot(q_i, tl.trans(k_3), input_precision=PRECISION) * _decay(cum_i, cum_3, mode, SUB)
+            tl.store(p_at + (bi * SUB + offs_s)[:, None] * CHUNK + bj * SUB + offs_s[None, :],
+                     round_to(blk, p_ptr.dtype.element_ty))  # fmt: skip
 
 
 @triton.jit
@@ -218,7 +326,6 @@ def _wy_scan_kernel(
     s_k_t, s_k_h, s_k_d,
     s_o_t, s_o_h, s_o_d,
     CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -258,7 +365,7 @@ def _wy_scan_kernel(
 
         q = _unit_rows(q_ptr + t0 * s_q_t + kh * s_q_h, offs_c, valid, offs_k, mask_k, s_q_t, s_q_d)
         o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
-        o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
+        o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
                  BF16_DOTS)  # fmt: skip
         tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
                  round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
@@ -271,20 +378,18 @@ def _wy_scan_kernel(
 
 def chunk_parallel(chunk_size: int) -> bool:
     """Whether a prefill of `chunk_size` can run these kernels: their tiles need a power of two of at least
-    MIN_DOT (and WY_SUB) tokens, and at most WY_MAX_CHUNK."""
-    return max(MIN_DOT, WY_SUB) <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
+    MIN_DOT tokens, and the prep's sub-blocks at most four of those (`WY_MAX_CHUNK`)."""
+    return MIN_DOT <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
 
 
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
     """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
-    [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
-    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]."""
-    f32 = dict(dtype=torch.float32, device=device)
+    [., C, Dk] and the scores p [., C, C]; in fp32 U [., C, Dv] and the cumulative log decay g [., C]."""
     n = (max_chunks, Hv)
-    ws = torch.empty(*n, chunk, chunk, **f32)
-    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
-                p=ws.view(low), g=torch.empty(*n, chunk, **f32))
+    f32 = dict(dtype=torch.float32, device=device)
+    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32),
+                p=torch.empty(*n, chunk, chunk, dtype=low, device=device), g=torch.empty(*n, chunk, **f32))
 
 
 def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -310,17 +415,14 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
     # same result.
     scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
-    p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
-    # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
     _wy_prep_kernel[(max_chunks * Hv,)](
-        q, k, v, a, b, A_log, dt_bias, starts, lengths,
-        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
+        q, k, v, a, b, A_log, dt_bias, starts, lengths, scratch["w"], scratch["u"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
+        CHUNK=chunk_size, NB=chunk_size // MIN_DOT, BLOCK_K=block_k,
         BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
-        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
+        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS,
     )  # fmt: skip
 
     block_v = max(MIN_DOT, min(next_power_of_2(Dv), WY_SCAN_TILE // block_k))
@@ -329,7 +431,7 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
         BF16_DOTS=bf16_dots,
         num_warps=WY_SCAN_WARPS, num_stages=1 if fp32 else WY_SCAN_STAGES,
     )  # fmt: skip
