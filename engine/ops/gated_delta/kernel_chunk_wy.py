@@ -40,6 +40,7 @@ from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
 from baton.engine.ops.gated_delta.tuning import (
     WY_MAX_CHUNK,
     WY_PRECISION,
+    WY_PREP_SLICE,
     WY_PREP_WARPS,
     WY_SCAN_BF16,
     WY_SCAN_STAGES,
@@ -121,6 +122,19 @@ def _last(x, SUB: tl.constexpr):
 
 
 @triton.jit
+def _pick(j: tl.constexpr, x0, x1, x2, x3):
+    """x_j of four values, j a constant."""
+    if j == 0:  # noqa: SIM116 (a Triton function: no dicts)
+        return x0
+    elif j == 1:
+        return x1
+    elif j == 2:
+        return x2
+    else:
+        return x3
+
+
+@triton.jit
 def _decay(cum_i, cum_j, DIAG: tl.constexpr, SUB: tl.constexpr):
     """exp(G_i - G_j) between the tokens of sub-block i and those of sub-block j before it. DIAG (1: j < i,
     2: j <= i): the same sub-block, the other entries 0, masked before the exponent can overflow."""
@@ -146,10 +160,28 @@ def _inv_unit_lower(a, SUB: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(ptr, tile, row0, offs_r, offs_c, ncols, mask_c):
-    """Store a [SUB, cols] tile as rows row0.. of a row-major [., ncols] region, in the region's dtype."""
-    tl.store(ptr + (row0 + offs_r)[:, None] * ncols + offs_c[None, :], round_to(tile, ptr.dtype.element_ty),
-             mask=mask_c[None, :])  # fmt: skip
+def _solve_block(t_ii, x, t_jj, PRECISION: tl.constexpr):
+    """-t_ii x t_jj: a block of T below its diagonal, from the diagonal blocks' inverses."""
+    return -tl.dot(tl.dot(t_ii, x, input_precision=PRECISION), t_jj, input_precision=PRECISION)
+
+
+@triton.jit
+def _raw_dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b of tiles as loaded: 16-bit operands multiply exactly into fp32 sums (the interpreter takes them as
+    fp32: the same products), fp32 ones at PRECISION."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+    elif _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _rows(ptr, t0, rows, n, offs, mask, s_t, s_d):
+    """The [SUB, len(offs)] input tile of chunk rows `rows` (tokens t0 + rows; rows past n: 0), as stored."""
+    return tl.load(ptr + (t0 + rows)[:, None] * s_t + offs[None, :] * s_d, mask=(rows < n)[:, None] & mask[None, :],
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -162,16 +194,17 @@ def _wy_prep_kernel(
     s_a_t, s_a_h,
     s_b_t, s_b_h,
     CHUNK: tl.constexpr,
-    NB: tl.constexpr,
+    SUB: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    BK: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # The chunk's NB <= 4 sub-blocks of SUB tokens are separate register tiles, unrolled, so the UT solve's serial
-    # forward substitution stays within [SUB, SUB] tiles in registers (no workspace, no barriers) and every other
-    # product is a tl.dot between sub-blocks.
-    SUB: tl.constexpr = CHUNK // NB
+    # The chunk is four sub-blocks of SUB tokens (a smaller chunk pads the last ones: their tokens are padding,
+    # stored nowhere), unrolled, each product a tl.dot between [SUB, SUB] blocks and [SUB, BK] slices of the head
+    # dims, so that only blocks, per-token vectors and one slice per sub-block are live at a time (the register tiles
+    # of whole rows spill) and the UT solve's forward substitution stays within [SUB, SUB] tiles in registers.
     # The value heads of one chunk are neighbours: those of one key head read the same q and k.
     h = tl.program_id(0) % Hv
     ci = tl.program_id(0) // Hv
@@ -180,16 +213,11 @@ def _wy_prep_kernel(
         return
     kh = h // heads_per_key
     t0 = tl.load(cstart_ptr + ci).to(tl.int64)
-    offs_s = tl.arange(0, SUB)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_k = offs_k < Dk
-    mask_dv = offs_dv < Dv
+    r0 = tl.arange(0, SUB)
+    r1 = r0 + SUB
+    r2 = r0 + 2 * SUB
+    r3 = r0 + 3 * SUB
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
-    w_at = w_ptr + e * CHUNK * Dk
-    u_at = u_ptr + e * CHUNK * Dv
-    p_at = p_ptr + e * CHUNK * CHUNK
-    g_at = g_ptr + e * CHUNK
     a_at = a_ptr + h * s_a_h
     b_at = b_ptr + h * s_b_h
     k_at = k_ptr + kh * s_k_h
@@ -198,123 +226,160 @@ def _wy_prep_kernel(
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
-    # Sub-block 0: its gates, unit keys and the diagonal block of the UT system A[i, j] = beta_i (k_i . k_j)
-    # exp(G_i - G_j), i > j.
-    t_0 = t0 + offs_s
-    m_0 = offs_s < n
-    cum_0, beta_0 = _sub_gates(a_at, b_at, t_0, m_0, neg_A, dt_bias, 0.0, s_a_t, s_b_t)
-    tl.store(g_at + offs_s, cum_0)
-    k_0 = _unit_rows(k_at, t_0, m_0, offs_k, mask_k, s_k_t, s_k_d)
-    kb_0 = k_0 * beta_0[:, None]
-    a_00 = tl.dot(kb_0, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_0, cum_0, 1, SUB)
-    i_00 = _inv_unit_lower(a_00, SUB)
-    if NB >= 2:
-        t_1 = t_0 + SUB
-        m_1 = offs_s + SUB < n
-        cum_1, beta_1 = _sub_gates(a_at, b_at, t_1, m_1, neg_A, dt_bias, _last(cum_0, SUB), s_a_t, s_b_t)
-        tl.store(g_at + SUB + offs_s, cum_1)
-        k_1 = _unit_rows(k_at, t_1, m_1, offs_k, mask_k, s_k_t, s_k_d)
-        kb_1 = k_1 * beta_1[:, None]
-        a_11 = tl.dot(kb_1, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_1, cum_1, 1, SUB)
-        a_10 = tl.dot(kb_1, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_1, cum_0, 0, SUB)
-        i_11 = _inv_unit_lower(a_11, SUB)
-        # The blocks of T = (I + A)^-1 below its diagonal from those on it: T_ij = -T_ii (sum over j <= m < i of
-        # A_im T_mj).
-        i_10 = -tl.dot(tl.dot(i_11, a_10, input_precision=SOLVE_PRECISION), i_00, input_precision=SOLVE_PRECISION)
-    if NB >= 4:
-        t_2 = t_1 + SUB
-        m_2 = offs_s + 2 * SUB < n
-        cum_2, beta_2 = _sub_gates(a_at, b_at, t_2, m_2, neg_A, dt_bias, _last(cum_1, SUB), s_a_t, s_b_t)
-        tl.store(g_at + 2 * SUB + offs_s, cum_2)
-        k_2 = _unit_rows(k_at, t_2, m_2, offs_k, mask_k, s_k_t, s_k_d)
-        kb_2 = k_2 * beta_2[:, None]
-        a_22 = tl.dot(kb_2, tl.trans(k_2), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_2, 1, SUB)
-        a_20 = tl.dot(kb_2, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_0, 0, SUB)
-        a_21 = tl.dot(kb_2, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_2, cum_1, 0, SUB)
-        t_3 = t_2 + SUB
-        m_3 = offs_s + 3 * SUB < n
-        cum_3, beta_3 = _sub_gates(a_at, b_at, t_3, m_3, neg_A, dt_bias, _last(cum_2, SUB), s_a_t, s_b_t)
-        tl.store(g_at + 3 * SUB + offs_s, cum_3)
-        k_3 = _unit_rows(k_at, t_3, m_3, offs_k, mask_k, s_k_t, s_k_d)
-        kb_3 = k_3 * beta_3[:, None]
-        a_33 = tl.dot(kb_3, tl.trans(k_3), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_3, 1, SUB)
-        a_30 = tl.dot(kb_3, tl.trans(k_0), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_0, 0, SUB)
-        a_31 = tl.dot(kb_3, tl.trans(k_1), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_1, 0, SUB)
-        a_32 = tl.dot(kb_3, tl.trans(k_2), input_precision=SOLVE_PRECISION) * _decay(cum_3, cum_2, 0, SUB)
-        i_22 = _inv_unit_lower(a_22, SUB)
-        i_33 = _inv_unit_lower(a_33, SUB)
-        i_21 = -tl.dot(tl.dot(i_22, a_21, input_precision=SOLVE_PRECISION), i_11, input_precision=SOLVE_PRECISION)
-        i_32 = -tl.dot(tl.dot(i_33, a_32, input_precision=SOLVE_PRECISION), i_22, input_precision=SOLVE_PRECISION)
-        i_20 = -tl.dot(i_22, tl.dot(a_20, i_00, input_precision=SOLVE_PRECISION)
-                       + tl.dot(a_21, i_10, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
-        i_31 = -tl.dot(i_33, tl.dot(a_31, i_11, input_precision=SOLVE_PRECISION)
-                       + tl.dot(a_32, i_21, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
-        i_30 = -tl.dot(i_33, tl.dot(a_30, i_00, input_precision=SOLVE_PRECISION)
-                       + tl.dot(a_31, i_10, input_precision=SOLVE_PRECISION)
-                       + tl.dot(a_32, i_20, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
+    cum_0, beta_0 = _sub_gates(a_at, b_at, t0 + r0, r0 < n, neg_A, dt_bias, 0.0, s_a_t, s_b_t)
+    cum_1, beta_1 = _sub_gates(a_at, b_at, t0 + r1, r1 < n, neg_A, dt_bias, _last(cum_0, SUB), s_a_t, s_b_t)
+    cum_2, beta_2 = _sub_gates(a_at, b_at, t0 + r2, r2 < n, neg_A, dt_bias, _last(cum_1, SUB), s_a_t, s_b_t)
+    cum_3, beta_3 = _sub_gates(a_at, b_at, t0 + r3, r3 < n, neg_A, dt_bias, _last(cum_2, SUB), s_a_t, s_b_t)
+    for i in tl.static_range(4):
+        if i * SUB < CHUNK:
+            tl.store(g_ptr + e * CHUNK + i * SUB + r0, _pick(i, cum_0, cum_1, cum_2, cum_3))
+
+    # One pass over Dk: the rows' squared norms (q and k are l2-normalised by scaling the products after) and the
+    # raw products k_i . k_j (the UT system's) and q_i . k_j (the scores'), j <= i, by [SUB, SUB] blocks.
+    f0 = tl.zeros([SUB, SUB], dtype=tl.float32)
+    kk10, kk20, kk21, kk30, kk31, kk32 = f0, f0, f0, f0, f0, f0
+    kk00, kk11, kk22, kk33 = f0, f0, f0, f0
+    qk00, qk10, qk11, qk20, qk21, qk22, qk30, qk31, qk32, qk33 = f0, f0, f0, f0, f0, f0, f0, f0, f0, f0
+    v0 = tl.zeros([SUB], dtype=tl.float32)
+    nk0, nk1, nk2, nk3, nq0, nq1, nq2, nq3 = v0, v0, v0, v0, v0, v0, v0, v0
+    for kb in tl.static_range(0, BLOCK_K, BK):
+        offs = kb + tl.arange(0, BK)
+        m = offs < Dk
+        k0 = _rows(k_at, t0, r0, n, offs, m, s_k_t, s_k_d)
+        k1 = _rows(k_at, t0, r1, n, offs, m, s_k_t, s_k_d)
+        k2 = _rows(k_at, t0, r2, n, offs, m, s_k_t, s_k_d)
+        k3 = _rows(k_at, t0, r3, n, offs, m, s_k_t, s_k_d)
+        nk0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), axis=1)
+        nk1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), axis=1)
+        nk2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), axis=1)
+        nk3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), axis=1)
+        k0t, k1t, k2t, k3t = tl.trans(k0), tl.trans(k1), tl.trans(k2), tl.trans(k3)
+        kk00 = _raw_dot(k0, k0t, kk00, SOLVE_PRECISION)
+        kk10 = _raw_dot(k1, k0t, kk10, SOLVE_PRECISION)
+        kk11 = _raw_dot(k1, k1t, kk11, SOLVE_PRECISION)
+        kk20 = _raw_dot(k2, k0t, kk20, SOLVE_PRECISION)
+        kk21 = _raw_dot(k2, k1t, kk21, SOLVE_PRECISION)
+        kk22 = _raw_dot(k2, k2t, kk22, SOLVE_PRECISION)
+        kk30 = _raw_dot(k3, k0t, kk30, SOLVE_PRECISION)
+        kk31 = _raw_dot(k3, k1t, kk31, SOLVE_PRECISION)
+        kk32 = _raw_dot(k3, k2t, kk32, SOLVE_PRECISION)
+        kk33 = _raw_dot(k3, k3t, kk33, SOLVE_PRECISION)
+        q = _rows(q_at, t0, r0, n, offs, m, s_q_t, s_q_d)
+        nq0 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
+        qk00 = _raw_dot(q, k0t, qk00, PRECISION)
+        q = _rows(q_at, t0, r1, n, offs, m, s_q_t, s_q_d)
+        nq1 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
+        qk10 = _raw_dot(q, k0t, qk10, PRECISION)
+        qk11 = _raw_dot(q, k1t, qk11, PRECISION)
+        q = _rows(q_at, t0, r2, n, offs, m, s_q_t, s_q_d)
+        nq2 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
+        qk20 = _raw_dot(q, k0t, qk20, PRECISION)
+        qk21 = _raw_dot(q, k1t, qk21, PRECISION)
+        qk22 = _raw_dot(q, k2t, qk22, PRECISION)
+        q = _rows(q_at, t0, r3, n, offs, m, s_q_t, s_q_d)
+        nq3 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
+        qk30 = _raw_dot(q, k0t, qk30, PRECISION)
+        qk31 = _raw_dot(q, k1t, qk31, PRECISION)
+        qk32 = _raw_dot(q, k2t, qk32, PRECISION)
+        qk33 = _raw_dot(q, k3t, qk33, PRECISION)
+    # 1 / |k| and scale / |q| per token, as `kernel._unit` normalises.
+    rk0, rk1 = tl.math.rsqrt(nk0 + 1e-6), tl.math.rsqrt(nk1 + 1e-6)
+    rk2, rk3 = tl.math.rsqrt(nk2 + 1e-6), tl.math.rsqrt(nk3 + 1e-6)
+
+    # The causal scores P[r, c] = (q_r . k_c) exp(G_r - G_c), r >= c; zeros above the diagonal (the scan reads the
+    # whole [CHUNK, CHUNK] tile).
+    p_at = p_ptr + e * CHUNK * CHUNK
+    for i in tl.static_range(4):
+        if i * SUB < CHUNK:
+            rq = tl.math.rsqrt(_pick(i, nq0, nq1, nq2, nq3) + 1e-6) * scale
+            cum_i = _pick(i, cum_0, cum_1, cum_2, cum_3)
+            for j in tl.static_range(4):
+                if j * SUB < CHUNK:
+                    if j > i:
+                        p_ij = f0
+                    else:
+                        qk = _pick(j, _pick(i, qk00, qk10, qk20, qk30), _pick(i, qk00, qk11, qk21, qk31),
+                                   _pick(i, qk00, qk11, qk22, qk32), qk33)  # fmt: skip
+                        p_ij = qk * rq[:, None] * _pick(j, rk0, rk1, rk2, rk3)[None, :] \
+                            * _decay(cum_i, _pick(j, cum_0, cum_1, cum_2, cum_3), 2 if j == i else 0, SUB)  # fmt: skip
+                    tl.store(p_at + (i * SUB + r0)[:, None] * CHUNK + j * SUB + r0[None, :],
+                             round_to(p_ij, p_ptr.dtype.element_ty))  # fmt: skip
+
+    # The UT system A[r, c] = beta_r (k_r . k_c) exp(G_r - G_c), r > c, by blocks (the diagonal ones strictly
+    # lower), and T = (I + A)^-1: its diagonal blocks by forward substitution, then those below them from those
+    # (T_ij = -T_ii (sum over j <= m < i of A_im T_mj)).
+    a00 = kk00 * (beta_0 * rk0)[:, None] * rk0[None, :] * _decay(cum_0, cum_0, 1, SUB)
+    a10 = kk10 * (beta_1 * rk1)[:, None] * rk0[None, :] * _decay(cum_1, cum_0, 0, SUB)
+    a11 = kk11 * (beta_1 * rk1)[:, None] * rk1[None, :] * _decay(cum_1, cum_1, 1, SUB)
+    a20 = kk20 * (beta_2 * rk2)[:, None] * rk0[None, :] * _decay(cum_2, cum_0, 0, SUB)
+    a21 = kk21 * (beta_2 * rk2)[:, None] * rk1[None, :] * _decay(cum_2, cum_1, 0, SUB)
+    a22 = kk22 * (beta_2 * rk2)[:, None] * rk2[None, :] * _decay(cum_2, cum_2, 1, SUB)
+    a30 = kk30 * (beta_3 * rk3)[:, None] * rk0[None, :] * _decay(cum_3, cum_0, 0, SUB)
+    a31 = kk31 * (beta_3 * rk3)[:, None] * rk1[None, :] * _decay(cum_3, cum_1, 0, SUB)
+    a32 = kk32 * (beta_3 * rk3)[:, None] * rk2[None, :] * _decay(cum_3, cum_2, 0, SUB)
+    a33 = kk33 * (beta_3 * rk3)[:, None] * rk3[None, :] * _decay(cum_3, cum_3, 1, SUB)
+    t00 = _inv_unit_lower(a00, SUB)
+    t11 = _inv_unit_lower(a11, SUB)
+    t22 = _inv_unit_lower(a22, SUB)
+    t33 = _inv_unit_lower(a33, SUB)
+    t10 = _solve_block(t11, a10, t00, SOLVE_PRECISION)
+    t21 = _solve_block(t22, a21, t11, SOLVE_PRECISION)
+    t32 = _solve_block(t33, a32, t22, SOLVE_PRECISION)
+    t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=SOLVE_PRECISION)
+                  + tl.dot(a21, t10, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
+    t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=SOLVE_PRECISION)
+                  + tl.dot(a32, t21, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
+    t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=SOLVE_PRECISION)
+                  + tl.dot(a31, t10, input_precision=SOLVE_PRECISION)
+                  + tl.dot(a32, t20, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
 
     # The chunk's delta-rule writes at once, W = T (beta exp(G) k) and U = T (beta v): what each token writes given
-    # the ones before it in the chunk.
-    x_0 = kb_0 * tl.exp(cum_0)[:, None]
-    _store_rows(w_at, tl.dot(i_00, x_0, input_precision=PRECISION), 0, offs_s, offs_k, Dk, mask_k)
-    y_0 = tl.load(v_at + t_0[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_0[:, None] & mask_dv[None, :],
-                  other=0.0).to(tl.float32) * beta_0[:, None]  # fmt: skip
-    _store_rows(u_at, tl.dot(i_00, y_0, input_precision=PRECISION), 0, offs_s, offs_dv, Dv, mask_dv)
-    if NB >= 2:
-        x_1 = kb_1 * tl.exp(cum_1)[:, None]
-        w_1 = tl.dot(i_10, x_0, input_precision=PRECISION) + tl.dot(i_11, x_1, input_precision=PRECISION)
-        _store_rows(w_at, w_1, SUB, offs_s, offs_k, Dk, mask_k)
-        y_1 = tl.load(v_at + t_1[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_1[:, None] & mask_dv[None, :],
-                      other=0.0).to(tl.float32) * beta_1[:, None]  # fmt: skip
-        u_1 = tl.dot(i_10, y_0, input_precision=PRECISION) + tl.dot(i_11, y_1, input_precision=PRECISION)
-        _store_rows(u_at, u_1, SUB, offs_s, offs_dv, Dv, mask_dv)
-    if NB >= 4:
-        x_2 = kb_2 * tl.exp(cum_2)[:, None]
-        w_2 = tl.dot(i_20, x_0, input_precision=PRECISION) + tl.dot(i_21, x_1, input_precision=PRECISION) \
-            + tl.dot(i_22, x_2, input_precision=PRECISION)  # fmt: skip
-        _store_rows(w_at, w_2, 2 * SUB, offs_s, offs_k, Dk, mask_k)
-        x_3 = kb_3 * tl.exp(cum_3)[:, None]
-        w_3 = tl.dot(i_30, x_0, input_precision=PRECISION) + tl.dot(i_31, x_1, input_precision=PRECISION) \
-            + tl.dot(i_32, x_2, input_precision=PRECISION) + tl.dot(i_33, x_3, input_precision=PRECISION)  # fmt: skip
-        _store_rows(w_at, w_3, 3 * SUB, offs_s, offs_k, Dk, mask_k)
-        y_2 = tl.load(v_at + t_2[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_2[:, None] & mask_dv[None, :],
-                      other=0.0).to(tl.float32) * beta_2[:, None]  # fmt: skip
-        u_2 = tl.dot(i_20, y_0, input_precision=PRECISION) + tl.dot(i_21, y_1, input_precision=PRECISION) \
-            + tl.dot(i_22, y_2, input_precision=PRECISION)  # fmt: skip
-        _store_rows(u_at, u_2, 2 * SUB, offs_s, offs_dv, Dv, mask_dv)
-        y_3 = tl.load(v_at + t_3[:, None] * s_v_t + offs_dv[None, :] * s_v_d, mask=m_3[:, None] & mask_dv[None, :],
-                      other=0.0).to(tl.float32) * beta_3[:, None]  # fmt: skip
-        u_3 = tl.dot(i_30, y_0, input_precision=PRECISION) + tl.dot(i_31, y_1, input_precision=PRECISION) \
-            + tl.dot(i_32, y_2, input_precision=PRECISION) + tl.dot(i_33, y_3, input_precision=PRECISION)  # fmt: skip
-        _store_rows(u_at, u_3, 3 * SUB, offs_s, offs_dv, Dv, mask_dv)
+    # the ones before it in the chunk. The per-token factors go into T's columns, so the inputs enter the products
+    # as stored (exact in TF32 when 16-bit).
+    sw0, sw1 = beta_0 * rk0 * tl.exp(cum_0), beta_1 * rk1 * tl.exp(cum_1)
+    sw2, sw3 = beta_2 * rk2 * tl.exp(cum_2), beta_3 * rk3 * tl.exp(cum_3)
+    for kb in tl.static_range(0, BLOCK_K, BK):
+        offs = kb + tl.arange(0, BK)
+        m = offs < Dk
+        x0 = _rows(k_at, t0, r0, n, offs, m, s_k_t, s_k_d).to(tl.float32)
+        x1 = _rows(k_at, t0, r1, n, offs, m, s_k_t, s_k_d).to(tl.float32)
+        x2 = _rows(k_at, t0, r2, n, offs, m, s_k_t, s_k_d).to(tl.float32)
+        x3 = _rows(k_at, t0, r3, n, offs, m, s_k_t, s_k_d).to(tl.float32)
+        _store_wu(w_ptr + e * CHUNK * Dk, offs, m, Dk, r0, x0, x1, x2, x3, sw0, sw1, sw2, sw3,
+                  t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, CHUNK, SUB, PRECISION)  # fmt: skip
+    for vb in tl.static_range(0, BLOCK_DV, BK):
+        offs = vb + tl.arange(0, BK)
+        m = offs < Dv
+        y0 = _rows(v_at, t0, r0, n, offs, m, s_v_t, s_v_d).to(tl.float32)
+        y1 = _rows(v_at, t0, r1, n, offs, m, s_v_t, s_v_d).to(tl.float32)
+        y2 = _rows(v_at, t0, r2, n, offs, m, s_v_t, s_v_d).to(tl.float32)
+        y3 = _rows(v_at, t0, r3, n, offs, m, s_v_t, s_v_d).to(tl.float32)
+        _store_wu(u_ptr + e * CHUNK * Dv, offs, m, Dv, r0, y0, y1, y2, y3, beta_0, beta_1, beta_2, beta_3,
+                  t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, CHUNK, SUB, PRECISION)  # fmt: skip
 
-    # The causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j), i >= j, by [SUB, SUB] blocks (zeros above the
-    # diagonal: the scan reads the whole [CHUNK, CHUNK] tile).
-    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
-    for bi in tl.static_range(NB):
-        if bi == 0:
-            q_i, cum_i = _unit_rows(q_at, t_0, m_0, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_0
-        elif bi == 1:
-            q_i, cum_i = _unit_rows(q_at, t_1, m_1, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_1
-        elif bi == 2:
-            q_i, cum_i = _unit_rows(q_at, t_2, m_2, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_2
-        else:
-            q_i, cum_i = _unit_rows(q_at, t_3, m_3, offs_k, mask_k, s_q_t, s_q_d) * scale, cum_3
-        for bj in tl.static_range(NB):
-            # (the diagonal block keeps i >= j)
-            mode: tl.constexpr = 2 if bj == bi else 0
-            if bj > bi:
-                blk = zero
-            elif bj == 0:
-                blk = tl.dot(q_i, tl.trans(k_0), input_precision=PRECISION) * _decay(cum_i, cum_0, mode, SUB)
-            elif bj == 1:
-                blk = tl.dot(q_i, tl.trans(k_1), input_precision=PRECISION) * _decay(cum_i, cum_1, mode, SUB)
-            elif bj == 2:
-                blk = tl.dot(q_i, tl.trans(k_2), input_precision=PRECISION) * _decay(cum_i, cum_2, mode, SUB)
-            else:
-                blk = tl.dot(q_i, tl.trans(k_3), input_precision=PRECISION) * _decay(cum_i, cum_3, mode, SUB)
-            tl.store(p_at + (bi * SUB + offs_s)[:, None] * CHUNK + bj * SUB + offs_s[None, :],
-                     round_to(blk, p_ptr.dtype.element_ty))  # fmt: skip
+
+@triton.jit
+def _store_wu(out_ptr, offs, m, ncols, r0, x0, x1, x2, x3, s0, s1, s2, s3, t00, t10, t11, t20, t21, t22, t30, t31,
+              t32, t33, CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Columns `offs` of T (s x) for the four sub-blocks' slices x_j and per-token factors s_j, stored as rows of
+    the chunk's row-major [CHUNK, ncols] region in its dtype."""
+    c0, c1, c2, c3 = t00 * s0[None, :], t10 * s0[None, :], t20 * s0[None, :], t30 * s0[None, :]
+    out = tl.dot(c0, x0, input_precision=PRECISION)
+    tl.store(out_ptr + r0[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty), mask=m[None, :])
+    if SUB < CHUNK:
+        out = tl.dot(c1, x0, input_precision=PRECISION) + tl.dot(t11 * s1[None, :], x1, input_precision=PRECISION)
+        tl.store(out_ptr + (r0 + SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
+                 mask=m[None, :])  # fmt: skip
+    if 2 * SUB < CHUNK:
+        out = tl.dot(c2, x0, input_precision=PRECISION) + tl.dot(t21 * s1[None, :], x1, input_precision=PRECISION) \
+            + tl.dot(t22 * s2[None, :], x2, input_precision=PRECISION)  # fmt: skip
+        tl.store(out_ptr + (r0 + 2 * SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
+                 mask=m[None, :])  # fmt: skip
+        out = tl.dot(c3, x0, input_precision=PRECISION) + tl.dot(t31 * s1[None, :], x1, input_precision=PRECISION) \
+            + tl.dot(t32 * s2[None, :], x2, input_precision=PRECISION) \
+            + tl.dot(t33 * s3[None, :], x3, input_precision=PRECISION)  # fmt: skip
+        tl.store(out_ptr + (r0 + 3 * SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
+                 mask=m[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -420,7 +485,7 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         q, k, v, a, b, A_log, dt_bias, starts, lengths, scratch["w"], scratch["u"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, NB=chunk_size // MIN_DOT, BLOCK_K=block_k,
+        CHUNK=chunk_size, SUB=max(MIN_DOT, chunk_size // 4), BLOCK_K=block_k, BK=min(block_k, WY_PREP_SLICE),
         BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
         SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS,
     )  # fmt: skip

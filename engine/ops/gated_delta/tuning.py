@@ -25,8 +25,10 @@ WY_TABLE_BLOCK = 1024
 # four unrolled sub-blocks of tl.dot's smallest side, and at head dim 128 a chunk of 128 would put the scan's
 # pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
 WY_MAX_CHUNK = 64
-# Warps per program of the prep kernel: its tiles are [16, Dk] sub-blocks and [16, 16] blocks of the UT solve.
+# Warps per program of the prep kernel: its tiles are [16, 16] blocks and [16, WY_PREP_SLICE] slices of the inputs.
 WY_PREP_WARPS = 4
+# Columns of the head dims the prep takes at a time: whole [16, 128] rows of four sub-blocks in registers spill.
+WY_PREP_SLICE = 64
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
 # one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
 # memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
