@@ -34,8 +34,9 @@ def layouts(base: int) -> dict[str, RegionLayout]:
 
 def test_metadata_offers_ipc_regions_and_older_metadata_still_decodes():
     region = IpcRegion(b"h" * 64, 1 << 20, 0, b"rc", 3, b"", False, 256)
-    compat = CompatInfo(1, "f", "M*", 8, {"kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"},
-                        {"kv": (2,), "conv": (3,), "ssm": (4,)}, 0, 0)
+    compat = CompatInfo(protocol_version=1, model_fingerprint="f", layer_pattern="M*", tp_size=1, block_size=8,
+                        dtypes={"kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"},
+                        item_shapes={"kv": (2,), "conv": (3,), "ssm": (4,)}, num_speculative_tokens=0, mtp_layers=0)
     meta = AgentMetadata("e", "a", b"nixl", compat, "x", layouts(0), host_id=host_id(), ipc={"kv": region})
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=AgentMetadata)
     assert back.ipc == {"kv": region} and back.host_id == host_id() != ""

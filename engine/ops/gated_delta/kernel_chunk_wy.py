@@ -12,10 +12,11 @@ which leave the state as it is) and numbered over the batch, row after row.
    from the raw inputs (q, k of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the
    decode kernel makes them) the within-chunk cumulative log decay G, the UT system
    A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse T = (I + A)^-1, W = T (beta exp(G) k),
-   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). The chunk is held as up to
-   four sub-blocks of MIN_DOT tokens, each its own register tile: T's diagonal blocks by forward substitution within
-   a [MIN_DOT, MIN_DOT] tile, the blocks below them from those (T_ij = -T_ii sum_m A_im T_mj), every other product
-   one tl.dot between sub-blocks; no workspace, no barrier.
+   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). T is solved by blocks of
+   SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
+   back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
+   block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
+   last; barriers order its writes and reads among the program's threads.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -40,12 +41,12 @@ from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
 from baton.engine.ops.gated_delta.tuning import (
     WY_MAX_CHUNK,
     WY_PRECISION,
-    WY_PREP_SLICE,
     WY_PREP_WARPS,
     WY_SCAN_BF16,
     WY_SCAN_STAGES,
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
+    WY_SUB,
     WY_TABLE_BLOCK,
 )
 from baton.engine.ops.triton_common import cdiv, interpreted, next_power_of_2, round_to
@@ -107,104 +108,23 @@ def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _sub_gates(a_ptr, b_ptr, t, valid, neg_A, dt_bias, carry, s_a_t, s_b_t):
-    """(cumulative log decay from the chunk's start, beta) of one sub-block's tokens `t`; `carry` is the decay up to
-    the sub-block's start. Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is."""
-    g, beta = _gates(tl.load(a_ptr + t * s_a_t, mask=valid, other=0.0), tl.load(b_ptr + t * s_b_t, mask=valid, other=0.0),
-                     neg_A, dt_bias, b_ptr.dtype.element_ty)  # fmt: skip
-    return tl.cumsum(tl.where(valid, g, 0.0), axis=0) + carry, tl.where(valid, beta, 0.0)
-
-
-@triton.jit
-def _last(x, SUB: tl.constexpr):
-    """The last element of a [SUB] vector, as a scalar."""
-    return tl.sum(tl.where(tl.arange(0, SUB) == SUB - 1, x, 0.0), axis=0)
-
-
-@triton.jit
-def _pick(j: tl.constexpr, x0, x1, x2, x3):
-    """x_j of four values, j a constant."""
-    if j == 0:  # noqa: SIM116 (a Triton function: no dicts)
-        return x0
-    elif j == 1:
-        return x1
-    elif j == 2:
-        return x2
-    else:
-        return x3
-
-
-@triton.jit
-def _decay(cum_i, cum_j, DIAG: tl.constexpr, SUB: tl.constexpr):
-    """exp(G_i - G_j) between the tokens of sub-block i and those of sub-block j before it. DIAG (1: j < i,
-    2: j <= i): the same sub-block, the other entries 0, masked before the exponent can overflow."""
-    if DIAG == 0:
-        return tl.exp(cum_i[:, None] - cum_j[None, :])
-    else:
-        offs = tl.arange(0, SUB)
-        keep = offs[:, None] > offs[None, :] if DIAG == 1 else offs[:, None] >= offs[None, :]
-        return tl.where(keep, tl.exp(tl.where(keep, cum_i[:, None] - cum_j[None, :], 0.0)), 0.0)
-
-
-@triton.jit
-def _inv_unit_lower(a, SUB: tl.constexpr):
-    """(I + a)^-1 of a strictly lower [SUB, SUB] tile by forward substitution in registers: row i is
-    e_i - sum over j < i of a[i, j] times row j (rows 0 and 1 need no step)."""
-    offs = tl.arange(0, SUB)
-    inv = -a
-    for i in tl.static_range(2, SUB):
-        row = tl.sum(tl.where((offs == i)[:, None], -a, 0.0), axis=0)
-        row = row + tl.sum(row[:, None] * inv, axis=0)
-        inv = tl.where((offs == i)[:, None], row[None, :], inv)
-    return inv + tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
-
-
-@triton.jit
-def _solve_block(t_ii, x, t_jj, PRECISION: tl.constexpr):
-    """-t_ii x t_jj: a block of T below its diagonal, from the diagonal blocks' inverses."""
-    return -tl.dot(tl.dot(t_ii, x, input_precision=PRECISION), t_jj, input_precision=PRECISION)
-
-
-@triton.jit
-def _raw_dot(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b of tiles as loaded: 16-bit operands multiply exactly into fp32 sums (the interpreter takes them as
-    fp32: the same products), fp32 ones at PRECISION."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
-    elif _INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _rows(ptr, t0, rows, n, offs, mask, s_t, s_d):
-    """The [SUB, len(offs)] input tile of chunk rows `rows` (tokens t0 + rows; rows past n: 0), as stored."""
-    return tl.load(ptr + (t0 + rows)[:, None] * s_t + offs[None, :] * s_d, mask=(rows < n)[:, None] & mask[None, :],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
 def _wy_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, p_ptr, g_ptr,
-    Hv, Dk, Dv, heads_per_key, scale,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
+    g_ptr, Hv, Dk, Dv, heads_per_key, scale,
     s_q_t, s_q_h, s_q_d,
     s_k_t, s_k_h, s_k_d,
     s_v_t, s_v_h, s_v_d,
     s_a_t, s_a_h,
     s_b_t, s_b_h,
     CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
     SUB: tl.constexpr,
+    NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    BK: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # The chunk is four sub-blocks of SUB tokens (a smaller chunk pads the last ones: their tokens are padding,
-    # stored nowhere), unrolled, each product a tl.dot between [SUB, SUB] blocks and [SUB, BK] slices of the head
-    # dims, so that only blocks, per-token vectors and one slice per sub-block are live at a time (the register tiles
-    # of whole rows spill) and the UT solve's forward substitution stays within [SUB, SUB] tiles in registers.
     # The value heads of one chunk are neighbours: those of one key head read the same q and k.
     h = tl.program_id(0) % Hv
     ci = tl.program_id(0) // Hv
@@ -212,174 +132,81 @@ def _wy_prep_kernel(
     if n == 0:  # past the batch's last chunk
         return
     kh = h // heads_per_key
-    t0 = tl.load(cstart_ptr + ci).to(tl.int64)
-    r0 = tl.arange(0, SUB)
-    r1 = r0 + SUB
-    r2 = r0 + 2 * SUB
-    r3 = r0 + 3 * SUB
+    t = tl.load(cstart_ptr + ci).to(tl.int64) + tl.arange(0, CHUNK)
+    offs_c = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_k = offs_k < Dk
+    mask_dv = offs_dv < Dv
+    valid = offs_c < n
     e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
-    a_at = a_ptr + h * s_a_h
-    b_at = b_ptr + h * s_b_h
-    k_at = k_ptr + kh * s_k_h
-    q_at = q_ptr + kh * s_q_h
-    v_at = v_ptr + h * s_v_h
+    mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
+    # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
+    # is the UT solve's workspace until the scores are written, last: the system goes there, then its diagonal
+    # blocks' inverses.
+    ws = ws_ptr + e * CHUNK * CHUNK
+
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
+                     tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
+                     b_ptr.dtype.element_ty)  # fmt: skip
+    # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
+    g = tl.where(valid, g, 0.0)
+    beta = tl.where(valid, beta, 0.0)
+    cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
+    tl.store(g_ptr + e * CHUNK + offs_c, cum)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
 
-    cum_0, beta_0 = _sub_gates(a_at, b_at, t0 + r0, r0 < n, neg_A, dt_bias, 0.0, s_a_t, s_b_t)
-    cum_1, beta_1 = _sub_gates(a_at, b_at, t0 + r1, r1 < n, neg_A, dt_bias, _last(cum_0, SUB), s_a_t, s_b_t)
-    cum_2, beta_2 = _sub_gates(a_at, b_at, t0 + r2, r2 < n, neg_A, dt_bias, _last(cum_1, SUB), s_a_t, s_b_t)
-    cum_3, beta_3 = _sub_gates(a_at, b_at, t0 + r3, r3 < n, neg_A, dt_bias, _last(cum_2, SUB), s_a_t, s_b_t)
-    for i in tl.static_range(4):
-        if i * SUB < CHUNK:
-            tl.store(g_ptr + e * CHUNK + i * SUB + r0, _pick(i, cum_0, cum_1, cum_2, cum_3))
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
+    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=SOLVE_PRECISION) * decay
+    tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
+    tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
 
-    # One pass over Dk: the rows' squared norms (q and k are l2-normalised by scaling the products after) and the
-    # raw products k_i . k_j (the UT system's) and q_i . k_j (the scores'), j <= i, by [SUB, SUB] blocks.
-    f0 = tl.zeros([SUB, SUB], dtype=tl.float32)
-    kk10, kk20, kk21, kk30, kk31, kk32 = f0, f0, f0, f0, f0, f0
-    kk00, kk11, kk22, kk33 = f0, f0, f0, f0
-    qk00, qk10, qk11, qk20, qk21, qk22, qk30, qk31, qk32, qk33 = f0, f0, f0, f0, f0, f0, f0, f0, f0, f0
-    v0 = tl.zeros([SUB], dtype=tl.float32)
-    nk0, nk1, nk2, nk3, nq0, nq1, nq2, nq3 = v0, v0, v0, v0, v0, v0, v0, v0
-    for kb in tl.static_range(0, BLOCK_K, BK):
-        offs = kb + tl.arange(0, BK)
-        m = offs < Dk
-        k0 = _rows(k_at, t0, r0, n, offs, m, s_k_t, s_k_d)
-        k1 = _rows(k_at, t0, r1, n, offs, m, s_k_t, s_k_d)
-        k2 = _rows(k_at, t0, r2, n, offs, m, s_k_t, s_k_d)
-        k3 = _rows(k_at, t0, r3, n, offs, m, s_k_t, s_k_d)
-        nk0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), axis=1)
-        nk1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), axis=1)
-        nk2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), axis=1)
-        nk3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), axis=1)
-        k0t, k1t, k2t, k3t = tl.trans(k0), tl.trans(k1), tl.trans(k2), tl.trans(k3)
-        kk00 = _raw_dot(k0, k0t, kk00, SOLVE_PRECISION)
-        kk10 = _raw_dot(k1, k0t, kk10, SOLVE_PRECISION)
-        kk11 = _raw_dot(k1, k1t, kk11, SOLVE_PRECISION)
-        kk20 = _raw_dot(k2, k0t, kk20, SOLVE_PRECISION)
-        kk21 = _raw_dot(k2, k1t, kk21, SOLVE_PRECISION)
-        kk22 = _raw_dot(k2, k2t, kk22, SOLVE_PRECISION)
-        kk30 = _raw_dot(k3, k0t, kk30, SOLVE_PRECISION)
-        kk31 = _raw_dot(k3, k1t, kk31, SOLVE_PRECISION)
-        kk32 = _raw_dot(k3, k2t, kk32, SOLVE_PRECISION)
-        kk33 = _raw_dot(k3, k3t, kk33, SOLVE_PRECISION)
-        q = _rows(q_at, t0, r0, n, offs, m, s_q_t, s_q_d)
-        nq0 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
-        qk00 = _raw_dot(q, k0t, qk00, PRECISION)
-        q = _rows(q_at, t0, r1, n, offs, m, s_q_t, s_q_d)
-        nq1 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
-        qk10 = _raw_dot(q, k0t, qk10, PRECISION)
-        qk11 = _raw_dot(q, k1t, qk11, PRECISION)
-        q = _rows(q_at, t0, r2, n, offs, m, s_q_t, s_q_d)
-        nq2 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
-        qk20 = _raw_dot(q, k0t, qk20, PRECISION)
-        qk21 = _raw_dot(q, k1t, qk21, PRECISION)
-        qk22 = _raw_dot(q, k2t, qk22, PRECISION)
-        q = _rows(q_at, t0, r3, n, offs, m, s_q_t, s_q_d)
-        nq3 += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
-        qk30 = _raw_dot(q, k0t, qk30, PRECISION)
-        qk31 = _raw_dot(q, k1t, qk31, PRECISION)
-        qk32 = _raw_dot(q, k2t, qk32, PRECISION)
-        qk33 = _raw_dot(q, k3t, qk33, PRECISION)
-    # 1 / |k| and scale / |q| per token, as `kernel._unit` normalises.
-    rk0, rk1 = tl.math.rsqrt(nk0 + 1e-6), tl.math.rsqrt(nk1 + 1e-6)
-    rk2, rk3 = tl.math.rsqrt(nk2 + 1e-6), tl.math.rsqrt(nk3 + 1e-6)
+    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks D^-1 first: forward substitution on all
+    # NB = CHUNK / SUB blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows
+    # before r already final (unrolled, so the row loads are issued together).
+    offs_b = tl.arange(0, NB)
+    offs_s = tl.arange(0, SUB)
+    diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
+        + offs_s[None, None, :]  # fmt: skip
+    inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
+    for r in tl.static_range(1, SUB):
+        row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
+        row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
+        inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
+    inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
+    tl.store(ws + diag, inv)
+    tl.debug_barrier()
+    # Then the whole of T from D^-1 and the blocks A_off below the diagonal: with X = D^-1 A_off (nilpotent: block
+    # strictly lower), T = (I + X)^-1 D^-1 = D^-1 - X T, exact after NB - 1 steps from T = D^-1; all in registers.
+    blk = offs_c // SUB
+    both = tl.load(ws + mat)  # D^-1 on the diagonal blocks, A below them
+    d_inv = tl.where(blk[:, None] == blk[None, :], both, 0.0)
+    x = tl.dot(d_inv, tl.where(blk[:, None] > blk[None, :], both, 0.0), input_precision=SOLVE_PRECISION)
+    solve = d_inv
+    for _ in tl.static_range(1, NB):
+        solve = d_inv - tl.dot(x, solve, input_precision=SOLVE_PRECISION)
 
-    # The causal scores P[r, c] = (q_r . k_c) exp(G_r - G_c), r >= c; zeros above the diagonal (the scan reads the
-    # whole [CHUNK, CHUNK] tile).
-    p_at = p_ptr + e * CHUNK * CHUNK
-    for i in tl.static_range(4):
-        if i * SUB < CHUNK:
-            rq = tl.math.rsqrt(_pick(i, nq0, nq1, nq2, nq3) + 1e-6) * scale
-            cum_i = _pick(i, cum_0, cum_1, cum_2, cum_3)
-            for j in tl.static_range(4):
-                if j * SUB < CHUNK:
-                    if j > i:
-                        p_ij = f0
-                    else:
-                        qk = _pick(j, _pick(i, qk00, qk10, qk20, qk30), _pick(i, qk00, qk11, qk21, qk31),
-                                   _pick(i, qk00, qk11, qk22, qk32), qk33)  # fmt: skip
-                        p_ij = qk * rq[:, None] * _pick(j, rk0, rk1, rk2, rk3)[None, :] \
-                            * _decay(cum_i, _pick(j, cum_0, cum_1, cum_2, cum_3), 2 if j == i else 0, SUB)  # fmt: skip
-                    tl.store(p_at + (i * SUB + r0)[:, None] * CHUNK + j * SUB + r0[None, :],
-                             round_to(p_ij, p_ptr.dtype.element_ty))  # fmt: skip
+    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk. (k is
+    # loaded again, from cache: kept across the solve it would hold registers the solve needs.)
+    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)
+    w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
+    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
+             mask=mask_k[None, :])  # fmt: skip
+    v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
+                mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
+    u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
+    tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
 
-    # The UT system A[r, c] = beta_r (k_r . k_c) exp(G_r - G_c), r > c, by blocks (the diagonal ones strictly
-    # lower), and T = (I + A)^-1: its diagonal blocks by forward substitution, then those below them from those
-    # (T_ij = -T_ii (sum over j <= m < i of A_im T_mj)).
-    a00 = kk00 * (beta_0 * rk0)[:, None] * rk0[None, :] * _decay(cum_0, cum_0, 1, SUB)
-    a10 = kk10 * (beta_1 * rk1)[:, None] * rk0[None, :] * _decay(cum_1, cum_0, 0, SUB)
-    a11 = kk11 * (beta_1 * rk1)[:, None] * rk1[None, :] * _decay(cum_1, cum_1, 1, SUB)
-    a20 = kk20 * (beta_2 * rk2)[:, None] * rk0[None, :] * _decay(cum_2, cum_0, 0, SUB)
-    a21 = kk21 * (beta_2 * rk2)[:, None] * rk1[None, :] * _decay(cum_2, cum_1, 0, SUB)
-    a22 = kk22 * (beta_2 * rk2)[:, None] * rk2[None, :] * _decay(cum_2, cum_2, 1, SUB)
-    a30 = kk30 * (beta_3 * rk3)[:, None] * rk0[None, :] * _decay(cum_3, cum_0, 0, SUB)
-    a31 = kk31 * (beta_3 * rk3)[:, None] * rk1[None, :] * _decay(cum_3, cum_1, 0, SUB)
-    a32 = kk32 * (beta_3 * rk3)[:, None] * rk2[None, :] * _decay(cum_3, cum_2, 0, SUB)
-    a33 = kk33 * (beta_3 * rk3)[:, None] * rk3[None, :] * _decay(cum_3, cum_3, 1, SUB)
-    t00 = _inv_unit_lower(a00, SUB)
-    t11 = _inv_unit_lower(a11, SUB)
-    t22 = _inv_unit_lower(a22, SUB)
-    t33 = _inv_unit_lower(a33, SUB)
-    t10 = _solve_block(t11, a10, t00, SOLVE_PRECISION)
-    t21 = _solve_block(t22, a21, t11, SOLVE_PRECISION)
-    t32 = _solve_block(t33, a32, t22, SOLVE_PRECISION)
-    t20 = -tl.dot(t22, tl.dot(a20, t00, input_precision=SOLVE_PRECISION)
-                  + tl.dot(a21, t10, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
-    t31 = -tl.dot(t33, tl.dot(a31, t11, input_precision=SOLVE_PRECISION)
-                  + tl.dot(a32, t21, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
-    t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=SOLVE_PRECISION)
-                  + tl.dot(a31, t10, input_precision=SOLVE_PRECISION)
-                  + tl.dot(a32, t20, input_precision=SOLVE_PRECISION), input_precision=SOLVE_PRECISION)
-
-    # The chunk's delta-rule writes at once, W = T (beta exp(G) k) and U = T (beta v): what each token writes given
-    # the ones before it in the chunk. The per-token factors go into T's columns, so the inputs enter the products
-    # as stored (exact in TF32 when 16-bit).
-    sw0, sw1 = beta_0 * rk0 * tl.exp(cum_0), beta_1 * rk1 * tl.exp(cum_1)
-    sw2, sw3 = beta_2 * rk2 * tl.exp(cum_2), beta_3 * rk3 * tl.exp(cum_3)
-    for kb in tl.static_range(0, BLOCK_K, BK):
-        offs = kb + tl.arange(0, BK)
-        m = offs < Dk
-        x0 = _rows(k_at, t0, r0, n, offs, m, s_k_t, s_k_d).to(tl.float32)
-        x1 = _rows(k_at, t0, r1, n, offs, m, s_k_t, s_k_d).to(tl.float32)
-        x2 = _rows(k_at, t0, r2, n, offs, m, s_k_t, s_k_d).to(tl.float32)
-        x3 = _rows(k_at, t0, r3, n, offs, m, s_k_t, s_k_d).to(tl.float32)
-        _store_wu(w_ptr + e * CHUNK * Dk, offs, m, Dk, r0, x0, x1, x2, x3, sw0, sw1, sw2, sw3,
-                  t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, CHUNK, SUB, PRECISION)  # fmt: skip
-    for vb in tl.static_range(0, BLOCK_DV, BK):
-        offs = vb + tl.arange(0, BK)
-        m = offs < Dv
-        y0 = _rows(v_at, t0, r0, n, offs, m, s_v_t, s_v_d).to(tl.float32)
-        y1 = _rows(v_at, t0, r1, n, offs, m, s_v_t, s_v_d).to(tl.float32)
-        y2 = _rows(v_at, t0, r2, n, offs, m, s_v_t, s_v_d).to(tl.float32)
-        y3 = _rows(v_at, t0, r3, n, offs, m, s_v_t, s_v_d).to(tl.float32)
-        _store_wu(u_ptr + e * CHUNK * Dv, offs, m, Dv, r0, y0, y1, y2, y3, beta_0, beta_1, beta_2, beta_3,
-                  t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, CHUNK, SUB, PRECISION)  # fmt: skip
-
-
-@triton.jit
-def _store_wu(out_ptr, offs, m, ncols, r0, x0, x1, x2, x3, s0, s1, s2, s3, t00, t10, t11, t20, t21, t22, t30, t31,
-              t32, t33, CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """Columns `offs` of T (s x) for the four sub-blocks' slices x_j and per-token factors s_j, stored as rows of
-    the chunk's row-major [CHUNK, ncols] region in its dtype."""
-    c0, c1, c2, c3 = t00 * s0[None, :], t10 * s0[None, :], t20 * s0[None, :], t30 * s0[None, :]
-    out = tl.dot(c0, x0, input_precision=PRECISION)
-    tl.store(out_ptr + r0[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty), mask=m[None, :])
-    if SUB < CHUNK:
-        out = tl.dot(c1, x0, input_precision=PRECISION) + tl.dot(t11 * s1[None, :], x1, input_precision=PRECISION)
-        tl.store(out_ptr + (r0 + SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
-                 mask=m[None, :])  # fmt: skip
-    if 2 * SUB < CHUNK:
-        out = tl.dot(c2, x0, input_precision=PRECISION) + tl.dot(t21 * s1[None, :], x1, input_precision=PRECISION) \
-            + tl.dot(t22 * s2[None, :], x2, input_precision=PRECISION)  # fmt: skip
-        tl.store(out_ptr + (r0 + 2 * SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
-                 mask=m[None, :])  # fmt: skip
-        out = tl.dot(c3, x0, input_precision=PRECISION) + tl.dot(t31 * s1[None, :], x1, input_precision=PRECISION) \
-            + tl.dot(t32 * s2[None, :], x2, input_precision=PRECISION) \
-            + tl.dot(t33 * s3[None, :], x3, input_precision=PRECISION)  # fmt: skip
-        tl.store(out_ptr + (r0 + 3 * SUB)[:, None] * ncols + offs[None, :], round_to(out, out_ptr.dtype.element_ty),
-                 mask=m[None, :])  # fmt: skip
+    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
+    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    tl.debug_barrier()  # every thread's read of T, before the scores take its place
+    tl.store(p_ptr + e * P_REGION + mat, round_to(scores, p_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -391,6 +218,7 @@ def _wy_scan_kernel(
     s_k_t, s_k_h, s_k_d,
     s_o_t, s_o_h, s_o_d,
     CHUNK: tl.constexpr,
+    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -430,7 +258,7 @@ def _wy_scan_kernel(
 
         q = _unit_rows(q_ptr + t0 * s_q_t + kh * s_q_h, offs_c, valid, offs_k, mask_k, s_q_t, s_q_d)
         o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
-        o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
+        o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
                  BF16_DOTS)  # fmt: skip
         tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
                  round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
@@ -443,18 +271,20 @@ def _wy_scan_kernel(
 
 def chunk_parallel(chunk_size: int) -> bool:
     """Whether a prefill of `chunk_size` can run these kernels: their tiles need a power of two of at least
-    MIN_DOT tokens, and the prep's sub-blocks at most four of those (`WY_MAX_CHUNK`)."""
-    return MIN_DOT <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
+    MIN_DOT (and WY_SUB) tokens, and at most WY_MAX_CHUNK."""
+    return max(MIN_DOT, WY_SUB) <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
 
 
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
     """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
-    [., C, Dk] and the scores p [., C, C]; in fp32 U [., C, Dv] and the cumulative log decay g [., C]."""
-    n = (max_chunks, Hv)
+    [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
+    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]."""
     f32 = dict(dtype=torch.float32, device=device)
-    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32),
-                p=torch.empty(*n, chunk, chunk, dtype=low, device=device), g=torch.empty(*n, chunk, **f32))
+    n = (max_chunks, Hv)
+    ws = torch.empty(*n, chunk, chunk, **f32)
+    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
+                p=ws.view(low), g=torch.empty(*n, chunk, **f32))
 
 
 def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -480,14 +310,17 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
     # same result.
     scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
+    p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
+    # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
     _wy_prep_kernel[(max_chunks * Hv,)](
-        q, k, v, a, b, A_log, dt_bias, starts, lengths, scratch["w"], scratch["u"], scratch["p"], scratch["g"],
+        q, k, v, a, b, A_log, dt_bias, starts, lengths,
+        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, SUB=max(MIN_DOT, chunk_size // 4), BLOCK_K=block_k, BK=min(block_k, WY_PREP_SLICE),
+        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
         BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
-        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS,
+        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
 
     block_v = max(MIN_DOT, min(next_power_of_2(Dv), WY_SCAN_TILE // block_k))
@@ -496,7 +329,7 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
+        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
         BF16_DOTS=bf16_dots,
         num_warps=WY_SCAN_WARPS, num_stages=1 if fp32 else WY_SCAN_STAGES,
     )  # fmt: skip

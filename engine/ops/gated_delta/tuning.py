@@ -21,14 +21,15 @@ DECODE_LAUNCH = ((1, STEP_TILE, STEP_WARPS, 1, False), (16, 8192, 4, 1, True), (
 # Chunk-parallel prefill (kernel_chunk_wy.py).
 # Chunks per program of the chunk table: one program covers most batches; the table is tiny beside the prefill.
 WY_TABLE_BLOCK = 1024
-# Largest chunk the chunk-parallel kernels take (larger ones run token by token): the prep holds a chunk as at most
-# four unrolled sub-blocks of tl.dot's smallest side, and at head dim 128 a chunk of 128 would put the scan's
-# pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
+# Largest chunk the chunk-parallel kernels take (larger ones run token by token): at head dim 128 a chunk of 128 puts
+# the scan's pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
 WY_MAX_CHUNK = 64
-# Warps per program of the prep kernel: its tiles are [16, 16] blocks and [16, WY_PREP_SLICE] slices of the inputs.
+# Rows per diagonal block of the UT solve: tl.dot's smallest tile side, so the block products are single tl.dots and
+# the serial forward substitution is only this many steps.
+WY_SUB = 16
+# Warps per program of the prep kernel: four keep its registers and shared memory to half an SM's at chunk 64 and
+# head dim 128, so two programs share an SM and hide each other's waits (its barriers and workspace reads).
 WY_PREP_WARPS = 4
-# Columns of the head dims the prep takes at a time: whole [16, 128] rows of four sub-blocks in registers spill.
-WY_PREP_SLICE = 64
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
 # one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
 # memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
