@@ -52,6 +52,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 SHARED = tokens(24, 1)
+OTHER = SHARED[16] % (VOCAB - 1) + 1  # a token other than SHARED[16]
 # A prefix ending on a checkpoint then more, exactly a checkpoint's length (reuse is capped below it), one token
 # after a checkpoint, shorter than a block, the whole shared prefix, and one sharing nothing.
 PROMPTS = [SHARED[:16] + tokens(5, 2), SHARED[:16], SHARED[:17], SHARED[:3], SHARED + tokens(3, 3), tokens(11, 4)]
@@ -133,8 +134,9 @@ def test_prefill_only_hits_hand_over_the_caches_a_full_prefill_computes(model, k
     """A prefill node (R1: N-1 tokens) with a prefix hit, including one whose cached prefix covers all N-1 tokens
     (reuse stops one checkpoint short: at least one token is computed), hands over the same KV (the drafter's too,
     R8) and state as without the cache; moved to a decode engine, the request decodes what aggregated serving
-    does."""
-    second = [SHARED[:17], SHARED[:19] + [3, 4], SHARED[:12]]
+    does. A prompt that leaves the cached one right after a checkpoint reuses it only without a drafter: the
+    drafter's KV before the checkpoint read the token after it."""
+    second = [SHARED[:17], SHARED[:19] + [3, 4], SHARED[:12], SHARED[:16] + [OTHER, 5, 6]]
     off, on = new_engine(model, k, cache=False, prefill_only=True), new_engine(model, k, prefill_only=True)
     for p in [SHARED[:17], SHARED[:18], SHARED[:11]]:  # fills checkpoints at 8 and 16
         on.free_held(*(lambda h: (h.held_block_ids, h.held_state_slot))(prefill(on, p)))
@@ -156,9 +158,10 @@ def test_prefill_only_hits_hand_over_the_caches_a_full_prefill_computes(model, k
         (ref,) = agg.generate([p], GREEDY)
         assert (moved.token_ids, moved.num_drafted, moved.num_accepted) == (ref.token_ids, ref.num_drafted,
                                                                            ref.num_accepted)
-    # [:17] reuses 8 (its N-1 = 16 tokens are cached, but one must be computed), [:21] 16 and [:12] 8.
+    # [:17] reuses 8 (its N-1 = 16 tokens are cached, but one must be computed), [:21] 16, [:12] 8, and the last 16
+    # without a drafter, 8 with one.
     on.step()  # accounts the last step
-    assert on.stats.prefix_hit_tokens - hits == 8 + 16 + 8
+    assert on.stats.prefix_hit_tokens - hits == 8 + 16 + 8 + (8 if k else 16)
     assert on.cache.blocks.num_used == 0 and on.cache.slots.num_used == 0
 
 
