@@ -2,7 +2,8 @@
 
 Invariants:
 - every block and slot is free, owned by one request, held for a transfer (a prefilled request's lease, or a
-  reservation a transfer fills), or quarantined; never two of these;
+  reservation a transfer fills), or quarantined; never two of these; a block the prefix cache keeps may be held by
+  several requests at once, and counts as free while none holds it (`BlockPool`);
 - ids released while a step is in flight (launched > done) stay quarantined until that step is done: no new request,
   and no transfer into a reserved block, ever shares them with a step that may still write them;
 - a request grows right after its last block where free (one run: one transfer descriptor).
@@ -11,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 from baton.engine.allocator import FreeList
+from baton.engine.block_pool import BlockPool
 from baton.engine.request import Request
 
 
@@ -18,7 +20,8 @@ class CacheManager:
     def __init__(self, block_size: int, num_blocks: int, num_slots: int) -> None:
         """num_slots: state slots (one per request that holds a state)."""
         self.block_size = block_size
-        self.blocks = FreeList(num_blocks, "kv blocks")
+        # Blocks the prefix cache keeps count as free until taken (`BlockPool`).
+        self.blocks = BlockPool(num_blocks, "kv blocks")
         self.slots = FreeList(num_slots, "state slots")
         # Steps launched / known done, and what was released while some were in flight:
         # (the latest step launched then, block ids, state slot or None).

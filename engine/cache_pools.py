@@ -14,6 +14,9 @@ All are laid out id-major, so that everything a request owns is as contiguous as
   last 1+K verified positions, [slots, L_mixer, 1+K, *shape], replayed into the state by the next step once
   the accepted count is known (R3/R4; `ops/spec_verify.py`). They never travel: a transferred request has none pending.
 
+- Prefix checkpoints (with prefix caching, `prefix_cache.py`): per declared state, [checkpoints, L_mixer, *shape]:
+  copies of a request's state slot at block boundaries of its prompt. They never travel.
+
 Each pool has one spare entry past the plan's: a scratch KV block and a scratch state slot that no request
 ever owns, where the padding rows of a CUDA-graph decode step write (`cuda_graphs.py`).
 
@@ -42,6 +45,8 @@ class CachePlan:
     state: StateSpec  # what the model's recurrent mixer keeps per slot
     num_mtp_kv_layers: int = 0  # the drafter's attention layers, after the target's in every block
     verify_len: int = 0  # positions of verify inputs per slot (1+K while verifying drafts)
+    num_checkpoints: int = 0  # prefix checkpoint slots (0: no prefix cache)
+    checkpoint_bytes: int = 0  # one checkpoint across all mixer layers (every declared state)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -58,6 +63,8 @@ def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: to
     n_attn = len(cfg.attention_layer_ids) + n_mtp
     block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
     slot_bytes = state.slot_bytes(dtype, state_dtype, ecfg.verify_len)
+    checkpoint_bytes = state.slot_bytes(dtype, state_dtype, 0)
+    num_checkpoints = (ecfg.prefix_checkpoint_slots or num_slots) if ecfg.enable_prefix_caching else 0
     if ecfg.num_kv_blocks is not None:
         num_blocks = ecfg.num_kv_blocks
     elif block_bytes == 0:
@@ -65,17 +72,18 @@ def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: to
         num_blocks = max(1, -(-num_slots * (ecfg.max_model_len or cfg.max_position_embeddings)
                               // ecfg.block_size))
     else:
-        # The budget holds the scratch block and slot too.
-        left = cache_memory_bytes - (num_slots + 1) * slot_bytes
+        # The budget holds the scratch block and slot, and the prefix checkpoints, too.
+        left = cache_memory_bytes - (num_slots + 1) * slot_bytes - num_checkpoints * checkpoint_bytes
         num_blocks = left // block_bytes - 1
         if num_blocks < 1:
-            need = (num_slots + 1) * slot_bytes + 2 * block_bytes
+            need = (num_slots + 1) * slot_bytes + num_checkpoints * checkpoint_bytes + 2 * block_bytes
             raise ValueError(
                 f"engine field 'cache_memory_bytes': expected at least {need} bytes ({num_slots} state slots of "
-                f"{slot_bytes} B + one KV block of {block_bytes} B, and one scratch slot and block), "
-                f"got {cache_memory_bytes}")
+                f"{slot_bytes} B, {num_checkpoints} prefix checkpoints of {checkpoint_bytes} B + one KV block of "
+                f"{block_bytes} B, and one scratch slot and block), got {cache_memory_bytes}")
     return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes,
-                     state=state, num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len)
+                     state=state, num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len,
+                     num_checkpoints=num_checkpoints, checkpoint_bytes=checkpoint_bytes)
 
 
 def mtp_kv_layers(cfg: ModelConfig) -> int:
@@ -97,6 +105,10 @@ class CachePools:
         # Declared name -> [slots, L_mixer, *shape], in declared order.
         self.states = {t.name: torch.zeros(S, L, *t.shape, dtype=t.torch_dtype(dtype, state_dtype), device=device)
                        for t in spec.states}
+        # Declared name -> [checkpoints, L_mixer, *shape].
+        self.checkpoints = {t.name: torch.zeros(plan.num_checkpoints, L, *t.shape,
+                                                dtype=t.torch_dtype(dtype, state_dtype), device=device)
+                            for t in spec.states}
         # Declared name -> [slots, L_mixer, 1+K, *shape].
         self.verify = {t.name: torch.zeros(S, L, plan.verify_len, *t.shape, dtype=t.torch_dtype(dtype, state_dtype),
                                            device=device) for t in spec.verify_inputs}
@@ -108,6 +120,17 @@ class CachePools:
     def state_bytes(self) -> int:
         """The state pools' and verify inputs' bytes."""
         return sum(t.numel() * t.element_size() for t in (*self.states.values(), *self.verify.values()))
+
+    def checkpoint_pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.checkpoints.values())
+
+    def copy_slots(self, pairs: tuple[tuple[int, int], ...], to_checkpoints: bool) -> None:
+        """Copy every declared state of each (source, destination) pair on the device: state slot -> checkpoint slot
+        (`to_checkpoints`), else checkpoint slot -> state slot."""
+        for name, states in self.states.items():
+            src, dst = (states, self.checkpoints[name]) if to_checkpoints else (self.checkpoints[name], states)
+            for a, b in pairs:
+                dst[b].copy_(src[a])
 
     # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D]; per mixer layer its states [slots, *shape].
     def kv_layers(self) -> list[torch.Tensor]:

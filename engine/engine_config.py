@@ -91,6 +91,15 @@ class EngineConfig:
     # Tensor-parallel ranks of this engine (one process each, `parallel.group`): every rank builds an engine with
     # the same config and its own rank's group, each holding its shard of the weights and of the caches.
     tensor_parallel_size: int = 1
+    # Prefix caching (`prefix_cache.py`): full KV blocks and recurrent-state checkpoints of earlier prompts are kept
+    # while their memory is not needed, and a request whose prompt starts like an earlier one prefills only the rest.
+    enable_prefix_caching: bool = True
+    # Blocks between checkpoint boundaries: a prefill chunk that reaches one ends there and its state is copied into
+    # a checkpoint slot. Smaller reuses more of a shared prefix, larger cuts fewer chunks and takes fewer checkpoints.
+    prefix_checkpoint_stride: int = 16
+    # Checkpoint slots (each the size of a state slot without verify inputs), taken from the cache budget; None: one
+    # per state slot (`max_num_seqs`).
+    prefix_checkpoint_slots: int | None = None
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -105,12 +114,14 @@ class EngineConfig:
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
         _check_pos_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_pos_int("prefix_checkpoint_stride", self.prefix_checkpoint_stride)
+        _check_pos_int("prefix_checkpoint_slots", self.prefix_checkpoint_slots, allow_none=True)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"engine field 'dtype': expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
                              f"got {self.ssm_state_dtype!r}")
-        for name in ("cuda_graphs", "async_scheduling"):
+        for name in ("cuda_graphs", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine field '{name}': expected True or False, got {getattr(self, name)!r}")
         g = self.fused_gemv_max_tokens

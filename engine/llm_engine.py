@@ -15,7 +15,9 @@ The steps launched and not read yet are the `StepPipeline`'s.
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,6 +53,8 @@ from baton.engine.spec_runner import SpecRunner
 from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
 from baton.engine.step_update import StepUpdate
 from baton.engine.weights import TORCH_DTYPES
+
+log = logging.getLogger("baton.engine")
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,15 @@ class EngineStats:
     spec_drafted: int = 0       # draft tokens verified
     spec_accepted: int = 0      # of those, accepted
     spec_verify_rows: int = 0   # verify rows that carried drafts
+    # Prefix cache (`prefix_cache.py`), since start: prefill tokens of admitted requests and how many of them came
+    # from the cache; checkpoints taken, held now and their bytes; blocks and checkpoints evicted.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_checkpoints_taken: int = 0
+    prefix_checkpoints: int = 0
+    prefix_checkpoint_bytes: int = 0
+    prefix_block_evictions: int = 0
+    prefix_checkpoint_evictions: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -200,7 +213,10 @@ class LLMEngine:
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
             self.config = config = replace(config, mixed_graph_tokens=q)
-        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots)
+        self.scheduler = Scheduler(config, self.plan.num_blocks, self.plan.num_slots, self.plan.num_checkpoints,
+                                   self._prefix_seed())
+        if self.scheduler.prefix is not None:
+            log.info("%s", self.prefix_cache_summary())
         self.cache = self.scheduler.cache
         self.step_update = StepUpdate(self.scheduler)
         self.runner = self._make_runner(self.pools, device)
@@ -220,6 +236,22 @@ class LLMEngine:
         # be chained). Benchmarks set 0 between steps to time steps one at a time (the next step() then reads the
         # one in flight).
         self.depth = 1 if config.async_scheduling else 0
+
+    def _prefix_seed(self) -> bytes:
+        """The prefix cache's hash seed: what makes this engine's caches of a prefix differ from another model's
+        (its shapes and weights' dtypes, and this rank's shard)."""
+        ident = f"{self.shard_config!r}|{self.dtype}|{self.ssm_dtype}|{self.config.block_size}"
+        return hashlib.blake2b(ident.encode(), digest_size=16).digest()
+
+    def prefix_cache_summary(self) -> str:
+        """One line: the prefix cache's checkpoints, what each costs and where they are taken."""
+        pc = self.scheduler.prefix
+        if pc is None:
+            return "prefix cache off"
+        each = self.plan.checkpoint_bytes
+        return (f"prefix cache: {pc.num_checkpoint_slots} state checkpoints of {each / 2**20:.2f} MiB each "
+                f"({pc.num_checkpoint_slots * each / 2**20:.1f} MiB), one every "
+                f"{self.config.prefix_checkpoint_stride} blocks ({pc.stride_tokens} tokens) of a prompt")
 
     def _make_runner(self, pools: CachePools, device: torch.device) -> ModelRunner:
         k = self.config.num_speculative_tokens
@@ -250,8 +282,10 @@ class LLMEngine:
             else:
                 unit = plan_cache(self.shard_config, self.model.state_spec(self.shard_config),
                                   replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype)
-                seqs = auto_max_num_seqs(cache, unit.slot_bytes, unit.block_bytes, config.max_num_batched_tokens,
-                                         1 + k)
+                # Prefix checkpoints come one per state slot by default, else a given count out of the budget.
+                ckpt, given = unit.checkpoint_bytes if config.enable_prefix_caching else 0, config.prefix_checkpoint_slots
+                seqs = auto_max_num_seqs(cache - (given or 0) * ckpt, unit.slot_bytes + (0 if given else ckpt),
+                                         unit.block_bytes, config.max_num_batched_tokens, 1 + k)
         return replace(config, device=str(device), cache_memory_bytes=cache, max_num_seqs=seqs)
 
     def _measure_step_memory(self, config: EngineConfig, device: torch.device, rows: int) -> tuple[int, int]:
@@ -261,7 +295,7 @@ class LLMEngine:
         k = 0 if config.prefill_only else config.num_speculative_tokens
         bs = config.block_size
         tokens = min(config.prefill_chunk_cap, config.max_num_batched_tokens, self.max_model_len - 2)
-        probe = replace(config, max_num_seqs=1, cache_memory_bytes=None,
+        probe = replace(config, max_num_seqs=1, cache_memory_bytes=None, enable_prefix_caching=False,
                         num_kv_blocks=-(-(tokens + 1) // bs) + config.num_speculative_tokens + 2)
         torch.cuda.synchronize(device)
         gc.collect()
@@ -321,7 +355,8 @@ class LLMEngine:
             report = replace(report, graphs=self.graphs_bytes)
         p = self.pools
         return budget_summary(name, report, p.kv.numel() * p.kv.element_size(), self.plan.num_blocks,
-                              self.config.block_size, p.state_bytes(), self.plan.num_slots, self.max_model_len)
+                              self.config.block_size, p.state_bytes(), self.plan.num_slots, self.max_model_len
+                              ) + "; " + self.prefix_cache_summary()
 
     def _step_graphs(self, device: torch.device) -> StepGraphs | None:
         """CUDA graphs of decode steps (verify steps of 1+K tokens per row with speculative decoding), where
@@ -630,6 +665,12 @@ class LLMEngine:
         s.decode_tokens += decode_tokens
         s.prompt_tokens += out.num_tokens - decode_tokens
         s.preemptions = self.scheduler.num_preemptions
+        pc = self.scheduler.prefix
+        if pc is not None:
+            s.prefix_queried_tokens, s.prefix_hit_tokens = pc.queried_tokens, pc.hit_tokens
+            s.prefix_checkpoints_taken, s.prefix_checkpoints = pc.checkpoints_taken, pc.num_checkpoints
+            s.prefix_checkpoint_bytes = pc.num_checkpoints * self.plan.checkpoint_bytes
+            s.prefix_block_evictions, s.prefix_checkpoint_evictions = pc.block_evictions, pc.checkpoint_evictions
         s.step_seconds += seconds
         s.max_rows = max(s.max_rows, len(out.rows))
         s.row_kinds.append((out.num_decodes, out.num_prefills))

@@ -59,6 +59,8 @@ class Request:
     num_drafted: int = 0    # draft tokens verified
     num_accepted: int = 0   # of those, accepted
     num_verify_steps: int = 0
+    # The prefix cache's hashes of this request's first full blocks (`PrefixCache.hashes`), computed once each.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # `block_ids` as a tuple, built once per change rather than once per step (a decode row's table changes
     # only every block_size tokens). Only the cache manager changes `block_ids`, through the methods below.
     _block_table: tuple[int, ...] | None = field(default=None, init=False, repr=False)

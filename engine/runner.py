@@ -117,6 +117,20 @@ class ModelRunner:
         """A transferred state arrives whole in its slot: nothing to replay."""
         self.replay[slot] = 0
 
+    def restore_checkpoints(self, out: SchedulerOutput) -> None:
+        """Before the step's forward: requests resuming from a cached prefix get its state checkpoint in their slot,
+        whole (nothing to replay). Device copies, queued before the forward that reads them."""
+        if out.restores:
+            self.pools.copy_slots(out.restores, to_checkpoints=False)
+            for _, slot in out.restores:
+                self.replay[slot] = 0
+
+    def take_checkpoints(self, out: SchedulerOutput) -> None:
+        """After the step's forward: the state of each chunk that ended on a checkpoint boundary, copied on the
+        device into its checkpoint slot (a later step's restore runs after it on the same stream)."""
+        if out.checkpoints:
+            self.pools.copy_slots(out.checkpoints, to_checkpoints=True)
+
     # ---- one step ---------------------------------------------------------------------------------
     def _t(self, x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(x, dtype, self.device)
@@ -183,8 +197,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
+        self.restore_checkpoints(out)
         input_ids, batch = self.build_batch(out)
-        return self.model(input_ids, batch), batch
+        hidden = self.model(input_ids, batch)
+        self.take_checkpoints(out)
+        return hidden, batch
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
@@ -214,6 +231,7 @@ class ModelRunner:
             self.device)
         processing = self.processing_of(ids, params)
         fill = self._pending_inputs(out, prev)
+        self.restore_checkpoints(out)
         if processing is not None and fill is not None:
             # A decode row's newest output is its input token, maybe still PENDING: the step in flight's, on the
             # device (decode rows come first and all sample, so row i is sampling row i).
@@ -224,6 +242,7 @@ class ModelRunner:
         elif self._mixed_graphable(out):
             logits = self._mixed_graph(out, fill=fill)
             started = self.mixed_graphs.started
+            self.take_checkpoints(out)
         else:
             input_ids, batch = self.build_batch(out)
             if fill is not None:
@@ -237,6 +256,7 @@ class ModelRunner:
                     else self._t([starts[i + 1] - 1 for i in sample_rows]))
             started = device_mark(self.device)
             hidden = self.model(input_ids, batch, keep=keep)  # [R_s, hidden]
+            self.take_checkpoints(out)
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]

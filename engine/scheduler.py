@@ -15,6 +15,12 @@ Per step (R5):
 With `mixed_graph_tokens` = Q and decode rows in the step, 2 and 3 give one prompt chunk at most, of at most Q
 tokens (such a step replays a CUDA graph: `mixed_graphs.py`).
 
+With the prefix cache (`prefix_cache.py`), an admitted request starts after the longest cached prefix of its prompt
+that ends on a state checkpoint (its blocks held, the checkpoint copied into its slot before the step), at most all
+of its prefill tokens but one: every request computes at least one token, so that its logits (or, prefill-only,
+its handed-over state) come from a step. A prefill chunk that reaches checkpoint boundaries the cache lacks ends on
+the last of them, and its state there is copied into a checkpoint slot after the step; no other chunk is cut.
+
 With async scheduling a request that stops on step n's token was already scheduled into step n+1: that row's work
 is dropped (`StepUpdate`). A verify step may be chained on one not read yet (`chain`): the next step is then what
 `schedule()` would give once that one is read.
@@ -26,13 +32,16 @@ from collections import deque
 
 from baton.engine.cache_manager import CacheManager
 from baton.engine.engine_config import EngineConfig
+from baton.engine.prefix_cache import PrefixCache
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler_output import ScheduledRow, SchedulerOutput, new_row
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int) -> None:
-        """num_slots: state slots (one per request that holds a state)."""
+    def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int, num_checkpoints: int = 0,
+                 prefix_seed: bytes = b"") -> None:
+        """num_slots: state slots (one per request that holds a state); num_checkpoints: the prefix cache's
+        checkpoint slots (0: no prefix cache); prefix_seed: the model's identity, which seeds its hashes."""
         self.config = config
         self.num_spec = 0 if config.prefill_only else config.num_speculative_tokens
         # A row that samples then drafts K tokens, writing the drafter's KV up to K-1 positions ahead.
@@ -42,6 +51,10 @@ class Scheduler:
         self.running: list[Request] = []  # ordered by arrival
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix = (PrefixCache(self.cache.blocks, config.block_size, num_checkpoints,
+                                   config.prefix_checkpoint_stride, prefix_seed,
+                                   match_successor=config.num_speculative_tokens > 0)
+                       if config.enable_prefix_caching and num_checkpoints else None)
 
     # ---- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -84,6 +97,10 @@ class Scheduler:
         cap = self.config.prefill_chunk_cap
         preempted: list[str] = []
         planned: dict[str, int] = {}  # request id -> tokens this step
+        restores: list[tuple[int, int]] = []
+        checkpoints: list[tuple[int, int]] = []
+        if self.prefix is not None:
+            self.prefix.begin_step()
 
         # 1. decode rows: reserved first, 1 + k tokens each (k drafts to verify).
         decoding: list[Request] = []  # in arrival order
@@ -107,10 +124,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in planned:
                 continue
-            n = min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap)
+            n = self._cut(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
             n = self.cache.fit(req, n)
             if n == 0 and self._reserve(req, 1, planned, preempted):
-                n = self.cache.fit(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
+                n = self.cache.fit(req, self._cut(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget,
+                                                           cap)))
             # The last chunk samples and drafts, writing the drafter's KV up to K-1 positions ahead: it needs
             # that room too (preempting later arrivals, or itself, as a decode row would).
             if (n > 0 and self._last_chunk(req, n) and self.lookahead
@@ -120,6 +138,7 @@ class Scheduler:
                 self.cache.allocate_for(req, n)
                 planned[req.request_id] = n
                 budget = 0 if one_chunk else budget - n
+                self._checkpoint(req, n, checkpoints)
 
         # 3. admission, FCFS; none in a step that had to preempt (it would only thrash). A request is
         # admitted only if the blocks for its whole prefill are free now, not just for its first chunk.
@@ -127,21 +146,33 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs
                and self.cache.slots.can_allocate(1)):
             req = self.waiting[0]
+            # A prefill-only request computes all but its last prompt token (R1: decode computes token N).
+            prefill = req.num_tokens - 1 if req.prefill_only else req.num_tokens
+            hit = None if self.prefix is None else self.prefix.lookup(req, prefill - 1)
             whole = -(-(req.num_tokens + self.lookahead) // self.cache.block_size)
+            if hit is not None:
+                whole += self.prefix.reclaimable_in(hit) - len(hit.block_ids)
             if whole > free_blocks:
                 break
             free_blocks -= whole
-            # A prefill-only request computes all but its last prompt token (R1: decode computes token N).
-            req.num_prefill_tokens = req.num_tokens - 1 if req.prefill_only else req.num_tokens
-            n = min(req.num_prefill_tokens, budget, cap)
+            req.num_prefill_tokens = prefill
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = 0
             self.cache.assign_slot(req)
+            if self.prefix is not None:
+                self.prefix.queried_tokens += prefill
+            if hit is not None:
+                self.prefix.use(hit)
+                req.set_blocks(list(hit.block_ids))
+                req.num_computed_tokens = hit.num_tokens
+                restores.append((hit.checkpoint, req.state_slot))
+            n = self._cut(req, min(prefill - req.num_computed_tokens, budget, cap))
             self.cache.allocate_for(req, n, self.lookahead if self._last_chunk(req, n) else 0)
             self._insert_running(req)
             planned[req.request_id] = n
             budget = 0 if one_chunk else budget - n
+            self._checkpoint(req, n, checkpoints)
 
         # Decodes first, each group in arrival order. A decode row stays in `running` (only unplanned requests are
         # preempted, and a prefill or admission never turns a request into a decode within the step).
@@ -149,7 +180,8 @@ class Scheduler:
         if len(planned) > len(decoding):
             rows += [self._prefill_row(req, planned[req.request_id]) for req in self.running
                      if req.request_id in planned and not req.in_decode]
-        return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted))
+        return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted), restores=tuple(restores),
+                               checkpoints=tuple(checkpoints))
 
     def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
         """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph
@@ -196,6 +228,31 @@ class Scheduler:
             return 0
         room = req.output_limit - len(req.output_token_ids) - 1
         return max(0, min(len(req.draft_token_ids), self.num_spec, room))
+
+    def _cut(self, req: Request, n: int) -> int:
+        """n, or less so that the chunk ends on the last checkpoint boundary it reaches that the prefix cache lacks (a
+        boundary with a known next token, within the prefill)."""
+        pc = self.prefix
+        if pc is None or n <= 0:
+            return n
+        start = req.num_computed_tokens
+        s = pc.stride_tokens
+        last = min(start + n, req.num_prefill_tokens, req.num_tokens - 1) // s * s
+        if last <= start or last == start + n or not pc.missing(req, last):
+            return n
+        return last - start
+
+    def _checkpoint(self, req: Request, n: int, checkpoints: list[tuple[int, int]]) -> None:
+        """Where req's chunk of n tokens ends on a checkpoint boundary the cache lacks: cache its blocks and plan the
+        copy of its state there into a checkpoint slot after the step."""
+        pc = self.prefix
+        end = req.num_computed_tokens + n
+        if pc is None or end % pc.stride_tokens or end > req.num_prefill_tokens or end >= req.num_tokens:
+            return
+        slot = pc.take(req, end)
+        if slot is not None:
+            assert req.state_slot is not None
+            checkpoints.append((req.state_slot, slot))
 
     def _last_chunk(self, req: Request, n: int) -> bool:
         return req.num_computed_tokens + n == req.num_tokens and not req.prefill_only

@@ -44,6 +44,11 @@ def new_row(**fields: object) -> ScheduledRow:
 class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]  # decode rows first, then prefill rows
     preempted: tuple[str, ...]
+    # Prefix cache (`prefix_cache.py`): (checkpoint slot, state slot) pairs to copy before the forward (a request
+    # resuming from a cached prefix), and (state slot, checkpoint slot) pairs to copy after it (a chunk ended on a
+    # checkpoint boundary).
+    restores: tuple[tuple[int, int], ...] = ()
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
     # Cached (the output is immutable): the runner and the engine's stats read these several times a step.
     @cached_property

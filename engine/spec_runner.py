@@ -95,6 +95,7 @@ class SpecRunner(ModelRunner):
             return StepOutput(sampled={})
         if self._whole_step_graphable(out):
             return self._graph_step(out)
+        self.restore_checkpoints(out)
         input_ids, batch = self.build_batch(out, spec=True)
         dev, rows, nd = self.device, out.rows, out.num_decodes
         # Every host-derived tensor is built before the forward: a host -> device copy from pageable memory
@@ -117,6 +118,7 @@ class SpecRunner(ModelRunner):
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
+        self.take_checkpoints(out)
 
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
         anchors, anchor_pos, anchor_rows = [], [], []

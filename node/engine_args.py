@@ -56,6 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                    help="tensor-parallel ranks, one process each, which the node starts (rank 0 serves; on CUDA "
                         "rank r computes on visible GPU r); nodes whose caches travel between nodes (prefill nodes, "
                         "decode nodes beside them) take 1 so far (1)")
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_const", const=False,
+                   help="turn prefix caching off (on: KV blocks and recurrent-state checkpoints of earlier prompts are "
+                        "kept while their memory is not needed, and a prompt that starts like an earlier one "
+                        "prefills only the rest)")
+    g.add_argument("--prefix-checkpoint-stride", type=int, metavar="N",
+                   help="KV blocks between the prefix cache's state checkpoints of a prompt: 1 takes one at every "
+                        f"block boundary, larger ones cut fewer prefill chunks and keep fewer ({d.prefix_checkpoint_stride})")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
@@ -65,9 +72,11 @@ ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_pr
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
                 "kernels", "num_speculative_tokens",
                 "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "prefix_checkpoint_stride", "enable_prefix_caching")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
+# Flags without a value: the option given sets its dest to this.
+_SWITCHES = {"enable_prefix_caching": ("--no-prefix-cache", False)}
 
 
 def engine_flags(a: argparse.Namespace) -> list[str]:
@@ -77,7 +86,10 @@ def engine_flags(a: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for name in ENGINE_FLAGS:
         v = getattr(a, name)
-        if v is not None:
+        if name in _SWITCHES:
+            option, value = _SWITCHES[name]
+            out += [option] if v == value else []
+        elif v is not None:
             out += [_OPTIONS.get(name, "--" + name.replace("_", "-")), str(v)]
     return out
 

@@ -26,8 +26,11 @@ def test_plan_fits_the_budget_exactly(cfg):
     conv = cfg.conv_dim * (cfg.conv_kernel - 1) * 4
     ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
     assert plan.slot_bytes == n_mamba * (conv + ssm)
-    # The budget includes one scratch block and slot past the plan's (CUDA-graph padding rows write there).
-    used = (plan.num_blocks + 1) * plan.block_bytes + (plan.num_slots + 1) * plan.slot_bytes
+    # The budget includes one scratch block and slot past the plan's (CUDA-graph padding rows write there), and the
+    # prefix cache's checkpoints (one per slot by default, each a slot's states).
+    assert plan.num_checkpoints == 4 and plan.checkpoint_bytes == plan.slot_bytes
+    used = ((plan.num_blocks + 1) * plan.block_bytes + (plan.num_slots + 1) * plan.slot_bytes
+            + plan.num_checkpoints * plan.checkpoint_bytes)
     assert used <= ecfg.cache_memory_bytes < used + plan.block_bytes
     pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
     assert pools.kv.numel() * 4 == (plan.num_blocks + 1) * plan.block_bytes
