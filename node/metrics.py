@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from baton.engine.engine_thread import EngineThread
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.serving.ops_http import HttpServer, health_route, metrics_route
 from baton.transfer.stats import TransferStats
 
@@ -113,6 +113,19 @@ class NodeMetrics:
         self.acceptance = Gauge("baton_node_spec_acceptance_length_tokens",
                                 "Mean tokens emitted per verify row since start (accepted drafts + 1); "
                                 "0 without speculative decoding", registry=r)
+        # Prefix cache (engine `prefix_cache.py`): hit rate = rate(hit) / rate(queried); all stay 0 with it off.
+        self.prefix_queried = Counter("baton_node_prefix_queried_tokens", "Prompt tokens of admitted requests looked "
+                                      "up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("baton_node_prefix_hit_tokens", "Of those, tokens served from the prefix cache "
+                                   "(not prefilled again)", registry=r)
+        self.prefix_checkpoints = Gauge("baton_node_prefix_checkpoint_slots", "Checkpoint slots holding a recurrent "
+                                        "state of the prefix cache", registry=r)
+        self.prefix_checkpoint_bytes = Gauge("baton_node_prefix_checkpoint_bytes", "Memory those checkpoints hold",
+                                             registry=r)
+        self.prefix_evictions = Counter("baton_node_prefix_evictions", "Cached KV blocks and state checkpoints "
+                                        "evicted (least recently used first) to make room", ["kind"], registry=r)
+        for kind in ("block", "checkpoint"):
+            self.prefix_evictions.labels(kind=kind)
         if transfer is not None:
             r.register(_TransferCollector(transfer, fallbacks))
         if held_leases is not None:
@@ -120,6 +133,8 @@ class NodeMetrics:
                   "(prefill side)", registry=r).set_function(held_leases)
         # steps, step_seconds, prompt, decode, drafted, accepted, decode-graph steps, mixed-graph steps, GPU seconds
         self._seen = (0, 0.0, 0, 0, 0, 0, 0, 0, 0.0)
+        # prefix: queried, hit tokens, block evictions, checkpoint evictions
+        self._prefix_seen = (0, 0, 0, 0)
 
     def on_step(self, engine: LLMEngine) -> None:
         """Step hook (engine thread). Cheap: a few ints into gauges; observations only after a real step."""
@@ -135,6 +150,7 @@ class NodeMetrics:
         self.slots_used.set(slots_used)
         self.slots_ratio.set(slots_used / slots_total if slots_total else 0.0)
         st = engine.stats
+        self._on_prefix(st)
         now = (st.steps, st.step_seconds, st.prompt_tokens, st.decode_tokens, st.spec_drafted, st.spec_accepted,
                st.graph_steps, st.mixed_graph_steps, st.device_seconds)
         if now[0] == self._seen[0] and now[-1] == self._seen[-1]:
@@ -156,6 +172,20 @@ class NodeMetrics:
         self.spec_drafted.inc(drafted)
         self.spec_accepted.inc(accepted)
         self.acceptance.set(st.mean_acceptance_length)
+
+    def _on_prefix(self, st: EngineStats) -> None:
+        self.prefix_checkpoints.set(st.prefix_checkpoints)
+        self.prefix_checkpoint_bytes.set(st.prefix_checkpoint_bytes)
+        now = (st.prefix_queried_tokens, st.prefix_hit_tokens, st.prefix_block_evictions,
+               st.prefix_checkpoint_evictions)
+        if now == self._prefix_seen:
+            return
+        queried, hits, blocks, checkpoints = (a - b for a, b in zip(now, self._prefix_seen, strict=True))
+        self._prefix_seen = now
+        self.prefix_queried.inc(queried)
+        self.prefix_hits.inc(hits)
+        self.prefix_evictions.labels(kind="block").inc(blocks)
+        self.prefix_evictions.labels(kind="checkpoint").inc(checkpoints)
 
 
 def start_node_http(metrics: NodeMetrics, thread: EngineThread, host: str, port: int) -> HttpServer:

@@ -39,7 +39,7 @@ from tests.node_channel import node_channel
 from tests.test_router_fakes import eventually, run, spec_totals, start_fake
 
 UNITS = ("seconds", "bytes", "tokens", "requests", "blocks", "slots", "ratio", "workers", "leases", "steps",
-         "transfers", "descriptors", "failures", "expiries", "fallbacks", "retries", "decisions", "info")
+         "transfers", "descriptors", "failures", "expiries", "fallbacks", "retries", "decisions", "evictions", "info")
 
 # Sample name -> how it must have moved in the real cluster after its traffic and provocations:
 # "positive" (summed over labels), "zero" (it belongs to the other role: the comments above PREFILL_METRICS
@@ -85,6 +85,13 @@ NODE_METRICS = {  # in both nodes
     "baton_node_prompt_tokens_total": "positive",
     # CUDA-event time: 0 on this CPU cluster (test_async_scheduling.py checks it on a GPU).
     "baton_node_step_device_seconds_total": "zero",
+    # The prefix cache is on by default: every admitted prompt is looked up. This traffic shares no prefix and
+    # evicts nothing: hits, checkpoints and evictions move in a node of their own.
+    "baton_node_prefix_queried_tokens_total": "positive",
+    "baton_node_prefix_hit_tokens_total": "exists: moved in tests/test_prefix_node_metrics.py",
+    "baton_node_prefix_checkpoint_slots": "exists: moved in tests/test_prefix_node_metrics.py",
+    "baton_node_prefix_checkpoint_bytes": "exists: moved in tests/test_prefix_node_metrics.py",
+    "baton_node_prefix_evictions_total": "exists: moved in tests/test_prefix_node_metrics.py",
 }
 # The prefill node never decodes (so never verifies MTP drafts) and never READs: the decode side counts the
 # READs, the prefill side their leases (completed, expired, held).

@@ -35,7 +35,10 @@ def test_bad_configs():
 def test_cache_on_and_off_answer_alike_and_the_cache_computes_fewer_prefill_tokens(tmp_path):
     rc = mb.main(["--configs", "agg-cache,agg-nocache", "--conversations", "3", "--turns", "3", "--system-tokens",
                   "96", "--user-tokens", "8", "--answer-min", "3", "--answer-max", "6", "--concurrency", "2",
-                  "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--no-progress"])
+                  "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--no-progress",
+                  # a checkpoint every 16 tokens: the short prompts here cross several
+                  "--engine-args", "--block-size 8 --max-num-seqs 8 --max-num-batched-tokens 256 "
+                                   "--num-kv-blocks 1024 --prefix-checkpoint-stride 2"])
     summary = json.loads((tmp_path / "out" / "multiturn_summary.json").read_text())
     on, off = summary["results"]
     assert rc == 0 and on["turns_completed"] == off["turns_completed"] == 9
