@@ -14,6 +14,8 @@ MAX_SPECULATIVE_TOKENS = 8
 # inter-token latency, and prefill throughput levels off only at a few thousand tokens a step
 # (benchmarks/RESULTS.md, "Prefill").
 PREFILL_MAX_NUM_BATCHED_TOKENS = 8192
+# The default bound on a request's logprobs / prompt_logprobs alternatives (OpenAI's top_logprobs bound).
+DEFAULT_MAX_LOGPROBS = 20
 
 
 def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:
@@ -91,6 +93,9 @@ class EngineConfig:
     # Tensor-parallel ranks of this engine (one process each, `parallel.group`): every rank builds an engine with
     # the same config and its own rank's group, each holding its shard of the weights and of the caches.
     tensor_parallel_size: int = 1
+    # The most top alternatives a request's `logprobs` / `prompt_logprobs` may ask for (more are refused): each costs
+    # a top-k over the vocabulary per position and a longer read back.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -105,6 +110,9 @@ class EngineConfig:
         _check_pos_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         _check_pos_int("max_model_len", self.max_model_len, allow_none=True)
         _check_pos_int("tensor_parallel_size", self.tensor_parallel_size)
+        m = self.max_logprobs
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"engine field 'max_logprobs': expected an integer >= 0, got {m!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"engine field 'dtype': expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:

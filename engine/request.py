@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from baton.engine.logprobs import TokenLogprob
 from baton.engine.sampling_params import SamplingParams
 
 # An output token that a launched step samples but whose value is not read yet (async scheduling): it holds its
@@ -59,6 +60,11 @@ class Request:
     num_drafted: int = 0    # draft tokens verified
     num_accepted: int = 0   # of those, accepted
     num_verify_steps: int = 0
+    # SamplingParams.logprobs: output index -> its logprobs, until an output carries them.
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first, and until scored); None: not asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     # `block_ids` as a tuple, built once per change rather than once per step (a decode row's table changes
     # only every block_size tokens). Only the cache manager changes `block_ids`, through the methods below.
     _block_table: tuple[int, ...] | None = field(default=None, init=False, repr=False)
