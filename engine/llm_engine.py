@@ -476,6 +476,9 @@ class LLMEngine:
         """Admit a request whose first `num_computed` prompt tokens' KV and state already sit in
         `block_ids` / `state_slot` (pulled from a prefill node): its first step computes only the next
         token from that state (R1), inside whatever mixed batch runs then."""
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"sampling field 'prompt_logprobs': expected None for a request whose prompt was "
+                             f"computed elsewhere (the prefill node scores it), got {params.prompt_logprobs}")
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
         self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
         self.runner.reset_slot(state_slot)

@@ -21,14 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .token_logprob import TokenLogprob
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One position: the token there, its logprob, and the `k` most likely (token id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+__all__ = ["LogprobRows", "Segment", "TokenLogprob", "check_logprobs", "pack"]
 
 
 def pack(logits: Tensor, tokens: Tensor, k: int) -> Tensor:

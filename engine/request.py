@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from baton.engine.logprobs import TokenLogprob
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.token_logprob import TokenLogprob
 
 # An output token that a launched step samples but whose value is not read yet (async scheduling): it holds its
 # place in `output_token_ids` until `StepUpdate.resolve` writes the value. Token ids are >= 0.
