@@ -22,7 +22,9 @@ A verify step whose rows all verify, greedy or sampling (at a temperature, with 
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
 (`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
 whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
-never chained, since its counts need the previous step's tokens on the host. Sampled rows take
+never chained, since its counts need the previous step's tokens on the host; so does a step with a row that asks for
+logprobs (`logprobs`: read from the verify step's target logits at every emitted position, which the graph does not
+return). Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
 """
 

@@ -168,3 +168,17 @@ def test_logprobs_above_the_engines_bound_are_refused(model):
     with pytest.raises(ValueError, match="'logprobs'"):
         SamplingParams(logprobs=-1)
     engine.add_request([1, 2], SamplingParams(logprobs=5, prompt_logprobs=5))
+
+
+def test_mtp_logprobs_of_sampled_rows_are_the_targets_at_each_emitted_position(model):
+    """Sampled rows under K = 2: every emitted token's logprobs (accepted drafts and the drawn token alike) are
+    the target's log_softmax at its position, whatever the drafter proposed."""
+    _, hf = model
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=s, logprobs=2) for s in (1, 2, 3)]
+    engine = engine_of(model, 2)
+    got = collect(engine, PROMPTS[:3], params)
+    assert engine.stats.spec_accepted > 0
+    for prompt, (tokens, lps, _) in zip(PROMPTS[:3], got, strict=True):
+        ref = reference(hf, prompt + tokens)
+        for j, (t, item) in enumerate(zip(tokens, lps, strict=True)):
+            check(item, t, ref[len(prompt) - 1 + j], 2)
