@@ -293,6 +293,7 @@ class ModelRunner:
         processing = self.processing_of(ids, params)
         lp_rows = self.logprob_rows(params)
         scores = self.prompt_scores(out)
+        prompt_lps = None
         fill = self._pending_inputs(out, prev)
         if processing is not None and fill is not None:
             # A decode row's newest output is its input token, maybe still PENDING: the step in flight's, on the
@@ -324,7 +325,6 @@ class ModelRunner:
                 prompt_at = len(scores.flat)
             started = device_mark(self.device)
             hidden = self.model(input_ids, batch, keep=keep)  # [R_s (+ scored), hidden]
-            prompt_lps = None
             if scores is not None:
                 scored = self.model.logits(hidden[:prompt_at], upcast=False)  # [scored, V]
                 kmax = max(s.k for s in scores.segments)
@@ -342,7 +342,7 @@ class ModelRunner:
         return PendingStep(ids, tokens, self.device,
                            logits.float() if return_logits else None, started=started,
                            logprobs=self.output_logprobs(logits, tokens, ids, params, lp_rows),
-                           prompt_logprobs=None if scores is None else prompt_lps)
+                           prompt_logprobs=prompt_lps)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:
