@@ -90,6 +90,8 @@ class ModelRunner:
         self._history: dict[str, RowHistory] = {}
         # The prompt length of each request with prompt_logprobs (`prompt_scores`).
         self._prompt_len: dict[str, int] = {}
+        # The requests with logprobs: while there are none, a step spends nothing on them.
+        self._with_logprobs: set[str] = set()
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
         # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
@@ -104,6 +106,10 @@ class ModelRunner:
         """`history` (a request with params.processed): its prompt, its output list (read as it grows) and its
         stop ids."""
         self._sampling[request_id] = (params, request_seed(params.seed))
+        if params.logprobs is not None:
+            self._with_logprobs.add(request_id)
+        else:  # (an id a finished request had may be reused)
+            self._with_logprobs.discard(request_id)
         if params.processed:
             if history is None:
                 raise ValueError(f"history: expected the prompt and outputs of {request_id!r}, whose logits are "
@@ -119,11 +125,12 @@ class ModelRunner:
         self._sampling.pop(request_id, None)
         self._history.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
+        self._with_logprobs.discard(request_id)
 
     def wants_logprobs(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these requests asks for logprobs: a verify step of such rows runs eagerly (its graph
         returns no logits) and is never chained."""
-        return any(self._sampling[r][0].logprobs is not None for r in request_ids if r in self._sampling)
+        return bool(self._with_logprobs) and any(r in self._with_logprobs for r in request_ids)
 
     def prompt_scores(self, out: SchedulerOutput) -> PromptScores | None:
         """The prompt positions this step scores (None: none). Position p of a prompt of N tokens predicts prompt
@@ -158,6 +165,8 @@ class ModelRunner:
         """The logprobs of the rows that asked for them: logits [R, V] (processed), tokens [R] the tokens they
         decide, rows: those rows' indices on the device, built before the forward (None: every row); `per_row`
         consecutive logits rows per request (a verify row's positions)."""
+        if not self._with_logprobs:
+            return None
         asked = [(r, p.logprobs) for r, p in zip(ids, params, strict=True) if p.logprobs is not None]
         if not asked:
             return None
@@ -168,6 +177,8 @@ class ModelRunner:
     def logprob_rows(self, params: Sequence[SamplingParams], per_row: int = 1) -> torch.Tensor | None:
         """The device indices of the logits rows of requests with logprobs (`output_logprobs`' rows), None when
         every row (or none) asks: built before the forward."""
+        if not self._with_logprobs:
+            return None
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not asked or len(asked) == len(params):
             return None
