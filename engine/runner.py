@@ -120,6 +120,8 @@ class ModelRunner:
                 raise ValueError(f"history: expected the prompt of {request_id!r}, which asks for prompt_logprobs, "
                                  f"got None")
             self._prompt_len[request_id] = len(history.prompt)
+        else:
+            self._prompt_len.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
