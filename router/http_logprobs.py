@@ -6,7 +6,8 @@
   `top_logprobs` holds one {token text: logprob} object per token and, with `echo`, the prompt's tokens come first
   (the first with null logprob and alternatives: it has no context).
 
-A token's text is its own decoded text (without a tokenizer "token_id:<id>", as vLLM writes it); `text_offset` counts
+A token's text is its own decoded text (without a tokenizer "token_id:<id>", as vLLM writes it) and its `bytes` its
+own bytes (exact for a byte-level tokenizer, whose token may be part of a character); `text_offset` counts
 those texts' characters from the start of the choice's text (the echoed prompt included). A logprob of -inf (a token
 the logits processing masked) is not JSON: it is sent as LOGPROB_FLOOR, as OpenAI and vLLM do.
 """
@@ -43,13 +44,19 @@ class TokenTexts:
                 self._cache[token_id] = s
         return s
 
+    def bytes_of(self, token_id: int) -> list[int]:
+        table = self._tok.token_bytes if self._tok is not None else None
+        if table is not None and 0 <= token_id < len(table):
+            return list(table[token_id])
+        return list(self(token_id).encode())
+
 
 def chat_content(items: Sequence[generation_pb2.TokenLogprob], text: TokenTexts) -> list[dict[str, Any]]:
     """Chat's `logprobs.content` entries of these tokens."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         s = text(token_id)
-        return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode())}
+        return {"token": s, "logprob": _finite(logprob), "bytes": text.bytes_of(token_id)}
 
     return [{**entry(it.token_id, it.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in it.top]}
             for it in items]
