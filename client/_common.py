@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.client.errors import BatonError
-from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo
+from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo, TokenLogprob
 from baton.proto.v1 import generation_pb2 as pb
 
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -80,6 +80,10 @@ class Sampling:
     stop: Sequence[str] = ()
     # Choices to generate; each has its own seed, derived from `seed`.
     n: int = 1
+    # Logprobs of each generated token with this many top alternatives (None: none); of each prompt token but the
+    # first (None: none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id: str | None) -> pb.GenerateRequest:
@@ -89,7 +93,8 @@ def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id:
                                  logit_bias=dict(o.logit_bias))
     d = Sampling()
     # Only what differs from the defaults: an older router refuses a field it does not know, even a neutral one.
-    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs",
+                 "prompt_logprobs"):
         if getattr(o, name) != getattr(d, name):
             setattr(sampling, name, getattr(o, name))
     # Empty request_id: the router assigns one and sends it back in every response.
@@ -106,18 +111,29 @@ def finish_reason(resp: pb.GenerateResponse) -> FinishReason | None:
     return _FINISH_REASONS.get(resp.finish_reason)
 
 
+def to_logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                              top=tuple((a.token_id, a.logprob) for a in t.top)) for t in items)
+
+
 def to_chunk(resp: pb.GenerateResponse) -> Chunk:
     return Chunk(request_id=resp.request_id, token_ids=tuple(resp.token_ids), text=resp.text,
-                 finish_reason=finish_reason(resp), index=resp.index)
+                 finish_reason=finish_reason(resp), index=resp.index,
+                 logprobs=to_logprobs(resp.logprobs) if resp.logprobs else None,
+                 prompt_logprobs=to_logprobs(resp.prompt_logprobs) if resp.prompt_logprobs else None)
 
 
 class CompletionBuilder:
     """Collects the responses of one Generate stream (n choices, by their index) into a `Completion`."""
 
-    def __init__(self, prompt: Sequence[int] | str, n: int = 1) -> None:
+    def __init__(self, prompt: Sequence[int] | str, n: int = 1, logprobs: bool = False,
+                 prompt_logprobs: bool = False) -> None:
+        """`logprobs` / `prompt_logprobs`: whether the request asked for them."""
         self._prompt_ids = None if isinstance(prompt, str) else tuple(prompt)
         self._request_id = ""
         self._n = n
+        self._logprobs: list[list[pb.TokenLogprob]] | None = [[] for _ in range(n)] if logprobs else None
+        self._prompt_logprobs: list[pb.TokenLogprob] | None = [] if prompt_logprobs else None
         self._token_ids: list[list[int]] = [[] for _ in range(n)]
         self._text: list[list[str]] = [[] for _ in range(n)]
         self._last: list[pb.GenerateResponse | None] = [None] * n
@@ -130,6 +146,10 @@ class CompletionBuilder:
         self._token_ids[i].extend(resp.token_ids)
         self._text[i].append(resp.text)
         self._last[i] = resp
+        if self._logprobs is not None:
+            self._logprobs[i].extend(resp.logprobs)
+        if self._prompt_logprobs is not None and i == 0:
+            self._prompt_logprobs.extend(resp.prompt_logprobs)
 
     def build(self) -> Completion:
         choices = []
@@ -139,7 +159,8 @@ class CompletionBuilder:
                 # The server closed the stream without a last message: never hand out a truncated answer.
                 raise BatonError("UNKNOWN", f"the Generate stream ended without a finish reason for choice {i}")
             choices.append(Choice(index=i, token_ids=tuple(self._token_ids[i]), text="".join(self._text[i]),
-                                  finish_reason=reason, completion_tokens=last.usage.completion_tokens))
+                                  finish_reason=reason, completion_tokens=last.usage.completion_tokens,
+                                  logprobs=None if self._logprobs is None else to_logprobs(self._logprobs[i])))
         usages = [last.usage for last in self._last if last is not None]
         first = choices[0]
         return Completion(request_id=self._request_id, prompt_token_ids=self._prompt_ids,
@@ -147,7 +168,9 @@ class CompletionBuilder:
                           prompt_tokens=usages[0].prompt_tokens,
                           completion_tokens=sum(u.completion_tokens for u in usages),
                           num_drafted_tokens=sum(u.num_drafted_tokens for u in usages),
-                          num_accepted_tokens=sum(u.num_accepted_tokens for u in usages), choices=tuple(choices))
+                          num_accepted_tokens=sum(u.num_accepted_tokens for u in usages), choices=tuple(choices),
+                          logprobs=first.logprobs,
+                          prompt_logprobs=None if self._prompt_logprobs is None else to_logprobs(self._prompt_logprobs))
 
 
 def to_health(resp: pb.HealthResponse) -> Health:

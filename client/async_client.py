@@ -112,9 +112,10 @@ class AsyncClient:
         """Generates for one prompt (token ids or text) and returns the whole completion (its n choices in
         `choices`). Keyword options: the fields of `Sampling` (max_tokens, temperature, top_p, top_k, seed,
         stop_token_ids, ignore_eos, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-        min_tokens, stop, n)."""
+        min_tokens, stop, n, logprobs, prompt_logprobs)."""
         sampling = Sampling(**options)
-        builder = CompletionBuilder(prompt, sampling.n)
+        builder = CompletionBuilder(prompt, sampling.n, sampling.logprobs is not None,
+                                    sampling.prompt_logprobs is not None)
         async with self._start(generate_request(prompt, sampling, request_id), request_id) as s:
             while (resp := await s._next_response()) is not None:
                 builder.add(resp)

@@ -9,6 +9,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's logprob and its most likely alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed message: the new tokens since the previous chunk."""
 
@@ -19,6 +28,10 @@ class Chunk:
     finish_reason: FinishReason | None
     # The choice these tokens belong to (0..n-1; always 0 for n = 1).
     index: int = 0
+    # One per token_ids entry when the request asked for `logprobs` (None where the chunk has none).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # Prompt tokens 1..N-1 (the first has no context) when it asked for `prompt_logprobs`: on the first chunk only.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,7 @@ class Choice:
     text: str
     finish_reason: FinishReason
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,10 @@ class Completion:
     num_drafted_tokens: int
     num_accepted_tokens: int
     choices: tuple[Choice, ...] = ()
+    # Choice 0's logprobs, one per token, when asked.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # Prompt tokens 1..N-1 (the first has no context), when asked.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

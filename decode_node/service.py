@@ -20,7 +20,7 @@ from baton.node.bridge import OutputStream, in_engine
 from baton.node.load import info_response, load_response
 from baton.node.transfer_handles import handle_error
 from baton.proto.auth import ClusterCredential
-from baton.proto.convert import FINISH_TO_PROTO, sampling_from_proto
+from baton.proto.convert import FINISH_TO_PROTO, logprobs_to_proto, sampling_from_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 
@@ -92,7 +92,9 @@ class DecodeService(wk_grpc.WorkerServicer):
                 yield wk.DecodeResponse(token_ids=list(out.new_token_ids),
                                         finish_reason=FINISH_TO_PROTO[out.finish_reason],
                                         prompt_tokens=len(prompt), prefilled_locally=first and pulled is None,
-                                        num_drafted_tokens=out.num_drafted, num_accepted_tokens=out.num_accepted)
+                                        num_drafted_tokens=out.num_drafted, num_accepted_tokens=out.num_accepted,
+                                        logprobs=logprobs_to_proto(out.logprobs or ()),
+                                        prompt_logprobs=logprobs_to_proto(out.prompt_logprobs or ()))
                 first = False
         finally:
             if not finished:  # the router cancelled the stream: free everything now

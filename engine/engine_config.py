@@ -14,6 +14,8 @@ MAX_SPECULATIVE_TOKENS = 8
 # inter-token latency, and prefill throughput levels off only at a few thousand tokens a step
 # (benchmarks/RESULTS.md, "Prefill").
 PREFILL_MAX_NUM_BATCHED_TOKENS = 8192
+# The default bound on a request's logprobs / prompt_logprobs alternatives (OpenAI's top_logprobs bound).
+DEFAULT_MAX_LOGPROBS = 20
 
 
 def _check_pos_int(name: str, v: object, allow_none: bool = False) -> None:
@@ -100,6 +102,9 @@ class EngineConfig:
     # Checkpoint slots (each the size of a state slot without verify inputs), taken from the cache budget; None: one
     # per state slot (`max_num_seqs`).
     prefix_checkpoint_slots: int | None = None
+    # The most top alternatives a request's `logprobs` / `prompt_logprobs` may ask for (more are refused): each costs
+    # a top-k over the vocabulary per position and a longer read back.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         _check_pos_int("block_size", self.block_size)
@@ -116,6 +121,9 @@ class EngineConfig:
         _check_pos_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_pos_int("prefix_checkpoint_stride", self.prefix_checkpoint_stride)
         _check_pos_int("prefix_checkpoint_slots", self.prefix_checkpoint_slots, allow_none=True)
+        m = self.max_logprobs
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"engine field 'max_logprobs': expected an integer >= 0, got {m!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"engine field 'dtype': expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:

@@ -30,6 +30,7 @@ from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.loader import load_checkpoint
 from baton.engine.logits_processing import RowHistory
+from baton.engine.logprobs import TokenLogprob, check_logprobs
 from baton.engine.memory_budget import (
     CPU_CACHE_MEMORY_BYTES,
     CPU_MAX_NUM_SEQS,
@@ -71,6 +72,11 @@ class RequestOutput:
     # Speculative decoding totals so far: draft tokens verified, and how many of them were accepted.
     num_drafted: int = 0
     num_accepted: int = 0
+    # SamplingParams.logprobs: one per new token (None otherwise).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (it has no context); in the
+    # request's first output only.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 # How a step ran (`EngineStats` counts each).
@@ -459,11 +465,14 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: expected fewer than max_model_len={self.max_model_len} tokens, "
                              f"got {len(prompt)}")
         params.validate_for_vocab(cfg.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            check_logprobs(name, getattr(params, name), self.config.max_logprobs)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
         return Request(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params,
                        arrival=next(self._arrivals), stop_ids=frozenset(stop), max_model_len=self.max_model_len,
-                       prefill_only=prefill_only)
+                       prefill_only=prefill_only,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt))
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
@@ -502,6 +511,9 @@ class LLMEngine:
         """Admit a request whose first `num_computed` prompt tokens' KV and state already sit in
         `block_ids` / `state_slot` (pulled from a prefill node): its first step computes only the next
         token from that state (R1), inside whatever mixed batch runs then."""
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"sampling field 'prompt_logprobs': expected None for a request whose prompt was "
+                             f"computed elsewhere (the prefill node scores it), got {params.prompt_logprobs}")
         req = self._new_request(prompt_token_ids, params, request_id, prefill_only=False)
         self.scheduler.add_computed(req, block_ids, state_slot, num_computed)
         self.runner.reset_slot(state_slot)
@@ -567,7 +579,8 @@ class LLMEngine:
     def _chain(self, done: LaunchedStep) -> LaunchedStep | None:
         """Launch the next verify step on `done`'s results on the device, before `done` is read, where it can
         only be that (`Scheduler.chain`); its rows are set once `done` is read."""
-        if self.runner.processes([r.request_id for r in done.out.rows]):
+        ids = [r.request_id for r in done.out.rows]
+        if self.runner.processes(ids) or self.runner.wants_logprobs(ids):
             return None
         plan = self.scheduler.chain(done.out)
         if plan is None:
@@ -588,6 +601,10 @@ class LLMEngine:
         self.cache.step_done(done.step)
         before = [len(req.output_token_ids) for req in done.reqs]
         finished = self.step_update.update(done.out, result.sampled, result.drafts)
+        if result.logprobs or result.prompt_logprobs:
+            for req, n in zip(done.reqs, before, strict=True):
+                _store_logprobs(req, result.logprobs.get(req.request_id), n, len(req.output_token_ids))
+                _store_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
         # Accounted when read: how many drafts each row accepted is known only now.
         self._record(done.out, time.perf_counter() - t0, result.sampled, done.path)
         for req in finished:
@@ -599,13 +616,18 @@ class LLMEngine:
     def _read_pipelined(self, done: LaunchedStep) -> list[RequestOutput]:
         """Write a pipelined step's tokens into its PENDING outputs (stop ids apply now); their outputs."""
         sampled, _ = done.pending.result()
+        lps, prompt_lps = done.pending.read_logprobs()
         self.stats.device_seconds += done.pending.device_seconds()
         self.cache.step_done(done.step)
         outputs = []
         for row, req, index in zip(done.out.rows, done.reqs, done.index, strict=True):
+            if prompt_lps:
+                _store_prompt_logprobs(req, prompt_lps.get(row.request_id))
             if index >= 0:
                 if not self.step_update.resolve(req, index, sampled[row.request_id]):
                     continue  # aborted, or stopped on an earlier token: this row's work is dropped
+                if lps:
+                    _store_logprobs(req, lps.get(row.request_id), index, index + 1)
                 finished = req.status.finished and index == len(req.output_token_ids) - 1
                 outputs.append(self._output(req, index, index + 1, finished))
             elif req.status is RequestStatus.FINISHED_PREFILLED and last_chunk(row, req):
@@ -622,6 +644,13 @@ class LLMEngine:
         status = req.status
         held = finished and status is RequestStatus.FINISHED_PREFILLED
         outputs = req.output_token_ids
+        lps = None
+        if req.sampling.logprobs is not None:
+            lps = tuple(req.logprobs.pop(i, None) for i in range(start, end))
+        prompt_lps = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (end > start or finished):
+            prompt_lps = tuple(req.prompt_logprobs)
+            req.prompt_logprobs_sent = True
         # RequestOutput(...) without its frozen __init__ (one object.__setattr__ per field: a third of a decode
         # step's output building at large batches); every field is given, so the instance is the same.
         o = object.__new__(RequestOutput)
@@ -631,7 +660,7 @@ class LLMEngine:
             finished=finished, finish_reason=status.value if finished else None,
             held_block_ids=tuple(req.block_ids) if held else (),
             held_state_slot=req.state_slot if held else None,
-            num_drafted=req.num_drafted, num_accepted=req.num_accepted)
+            num_drafted=req.num_drafted, num_accepted=req.num_accepted, logprobs=lps, prompt_logprobs=prompt_lps)
         return o
 
     def _replays(self) -> tuple[int, int]:
@@ -691,3 +720,18 @@ class LLMEngine:
                 if o.finished:
                     done[o.request_id] = o
         return [done[i] for i in ids]
+
+
+def _store_logprobs(req: Request, got: tuple[int, list[TokenLogprob]] | None, start: int, end: int) -> None:
+    """Keep the logprobs of req's outputs start..end-1 (the tokens a step read now appended) until an output carries
+    them: `got`'s first end - start entries (a verify row's positions past its emitted tokens are dropped)."""
+    if got is not None:
+        for i, item in enumerate(got[1][:end - start]):
+            req.logprobs[start + i] = item
+
+
+def _store_prompt_logprobs(req: Request, got: tuple[int, list[TokenLogprob]] | None) -> None:
+    """Keep the prompt logprobs a step scored (from prompt index got[0] on)."""
+    if got is not None and req.prompt_logprobs is not None:
+        first, items = got
+        req.prompt_logprobs[first:first + len(items)] = items

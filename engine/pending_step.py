@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from baton.engine.host_copy import to_device
+from baton.engine.logprobs import LogprobRows, TokenLogprob
 
 
 def device_mark(device: torch.device | str) -> torch.cuda.Event | None:
@@ -32,19 +33,25 @@ def device_mark(device: torch.device | str) -> torch.cuda.Event | None:
 
 class PendingStep:
     def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, device: torch.device,
-                 logits: torch.Tensor | None = None, started: torch.cuda.Event | None = None) -> None:
+                 logits: torch.Tensor | None = None, started: torch.cuda.Event | None = None,
+                 logprobs: LogprobRows | None = None, prompt_logprobs: LogprobRows | None = None) -> None:
         """request_ids: the rows that sampled, in order; tokens [R] int64 on the device (None: no row sampled);
         logits [R, V] when the caller asked for them. Construct it after the step's last kernel is queued: on
         CUDA its event marks the step's end, tokens or not, and `result()` waits for it. A step that samples
         nothing (prefill chunks) is still waited for: its outputs hand caches over (a prefill node's finished
         prompt is read by another process), which must not happen before they are written. `started`: the
-        step's `device_mark`, for `device_seconds()`."""
+        step's `device_mark`, for `device_seconds()`. `logprobs` / `prompt_logprobs`: the step's logprob rows of
+        sampled and of prompt tokens, copied back with the tokens (`read_logprobs`)."""
         self.request_ids = request_ids
         self.tokens = tokens
         self.logits = logits
         self._event: torch.cuda.Event | None = None
         self._host = tokens
+        self._logprobs = (logprobs, prompt_logprobs)
         if device.type == "cuda":
+            for rows in self._logprobs:
+                if rows is not None:
+                    rows.to_host()
             if tokens is not None:
                 self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                 self._host.copy_(tokens, non_blocking=True)
@@ -69,6 +76,15 @@ class PendingStep:
         sampled = dict(zip(self.request_ids, self._host.tolist(), strict=True))
         logits = None if self.logits is None else {r: self.logits[i] for i, r in enumerate(self.request_ids)}
         return sampled, logits
+
+    def read_logprobs(self) -> tuple[dict[str, tuple[int, list[TokenLogprob]]],
+                                     dict[str, tuple[int, list[TokenLogprob]]]]:
+        """Wait for this step and return its logprobs of sampled tokens and of prompt tokens (`LogprobRows.read`;
+        empty where it has none)."""
+        if self._event is not None:
+            self._event.synchronize()
+        out, prompt = self._logprobs
+        return ({} if out is None else out.read()), ({} if prompt is None else prompt.read())
 
     def values(self) -> list[int]:
         """Wait for this step (not for steps launched after it) and return its whole token tensor, flattened (a

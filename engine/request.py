@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.token_logprob import TokenLogprob
 
 # An output token that a launched step samples but whose value is not read yet (async scheduling): it holds its
 # place in `output_token_ids` until `StepUpdate.resolve` writes the value. Token ids are >= 0.
@@ -61,6 +62,11 @@ class Request:
     num_verify_steps: int = 0
     # The prefix cache's hashes of this request's first full blocks (`PrefixCache.hashes`), computed once each.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # SamplingParams.logprobs: output index -> its logprobs, until an output carries them.
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first, and until scored); None: not asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     # `block_ids` as a tuple, built once per change rather than once per step (a decode row's table changes
     # only every block_size tokens). Only the cache manager changes `block_ids`, through the methods below.
     _block_table: tuple[int, ...] | None = field(default=None, init=False, repr=False)

@@ -21,6 +21,7 @@ from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.host_copy import to_device
 from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs, needs_processing
+from baton.engine.logprobs import LogprobRows, Segment, TokenLogprob, pack
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
@@ -49,6 +50,21 @@ class StepOutput:
     logits: dict[str, torch.Tensor] | None = None  # request id -> [V] float32, when asked for
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> the next step's drafts
     device_seconds: float = 0.0  # the step's GPU time (pending_step.device_mark), 0.0 off CUDA
+    # request id -> (0, logprobs of its emitted tokens, in order; with drafts one per verified position: the first
+    # len(sampled[id]) are the emitted tokens'), for requests with SamplingParams.logprobs
+    logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # request id -> (index of the first prompt token scored, logprobs of the prompt tokens this step scored)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """The prompt positions a step scores for prompt_logprobs: per scored position, its flat token index in the
+    step (`flat`) and the prompt token it predicts (`targets`), with a `Segment` per request."""
+
+    flat: list[int]
+    targets: list[int]
+    segments: list[Segment]
 
 
 class ModelRunner:
@@ -72,6 +88,10 @@ class ModelRunner:
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
         # The requests whose logits are processed (`logits_processing`): their prompt, outputs and stop ids.
         self._history: dict[str, RowHistory] = {}
+        # The prompt length of each request with prompt_logprobs (`prompt_scores`).
+        self._prompt_len: dict[str, int] = {}
+        # The requests with logprobs: while there are none, a step spends nothing on them.
+        self._with_logprobs: set[str] = set()
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
         # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
@@ -86,15 +106,85 @@ class ModelRunner:
         """`history` (a request with params.processed): its prompt, its output list (read as it grows) and its
         stop ids."""
         self._sampling[request_id] = (params, request_seed(params.seed))
+        if params.logprobs is not None:
+            self._with_logprobs.add(request_id)
+        else:  # (an id a finished request had may be reused)
+            self._with_logprobs.discard(request_id)
         if params.processed:
             if history is None:
                 raise ValueError(f"history: expected the prompt and outputs of {request_id!r}, whose logits are "
                                  f"processed (penalties, logit_bias, min_tokens or min_p), got None")
             self._history[request_id] = history
+        if params.prompt_logprobs is not None:
+            if history is None:
+                raise ValueError(f"history: expected the prompt of {request_id!r}, which asks for prompt_logprobs, "
+                                 f"got None")
+            self._prompt_len[request_id] = len(history.prompt)
+        else:
+            self._prompt_len.pop(request_id, None)
 
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
         self._history.pop(request_id, None)
+        self._prompt_len.pop(request_id, None)
+        self._with_logprobs.discard(request_id)
+
+    def wants_logprobs(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these requests asks for logprobs: a verify step of such rows runs eagerly (its graph
+        returns no logits) and is never chained."""
+        return bool(self._with_logprobs) and any(r in self._with_logprobs for r in request_ids)
+
+    def prompt_scores(self, out: SchedulerOutput) -> PromptScores | None:
+        """The prompt positions this step scores (None: none). Position p of a prompt of N tokens predicts prompt
+        token p + 1 for p <= N - 2: a chunk scores its positions up to there, the last one's target being the
+        chunk's successor. Only prefill rows of requests with prompt_logprobs; a recompute after preemption
+        scores its prompt part again (the same values)."""
+        if not self._prompt_len:
+            return None
+        flat: list[int] = []
+        targets: list[int] = []
+        segments: list[Segment] = []
+        starts = out.token_starts
+        for i, r in enumerate(out.rows):
+            n = self._prompt_len.get(r.request_id)
+            if n is None or r.is_decode:
+                continue
+            c = r.num_computed_tokens
+            count = min(c + r.num_tokens, n - 1) - c
+            if count <= 0:
+                continue
+            ids = r.token_ids[1:count + 1]
+            if len(ids) < count:  # the chunk's last position predicts the chunk's successor
+                ids = (*ids, r.next_token)
+            flat.extend(range(starts[i], starts[i] + count))
+            targets.extend(ids)
+            segments.append(Segment(r.request_id, count, self._sampling[r.request_id][0].prompt_logprobs, c + 1))
+        return PromptScores(flat, targets, segments) if segments else None
+
+    def output_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, ids: Sequence[str],
+                        params: Sequence[SamplingParams], rows: torch.Tensor | None, per_row: int = 1
+                        ) -> LogprobRows | None:
+        """The logprobs of the rows that asked for them: logits [R, V] (processed), tokens [R] the tokens they
+        decide, rows: those rows' indices on the device, built before the forward (None: every row); `per_row`
+        consecutive logits rows per request (a verify row's positions)."""
+        if not self._with_logprobs:
+            return None
+        asked = [(r, p.logprobs) for r, p in zip(ids, params, strict=True) if p.logprobs is not None]
+        if not asked:
+            return None
+        if rows is not None:
+            logits, tokens = logits[rows], tokens[rows]
+        return LogprobRows(pack(logits, tokens, max(k for _, k in asked)), [Segment(r, per_row, k) for r, k in asked])
+
+    def logprob_rows(self, params: Sequence[SamplingParams], per_row: int = 1) -> torch.Tensor | None:
+        """The device indices of the logits rows of requests with logprobs (`output_logprobs`' rows), None when
+        every row (or none) asks: built before the forward."""
+        if not self._with_logprobs:
+            return None
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asked or len(asked) == len(params):
+            return None
+        return self._t([i * per_row + j for i in asked for j in range(per_row)])
 
     def processes(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these requests' logits are processed: such rows run eagerly (a whole-graph verify step
@@ -210,8 +300,9 @@ class ModelRunner:
             return StepOutput(sampled={})
         pending = self.launch(out, return_logits=return_logits)
         sampled, logits = pending.result()
+        lps, prompt_lps = pending.read_logprobs()
         return StepOutput(sampled=sampled, logits=(logits or {}) if return_logits else None,
-                          device_seconds=pending.device_seconds())
+                          device_seconds=pending.device_seconds(), logprobs=lps, prompt_logprobs=prompt_lps)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
@@ -230,6 +321,9 @@ class ModelRunner:
             params, [self._sampling[r][1] for r in ids], [r.num_computed_tokens + r.num_tokens for r in rows_s],
             self.device)
         processing = self.processing_of(ids, params)
+        lp_rows = self.logprob_rows(params)
+        scores = self.prompt_scores(out)
+        prompt_lps = None
         fill = self._pending_inputs(out, prev)
         self.restore_checkpoints(out)
         if processing is not None and fill is not None:
@@ -239,7 +333,7 @@ class ModelRunner:
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
             started = self.graphs.started
-        elif self._mixed_graphable(out):
+        elif self._mixed_graphable(out) and scores is None:
             logits = self._mixed_graph(out, fill=fill)
             started = self.mixed_graphs.started
             self.take_checkpoints(out)
@@ -254,16 +348,34 @@ class ModelRunner:
             starts = out.token_starts
             keep = (None if len(sample_rows) == starts[-1] else self._no_tokens if not sample_rows
                     else self._t([starts[i + 1] - 1 for i in sample_rows]))
+            prompt_at = None
+            if scores is not None:
+                # The scored prompt positions ride in the gather too: [scored..., sampling rows' last tokens].
+                flat = scores.flat + [starts[i + 1] - 1 for i in sample_rows]
+                keep = self._t(flat)
+                targets = self._t(scores.targets)
+                prompt_at = len(scores.flat)
             started = device_mark(self.device)
-            hidden = self.model(input_ids, batch, keep=keep)  # [R_s, hidden]
+            hidden = self.model(input_ids, batch, keep=keep)  # [R_s (+ scored), hidden]
             self.take_checkpoints(out)
+            if scores is not None:
+                scored = self.model.logits(hidden[:prompt_at], upcast=False)  # [scored, V]
+                kmax = max(s.k for s in scores.segments)
+                prompt_lps = LogprobRows(pack(scored, targets, kmax), scores.segments)
+                hidden = hidden[prompt_at:]
             if not sample_rows:
-                return PendingStep([], None, self.device, started=started)
+                return PendingStep([], None, self.device, started=started, prompt_logprobs=prompt_lps)
             logits = self.model.logits(hidden, fused=batch.fused_gemv, upcast=False)  # [R_s, V]
+        if processing is not None and any(p.logprobs is not None for p in params):
+            # Logprobs are of the processed logits (`logprobs`): processed once, here, for the draw and for them.
+            logits = self.rejection.processed(logits, processing)
+            processing = None
         tokens = (self.rejection.sample(logits, params, None, None, processing) if inputs is None
                   else self.rejection.decide(logits, params, inputs, processing))
         return PendingStep(ids, tokens, self.device,
-                           logits.float() if return_logits else None, started=started)
+                           logits.float() if return_logits else None, started=started,
+                           logprobs=self.output_logprobs(logits, tokens, ids, params, lp_rows),
+                           prompt_logprobs=prompt_lps)
 
     def _pending_inputs(self, out: SchedulerOutput, prev: PendingStep | None
                         ) -> tuple[list[int], list[int], torch.Tensor] | None:

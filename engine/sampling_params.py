@@ -49,6 +49,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the raw logits; a dict {id: bias} is accepted and normalised to sorted pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # the stop ids (EOS unless ignore_eos, and stop_token_ids) are masked until this many
+    # Return each generated token's logprob and this many top alternatives (`logprobs`); None = none.
+    logprobs: int | None = None
+    # Return each prompt token's logprob (the first has none) and this many top alternatives; None = none.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,6 +82,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise _bad(name, "None or an integer >= 0 (the top alternatives per token)", v)
         # Frozen dataclass: normalise through object.__setattr__ so params stay hashable and comparable.
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "temperature", float(self.temperature))

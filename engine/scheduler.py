@@ -148,7 +148,9 @@ class Scheduler:
             req = self.waiting[0]
             # A prefill-only request computes all but its last prompt token (R1: decode computes token N).
             prefill = req.num_tokens - 1 if req.prefill_only else req.num_tokens
-            hit = None if self.prefix is None else self.prefix.lookup(req, prefill - 1)
+            # A request scoring its prompt (prompt_logprobs) computes every position: a cached prefix has no logits.
+            hit = (None if self.prefix is None or req.prompt_logprobs is not None
+                   else self.prefix.lookup(req, prefill - 1))
             whole = -(-(req.num_tokens + self.lookahead) // self.cache.block_size)
             if hit is not None:
                 whole += self.prefix.reclaimable_in(hit) - len(hit.block_ids)

@@ -22,7 +22,9 @@ A verify step whose rows all verify, greedy or sampling (at a temperature, with 
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
 (`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
 whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
-never chained, since its counts need the previous step's tokens on the host. Sampled rows take
+never chained, since its counts need the previous step's tokens on the host; so does a step with a row that asks for
+logprobs (`logprobs`: read from the verify step's target logits at every emitted position, which the graph does not
+return). Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
 """
 
@@ -35,7 +37,8 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.logits_processing import LogitsInputs
+from baton.engine.logits_processing import LogitsInputs, apply_processing
+from baton.engine.logprobs import LogprobRows, pack
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
 from baton.engine.qwen3_5_mtp import Qwen3_5MTP
@@ -73,6 +76,8 @@ class SpecRunner(ModelRunner):
         # The last eager step's start mark (`pending_step.device_mark`): a prefill-only launch's PendingStep times
         # from it.
         self._started: torch.cuda.Event | None = None
+        # The last eager step's prompt logprob rows: a prefill-only launch's PendingStep carries them.
+        self._prompt_rows: LogprobRows | None = None
 
     def launch(self, out: SchedulerOutput, prev: PendingStep | None = None,
                return_logits: bool = False) -> PendingStep:
@@ -82,10 +87,10 @@ class SpecRunner(ModelRunner):
         if self.draft:
             raise RuntimeError("SpecRunner.launch: expected a prefill-only runner (draft=False); a drafting runner "
                                "runs its steps with execute()")
-        self._started = None
+        self._started = self._prompt_rows = None
         if self.execute(out, return_logits).sampled:
             raise RuntimeError("SpecRunner.launch: a prefill-only step sampled (a bug)")
-        return PendingStep([], None, self.device, started=self._started)
+        return PendingStep([], None, self.device, started=self._started, prompt_logprobs=self._prompt_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, return_logits: bool = False) -> StepOutput:
@@ -103,18 +108,25 @@ class SpecRunner(ModelRunner):
         next_ids = self._t(self._successors(rows))  # [T]
         prefill_sampling = [i for i in range(nd, len(rows)) if rows[i].sample]
         ends = [r.num_computed_tokens + r.num_tokens for r in rows]
+        scores = self.prompt_scores(out)
+        scored = None if scores is None else (self._t(scores.flat), self._t(scores.targets))
         if nd:
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
-            params, seeds = self.sampling_of([r.request_id for r in rows[:nd]])
-            processing = self.processing_of([r.request_id for r in rows[:nd]], params)
+            verify_ids = [r.request_id for r in rows[:nd]]
+            params, seeds = self.sampling_of(verify_ids)
+            processing = self.processing_of(verify_ids, params)
+            Tv = max(r.num_tokens for r in rows[:nd])
+            lp = (verify_ids, self.logprob_rows(params, per_row=Tv)) if self.wants_logprobs(verify_ids) else None
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token
             last_pos = self._t([ends[i] - 1 for i in prefill_sampling])   # [P] its position
             prefill_rows = self._t(prefill_sampling)
-            p_params, p_seeds = self.sampling_of([rows[i].request_id for i in prefill_sampling])
-            p_processing = self.processing_of([rows[i].request_id for i in prefill_sampling], p_params)
+            p_ids = [rows[i].request_id for i in prefill_sampling]
+            p_params, p_seeds = self.sampling_of(p_ids)
+            p_processing = self.processing_of(p_ids, p_params)
+            p_lp_rows = self.logprob_rows(p_params)
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
         hidden = self.model(input_ids, batch)  # [T, hidden]
@@ -122,10 +134,16 @@ class SpecRunner(ModelRunner):
 
         pieces: list[torch.Tensor] = []  # flattened int64 results, read back once at the end
         anchors, anchor_pos, anchor_rows = [], [], []
+        logprob_rows: list[LogprobRows] = []
+        if scores is not None:
+            self._prompt_rows = LogprobRows(pack(self.model.logits(hidden[scored[0]], upcast=False), scored[1],
+                                                 max(s.k for s in scores.segments)), scores.segments)
         if nd:
-            got, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base, params, seeds,
-                                            processing=processing)
+            got, anchor, pos, verify_lp = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
+                                                       params, seeds, processing=processing, lp=lp)
             pieces += got
+            if verify_lp is not None:
+                logprob_rows.append(verify_lp)
             anchors.append(anchor)
             anchor_pos.append(pos)
             anchor_rows.append(torch.arange(nd, device=dev))
@@ -135,8 +153,15 @@ class SpecRunner(ModelRunner):
             # The token after each prompt: drawn as a verify row without drafts draws it (at position last_pos + 1),
             # as every engine samples, so that a transferred request's first decode step (a verify row of token N,
             # R1) samples what the aggregated engine's last prefill chunk does (R6).
-            tokens = self.rejection.sample(self.model.logits(hidden[last], upcast=False), p_params, p_seeds,
-                                           None if p_seeds is None else last_pos + 1, p_processing)
+            p_logits = self.model.logits(hidden[last], upcast=False)  # [P, V]
+            if p_processing is not None and any(p.logprobs is not None for p in p_params):
+                # Logprobs are of the processed logits (`logprobs`): processed once, for the draw and for them.
+                p_logits, p_processing = self.rejection.processed(p_logits, p_processing), None
+            tokens = self.rejection.sample(p_logits, p_params, p_seeds, None if p_seeds is None else last_pos + 1,
+                                           p_processing)
+            p_lp = self.output_logprobs(p_logits, tokens, p_ids, p_params, p_lp_rows)
+            if p_lp is not None:
+                logprob_rows.append(p_lp)
             next_ids[last] = tokens
             pieces.append(tokens)
             anchors.append(last)
@@ -152,12 +177,17 @@ class SpecRunner(ModelRunner):
             drafts_out = self._chain(h, mtp_batch, torch.cat(anchor_pos), tables)
             pieces.append(drafts_out.reshape(-1))
 
+        prompt_lps = {} if self._prompt_rows is None or scores is None else self._prompt_rows.read()
         if not pieces:
-            return StepOutput(sampled={})
+            return StepOutput(sampled={}, prompt_logprobs=prompt_lps)
         ended = None if started is None else device_mark(self.device)
         host = torch.cat(pieces).tolist()  # the one device -> host read of the step
-        return self._unpack(host, out, prefill_sampling, drafts_out is not None,
-                            seconds=elapsed_seconds(started, ended))
+        result = self._unpack(host, out, prefill_sampling, drafts_out is not None,
+                              seconds=elapsed_seconds(started, ended))
+        for rows_lp in logprob_rows:
+            result.logprobs.update(rows_lp.read())
+        result.prompt_logprobs.update(prompt_lps)
+        return result
 
     @staticmethod
     def _successors(rows, width: int = 0) -> list[int]:
@@ -172,13 +202,17 @@ class SpecRunner(ModelRunner):
 
     def _verify(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
                 num_draft: torch.Tensor, verify_base: torch.Tensor, params: list, seeds: torch.Tensor | None,
-                sampling: tuple[torch.Tensor, ...] | None = None, processing: LogitsInputs | None = None
-                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+                sampling: tuple[torch.Tensor, ...] | None = None, processing: LogitsInputs | None = None,
+                lp: tuple[list[str], torch.Tensor | None] | None = None
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, LogprobRows | None]:
         """The verify rows (the batch's first Rd): rejection sampling, R3's replay counts, and the emitted
         tokens written into `next_ids` as the drafter's successors. `sampling` (a graph's rows that sample): the
         rows' (temperature, seeds) tensors, with top-k / top-p ones (temperature, seeds, top_k, top_p), which
         `params` / `seeds` then stand aside for; `processing`: the rows' logits processing (eager steps only).
-        Returns (the results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last committed position [Rd], its position [Rd])."""
+        `lp` (eager steps whose rows ask for logprobs): the rows' request ids and `logprob_rows` (per_row = Tv).
+        Returns (the results to read back: emitted counts [Rd] and tokens [Rd*Tv], the flat token of each row's last
+        committed position [Rd], its position [Rd], the logprobs of every position of the rows that asked: the
+        target's, of the processed logits, at the token each position emits)."""
         nd = batch.num_decodes
         idx = batch.spec_token_index  # [Rd, Tv]
         Tv = idx.shape[1]
@@ -187,6 +221,9 @@ class SpecRunner(ModelRunner):
         logits = self.model.logits(rows_hidden, upcast=False).view(nd, Tv, -1)  # [Rd, Tv, V]
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
+        if lp is not None and processing is not None:
+            # Logprobs are of the processed logits (`logprobs`): processed once, for the verify and for them.
+            logits, processing = apply_processing(logits, drafts, num_draft, processing), None
         # Column t of a row decides the token at position verify_base + 1 + t.
         if sampling is not None:
             res = self.rejection.verify_tempered(logits, drafts, num_draft, *sampling[:2], verify_base + 1,
@@ -201,7 +238,12 @@ class SpecRunner(ModelRunner):
         successors = emitted.clamp_min(0).reshape(-1)
         next_ids[:batch.num_decode_tokens] = successors if uniform else successors[batch.spec_flat_index]
         anchor = batch.query_start_loc[:nd] + res.accepted_counts
-        return [res.num_emitted, emitted.reshape(-1)], anchor, verify_base + res.accepted_counts
+        rows_lp = None
+        if lp is not None:
+            # Position t of a row scores the token it emits there (the accepted draft t, or the sampled one); the
+            # positions past those are read back too and dropped on the host.
+            rows_lp = self.output_logprobs(logits.reshape(nd * Tv, -1), successors, lp[0], params, lp[1], per_row=Tv)
+        return [res.num_emitted, emitted.reshape(-1)], anchor, verify_base + res.accepted_counts, rows_lp
 
     def _catch_up(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, anchor: torch.Tensor
                   ) -> tuple[torch.Tensor, ForwardBatch]:
@@ -228,7 +270,8 @@ class SpecRunner(ModelRunner):
     def _whole_step_graphable(self, out: SchedulerOutput) -> bool:
         """Verify rows only, each with at most K drafts (padded to K), drafting: the step is a fixed sequence of
         device ops, so a graph holds all of it (`StepGraphs`' greedy, tempered or filtered variant)."""
-        return self.draft and self._graphable(out) and not self.processes([r.request_id for r in out.rows])
+        ids = [r.request_id for r in out.rows]
+        return self.draft and self._graphable(out) and not self.processes(ids) and not self.wants_logprobs(ids)
 
     def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
         """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
@@ -254,8 +297,8 @@ class SpecRunner(ModelRunner):
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
-        pieces, anchor, pos = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
-                                           [GREEDY] * n, None, sampling)
+        pieces, anchor, pos, _ = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
+                                              [GREEDY] * n, None, sampling)
         h, mtp_batch = self._catch_up(hidden, next_ids, batch, anchor)
         drafts = self._chain(h, mtp_batch, pos, batch.block_tables)
         return torch.cat([*pieces, drafts.reshape(-1)])

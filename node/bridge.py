@@ -48,8 +48,12 @@ _mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = wea
 
 
 def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: `then`'s state, both outputs' new tokens."""
-    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids)
+    """Two consecutive outputs of one request as one: `then`'s state, both outputs' new tokens (and their logprobs,
+    and the prompt logprobs, which only a request's first output carries)."""
+    logprobs = then.logprobs if first.logprobs is None else first.logprobs + (then.logprobs or ())
+    return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs,
+                               prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+                               else then.prompt_logprobs)
 
 
 class OutputStream:

@@ -66,13 +66,16 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")
+    g.add_argument("--max-logprobs", type=int, metavar="K",
+                   help=f"most top alternatives a request's logprobs / prompt_logprobs may ask for (more are "
+                        f"refused) ({d.max_logprobs})")
 
 
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
                 "kernels", "num_speculative_tokens",
                 "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens",
-                "tensor_parallel_size", "prefix_checkpoint_stride", "enable_prefix_caching")
+                "tensor_parallel_size", "prefix_checkpoint_stride", "enable_prefix_caching", "max_logprobs")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}
 # Flags without a value: the option given sets its dest to this.

@@ -18,6 +18,7 @@ from baton.node.bridge import OutputStream, in_engine
 from baton.node.load import info_response, load_response
 from baton.node.transfer_handles import handle_to_proto
 from baton.proto.auth import ClusterCredential
+from baton.proto.convert import logprobs_to_proto
 from baton.proto.v1 import worker_pb2 as wk
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.transfer.handle import TransferHandle
@@ -51,12 +52,16 @@ class PrefillService(wk_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: expected a non-empty id")
         stream = OutputStream()
         handles: dict[str, TransferHandle] = {}
+        scored: dict[str, list] = {}  # rid -> the prompt's logprob messages, when asked
+        k = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
 
         def on_output(out: RequestOutput) -> None:
             # On the engine thread, in the same call that finished the prefill: the caches go straight
             # under a lease, so no cancellation can fall between "finished" and "held" and leak them.
             if out.finish_reason == "prefilled":
                 handles[rid] = self.held.hold(rid, out.held_block_ids, out.held_state_slot, len(prompt) - 1)
+                if out.prompt_logprobs is not None:
+                    scored[rid] = logprobs_to_proto(out.prompt_logprobs)
             stream.push(out)
 
         def add(engine: LLMEngine) -> None:
@@ -65,7 +70,9 @@ class PrefillService(wk_grpc.WorkerServicer):
                 raise ValueError(f"request_id: expected an id with no lease held, got {rid!r}, whose earlier "
                                  "prefill is still held for a decode node (pulled, aborted or expired frees it)")
             # Computes tokens 0..N-2 (R1); token N-1 stays the successor the MTP drafter reads at N-2 (R8).
-            engine.add_request(prompt, SamplingParams(max_tokens=1), request_id=rid, prefill_only=True)
+            # The N-1 computed positions predict prompt tokens 1..N-1: every prompt logprob there is.
+            engine.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=k), request_id=rid,
+                               prefill_only=True)
             self.thread.on_output(rid, on_output)
 
         try:
@@ -86,7 +93,8 @@ class PrefillService(wk_grpc.WorkerServicer):
         # Whether this reply reaches the router is not known here (a grpc.aio handler is told neither that its peer
         # left once it has returned nor that the reply was lost): a router that gave up on the request re-sends its
         # Abort once this node answers again (router/unsent_aborts.py), and the lease's expiry bounds the rest.
-        return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel, self.credential))
+        return wk.PrefillResponse(handle=handle_to_proto(handle, *self.side_channel, self.credential),
+                                  prompt_logprobs=scored.get(rid, []))
 
     async def Decode(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill node; Decode runs on decode nodes")

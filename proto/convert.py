@@ -3,7 +3,10 @@ uses them too)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.token_logprob import TokenLogprob
 from baton.proto.v1 import generation_pb2 as gen
 
 FINISH_TO_PROTO = {
@@ -32,6 +35,8 @@ def sampling_from_proto(p: gen.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else d.repetition_penalty,
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens if p.HasField("min_tokens") else d.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -45,4 +50,14 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
         if getattr(s, name) != getattr(d, name):
             setattr(p, name, getattr(s, name))
     p.logit_bias.update(dict(s.logit_bias))
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(s, name) is not None:
+            setattr(p, name, getattr(s, name))
     return p
+
+
+def logprobs_to_proto(items: Sequence[TokenLogprob | None]) -> list[gen.TokenLogprob]:
+    """The engine's logprobs as messages (a prompt's first entry, None, is left out: it has no context)."""
+    return [gen.TokenLogprob(token_id=it.token_id, logprob=it.logprob,
+                             top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in it.top])
+            for it in items if it is not None]

@@ -48,6 +48,9 @@ def _check_limits(cfg: RouterConfig) -> None:
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _bad(name, "an integer >= 1", v)
+    v = cfg.max_logprobs
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _bad("max_logprobs", "an integer >= 0", v)
     v = cfg.max_request_bytes
     if not isinstance(v, int) or isinstance(v, bool) or not 1024 <= v <= WORKER_MAX_MESSAGE_BYTES:
         raise _bad("max_request_bytes", f"an integer in [1024, {WORKER_MAX_MESSAGE_BYTES}]", v)
@@ -112,6 +115,9 @@ class RouterConfig:
     stream_write_timeout_s: float = 30.0
     # Most stop token ids one request may carry.
     max_stop_ids: int = 256
+    # Most top alternatives a request's logprobs / prompt_logprobs may ask for (the nodes' own bound is
+    # `EngineConfig.max_logprobs`).
+    max_logprobs: int = 20
     # Deadline of a `Load` / `Info` poll. A worker that lets `unhealthy_after` polls in a row pass it without an
     # answer has stopped answering: it leaves rotation, and the requests it serves are retried elsewhere (nothing
     # streamed yet) or end with UNAVAILABLE. (A frozen process is noticed sooner, by keepalive pings.)

@@ -47,6 +47,8 @@ class DecodeStream:
 class Prefilled:
     worker: Worker
     handle: worker_pb2.TransferHandle
+    # Prompt tokens 1..N-1 scored by the prefill node (sampling.prompt_logprobs): its N-1 positions are all there are.
+    prompt_logprobs: Sequence[generation_pb2.TokenLogprob] = ()
 
 
 class _Retryable(Exception):
@@ -142,22 +144,24 @@ class Flow:
             self.prefill_pool.record(picked)
             state.prefill_retries += bool(tried)
             tried.append(worker)
-            handle = await self._prefill_on(state, worker, req, client_timeout)
-            if handle is not None:
-                return Prefilled(worker, handle)
+            resp = await self._prefill_on(state, worker, req, client_timeout)
+            if resp is not None:
+                return Prefilled(worker, resp.handle, tuple(resp.prompt_logprobs))
         log.warning("request %s: prefill failed on %s; the decode node prefills locally",
                     state.request_id, tried or "no healthy worker")
         return None
 
     async def _prefill_on(self, state: InFlight, worker: Worker, req: ValidatedRequest,
-                          client_timeout: float | None) -> worker_pb2.TransferHandle | None:
+                          client_timeout: float | None) -> worker_pb2.PrefillResponse | None:
         rid, n = state.request_id, len(req.prompt_token_ids)
         state.live.add(worker)
         # The node computes N-1 of the N tokens: that is what its outstanding_prefill_tokens will count.
         worker.tracker.add(rid, n - 1)
         # A failed or timed-out prefill may still be computing or holding a lease: `release` frees it.
-        call = worker.stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids),
-                                   timeout=_min_timeout(self.config.prefill_timeout_s, client_timeout))
+        msg = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids)
+        if req.sampling.HasField("prompt_logprobs"):
+            msg.prompt_logprobs = req.sampling.prompt_logprobs
+        call = worker.stub.Prefill(msg, timeout=_min_timeout(self.config.prefill_timeout_s, client_timeout))
         state.call = call
         stops = worker.stops
         worker.watch(call)
@@ -186,7 +190,7 @@ class Flow:
                       resp.handle.num_tokens, n - 1)
             self.release(state, worker)
             return None
-        return resp.handle
+        return resp
 
     # ---- decode ---------------------------------------------------------------------------------
     async def open_decode(self, state: InFlight, req: ValidatedRequest, prefilled: Prefilled | None,
@@ -238,6 +242,9 @@ class Flow:
         worker.tracker.add(rid, n, prefill_tokens=1 if handle is not None else n)
         msg = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=req.prompt_token_ids,
                                        sampling=req.sampling, handle=handle)
+        if handle is not None:
+            # The prefill node scored the prompt (`Prefilled.prompt_logprobs`); the decode node computes token N only.
+            msg.sampling.ClearField("prompt_logprobs")
         call = worker.stub.Decode(msg, timeout=client_timeout)
         state.call = call
         stops = worker.stops

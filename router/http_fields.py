@@ -5,7 +5,7 @@ ignored: a client that asks for something Baton does not do learns it at once in
   names them (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
   `return_token_ids`).
 - `NEUTRAL_ONLY`: not implemented, but accepted with null or a value that asks for nothing (`best_of: 1`,
-  `logprobs: false`, `response_format: {"type": "text"}`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
+  `suffix: ""`, `response_format: {"type": "text"}`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
 - Any other field (OpenAI's or not) is refused with code "unknown_parameter", as OpenAI does.
 
 `tests/test_openai_fields.py` walks the `openai` client's parameter lists and checks each is one or the other.
@@ -25,8 +25,8 @@ _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "sto
                      "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
                      "return_token_ids"})
 IMPLEMENTED = {
-    COMPLETIONS: _COMMON | {"prompt"},
-    CHAT: _COMMON | {"messages", "max_completion_tokens"},
+    COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo"},
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 # Keys of `stream_options` the front implements.
 STREAM_OPTIONS = frozenset({"include_usage"})
@@ -47,10 +47,6 @@ _CHAT, _COMPLETIONS = frozenset({CHAT}), frozenset({COMPLETIONS})
 NEUTRAL_ONLY = {
     # Ranking best_of candidates by log probability is not implemented: n choices are all returned.
     "best_of": Neutral((1,), _COMPLETIONS),
-    # Completions' logprobs is a count (0 still returns the sampled token's); chat's a boolean.
-    "logprobs": Neutral((False,)),
-    "top_logprobs": Neutral((0,), _CHAT),
-    "echo": Neutral((False,), _COMPLETIONS),
     "suffix": Neutral(("",), _COMPLETIONS),
     "user": Neutral(()),
     "response_format": Neutral(({"type": "text"},), _CHAT),

@@ -113,6 +113,21 @@ def check_sampling(p: generation_pb2.SamplingParams) -> None:
         raise ApiError(400, msg, param=name) from None
 
 
+def logprobs(body: dict, chat: bool, most: int) -> tuple[int | None, bool]:
+    """(the top alternatives per token, None when no logprobs are asked for; echo). Chat: `logprobs` true with
+    `top_logprobs` alternatives (0 when absent); completions: `logprobs` is the count (false or null: none) and `echo`
+    returns the prompt before the completion (with `logprobs`, the prompt tokens' logprobs too)."""
+    if chat:
+        on = opt_bool(body, "logprobs")
+        top = _opt_int(body, "top_logprobs", 0, most)
+        if top and not on:
+            raise bad("top_logprobs", "to come with logprobs: true", top)
+        return (top or 0) if on else None, False
+    v = body.get("logprobs")
+    k = None if v is None or v is False else _opt_int(body, "logprobs", 0, most)
+    return k, opt_bool(body, "echo")
+
+
 def choices(body: dict, most: int) -> int:
     """`n`, the choices per prompt (1 when absent); `best_of` is refused beyond 1 by `http_fields`."""
     n = _opt_int(body, "n", 1, 2**32 - 1)
@@ -236,3 +251,7 @@ class Job:
     include_usage: bool = False
     return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Top alternatives per token when the request asked for logprobs, else None (`logprobs`).
+    logprobs: int | None = None
+    # Completions: the choices' text (and logprobs) start with their prompt's.
+    echo: bool = False

@@ -97,6 +97,8 @@ _FLAGS = {
     "stream_write_timeout_s": ("--stream-write-timeout-s", "seconds a response write to a gRPC client may stall "
                                                            "(it stopped reading) before its request is cancelled"),
     "max_stop_ids": ("--max-stop-ids", "most stop token ids one request may carry (more: INVALID_ARGUMENT)"),
+    "max_logprobs": ("--max-logprobs", "most top alternatives a request's logprobs / prompt_logprobs (OpenAI: "
+                                       "top_logprobs, completions' logprobs) may ask for (more: INVALID_ARGUMENT)"),
 }
 
 

@@ -48,6 +48,7 @@ from baton.router.http_fields import COMPLETIONS as COMPLETION_FIELDS
 from baton.router.http_fields import check_fields
 from baton.router.http_json import decode_object
 from baton.router.http_limits import HttpLimits
+from baton.router.http_logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
 from baton.router.security import RouterSecurity
 
 __all__ = ["PATHS", "OpenAIFront", "load_chat_template"]
@@ -138,7 +139,11 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    started: bool = False  # chat streams: the role delta was sent
+    started: bool = False  # chat streams: the role delta was sent (completions with echo: the prompt was sent)
+    prompt_ids: Sequence[int] = ()
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    legacy: CompletionLogprobs = field(default_factory=CompletionLogprobs)
 
     @property
     def done(self) -> bool:
@@ -169,6 +174,7 @@ class OpenAIFront:
         self.in_flight = 0  # slots of `limits.max_in_flight` taken
         self._runs: set[_Run] = set()
         self._executor = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="baton-http-parse")
+        self._texts = TokenTexts(tok)
 
     # ---- the ASGI app's front ----
     def claims(self, path: str) -> bool:
@@ -266,6 +272,11 @@ class OpenAIFront:
         stops = rq.stops(body)
         stream, include_usage = rq.stream_options(body)
         return_ids = rq.opt_bool(body, "return_token_ids")
+        top, echo = rq.logprobs(body, chat, self.service.flow.config.max_logprobs)
+        if top is not None:
+            sampling.logprobs = top
+            if echo:  # the echoed prompt comes with its logprobs
+                sampling.prompt_logprobs = top
         if stops and tok is None:
             raise ApiError(400, "stop: stop strings need the router's tokenizer (start it with --tokenizer); "
                                 "send stop_token_ids instead", param="stop")
@@ -300,7 +311,7 @@ class OpenAIFront:
             for r in fan_out(one, n):
                 r.request_id = f"{job_id}-{len(requests)}"
                 requests.append(r)
-        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids)
+        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, logprobs=top, echo=echo)
 
     def _chat_prompt(self, body: dict, tok: TextTokenizer | None) -> list[list[int]]:
         if self.chat_template is None or tok is None:
@@ -327,7 +338,7 @@ class OpenAIFront:
             self._runs.discard(run)
 
     async def _answer(self, ex: Exchange, job: rq.Job, run: _Run) -> None:
-        choices = [_Choice(len(r.token_ids.ids)) for r in job.requests]
+        choices = [_Choice(len(r.token_ids.ids), prompt_ids=r.token_ids.ids) for r in job.requests]
         ended = 0
         while ended < len(choices):
             i, kind, item = await run.queue.get()
@@ -341,13 +352,15 @@ class OpenAIFront:
             c = choices[i]
             ids = list(item.token_ids)
             c.token_ids += ids
+            c.logprobs += item.logprobs
+            c.prompt_logprobs += item.prompt_logprobs
             # (Stop strings are matched by the service: its text stops before a match, which ends the request.)
             text = item.text
             if item.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                 c.finish_reason = FINISH_FROM_PROTO.get(item.finish_reason, "stop")
             c.text.append(text)
-            if job.stream and (text or ids or c.done):
-                await self._chunk(ex, job, i, c, text, ids)
+            if job.stream and (text or ids or c.done or (job.echo and not c.started)):
+                await self._chunk(ex, job, i, c, text, ids, item.logprobs)
         if job.stream:
             if job.include_usage:
                 await ex.event(self._envelope(job, [], usage=_usage(choices)))
@@ -365,19 +378,48 @@ class OpenAIFront:
             out["usage"] = usage
         return out
 
+    def _echo(self, job: rq.Job, c: _Choice) -> tuple[str, dict | None]:
+        """A completions choice's echoed prompt, once: its text and, with logprobs, its legacy entries."""
+        c.started = True
+        text = self.service.tokenizer.decode(c.prompt_ids) if self.service.tokenizer is not None else ""
+        if job.logprobs is None:
+            return text, None
+        entries = c.legacy.entries(c.prompt_ids[0], c.prompt_logprobs, self._texts)
+        # Offsets follow the echoed text (a token's text alone may differ from its part of the whole).
+        c.legacy.offset = len(text)
+        return text, entries
+
+    def _logprobs(self, job: rq.Job, c: _Choice, items: Sequence[generation_pb2.TokenLogprob],
+                  echoed: dict | None = None) -> dict | None:
+        """The logprobs object of a choice (or chunk) whose new tokens have `items`; None where none were asked."""
+        if job.logprobs is None:
+            return None
+        if job.chat:
+            return {"content": chat_content(items, self._texts), "refusal": None}
+        run = c.legacy.entries(None, items, self._texts)
+        return run if echoed is None else merge(echoed, run)
+
     def _full(self, job: rq.Job, i: int, c: _Choice) -> dict:
         text = "".join(c.text)
-        out: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": c.finish_reason}
+        echo_text, echoed = self._echo(job, c) if job.echo else ("", None)
+        out: dict[str, Any] = {"index": i, "logprobs": self._logprobs(job, c, c.logprobs, echoed),
+                               "finish_reason": c.finish_reason}
         if job.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
-            out["text"] = text
+            out["text"] = echo_text + text
         if job.return_token_ids:
             out["token_ids"] = c.token_ids
         return out
 
-    async def _chunk(self, ex: Exchange, job: rq.Job, i: int, c: _Choice, text: str, ids: list[int]) -> None:
-        out: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": c.finish_reason}
+    async def _chunk(self, ex: Exchange, job: rq.Job, i: int, c: _Choice, text: str, ids: list[int],
+                     items: Sequence[generation_pb2.TokenLogprob]) -> None:
+        echoed = None
+        if job.echo and not c.started:  # the first chunk of a completions choice with echo starts with the prompt
+            echo_text, echoed = self._echo(job, c)
+            text = echo_text + text
+        out: dict[str, Any] = {"index": i, "logprobs": self._logprobs(job, c, items, echoed),
+                               "finish_reason": c.finish_reason}
         if job.chat:
             delta: dict[str, Any] = {}
             if not c.started:

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import PurePath
 
 import grpc
@@ -127,11 +128,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             del self._fans[key]
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
-        model, limit = self._model(), self.flow.config.max_stop_ids
+        model, cfg = self._model(), self.flow.config
+        limits = (cfg.max_stop_ids, cfg.max_logprobs)
         if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_INLINE_CHARS:
             # Tokenizing a long text takes long enough to stall every other stream on this loop.
-            return await asyncio.to_thread(validate, request, model, self.tokenizer, limit)
-        return validate(request, model, self.tokenizer, limit)
+            return await asyncio.to_thread(validate, request, model, self.tokenizer, *limits)
+        return validate(request, model, self.tokenizer, *limits)
 
     async def _admitted(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         caller: Caller, started: float) -> None:
@@ -247,13 +249,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # open_decode may have turned a disaggregated request into a fallback (failed pull, decode retry).
         self.metrics.decisions.labels(decision=state.route).inc()
         try:
-            await self._stream(state, stream, context, started, req.stops)
+            await self._stream(state, stream, context, started, req.stops,
+                               prefilled.prompt_logprobs if prefilled is not None else ())
         finally:
             # Ends our side of the stream on every path (a no-op once the worker has closed it).
             stream.call.cancel()
 
     async def _stream(self, state: InFlight, stream: DecodeStream, context: grpc.aio.ServicerContext,
-                      started: float, stops: tuple[str, ...] = ()) -> None:
+                      started: float, stops: tuple[str, ...] = (),
+                      prompt_logprobs: Sequence[generation_pb2.TokenLogprob] = ()) -> None:
+        """`prompt_logprobs`: the prefill node's, sent with the first message unless the decode node scored the
+        prompt itself (a local prefill after a failed pull)."""
         # Deltas never end inside a multi-byte character; together they equal decode(all output ids).
         detok = self.tokenizer.detokenizer() if self.tokenizer else None
         matcher = StopMatcher(stops) if stops else None
@@ -271,7 +277,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             matched = False
             if matcher is not None:
                 text, matched = matcher.push(text, final)
-            out = generation_pb2.GenerateResponse(request_id=state.client_id, token_ids=ids, text=text)
+            out = generation_pb2.GenerateResponse(request_id=state.client_id, token_ids=ids, text=text,
+                                                  logprobs=msg.logprobs)
+            if msg is stream.first:
+                out.prompt_logprobs.extend(msg.prompt_logprobs or prompt_logprobs)
             if matched:
                 out.finish_reason = generation_pb2.FINISH_REASON_STOP
                 self._set_usage(out.usage, state)

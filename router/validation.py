@@ -58,7 +58,7 @@ def _check_prompt_length(n: int, model: generation_pb2.ModelInfoResponse) -> Non
 
 
 def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.ModelInfoResponse,
-             tokenizer: TextTokenizer | None, max_stop_ids: int = 256) -> ValidatedRequest:
+             tokenizer: TextTokenizer | None, max_stop_ids: int = 256, max_logprobs: int = 20) -> ValidatedRequest:
     """Raises ValueError naming the field, what was expected and what came. Cheap checks come first, so that a
     huge request is refused before it is walked."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -76,6 +76,10 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
                          f"got {s.max_tokens}")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"sampling.logit_bias: expected at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > max_logprobs:
+            raise ValueError(f"sampling.{name}: expected at most {max_logprobs} alternatives (--max-logprobs), "
+                             f"got {getattr(s, name)}")
     if s.HasField("top_k") and s.top_k > model.vocab_size:
         raise ValueError(f"sampling.top_k: expected at most vocab_size={model.vocab_size} (0: off), got {s.top_k}")
     params = sampling_from_proto(s)

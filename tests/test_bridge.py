@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 from baton.engine.llm_engine import RequestOutput
+from baton.engine.token_logprob import TokenLogprob
 from baton.node import bridge
 
 
@@ -27,6 +28,21 @@ def test_outputs_waiting_for_a_slow_consumer_arrive_merged_in_order():
     (o,) = got
     assert o.new_token_ids == tuple(range(10)) and o.token_ids == tuple(range(10))
     assert o.finished and o.finish_reason == "length" and o.num_drafted == 9
+
+
+def test_merged_outputs_keep_every_tokens_logprobs_and_the_prompt_logprobs():
+    prompt_lps = (None, TokenLogprob(2, -0.5))
+    first = RequestOutput(request_id="r", prompt_token_ids=(1, 2), token_ids=(5,), new_token_ids=(5,), finished=False,
+                          finish_reason=None, logprobs=(TokenLogprob(5, -1.0, ((5, -1.0),)),),
+                          prompt_logprobs=prompt_lps)
+    then = RequestOutput(request_id="r", prompt_token_ids=(1, 2), token_ids=(5, 6, 7), new_token_ids=(6, 7),
+                         finished=True, finish_reason="length",
+                         logprobs=(TokenLogprob(6, -2.0, ((4, -0.1),)), TokenLogprob(7, -3.0, ((7, -3.0),))))
+    o = bridge.merge_outputs(first, then)
+    assert o.new_token_ids == (5, 6, 7) and [x.token_id for x in o.logprobs] == [5, 6, 7]
+    assert o.prompt_logprobs == prompt_lps and o.finished
+    plain = bridge.merge_outputs(out(0), out(1))
+    assert plain.logprobs is None and plain.prompt_logprobs is None
 
 
 def test_a_keeping_up_consumer_gets_every_output_and_nothing_is_lost():

@@ -75,8 +75,8 @@ def test_every_openai_parameter_is_implemented_or_refused_naming_it(path, tok_di
 
 
 @pytest.mark.parametrize(("field", "neutral", "used"), [
-    ("response_format", {"type": "text"}, {"type": "json_object"}), ("logprobs", False, True),
-    ("tools", [], [{"type": "function", "function": {"name": "f"}}]), ("top_logprobs", 0, 2),
+    ("response_format", {"type": "text"}, {"type": "json_object"}), ("tool_choice", "none", "auto"),
+    ("tools", [], [{"type": "function", "function": {"name": "f"}}]), ("functions", [], [{"name": "f"}]),
 ])
 def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, used):
     check_fields({field: neutral}, CHAT)
@@ -88,7 +88,7 @@ def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, us
 
 def test_a_boolean_is_not_a_neutral_number():
     # JSON's true is not 1: `n: true` asks for something, if anything, other than one choice.
-    for field, v in [("logprobs", 0), ("top_logprobs", False)]:
+    for field, v, path in [("parallel_tool_calls", 0, CHAT), ("best_of", True, COMPLETIONS)]:
         with pytest.raises(ApiError) as e:
-            check_fields({field: v}, CHAT)
+            check_fields({field: v}, path)
         assert e.value.param == field

@@ -195,7 +195,7 @@ def test_errors_have_openai_format_and_status_over_fakes():
                 (dict(prompt="text"), openai.BadRequestError, "prompt"),  # no tokenizer
                 (dict(prompt=[1], stop="x"), openai.BadRequestError, "stop"),
                 (dict(prompt=[]), openai.BadRequestError, "prompt"),
-                (dict(prompt=[1], logprobs=2), openai.BadRequestError, "logprobs"),
+                (dict(prompt=[1], logprobs=21), openai.BadRequestError, "logprobs"),  # above --max-logprobs
             ]
             for kw, exc, param in cases:
                 with pytest.raises(exc) as e:

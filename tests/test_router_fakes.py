@@ -32,6 +32,15 @@ def expected_tokens(prompt: Sequence[int], n: int = DEFAULT_MAX_TOKENS) -> list[
     return [(sum(prompt) + 7 * i + 3) % VOCAB for i in range(n)]
 
 
+# The logprob a fake gives every prompt token it scores: which node scored a prompt shows in the value.
+PREFILL_LOGPROB, DECODE_LOGPROB = -0.5, -0.25
+
+
+def fake_logprobs(ids: Sequence[int], value: float, k: int) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(token_id=t, logprob=value,
+                                        top=[generation_pb2.TopLogprob(token_id=t, logprob=value)] * k) for t in ids]
+
+
 def spec_totals(k: int, n: int) -> tuple[int, int]:
     """(drafted, accepted) a fake decode worker with `spec_k = k` reports after streaming n tokens."""
     return k * n, n // 2
@@ -105,8 +114,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.active.discard(rid)
         n = len(request.prompt_token_ids) - (0 if self.prefill_wrong_tokens else 1)
+        scored = (fake_logprobs(request.prompt_token_ids[1:], PREFILL_LOGPROB, request.prompt_logprobs)
+                  if request.HasField("prompt_logprobs") else [])
         return worker_pb2.PrefillResponse(handle=worker_pb2.TransferHandle(
-            engine_id=self.name, request_id=rid, num_tokens=n, kv_block_ids=[0], state_slot=0))
+            engine_id=self.name, request_id=rid, num_tokens=n, kv_block_ids=[0], state_slot=0), prompt_logprobs=scored)
 
     async def Decode(self, request, context):
         self.decodes.append(request)
@@ -133,9 +144,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     return
                 last = i == len(tokens) - 1
                 drafted, accepted = spec_totals(self.spec_k, i + 1) if self.spec_k else (0, 0)
-                await context.write(worker_pb2.DecodeResponse(
+                msg = worker_pb2.DecodeResponse(
                     token_ids=[t], finish_reason=generation_pb2.FINISH_REASON_LENGTH if last else 0,
-                    num_drafted_tokens=drafted, num_accepted_tokens=accepted))
+                    num_drafted_tokens=drafted, num_accepted_tokens=accepted)
+                if s.HasField("logprobs"):
+                    msg.logprobs.extend(fake_logprobs([t], -1.0 - i, s.logprobs))
+                # A node scores the prompt only where it prefilled it (a pulled request never asks).
+                if i == 0 and s.HasField("prompt_logprobs") and not request.HasField("handle"):
+                    msg.prompt_logprobs.extend(fake_logprobs(request.prompt_token_ids[1:], DECODE_LOGPROB,
+                                                             s.prompt_logprobs))
+                await context.write(msg)
         finally:
             self.active.discard(rid)
 

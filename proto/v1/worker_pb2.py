@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.proto.v1 import generation_pb2 as baton_dot_proto_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61ton/proto/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x1f\x62\x61ton/proto/v1/generation.proto\"\xf4\x01\n\x0eTransferHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0ckv_block_ids\x18\x05 \x03(\r\x12\x12\n\nstate_slot\x18\x06 \x01(\r\x12\x14\n\x0clease_expiry\x18\x07 \x01(\x01\x12\x19\n\x11side_channel_host\x18\x08 \x01(\t\x12\x19\n\x11side_channel_port\x18\t \x01(\r\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x0b\n\x03mac\x18\x0b \x01(\x0c\">\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\";\n\x0fPrefillResponse\x12(\n\x06handle\x18\x01 \x01(\x0b\x32\x18.baton.v1.TransferHandle\"\x93\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12(\n\x06handle\x18\x04 \x01(\x0b\x32\x18.baton.v1.TransferHandle\"\xbd\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11prefilled_locally\x18\x04 \x01(\x08\x12\x1a\n\x12num_drafted_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdd\x01\n\x0cLoadResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x07 \x01(\r\x12\x19\n\x11total_state_slots\x18\x08 \x01(\r\x12\x13\n\x0bheld_leases\x18\t \x01(\r\"\r\n\x0bInfoRequest\"\xa2\x01\n\x0cInfoResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.baton.v1.ModelInfoResponse\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x11\n\thttp_port\x18\x06 \x01(\r2\xbb\x02\n\x06Worker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12\x35\n\x04Load\x12\x15.baton.v1.LoadRequest\x1a\x16.baton.v1.LoadResponse\x12\x35\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x16.baton.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x62\x61ton/proto/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x1f\x62\x61ton/proto/v1/generation.proto\"\xf4\x01\n\x0eTransferHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0ckv_block_ids\x18\x05 \x03(\r\x12\x12\n\nstate_slot\x18\x06 \x01(\r\x12\x14\n\x0clease_expiry\x18\x07 \x01(\x01\x12\x19\n\x11side_channel_host\x18\x08 \x01(\t\x12\x19\n\x11side_channel_port\x18\t \x01(\r\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x0b\n\x03mac\x18\x0b \x01(\x0c\"p\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"l\n\x0fPrefillResponse\x12(\n\x06handle\x18\x01 \x01(\x0b\x32\x18.baton.v1.TransferHandle\x12/\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\x93\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12(\n\x06handle\x18\x04 \x01(\x0b\x32\x18.baton.v1.TransferHandle\"\x98\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11prefilled_locally\x18\x04 \x01(\x08\x12\x1a\n\x12num_drafted_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdd\x01\n\x0cLoadResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\"\n\x1aoutstanding_prefill_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x07 \x01(\r\x12\x19\n\x11total_state_slots\x18\x08 \x01(\r\x12\x13\n\x0bheld_leases\x18\t \x01(\r\"\r\n\x0bInfoRequest\"\xa2\x01\n\x0cInfoResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x05model\x18\x03 \x01(\x0b\x32\x1b.baton.v1.ModelInfoResponse\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x05 \x01(\r\x12\x11\n\thttp_port\x18\x06 \x01(\r2\xbb\x02\n\x06Worker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12=\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x18.baton.v1.DecodeResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12\x35\n\x04Load\x12\x15.baton.v1.LoadRequest\x1a\x16.baton.v1.LoadResponse\x12\x35\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x16.baton.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERHANDLE']._serialized_start=75
   _globals['_TRANSFERHANDLE']._serialized_end=319
   _globals['_PREFILLREQUEST']._serialized_start=321
-  _globals['_PREFILLREQUEST']._serialized_end=383
-  _globals['_PREFILLRESPONSE']._serialized_start=385
-  _globals['_PREFILLRESPONSE']._serialized_end=444
-  _globals['_DECODEREQUEST']._serialized_start=447
-  _globals['_DECODEREQUEST']._serialized_end=594
-  _globals['_DECODERESPONSE']._serialized_start=597
-  _globals['_DECODERESPONSE']._serialized_end=786
-  _globals['_WORKERABORTREQUEST']._serialized_start=788
-  _globals['_WORKERABORTREQUEST']._serialized_end=828
-  _globals['_WORKERABORTRESPONSE']._serialized_start=830
-  _globals['_WORKERABORTRESPONSE']._serialized_end=866
-  _globals['_LOADREQUEST']._serialized_start=868
-  _globals['_LOADREQUEST']._serialized_end=881
-  _globals['_LOADRESPONSE']._serialized_start=884
-  _globals['_LOADRESPONSE']._serialized_end=1105
-  _globals['_INFOREQUEST']._serialized_start=1107
-  _globals['_INFOREQUEST']._serialized_end=1120
-  _globals['_INFORESPONSE']._serialized_start=1123
-  _globals['_INFORESPONSE']._serialized_end=1285
-  _globals['_WORKER']._serialized_start=1288
-  _globals['_WORKER']._serialized_end=1603
+  _globals['_PREFILLREQUEST']._serialized_end=433
+  _globals['_PREFILLRESPONSE']._serialized_start=435
+  _globals['_PREFILLRESPONSE']._serialized_end=543
+  _globals['_DECODEREQUEST']._serialized_start=546
+  _globals['_DECODEREQUEST']._serialized_end=693
+  _globals['_DECODERESPONSE']._serialized_start=696
+  _globals['_DECODERESPONSE']._serialized_end=976
+  _globals['_WORKERABORTREQUEST']._serialized_start=978
+  _globals['_WORKERABORTREQUEST']._serialized_end=1018
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1020
+  _globals['_WORKERABORTRESPONSE']._serialized_end=1056
+  _globals['_LOADREQUEST']._serialized_start=1058
+  _globals['_LOADREQUEST']._serialized_end=1071
+  _globals['_LOADRESPONSE']._serialized_start=1074
+  _globals['_LOADRESPONSE']._serialized_end=1295
+  _globals['_INFOREQUEST']._serialized_start=1297
+  _globals['_INFOREQUEST']._serialized_end=1310
+  _globals['_INFORESPONSE']._serialized_start=1313
+  _globals['_INFORESPONSE']._serialized_end=1475
+  _globals['_WORKER']._serialized_start=1478
+  _globals['_WORKER']._serialized_end=1793
 # @@protoc_insertion_point(module_scope)

@@ -34,18 +34,22 @@ class TransferHandle(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., kv_block_ids: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., lease_expiry: _Optional[float] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "prompt_logprobs")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     handle: TransferHandle
-    def __init__(self, handle: _Optional[_Union[TransferHandle, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "handle")
@@ -60,20 +64,24 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "prompt_tokens", "prefilled_locally", "num_drafted_tokens", "num_accepted_tokens")
+    __slots__ = ("token_ids", "finish_reason", "prompt_tokens", "prefilled_locally", "num_drafted_tokens", "num_accepted_tokens", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generation_pb2.FinishReason
     prompt_tokens: int
     prefilled_locally: bool
     num_drafted_tokens: int
     num_accepted_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prefilled_locally: _Optional[bool] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., prefilled_locally: _Optional[bool] = ..., num_drafted_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
