@@ -182,3 +182,21 @@ def test_mtp_logprobs_of_sampled_rows_are_the_targets_at_each_emitted_position(m
         ref = reference(hf, prompt + tokens)
         for j, (t, item) in enumerate(zip(tokens, lps, strict=True)):
             check(item, t, ref[len(prompt) - 1 + j], 2)
+
+
+def test_prompt_logprobs_after_a_cached_prefix_score_the_whole_prompt(model):
+    """A prompt whose prefix the prefix cache holds is computed in full when it asks for prompt logprobs: a cached
+    prefix has no logits to score."""
+    _, hf = model
+    prompt = PROMPTS[2]
+    engine = engine_of(model, prefix_checkpoint_stride=1)
+    collect(engine, [prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    hits = engine.scheduler.prefix.hit_tokens
+    (_, _, plps), = collect(engine, [prompt], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    assert engine.scheduler.prefix.hit_tokens == hits  # no hit taken
+    ref = reference(hf, prompt)
+    assert len(plps) == len(prompt) and plps[0] is None
+    for i in range(1, len(prompt)):
+        check(plps[i], prompt[i], ref[i - 1], 2)
+    collect(engine, [prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.scheduler.prefix.hit_tokens > hits  # (without prompt logprobs the same prompt hits)
