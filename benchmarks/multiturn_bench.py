@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton.cli.cluster import Cluster  # noqa: E402
 from baton.client import AsyncClient  # noqa: E402
+from baton.engine.make_model import PRESET_NAMES  # noqa: E402
 from benchmarks.run_info import git_commit  # noqa: E402
 from benchmarks.serving_bench import FIRST_ID, MODEL_PRESETS, Percentiles, card_names, summarize  # noqa: E402
 
@@ -59,9 +60,9 @@ DEFAULTS: dict[str, dict[str, object]] = {
                        "--cache-memory-mb 32768",
     },
     "cpu": {
-        "model_preset": "tiny", "conversations": 16, "turns": 4, "system_tokens": 512, "user_tokens": 32,
-        "answer_min": 8, "answer_max": 24, "concurrency": 4,
-        "engine_args": "--block-size 16 --max-num-seqs 8 --max-num-batched-tokens 256 --num-kv-blocks 1024",
+        "model_preset": "small", "conversations": 16, "turns": 4, "system_tokens": 1024, "user_tokens": 64,
+        "answer_min": 16, "answer_max": 48, "concurrency": 4,
+        "engine_args": "--block-size 16 --max-num-seqs 8 --max-num-batched-tokens 512 --num-kv-blocks 2048",
     },
 }
 
@@ -267,7 +268,7 @@ def ensure_model(preset: str, model_dir: Path, device: str) -> int:
     from baton.engine.loader import read_hf_config
     from baton.engine.make_model import make_model
 
-    base, overrides = MODEL_PRESETS[preset]
+    base, overrides = MODEL_PRESETS.get(preset, (preset, {}))
     marker = model_dir / "multiturn_bench_model.json"
     if not (marker.exists() and marker.read_text() == preset):
         make_model(model_dir, preset=base, seed=0, overrides=overrides, progress=False, tokenizer=False, device=device)
@@ -278,7 +279,8 @@ def ensure_model(preset: str, model_dir: Path, device: str) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu", action="store_true", help="GPU defaults (8b-like, issue #51's workload); else the CPU ones")
-    p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS))
+    p.add_argument("--model-preset", choices=sorted({*PRESET_NAMES, *MODEL_PRESETS}),
+                   help="make-model's presets and serving_bench's (GPU default 8b-like, CPU small)")
     p.add_argument("--model-dir", type=Path, help="checkpoint directory (default TMP/baton-multiturn-PRESET)")
     for name in ("conversations", "turns", "system-tokens", "user-tokens", "answer-min", "answer-max", "concurrency"):
         p.add_argument(f"--{name}", type=int)
