@@ -45,11 +45,12 @@ class Puller:
     async def _on_nixl(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._nixl, fn, *args)
 
-    async def pull(self, request_id: str, h: wk.TransferHandle) -> tuple[list[int], int] | None:
-        """Blocks and slot now holding the request's first `h.num_tokens` tokens, or None (fall back)."""
+    async def pull(self, request_id: str, h: wk.TransferHandle, prompt: list[int]) -> tuple[list[int], int] | None:
+        """Blocks and slot now holding the request's first `h.num_tokens` tokens, or None (fall back). Leading
+        blocks that this node's prefix cache holds for the prompt already are not read again."""
         try:
             await self._connect(h)
-            reserved = await self._reserve(h)
+            reserved = await self._reserve(h, prompt)
         except TransferError as e:
             log.warning("pull of %s from %s failed before the READ: %s", request_id, h.engine_id, e)
             self.num_fallbacks += 1
@@ -57,11 +58,12 @@ class Puller:
         if reserved is None:
             self.num_fallbacks += 1
             return None
-        blocks, slot = reserved
+        blocks, slot, held = reserved
         try:
             self.faults.check(request_id, "before the READ")
-            await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks, list(h.kv_block_ids), slot,
-                                h.state_slot, self.read_timeout_s)
+            await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks[held:], list(h.kv_block_ids)[held:],
+                                slot, h.state_slot, self.read_timeout_s)
+            self.agent.stats.skipped_blocks += held
             self.faults.check(request_id, "after the READ")
         except asyncio.CancelledError:
             # The READ goes on on the transfer thread: give the blocks back after it (same thread, in order).
@@ -84,11 +86,11 @@ class Puller:
 
         await self._on_nixl(connect)
 
-    async def _reserve(self, h: wk.TransferHandle) -> tuple[list[int], int] | None:
+    async def _reserve(self, h: wk.TransferHandle, prompt: list[int]) -> tuple[list[int], int, int] | None:
         """Wait for room, but not past the lease: reading freed (maybe reused) blocks would be wrong."""
         deadline = time.monotonic() + (h.lease_expiry - time.time()) - LEASE_MARGIN_S
         while time.monotonic() < deadline:
-            fut = self.thread.call(lambda engine: engine.reserve(h.num_tokens))
+            fut = self.thread.call(lambda engine: engine.reserve_for(prompt, h.num_tokens))
             try:
                 got = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
@@ -103,7 +105,7 @@ class Puller:
 
     def _free_if_reserved(self, fut: concurrent.futures.Future) -> None:
         if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-            blocks, slot = fut.result()
+            blocks, slot, _ = fut.result()
             self.thread.call(lambda engine: engine.free_held(blocks, slot))
 
     def close(self) -> None:

@@ -56,7 +56,7 @@ class DecodeService(wk_grpc.WorkerServicer):
             # Checked before any connection or READ: a handle names remote memory and a remote address.
             if bad := handle_error(h, rid, len(prompt), self.credential):
                 await context.abort(*bad)
-            pulled = await self.puller.pull(rid, h)
+            pulled = await self.puller.pull(rid, h, prompt)
         stream = OutputStream()
 
         def add(engine: LLMEngine) -> None:

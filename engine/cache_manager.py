@@ -88,6 +88,16 @@ class CacheManager:
             return None
         return self.blocks.allocate(num_blocks), self.slots.allocate(1)[0]
 
+    def reserve_after(self, held: list[int], num_blocks: int) -> tuple[list[int], int] | None:
+        """As `reserve`, the first blocks being `held`: cached blocks that already hold the transfer's first KV
+        (the prefix cache's), taken with a hold each rather than allocated."""
+        reclaimed = sum(self.blocks.refs[b] == 0 for b in held)  # holding one takes it off the reclaimable ones
+        if not self.slots.can_allocate(1) or not self.blocks.can_allocate(num_blocks - len(held) + reclaimed):
+            return None
+        for b in held:
+            self.blocks.hold(b)
+        return held + self.blocks.allocate(num_blocks - len(held)), self.slots.allocate(1)[0]
+
     def adopt(self, req: Request, block_ids: list[int], state_slot: int, num_computed: int) -> None:
         """Make reserved caches, holding req's first `num_computed` tokens, req's own."""
         if len(block_ids) * self.block_size < num_computed:

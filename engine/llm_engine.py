@@ -506,6 +506,16 @@ class LLMEngine:
         """Blocks for `num_tokens` and a state slot for caches that a transfer will fill, or None if busy."""
         return self.cache.reserve(-(-num_tokens // self.config.block_size))
 
+    def reserve_for(self, prompt_token_ids: list[int], num_tokens: int) -> tuple[list[int], int, int] | None:
+        """As `reserve`, for a transfer of the prompt's first `num_tokens` tokens: the blocks the prefix cache holds
+        for its first full blocks are taken as they are (one block is left to read at least), so that the transfer
+        moves only the rest. (blocks, slot, how many leading blocks already hold their KV), or None if busy."""
+        n = -(-num_tokens // self.config.block_size)
+        pc = self.scheduler.prefix
+        held = [] if pc is None or n < 2 else pc.held_prefix(prompt_token_ids[:num_tokens], n - 1)
+        got = self.cache.reserve_after(held, n)
+        return None if got is None else (got[0], got[1], len(held))
+
     def add_computed_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                              block_ids: list[int], state_slot: int, num_computed: int) -> str:
         """Admit a request whose first `num_computed` prompt tokens' KV and state already sit in

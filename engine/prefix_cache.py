@@ -145,12 +145,7 @@ class PrefixCache:
         if not self.missing(req, end):
             return None
         hs = self.hashes(req, end // self.block_size)
-        for h, block in zip(hs, req.block_ids, strict=False):
-            # A block whose tokens are cached already (another request computed them too) stays req's own.
-            if h not in self._by_hash and block not in self.blocks.refs:
-                self.blocks.cache(block)
-                self._by_hash[h] = block
-                self._hash_of[block] = h
+        self._cache_blocks(hs, req.block_ids)
         key = self._key(req, hs[-1], end)
         slot = self._free_slots.pop() if self._free_slots else self._evict_checkpoint()
         self._checkpoints[key] = slot
@@ -158,6 +153,35 @@ class PrefixCache:
         self._fresh.add(key)
         self.checkpoints_taken += 1
         return slot
+
+    def _cache_blocks(self, hs: list[bytes], block_ids: list[int]) -> None:
+        for h, block in zip(hs, block_ids, strict=False):
+            # A block whose tokens are cached already (another request computed them too) stays req's own.
+            if h not in self._by_hash and block not in self.blocks.refs:
+                self.blocks.cache(block)
+                self._by_hash[h] = block
+                self._hash_of[block] = h
+
+    # ---- transfers --------------------------------------------------------------------------------
+    def remember(self, req: Request, num_blocks: int) -> None:
+        """Cache req's first `num_blocks` blocks, which a transfer filled with their final KV, without a checkpoint:
+        a later transfer of a prompt starting with the same tokens reads only the blocks after them."""
+        self._cache_blocks(self.hashes(req, num_blocks), req.block_ids)
+
+    def held_prefix(self, tokens: list[int], num_blocks: int) -> list[int]:
+        """The cached blocks holding the KV of the first of tokens' `num_blocks` full blocks, in order, as long a
+        chain as the cache holds. With an MTP drafter the chain's last block is left out: the drafter's KV at its
+        last position read the token after it (R8), which the chain does not say."""
+        bs = self.block_size
+        out: list[int] = []
+        h = self.seed
+        for i in range(min(num_blocks, len(tokens) // bs)):
+            h = chain_hash(h, tokens[i * bs:(i + 1) * bs])
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out[:-1] if self.match_successor else out
 
     def _evict_checkpoint(self) -> int:
         key, slot = self._checkpoints.popitem(last=False)

@@ -359,6 +359,8 @@ class Scheduler:
             raise ValueError(f"num_computed: expected 1..{req.num_tokens - 1} (prompt length - 1 at most), "
                              f"got {num_computed}")
         self.cache.adopt(req, block_ids, state_slot, num_computed)
+        if self.prefix is not None:  # its full blocks hold final KV: a later transfer of the same prefix skips them
+            self.prefix.remember(req, num_computed // self.cache.block_size)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_computed
         to_decode = num_computed == req.num_tokens - 1

@@ -41,6 +41,9 @@ class _TransferCollector(Collector):
                                   "Descriptors (runs of consecutive blocks, per pool) the READs issued (decode side): "
                                   "one per pool (3 for a hybrid model) when its blocks are consecutive on both "
                                   "sides; more when they are scattered, which costs bandwidth", value=s.descriptors)
+        yield CounterMetricFamily("baton_node_transfer_skipped_blocks",
+                                  "KV blocks READs left out because this node's prefix cache held them for the "
+                                  "prompt already (decode side)", value=s.skipped_blocks)
         yield CounterMetricFamily("baton_node_transfer_failures",
                                   "READs that ended in an error or a timeout (decode side)", value=s.failures)
         yield CounterMetricFamily("baton_node_lease_expiries",

@@ -13,6 +13,7 @@ class TransferStats(msgspec.Struct):
     failures: int = 0           # READs that ended in an error or a timeout
     lease_expiries: int = 0     # prefill side: leases that expired before the READ completed
     leases_completed: int = 0   # prefill side: leases freed by the decode side's notification
+    skipped_blocks: int = 0     # decode side: KV blocks a READ left out, the node's prefix cache holding them
 
     @property
     def gbytes_per_second(self) -> float:

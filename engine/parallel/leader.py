@@ -84,6 +84,11 @@ class LeaderEngine(LLMEngine):
             self._queued.append(Reserve(num_tokens))
         return got
 
+    def reserve_for(self, prompt_token_ids: list[int], num_tokens: int) -> tuple[list[int], int, int] | None:
+        # (No held prefix: the other ranks replay `Reserve`, which allocates every block.)
+        got = self.reserve(num_tokens)
+        return None if got is None else (*got, 0)
+
     def capture_graphs(self, sampled_verify: bool = True) -> int:
         # Now, not with the next step: a capture runs the model's collectives, which every rank must join.
         self._queued.append(CaptureGraphs(sampled_verify))
