@@ -281,8 +281,10 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     seqs = max(*bc.batches, *bc.prefill_splits, bc.mixed_batch + 1, 2)
     budget = max(bc.prefill_tokens, seqs, bc.mixed_batch + max(bc.mixed_prompt_tokens))
     max_len = max(seq_len, bc.prefill_tokens, *((mixed_len, mixed_prompt) if bc.mixed_batch else ())) + bs
+    # No prefix cache: the timed prompts repeat (a hit would time nothing) and its checkpoints would take pool memory.
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                         num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
+                         num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device,
+                         enable_prefix_caching=False)
     plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), probe, dtype, ssm_dtype)
     return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                  num_kv_blocks=plan.num_blocks, plan=plan)
@@ -294,7 +296,7 @@ def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
                         device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
-                        mixed_graph_tokens=bc.mixed_graph_tokens)
+                        mixed_graph_tokens=bc.mixed_graph_tokens, enable_prefix_caching=False)
 
 
 def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:

@@ -163,7 +163,8 @@ def build(model_dir: Path, batch: int, context: int, steps: int, k: int) -> LLME
     blocks_per_req = -(-max_len // EngineConfig().block_size) + k + 1
     engine = LLMEngine(cfg, weights, EngineConfig(
         max_num_seqs=batch, max_num_batched_tokens=budget, num_kv_blocks=batch * blocks_per_req,
-        max_model_len=max_len, dtype="float32", num_speculative_tokens=k, cuda_graphs=False))
+        max_model_len=max_len, dtype="float32", num_speculative_tokens=k, cuda_graphs=False,
+        enable_prefix_caching=False))  # (the host work of steps, not of cache hits)
     engine.runner.graphs = HostOnlyGraphs(batch, 1 + k)
     engine.runner.execute = fake_execute(engine, k)
     engine.runner.launch = fake_launch(engine)

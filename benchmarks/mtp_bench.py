@@ -421,7 +421,7 @@ def engine_logits(cfg: ModelConfig, weights: Params, seq: list[int], device: tor
     n, bs = len(prompt), 16
     ecfg = EngineConfig(num_speculative_tokens=1, device=str(device), dtype="float32", max_num_seqs=1,
                         max_num_batched_tokens=max(n, 2), block_size=bs, num_kv_blocks=-(-n // bs) + 4,
-                        max_model_len=n + 8)
+                        max_model_len=n + 8, enable_prefix_caching=False)
     engine = LLMEngine(cfg, {k: v.detach().clone() for k, v in weights.items()}, ecfg)
     engine.add_request(prompt, SamplingParams(max_tokens=1))
     out = engine.scheduler.schedule()
@@ -674,7 +674,7 @@ def make_engine(cfg: ModelConfig, weights: Params, device: torch.device, dtype: 
     ecfg = EngineConfig(num_speculative_tokens=k, device=str(device), dtype=dtype, max_num_seqs=num_seqs,
                         max_num_batched_tokens=max(2048, num_seqs * (1 + k)), block_size=bs,
                         num_kv_blocks=num_seqs * (-(-max_len // bs) + k + 2) + 8, max_model_len=max_len,
-                        ssm_state_dtype=ssm_state_dtype)
+                        ssm_state_dtype=ssm_state_dtype, enable_prefix_caching=False)  # (timed steps, not hits)
     return LLMEngine(cfg, {k_: v.clone() for k_, v in weights.items()}, ecfg)
 
 

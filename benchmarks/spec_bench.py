@@ -191,7 +191,8 @@ def build_engine(cfg: ModelConfig, weights: dict[str, torch.Tensor], bc: SpecBen
     blocks = b * (-(-seq // bs) + 1)
     budget = max(b * (k + 1), bc.context, 64)
     ec = EngineConfig(block_size=bs, max_num_seqs=b, max_num_batched_tokens=budget, max_model_len=seq + bs,
-                      num_kv_blocks=blocks, device=bc.device, num_speculative_tokens=k)
+                      num_kv_blocks=blocks, device=bc.device, num_speculative_tokens=k,
+                      enable_prefix_caching=False)  # (timed steps, not cache hits)
     return LLMEngine(cfg, weights, ec)
 
 

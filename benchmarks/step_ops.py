@@ -154,7 +154,8 @@ def engine_for(pattern: str, step: str, rows: int, tokens: int, spec: int = 0, f
     engine = LLMEngine(cfg, weights, EngineConfig(
         device="cpu", dtype="bfloat16", max_num_seqs=rows, max_num_batched_tokens=max(tokens, rows * (1 + spec)),
         num_kv_blocks=tokens // 16 + 2 * rows + 2, block_size=16, max_model_len=tokens + 8 * (1 + spec),
-        prefill_only=prefill, num_speculative_tokens=spec, fused_gemv_max_tokens=fused_gemv, kernels="triton"))
+        prefill_only=prefill, num_speculative_tokens=spec, fused_gemv_max_tokens=fused_gemv, kernels="triton",
+        enable_prefix_caching=False))  # (one step's ops, not cache hits)
     engine.depth = 0  # one step at a time: each step() call below is one whole step
     # Prefill: R1 keeps one token back, so prompts of n + 1 tokens prefill n. Decode: short prompts.
     lens = [tokens // rows + (i < tokens % rows) + 1 for i in range(rows)]
