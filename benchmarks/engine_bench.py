@@ -282,15 +282,16 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     budget = max(bc.prefill_tokens, seqs, bc.mixed_batch + max(bc.mixed_prompt_tokens))
     max_len = max(seq_len, bc.prefill_tokens, *((mixed_len, mixed_prompt) if bc.mixed_batch else ())) + bs
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                         num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device)
+                         num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device, enable_prefix_caching=False)
     plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), probe, dtype, ssm_dtype)
     return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                  num_kv_blocks=plan.num_blocks, plan=plan)
 
 
 def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
-    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it.
-    return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs,
+    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it. No prefix cache: it
+    # would take checkpoints out of that budget and cut the measured prompt chunks, and the prompts share nothing.
+    return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs, enable_prefix_caching=False,
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
                         device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
