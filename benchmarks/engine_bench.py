@@ -291,12 +291,13 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
 
 
 def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
-    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it.
-    return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs,
+    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it. No prefix cache: it
+    # would take checkpoints out of that budget and cut the measured prompt chunks, and the prompts share nothing.
+    return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs, enable_prefix_caching=False,
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
                         device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
-                        mixed_graph_tokens=bc.mixed_graph_tokens, enable_prefix_caching=False)
+                        mixed_graph_tokens=bc.mixed_graph_tokens)
 
 
 def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:

@@ -289,8 +289,9 @@ class LLMEngine:
                 unit = plan_cache(self.shard_config, self.model.state_spec(self.shard_config),
                                   replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype)
                 # Prefix checkpoints come one per state slot by default, else a given count out of the budget.
-                ckpt, given = unit.checkpoint_bytes if config.enable_prefix_caching else 0, config.prefix_checkpoint_slots
-                seqs = auto_max_num_seqs(cache - (given or 0) * ckpt, unit.slot_bytes + (0 if given else ckpt),
+                ckpt = unit.checkpoint_bytes if config.enable_prefix_caching else 0
+                given = config.prefix_checkpoint_slots or 0
+                seqs = auto_max_num_seqs(cache - given * ckpt, unit.slot_bytes + (0 if given else ckpt),
                                          unit.block_bytes, config.max_num_batched_tokens, 1 + k)
         return replace(config, device=str(device), cache_memory_bytes=cache, max_num_seqs=seqs)
 

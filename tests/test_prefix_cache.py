@@ -97,20 +97,21 @@ def test_prefix_checkpoint_memory_is_reported(model):
 
 
 def test_concurrent_requests_share_and_evict_prefixes_under_a_small_pool(model):
-    """Few blocks and two checkpoint slots for many requests on a few shared prefixes: blocks and checkpoints are
-    evicted while requests run, outputs stay those of the cache off, and nothing leaks."""
+    """Few blocks and three checkpoint slots for many requests on a few shared prefixes: blocks and checkpoints are
+    evicted, and requests preempted (then admitted again, maybe on a hit), while requests run; outputs stay those of
+    the cache off, and nothing leaks."""
     heads = [tokens(16, 10 + i) for i in range(3)]
-    prompts = [heads[i % 3] + tokens(1 + i % 5, 20 + i) for i in range(10)]
-    small = dict(num_kv_blocks=24, prefix_checkpoint_slots=2, max_num_seqs=3)
-    off = new_engine(model, cache=False, **small).generate(prompts, GREEDY)
+    prompts = [heads[i % 3] + tokens(1 + i % 5, 20 + i) for i in range(8)]
+    small = dict(num_kv_blocks=12, prefix_checkpoint_slots=3, max_num_seqs=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    off = new_engine(model, cache=False, **small).generate(prompts, params)
     engine = new_engine(model, **small)
-    # Twice: the second pass finds what the first left (and evicts it again).
-    for _ in range(2):
-        got = engine.generate(prompts, GREEDY)
-        assert [o.token_ids for o in got] == [o.token_ids for o in off]
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in off]
     s = engine.stats
     assert s.prefix_hit_tokens > 0 and s.prefix_block_evictions > 0 and s.prefix_checkpoint_evictions > 0
-    assert s.prefix_checkpoints <= 2 and s.prefix_checkpoint_bytes == s.prefix_checkpoints * engine.plan.checkpoint_bytes
+    assert s.preemptions > 0
+    assert s.prefix_checkpoints <= 3 and s.prefix_checkpoint_bytes == s.prefix_checkpoints * engine.plan.checkpoint_bytes
     assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0
 
 
