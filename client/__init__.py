@@ -18,10 +18,10 @@ from baton.client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo
+from baton.client.types import Choice, Chunk, Completion, FinishReason, Grammar, Health, ModelInfo
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BatonError", "Choice", "Chunk", "Client", "Completion", "DeadlineExceededError",
-    "FinishReason", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Sampling", "Stream",
+    "FinishReason", "Grammar", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Sampling", "Stream",
     "UnauthenticatedError", "UnavailableError",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.client.errors import BatonError
-from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo
+from baton.client.types import Choice, Chunk, Completion, FinishReason, Grammar, Health, ModelInfo
 from baton.proto.v1 import generation_pb2 as pb
 
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -80,6 +80,8 @@ class Sampling:
     stop: Sequence[str] = ()
     # Choices to generate; each has its own seed, derived from `seed`.
     n: int = 1
+    # The grammar the output must match (needs the server's tokenizer); the request stops once it is complete.
+    structured_output: Grammar | None = None
 
 
 def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id: str | None) -> pb.GenerateRequest:
@@ -92,6 +94,11 @@ def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id:
     for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if getattr(o, name) != getattr(d, name):
             setattr(sampling, name, getattr(o, name))
+    if (g := o.structured_output) is not None:
+        if g.kind == "json_object":
+            sampling.structured_output.json_object = True
+        else:
+            sampling.structured_output.CopyFrom(pb.StructuredOutput(**{g.kind: g.value}))
     # Empty request_id: the router assigns one and sends it back in every response.
     req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling, stop=list(o.stop),
                              n=o.n if o.n != 1 else 0)

@@ -112,7 +112,7 @@ class AsyncClient:
         """Generates for one prompt (token ids or text) and returns the whole completion (its n choices in
         `choices`). Keyword options: the fields of `Sampling` (max_tokens, temperature, top_p, top_k, seed,
         stop_token_ids, ignore_eos, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-        min_tokens, stop, n)."""
+        min_tokens, stop, n, structured_output)."""
         sampling = Sampling(**options)
         builder = CompletionBuilder(prompt, sampling.n)
         async with self._start(generate_request(prompt, sampling, request_id), request_id) as s:

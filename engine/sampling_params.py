@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .structured_output import StructuredOutput
+
 # Seeds are fed to `torch.Generator.manual_seed`, which takes a 64-bit value; keeping them below 2**63
 # means they also round-trip through signed int64 (JSON clients, numpy) unchanged.
 SEED_LIMIT = 2**63
@@ -49,6 +51,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the raw logits; a dict {id: bias} is accepted and normalised to sorted pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # the stop ids (EOS unless ignore_eos, and stop_token_ids) are masked until this many
+    # The grammar the output must match (JSON object / schema, regex, Lark): a token mask before the draw.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,6 +82,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise _bad("structured_output", "None or a StructuredOutput", self.structured_output)
         # Frozen dataclass: normalise through object.__setattr__ so params stay hashable and comparable.
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -96,10 +102,10 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether any logits processing applies (`logits_processing`): penalties, logit_bias, min_tokens or a
-        min_p that a sampled row uses."""
+        """Whether any logits processing applies (`logits_processing`): penalties, logit_bias, min_tokens, a
+        min_p that a sampled row uses, or a grammar."""
         return (self.penalised or bool(self.logit_bias) or self.min_tokens > 0
-                or (self.min_p > 0 and not self.greedy))
+                or (self.min_p > 0 and not self.greedy) or self.structured_output is not None)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks what depends on the model: every stop id and logit_bias key must be a real token."""

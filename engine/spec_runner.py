@@ -106,7 +106,8 @@ class SpecRunner(ModelRunner):
             num_draft = self._t([r.num_draft for r in rows[:nd]])  # [Rd]
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
             params, seeds = self.sampling_of([r.request_id for r in rows[:nd]])
-            processing = self.processing_of([r.request_id for r in rows[:nd]], params)
+            processing = self.processing_of([r.request_id for r in rows[:nd]], params,
+                                            [r.token_ids[1:] for r in rows[:nd]], max(r.num_tokens for r in rows[:nd]))
         if prefill_sampling:
             starts = out.token_starts
             last = self._t([starts[i + 1] - 1 for i in prefill_sampling])  # [P] flat index of each last token

@@ -4,6 +4,7 @@ uses them too)."""
 from __future__ import annotations
 
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured_output import StructuredOutput
 from baton.proto.v1 import generation_pb2 as gen
 
 FINISH_TO_PROTO = {
@@ -32,7 +33,26 @@ def sampling_from_proto(p: gen.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else d.repetition_penalty,
         logit_bias=dict(p.logit_bias),
         min_tokens=p.min_tokens if p.HasField("min_tokens") else d.min_tokens,
+        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(p: gen.StructuredOutput) -> StructuredOutput:
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("sampling field 'structured_output': expected one of json_object, json_schema, regex, lark "
+                         "set, got none")
+    if kind == "json_object":
+        if not p.json_object:
+            raise ValueError("sampling field 'structured_output.json_object': expected true, got false")
+        return StructuredOutput(kind)
+    return StructuredOutput(kind, getattr(p, kind))
+
+
+def structured_to_proto(s: StructuredOutput) -> gen.StructuredOutput:
+    if s.kind == "json_object":
+        return gen.StructuredOutput(json_object=True)
+    return gen.StructuredOutput(**{s.kind: s.value})
 
 
 def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
@@ -45,4 +65,6 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
         if getattr(s, name) != getattr(d, name):
             setattr(p, name, getattr(s, name))
     p.logit_bias.update(dict(s.logit_bias))
+    if s.structured_output is not None:
+        p.structured_output.CopyFrom(structured_to_proto(s.structured_output))
     return p
