@@ -5,7 +5,7 @@ ignored: a client that asks for something Baton does not do learns it at once in
   names them (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
   `return_token_ids`).
 - `NEUTRAL_ONLY`: not implemented, but accepted with null or a value that asks for nothing (`best_of: 1`,
-  `logprobs: false`, `response_format: {"type": "text"}`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
+  `logprobs: false`, `functions: []`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
 - Any other field (OpenAI's or not) is refused with code "unknown_parameter", as OpenAI does.
 
 `tests/test_openai_fields.py` walks the `openai` client's parameter lists and checks each is one or the other.
@@ -23,10 +23,10 @@ COMPLETIONS, CHAT = "completions", "chat"
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                      "n", "presence_penalty", "frequency_penalty", "logit_bias",
                      "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-                     "return_token_ids"})
+                     "return_token_ids", "response_format"})
 IMPLEMENTED = {
     COMPLETIONS: _COMMON | {"prompt"},
-    CHAT: _COMMON | {"messages", "max_completion_tokens"},
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
 }
 # Keys of `stream_options` the front implements.
 STREAM_OPTIONS = frozenset({"include_usage"})
@@ -53,10 +53,6 @@ NEUTRAL_ONLY = {
     "echo": Neutral((False,), _COMPLETIONS),
     "suffix": Neutral(("",), _COMPLETIONS),
     "user": Neutral(()),
-    "response_format": Neutral(({"type": "text"},), _CHAT),
-    "tools": Neutral(([],), _CHAT),
-    "tool_choice": Neutral(("none",), _CHAT),
-    "parallel_tool_calls": Neutral((True, False), _CHAT),
     "functions": Neutral(([],), _CHAT),
     "function_call": Neutral(("none",), _CHAT),
     "modalities": Neutral((["text"],), _CHAT),
