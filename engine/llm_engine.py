@@ -606,7 +606,9 @@ class LLMEngine:
 
     def _grammars_complete(self, reqs: list[Request]) -> list[Request]:
         """Finish (stopped) the running requests whose grammar is complete: nothing but EOS could follow."""
-        done = []
+        done: list[Request] = []
+        if not self.runner.has_grammar():
+            return done
         for req in reqs:
             if req.status is RequestStatus.RUNNING and self.runner.grammar_complete(req.request_id):
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
