@@ -10,6 +10,7 @@ token still in flight (`LLMEngine.step`, `ModelRunner.processes`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from llguidance.numpy import fill_next_token_bitmask
 
 from .request import PENDING
 from .structured_output import StructuredOutput, grammar_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,11 +62,14 @@ class Grammars:
         new = list(row.outputs[row.consumed:])
         if PENDING in new:
             raise RuntimeError(f"grammar: {request_id!r} has an output still in flight (a bug)")
-        if new and not row.matcher.consume_tokens(new):
-            raise RuntimeError(f"grammar: {request_id!r} emitted tokens its grammar refuses ({new}): "
-                               f"{row.matcher.get_error()} (a bug)")
         row.consumed += len(new)
-        return row.matcher.is_stopped()
+        if new and not row.matcher.consume_tokens(new):
+            # Only a matcher that failed (e.g. a parser limit hit) lets a refused token through: that request
+            # ends here rather than the engine loop.
+            log.warning("grammar: %r emitted tokens its grammar refuses (%s): %s; ending it", request_id, new,
+                        row.matcher.get_error())
+            return True
+        return row.matcher.is_stopped() or row.matcher.is_error()
 
     def masks(self, request_id: str, drafts: Sequence[int], width: int) -> np.ndarray:
         """The allowed tokens at a row's `width` positions, bit t % 32 of word t // 32 ([width, words] int32):

@@ -84,6 +84,9 @@ class SamplingParams:
             raise _bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise _bad("structured_output", "None or a StructuredOutput", self.structured_output)
+        if self.structured_output is not None and self.min_tokens:
+            # The grammar decides where the output ends; masking EOS there could leave no token to draw.
+            raise _bad("min_tokens", "0 with a structured_output", self.min_tokens)
         # Frozen dataclass: normalise through object.__setattr__ so params stay hashable and comparable.
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "temperature", float(self.temperature))

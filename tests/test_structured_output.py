@@ -161,6 +161,8 @@ def test_refused_without_a_tokenizer_and_for_bad_grammars(model):
     for kind, value in [("json_schema", "{"), ("json_schema", '{"type": 5}'), ("regex", "[a-"), ("xml", "")]:
         with pytest.raises(ValueError, match="structured_output"):
             StructuredOutput(kind, value)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_output=JSON)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
