@@ -19,6 +19,8 @@ from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.structured_output import StructuredOutput
 from baton.engine.tokenizer import load_tokenizer
+from baton.proto.v1 import generation_pb2 as gen
+from baton.router.validation import MAX_GRAMMAR_BYTES, validate
 from tests.test_e2e import ENGINE_ARGS, all_free, offline
 from tests.test_openai_http import with_chat_template
 
@@ -104,3 +106,23 @@ def test_structured_output_against_a_real_cluster(model, tmp_path):
         free, loads = all_free(cluster)
         assert free, loads
         client.close()
+
+
+def test_the_router_refuses_grammars_a_model_cannot_take():
+    info = gen.ModelInfoResponse(model="m", vocab_size=512, max_model_len=64, has_tokenizer=True)
+
+    def request(**grammar) -> gen.GenerateRequest:
+        return gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2]), sampling=gen.SamplingParams(
+            structured_output=gen.StructuredOutput(**grammar)))
+
+    assert validate(request(regex="[ab]+"), info, None).sampling.structured_output.regex == "[ab]+"
+    for grammar, model, match in [
+            ({"regex": "[ab]+"}, gen.ModelInfoResponse(model="m", vocab_size=512, max_model_len=64), "tokenizer"),
+            ({"json_schema": "{" * 8}, info, "json_schema"),
+            ({"lark": "x" * (MAX_GRAMMAR_BYTES + 1)}, info, "at most"),
+            ({"json_object": False}, info, "json_object")]:
+        with pytest.raises(ValueError, match=match):
+            validate(request(**grammar), model, None)
+    with pytest.raises(ValueError, match="structured_output"):
+        validate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=[1, 2]), sampling=gen.SamplingParams(
+            structured_output=gen.StructuredOutput())), info, None)
