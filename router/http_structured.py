@@ -98,6 +98,9 @@ def tool_choice(body: dict) -> tuple[ToolCalls | None, list[dict] | None, genera
     """(the forced calls, the tools for the chat template, their grammar) of a chat body; (None, None, None)
     without tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "a boolean", parallel)
     if not tools:
         if choice not in (None, "none"):
             raise bad("tool_choice", '"none" or null without tools', choice)
@@ -123,6 +126,6 @@ def tool_choice(body: dict) -> tuple[ToolCalls | None, list[dict] | None, genera
     one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
             "properties": {"name": {"const": n}, "arguments": functions[n]}} for n in names]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
-    if body.get("parallel_tool_calls") is not True:
+    if parallel is not True:
         schema["maxItems"] = 1
     return ToolCalls(tuple(names)), tools, _grammar("tools", JSON_SCHEMA, json.dumps(schema))
