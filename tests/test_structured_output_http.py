@@ -19,6 +19,7 @@ from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.structured_output import StructuredOutput
 from baton.engine.tokenizer import load_tokenizer
+from baton.proto.convert import sampling_from_proto, sampling_to_proto
 from baton.proto.v1 import generation_pb2 as gen
 from baton.router.validation import MAX_GRAMMAR_BYTES, validate
 from tests.test_e2e import ENGINE_ARGS, all_free, offline
@@ -116,6 +117,9 @@ def test_the_router_refuses_grammars_a_model_cannot_take():
             structured_output=gen.StructuredOutput(**grammar)))
 
     assert validate(request(regex="[ab]+"), info, None).sampling.structured_output.regex == "[ab]+"
+    for spec in [StructuredOutput("json_object"), StructuredOutput("lark", 'start: "a"+'), None]:
+        p = SamplingParams(max_tokens=3, structured_output=spec)
+        assert sampling_from_proto(sampling_to_proto(p)) == p
     for grammar, model, match in [
             ({"regex": "[ab]+"}, gen.ModelInfoResponse(model="m", vocab_size=512, max_model_len=64), "tokenizer"),
             ({"json_schema": "{" * 8}, info, "json_schema"),
