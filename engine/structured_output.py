@@ -53,7 +53,7 @@ class StructuredOutput:
             raise ValueError(f"structured_output {self.kind}: expected a grammar llguidance accepts, got: {error}")
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def grammar_text(spec: StructuredOutput) -> str:
     """llguidance's grammar of `spec`, built once per distinct spec."""
     if spec.kind == JSON_OBJECT:
@@ -65,7 +65,7 @@ def grammar_text(spec: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.value)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def grammar_error(spec: StructuredOutput) -> str:
     """Why llguidance refuses `spec`'s grammar ("" when it accepts it)."""
     try:
