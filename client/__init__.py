@@ -18,10 +18,19 @@ from baton.client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo, TokenLogprob
+from baton.client.types import (
+    Choice,
+    Chunk,
+    Completion,
+    FinishReason,
+    Grammar,
+    Health,
+    ModelInfo,
+    TokenLogprob,
+)
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BatonError", "Choice", "Chunk", "Client", "Completion", "DeadlineExceededError",
-    "FinishReason", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Sampling", "Stream",
-    "TokenLogprob", "UnauthenticatedError", "UnavailableError",
+    "FinishReason", "Grammar", "Health", "InvalidArgumentError", "ModelInfo", "ResourceExhaustedError", "Sampling",
+    "Stream", "TokenLogprob", "UnauthenticatedError", "UnavailableError",
 ]

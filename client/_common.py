@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.client.errors import BatonError
-from baton.client.types import Choice, Chunk, Completion, FinishReason, Health, ModelInfo, TokenLogprob
+from baton.client.types import (
+    Choice,
+    Chunk,
+    Completion,
+    FinishReason,
+    Grammar,
+    Health,
+    ModelInfo,
+    TokenLogprob,
+)
 from baton.proto.v1 import generation_pb2 as pb
 
 _FINISH_REASONS: dict[int, FinishReason] = {
@@ -84,6 +93,8 @@ class Sampling:
     # first (None: none).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The grammar the output must match (needs the server's tokenizer); the request stops once it is complete.
+    structured_output: Grammar | None = None
 
 
 def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id: str | None) -> pb.GenerateRequest:
@@ -97,6 +108,11 @@ def generate_request(prompt: Sequence[int] | str, options: Sampling, request_id:
                  "prompt_logprobs"):
         if getattr(o, name) != getattr(d, name):
             setattr(sampling, name, getattr(o, name))
+    if (g := o.structured_output) is not None:
+        if g.kind == "json_object":
+            sampling.structured_output.json_object = True
+        else:
+            sampling.structured_output.CopyFrom(pb.StructuredOutput(**{g.kind: g.value}))
     # Empty request_id: the router assigns one and sends it back in every response.
     req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling, stop=list(o.stop),
                              n=o.n if o.n != 1 else 0)

@@ -114,7 +114,7 @@ class Client:
         """Generates for one prompt (token ids or text) and returns the whole completion (its n choices in
         `choices`). Keyword options: the fields of `Sampling` (max_tokens, temperature, top_p, top_k, seed,
         stop_token_ids, ignore_eos, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-        min_tokens, stop, n, logprobs, prompt_logprobs)."""
+        min_tokens, stop, n, logprobs, prompt_logprobs, structured_output)."""
         sampling = Sampling(**options)
         builder = CompletionBuilder(prompt, sampling.n, sampling.logprobs is not None,
                                     sampling.prompt_logprobs is not None)

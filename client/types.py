@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+GrammarKind = Literal["json_object", "json_schema", "regex", "lark"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """The grammar a request's output must match (`Sampling.structured_output`); build one with `json_object()`,
+    `json_schema(schema)`, `regex(pattern)` or `lark(grammar)`. The server checks it (INVALID_ARGUMENT)."""
+
+    kind: GrammarKind
+    value: str = ""
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        return cls("lark", grammar)
 
 
 @dataclass(frozen=True)

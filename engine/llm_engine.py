@@ -28,6 +28,7 @@ from baton.engine.cache_pools import CachePools, plan_cache
 from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
+from baton.engine.grammar import Grammars
 from baton.engine.loader import load_checkpoint
 from baton.engine.logits_processing import RowHistory
 from baton.engine.logprobs import TokenLogprob, check_logprobs
@@ -53,6 +54,7 @@ from baton.engine.scheduler_output import SchedulerOutput
 from baton.engine.spec_runner import SpecRunner
 from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
 from baton.engine.step_update import StepUpdate
+from baton.engine.tokenizer import TextTokenizer, load_tokenizer
 from baton.engine.weights import TORCH_DTYPES
 
 log = logging.getLogger("baton.engine")
@@ -422,7 +424,16 @@ class LLMEngine:
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         config = config or EngineConfig()
         model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
-        return cls(model_cfg, weights, config)
+        engine = cls(model_cfg, weights, config)
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is not None:
+            engine.use_tokenizer(tokenizer)
+        return engine
+
+    def use_tokenizer(self, tokenizer: TextTokenizer) -> None:
+        """The checkpoint's tokenizer, over whose vocabulary requests' grammars (`structured_output`) are matched."""
+        cfg = self.model_config
+        self.runner.grammars = Grammars(tokenizer.tokenizer.to_str(), cfg.vocab_size, cfg.eos_token_ids)
 
     def close(self) -> None:
         """Release what the engine holds beyond its memory: nothing at one rank (rank 0 of several stops the
@@ -441,7 +452,9 @@ class LLMEngine:
 
     def _own(self, req: Request) -> None:
         self._owners[req.request_id] = req
-        self.runner.add_request(req.request_id, req.sampling,
+        # A prefill-only request never samples: its grammar applies on the decode side, from its first token.
+        params = replace(req.sampling, structured_output=None) if req.prefill_only else req.sampling
+        self.runner.add_request(req.request_id, params,
                                 RowHistory(req.prompt_token_ids, req.output_token_ids, req.stop_ids))
 
     def _forget(self, req: Request) -> None:
@@ -468,6 +481,9 @@ class LLMEngine:
         params.validate_for_vocab(cfg.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             check_logprobs(name, getattr(params, name), self.config.max_logprobs)
+        if params.structured_output is not None and not prefill_only and self.runner.grammars is None:
+            raise ValueError("structured_output: expected an engine that knows its checkpoint's tokenizer "
+                             "(tokenizer.json), got one without")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(cfg.eos_token_ids))
         return Request(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=params,
@@ -549,6 +565,11 @@ class LLMEngine:
             current.drop_aborted(self.scheduler.requests)
             chained = self._chain(current) if self.depth else None
         keep = 1 if chained is not None else self.depth if launched is not None and self.pipelined else 0
+        if self.runner.has_grammar():
+            # A grammar's mask for a row's next token depends on the token before it, on the host: while any request
+            # has one, every step is read before the next launch (async scheduling pauses; grammar rows are never
+            # chained, `ModelRunner.processes`).
+            keep = 0
         outputs: list[RequestOutput] = []
         read = 0
         while len(pipe.steps) > keep:
@@ -616,6 +637,7 @@ class LLMEngine:
             for req, n in zip(done.reqs, before, strict=True):
                 _store_logprobs(req, result.logprobs.get(req.request_id), n, len(req.output_token_ids))
                 _store_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
+        finished += self._grammars_complete(done.reqs)
         # Accounted when read: how many drafts each row accepted is known only now.
         self._record(done.out, time.perf_counter() - t0, result.sampled, done.path)
         for req in finished:
@@ -639,6 +661,7 @@ class LLMEngine:
                     continue  # aborted, or stopped on an earlier token: this row's work is dropped
                 if lps:
                     _store_logprobs(req, lps.get(row.request_id), index, index + 1)
+                self._grammars_complete([req])
                 finished = req.status.finished and index == len(req.output_token_ids) - 1
                 outputs.append(self._output(req, index, index + 1, finished))
             elif req.status is RequestStatus.FINISHED_PREFILLED and last_chunk(row, req):
@@ -648,6 +671,17 @@ class LLMEngine:
             if outputs[-1].finished:
                 self._forget(req)
         return outputs
+
+    def _grammars_complete(self, reqs: list[Request]) -> list[Request]:
+        """Finish (stopped) the running requests whose grammar is complete: nothing but EOS could follow."""
+        done: list[Request] = []
+        if not self.runner.has_grammar():
+            return done
+        for req in reqs:
+            if req.status is RequestStatus.RUNNING and self.runner.grammar_complete(req.request_id):
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                done.append(req)
+        return done
 
     @staticmethod
     def _output(req: Request, start: int, end: int, finished: bool) -> RequestOutput:

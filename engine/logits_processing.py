@@ -1,7 +1,8 @@
 """Logits processing before the draw: logit_bias, min_tokens, the presence / frequency / repetition penalties and
 min_p, applied to the raw logits of every position a row decides (a verify row's K+1 positions, or one).
 
-Order (vLLM's): logit_bias and min_tokens, then the penalties (repetition, frequency, presence), all on the raw
+Order (vLLM's): a grammar's token mask (`grammar`: disallowed tokens become -inf first, so that min_p's p_max is
+the best allowed token's), logit_bias and min_tokens, then the penalties (repetition, frequency, presence), all on the raw
 logits; then min_p, which depends on the temperature and is written as a mask on the raw logits (p >= min_p *
 p_max after temperature t is x >= x_max + t * log(min_p)), so that the draw's temperature, top-k and top-p
 (`sampling`) follow it unchanged: min_p, then top-k, then top-p on what is left, as vLLM filters. Greedy rows
@@ -21,9 +22,10 @@ are gathered and processed (their [P, K+1, V] working copies do not grow with th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,7 +51,7 @@ class LogitsInputs:
     where `anchor_counts` is 1), `min_left` (outputs still to come before a stop id may be decided), and float32
     `presence`, `frequency`, `repetition`, `min_p` (0 on greedy rows), `temperature`. Flat pairs, by processed
     row: `gen` (row, token) of host-known generated tokens, `prompt` (row, token), `bias` (row, token) with
-    `bias_values`, `stop` (row, token). The flags say which ops run (host bools: no device read)."""
+    `bias_values`, `stop` (row, token). `grammar`: the grammar rows' token masks, by position. The flags say which ops run (host bools: no device read)."""
 
     rows: Tensor
     batch_rows: tuple[int, ...]
@@ -67,6 +69,8 @@ class LogitsInputs:
     bias: Tensor       # [2, n_bias]
     bias_values: Tensor  # [n_bias] float32
     stop: Tensor       # [2, n_stop]
+    # [P, K+1, words] int32 allowed-token bitmasks (bit t % 32 of word t // 32), all ones on rows without a grammar
+    grammar: Tensor | None
     penalised: bool
     repetition_used: bool
     biased: bool
@@ -93,13 +97,14 @@ def needs_processing(params: SamplingParams, num_outputs: int) -> bool:
     """Whether a row with `num_outputs` outputs so far has anything to process (a min_tokens already reached
     has not)."""
     return (params.penalised or bool(params.logit_bias) or num_outputs < params.min_tokens
-            or (params.min_p > 0 and not params.greedy))
+            or (params.min_p > 0 and not params.greedy) or params.structured_output is not None)
 
 
-def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHistory], device: torch.device
-                  ) -> LogitsInputs | None:
+def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHistory], device: torch.device,
+                  grammar: Mapping[int, np.ndarray] | None = None) -> LogitsInputs | None:
     """The rows' inputs in one copy, or None when no row has anything to process. A row's anchor is its newest
-    output (PENDING: to be set with `with_anchor`), counted when it has one."""
+    output (PENDING: to be set with `with_anchor`), counted when it has one. `grammar`: by batch row, the token
+    masks ([K+1, words] int32, `Grammars.masks`) of the rows with a grammar."""
     if len(histories) != len(params):
         raise ValueError(f"histories: expected one per row ({len(params)}), got {len(histories)}")
     batch_rows = [i for i, (p, h) in enumerate(zip(params, histories, strict=True))
@@ -148,11 +153,19 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
         views.append(buf[at:at + len(part)])
         at += len(part)
     f = buf[at:].to(torch.int32).view(torch.float32)
+    masks = None
+    if grammar:
+        width, words = next(iter(grammar.values())).shape
+        host = np.full((n, width, words), -1, dtype=np.int32)
+        for r, b in enumerate(batch_rows):
+            if b in grammar:
+                host[r] = grammar[b]
+        masks = torch.from_numpy(host).to(device)
     rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1 = views
     return LogitsInputs(
         rows=rows, batch_rows=tuple(batch_rows), num_rows=num_rows, anchor=a, anchor_counts=c, min_left=m,
         presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n], min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
-        bias=torch.stack([b0, b1]), bias_values=f[5 * n:], stop=torch.stack([s0, s1]),
+        bias=torch.stack([b0, b1]), bias_values=f[5 * n:], stop=torch.stack([s0, s1]), grammar=masks,
         penalised=any(p.penalised for p in params), repetition_used=any(p.repetition_penalty != 1 for p in params),
         biased=bool(bias_values), min_tokens=any(left), min_p_used=any(p.min_p > 0 and not p.greedy for p in params))
 
@@ -205,6 +218,8 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
     zeroed), num_draft [P] -> [P, K+1, V]."""
     R, K1, V = z.shape
     dev = z.device
+    if inputs.grammar is not None:
+        z = z.masked_fill(~allowed_tokens(inputs.grammar, V), float("-inf"))
     if inputs.biased:
         bias = torch.zeros(R, V, dtype=torch.float32, device=dev)
         bias.index_put_((inputs.bias[0], inputs.bias[1]), inputs.bias_values, accumulate=True)
@@ -230,3 +245,14 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
                           float("-inf"))
         z = z.masked_fill(z < thr, float("-inf"))
     return z
+
+
+def allowed_tokens(bits: Tensor, V: int) -> Tensor:
+    """Bitmasks [..., words] int32 (bit t % 32 of word t // 32) -> [..., V] bool; tokens past the words' width
+    are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[..., None] >> shifts) & 1).bool().flatten(-2)  # [..., words * 32]
+    if allowed.shape[-1] >= V:
+        return allowed[..., :V]
+    pad = torch.zeros(*allowed.shape[:-1], V - allowed.shape[-1], dtype=torch.bool, device=bits.device)
+    return torch.cat([allowed, pad], dim=-1)

@@ -19,6 +19,7 @@ from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.grammar import Grammars
 from baton.engine.host_copy import to_device
 from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs, needs_processing
 from baton.engine.logprobs import LogprobRows, Segment, TokenLogprob, pack
@@ -92,6 +93,8 @@ class ModelRunner:
         self._prompt_len: dict[str, int] = {}
         # The requests with logprobs: while there are none, a step spends nothing on them.
         self._with_logprobs: set[str] = set()
+        # The matchers of requests with a structured_output; None: no tokenizer, such requests are refused.
+        self.grammars: Grammars | None = None
         self._kv, self._states = pools.kv_layers(), pools.state_layers()
         self._verify_inputs = pools.verify_layers()
         # The `keep` of a forward whose outputs nobody reads (a step of prompt chunks that sample nothing).
@@ -122,12 +125,19 @@ class ModelRunner:
             self._prompt_len[request_id] = len(history.prompt)
         else:
             self._prompt_len.pop(request_id, None)
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("structured_output: expected an engine that knows its checkpoint's tokenizer "
+                                 "(tokenizer.json), got one without")
+            self.grammars.add(request_id, params.structured_output, history.outputs)
 
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
         self._history.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
         self._with_logprobs.discard(request_id)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
 
     def wants_logprobs(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these requests asks for logprobs: a verify step of such rows runs eagerly (its graph
@@ -186,22 +196,34 @@ class ModelRunner:
             return None
         return self._t([i * per_row + j for i in asked for j in range(per_row)])
 
+    def has_grammar(self) -> bool:
+        """Whether any request holds a grammar: the engine then reads every step before the next launch."""
+        return bool(self.grammars)
+
+    def grammar_complete(self, request_id: str) -> bool:
+        """Whether the request's grammar is complete after its outputs so far (False: it has none)."""
+        return self.grammars is not None and request_id in self.grammars and self.grammars.catch_up(request_id)
+
     def processes(self, request_ids: Sequence[str]) -> bool:
         """Whether any of these requests' logits are processed: such rows run eagerly (a whole-graph verify step
-        holds no processing inputs yet; TODO(#52) capture them) and never chained (their counts need the
-        previous step's tokens on the host)."""
+        holds no processing inputs yet; TODO(#52) capture them) and never chained (their counts, and a grammar's
+        mask, need the previous step's tokens on the host)."""
         if not self._history:
             return False
         hist = [(r, self._history.get(r)) for r in request_ids]
         return any(h is not None and needs_processing(self._sampling[r][0], len(h.outputs)) for r, h in hist)
 
-    def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> LogitsInputs | None:
+    def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
+                      drafts: Sequence[Sequence[int]] | None = None, width: int = 1) -> LogitsInputs | None:
         """The rows' logits processing inputs (None: nothing to process). A request without a history has
-        nothing to process."""
+        nothing to process. `drafts` (verify rows) and `width` (their positions) place the grammar rows' masks."""
         if not self._history:
             return None
         empty = RowHistory((), (), frozenset())
-        return logits_inputs(params, [self._history.get(r, empty) for r in request_ids], self.device)
+        g = self.grammars
+        masks = None if not g else {i: g.masks(r, drafts[i] if drafts else (), width)
+                                    for i, r in enumerate(request_ids) if r in g}
+        return logits_inputs(params, [self._history.get(r, empty) for r in request_ids], self.device, masks)
 
     def reset_slot(self, slot: int) -> None:
         """A transferred state arrives whole in its slot: nothing to replay."""

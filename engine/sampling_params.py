@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .structured_output import StructuredOutput
+
 # Seeds are fed to `torch.Generator.manual_seed`, which takes a 64-bit value; keeping them below 2**63
 # means they also round-trip through signed int64 (JSON clients, numpy) unchanged.
 SEED_LIMIT = 2**63
@@ -53,6 +55,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Return each prompt token's logprob (the first has none) and this many top alternatives; None = none.
     prompt_logprobs: int | None = None
+    # The grammar the output must match (JSON object / schema, regex, Lark): a token mask before the draw.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -86,6 +90,11 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise _bad(name, "None or an integer >= 0 (the top alternatives per token)", v)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise _bad("structured_output", "None or a StructuredOutput", self.structured_output)
+        if self.structured_output is not None and self.min_tokens:
+            # The grammar decides where the output ends; masking EOS there could leave no token to draw.
+            raise _bad("min_tokens", "0 with a structured_output", self.min_tokens)
         # Frozen dataclass: normalise through object.__setattr__ so params stay hashable and comparable.
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -104,10 +113,10 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether any logits processing applies (`logits_processing`): penalties, logit_bias, min_tokens or a
-        min_p that a sampled row uses."""
+        """Whether any logits processing applies (`logits_processing`): penalties, logit_bias, min_tokens, a
+        min_p that a sampled row uses, or a grammar."""
         return (self.penalised or bool(self.logit_bias) or self.min_tokens > 0
-                or (self.min_p > 0 and not self.greedy))
+                or (self.min_p > 0 and not self.greedy) or self.structured_output is not None)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks what depends on the model: every stop id and logit_bias key must be a real token."""

@@ -115,8 +115,8 @@ class SpecRunner(ModelRunner):
             verify_base = self._t([r.num_computed_tokens for r in rows[:nd]])  # [Rd] position of the last token
             verify_ids = [r.request_id for r in rows[:nd]]
             params, seeds = self.sampling_of(verify_ids)
-            processing = self.processing_of(verify_ids, params)
             Tv = max(r.num_tokens for r in rows[:nd])
+            processing = self.processing_of(verify_ids, params, [r.token_ids[1:] for r in rows[:nd]], Tv)
             lp = (verify_ids, self.logprob_rows(params, per_row=Tv)) if self.wants_logprobs(verify_ids) else None
         if prefill_sampling:
             starts = out.token_starts

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured_output import StructuredOutput
 from baton.engine.token_logprob import TokenLogprob
 from baton.proto.v1 import generation_pb2 as gen
 
@@ -37,7 +38,26 @@ def sampling_from_proto(p: gen.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens if p.HasField("min_tokens") else d.min_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        structured_output=structured_from_proto(p.structured_output) if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(p: gen.StructuredOutput) -> StructuredOutput:
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("sampling field 'structured_output': expected one of json_object, json_schema, regex, lark "
+                         "set, got none")
+    if kind == "json_object":
+        if not p.json_object:
+            raise ValueError("sampling field 'structured_output.json_object': expected true, got false")
+        return StructuredOutput(kind)
+    return StructuredOutput(kind, getattr(p, kind))
+
+
+def structured_to_proto(s: StructuredOutput) -> gen.StructuredOutput:
+    if s.kind == "json_object":
+        return gen.StructuredOutput(json_object=True)
+    return gen.StructuredOutput(**{s.kind: s.value})
 
 
 def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
@@ -53,6 +73,8 @@ def sampling_to_proto(s: SamplingParams) -> gen.SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(s, name) is not None:
             setattr(p, name, getattr(s, name))
+    if s.structured_output is not None:
+        p.structured_output.CopyFrom(structured_to_proto(s.structured_output))
     return p
 
 

@@ -51,10 +51,13 @@ class ChatTemplate:
             raise ValueError(f"chat_template: does not compile: {e}") from e
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+               ) -> str:
+        # `tools` only where given: templates test `tools is defined` as transformers passes them.
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except RecursionError:
             raise ApiError(400, "messages: the chat template recursed too deeply on them",
                            param="messages") from None

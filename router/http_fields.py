@@ -5,7 +5,8 @@ ignored: a client that asks for something Baton does not do learns it at once in
   names them (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
   `return_token_ids`).
 - `NEUTRAL_ONLY`: not implemented, but accepted with null or a value that asks for nothing (`best_of: 1`,
-  `suffix: ""`, `response_format: {"type": "text"}`, ...): clients and frameworks send those by default. Any other value is refused with code "unsupported_parameter".
+  `suffix: ""`, `functions: []`, ...): clients and frameworks send those by default. Any other value is refused with
+  code "unsupported_parameter".
 - Any other field (OpenAI's or not) is refused with code "unknown_parameter", as OpenAI does.
 
 `tests/test_openai_fields.py` walks the `openai` client's parameter lists and checks each is one or the other.
@@ -23,10 +24,11 @@ COMPLETIONS, CHAT = "completions", "chat"
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                      "n", "presence_penalty", "frequency_penalty", "logit_bias",
                      "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-                     "return_token_ids"})
+                     "return_token_ids", "response_format"})
 IMPLEMENTED = {
     COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo"},
-    CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                     "parallel_tool_calls"},
 }
 # Keys of `stream_options` the front implements.
 STREAM_OPTIONS = frozenset({"include_usage"})
@@ -49,10 +51,6 @@ NEUTRAL_ONLY = {
     "best_of": Neutral((1,), _COMPLETIONS),
     "suffix": Neutral(("",), _COMPLETIONS),
     "user": Neutral(()),
-    "response_format": Neutral(({"type": "text"},), _CHAT),
-    "tools": Neutral(([],), _CHAT),
-    "tool_choice": Neutral(("none",), _CHAT),
-    "parallel_tool_calls": Neutral((True, False), _CHAT),
     "functions": Neutral(([],), _CHAT),
     "function_call": Neutral(("none",), _CHAT),
     "modalities": Neutral((["text"],), _CHAT),

@@ -49,6 +49,7 @@ from baton.router.http_fields import check_fields
 from baton.router.http_json import decode_object
 from baton.router.http_limits import HttpLimits
 from baton.router.http_logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
+from baton.router.http_structured import response_format, tool_choice
 from baton.router.security import RouterSecurity
 
 __all__ = ["PATHS", "OpenAIFront", "load_chat_template"]
@@ -277,13 +278,17 @@ class OpenAIFront:
             sampling.logprobs = top
             if echo:  # the echoed prompt comes with its logprobs
                 sampling.prompt_logprobs = top
+        grammar = response_format(body)
+        calls, tools, forced = tool_choice(body) if chat else (None, None, None)
+        if forced is not None or grammar is not None:
+            sampling.structured_output.CopyFrom(forced or grammar)
         if stops and tok is None:
             raise ApiError(400, "stop: stop strings need the router's tokenizer (start it with --tokenizer); "
                                 "send stop_token_ids instead", param="stop")
         info = self.service.decode_pool.model_info()
         max_model_len = info.model.max_model_len if info is not None else 0
         if chat:
-            prompts: list = self._chat_prompt(body, tok)
+            prompts: list = self._chat_prompt(body, tok, tools)
             if not sampling.HasField("max_tokens") and max_model_len:
                 # OpenAI's chat default: as many tokens as the context has room for.
                 sampling.max_tokens = max(1, max_model_len - len(prompts[0]))
@@ -311,14 +316,16 @@ class OpenAIFront:
             for r in fan_out(one, n):
                 r.request_id = f"{job_id}-{len(requests)}"
                 requests.append(r)
-        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, logprobs=top, echo=echo)
+        return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, logprobs=top, echo=echo,
+                      tool_calls=calls)
 
-    def _chat_prompt(self, body: dict, tok: TextTokenizer | None) -> list[list[int]]:
+    def _chat_prompt(self, body: dict, tok: TextTokenizer | None, tools: list[dict] | None = None
+                     ) -> list[list[int]]:
         if self.chat_template is None or tok is None:
             raise ApiError(400, f"model `{self.model_id()}` has no chat template (no `chat_template` in its "
                                 f"{TOKENIZER_CONFIG_FILE}, or the router has no tokenizer): use /v1/completions",
                            param="messages", code="no_chat_template")
-        text = self.chat_template.render(rq.messages(body), add_generation_prompt=True)
+        text = self.chat_template.render(rq.messages(body), add_generation_prompt=True, tools=tools)
         return [tok.encode(text)]
 
     # ---- generating ----
@@ -406,6 +413,9 @@ class OpenAIFront:
                                "finish_reason": c.finish_reason}
         if job.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if job.tool_calls is not None and (calls := job.tool_calls.parse(text)) is not None:
+                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                out["finish_reason"] = "tool_calls"
         else:
             out["text"] = echo_text + text
         if job.return_token_ids:
@@ -425,7 +435,17 @@ class OpenAIFront:
             if not c.started:
                 c.started = True
                 delta["role"] = "assistant"
-            if text or "role" in delta:
+            if job.tool_calls is not None:
+                # The calls go out whole, with the last chunk: a partial call's JSON is not yet a call.
+                calls = job.tool_calls.parse("".join(c.text)) if c.done else None
+                if calls is not None:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                    out["finish_reason"] = "tool_calls"
+                elif c.done:
+                    delta["content"] = "".join(c.text)
+                elif "role" not in delta:
+                    return
+            elif text or "role" in delta:
                 delta["content"] = text
             out["delta"] = delta
         else:

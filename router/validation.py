@@ -24,6 +24,8 @@ _WORKER_MESSAGE_OVERHEAD = 4096
 _MAX_VARINT_BYTES = 5
 # Entries of a request's logit_bias (each rides in every worker message of the request).
 MAX_LOGIT_BIAS = 1024
+# Bytes of a request's grammar (a JSON schema, regex or Lark text), which rides in its Decode message.
+MAX_GRAMMAR_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
                              f"got {getattr(s, name)}")
     if s.HasField("top_k") and s.top_k > model.vocab_size:
         raise ValueError(f"sampling.top_k: expected at most vocab_size={model.vocab_size} (0: off), got {s.top_k}")
+    grammar_bytes = 0
+    if s.HasField("structured_output"):
+        kind = s.structured_output.WhichOneof("kind")
+        grammar_bytes = len(getattr(s.structured_output, kind).encode()) if kind not in (None, "json_object") else 0
+        if grammar_bytes > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"sampling.structured_output.{kind}: expected at most {MAX_GRAMMAR_BYTES} bytes, "
+                             f"got {grammar_bytes}")
+        if not model.has_tokenizer:
+            raise ValueError("sampling.structured_output: expected a model with a tokenizer (grammars are matched "
+                             "over its vocabulary), got one without")
     params = sampling_from_proto(s)
     params.validate_for_vocab(model.vocab_size)
     prompt = _prompt_ids(request, tokenizer)
@@ -97,8 +109,8 @@ def validate(request: generation_pb2.GenerateRequest, model: generation_pb2.Mode
     # A Decode message carries the prompt, the stop ids, the logit_bias entries (each no wider than three uint32s)
     # and at most one KV block id per prompt token.
     ids = 2 * len(prompt) + len(s.stop_token_ids) + 3 * len(s.logit_bias)
-    if _MAX_VARINT_BYTES * ids + _WORKER_MESSAGE_OVERHEAD > WORKER_MAX_MESSAGE_BYTES:
-        most = (WORKER_MAX_MESSAGE_BYTES - _WORKER_MESSAGE_OVERHEAD) // (2 * _MAX_VARINT_BYTES)
+    if _MAX_VARINT_BYTES * ids + grammar_bytes + _WORKER_MESSAGE_OVERHEAD > WORKER_MAX_MESSAGE_BYTES:
+        most = (WORKER_MAX_MESSAGE_BYTES - grammar_bytes - _WORKER_MESSAGE_OVERHEAD) // (2 * _MAX_VARINT_BYTES)
         raise ValueError(f"prompt: expected at most {most} tokens (the nodes' message limit), got {len(prompt)}")
     request_id = request.request_id or uuid.uuid4().hex
     return ValidatedRequest(request_id, prompt, s, tuple(request.stop))

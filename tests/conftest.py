@@ -36,6 +36,7 @@ PURE_CPU_MODULES = frozenset({
     "test_ops_gated_delta", "test_qwen3_5_checkpoint", "test_qwen3_5_exactness", "test_qwen3_5_mtp", "test_rejection_sampler",
     "test_sampling", "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile",
     "test_tail_keep", "test_tokenizer",
+    "test_structured_output",
 })
 
 

@@ -1,7 +1,7 @@
 """Nothing is silently ignored: every parameter of OpenAI's `/v1/completions` and `/v1/chat/completions`, as the
 installed `openai` client types them, is either implemented by the router (`http_fields.IMPLEMENTED`) or refused
 with 400 naming it; one that Baton accepts only with a neutral value (`http_fields.NEUTRAL_ONLY`: `best_of: 1`,
-`logprobs: false`, `response_format: {"type": "text"}`, ...) is answered 200 with that value. Fields of no API are refused
+`logprobs: false`, `functions: []`, ...) is answered 200 with that value. Fields of no API are refused
 as unknown, and so are unknown `stream_options` keys."""
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def test_every_openai_parameter_is_implemented_or_refused_naming_it(path, tok_di
 
 
 @pytest.mark.parametrize(("field", "neutral", "used"), [
-    ("response_format", {"type": "text"}, {"type": "json_object"}), ("tool_choice", "none", "auto"),
-    ("tools", [], [{"type": "function", "function": {"name": "f"}}]), ("functions", [], [{"name": "f"}]),
+    ("functions", [], [{"name": "f"}]), ("function_call", "none", "auto"),
 ])
 def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, used):
     check_fields({field: neutral}, CHAT)

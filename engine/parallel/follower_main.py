@@ -22,6 +22,7 @@ from baton.engine.loader import load_checkpoint
 from baton.engine.parallel.command_channel import CommandChannel
 from baton.engine.parallel.follower import follow
 from baton.engine.parallel.group import TPGroup
+from baton.engine.tokenizer import load_tokenizer
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     channel = CommandChannel(group)
     engine = LLMEngine(model_cfg, weights, config, tp=group)
     del weights
+    # Every rank masks its rows' logits alike: each holds the grammars' matchers.
+    if (tokenizer := load_tokenizer(a.model)) is not None:
+        engine.use_tokenizer(tokenizer)
     follow(engine, channel)
     dist.destroy_process_group()
     return 0

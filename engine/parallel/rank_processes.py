@@ -30,6 +30,7 @@ from baton.engine.parallel.command_channel import CommandChannel
 from baton.engine.parallel.group import TPGroup
 from baton.engine.parallel.leader import LeaderEngine
 from baton.engine.parallel.shard_config import shard_config
+from baton.engine.tokenizer import load_tokenizer
 
 # A node whose rank died exits with this code (after the one line saying which).
 RANK_DIED_EXIT = 3
@@ -128,6 +129,8 @@ def start_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
         ranks.stop(0)
         raise
     del weights
+    if (tokenizer := load_tokenizer(model_dir)) is not None:
+        engine.use_tokenizer(tokenizer)
     engine.on_close.append(ranks.stop)
     engine.rank_pids = ranks.pids
     print(f"tensor parallel: {tp} ranks, rank 0 here (pid {os.getpid()}), ranks 1..{tp - 1} pids "

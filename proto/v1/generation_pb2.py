@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61ton/proto/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12;\n\nlogit_bias\x18\x0c \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1a\n\x12num_drafted_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"M\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x12\n\x10ModelInfoRequest\"\x92\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x15\n\rlayer_pattern\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8e\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponse\x12\x44\n\tModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x1b.baton.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62\x61ton/proto/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12;\n\nlogit_bias\x18\x0c \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x35\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"i\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1a\n\x12num_drafted_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12(\n\x08logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"M\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x12\n\x10ModelInfoRequest\"\x92\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x15\n\rlayer_pattern\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8e\x02\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponse\x12\x44\n\tModelInfo\x12\x1a.baton.v1.ModelInfoRequest\x1a\x1b.baton.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1751
-  _globals['_FINISHREASON']._serialized_end=1871
+  _globals['_FINISHREASON']._serialized_start=1913
+  _globals['_FINISHREASON']._serialized_end=2033
   _globals['_TOKENIDS']._serialized_start=45
   _globals['_TOKENIDS']._serialized_end=68
   _globals['_SAMPLINGPARAMS']._serialized_start=71
-  _globals['_SAMPLINGPARAMS']._serialized_end=730
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=498
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=546
-  _globals['_TOPLOGPROB']._serialized_start=732
-  _globals['_TOPLOGPROB']._serialized_end=779
-  _globals['_TOKENLOGPROB']._serialized_start=781
-  _globals['_TOKENLOGPROB']._serialized_end=865
-  _globals['_GENERATEREQUEST']._serialized_start=868
-  _globals['_GENERATEREQUEST']._serialized_end=1041
-  _globals['_USAGE']._serialized_start=1043
-  _globals['_USAGE']._serialized_end=1157
-  _globals['_GENERATERESPONSE']._serialized_start=1160
-  _globals['_GENERATERESPONSE']._serialized_end=1416
-  _globals['_ABORTREQUEST']._serialized_start=1418
-  _globals['_ABORTREQUEST']._serialized_end=1452
-  _globals['_ABORTRESPONSE']._serialized_start=1454
-  _globals['_ABORTRESPONSE']._serialized_end=1484
-  _globals['_HEALTHREQUEST']._serialized_start=1486
-  _globals['_HEALTHREQUEST']._serialized_end=1501
-  _globals['_HEALTHRESPONSE']._serialized_start=1503
-  _globals['_HEALTHRESPONSE']._serialized_end=1580
-  _globals['_MODELINFOREQUEST']._serialized_start=1582
-  _globals['_MODELINFOREQUEST']._serialized_end=1600
-  _globals['_MODELINFORESPONSE']._serialized_start=1603
-  _globals['_MODELINFORESPONSE']._serialized_end=1749
-  _globals['_GENERATION']._serialized_start=1874
-  _globals['_GENERATION']._serialized_end=2144
+  _globals['_SAMPLINGPARAMS']._serialized_end=785
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=553
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=601
+  _globals['_TOPLOGPROB']._serialized_start=787
+  _globals['_TOPLOGPROB']._serialized_end=834
+  _globals['_TOKENLOGPROB']._serialized_start=836
+  _globals['_TOKENLOGPROB']._serialized_end=920
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=922
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1027
+  _globals['_GENERATEREQUEST']._serialized_start=1030
+  _globals['_GENERATEREQUEST']._serialized_end=1203
+  _globals['_USAGE']._serialized_start=1205
+  _globals['_USAGE']._serialized_end=1319
+  _globals['_GENERATERESPONSE']._serialized_start=1322
+  _globals['_GENERATERESPONSE']._serialized_end=1578
+  _globals['_ABORTREQUEST']._serialized_start=1580
+  _globals['_ABORTREQUEST']._serialized_end=1614
+  _globals['_ABORTRESPONSE']._serialized_start=1616
+  _globals['_ABORTRESPONSE']._serialized_end=1646
+  _globals['_HEALTHREQUEST']._serialized_start=1648
+  _globals['_HEALTHREQUEST']._serialized_end=1663
+  _globals['_HEALTHRESPONSE']._serialized_start=1665
+  _globals['_HEALTHRESPONSE']._serialized_end=1742
+  _globals['_MODELINFOREQUEST']._serialized_start=1744
+  _globals['_MODELINFOREQUEST']._serialized_end=1762
+  _globals['_MODELINFORESPONSE']._serialized_start=1765
+  _globals['_MODELINFORESPONSE']._serialized_end=1911
+  _globals['_GENERATION']._serialized_start=2036
+  _globals['_GENERATION']._serialized_end=2306
 # @@protoc_insertion_point(module_scope)
