@@ -87,7 +87,7 @@ def test_unimplemented_sampling_fields_pass_only_when_neutral(field, neutral, us
 
 def test_a_boolean_is_not_a_neutral_number():
     # JSON's true is not 1: `n: true` asks for something, if anything, other than one choice.
-    for field, v, path in [("parallel_tool_calls", 0, CHAT), ("best_of", True, COMPLETIONS)]:
+    for field, v, path in [("store", 0, CHAT), ("best_of", True, COMPLETIONS)]:
         with pytest.raises(ApiError) as e:
             check_fields({field: v}, path)
         assert e.value.param == field
