@@ -265,6 +265,7 @@ class Flow:
                     else:
                         state.live.discard(prefill_worker)
                 if resp.token_ids or resp.finish_reason != _UNSPECIFIED:
+                    worker.tracker.acknowledged(rid)
                     return DecodeStream(worker, call, resp, stops)
         except grpc.aio.AioRpcError as e:
             self.release(state, worker)

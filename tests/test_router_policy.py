@@ -126,6 +126,8 @@ def test_decode_tracker_counts_the_prompt_tokens_a_decode_worker_prefills_itself
     load = t.load(True)
     assert (load.outstanding_prefill_tokens, load.step_tokens) == (101, 512)
     assert load.free_kv_blocks == -(7 + 19)  # blocks of both prompts, against an empty snapshot
+    t.acknowledged("local")
+    t.acknowledged("moved")
     epoch = t.begin_poll()
     t.end_poll(epoch, LoadSnapshot(outstanding_prefill_tokens=700, free_state_slots=4, free_kv_blocks=50))
     assert t.load(True).outstanding_prefill_tokens == 700  # the worker's own count took over
@@ -162,12 +164,19 @@ def test_prefill_tracker_takes_returned_prompts_off_the_last_poll():
     assert t.load(True).outstanding_prefill_tokens == 300
     t.remove("c")  # counted by that poll: taken off it
     assert t.load(True).outstanding_prefill_tokens == 0
-    # A decode worker's requests return when they finish decoding, long after their prompt: no such correction.
+    # A decode worker's requests return when they finish decoding, long after their prompt: no such correction of
+    # its prompt tokens, but its state slot is free again.
     d = LoadTracker(Role.DECODE)
     d.add("x", 100)
-    d.end_poll(d.begin_poll(), LoadSnapshot(outstanding_prefill_tokens=100, free_state_slots=4))
+    d.acknowledged("x")
+    d.end_poll(d.begin_poll(), LoadSnapshot(outstanding_prefill_tokens=100, free_state_slots=3))
     d.remove("x")
-    assert d.load(True).outstanding_prefill_tokens == 100
+    assert (d.load(True).outstanding_prefill_tokens, d.load(True).free_state_slots) == (100, 4)
+    d.end_poll(d.begin_poll(), LoadSnapshot(free_state_slots=4))  # the worker's count takes over
+    assert d.load(True).free_state_slots == 4
+    d.add("y", 8)  # ended before any poll counted it: only the unseen count had it
+    d.remove("y")
+    assert d.load(True).free_state_slots == 4
 
 
 def test_tracker_ignores_an_older_poll_answer():
@@ -185,6 +194,26 @@ def test_tracker_decode_subtracts_slots_and_blocks():
     assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 50)  # block size unknown
     t.block_size = 16
     assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 47)
+    t.acknowledged("a")
     t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=3, free_kv_blocks=47))
     assert (t.load(True).free_state_slots, t.load(True).free_kv_blocks) == (3, 47)  # no double count
     assert t.in_flight == 1
+
+
+def test_decode_tracker_counts_a_request_until_a_poll_begun_after_its_first_token():
+    # A poll may begin after a Decode call was sent and be answered before the worker's engine holds it (the call
+    # still on its way in, or waiting without a state slot): the request must stay counted through that answer.
+    t = LoadTracker(Role.DECODE)
+    t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=4, free_kv_blocks=50))
+    t.add("a", 8)
+    t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=4, free_kv_blocks=50))  # answered before "a" arrived
+    assert t.load(True).free_state_slots == 3
+    racing = t.begin_poll()  # begun before the first token, answered after it
+    t.acknowledged("a")
+    t.end_poll(racing, LoadSnapshot(free_state_slots=4, free_kv_blocks=50))
+    assert t.load(True).free_state_slots == 3
+    t.end_poll(t.begin_poll(), LoadSnapshot(free_state_slots=3, free_kv_blocks=49))  # begun after: counts it
+    assert t.load(True).free_state_slots == 3
+    t.acknowledged("gone")  # an unknown request: nothing to do
+    t.remove("a")
+    assert t.in_flight == 0
