@@ -22,11 +22,23 @@ class StateTensor:
     name: str
     shape: tuple[int, ...]
     dtype: str = MODEL_DTYPE  # MODEL_DTYPE or STATE_DTYPE
+    # How tensor parallelism splits dim 0: its parts in order (this rank's sizes), each part split evenly over the
+    # ranks, every rank holding its share of each part in rank order (`parallel.shard_weights`). Empty: dim 0 is
+    # one part (heads, channels). Transfers between nodes of different TP sizes map ranks' shares by it.
+    segments: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in (MODEL_DTYPE, STATE_DTYPE):
             raise ValueError(f"state tensor {self.name!r} dtype: expected {MODEL_DTYPE!r} or {STATE_DTYPE!r}, "
                              f"got {self.dtype!r}")
+        if self.segments and (not self.shape or sum(self.segments) != self.shape[0]):
+            raise ValueError(f"state tensor {self.name!r} segments: expected parts summing to dim 0 of "
+                             f"{self.shape}, got {self.segments}")
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """Dim 0's parts (this rank's sizes): `segments`, or dim 0 whole."""
+        return self.segments or self.shape[:1]
 
     def torch_dtype(self, dtype: torch.dtype, state_dtype: torch.dtype) -> torch.dtype:
         return dtype if self.dtype == MODEL_DTYPE else state_dtype

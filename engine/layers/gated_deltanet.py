@@ -50,7 +50,8 @@ class GatedDeltaNetMixer(RecurrentMixer):
                           cfg.linear_value_head_dim)
         return StateSpec(
             num_layers=num_layers,
-            states=(StateTensor("conv", (cfg.gdn_conv_dim, cfg.conv_kernel - 1)),
+            states=(StateTensor("conv", (cfg.gdn_conv_dim, cfg.conv_kernel - 1), segments=(  # q | k | v
+                        cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim)),
                     StateTensor("ssm", (hv, dk, dv), STATE_DTYPE)),
             verify_inputs=(StateTensor("conv", (cfg.gdn_conv_dim,)), StateTensor("k", (hk, dk)),
                            StateTensor("v", (hv, dv)), StateTensor("a", (hv,)), StateTensor("b", (hv,))))

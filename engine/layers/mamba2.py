@@ -54,7 +54,8 @@ class Mamba2Mixer(RecurrentMixer):
         h, p, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         return StateSpec(
             num_layers=num_layers,
-            states=(StateTensor("conv", (cfg.conv_dim, cfg.conv_kernel - 1)),
+            states=(StateTensor("conv", (cfg.conv_dim, cfg.conv_kernel - 1), segments=(  # x | B | C
+                        cfg.mamba_intermediate_size, g * n, g * n)),
                     StateTensor("ssm", (h, p, n), STATE_DTYPE)),
             verify_inputs=(StateTensor("conv", (cfg.conv_dim,)), StateTensor("x", (h, p)),
                            StateTensor("B", (g, n)), StateTensor("dt", (h,))))
