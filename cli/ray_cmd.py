@@ -381,7 +381,7 @@ class RayCluster:
 
 def run(a: argparse.Namespace) -> int:
     from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
-    from baton.node.engine_args import check_role_ranks, engine_flags, role_engine_flags
+    from baton.node.engine_args import engine_flags, role_engine_flags
 
     try:
         import ray
@@ -391,7 +391,6 @@ def run(a: argparse.Namespace) -> int:
     prefill_args = role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
                                      PREFILL_MAX_NUM_BATCHED_TOKENS)
     decode_args = role_engine_flags(a.decode_engine_args, "--decode-engine-args", common)
-    check_role_ranks(a.prefill_workers, common, prefill_args, decode_args)
     cluster = RayCluster(str(Path(a.model).resolve()), a.prefill_workers, a.decode_workers, port=a.port,
                          http_port=a.http_port, namespace=a.namespace, local_prefill_threshold=a.local_prefill_threshold,
                          engine_args=common, gpus_per_node=a.gpus_per_node,

@@ -15,7 +15,7 @@ import threading
 from baton.cli.cluster import NODE_HTTP_OFFSET, PROCESS_DRAIN_TIMEOUT_S, Cluster
 from baton.cli.supervisor import Supervisor
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from baton.node.engine_args import add_engine_args, check_role_ranks, engine_flags, role_engine_flags
+from baton.node.engine_args import add_engine_args, engine_flags, role_engine_flags
 
 
 def gpu_list(text: str) -> tuple[int, ...]:
@@ -129,7 +129,6 @@ def cluster_from_args(a: argparse.Namespace, gpus: int | None = None) -> Cluster
     prefill_args = role_engine_flags(a.prefill_engine_args, "--prefill-engine-args", common,
                                      PREFILL_MAX_NUM_BATCHED_TOKENS)
     decode_args = role_engine_flags(a.decode_engine_args, "--decode-engine-args", common)
-    check_role_ranks(prefill, common, prefill_args, decode_args)
     return Cluster(a.model, prefill_workers=prefill, decode_workers=a.decode_workers, port=a.port,
                    http_port=a.http_port, host=a.host, local_prefill_threshold=a.local_prefill_threshold,
                    engine_args=common, node_args=("--cuda-ipc",) if cuda_ipc else (),

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import ssl
 import time
 
 from baton.engine.engine_thread import EngineThread
+from baton.engine.llm_engine import LLMEngine
 from baton.node.bridge import in_engine
+from baton.node.rank_transfer import RankedTransfer
 from baton.proto.auth import ClusterCredential
 from baton.proto.v1 import worker_pb2 as wk
 from baton.transfer.agent import TransferAgent
@@ -28,7 +31,7 @@ LEASE_MARGIN_S = 1.0
 
 
 class Puller:
-    def __init__(self, agent: TransferAgent, thread: EngineThread, read_timeout_s: float = 10.0,
+    def __init__(self, agent: TransferAgent | RankedTransfer, thread: EngineThread, read_timeout_s: float = 10.0,
                  credential: ClusterCredential | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         """`credential` / `ssl_context`: what the prefill nodes' side channels ask of a caller."""
         self.agent = agent
@@ -58,10 +61,12 @@ class Puller:
         if reserved is None:
             self.num_fallbacks += 1
             return None
-        blocks, slot, held = reserved
+        blocks, slot, held, after = reserved
+        # A node of several ranks: each reads its shard once it has reserved the blocks too (`rank_transfer`).
+        read = functools.partial(self.agent.read, after=after) if isinstance(self.agent, RankedTransfer) else self.agent.read
         try:
             self.faults.check(request_id, "before the READ")
-            await self._on_nixl(self.agent.read, h.request_id, h.engine_id, blocks[held:], list(h.kv_block_ids)[held:],
+            await self._on_nixl(read, h.request_id, h.engine_id, blocks[held:], list(h.kv_block_ids)[held:],
                                 slot, h.state_slot, self.read_timeout_s)
             self.agent.stats.skipped_blocks += held
             self.faults.check(request_id, "after the READ")
@@ -86,11 +91,17 @@ class Puller:
 
         await self._on_nixl(connect)
 
-    async def _reserve(self, h: wk.TransferHandle, prompt: list[int]) -> tuple[list[int], int, int] | None:
-        """Wait for room, but not past the lease: reading freed (maybe reused) blocks would be wrong."""
+    async def _reserve(self, h: wk.TransferHandle, prompt: list[int]) -> tuple[list[int], int, int, int] | None:
+        """Wait for room, but not past the lease: reading freed (maybe reused) blocks would be wrong. Returns the
+        blocks, slot, leading blocks held already, and the commands rank 0 had sent to its other ranks then."""
         deadline = time.monotonic() + (h.lease_expiry - time.time()) - LEASE_MARGIN_S
+
+        def reserve(engine: LLMEngine) -> tuple[list[int], int, int, int] | None:
+            got = engine.reserve_for(prompt, h.num_tokens)
+            return None if got is None else (*got, getattr(engine, "commands_sent", 0))
+
         while time.monotonic() < deadline:
-            fut = self.thread.call(lambda engine: engine.reserve_for(prompt, h.num_tokens))
+            fut = self.thread.call(reserve)
             try:
                 got = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:
@@ -105,7 +116,7 @@ class Puller:
 
     def _free_if_reserved(self, fut: concurrent.futures.Future) -> None:
         if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-            blocks, slot, _ = fut.result()
+            blocks, slot, _, _ = fut.result()
             self.thread.call(lambda engine: engine.free_held(blocks, slot))
 
     def close(self) -> None:

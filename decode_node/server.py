@@ -21,6 +21,7 @@ from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
 from baton.node.engine_args import engine_config_from_args
 from baton.node.metrics import NodeMetrics, start_node_http
+from baton.node.rank_transfer import RankLinks, node_transfer
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
 from baton.proto.grpc_decode import DecodeInterceptor
@@ -28,7 +29,7 @@ from baton.proto.keepalive import NODE_SERVER_OPTIONS
 from baton.proto.message_limits import WORKER_SERVER_OPTIONS
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.serving.listen_error import run_main
-from baton.transfer.agent import READ_ORDERS, TransferAgent
+from baton.transfer.agent import READ_ORDERS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,10 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine_id = a.engine_id or default_engine_id("decode", a.host, a.port)
     limit_transfer_interfaces(a.host)
+    links = None
     try:
-        # With --tensor-parallel-size N this starts ranks 1..N-1 too (this process is rank 0, which serves).
-        engine = start_engine(a.model, engine_config_from_args(a))
+        config = engine_config_from_args(a)
+        links = RankLinks(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        # With --tensor-parallel-size N this starts ranks 1..N-1 too (this process is rank 0, which serves); each
+        # of them registers its pools for transfers as well.
+        engine = start_engine(a.model, config, links.attach(engine_id, a.nixl_progress_delay_us) if links else None)
     except ValueError as e:
+        if links is not None:
+            links.close()
         print(f"error: decode node: {e}", file=sys.stderr)
         return 2
     # Capture every decode batch size's CUDA graph before taking traffic (no request waits on a capture).
@@ -62,11 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     if captured := engine.capture_graphs():
         print(f"decode node: captured {captured} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"decode node: {engine.memory_summary()}", flush=True)
-    pools = engine.pools.by_name()
-    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
-                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
-                          progress_delay_us=a.nixl_progress_delay_us, state_first=a.nixl_read_order == "state-first",
-                          tensor_parallel_size=engine.config.tensor_parallel_size)
+    agent = node_transfer(engine, engine_id, links, cuda_ipc=a.cuda_ipc, progress_delay_us=a.nixl_progress_delay_us,
+                          state_first=a.nixl_read_order == "state-first")
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout, credential=security.credential,
                     ssl_context=security.side_channel_client_ssl())

@@ -139,27 +139,6 @@ def flags_ranks(flags: Sequence[str]) -> int:
     return tp
 
 
-def check_transfer_ranks(tp: int, where: str) -> None:
-    """Nodes whose caches travel to or from another node (every prefill node, and decode nodes beside prefill
-    nodes) run one tensor-parallel rank: a rank's pools hold only its shard of the heads."""
-    # TODO(#50): each decode rank reads its heads' shard from the prefill ranks that hold them.
-    if tp != 1:
-        raise ValueError(f"{where}: expected tensor_parallel_size 1 where caches travel between nodes (transfers of "
-                         f"sharded caches are not implemented yet; aggregated serving runs any size), got {tp}")
-
-
-def check_role_ranks(prefill_workers: int, common: Sequence[str], prefill_flags: Sequence[str],
-                     decode_flags: Sequence[str]) -> None:
-    """A launcher's roles (`baton up`, `baton ray up`): with prefill nodes, every node runs one rank
-    (`check_transfer_ranks`); without, decode nodes run any size. The flags were checked already
-    (`role_engine_flags`)."""
-    if not prefill_workers:
-        return
-    for option, flags in (("--prefill-engine-args", prefill_flags), ("--decode-engine-args", decode_flags)):
-        tp = parse_engine_flags((*common, *flags), option).tensor_parallel_size or 1
-        check_transfer_ranks(tp, f"{option} with --prefill-workers {prefill_workers}")
-
-
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """Flags left out keep `EngineConfig`'s defaults."""
     given = {name: getattr(a, name) for name in ENGINE_FLAGS if getattr(a, name) is not None}

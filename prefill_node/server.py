@@ -16,11 +16,12 @@ import grpc
 
 from baton.engine.engine_config import PREFILL_MAX_NUM_BATCHED_TOKENS
 from baton.engine.engine_thread import EngineThread
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.parallel.rank_processes import start_engine
 from baton.node.cluster_auth import NodeSecurity
 from baton.node.drain import NodeDrain
-from baton.node.engine_args import check_transfer_ranks, engine_config_from_args
+from baton.node.engine_args import engine_config_from_args
 from baton.node.metrics import NodeMetrics, start_node_http
+from baton.node.rank_transfer import RankLinks, node_transfer
 from baton.node.serve import default_engine_id, http_port_of, node_parser, run
 from baton.node.transfer_listen import limit_transfer_interfaces
 from baton.prefill_node.service import PrefillService
@@ -29,7 +30,6 @@ from baton.proto.keepalive import NODE_SERVER_OPTIONS
 from baton.proto.message_limits import WORKER_SERVER_OPTIONS
 from baton.proto.v1 import worker_pb2_grpc as wk_grpc
 from baton.serving.listen_error import run_main
-from baton.transfer.agent import TransferAgent
 from baton.transfer.held_transfers import HeldTransfers
 from baton.transfer.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from baton.transfer.side_channel import SideChannelServer
@@ -54,18 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     limit_transfer_interfaces(a.host)
     # This engine only prefills: one state slot per request; with --speculative-tokens it still runs the MTP
     # drafter over the prompt so that the drafter's KV travels with the target's (R8).
+    links = None
     try:
         config = dataclasses.replace(engine_config_from_args(a), prefill_only=True)
-        check_transfer_ranks(config.tensor_parallel_size, "--tensor-parallel-size")
-        engine = LLMEngine.from_pretrained(a.model, config)
+        links = RankLinks(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        # With --tensor-parallel-size N this starts ranks 1..N-1 too, each registering its pools for the decode
+        # nodes' reads.
+        engine = start_engine(a.model, config, links.attach(engine_id, a.nixl_progress_delay_us) if links else None)
     except ValueError as e:
+        if links is not None:
+            links.close()
         print(f"error: prefill node: {e}", file=sys.stderr)
         return 2
     print(f"prefill node: {engine.memory_summary()}", flush=True)
-    pools = engine.pools.by_name()
-    agent = TransferAgent(engine_id, engine.model_config, pools, engine.config.block_size,
-                          num_speculative_tokens=engine.config.num_speculative_tokens, cuda_ipc=a.cuda_ipc,
-                          progress_delay_us=a.nixl_progress_delay_us)
+    agent = node_transfer(engine, engine_id, links, cuda_ipc=a.cuda_ipc, progress_delay_us=a.nixl_progress_delay_us)
     held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
                          free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))
     side = SideChannelServer(lambda: agent.metadata, held.renew, host=a.host,

@@ -35,7 +35,7 @@ PURE_CPU_MODULES = frozenset({
     "test_launch_probe", "test_loader", "test_make_model", "test_memory_budget", "test_mtp_bench", "test_mtp_module",
     "test_ops_gated_delta", "test_qwen3_5_checkpoint", "test_qwen3_5_exactness", "test_qwen3_5_mtp", "test_rejection_sampler",
     "test_sampling", "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile",
-    "test_tail_keep", "test_tokenizer",
+    "test_tail_keep", "test_tokenizer", "test_transfer_shard_map",
     "test_structured_output",
 })
 

@@ -217,31 +217,27 @@ def test_up_role_engine_args_reach_their_role_only_and_win_over_the_common_flags
     assert plain.prefill_args == plain.decode_args == ()
 
 
-def test_up_passes_the_tensor_parallel_size_to_aggregated_nodes_and_refuses_it_where_caches_travel():
-    """`--tensor-parallel-size` is an engine flag every node gets (common or per role); nodes whose caches travel
-    between nodes (prefill nodes and decode nodes beside them) run one rank until sharded transfers exist (#50)."""
+def test_up_passes_the_tensor_parallel_size_to_every_role_s_nodes():
+    """`--tensor-parallel-size` is an engine flag every node gets (common or per role), prefill and decode nodes of
+    different sizes included: each decode rank reads its shard from the prefill ranks that hold it (#50)."""
     from baton.cli.up_cmd import cluster_from_args
     from baton.node.serve import node_parser
 
     a = build_parser().parse_args(["up", "--model", "m", "--prefill-workers", "0", "--tensor-parallel-size", "2"])
     node = node_parser("decode").parse_args(cluster_from_args(a, gpus=0).node_argv("decode-0"))
     assert engine_config_from_args(node).tensor_parallel_size == 2
-    for flags in (["--tensor-parallel-size", "2"], ["--prefill-engine-args", "--tensor-parallel-size 2"],
-                  ["--decode-engine-args", "--tensor-parallel-size 2"]):
-        a = build_parser().parse_args(["up", "--model", "m", "--prefill-workers", "1", *flags])
-        with pytest.raises(ValueError, match="with --prefill-workers 1: expected tensor_parallel_size 1 where caches "
-                                             "travel between nodes"):
-            cluster_from_args(a, gpus=0)
+    a = build_parser().parse_args(["up", "--model", "m", "--prefill-workers", "1", "--prefill-engine-args",
+                                   "--tensor-parallel-size 4", "--decode-engine-args", "--tensor-parallel-size 2"])
+    cluster = cluster_from_args(a, gpus=0)
+    for role, tp in (("prefill", 4), ("decode", 2)):
+        node = node_parser(role).parse_args(cluster.node_argv(f"{role}-0"))
+        assert engine_config_from_args(node).tensor_parallel_size == tp, role
     # A Ray actor asks for a GPU share per rank of its role's nodes.
     from baton.cli.ray_cmd import RayCluster
 
     ray = RayCluster("m", prefill_workers=0, engine_args=("--tensor-parallel-size", "2"),
                      decode_engine_args=("--tensor-parallel-size=4",))
     assert (ray.role_ranks("prefill"), ray.role_ranks("decode")) == (2, 4)
-    # `baton ray up` alike, before it connects to any Ray cluster.
-    a = build_parser().parse_args(["ray", "up", "--model", "m", "--decode-engine-args", "--tensor-parallel-size 2"])
-    with pytest.raises(ValueError, match="--decode-engine-args with --prefill-workers 1: expected tensor_parallel_size"):
-        a.run(a)
 
 
 def test_up_router_args_reach_the_router_and_bad_ones_are_refused_before_starting():

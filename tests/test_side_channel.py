@@ -13,6 +13,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.parallel.shard_config import shard_config
 from baton.proto.auth import ClusterCredential
 from baton.transfer.errors import (
     IncompatiblePeer,
@@ -23,19 +24,26 @@ from baton.transfer.errors import (
 )
 from baton.transfer.layout import RegionLayout
 from baton.transfer.lease import LeaseTable
-from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
+from baton.transfer.metadata import AgentMetadata, RankAgent, check_compatible, compat_hash, make_compat
+from baton.transfer.shard_map import pool_shards
 from baton.transfer.side_channel import SideChannelClient, SideChannelServer
 
 
-def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1):
-    cfg = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
+def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1, ranks=None):
+    """A node's metadata as rank 0 publishes it: its pools at `tp` ranks' shapes, `ranks` rank agents (tp)."""
+    full = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
+    cfg = shard_config(full, tp)
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
-    pools = CachePools(cfg, plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
+    state = NemotronHForCausalLM.state_spec(cfg)
+    pools = CachePools(cfg, plan_cache(cfg, state, ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
                        ssm_dtype, "cpu")
     regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
-    compat = make_compat(cfg, regions, block_size, spec, tp)
-    return AgentMetadata(engine_id=engine_id, agent_name=f"agent-{engine_id}", nixl_metadata=b"\x00nixl",
-                         compat=compat, compat_hash=compat_hash(compat), regions=regions)
+    compat = make_compat(full, regions, block_size, spec, pool_shards(pools.by_name(), state, full.num_key_value_heads,
+                                                                      tp))
+    agents = tuple(RankAgent(r, f"agent-{engine_id}-{r}", b"\x00nixl", regions) for r in range(ranks or tp))
+    return AgentMetadata(engine_id=engine_id, agent_name=f"agent-{engine_id}-0", nixl_metadata=b"\x00nixl",
+                         compat=compat, compat_hash=compat_hash(compat), regions=regions,
+                         ranks=agents if tp > 1 or ranks else ())
 
 
 CREDENTIAL = ClusterCredential.generate()
@@ -137,7 +145,8 @@ def test_compatible_peers_pass():
     (lambda: metadata(overrides={"hybrid_override_pattern": "M*M-M*-M"}), "model_fingerprint"),
     (lambda: metadata(ssm_dtype=torch.bfloat16), "ssm_dtype"),
     (lambda: metadata(spec=2), "num_speculative_tokens"),
-    (lambda: metadata(tp=2), "tp_size"),
+    (lambda: metadata(ssm_dtype=torch.bfloat16, tp=2), "ssm_dtype"),
+    (lambda: metadata(tp=2, ranks=1), "ranks"),
 ])
 def test_mismatch_is_refused_naming_the_field(remote, field):
     with pytest.raises(IncompatiblePeer, match=f"'{field}'") as e:
@@ -145,10 +154,14 @@ def test_mismatch_is_refused_naming_the_field(remote, field):
     assert e.value.field == field
 
 
-def test_nodes_of_several_tensor_parallel_ranks_are_refused():
-    """Equal TP sizes above one still hold only rank 0's shard in the pools the agents registered (#50)."""
-    with pytest.raises(TransferError, match="expected nodes of one tensor-parallel rank for a transfer, got tp_size 2"):
-        check_compatible(metadata("d0", tp=2), metadata(tp=2))
+@pytest.mark.parametrize("mine,theirs", [(1, 2), (2, 1), (2, 4), (2, 2)])
+def test_nodes_of_different_tensor_parallel_sizes_are_compatible(mine, theirs):
+    """The TP size is not compared: each side's whole-model layouts are, and each rank reads its shard (#50)."""
+    four = {"n_groups": 4}  # Mamba2 groups split over four ranks
+    local, remote = metadata("d0", tp=mine, overrides=four), metadata(tp=theirs, overrides=four)
+    check_compatible(local, remote)
+    assert len(remote.rank_agents()) == theirs and remote.compat.tp_size == theirs
+    assert local.compat.shards["kv"].parts == remote.compat.shards["kv"].parts
 
 
 def test_forged_hash_is_refused():

@@ -19,7 +19,7 @@ from baton.transfer.agent import TransferAgent
 from baton.transfer.cuda_ipc import IpcRegion, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable, TransferFailed
 from baton.transfer.layout import RegionLayout
-from baton.transfer.metadata import AgentMetadata, CompatInfo
+from baton.transfer.metadata import AgentMetadata, CompatInfo, single_rank_shards
 from baton.transfer.side_channel import SideChannelClient
 from tests.transfer_peer import call, start_peer
 
@@ -36,14 +36,16 @@ def test_metadata_offers_ipc_regions_and_older_metadata_still_decodes():
     region = IpcRegion(b"h" * 64, 1 << 20, 0, b"rc", 3, b"", False, 256)
     compat = CompatInfo(protocol_version=1, model_fingerprint="f", layer_pattern="M*", tp_size=1, block_size=8,
                         dtypes={"kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"},
-                        item_shapes={"kv": (2,), "conv": (3,), "ssm": (4,)}, num_speculative_tokens=0, mtp_layers=0)
+                        shards=single_rank_shards(layouts(0)), num_speculative_tokens=0, mtp_layers=0)
     meta = AgentMetadata("e", "a", b"nixl", compat, "x", layouts(0), host_id=host_id(), ipc={"kv": region})
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(meta), type=AgentMetadata)
     assert back.ipc == {"kv": region} and back.host_id == host_id() != ""
-    # Metadata from a node without these fields: no host, no IPC (its peers read through NIXL).
-    old = {k: v for k, v in msgspec.msgpack.decode(msgspec.msgpack.encode(meta)).items() if k not in ("host_id", "ipc")}
+    # Metadata from a node without these fields: no host, no IPC (its peers read through NIXL), one rank.
+    old = {k: v for k, v in msgspec.msgpack.decode(msgspec.msgpack.encode(meta)).items()
+           if k not in ("host_id", "ipc", "tp_rank", "ranks")}
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=AgentMetadata)
-    assert back.host_id == "" and back.ipc == {}
+    assert back.host_id == "" and back.ipc == {} and back.tp_rank == 0 and back.ranks == ()
+    assert [r.agent_name for r in back.rank_agents()] == ["a"]
 
 
 def test_pools_in_host_memory_offer_no_mapping():

@@ -18,19 +18,21 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from baton.engine.config import ModelConfig
 from baton.transfer.cuda_ipc import IpcCopier, IpcPeer, export_regions, host_id
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
 from baton.transfer.layout import RegionLayout
-from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash, make_compat
+from baton.transfer.metadata import AgentMetadata, RankAgent, check_compatible, compat_hash, make_compat
 from baton.transfer.plan import (
     TransferPlan,
     block_ids,
     check_pair,
+    empty_plan,
     join,
     plan_blocks,
     plan_checked_blocks,
@@ -38,6 +40,8 @@ from baton.transfer.plan import (
     plan_slots,
     state_names,
 )
+from baton.transfer.shard_map import PoolShards
+from baton.transfer.sharded_read import ShardedPeer, plan_sharded
 from baton.transfer.stats import TransferStats
 
 log = logging.getLogger("baton.transfer")
@@ -103,6 +107,8 @@ class PendingRead:
     # agent sends it once both are done.
     slot_handle: object = None
     notify: bool = False
+    # A read rank by rank (`ShardedPeer`): the READs from the other peer ranks, polled before `handle`.
+    more: list[object] = field(default_factory=list)
 
 
 class TransferAgent:
@@ -110,7 +116,7 @@ class TransferAgent:
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True,
-                 tensor_parallel_size: int = 1) -> None:
+                 shards: dict[str, PoolShards] | None = None, tp_rank: int = 0) -> None:
         """`pools`: the id-major cache pools by name ("kv", then the state pools), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
@@ -119,8 +125,9 @@ class TransferAgent:
         default: one busy core per agent). `state_first` (default): a NIXL read posts the request's state slot (a
         third of a 16k-token 8b-like request, all of a short one) as its own READ before it plans and posts the
         blocks, so the link starts while the host still works (the CUDA IPC path's order); the notification then
-        follows both. False: one READ of blocks and state. `tensor_parallel_size`: the node's ranks (`pools` are
-        rank 0's), which the handshake compares."""
+        follows both. False: one READ of blocks and state. `shards`: how the node's tensor-parallel ranks split each
+        pool (`shard_map.pool_shards`; None: one rank holds them whole), `tp_rank` the rank whose `pools` these are;
+        peers of other TP sizes (or this node's ranks > 1) are read rank by rank (`read`)."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
@@ -134,14 +141,17 @@ class TransferAgent:
                                                                          backends=list(backends)),
                                       progress_delay_us)
         self._reg = self._agent.register_memory([t for t in pools.values() if t.numel()])
-        compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens, tensor_parallel_size)
+        compat = make_compat(model_cfg, self.regions, block_size, num_speculative_tokens, shards)
+        self.tp_rank = tp_rank
         self.cuda_ipc = cuda_ipc
         self.state_first = state_first
         self.metadata = AgentMetadata(engine_id=engine_id, agent_name=self.agent_name,
                                       nixl_metadata=self._agent.get_agent_metadata(), compat=compat,
                                       compat_hash=compat_hash(compat), regions=self.regions, host_id=host_id(),
-                                      ipc=export_regions(pools) if cuda_ipc else {})
+                                      ipc=export_regions(pools) if cuda_ipc else {}, tp_rank=tp_rank)
         self._peers: dict[str, tuple[str, AgentMetadata]] = {}
+        # Peers read rank by rank (either side of several ranks): what this rank reads from which of theirs.
+        self._sharded: dict[str, ShardedPeer] = {}
         self._ipc_peers: dict[str, IpcPeer] = {}
         self._copier: IpcCopier | None = None
         self.stats = TransferStats()
@@ -155,13 +165,43 @@ class TransferAgent:
         check_compatible(self.metadata, remote)
         if cached is not None:  # the peer restarted: a new agent behind the same engine id
             self.forget(remote.engine_id)
+        if self.metadata.compat.tp_size == remote.compat.tp_size == 1:
+            name = self._add_remote(remote.engine_id, remote.nixl_metadata)
+            self._peers[remote.engine_id] = (name, remote)
+            self._map_peer(remote)
+            return
+        peer = ShardedPeer.of(remote, self.metadata.compat.shards, self.tp_rank)
+        names: dict[int, str] = {}
         try:
-            name = self._agent.add_remote_agent(remote.nixl_metadata)
+            # Its rank 0 too, whether read or not: the READ's notification goes there.
+            for rank in sorted({0, *peer.sources}):
+                names[rank] = self._add_remote(remote.engine_id, remote.rank_agents()[rank].nixl_metadata)
+        except PeerUnreachable:
+            for name in names.values():
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            raise
+        peer.names = names
+        self._sharded[remote.engine_id] = peer
+        self._peers[remote.engine_id] = (names[0], remote)
+
+    def _add_remote(self, engine_id: str, nixl_metadata: bytes) -> str:
+        try:
+            return self._agent.add_remote_agent(nixl_metadata)
         except Exception as e:  # nixl binding errors have no common base class
-            raise PeerUnreachable(f"loading {remote.engine_id}'s NIXL metadata: {type(e).__name__}: {e}",
-                                  peer=remote.engine_id) from e
-        self._peers[remote.engine_id] = (name, remote)
-        self._map_peer(remote)
+            raise PeerUnreachable(f"loading {engine_id}'s NIXL metadata: {type(e).__name__}: {e}",
+                                  peer=engine_id) from e
+
+    def with_ranks(self, ranks: tuple[RankAgent, ...]) -> None:
+        """Rank 0 of a node of several ranks: publish every rank's agent (this one first) with this one's."""
+        if [r.tp_rank for r in ranks] != list(range(self.metadata.compat.tp_size)):
+            raise ValueError(f"rank agents: expected ranks 0..{self.metadata.compat.tp_size - 1} in order, got "
+                             f"{[r.tp_rank for r in ranks]}")
+        self.metadata = msgspec.structs.replace(self.metadata, ranks=ranks)
+
+    def rank_agent(self) -> RankAgent:
+        """This rank's agent, as rank 0 publishes it."""
+        return RankAgent(self.tp_rank, self.agent_name, self.metadata.nixl_metadata, self.regions)
 
     def _map_peer(self, remote: AgentMetadata) -> None:
         """Map a same-host peer's GPU pools for CUDA IPC reads, if both sides offer them; else NIXL reads."""
@@ -192,10 +232,12 @@ class TransferAgent:
     def forget(self, engine_id: str) -> None:
         self._ipc_peers.pop(engine_id, None)
         entry = self._peers.pop(engine_id, None)
-        if entry is not None:
+        sharded = self._sharded.pop(engine_id, None)
+        names = list(sharded.names.values()) if sharded is not None else [entry[0]] if entry is not None else []
+        for name in names:
             # Already gone on the NIXL side: nothing left to clean.
             with contextlib.suppress(Exception):
-                self._agent.remove_remote_agent(entry[0])
+                self._agent.remove_remote_agent(name)
 
     # ---- decode side: READ ------------------------------------------------------------------------
     def start_read(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
@@ -205,6 +247,9 @@ class TransferAgent:
             raise PeerUnreachable(f"no handshake with {peer!r} yet", request_id=request_id, peer=peer)
         name, remote = self._peers[peer]
         t0 = time.monotonic()
+        if peer in self._sharded:
+            return self._start_sharded(request_id, peer, local_blocks, remote_blocks, local_slot, remote_slot, t0,
+                                       timeout)
         ipc = self._ipc_peers.get(peer)
         try:
             if ipc is not None:
@@ -227,15 +272,47 @@ class TransferAgent:
         self.stats.descriptors += plan.num_descriptors
         return pending
 
-    def _post(self, request_id: str, peer: str, name: str, remote: AgentMetadata, plan: TransferPlan,
+    def _start_sharded(self, request_id: str, peer: str, local_blocks: list[int], remote_blocks: list[int],
+                       local_slot: int, remote_slot: int, t0: float, timeout: float) -> PendingRead:
+        """One READ per peer rank this rank reads from (`sharded_read`). A node of one rank notifies the peer once
+        all are done; at several ranks, rank 0 does once every rank's are (`node.rank_transfer`)."""
+        sp = self._sharded[peer]
+        try:
+            plans = plan_sharded(sp, self.regions, local_blocks, remote_blocks, local_slot, remote_slot)
+        except ValueError as e:
+            self.stats.failures += 1
+            raise TransferFailed(f"READ of {request_id!r} from {peer!r} could not be planned: {e}",
+                                 request_id=request_id, peer=peer) from e
+        posted: list[tuple[object, str]] = []
+        try:
+            for rank, plan in plans.items():
+                if plan.num_descriptors:
+                    posted.append(self._post(request_id, peer, sp.names[rank], sp.regions(rank)["kv"].mem_type,
+                                             plan, b""))
+        except TransferFailed:
+            for handle, state in posted:
+                self._drain(handle, state, t0 + timeout)
+            raise
+        plan = join(*plans.values()) if plans else empty_plan()
+        self.stats.descriptors += plan.num_descriptors
+        notify = self.metadata.compat.tp_size == 1
+        if not posted:
+            return PendingRead(request_id, peer, plan, None, t0, t0 + timeout, "DONE", notify=notify)
+        failed = next((st for _, st in posted if st not in ("PROC", "DONE")), None)
+        state = failed or ("DONE" if all(st == "DONE" for _, st in posted) else "PROC")
+        return PendingRead(request_id, peer, plan, posted[-1][0], t0, t0 + timeout, state, notify=notify,
+                           more=[h for h, _ in posted[:-1]])
+
+    def _post(self, request_id: str, peer: str, name: str, remote: AgentMetadata | str, plan: TransferPlan,
               notif: bytes) -> tuple[object, str]:
         """One NIXL READ of the plan's descriptors, posted: (handle, state). A failure is counted and raised typed,
-        the handle (if any) released."""
+        the handle (if any) released. `remote`: the peer's metadata, or its pools' memory type."""
         handle = None
+        mem_type = remote if isinstance(remote, str) else remote.regions["kv"].mem_type
         try:
             handle = self._agent.initialize_xfer(
                 "READ", self._agent.get_xfer_descs(plan.local, self.regions["kv"].mem_type),
-                self._agent.get_xfer_descs(plan.remote, remote.regions["kv"].mem_type), name, notif)
+                self._agent.get_xfer_descs(plan.remote, mem_type), name, notif)
             return handle, self._agent.transfer(handle)
         except Exception as e:
             self.stats.failures += 1
@@ -312,6 +389,9 @@ class TransferAgent:
         if pending.event is not None:
             return self._poll_copy(pending)
         if pending.handle is None:
+            if pending.state == "DONE" and pending.notify:  # a read with nothing to move is still announced
+                pending.notify = False
+                self.notify(pending.peer, pending.request_id)
             return True
         if pending.state == "PROC":
             try:
@@ -351,6 +431,11 @@ class TransferAgent:
                 return state
             handle, pending.slot_handle = pending.slot_handle, None
             self._agent.release_xfer_handle(handle)
+        while pending.more:
+            state = self._agent.check_xfer_state(pending.more[-1])
+            if state != "DONE":
+                return state
+            self._agent.release_xfer_handle(pending.more.pop())
         return self._agent.check_xfer_state(pending.handle)
 
     def _poll_copy(self, pending: PendingRead) -> bool:
@@ -407,8 +492,9 @@ class TransferAgent:
         self._release(pending)
 
     def _release(self, pending: PendingRead) -> None:
-        handles = [h for h in (pending.handle, pending.slot_handle) if h is not None]
+        handles = [h for h in (pending.handle, pending.slot_handle, *pending.more) if h is not None]
         pending.handle = pending.slot_handle = None
+        pending.more = []
         failed = None
         for handle in handles:
             try:

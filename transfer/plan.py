@@ -177,6 +177,12 @@ def block_ids(local: RegionLayout, remote: RegionLayout, local_blocks: Ids,
     return lo_ids, re_ids
 
 
+def empty_plan() -> TransferPlan:
+    """A plan that moves nothing."""
+    empty = np.zeros((0, 3), dtype=np.int64)
+    return TransferPlan(local=empty, remote=empty, num_bytes=0)
+
+
 def join(*plans: TransferPlan) -> TransferPlan:
     """One plan of several, in order (one READ's descriptor lists)."""
     return TransferPlan(local=np.concatenate([p.local for p in plans]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine, resolved_device
 from baton.engine.loader import load_checkpoint
 from baton.engine.parallel.command_channel import CommandChannel
-from baton.engine.parallel.follower import follow
+from baton.engine.parallel.follower import Applied, follow
 from baton.engine.parallel.group import TPGroup
 from baton.engine.tokenizer import load_tokenizer
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-method", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--attach", default="", help="module:function called with (engine, rank, attach_arg, applied) "
+                   "once the engine is built, before the rank follows rank 0: the node's own per-rank services")
+    p.add_argument("--attach-arg", default="")
     a = p.parse_args(argv)
     die_with_parent(a.parent_pid)
     config = EngineConfig(**json.loads(a.config))
@@ -58,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank masks its rows' logits alike: each holds the grammars' matchers.
     if (tokenizer := load_tokenizer(a.model)) is not None:
         engine.use_tokenizer(tokenizer)
-    follow(engine, channel)
+    applied = Applied()
+    if a.attach:
+        module, _, function = a.attach.partition(":")
+        # Named, not imported: the engine does not depend on the serving packages that attach here.
+        getattr(importlib.import_module(module), function)(engine, a.rank, a.attach_arg, applied)
+    follow(engine, channel, applied)
     dist.destroy_process_group()
     return 0
 

@@ -51,10 +51,13 @@ class LeaderEngine(LLMEngine):
         # The other ranks' process ids (where this process started them).
         self.rank_pids: list[int] = []
         self._closed = False
+        # Commands sent to the other ranks so far (each rank counts those it applied: `follower.Applied`).
+        self.commands_sent = 0
 
     def _flush(self) -> None:
         commands, self._queued = self._queued, []
         self.channel.send(commands)
+        self.commands_sent += len(commands)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prefill_only: bool = False) -> str:
@@ -87,7 +90,12 @@ class LeaderEngine(LLMEngine):
     def reserve_for(self, prompt_token_ids: list[int], num_tokens: int) -> tuple[list[int], int, int] | None:
         # (No held prefix: the other ranks replay `Reserve`, which allocates every block.)
         got = self.reserve(num_tokens)
-        return None if got is None else (*got, 0)
+        if got is None:
+            return None
+        # Now, not with the next step: every rank reads its shard into these blocks once it has reserved them too
+        # (`commands_sent`), and an idle node takes no step.
+        self._flush()
+        return (*got, 0)
 
     def capture_graphs(self, sampled_verify: bool = True) -> int:
         # Now, not with the next step: a capture runs the model's collectives, which every rank must join.

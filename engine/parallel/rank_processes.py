@@ -55,7 +55,8 @@ def check_devices(config: EngineConfig) -> None:
 class RankProcesses:
     """Ranks 1..N-1 of this node, and the thread that watches them."""
 
-    def __init__(self, model_dir: str, config: EngineConfig) -> None:
+    def __init__(self, model_dir: str, config: EngineConfig, attach: tuple[str, str] | None = None) -> None:
+        """`attach`: (module:function, argument) each rank calls once its engine is built (`follower_main`)."""
         self.tp = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="baton-tp-")
         self.init_method = f"file://{Path(self._dir) / 'rendezvous'}"
@@ -63,6 +64,8 @@ class RankProcesses:
         self._lock = threading.Lock()
         args = ["--model", str(model_dir), "--config", json.dumps(dataclasses.asdict(config)),
                 "--init-method", self.init_method, "--parent-pid", str(os.getpid())]
+        if attach is not None:
+            args += ["--attach", attach[0], "--attach-arg", attach[1]]
         self.procs = {r: subprocess.Popen([sys.executable, "-m", "baton.engine.parallel.follower_main", *args,
                                            "--rank", str(r)], process_group=0)
                       for r in range(1, self.tp)}
@@ -106,11 +109,12 @@ class RankProcesses:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def start_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
+def start_engine(model_dir: str | Path, config: EngineConfig, attach: tuple[str, str] | None = None) -> LLMEngine:
     """The engine of a node or command: at one rank an `LLMEngine`; with `tensor_parallel_size` N > 1 rank 0's
     `LeaderEngine`, ranks 1..N-1 started as processes (`close()` stops them). A config or device set that cannot
     be split raises ValueError naming the field before any process starts. Call it on the main thread: the
-    kernel's parent-death signal follows the thread that started the ranks, not the process."""
+    kernel's parent-death signal follows the thread that started the ranks, not the process. `attach`: what ranks
+    1..N-1 start beside their engine (`follower_main --attach`)."""
     tp = config.tensor_parallel_size
     if tp == 1:
         return LLMEngine.from_pretrained(model_dir, config)
@@ -120,7 +124,7 @@ def start_engine(model_dir: str | Path, config: EngineConfig) -> LLMEngine:
     if device.type == "cpu":  # the ranks share this machine's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // tp))
     # The other ranks start (import torch, load the checkpoint) while this one loads it.
-    ranks = RankProcesses(str(model_dir), config)
+    ranks = RankProcesses(str(model_dir), config, attach)
     try:
         model_cfg, weights = load_checkpoint(model_dir, None if config.dtype == "auto" else config.dtype)
         group = TPGroup.init(tp, 0, device, ranks.init_method)
