@@ -54,8 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                         "CUDA graphs and K = 0, else 0)")
     g.add_argument("--tensor-parallel-size", type=int, metavar="N",
                    help="tensor-parallel ranks, one process each, which the node starts (rank 0 serves; on CUDA "
-                        "rank r computes on visible GPU r); nodes whose caches travel between nodes (prefill nodes, "
-                        "decode nodes beside them) take 1 so far (1)")
+                        "rank r computes on visible GPU r); prefill and decode nodes may differ in it (1)")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_const", const=False,
                    help="turn prefix caching off (on: KV blocks and recurrent-state checkpoints of earlier prompts are "
                         "kept while their memory is not needed, and a prompt that starts like an earlier one "
