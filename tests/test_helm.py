@@ -314,6 +314,16 @@ def test_tensor_parallel_decode_pods_ask_for_a_gpu_per_rank():
     assert arg_map(expand(c, docs))["--tensor-parallel-size"] == ["4"]
 
 
+def test_prefill_and_decode_pods_of_different_tensor_parallel_sizes_ask_for_their_own_gpus():
+    vals = {"prefill": {"gpus": 1, "engine": {"tensor-parallel-size": 4}},
+            "decode": {"gpus": 1, "engine": {"tensor-parallel-size": 2}}}
+    docs = render(vals)
+    for role, tp in (("prefill", "4"), ("decode", "2")):
+        c = container(one(docs, "StatefulSet", role))
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp, role
+        assert arg_map(expand(c, docs))["--tensor-parallel-size"] == [tp], role
+
+
 def test_a_cluster_secret_is_generated_url_safe_and_reaches_every_pod_as_env():
     docs = manifests("default")
     secret = one(docs, "Secret")
@@ -366,8 +376,6 @@ def test_every_process_drains_within_its_pods_grace_period(case):
     ({"engine": {"speculative-tokens": 2}, "decode": {"engine": {"mixed-graph-tokens": 128}}},
      "mixed-graph-tokens must be 0 or unset with speculative-tokens > 0 \\(decode"),
     ({"engine": {"tensor-parallel-size": 0}}, "tensor-parallel-size"),
-    ({"decode": {"engine": {"tensor-parallel-size": 2}}},
-     "tensor-parallel-size must be 1 or unset where prefill nodes run \\(prefill.replicas 1; decode"),
     ({"model": {"source": "s3"}}, "source"),
     ({"router": {"discovery": "consul"}}, "discovery"),
 ])
