@@ -183,6 +183,9 @@ class RankLinks:
         self._listener.listen(tp)
         self._socks: list[socket.socket] = []
         self.ranks: list[RankAgent] = []
+        # Set once a rank missed an answer: its later answers would be taken for those of later commands, so the
+        # node reads no more (its requests prefill locally instead).
+        self.broken = ""
 
     def attach(self, engine_id: str, progress_delay_us: int) -> tuple[str, str]:
         """What `start_engine` passes the other ranks."""
@@ -210,8 +213,14 @@ class RankLinks:
         self.ranks = [by_rank[r][1] for r in sorted(by_rank)]
 
     def send(self, cmd: Command) -> None:
-        for sock in self._socks:
-            _send(sock, cmd)
+        if self.broken:
+            raise TransferError(f"tensor-parallel ranks' transfer links are out of step: {self.broken}")
+        try:
+            for sock in self._socks:
+                _send(sock, cmd)
+        except OSError as e:
+            self.broken = f"sending to a rank: {type(e).__name__}: {e}"
+            raise TransferError(f"tensor-parallel ranks' transfer links: {self.broken}") from e
 
     def replies(self, timeout: float) -> list[Done | Failed]:
         out: list[Done | Failed] = []
@@ -221,8 +230,8 @@ class RankLinks:
             try:
                 out.append(_replies.decode(_recv(sock)))
             except (OSError, ConnectionError) as e:
-                # A rank that does not answer in time leaves its link out of step: the node cannot transfer.
-                out.append(Failed("error", f"rank {r} did not answer: {type(e).__name__}: {e}"))
+                self.broken = f"rank {r} did not answer: {type(e).__name__}: {e}"
+                out.append(Failed("error", self.broken))
             finally:
                 sock.settimeout(None)
         return out
