@@ -27,11 +27,11 @@ from baton.transfer.metadata import AgentMetadata, check_compatible, compat_hash
 from baton.transfer.side_channel import SideChannelClient, SideChannelServer
 
 
-def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1):
+def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1, kv_dtype=None):
     cfg = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
-    pools = CachePools(cfg, plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
-                       ssm_dtype, "cpu")
+    pools = CachePools(cfg, plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, ssm_dtype,
+                                       kv_dtype), block_size, torch.float32, ssm_dtype, "cpu", kv_dtype)
     regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
     compat = make_compat(cfg, regions, block_size, spec, tp)
     return AgentMetadata(engine_id=engine_id, agent_name=f"agent-{engine_id}", nixl_metadata=b"\x00nixl",
@@ -138,6 +138,7 @@ def test_compatible_peers_pass():
     (lambda: metadata(ssm_dtype=torch.bfloat16), "ssm_dtype"),
     (lambda: metadata(spec=2), "num_speculative_tokens"),
     (lambda: metadata(tp=2), "tp_size"),
+    (lambda: metadata(kv_dtype=torch.float8_e4m3fn), "kv_dtype"),
 ])
 def test_mismatch_is_refused_naming_the_field(remote, field):
     with pytest.raises(IncompatiblePeer, match=f"'{field}'") as e:
