@@ -6,7 +6,8 @@ MTP benchmark's corpus (`mtp_bench.stdlib_sources`: the Python standard library'
 The held-out token stream (the checkpoint's own tokenizer) is cut into `--windows` windows of `--seq-len` tokens;
 each is one prefill through the engine, and its NLL is the mean over all predicted tokens. Reported per variant:
 perplexity, its delta to the unquantized checkpoint (relative), max |Δlogit| relative to the largest logit, and
-argmax agreement. Variants: `fp8` (ModelOpt per-tensor) and `fp8-block` (128x128 blocks). On a GPU with FP8
+argmax agreement. Variants: `fp8` (ModelOpt per-tensor) and `fp8-block` (128x128 blocks) weights, and `kv-fp8`: the
+unquantized weights with an FP8 KV cache (`--kv-cache-dtype fp8`, scale 1.0 or the checkpoint's `k_scale` / `v_scale`). On a GPU with FP8
 tensor cores the FP8 layers run the FP8 GEMMs (activations quantized too); elsewhere the dequantizing reference,
 which `--emulate-act-quant` makes round the activations through e4m3 as the GPU path does.
 
@@ -15,6 +16,7 @@ A random checkpoint predicts nothing, so its perplexity says little: use a train
 
   python benchmarks/fp8_quality.py --model DIR --device cuda --dtype bfloat16
   python benchmarks/fp8_quality.py --smoke
+  python benchmarks/fp8_quality.py --preset 8b-like --device cuda --dtype bfloat16   # random weights: Δlogit only
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ class Row:
 
 
 def window_logits(cfg, weights, windows: list[list[int]], device: str, dtype: str,
-                  emulate_act_quant: bool) -> torch.Tensor:
+                  emulate_act_quant: bool, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """fp32 logits [W, L, V] of one prefill per window, through the engine."""
     n, bs = len(windows[0]), 16
     ecfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=1, max_num_batched_tokens=n, block_size=bs,
-                        num_kv_blocks=-(-n // bs) + 4, max_model_len=n + 8)
+                        num_kv_blocks=-(-n // bs) + 4, max_model_len=n + 8, kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(cfg, dict(weights), ecfg)
     for m in engine.model.modules():
         if isinstance(m, FP8Linear):
@@ -110,6 +112,7 @@ def run(model_dir: Path, device: str, dtype: str, corpus_mb: float, holdout_ever
     for name, qcfg in VARIANTS.items():
         qc, qs = quantize_state(cfg, state, qcfg, TORCH_DTYPES[dtype])
         rows.append(compare(ref, window_logits(qc, qs, wins, device, dtype, emulate_act_quant), wins, base, name))
+    rows.append(compare(ref, window_logits(cfg, state, wins, device, dtype, False, "fp8"), wins, base, "kv-fp8"))
     return base, rows
 
 
@@ -125,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="an unquantized checkpoint directory with its tokenizer")
     ap.add_argument("--smoke", action="store_true", help="a random tiny model, small corpus, CPU")
+    ap.add_argument("--preset", help="a random model of this make_model preset (e.g. 8b-like) with a trained "
+                                     "tokenizer: its perplexity means nothing, its logit deltas do")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     ap.add_argument("--corpus-mb", type=float, default=4.0, help="stdlib source bytes to read at most (MB)")
@@ -135,8 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="reference path: round activations through e4m3 as the GPU kernels do")
     ap.add_argument("--json", type=Path, help="write the numbers here")
     args = ap.parse_args(argv)
-    if (args.model is None) == (not args.smoke):
-        ap.error("give exactly one of --model DIR and --smoke")
+    if sum((args.model is not None, args.smoke, args.preset is not None)) != 1:
+        ap.error("give exactly one of --model DIR, --preset NAME and --smoke")
     return args
 
 
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             model = make_model(Path(tmp) / "tiny", "tiny", progress=False)
             args.corpus_mb, args.windows, args.seq_len = min(args.corpus_mb, 0.5), min(args.windows, 2), 32
+        elif args.preset:
+            model = make_model(Path(tmp) / args.preset, args.preset, progress=False)
         base, rows = run(model, args.device, args.dtype, args.corpus_mb, args.holdout_every, args.windows,
                          args.seq_len, args.emulate_act_quant)
     print(table(base, args.dtype, rows))

@@ -6,7 +6,9 @@ All are laid out id-major, so that everything a request owns is as contiguous as
 - KV block pool: [num_blocks, L_attn + L_mtp, 2, block_size, Hkv, D]. A block holds the K and V of every
   attention layer, so a run of consecutive block ids is ONE contiguous region for all layers (one
   transfer descriptor, not one per layer). With speculative decoding the MTP drafter's attention layers
-  (L_mtp) sit after the target's in the same blocks: its KV travels with the target's (R8).
+  (L_mtp) sit after the target's in the same blocks: its KV travels with the target's (R8). Its dtype is the
+  model's, or float8_e4m3fn with `--kv-cache-dtype fp8` (`kv_cache_dtype.py`: half the bytes a block, so twice
+  the blocks for the same budget).
 - State pools: one per state tensor the model's recurrent mixer declares (`state_spec.StateSpec`), each
   [slots, L_mixer, *shape] (for Mamba2: conv [.., conv_dim, K-1] and ssm [.., H, P, N]): one slot's state of
   every mixer layer is one contiguous region per declared tensor. A request owns one slot.
@@ -54,14 +56,14 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: torch.dtype,
-               state_dtype: torch.dtype) -> CachePlan:
+               state_dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> CachePlan:
     """The pools' sizes for `ecfg` and the mixer's `state` (the model class's `state_spec`); sizes it leaves to the engine (None) take the CPU defaults (an engine on CUDA
-    decides them first, `LLMEngine`)."""
+    decides them first, `LLMEngine`). `kv_dtype`: the KV pool's (None: `dtype`)."""
     num_slots = ecfg.max_num_seqs or CPU_MAX_NUM_SEQS
     cache_memory_bytes = ecfg.cache_memory_bytes or CPU_CACHE_MEMORY_BYTES
     n_mtp = mtp_kv_layers(cfg) if ecfg.num_speculative_tokens else 0
     n_attn = len(cfg.attention_layer_ids) + n_mtp
-    block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(dtype)
+    block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(kv_dtype or dtype)
     slot_bytes = state.slot_bytes(dtype, state_dtype, ecfg.verify_len)
     checkpoint_bytes = state.slot_bytes(dtype, state_dtype, 0)
     num_checkpoints = (ecfg.prefix_checkpoint_slots or num_slots) if ecfg.enable_prefix_caching else 0
@@ -93,14 +95,15 @@ def mtp_kv_layers(cfg: ModelConfig) -> int:
 
 class CachePools:
     def __init__(self, cfg: ModelConfig, plan: CachePlan, block_size: int, dtype: torch.dtype,
-                 state_dtype: torch.dtype, device: torch.device | str) -> None:
+                 state_dtype: torch.dtype, device: torch.device | str, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the KV pool's (None: `dtype`)."""
         self.plan = plan
         self.num_target_kv_layers = len(cfg.attention_layer_ids)
         n_attn, spec = self.num_target_kv_layers + plan.num_mtp_kv_layers, plan.state
         # The scratch block and slot: one past the plan's (never allocated by the scheduler).
         self.scratch_block, self.scratch_slot = plan.num_blocks, plan.num_slots
         self.kv = torch.zeros(plan.num_blocks + 1, n_attn, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                              dtype=dtype, device=device)
+                              dtype=kv_dtype or dtype, device=device)
         S, L = plan.num_slots + 1, spec.num_layers
         # Declared name -> [slots, L_mixer, *shape], in declared order.
         self.states = {t.name: torch.zeros(S, L, *t.shape, dtype=t.torch_dtype(dtype, state_dtype), device=device)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from baton.engine.memory_budget import check_utilization
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The attention KV pool's storage: "auto" the model dtype, "fp8" float8_e4m3fn with one scale per layer for K and V
+# (`kv_cache_dtype.py`).
+KV_CACHE_DTYPES = ("auto", "fp8")
 # Which implementation the ops run (`ops.kernels.resolve_kernels`); here, not there, so that flags need no torch.
 KERNEL_MODES = ("auto", "torch", "triton")
 MAX_SPECULATIVE_TOKENS = 8
@@ -48,6 +51,10 @@ class EngineConfig:
     dtype: str = "auto"
     # SSM state pool dtype; None = the checkpoint's mamba_ssm_cache_dtype.
     ssm_state_dtype: str | None = None
+    # The attention KV pool's storage: "auto" the model dtype; "fp8" float8_e4m3fn (half the bytes of a 16-bit
+    # block, so twice the blocks for the same budget), quantized with a per-layer K scale and V scale: the
+    # checkpoint's `k_scale` / `v_scale` where it ships them, else 1.0 (`kv_cache_dtype.py`).
+    kv_cache_dtype: str = "auto"
     # "auto": CUDA where a GPU is visible, else the CPU.
     device: str = "auto"
     # Which implementation the ops run (`ops.kernels.resolve_kernels`), decided once at start: "auto" the Triton
@@ -129,6 +136,9 @@ class EngineConfig:
         if self.ssm_state_dtype is not None and self.ssm_state_dtype not in SUPPORTED_DTYPES[1:]:
             raise ValueError(f"engine field 'ssm_state_dtype': expected one of {', '.join(SUPPORTED_DTYPES[1:])}, "
                              f"got {self.ssm_state_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"engine field 'kv_cache_dtype': expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         for name in ("cuda_graphs", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine field '{name}': expected True or False, got {getattr(self, name)!r}")

@@ -11,7 +11,8 @@ format's ignore list; every scale must belong to such a weight. The FP8 weights 
 * `lm_head` (read as a raw weight by the logits and the GEMV kernel), MoE routers and Qwen3-Next's interleaved
   GDN projections (split by the canonicalization, which would separate a block scale from its rows).
 
-Dropped with a warning: ModelOpt's FP8 KV-cache scales (`*.k_scale`, `*.v_scale`): the KV cache stays 16-bit.
+Kept as fp32 scalars: ModelOpt's FP8 KV-cache scales (`*.k_scale`, `*.v_scale`), which an engine with
+`--kv-cache-dtype fp8` quantizes its KV pool with (`kv_cache_dtype.py`; the engine takes them out of the weights).
 
 Writing (`quantize_for_checkpoint`): every 2D Linear weight except embeddings, `lm_head` and the MoE routers,
 and the NemotronH routed experts (written per expert as the FP8 checkpoints store them), in the format of an
@@ -63,11 +64,10 @@ def _scale_shape(weight: Tensor, qcfg: FP8Config) -> tuple[int, ...]:
 
 def prepare_fp8(raw: dict[str, Tensor], qcfg: FP8Config | None, dtype: torch.dtype) -> dict[str, Tensor]:
     """Check and prepare the FP8 tensors of `raw` (checkpoint names), in place; return it."""
-    kv = [n for n in raw if n.endswith(KV_SCALE_SUFFIXES)]
-    if kv:
-        logger.warning("ignoring %d FP8 KV-cache scales (%s, ...): the KV cache stays 16-bit", len(kv), kv[0])
-        for n in kv:
-            del raw[n]
+    for n in [n for n in raw if n.endswith(KV_SCALE_SUFFIXES)]:
+        if raw[n].numel() != 1:
+            raise ValueError(f"weights: KV-cache scale '{n}' expected one value, got shape {list(raw[n].shape)}")
+        raw[n] = raw[n].float().reshape(())
     fp8 = [n for n, t in raw.items() if t.dtype == FP8_DTYPE]
     if fp8 and qcfg is None:
         raise ValueError(f"weights: '{fp8[0]}' is float8_e4m3fn, expected a quantization_config in config.json "

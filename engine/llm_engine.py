@@ -29,6 +29,7 @@ from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
 from baton.engine.grammar import Grammars
+from baton.engine.kv_cache_dtype import bind_kv_scales, kv_scale_table, resolve_kv_dtype, split_kv_scales
 from baton.engine.loader import load_checkpoint
 from baton.engine.logits_processing import RowHistory
 from baton.engine.logprobs import TokenLogprob, check_logprobs
@@ -192,12 +193,22 @@ class LLMEngine:
             free_total, allocated = torch.cuda.mem_get_info(device), torch.cuda.memory_allocated(device)
         self.kernels = resolve_kernels(config.kernels, device)
         group = tp if tp.size > 1 else None
+        kv_scales, weights = split_kv_scales(weights)
         self.model = model_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels,
                                                             group)
         self.mtp = mtp_class(model_cfg).from_state_dict(model_cfg, weights, device, self.dtype, self.kernels,
                                                         group) if k else None
         # This rank's shapes (its heads and channels: `parallel.shard_config`), which its caches hold.
         self.shard_config = self.model.cfg
+        # The KV pool's dtype and, for FP8, every attention layer's K and V scales (`kv_cache_dtype`).
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, device, self.kernels.triton)
+        self.kv_scales = None
+        if self.kv_dtype != self.dtype:
+            self.kv_scales = kv_scale_table(self.model, self.mtp, kv_scales, device)
+        elif kv_scales:
+            log.info("the checkpoint's %d KV-cache scales are unused: the KV cache is %s (--kv-cache-dtype auto)",
+                     len(kv_scales), self.dtype)
+        bind_kv_scales(self.model, self.mtp, self.kv_scales)
         # What start measured (None where the pools' size was given or on a CPU), and the graphs' memory once
         # `capture_graphs` ran.
         self.memory: MemoryReport | None = None
@@ -215,8 +226,8 @@ class LLMEngine:
             budget, seqs = tp.agree_min((config.cache_memory_bytes or 0, config.max_num_seqs))
             self.config = config = replace(config, cache_memory_bytes=budget or None, max_num_seqs=seqs)
         shard = self.shard_config
-        self.plan = plan_cache(shard, self.model.state_spec(shard), config, self.dtype, self.ssm_dtype)
-        self.pools = CachePools(shard, self.plan, config.block_size, self.dtype, self.ssm_dtype, device)
+        self.plan = plan_cache(shard, self.model.state_spec(shard), config, self.dtype, self.ssm_dtype, self.kv_dtype)
+        self.pools = CachePools(shard, self.plan, config.block_size, self.dtype, self.ssm_dtype, device, self.kv_dtype)
         graphable = self.graphs_capturable() and self.kernels.triton
         q = resolved_mixed_graph_tokens(config, device, graphable)
         if q != config.mixed_graph_tokens:  # the default decided: every part of the engine sees the value
@@ -248,7 +259,7 @@ class LLMEngine:
     def _prefix_seed(self) -> bytes:
         """The prefix cache's hash seed: what makes this engine's caches of a prefix differ from another model's
         (its shapes and weights' dtypes, and this rank's shard)."""
-        ident = f"{self.shard_config!r}|{self.dtype}|{self.ssm_dtype}|{self.config.block_size}"
+        ident = f"{self.shard_config!r}|{self.dtype}|{self.ssm_dtype}|{self.kv_dtype}|{self.config.block_size}"
         return hashlib.blake2b(ident.encode(), digest_size=16).digest()
 
     def prefix_cache_summary(self) -> str:
@@ -289,7 +300,8 @@ class LLMEngine:
                 seqs = CPU_MAX_NUM_SEQS
             else:
                 unit = plan_cache(self.shard_config, self.model.state_spec(self.shard_config),
-                                  replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype)
+                                  replace(config, max_num_seqs=1, num_kv_blocks=1), self.dtype, self.ssm_dtype,
+                                  self.kv_dtype)
                 # Prefix checkpoints come one per state slot by default, else a given count out of the budget.
                 ckpt = unit.checkpoint_bytes if config.enable_prefix_caching else 0
                 given = config.prefix_checkpoint_slots or 0
@@ -311,8 +323,8 @@ class LLMEngine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         plan = plan_cache(self.shard_config, self.model.state_spec(self.shard_config), probe, self.dtype,
-                          self.ssm_dtype)
-        pools = CachePools(self.shard_config, plan, bs, self.dtype, self.ssm_dtype, device)
+                          self.ssm_dtype, self.kv_dtype)
+        pools = CachePools(self.shard_config, plan, bs, self.dtype, self.ssm_dtype, device, self.kv_dtype)
         with_pools = torch.cuda.memory_reserved(device)
         runner = self._make_runner(pools, device)
         scheduler = Scheduler(probe, plan.num_blocks, plan.num_slots)

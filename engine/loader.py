@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from baton.engine.config import SUPPORTED_DTYPES, ModelConfig
 from baton.engine.fp8_checkpoint import is_fp8_sidecar, prepare_fp8
+from baton.engine.kv_cache_dtype import is_kv_scale
 from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
 from baton.engine.quant_config import read_quant_config
 from baton.engine.weights import (
@@ -125,7 +126,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None,
     missing = [n for n in expected if n not in state]
     if missing:
         problems.append(_listing("missing", missing))
-    unexpected = sorted(n for n in state if n not in expected and not is_fp8_sidecar(n, state))
+    unexpected = sorted(n for n in state if n not in expected and not is_fp8_sidecar(n, state) and not is_kv_scale(n))
     if unexpected:
         problems.append(_listing("unexpected", unexpected))
     mismatched = [f"{n} expected {list(s)} got {list(state[n].shape)}"

@@ -7,7 +7,13 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from baton.engine.engine_config import KERNEL_MODES, MAX_SPECULATIVE_TOKENS, SUPPORTED_DTYPES, EngineConfig
+from baton.engine.engine_config import (
+    KERNEL_MODES,
+    KV_CACHE_DTYPES,
+    MAX_SPECULATIVE_TOKENS,
+    SUPPORTED_DTYPES,
+    EngineConfig,
+)
 from baton.engine.memory_budget import AUTO_MAX_NUM_SEQS, CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
 from baton.engine.sampling_params import SamplingParams
 
@@ -40,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                         "references (torch, to rule a kernel out when debugging) or the kernels (triton) (auto)")
     g.add_argument("--ssm-state-dtype", choices=SUPPORTED_DTYPES[1:],
                    help="SSM state pool dtype (the checkpoint's mamba_ssm_cache_dtype)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="attention KV pool storage: the model dtype (auto) or float8_e4m3fn with a K and a V scale "
+                        "per layer, the checkpoint's k_scale / v_scale where it ships them, else one (fp8: twice the "
+                        "blocks for the same memory, at some accuracy cost; the Triton kernels need an Ada or Hopper "
+                        f"GPU or newer) ({d.kv_cache_dtype})")
     g.add_argument("--cuda-graphs", choices=("on", "off"),
                    help="replay decode steps as CUDA graphs on CUDA devices (on)")
     g.add_argument("--async-scheduling", choices=("on", "off"),
@@ -73,7 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
 ENGINE_FLAGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                 "cache_memory_mb", "gpu_memory_utilization", "num_kv_blocks", "max_model_len", "dtype", "device",
                 "kernels", "num_speculative_tokens",
-                "ssm_state_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens", "mixed_graph_tokens",
+                "ssm_state_dtype", "kv_cache_dtype", "cuda_graphs", "async_scheduling", "fused_gemv_max_tokens",
+                "mixed_graph_tokens",
                 "tensor_parallel_size", "prefix_checkpoint_stride", "enable_prefix_caching", "max_logprobs")
 # Flags whose option is not the dest name with dashes.
 _OPTIONS = {"num_speculative_tokens": "--speculative-tokens"}

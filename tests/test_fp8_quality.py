@@ -14,12 +14,13 @@ sys.modules["fp8_quality"] = fp8_quality  # dataclasses look their module up
 _spec.loader.exec_module(fp8_quality)
 
 
-def test_smoke_reports_both_variants(tmp_path, capsys):
+def test_smoke_reports_every_variant(tmp_path, capsys):
     assert fp8_quality.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     printed = capsys.readouterr().out
-    assert "fp8 " in printed and "fp8-block" in printed
+    assert "fp8 " in printed and "fp8-block" in printed and "kv-fp8" in printed
     res = json.loads((tmp_path / "r.json").read_text())
-    assert [r["variant"] for r in res["rows"]] == ["fp8", "fp8-block"]
+    assert [r["variant"] for r in res["rows"]] == ["fp8", "fp8-block", "kv-fp8"]
+    assert res["rows"][2]["max_dlogit"] > 0  # the FP8 KV cache did quantize
     for r in res["rows"]:
-        # a random tiny model: e4m3 weights move its logits by a few percent, its perplexity by about as much
+        # a random tiny model: e4m3 weights (or KV) move its logits by a few percent, its perplexity by about as much
         assert abs(r["ppl_delta"]) < 0.1 and r["max_dlogit"] < 0.15 and r["argmax_agree"] > 0.8

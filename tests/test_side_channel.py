@@ -29,14 +29,15 @@ from baton.transfer.shard_map import pool_shards
 from baton.transfer.side_channel import SideChannelClient, SideChannelServer
 
 
-def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1, ranks=None):
+def metadata(engine_id="p0", block_size=16, overrides=None, ssm_dtype=torch.float32, spec=0, tp=1, ranks=None,
+             kv_dtype=None):
     """A node's metadata as rank 0 publishes it: its pools at `tp` ranks' shapes, `ranks` rank agents (tp)."""
     full = ModelConfig.from_hf_dict(build_config("tiny", overrides=overrides))
     cfg = shard_config(full, tp)
     ecfg = EngineConfig(block_size=block_size, max_num_seqs=4, num_kv_blocks=8)
     state = NemotronHForCausalLM.state_spec(cfg)
-    pools = CachePools(cfg, plan_cache(cfg, state, ecfg, torch.float32, ssm_dtype), block_size, torch.float32,
-                       ssm_dtype, "cpu")
+    pools = CachePools(cfg, plan_cache(cfg, state, ecfg, torch.float32, ssm_dtype, kv_dtype), block_size,
+                       torch.float32, ssm_dtype, "cpu", kv_dtype)
     regions = {name: RegionLayout.of(name, t) for name, t in pools.by_name().items()}
     compat = make_compat(full, regions, block_size, spec, pool_shards(pools.by_name(), state, full.num_key_value_heads,
                                                                       tp))
@@ -147,6 +148,7 @@ def test_compatible_peers_pass():
     (lambda: metadata(spec=2), "num_speculative_tokens"),
     (lambda: metadata(ssm_dtype=torch.bfloat16, tp=2), "ssm_dtype"),
     (lambda: metadata(tp=2, ranks=1), "ranks"),
+    (lambda: metadata(kv_dtype=torch.float8_e4m3fn), "kv_dtype"),
 ])
 def test_mismatch_is_refused_naming_the_field(remote, field):
     with pytest.raises(IncompatiblePeer, match=f"'{field}'") as e:

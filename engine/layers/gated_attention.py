@@ -24,6 +24,9 @@ from baton.engine.ops.rope.reference import rope_inv_freq
 class GatedAttention(nn.Module):
     # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
     kernels: Kernels | None = None
+    # This layer's [2] fp32 (K, V) scales of an FP8 KV pool, a row of the engine's table (`kv_cache_dtype`); None
+    # for a pool in the model dtype.
+    kv_scale: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, kv_index: int) -> None:
         super().__init__()
@@ -86,8 +89,10 @@ class GatedAttention(nn.Module):
             raise RuntimeError("GatedAttention: the model sets ForwardBatch.positions before its layers run")
         q, k = self.kernels.rope(q, k, batch.positions, self.inv_freq)
         kv_cache = batch.kv_caches[self.kv_index]
-        self.kernels.write_kv(k, v, kv_cache, batch.slot_mapping)
+        fp8 = {} if self.kv_scale is None else {"kv_scale": self.kv_scale}
+        self.kernels.write_kv(k, v, kv_cache, batch.slot_mapping, **fp8)
         meta = {} if batch.attention_meta is None else {"attention_meta": batch.attention_meta}
+        meta.update(fp8)
         out = self.kernels.paged_attention(q, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                            self.scale, **meta)
         out = out.reshape(t, hq * d) * torch.sigmoid(gate)

@@ -56,7 +56,7 @@ def shared_memory_per_block(device: torch.device) -> int:
     return _shared_memory_of(_index(device))
 
 
-# Whether fp32 -> bf16 casts round by hand (`round_to`): only in Triton's interpreter, which `triton.jit` itself
+# Whether fp32 -> bf16 and -> fp8 casts round by hand (`round_to`): only in Triton's interpreter, which `triton.jit` itself
 # chose from the same variable when the kernels were defined.
 _BF16_BY_HAND = tl.constexpr(interpreted())
 
@@ -67,11 +67,21 @@ def round_to(v, dtype: tl.constexpr):
     `.to()`, so there bf16 rounds here by hand (exact; the cast that follows only drops zero bits). On the GPU the
     cast itself rounds to nearest even (one cvt.rn per two values; by hand it took ~7 integer instructions per
     value, a quarter of the scan's state-walk instructions). fp16 and fp32 casts round correctly in both modes.
-    NaN stays NaN."""
+    The interpreter's fp32 -> float8_e4m3fn cast does not carry a rounded-up mantissa into the exponent, so there
+    fp8 rounds here by hand too (`v` already within +-448, the format's largest finite value). NaN stays NaN."""
     if dtype == tl.bfloat16 and _BF16_BY_HAND:
         bits = v.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    if dtype == tl.float8e4nv and _BF16_BY_HAND:
+        # Normal e4m3 values keep 3 of fp32's 23 mantissa bits; below 2**-6 the step is 2**-9, which adding and
+        # subtracting 1.5 * 2**14 (an fp32 whose ulp is 2**-9) rounds to, to nearest even.
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+        a = tl.abs(v)
+        sub = (a + 24576.0) - 24576.0
+        sub = tl.where((bits >> 31) != 0, -sub, sub)  # a negative sign (-0.0 too) stays, as the cast keeps it
+        v = tl.where(v != v, v, tl.where(a < 0.015625, sub, normal))
     return v.to(dtype)
 
 

@@ -39,6 +39,11 @@ NUM_SPLITS parts (flash-decoding's split-K): grid (programs x Hkv, NUM_SPLITS), 
 sum and unnormalized fp32 accumulator go to scratch, and a second kernel merges them. The split count
 comes from shapes and the SM count only (see `_auto_splits`); `num_splits` overrides it.
 
+An FP8 cache (float8_e4m3fn) takes `kv_scale` [2] fp32 (K, V) on the device. Its tiles load as FP8 and convert
+to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value); the K scale is folded into the score scale
+and the V scale multiplies the accumulator before it is normalized (or stored as a split's partial), so that the
+result is the reference's attention over the dequantized cache.
+
 Triton's interpreter (`TRITON_INTERPRET=1`, set before this module is imported) runs the kernel on CPU
 tensors; there bf16 casts truncate instead of rounding (the output is rounded by hand), so compare bf16
 with tolerances. For fp32 inputs both dots run in IEEE fp32 (no TF32). For bf16 and fp16 on the GPU,
@@ -55,6 +60,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from baton.engine.ops.attention.reference import FP8_KV_DTYPE, check_kv_scale
 from baton.engine.ops.attention.tuning import (
     DECODE_STAGES,
     PREFILL_BLOCK_M,
@@ -145,7 +151,7 @@ def _query_tile(
 def _attend(
     q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
     s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, NATIVE_DOT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One key tile (keys start .. start + BLOCK_N - 1) into the online softmax; scores in log2 units
     (qk_scale = scale * log2(e)). MASKED=False: every key is below kv_hi and visible to every row (no mask)."""
@@ -161,6 +167,10 @@ def _attend(
     kv_tile = kv_rows[:, None] + offs_d[None, :] * s_kv_d  # [BLOCK_N, BLOCK_D]
     k = tl.load(kv_tile, mask=nd_mask, other=0.0)
     v = tl.load(kv_tile + s_kv_kv, mask=nd_mask, other=0.0)
+    if FP8:
+        # Exact: the scales are applied outside (`qk_scale`, and the accumulator at the end).
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
     if NATIVE_DOT:
         s = tl.dot(q, tl.trans(k))
@@ -188,7 +198,7 @@ def _attend(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, prog_row_ptr, prog_qblock_ptr,
-    m_part_ptr, l_part_ptr, acc_part_ptr,
+    m_part_ptr, l_part_ptr, acc_part_ptr, kv_scale_ptr,
     scale, group, block_size, head_dim, kv_heads,
     s_q_t, s_q_h, s_q_d,
     s_kv_blk, s_kv_kv, s_kv_tok, s_kv_h, s_kv_d,
@@ -200,6 +210,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -242,6 +253,8 @@ def _paged_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     bt_row = bt_ptr + row.to(tl.int64) * s_bt_r
     qk_scale = scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+    if FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
     masked_lo = kv_lo
     if BLOCK_Q > 1:
         # Prefill tiles: the key tiles every row of the block sees whole (below the causal diagonal, within
@@ -250,14 +263,16 @@ def _paged_attention_kernel(
         for start in range(kv_lo, masked_lo, BLOCK_N):
             acc, m_i, l_i = _attend(
                 q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
-                s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, False, NATIVE_DOT,
+                s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, False, NATIVE_DOT, FP8,
             )  # fmt: skip
     for start in range(masked_lo, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend(
             q, acc, m_i, l_i, start, kv_hi, q_pos, bt_row, kv_ptr, kvh, block_size, qk_scale, d_mask,
-            s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, True, NATIVE_DOT,
+            s_kv_kv, s_kv_tok, s_kv_h, s_kv_d, s_kv_blk, s_bt_b, BLOCK_N, BLOCK_D, True, NATIVE_DOT, FP8,
         )  # fmt: skip
 
+    if FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
@@ -375,6 +390,7 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     num_splits: int | None = None,
     attention_meta: AttentionMeta | None = None,
+    kv_scale: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of every row's queries over its sequence's cached keys and values (`paged_attention`).
 
@@ -383,8 +399,8 @@ def paged_attention_triton(
     [R, max_blocks] int, entries past a row's last block are never read; max_query_len an optional upper
     bound on the rows' query lengths (tiling only); num_splits how many parts each row's keys are split
     into (None: chosen from the shapes and the GPU's SM count; 1 on the CPU); attention_meta the batch's
-    program mapping from `build_attention_meta` (None: built here, on the device). Metadata values are
-    unchecked (module docstring).
+    program mapping from `build_attention_meta` (None: built here, on the device); kv_scale [2] fp32 (K, V) for a
+    float8_e4m3fn cache, else None. Metadata values are unchecked (module docstring).
     Returns [T, Hq, D] in q.dtype.
     """
     fn = "paged_attention_triton"
@@ -409,8 +425,9 @@ def paged_attention_triton(
         raise ValueError(f"{fn}: max_query_len expected >= 1 or None, got {max_query_len}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"{fn}: num_splits expected >= 1 or None, got {num_splits}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"{fn}: expected kv_cache in q's dtype {q.dtype}, got {kv_cache.dtype}")
+    if kv_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"{fn}: expected kv_cache in q's dtype {q.dtype} or float8_e4m3fn, got {kv_cache.dtype}")
+    check_kv_scale(fn, kv_cache, kv_scale)
 
     out = torch.empty(T, q_heads, head_dim, dtype=q.dtype, device=q.device)
     if T == 0 or R == 0:
@@ -455,10 +472,10 @@ def paged_attention_triton(
         m_part = l_part = acc_part = out  # never touched
     _paged_attention_kernel[(grid_m * kv_heads, num_splits)](
         q, kv_cache, out, qsl, seq_lens, block_tables, prog_row, prog_qblock, m_part, l_part, acc_part,
-        float(scale), group, block_size, head_dim, kv_heads,
+        out if kv_scale is None else kv_scale, float(scale), group, block_size, head_dim, kv_heads,
         *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), num_warps=num_warps,
+        NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), FP8=kv_scale is not None, num_warps=num_warps,
         num_stages=DECODE_STAGES if _decode_like(block_q, block_m) else PREFILL_STAGES, **pdl(q),
     )  # fmt: skip
     if num_splits > 1:
