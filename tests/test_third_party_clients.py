@@ -62,8 +62,9 @@ def cluster(model, tmp_path_factory):
 
 
 def _run(args: list[str], cwd: Path) -> None:
-    # The clients talk to the cluster on loopback only: no proxy, no hub.
-    env = {**os.environ, "NO_PROXY": "*", "no_proxy": "*", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    # The clients talk to the cluster on loopback only, through no proxy (HF_HUB_OFFLINE would make aiperf take
+    # the tokenizer's local path for a hub name).
+    env = {**os.environ, "NO_PROXY": "*", "no_proxy": "*", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HOME": str(cwd / "hf"), "MPLCONFIGDIR": str(cwd / "mpl")}
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "PYTHONPATH"):
         env.pop(k, None)
@@ -112,15 +113,23 @@ def test_lm_eval_local_completions_scores_and_generates(cluster, model, tmp_path
     (samples,) = out.rglob("samples_baton_choice_*.jsonl")
     docs = [json.loads(line) for line in samples.read_text().splitlines()]
     assert sorted(d["doc_id"] for d in docs) == list(range(len(QUESTIONS)))
+    accs = []
     for d in docs:
         q = QUESTIONS[d["doc_id"]]
-        for choice, resp in zip(q["choices"], d["resps"], strict=True):
-            ll = resp[0][0]
-            assert math.isfinite(ll) and ll < 0, (choice, ll)
-            ctx, cont = _encode_pair(tok, q["question"] + " ", choice)
+        lls = []
+        for k, resp in enumerate(d["resps"]):
+            ll = float(resp[0][0])
+            assert math.isfinite(ll) and ll < 0, (q, ll)
+            args = d["arguments"][f"gen_args_{k}"]
+            assert (args["arg_0"], args["arg_1"]) == (q["question"], " " + q["choices"][k])
+            ctx, cont = _encode_pair(tok, args["arg_0"], args["arg_1"])
             _, _, plps = offline(model, ctx + cont, SamplingParams(max_tokens=1, prompt_logprobs=1))
             want = sum(plps[j].logprob for j in range(len(ctx), len(ctx) + len(cont)))
-            assert ll == pytest.approx(want, abs=TOL * len(cont)), (q["question"], choice)
+            assert ll == pytest.approx(want, abs=TOL * len(cont)), (q["question"], args["arg_1"])
+            lls.append(ll)
+        accs.append(float(max(range(len(lls)), key=lls.__getitem__) == q["answer"]))
+        assert d["acc"] == accs[-1]
+    assert res["baton_choice"]["acc,none"] == pytest.approx(sum(accs) / len(accs))
     (samples,) = out.rglob("samples_baton_gen_*.jsonl")
     gens = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
     assert len(gens) == len(PROMPTS) and all(isinstance(g, str) and g for g in gens)
