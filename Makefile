@@ -7,6 +7,10 @@ STAMP := $(VENV)/.baton-installed
 PINS := deploy/requirements/pins.env
 include $(PINS)
 DEMO_MODEL := models/demo-small
+# lm-evaluation-harness and aiperf, run by tests/test_third_party_clients.py, in their own venv (clients.txt says why).
+CLIENTS_VENV := .venv-clients
+CLIENTS_REQS := deploy/requirements/clients.txt
+CLIENTS_STAMP := $(CLIENTS_VENV)/.baton-installed
 # npm packages of the Grafana dashboards type check (tests/test_grafana.py), pinned by package-lock.json.
 GRAFANA := deploy/grafana
 GRAFANA_STAMP := $(GRAFANA)/node_modules/.baton-installed
@@ -19,7 +23,7 @@ retry = echo "$(1)"; n=0; until $(1); do n=$$((n + 1)); \
 	echo "failed; attempt $$((n + 1)) of 3 in 20 s: $(1)" >&2; sleep 20; done
 pip = $(call retry,$(BIN)/python -m pip install -q $(1))
 
-.PHONY: venv demo test lint clean
+.PHONY: venv clients-venv demo test lint clean
 
 venv: $(STAMP)
 
@@ -42,6 +46,14 @@ $(STAMP): pyproject.toml Makefile $(PINS)
 	@$(BIN)/python -c "import triton" 2>/dev/null || { $(call pip,$(PIP_OPTS) --no-deps $(TRITON_CPU)); }
 	touch $(STAMP)
 
+clients-venv: $(CLIENTS_STAMP)
+
+$(CLIENTS_STAMP): $(CLIENTS_REQS)
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	@$(call retry,$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip)
+	@$(call retry,$(CLIENTS_VENV)/bin/python -m pip install -q $(PIP_OPTS) -r $(CLIENTS_REQS))
+	touch $(CLIENTS_STAMP)
+
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(BIN)/baton make-model $(DEMO_MODEL) --preset small --seed 0
 
@@ -56,7 +68,7 @@ $(GRAFANA_STAMP): $(GRAFANA)/package.json $(GRAFANA)/package-lock.json
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) $(GRAFANA_STAMP)
+test: $(STAMP) $(GRAFANA_STAMP) $(CLIENTS_STAMP)
 	$(BIN)/ruff check .
 	# Tests of Triton kernels in the interpreter and the other pure CPU tests (no ports, no clocks: `pure_cpu`) go
 	# first: two workers share them, one thread each (two each oversubscribe the cores), a worker that runs dry taking
@@ -66,4 +78,4 @@ test: $(STAMP) $(GRAFANA_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not interpreter and not pure_cpu" --durations=30
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache $(GRAFANA)/node_modules
+	rm -rf $(VENV) $(CLIENTS_VENV) models .pytest_cache .ruff_cache $(GRAFANA)/node_modules

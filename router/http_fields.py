@@ -31,7 +31,7 @@ IMPLEMENTED = {
                      "parallel_tool_calls"},
 }
 # Keys of `stream_options` the front implements.
-STREAM_OPTIONS = frozenset({"include_usage"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 @dataclass(frozen=True)

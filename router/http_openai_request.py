@@ -215,18 +215,22 @@ def messages(body: dict) -> list[dict]:
     return out
 
 
-def stream_options(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+def stream_options(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats). The latter (vLLM's extension) puts the usage so far on
+    every chunk; as vLLM does, it takes effect only with include_usage."""
     stream = opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(options, dict):
         raise bad("stream_options", "an object", options)
-    usage = options.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise bad("stream_options.include_usage", "a boolean", usage)
-    return stream, bool(usage)
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        v = options.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise bad(f"stream_options.{name}", "a boolean", v)
+        flags.append(bool(v))
+    return stream, flags[0], flags[0] and flags[1]
 
 
 def check_model(body: dict, model: str) -> None:
@@ -258,3 +262,5 @@ class Job:
     logprobs: int | None = None
     # Completions: the choices' text (and logprobs) start with their prompt's.
     echo: bool = False
+    # Streams: every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+    continuous_usage: bool = False

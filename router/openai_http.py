@@ -271,7 +271,7 @@ class OpenAIFront:
         sampling = rq.sampling(body, chat)
         n = rq.choices(body, self.limits.max_choices)
         stops = rq.stops(body)
-        stream, include_usage = rq.stream_options(body)
+        stream, include_usage, continuous_usage = rq.stream_options(body)
         return_ids = rq.opt_bool(body, "return_token_ids")
         top, echo = rq.logprobs(body, chat, self.service.flow.config.max_logprobs)
         if top is not None:
@@ -317,7 +317,7 @@ class OpenAIFront:
                 r.request_id = f"{job_id}-{len(requests)}"
                 requests.append(r)
         return rq.Job(job_id, chat, model, requests, stream, include_usage, return_ids, logprobs=top, echo=echo,
-                      tool_calls=calls)
+                      tool_calls=calls, continuous_usage=continuous_usage)
 
     def _chat_prompt(self, body: dict, tok: TextTokenizer | None, tools: list[dict] | None = None
                      ) -> list[list[int]]:
@@ -367,7 +367,8 @@ class OpenAIFront:
                 c.finish_reason = FINISH_FROM_PROTO.get(item.finish_reason, "stop")
             c.text.append(text)
             if job.stream and (text or ids or c.done or (job.echo and not c.started)):
-                await self._chunk(ex, job, i, c, text, ids, item.logprobs)
+                await self._chunk(ex, job, i, c, text, ids, item.logprobs,
+                                  _usage(choices) if job.continuous_usage else None)
         if job.stream:
             if job.include_usage:
                 await ex.event(self._envelope(job, [], usage=_usage(choices)))
@@ -423,7 +424,7 @@ class OpenAIFront:
         return out
 
     async def _chunk(self, ex: Exchange, job: rq.Job, i: int, c: _Choice, text: str, ids: list[int],
-                     items: Sequence[generation_pb2.TokenLogprob]) -> None:
+                     items: Sequence[generation_pb2.TokenLogprob], usage: dict | None = None) -> None:
         echoed = None
         if job.echo and not c.started:  # the first chunk of a completions choice with echo starts with the prompt
             echo_text, echoed = self._echo(job, c)
@@ -452,4 +453,4 @@ class OpenAIFront:
             out["text"] = text
         if job.return_token_ids:
             out["token_ids"] = ids
-        await ex.event(self._envelope(job, [out], chunk=True))
+        await ex.event(self._envelope(job, [out], usage=usage, chunk=True))

@@ -128,7 +128,26 @@ def test_models_and_token_id_completions_over_fakes():
             assert chunks[-2].choices[0].finish_reason == "length"
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
             assert all(ch.usage is None for ch in chunks[:-1])
-            assert requests_total(env.router, "ok") == 3 + 1  # the two prompts are two Generate calls
+            # vLLM's continuous_usage_stats (aiperf's --per-chunk-usage): every chunk carries the usage so far.
+            stream = await c.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=5, stream=True,
+                                                stream_options={"include_usage": True,
+                                                                "continuous_usage_stats": True},
+                                                extra_body={"return_token_ids": True})
+            chunks = [ch async for ch in stream]
+            sofar = [len(ch.choices[0].model_dump()["token_ids"]) for ch in chunks[:-1]]
+            assert [ch.usage.completion_tokens for ch in chunks[:-1]] == [sum(sofar[:k + 1])
+                                                                        for k in range(len(sofar))]
+            assert {ch.usage.prompt_tokens for ch in chunks} == {3} and chunks[-1].usage.completion_tokens == 5
+            assert all(ch.usage.total_tokens == 3 + ch.usage.completion_tokens for ch in chunks)
+            # Without include_usage it asks for nothing, as in vLLM; a non-boolean is refused naming it.
+            stream = await c.completions.create(model="fake", prompt=[5, 6, 7], max_tokens=5, stream=True,
+                                                stream_options={"continuous_usage_stats": True})
+            assert all(ch.usage is None for ch in [ch async for ch in stream])
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model="fake", prompt=[5], stream=True,
+                                           stream_options={"continuous_usage_stats": 1})
+            assert e.value.body["param"] == "stream_options.continuous_usage_stats"
+            assert requests_total(env.router, "ok") == 3 + 3  # the two prompts are two Generate calls
         async with fake_front(served_model_name="my-model") as env:
             assert [m.id for m in (await env.client.models.list()).data] == ["my-model"]
     run(go())
