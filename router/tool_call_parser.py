@@ -54,6 +54,7 @@ class ToolCallSplitter:
     _buf: str = ""
     _in_calls: bool = False  # the first opening tag has been seen
     _failed: bool = False  # the rest is answered as text
+    _gap: str = ""  # the whitespace before the first tag
     calls: list[dict] = field(default_factory=list)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -67,17 +68,23 @@ class ToolCallSplitter:
                 out = head.rstrip()
                 self._buf = self._buf[len(out):]
                 return out, []
-            out, self._buf, self._in_calls = self._buf[:i].rstrip(), self._buf[i:], True
+            out = self._buf[:i].rstrip()
+            self._gap, self._buf, self._in_calls = self._buf[len(out):i], self._buf[i:], True
         calls = self._blocks()
         if self._failed:
-            out, self._buf = out + self._buf, ""
+            out, self._buf = out + self._rest(), ""
         return out, calls
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left once the output ended: a held partial tag or an unfinished block, as text."""
         out, calls = self.feed("")
-        out, self._buf = out + self._buf, ""
+        out, self._buf = out + self._rest(), ""
         return out, calls
+
+    def _rest(self) -> str:
+        """The unread output as text (with the whitespace before the first tag when no call came of it)."""
+        gap, self._gap = ("" if self.calls else self._gap), ""
+        return gap + self._buf
 
     def _blocks(self) -> list[dict]:
         new: list[dict] = []

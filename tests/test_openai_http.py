@@ -38,10 +38,19 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def with_chat_template(model_dir: Path) -> None:
+# The same, rendering `tools` and an assistant's `tool_calls` in the Hermes syntax (what tool_choice "auto" reads).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}\nCall one as "
+    "<tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call>\n{% endif %}{% for m in messages %}"
+    "<|{{ m['role'] }}|>{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}\n<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def with_chat_template(model_dir: Path, template: str = CHAT_TEMPLATE) -> None:
     path = model_dir / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = template
     path.write_text(json.dumps(cfg))
 
 
