@@ -180,6 +180,9 @@ class OpenAIFront:
                                               _token_text(tok, tok.eos_id))
         # How the template writes an assistant's tool calls (what tool_choice "auto" lets the model write).
         self.tool_syntax = detect(chat_template) if self.chat_template is not None else None
+        if self.tool_syntax is not None:
+            added = {t.content for t in tok.tokenizer.get_added_tokens_decoder().values()}
+            self.tool_syntax = self.tool_syntax.for_tokenizer(added)
         self.created = int(time.time())
         self.closed = False
         self.in_flight = 0  # slots of `limits.max_in_flight` taken

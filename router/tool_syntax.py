@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 JSON_OBJECT_BODY = "json"  # <open>\n{"name": ..., "arguments": {...}}\n<close>, one block per call
 JSON_LIST_BODY = "json_list"  # <open>[{"name": ..., "arguments": {...}}, ...]<close>, one block for all calls
@@ -31,10 +32,23 @@ class ToolSyntax:
     open: str
     close: str
     body: str
+    # The tags that are one added token of the model's tokenizer: llguidance reads every added token as a special
+    # token, which no text lexeme matches, so the grammar names those tags as tokens.
+    special: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.body not in (JSON_OBJECT_BODY, JSON_LIST_BODY, XML_BODY):
             raise ValueError(f"ToolSyntax.body: expected json, json_list or xml, got {self.body!r}")
+
+    def for_tokenizer(self, added_tokens: Collection[str]) -> ToolSyntax:
+        """This syntax over a tokenizer with `added_tokens` (their texts)."""
+        # (Lark names a special token by its text, which must then read "<...>".)
+        return replace(self, special=frozenset(t for t in (self.open, self.close) if t in added_tokens
+                                               and t.startswith("<") and t.endswith(">")))
+
+    def tag(self, text: str) -> str:
+        """The Lark of tag `text`: a special token, or a string."""
+        return text if text in self.special else _lit(text)
 
 
 # Hermes-style JSON calls (Qwen2.5, Qwen3, Qwen3-Next, Hermes).
@@ -126,7 +140,7 @@ def grammar(syntax: ToolSyntax, functions: dict[str, dict], parallel: bool) -> s
     """The Lark grammar of "auto": free text without `syntax.open`, or text then call blocks (one call at most
     unless `parallel`), each call one of `functions` (name -> parameters schema)."""
     rules = ["%llguidance {}"]
-    close = _lit("\n" + syntax.close) if syntax.body != JSON_LIST_BODY else _lit(syntax.close)
+    close = syntax.tag(syntax.close) if syntax.body == JSON_LIST_BODY else f'"\\n" {syntax.tag(syntax.close)}'
     if syntax.body == XML_BODY:
         names = [_xml_function(i, n, p, rules) for i, (n, p) in enumerate(functions.items())]
         rules.append(f"call: \"\\n\" ({' | '.join(names)}) {close}")
@@ -138,11 +152,18 @@ def grammar(syntax: ToolSyntax, functions: dict[str, dict], parallel: bool) -> s
             rules.append(f"call: {_schema(item)} {close}")
         else:
             rules.append(f"call: \"\\n\" {_schema(item)} {close}")
-    more = f" ({_lit(BLOCK_SEPARATOR + syntax.open)} call)*" if parallel and syntax.body != JSON_LIST_BODY else ""
+    more = ""
+    if parallel and syntax.body != JSON_LIST_BODY:
+        more = f" ({_lit(BLOCK_SEPARATOR)} {syntax.tag(syntax.open)} call)*"
     tag = _rx(syntax.open)
-    rules += [f"start: TEXT | opening call{more}",
-              f"opening[lazy]: /(.|\\n)*{tag}/",
-              f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/"]
+    # The text never spells the opening tag out (the answer's parser would read it as one).
+    rules.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/")
+    if syntax.open in syntax.special:
+        # A special token ends the text lexeme by itself.
+        rules.append(f"start: TEXT | TEXT {syntax.open} call{more}")
+    else:
+        # The text and the tag as one lazy lexeme, which ends at the tag (a greedy text lexeme would not).
+        rules += [f"start: TEXT | opening call{more}", f"opening[lazy]: /(.|\\n)*{tag}/"]
     return "\n".join(rules) + "\n"
 
 

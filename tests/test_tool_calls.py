@@ -6,7 +6,6 @@ split of the output into content and tool calls, whole or streamed in pieces."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import llguidance
 import pytest
@@ -31,33 +30,40 @@ FUNCTIONS = {
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in FUNCTIONS.items()]
 
 
-def with_tag_token(model_dir: Path, tag: str = "<tool_call>") -> int:
-    """Make `tag` one token of the model's byte-level tokenizer, as it is in the tokenizers of models trained to call
-    tools (its last merge gives way, so the vocabulary keeps its size); its id."""
-    path = model_dir / "tokenizer.json"
-    tj = json.loads(path.read_text())
-    last = tj["model"]["merges"].pop()
-    merged = "".join(last if isinstance(last, list) else last.split(" "))
-    tid = tj["model"]["vocab"].pop(merged)
-    tj["added_tokens"].append({"id": tid, "content": tag, "single_word": False, "lstrip": False, "rstrip": False,
-                               "normalized": False, "special": False})
-    path.write_text(json.dumps(tj))
-    return tid
+def with_tag_tokens(tokenizer_json: str, tags: tuple[str, ...] = ("<tool_call>", "</tool_call>")) -> str:
+    """`tokenizer_json` with each of `tags` one added token, as in the tokenizers of models trained to call tools
+    (its last merges give way, so the vocabulary keeps its size)."""
+    tj = json.loads(tokenizer_json)
+    for tag in tags:
+        last = tj["model"]["merges"].pop()
+        tid = tj["model"]["vocab"].pop("".join(last if isinstance(last, list) else last.split(" ")))
+        tj["added_tokens"].append({"id": tid, "content": tag, "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": False, "special": False})
+    return json.dumps(tj)
 
 
-@pytest.fixture(scope="module")
-def lltok():
+@pytest.fixture(scope="module", params=["spelled", "tokens"])
+def lltok(request):
+    """A byte-level tokenizer, and its grammar's view: the tags spelled out, or each one added token."""
     from tokenizers import Tokenizer
     text = train_tokenizer_json(512)
-    return llguidance.LLTokenizer(text, n_vocab=512, eos_token=[2]), Tokenizer.from_str(text)
+    tags = ()
+    if request.param == "tokens":
+        tags = ("<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>")
+        text = with_tag_tokens(text, tags)
+    return llguidance.LLTokenizer(text, n_vocab=512, eos_token=[2]), Tokenizer.from_str(text), tags
 
 
 def matches(lltok, syntax: ToolSyntax, parallel: bool, text: str) -> bool:
     """llguidance's matcher of the "auto" grammar takes all of `text`'s tokens and may end there."""
-    lt, tok = lltok
+    lt, tok, tags = lltok
+    syntax = syntax.for_tokenizer(tags)
+    assert syntax.special == ({syntax.open, syntax.close} if tags else set())
     m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(grammar(syntax, FUNCTIONS, parallel)))
     assert not m.is_error(), m.get_error()
     ids = tok.encode(text).ids
+    # With the tags as tokens, the text's tags are those tokens (what the model writes).
+    assert {tok.id_to_token(i) for i in ids} & set(tags) == {t for t in tags if t in text}
     return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
 
 
