@@ -80,8 +80,10 @@ class Env:
 
 @contextlib.asynccontextmanager
 async def fake_front(tokenizer_dir: Path | None = None, served_model_name: str | None = None,
-                     limits: HttpLimits | None = None) -> AsyncIterator[Env]:
+                     limits: HttpLimits | None = None, fakes_have_tokenizer: bool = False) -> AsyncIterator[Env]:
     started = [await start_fake("prefill", "p0"), await start_fake("decode", "d0")]
+    for worker, _, _ in started:
+        worker.has_tokenizer = fakes_have_tokenizer
     tok = str(tokenizer_dir / "tokenizer.json") if tokenizer_dir else None
     cfg = RouterConfig((started[0][2],), (started[1][2],), load_poll_interval_s=0.1, control_timeout_s=1.0,
                        tokenizer_path=tok)
