@@ -3,7 +3,8 @@
 A model calls a tool by writing its template's call block after (or instead of) its text; which block depends on
 how it was trained, so the syntax is read off the chat template (the way it renders an assistant's `tool_calls`)
 from a table of known families. The grammar leaves the text free up to the first opening tag (a lazy lexeme that
-ends at the tag), then holds each block to one of the tools: its name and its `parameters` schema.
+ends at the tag), then holds each block to one of the tools: its name and its `parameters` schema (in the XML
+syntax: the declared parameters in their schema's order, a plain string one as raw text, any other as JSON).
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def call_schema(name: str, parameters: dict) -> dict:
             "properties": {"name": {"const": name}, "arguments": parameters}}
 
 
-_RAW_STRING_KEYS = {"type", "description", "title", "minLength", "maxLength", "enum", "const", "examples"}
+# The keywords of a string schema a raw XML value is held to (or that hold nothing).
+_RAW_STRING_KEYS = {"type", "minLength", "maxLength", "enum", "const", "description", "title", "examples", "default",
+                    "deprecated", "$comment"}
 
 
 def raw_string(schema: object) -> bool:

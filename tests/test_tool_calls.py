@@ -21,7 +21,8 @@ from tests.test_openai_http import CHAT_TEMPLATE, TOOL_CHAT_TEMPLATE
 FUNCTIONS = {
     "get_weather": {"type": "object", "additionalProperties": False, "required": ["city"],
                     "properties": {"city": {"type": "string", "maxLength": 6},
-                                   "unit": {"type": "string", "enum": ["c", "f"]}}},
+                                   "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                                   "day": {"type": "string", "pattern": "^[0-9]+$"}}},
     "add": {"type": "object", "required": ["a", "b"],
             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                            "b": {"type": "integer", "minimum": 0, "maximum": 9}}},
@@ -102,6 +103,9 @@ def test_the_call_syntax_is_read_off_the_chat_template():
     (QWEN3_CODER, True, "Sure.\n" + xml("get_weather", {"city": "Pa\nris", "unit": "c"}), True),
     (QWEN3_CODER, True, xml("add", {"a": 3, "b": 4}) + "\n" + xml("free", {"q": "any\nthing"}), True),
     (QWEN3_CODER, True, xml("get_weather", {"city": "Nice", "unit": "k"}), False),  # not in enum
+    (QWEN3_CODER, True, xml("get_weather", {"city": "Nice", "day": '"12"'}), True),  # a pattern: a JSON string
+    (QWEN3_CODER, True, xml("get_weather", {"city": "Nice", "day": '"x"'}), False),
+    (QWEN3_CODER, True, xml("get_weather", {"city": "Nice", "day": "12"}), False),
     (QWEN3_CODER, True, xml("add", {"a": 3}), False),  # b is required
     (QWEN3_CODER, True, xml("add", {"a": "three", "b": 4}), False),
     (QWEN3_CODER, False, xml("add", {"a": 3, "b": 4}) + "\n" + xml("add", {"a": 1, "b": 2}), False),
@@ -135,6 +139,7 @@ def split(syntax: ToolSyntax, text: str, step: int, parallel: bool = True) -> tu
     (HERMES, "Cut: " + hermes("add", {"a": 1, "b": 2})[:30], "Cut: " + hermes("add", {"a": 1, "b": 2})[:30], []),
     (QWEN3_CODER, "ok\n" + xml("get_weather", {"city": "Pa\nris", "unit": "c"}) + "\n" + xml("add", {"a": 1, "b": 2}),
      "ok", [("get_weather", {"city": "Pa\nris", "unit": "c"}), ("add", {"a": 1, "b": 2})]),
+    (QWEN3_CODER, xml("get_weather", {"city": "x", "day": '"12"'}), "", [("get_weather", {"city": "x", "day": "12"})]),
     (QWEN3_CODER, xml("free", {"q": "</function>"}), "", [("free", {"q": "</function>"})]),
     (TOOLCALL_LIST, toolcall(("add", {"a": 1, "b": 2}), ("free", {})), "", [("add", {"a": 1, "b": 2}), ("free", {})]),
     (TOOLCALL_LIST, "text <TOOLCAL", "text <TOOLCAL", []),
