@@ -14,7 +14,7 @@ from typing import Any
 from baton.proto.convert import sampling_from_proto
 from baton.proto.v1 import generation_pb2
 from baton.router.http_errors import ApiError, bad, unsupported
-from baton.router.http_structured import ToolCalls
+from baton.router.http_structured import AutoToolCalls, ToolCalls
 from baton.router.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 from baton.router.validation import MAX_LOGIT_BIAS
 
@@ -255,8 +255,9 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
-    # Chat with tool_choice forcing a call: the output is answered as `tool_calls` (`http_structured`).
-    tool_calls: ToolCalls | None = None
+    # Chat with tools: a forced call answered as `tool_calls`, or "auto" split into content and calls
+    # (`http_structured`).
+    tool_calls: ToolCalls | AutoToolCalls | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Top alternatives per token when the request asked for logprobs, else None (`logprobs`).
     logprobs: int | None = None

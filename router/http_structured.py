@@ -1,10 +1,11 @@
 """OpenAI's structured output on the HTTP front: `response_format` (json_object, json_schema) and chat `tools` with
-`tool_choice` "required" or a named function, as the grammar of `SamplingParams.structured_output`.
+`tool_choice`, as the grammar of `SamplingParams.structured_output`.
 
-A forced tool call is generated as a JSON array of `{"name", "arguments"}` objects (one item unless
-`parallel_tool_calls` is true), each `arguments` matching its function's `parameters`, and answered as
-`message.tool_calls` with finish_reason "tool_calls". `tool_choice` "auto" (the default when tools are given) is
-refused: deciding between text and a call needs the model's own tool-call syntax, which Baton does not parse.
+A forced tool call ("required" or a named function) is generated as a JSON array of `{"name", "arguments"}` objects
+(one item unless `parallel_tool_calls` is true), each `arguments` matching its function's `parameters`, and answered
+as `message.tool_calls` with finish_reason "tool_calls". With "auto" (the default when tools are given) the model
+answers in text or calls tools in its chat template's own call syntax (`tool_syntax`), split into `content` and
+`tool_calls` by `tool_call_parser`; a template whose syntax Baton does not know is refused.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from baton.engine.structured_output import JSON_OBJECT, JSON_SCHEMA, StructuredOutput
+from baton.engine.structured_output import JSON_OBJECT, JSON_SCHEMA, LARK, StructuredOutput
 from baton.proto.v1 import generation_pb2
 from baton.router.http_errors import ApiError, bad
+from baton.router.tool_call_parser import ToolCallSplitter
+from baton.router.tool_syntax import KNOWN, ToolSyntax, check_keys, grammar
 
 # Tools a request may declare (each rides in its grammar).
 MAX_TOOLS = 128
@@ -42,6 +45,18 @@ class ToolCalls:
                  "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}))}} for c in calls]
 
 
+@dataclass(frozen=True)
+class AutoToolCalls:
+    """A chat request whose output may call tools ("auto"): how to split each choice's text into content and calls."""
+
+    syntax: ToolSyntax
+    functions: dict[str, dict]
+    parallel: bool
+
+    def splitter(self) -> ToolCallSplitter:
+        return ToolCallSplitter(self.syntax, self.functions, self.parallel)
+
+
 def _grammar(param: str, kind: str, value: str = "") -> generation_pb2.StructuredOutput:
     try:
         StructuredOutput(kind, value)
@@ -49,6 +64,8 @@ def _grammar(param: str, kind: str, value: str = "") -> generation_pb2.Structure
         raise ApiError(400, f"{param}: {e}", param=param) from None
     if kind == JSON_OBJECT:
         return generation_pb2.StructuredOutput(json_object=True)
+    if kind == LARK:
+        return generation_pb2.StructuredOutput(lark=value)
     return generation_pb2.StructuredOutput(json_schema=value)
 
 
@@ -94,9 +111,10 @@ def _functions(tools: Any) -> dict[str, dict]:
     return out
 
 
-def tool_choice(body: dict) -> tuple[ToolCalls | None, list[dict] | None, generation_pb2.StructuredOutput | None]:
-    """(the forced calls, the tools for the chat template, their grammar) of a chat body; (None, None, None)
-    without tools."""
+def tool_choice(body: dict, syntax: ToolSyntax | None = None
+                ) -> tuple[ToolCalls | AutoToolCalls | None, list[dict] | None, generation_pb2.StructuredOutput | None]:
+    """(how to answer the calls, the tools for the chat template, their grammar) of a chat body whose model's
+    template writes calls in `syntax` (None: unknown); (None, None, None) without tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -106,19 +124,18 @@ def tool_choice(body: dict) -> tuple[ToolCalls | None, list[dict] | None, genera
             raise bad("tool_choice", '"none" or null without tools', choice)
         return None, None, None
     functions = _functions(tools)
-    if choice is None or choice == "auto":
-        raise ApiError(400, 'tool_choice: "auto" (the default with tools) is not supported by this server: send '
-                            '"required", {"type": "function", "function": {"name": ...}} or "none"',
-                       param="tool_choice", code="unsupported_parameter")
     if choice == "none":
         return None, tools, None
+    if choice is None or choice == "auto":
+        calls = _auto(body, syntax, functions, parallel is not False)
+        return calls, tools, _grammar("tools", LARK, grammar(calls.syntax, calls.functions, calls.parallel))
     if choice == "required":
         names = list(functions)
     elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
           and choice["function"].get("name") in functions):
         names = [choice["function"]["name"]]
     else:
-        raise bad("tool_choice", f'"none", "required" or {{"type": "function", "function": {{"name": one of '
+        raise bad("tool_choice", f'"none", "auto", "required" or {{"type": "function", "function": {{"name": one of '
                                  f'{sorted(functions)}}}}}', choice)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "response_format: expected text or null with tool_choice forcing a call (the call is "
@@ -129,3 +146,22 @@ def tool_choice(body: dict) -> tuple[ToolCalls | None, list[dict] | None, genera
     if parallel is not True:
         schema["maxItems"] = 1
     return ToolCalls(tuple(names)), tools, _grammar("tools", JSON_SCHEMA, json.dumps(schema))
+
+
+def _auto(body: dict, syntax: ToolSyntax | None, functions: dict[str, dict], parallel: bool) -> AutoToolCalls:
+    """"auto": text or calls in the template's syntax."""
+    if syntax is None:
+        known = ", ".join(f"{s.family} ({s.open}...{s.close})" for s in KNOWN)
+        raise ApiError(400, f'tool_choice: "auto" (the default with tools) needs the model\'s tool-call syntax, and '
+                            f"its chat template writes calls in none this server knows ({known}): send \"required\", "
+                            '{"type": "function", "function": {"name": ...}} or "none"',
+                       param="tool_choice", code="unsupported_parameter")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, 'response_format: expected text or null with tool_choice "auto" (its grammar is the '
+                            "calls' syntax)", param="response_format")
+    why = check_keys(syntax, functions)
+    if why:
+        raise ApiError(400, f"tools: expected names the {syntax.family} call syntax can write, got {why}",
+                       param="tools")
+    return AutoToolCalls(syntax, functions, parallel)
+

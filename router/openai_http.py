@@ -49,8 +49,10 @@ from baton.router.http_fields import check_fields
 from baton.router.http_json import decode_object
 from baton.router.http_limits import HttpLimits
 from baton.router.http_logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
-from baton.router.http_structured import response_format, tool_choice
+from baton.router.http_structured import AutoToolCalls, response_format, tool_choice
 from baton.router.security import RouterSecurity
+from baton.router.tool_call_parser import ToolCallSplitter
+from baton.router.tool_syntax import detect
 
 __all__ = ["PATHS", "OpenAIFront", "load_chat_template"]
 
@@ -145,10 +147,16 @@ class _Choice:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     legacy: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    splitter: ToolCallSplitter | None = None  # chat streams with tool_choice "auto": content and calls so far
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+def _calls_finish(reason: str | None) -> str | None:
+    """A choice that called tools finishes with "tool_calls", unless it was cut short."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _usage(choices: Sequence[_Choice]) -> dict:
@@ -170,6 +178,11 @@ class OpenAIFront:
         if chat_template is not None and tok is not None:
             self.chat_template = ChatTemplate(chat_template, _token_text(tok, tok.bos_id),
                                               _token_text(tok, tok.eos_id))
+        # How the template writes an assistant's tool calls (what tool_choice "auto" lets the model write).
+        self.tool_syntax = detect(chat_template) if self.chat_template is not None else None
+        if self.tool_syntax is not None:
+            added = {t.content for t in tok.tokenizer.get_added_tokens_decoder().values()}
+            self.tool_syntax = self.tool_syntax.for_tokenizer(added)
         self.created = int(time.time())
         self.closed = False
         self.in_flight = 0  # slots of `limits.max_in_flight` taken
@@ -279,7 +292,7 @@ class OpenAIFront:
             if echo:  # the echoed prompt comes with its logprobs
                 sampling.prompt_logprobs = top
         grammar = response_format(body)
-        calls, tools, forced = tool_choice(body) if chat else (None, None, None)
+        calls, tools, forced = tool_choice(body, self.tool_syntax) if chat else (None, None, None)
         if forced is not None or grammar is not None:
             sampling.structured_output.CopyFrom(forced or grammar)
         if stops and tok is None:
@@ -414,7 +427,15 @@ class OpenAIFront:
                                "finish_reason": c.finish_reason}
         if job.chat:
             out["message"] = {"role": "assistant", "content": text}
-            if job.tool_calls is not None and (calls := job.tool_calls.parse(text)) is not None:
+            if isinstance(job.tool_calls, AutoToolCalls):
+                splitter = job.tool_calls.splitter()
+                content, calls = splitter.feed(text)
+                rest, more = splitter.finish()
+                if calls or more:
+                    out["message"] = {"role": "assistant", "content": content + rest or None,
+                                      "tool_calls": calls + more}
+                    out["finish_reason"] = _calls_finish(c.finish_reason)
+            elif job.tool_calls is not None and (calls := job.tool_calls.parse(text)) is not None:
                 out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 out["finish_reason"] = "tool_calls"
         else:
@@ -436,7 +457,24 @@ class OpenAIFront:
             if not c.started:
                 c.started = True
                 delta["role"] = "assistant"
-            if job.tool_calls is not None:
+            if isinstance(job.tool_calls, AutoToolCalls):
+                if c.splitter is None:
+                    c.splitter = job.tool_calls.splitter()
+                made = len(c.splitter.calls)
+                content, calls = c.splitter.feed(text)
+                if c.done:
+                    rest, more = c.splitter.finish()
+                    content, calls = content + rest, calls + more
+                    if c.splitter.calls:
+                        out["finish_reason"] = _calls_finish(c.finish_reason)
+                if content:
+                    delta["content"] = content
+                if calls:
+                    # Each call goes out whole once its block has closed.
+                    delta["tool_calls"] = [{"index": made + k, **call} for k, call in enumerate(calls)]
+                if not delta and not c.done and not items:
+                    return
+            elif job.tool_calls is not None:
                 # The calls go out whole, with the last chunk: a partial call's JSON is not yet a call.
                 calls = job.tool_calls.parse("".join(c.text)) if c.done else None
                 if calls is not None:

@@ -2,7 +2,8 @@
 installed `openai` client types them, is either implemented by the router (`http_fields.IMPLEMENTED`) or refused
 with 400 naming it; one that Baton accepts only with a neutral value (`http_fields.NEUTRAL_ONLY`: `best_of: 1`,
 `logprobs: false`, `functions: []`, ...) is answered 200 with that value. Fields of no API are refused
-as unknown, and so are unknown `stream_options` keys."""
+as unknown, and so are unknown `stream_options` keys. Every `tool_choice` ("auto" included) is implemented where the
+chat template writes tool calls in a syntax the router knows."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
+from baton.engine import tokenizer_train
 from baton.router.http_errors import ApiError
 from baton.router.http_fields import CHAT, COMPLETIONS, IMPLEMENTED, NEUTRAL_ONLY, check_fields
-from tests.test_openai_http import fake_front, http, requests_total, tok_dir  # noqa: F401  (fixture)
-from tests.test_router_fakes import run
+from tests.test_openai_http import (  # noqa: F401  (tok_dir: a fixture)
+    CHAT_TEMPLATE,
+    fake_front,
+    http,
+    requests_total,
+    tok_dir,
+    with_chat_template,
+)
+from tests.test_router_fakes import VOCAB, run
 
 # The parameters as the client library sends them, so that this list follows the client.
 OPENAI_PARAMS = {
@@ -91,3 +100,34 @@ def test_a_boolean_is_not_a_neutral_number():
         with pytest.raises(ApiError) as e:
             check_fields({field: v}, path)
         assert e.value.param == field
+
+
+# The fakes' context is short: a template that names the Hermes call syntax without rendering the tools.
+SHORT_TOOL_TEMPLATE = CHAT_TEMPLATE + "{# an assistant's calls: <tool_call>\n{...}\n</tool_call> #}"
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, SHORT_TOOL_TEMPLATE], ids=["no-call-syntax", "hermes"])
+def test_every_tool_choice_is_implemented_where_the_template_writes_calls(tmp_path, template):
+    # "auto" (and no tool_choice, its default) reads the calls in the template's syntax: refused, naming
+    # tool_choice, only where the template writes calls in no syntax the router knows.
+    tokenizer_train.write_tokenizer(tmp_path, {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1,
+                                               "eos_token_id": 2})
+    with_chat_template(tmp_path, template)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    choices = [{}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"},
+               {"tool_choice": {"type": "function", "function": {"name": "f"}}}, {"parallel_tool_calls": False}]
+
+    async def go():
+        async with fake_front(tmp_path, fakes_have_tokenizer=True) as env:
+            for extra in choices:
+                body = {**_base(CHAT), "tools": tools, **extra}
+                status, answer = await asyncio.to_thread(http, "POST", env.url + PATHS[CHAT],
+                                                         json.dumps(body).encode())
+                auto = extra.get("tool_choice", "auto") == "auto"
+                if auto and template == CHAT_TEMPLATE:
+                    assert status == 400 and answer["error"]["param"] == "tool_choice", answer
+                    assert '"auto"' in answer["error"]["message"], answer
+                else:
+                    assert status == 200, (extra, answer)
+                    assert answer["choices"][0]["message"]["role"] == "assistant", answer
+    run(go())

@@ -38,10 +38,19 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def with_chat_template(model_dir: Path) -> None:
+# The same, rendering `tools` and an assistant's `tool_calls` in the Hermes syntax (what tool_choice "auto" reads).
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}\nCall one as "
+    "<tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call>\n{% endif %}{% for m in messages %}"
+    "<|{{ m['role'] }}|>{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}\n<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def with_chat_template(model_dir: Path, template: str = CHAT_TEMPLATE) -> None:
     path = model_dir / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["chat_template"] = template
     path.write_text(json.dumps(cfg))
 
 
@@ -71,8 +80,10 @@ class Env:
 
 @contextlib.asynccontextmanager
 async def fake_front(tokenizer_dir: Path | None = None, served_model_name: str | None = None,
-                     limits: HttpLimits | None = None) -> AsyncIterator[Env]:
+                     limits: HttpLimits | None = None, fakes_have_tokenizer: bool = False) -> AsyncIterator[Env]:
     started = [await start_fake("prefill", "p0"), await start_fake("decode", "d0")]
+    for worker, _, _ in started:
+        worker.has_tokenizer = fakes_have_tokenizer
     tok = str(tokenizer_dir / "tokenizer.json") if tokenizer_dir else None
     cfg = RouterConfig((started[0][2],), (started[1][2],), load_poll_interval_s=0.1, control_timeout_s=1.0,
                        tokenizer_path=tok)

@@ -83,6 +83,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.outstanding_prefill_tokens = 0
         # What Info reports: the step budget (the router counts a decode worker's prefill backlog in steps of it).
         self.max_num_batched_tokens = 64
+        self.has_tokenizer = False  # a grammar needs one (the fake never applies it)
         # Records.
         self.prefills: list[worker_pb2.PrefillRequest] = []
         self.decodes: list[worker_pb2.DecodeRequest] = []
@@ -175,7 +176,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context):
         model = generation_pb2.ModelInfoResponse(model=self.model, vocab_size=VOCAB, max_model_len=MAX_MODEL_LEN,
-                                                 layer_pattern="M*", eos_token_ids=[2])
+                                                 layer_pattern="M*", eos_token_ids=[2],
+                                                 has_tokenizer=self.has_tokenizer)
         return worker_pb2.InfoResponse(role=self.role, engine_id=self.name, model=model, block_size=BLOCK_SIZE,
                                        max_num_batched_tokens=self.max_num_batched_tokens)
 

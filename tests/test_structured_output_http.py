@@ -2,7 +2,9 @@
 is prefilled on the prefill node, so the decode node applies the grammar from its first token): OpenAI's
 `response_format` (json_schema through the `openai` client's `chat.completions.parse` with a pydantic model,
 json_object on completions equal to the offline engine), `tools` with `tool_choice` "required" and a named function
-answered as `tool_calls` (whole and streamed), "auto" refused, and the gRPC SDK's `Grammar`."""
+answered as `tool_calls` (whole and streamed), "auto" (the model's Hermes-style template; its tokenizer holds the
+tags as tokens, as Qwen's does, so a `logit_bias` on the opening one sends a call down the grammar) answered as text or as calls whose
+arguments match their schemas, whole and streamed alike, and the gRPC SDK's `Grammar`."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from baton.proto.convert import sampling_from_proto, sampling_to_proto
 from baton.proto.v1 import generation_pb2 as gen
 from baton.router.validation import MAX_GRAMMAR_BYTES, validate
 from tests.test_e2e import ENGINE_ARGS, all_free, offline
-from tests.test_openai_http import with_chat_template
+from tests.test_openai_http import TOOL_CHAT_TEMPLATE, with_chat_template
+from tests.test_tool_calls import with_tag_tokens
 
 
 class Person(pydantic.BaseModel):
@@ -46,8 +49,34 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 def model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("so-http") / "tiny"
     make_model(out, preset="tiny", seed=31, progress=False)
-    with_chat_template(out)
+    with_chat_template(out, TOOL_CHAT_TEMPLATE)
+    (out / "tokenizer.json").write_text(with_tag_tokens((out / "tokenizer.json").read_text()))
     return out
+
+
+def valid_call(name: str, arguments: str) -> bool:
+    """A call of one of TOOLS whose arguments match its parameters."""
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 6
+    return (name == "add" and set(args) == {"a", "b"}
+            and all(type(v) is int and 0 <= v <= 9 for v in args.values()))
+
+
+def ask(client: openai.OpenAI, max_tokens: int = 60, **kw) -> tuple[dict, dict]:
+    """A chat answer whole and streamed (greedy): (content, calls as (name, arguments), finish_reason) of each."""
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                           max_tokens=max_tokens, temperature=0, **kw).choices[0]
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                                 max_tokens=max_tokens, temperature=0, stream=True, **kw))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    streamed = {"content": "".join(d.content or "" for d in deltas) or None,
+                "calls": [(t.function.name, t.function.arguments) for d in deltas for t in d.tool_calls or []],
+                "indexes": [t.index for d in deltas for t in d.tool_calls or []],
+                "finish": chunks[-1].choices[0].finish_reason}
+    calls = whole.message.tool_calls or []
+    return ({"content": whole.message.content, "calls": [(t.function.name, t.function.arguments) for t in calls],
+             "indexes": list(range(len(calls))), "finish": whole.finish_reason}, streamed)
 
 
 def test_structured_output_against_a_real_cluster(model, tmp_path):
@@ -89,7 +118,26 @@ def test_structured_output_against_a_real_cluster(model, tmp_path):
                 (call.function.name, call.function.arguments)]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-        for bad, param in [({"tools": TOOLS}, "tool_choice"), ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        for kw in ({}, {"tool_choice": "auto"}):
+            whole, streamed = ask(client, **kw)
+            assert whole == streamed
+            assert whole["calls"] or isinstance(whole["content"], str)
+            assert all(valid_call(*c) for c in whole["calls"]), whole
+        # The opening tag's token pushed up: the model calls a tool (the grammar holds the rest to the schemas).
+        (tag,) = map(str, tok.encode("<tool_call>"))
+        for parallel in (False, True):
+            whole, streamed = ask(client, 150, logit_bias={tag: 100}, parallel_tool_calls=parallel)
+            assert whole == streamed
+            assert whole["calls"] and all(valid_call(*c) for c in whole["calls"]), whole
+            if parallel:
+                # Pushed on, it calls again and again until max_tokens cuts a block short: answered as text.
+                assert len(whole["calls"]) > 1 and whole["finish"] == "length", whole
+                assert whole["content"].startswith("\n<tool_call>\n"), whole
+            else:
+                assert len(whole["calls"]) == 1 and whole["finish"] == "tool_calls", whole
+                assert whole["content"] is None, whole
+        for bad, param in [({"tools": TOOLS, "tool_choice": "any"}, "tool_choice"),
+                           ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
                            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                        "schema": {"type": 5}}}},
                             "response_format.json_schema.schema"),
