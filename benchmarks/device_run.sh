@@ -27,6 +27,8 @@
 #             and 0 us, PROGRESS_DELAYS; block ids contiguous, served / served-lowest, scattered) and on cpu
 #   serving   serving_bench.py: (e) 1P1D vs 2 aggregated replicas (2 GPUs; carry .whl-slim and .whl-serve); several
 #             configurations in one call: benchmarks/serving_variants.sh
+#   multiturn multiturn_bench.py --gpu: (#51 4) multi-turn chat, prefix cache on vs off, aggregated and 1P1D on one GPU
+#             (carry .whl-slim and .whl-serve; MULTITURN_ARGS, e.g. "--conversations 64 --configs agg-cache,agg-nocache")
 #   commits   the tree against REV_A: greedy_tokens.py's tokens on every step path, then engine_bench.py A then B
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
@@ -140,6 +142,11 @@ if stage serving; then
     2>&1 | tail -60
   # Logs stay on the machine (the device tool brings back 8 files at most: the JSONs come first); their tails:
   for f in /tmp/serving-logs/*/*.log; do echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -5; done
+fi
+if stage multiturn; then
+  python3 benchmarks/multiturn_bench.py --gpu --no-progress ${MULTITURN_ARGS:-} --out "$OUT/multiturn" \
+    --log-dir /tmp/multiturn-logs 2>&1 | tail -40
+  for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do [ -e "$f" ] && { echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -3; }; done
 fi
 if stage commits; then
   # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.parallel.follower import Applied
 from baton.transfer.agent import DEFAULT_TIMEOUT_S, TransferAgent
 from baton.transfer.errors import PeerUnreachable, TransferError, TransferFailed, TransferTimeout
+from baton.transfer.framing import recv_frame, send_frame
 from baton.transfer.metadata import AgentMetadata, RankAgent
 from baton.transfer.shard_map import PoolShards, pool_shards
 
@@ -36,7 +36,6 @@ HELLO_TIMEOUT_S = 300.0
 # Past a read's own deadline: how long rank 0 waits for another rank's answer (that rank waits for the reserving
 # command, then reads within the same deadline).
 REPLY_MARGIN_S = 5.0
-_LEN = struct.Struct(">I")
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -86,23 +85,11 @@ _ERRORS: dict[str, type[TransferError]] = {"unreachable": PeerUnreachable, "time
 
 
 def _send(sock: socket.socket, msg: msgspec.Struct) -> None:
-    body = msgspec.msgpack.encode(msg)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    send_frame(sock, msgspec.msgpack.encode(msg))
 
 
 def _recv(sock: socket.socket) -> bytes:
-    head = _exactly(sock, _LEN.size)
-    return _exactly(sock, _LEN.unpack(head)[0])
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("the other rank closed its transfer link")
-        out += chunk
-    return bytes(out)
+    return recv_frame(sock, "rank transfer link")
 
 
 def _failed(e: Exception) -> Failed:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import socket
 import socketserver
 import ssl
-import struct
 import threading
 from collections.abc import Callable
 
@@ -21,10 +20,8 @@ import msgspec
 from baton.proto.auth import ClusterCredential
 from baton.serving.listen_error import CannotListen
 from baton.transfer.errors import LeaseExpired, PeerUnauthenticated, PeerUnreachable, TransferError
+from baton.transfer.framing import recv_frame, send_frame
 from baton.transfer.metadata import AgentMetadata
-
-_LEN = struct.Struct(">I")
-MAX_FRAME = 64 * 2**20
 
 
 class GetMetadata(msgspec.Struct, tag=True):
@@ -58,26 +55,6 @@ _req_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
-
-
-def _recv(sock: socket.socket) -> bytes:
-    def exactly(n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("peer closed the side channel mid-frame")
-            buf += chunk
-        return bytes(buf)
-
-    (n,) = _LEN.unpack(exactly(_LEN.size))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"side-channel frame: expected at most {MAX_FRAME} bytes, got {n}")
-    return exactly(n)
-
-
 class SideChannelServer:
     """Serves `GetMetadata` and `RenewLease` on a background thread. `renew(request_id, lease_id, seconds)`
     returns the seconds until the new expiry, or raises `LeaseExpired` (no such live lease) or `ValueError` (bad
@@ -95,8 +72,8 @@ class SideChannelServer:
                 try:
                     if ssl_context is not None:
                         sock = ssl_context.wrap_socket(sock, server_side=True)
-                    reply = outer._dispatch(_recv(sock))
-                    _send(sock, msgspec.msgpack.encode(reply))
+                    reply = outer._dispatch(recv_frame(sock, "side channel"))
+                    send_frame(sock, msgspec.msgpack.encode(reply))
                 except (ConnectionError, OSError):
                     return
 
@@ -157,8 +134,8 @@ class SideChannelClient:
             with socket.create_connection((self.host, self.port), timeout=self.timeout) as raw:
                 raw.settimeout(self.timeout)
                 sock = self._ssl.wrap_socket(raw, server_hostname=self.host) if self._ssl is not None else raw
-                _send(sock, msgspec.msgpack.encode(req))
-                reply = _reply_decoder.decode(_recv(sock))
+                send_frame(sock, msgspec.msgpack.encode(req))
+                reply = _reply_decoder.decode(recv_frame(sock, "side channel"))
         except (OSError, ConnectionError, msgspec.DecodeError) as e:
             raise PeerUnreachable(f"side channel {peer}: {type(e).__name__}: {e}", peer=peer) from e
         if isinstance(reply, ErrorReply):
