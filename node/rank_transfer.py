@@ -62,7 +62,9 @@ class Forget(msgspec.Struct, tag=True):
 
 
 class Done(msgspec.Struct, tag=True):
-    pass
+    # What this rank's read moved, so that the node's transfer metrics count every rank's share.
+    bytes: int = 0
+    descriptors: int = 0
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -131,8 +133,9 @@ def _serve(agent: TransferAgent, sock: socket.socket, applied: Applied) -> None:
             except (ConnectionError, OSError):
                 return  # rank 0 is gone: this process ends with it
             try:
+                moved, descriptors = agent.stats.bytes, agent.stats.descriptors
                 _apply(agent, cmd, applied)
-                reply: Done | Failed = Done()
+                reply: Done | Failed = Done(agent.stats.bytes - moved, agent.stats.descriptors - descriptors)
             except TransferError as e:
                 reply = _failed(e)
             except Exception as e:  # rank 0 gets the error instead of a rank that stopped answering
@@ -294,6 +297,8 @@ class RankedTransfer:
         self.links.send(Read(request_id, peer, list(local_blocks), list(remote_blocks), local_slot, remote_slot,
                              timeout, after))
         error: TransferError | None = None
+        stats = self.agent.stats
+        started, own_seconds = time.monotonic(), stats.seconds
         try:
             self.agent.read(request_id, peer, local_blocks, remote_blocks, local_slot, remote_slot, timeout)
         except TransferError as e:
@@ -303,6 +308,10 @@ class RankedTransfer:
         if error is not None:
             raise error
         _raise_first(replies, request_id, peer)
+        # The node's read is every rank's: their bytes and descriptors count, and it lasts until the last answer.
+        stats.bytes += sum(r.bytes for r in replies if isinstance(r, Done))
+        stats.descriptors += sum(r.descriptors for r in replies if isinstance(r, Done))
+        stats.seconds += time.monotonic() - started - (stats.seconds - own_seconds)
         try:
             self.agent.notify(peer, request_id)
         except Exception as e:

@@ -17,6 +17,7 @@ from baton.engine.engine_config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
+from baton.node.rank_transfer import engine_pool_shards
 from tests.node_faults import all_free
 from tests.test_metrics import scrape, value
 
@@ -43,6 +44,14 @@ def reference(model):
                                                                                ignore_eos=True))]
 
 
+def whole_model_bytes(model: str, k: int) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of one state slot) of the whole model's travelling pools, drafter's included."""
+    engine = LLMEngine.from_pretrained(model, EngineConfig(**ENGINE, device="cpu", num_speculative_tokens=k))
+    shards = engine_pool_shards(engine)
+    kv = sum(s.item_bytes() for name, s in shards.items() if "kv" in name)
+    return kv, sum(s.item_bytes() for name, s in shards.items() if "kv" not in name)
+
+
 @pytest.mark.parametrize("prefill_tp, decode_tp, k", [(2, 1, 0), (1, 2, 2), (4, 2, 2)],
                          ids=["tp2-to-tp1", "tp1-to-tp2-mtp", "tp4-to-tp2-mtp"])
 def test_prefill_and_decode_of_different_tp_sizes_give_the_one_rank_tokens(model, reference, tmp_path, prefill_tp,
@@ -62,6 +71,10 @@ def test_prefill_and_decode_of_different_tp_sizes_give_the_one_rank_tokens(model
         decode = scrape(cluster.node_http_url(cluster.decode_addrs[0]) + "/metrics")
         assert value(decode, "baton_node_transfers_total") == len(PROMPTS)
         assert value(decode, "baton_node_transfer_fallbacks_total") == 0
+        # Every decode rank's share of the bytes is counted: together, the whole model's caches of the prompts.
+        kv_bytes, state_bytes = whole_model_bytes(model, k)
+        blocks = sum(-(-(len(p) - 1) // BLOCK) for p in PROMPTS) - value(decode, "baton_node_transfer_skipped_blocks_total")
+        assert value(decode, "baton_node_transfer_bytes_total") == blocks * kv_bytes + len(PROMPTS) * state_bytes
         if k:
             assert value(decode, "baton_node_spec_accepted_tokens_total") > 0
         free, loads = all_free(cluster)
