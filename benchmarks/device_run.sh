@@ -19,6 +19,8 @@
 #   gdn       gdn_bench.py: (#48 b) our Gated DeltaNet chunked prefill vs flash-linear-attention's, decode vs copy
 #             bandwidth (carry .whl-fla, see below; GDN_ARGS)
 #   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
+#   samplingcost  sampling_cost_bench.py: (#52 7) 8b-like decode steps at batch 1, 32, 256 with penalties + min-p +
+#             logprobs against plain sampling, one engine (SAMPLINGCOST_ARGS, e.g. "--batches 256 --steps 40")
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   spec      spec_bench.py: (d) on SPEC_PRESET (default 8b-like; "qwen3.5-27b-like" for Qwen3.5's shape, #48 6(d)):
 #             verify steps (K = 1..4) against decode steps at batch 1, 8, 32, and the speedup at the mtp stage's
@@ -106,6 +108,10 @@ fi
 if stage sampling; then
   python3 benchmarks/sampling_bench.py --no-progress ${SAMPLING_ARGS:-} --json "$OUT/sampling.json" 2>&1 \
     | tee "$OUT/sampling.txt" | tail -20
+fi
+if stage samplingcost; then
+  python3 benchmarks/sampling_cost_bench.py --device cuda --no-progress ${SAMPLINGCOST_ARGS:-} \
+    --out "$OUT/sampling_cost" 2>&1 | tee "$OUT/sampling_cost.txt" | tail -16
 fi
 if stage mtp; then
   python3 benchmarks/mtp_bench.py --device cuda --out /tmp/mtp-bench --seconds 120 --prompts 8 --max-tokens 64 \

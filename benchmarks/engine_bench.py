@@ -479,17 +479,22 @@ def _step(engine: LLMEngine, device: torch.device) -> tuple[list, float]:
 
 
 def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, seed: int, device: torch.device,
-                 progress: bool, temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
+                 progress: bool, temperature: float = 0.0, top_p: float = 1.0, sampling: SamplingParams | None = None,
+                 tag: str = "") -> list[str]:
     """B requests of `context` prompt tokens, all in decode with the same context: prefill-only first (no
     decode rows run meanwhile), then re-admitted on their caches; their first step computes the last prompt
-    token from h(N-1) (R1) and samples (greedy, or at `temperature` and `top_p`, each request seeded). Returns
-    the request ids."""
+    token from h(N-1) (R1) and samples (greedy, or at `temperature` and `top_p`, each request seeded; or with
+    `sampling`'s parameters, seeded, in place of those two). `tag` keeps the ids of several entries at one batch
+    apart. Returns the request ids."""
     cfg = engine.model_config
     prompts = _prompts(batch, context, cfg.vocab_size, seed)
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=top_p,
-                             seed=seed * 10007 + i if temperature else None) for i in range(batch)]
+    if sampling is None:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    params = [replace(sampling, max_tokens=max_tokens, ignore_eos=True,
+                      seed=seed * 10007 + i if not sampling.greedy else None) for i in range(batch)]
+    batch_tag = f"b{batch}{tag}"
     for i, p in enumerate(prompts):
-        engine.add_request(p, params[i], request_id=f"b{batch}-p{i}", prefill_only=True)
+        engine.add_request(p, params[i], request_id=f"{batch_tag}-p{i}", prefill_only=True)
     held: dict[str, tuple[tuple[int, ...], int]] = {}
     start = engine.stats.prompt_tokens
     with tqdm(total=batch * (context - 1), desc=f"prefill B={batch}", unit="tok", disable=not progress) as bar:
@@ -501,8 +506,8 @@ def enter_decode(engine: LLMEngine, batch: int, context: int, max_tokens: int, s
                     held[o.request_id] = (o.held_block_ids, o.held_state_slot)
     ids = []
     for i, p in enumerate(prompts):
-        blocks, slot = held[f"b{batch}-p{i}"]
-        ids.append(engine.add_computed_request(p, params[i], f"b{batch}-d{i}", list(blocks), slot, context - 1))
+        blocks, slot = held[f"{batch_tag}-p{i}"]
+        ids.append(engine.add_computed_request(p, params[i], f"{batch_tag}-d{i}", list(blocks), slot, context - 1))
     # With async scheduling the first token of a step comes back from the next step() call.
     first: set[str] = set()
     for _ in range(3):

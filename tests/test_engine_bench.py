@@ -1,12 +1,16 @@
 """benchmarks/engine_bench.py in its smoke mode (tiny preset, CPU): the JSON's roofline bytes equal a count
 of the engine's real parameter and pool tensors, its ratios and MFU follow from its own numbers, and bad
-flags fail with a ValueError."""
+flags fail with a ValueError. Also sampling_cost_bench.py, which times engine_bench's decode steps with penalties,
+min-p and logprobs against plain sampling: its rows, and that its extras rows really carried them."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +25,11 @@ _spec = importlib.util.spec_from_file_location("engine_bench", _PATH)
 eb = importlib.util.module_from_spec(_spec)
 sys.modules["engine_bench"] = eb  # dataclasses look their module up
 _spec.loader.exec_module(eb)
+_SC_PATH = _PATH.with_name("sampling_cost_bench.py")
+_sc_spec = importlib.util.spec_from_file_location("sampling_cost_bench", _SC_PATH)
+sc = importlib.util.module_from_spec(_sc_spec)
+sys.modules["sampling_cost_bench"] = sc
+_sc_spec.loader.exec_module(sc)
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +272,72 @@ def test_moe_decode_roofline_counts_the_experts_its_tokens_route_to():
     assert many.inactive_experts < 0.01 * routed
     dense = ModelConfig.from_hf_dict(build_config("8b-like"))
     assert eb.decode_traffic(dense, bf16, fp32, 1, 1000.0).inactive_experts == 0
+
+
+@pytest.fixture(scope="module")
+def sampling_cost(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("sampling_cost") / "sc.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert sc.main(["--smoke", "--batches", "1,3", "--out", str(out), "--no-progress"]) == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def test_sampling_cost_rows_used_their_parameters(sampling_cost):
+    """Per batch, two phases of each kind with positive times; the extras phases' rows had their logits processed
+    and every token's logprobs back, the plain ones neither; the ratio follows from the phases' times."""
+    data, printed = sampling_cost
+    extras = data["meta"]["sampling"]["extras"]
+    assert extras["logprobs"] == sc.TOP_LOGPROBS and extras["min_p"] > 0
+    assert extras["presence_penalty"] and extras["frequency_penalty"] and extras["repetition_penalty"] != 1
+    plain = data["meta"]["sampling"]["plain"]
+    assert plain["logprobs"] is None and plain["min_p"] == 0 and plain["temperature"] == extras["temperature"]
+    assert [r["batch"] for r in data["results"]] == [1, 3]
+    for r in data["results"]:
+        assert [p["kind"] for p in r["phases"]] == list(sc.ORDER)
+        for p in r["phases"]:
+            assert p["step_ms"] > 0 and p["wall_ms"] > 0 and p["host_ms"] > 0
+            assert p["tokens"] == r["batch"] * r["steps"]  # one token a row per warm-up step
+            used = p["kind"] == "extras"
+            assert p["processed"] is used
+            assert p["logprob_tokens"] == (p["tokens"] if used else 0)
+            assert p["graph_steps"] == 0  # no CUDA graphs on the CPU
+        for kind in sc.KINDS:
+            mean = statistics.fmean(p["step_ms"] for p in r["phases"] if p["kind"] == kind)
+            assert r[f"{kind}_ms"] == pytest.approx(mean)
+        assert r["ratio"] == pytest.approx(r["extras_ms"] / r["plain_ms"])
+        assert r["goal_met"] == (r["ratio"] <= sc.GOAL)
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {r['batch']} |"))
+        assert f"| {r['plain_ms']:.3f} | {r['extras_ms']:.3f} | {r['ratio']:.3f} |" in row
+    assert f"| batch | plain ms | extras ms | ratio | goal ≤ {sc.GOAL} |" in printed
+
+
+def test_sampling_cost_refuses_outputs_without_their_parameters():
+    """The check on the warm-up outputs fails an extras token without its logprobs and a plain token with some."""
+    from baton.engine.llm_engine import RequestOutput
+    from baton.engine.token_logprob import TokenLogprob
+
+    def out(logprobs):
+        return RequestOutput("r", (1, 2), (3,), (3,), False, None, logprobs=logprobs)
+
+    full = (TokenLogprob(3, -0.5, tuple((t, -1.0) for t in range(sc.TOP_LOGPROBS))),)
+    assert sc.check_outputs("extras", [out(full)]) == (1, 1)
+    assert sc.check_outputs("plain", [out(None)]) == (1, 0)
+    with pytest.raises(RuntimeError, match="extras row"):
+        sc.check_outputs("extras", [out(None)])
+    with pytest.raises(RuntimeError, match="extras row"):
+        sc.check_outputs("extras", [out((TokenLogprob(3, -0.5, ((3, -0.5),)),))])
+    with pytest.raises(RuntimeError, match="plain row"):
+        sc.check_outputs("plain", [out(full)])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--smoke", "--steps", "1"],
+    ["--smoke", "--batches", "0"],
+    ["--smoke", "--context", "1"],
+    ["--smoke", "--device", "cuda"],
+    ["--smoke", "--preset", "huge"],
+])
+def test_sampling_cost_bad_flags(argv):
+    with pytest.raises(ValueError, match="expected"):
+        sc.main(argv)
