@@ -17,7 +17,7 @@
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   gdn       gdn_bench.py: (#48 b) our Gated DeltaNet chunked prefill vs flash-linear-attention's, decode vs copy
-#             bandwidth (carry .whl-fla, see below; GDN_ARGS)
+#             bandwidth (carry .whl-fla, see below; GDN_ARGS, e.g. "--split-scan": both prefill second stages)
 #   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
 #   mtp       mtp_bench.py: (d) trains the MTP checkpoint, then K = 0..4 (carry .whl-mtp, see below)
 #   spec      spec_bench.py: (d) on SPEC_PRESET (default 8b-like; "qwen3.5-27b-like" for Qwen3.5's shape, #48 6(d)):
