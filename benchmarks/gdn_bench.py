@@ -14,7 +14,7 @@
    (scan tile x scan warps x scan stages x prep warps): what `tuning.WY_*` are chosen from. `--split-scan` times
    the chunk-parallel prefill's two second stages in the same run (the fused scan and the split state + output
    kernels, `tuning.WY_SPLIT_SCAN`), each with its kernels' device times and its errors against fla;
-   `--split-sweep 4096x4x3x8192x4,...` times the split one at each (state tile x state warps x state stages x
+   `--split-sweep 4096x4x2x8192x4,...` times the split one at each (state tile x state warps x state stages x
    output tile x output warps).
 
 fla is not a dependency: carry its wheels (`pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps
@@ -226,8 +226,8 @@ def parse_wy_sweep(text: str) -> list[tuple[int, ...]]:
 
 
 def parse_split_sweep(text: str) -> list[tuple[int, ...]]:
-    """'4096x4x3x8192x4' -> [(state tile, state warps, state stages, output tile, output warps), ...]."""
-    return parse_launches(text, "--split-sweep", "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS", "4096x4x3x8192x4")
+    """'4096x4x2x8192x4' -> [(state tile, state warps, state stages, output tile, output warps), ...]."""
+    return parse_launches(text, "--split-sweep", "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS", "4096x4x2x8192x4")
 
 
 def bench_launches(tokens: int, calls: int, module: object, names: tuple[str, ...], sweep: list[tuple[int, ...]],

@@ -16,7 +16,8 @@ which leave the state as it is) and numbered over the batch, row after row.
    SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
    back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
    block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
-   last; barriers order its writes and reads among the program's threads.
+   last; barriers order its writes and reads among the program's threads. With KD (for the split second stage,
+   `kernel_chunk_state.py`) it also writes the decayed keys k exp(G_last - G) that the state update takes.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is

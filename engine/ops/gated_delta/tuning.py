@@ -61,8 +61,9 @@ WY_STATE_TILE = 4096
 # Warps per program of the split state kernel: its tiles are the state and one chunk's W, U and decayed keys.
 WY_STATE_WARPS = 4
 # Software-pipeline stages of the split state kernel's chunk loop (16-bit inputs; fp32 inputs run one stage, as the
-# fused scan): the next chunks' W, U and keys load while this chunk's update runs.
-WY_STATE_STAGES = 3
+# fused scan): the next chunk's W, U and keys load while this chunk's update runs, which hides their latency; more
+# buffers could stop two programs sharing an SM, putting a single row's programs in two waves.
+WY_STATE_STAGES = 2
 # State elements per program of the split output kernel and its warps: every (chunk, value head, value block) is
 # independent, so the tile only has to fit its q, scores, start state and new values in registers.
 WY_OUT_TILE = 8192
