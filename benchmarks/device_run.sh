@@ -17,7 +17,7 @@
 #   scan      scan_bench.py: (b) our chunked scan vs state-spaces/mamba's (carry .ref: fetch_reference.sh)
 #   kernels   kernels_bench.py: state / conv update vs copy bandwidth (CUDA graphs of 100 launches)
 #   gdn       gdn_bench.py: (#48 b) our Gated DeltaNet chunked prefill vs flash-linear-attention's, decode vs copy
-#             bandwidth (carry .whl-fla, see below; GDN_ARGS)
+#             bandwidth (carry .whl-fla, see below; GDN_ARGS, e.g. "--split-scan": both prefill second stages)
 #   sampling  sampling_bench.py: a step's sampled rows, the kernels vs the torch sort-based reference (SAMPLING_ARGS)
 #   samplingcost  sampling_cost_bench.py: (#52 7) 8b-like decode steps at batch 1, 32, 256 with penalties + min-p +
 #             logprobs against plain sampling, one engine (SAMPLINGCOST_ARGS, e.g. "--batches 256 --steps 40")

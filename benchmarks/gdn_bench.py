@@ -11,21 +11,27 @@
    device-to-device copy measured in the run. `--decode-sweep 2048x4,8192x4x2s,...` also times each (state
    elements per tile) x (warps) [x (tiles per program)] [s: L2 streaming hints] launch at every batch: what
    `tuning.DECODE_LAUNCH` is chosen from. `--wy-sweep 8192x8x2x4,...` times the chunk-parallel prefill at each
-   (scan tile x scan warps x scan stages x prep warps): what `tuning.WY_*` are chosen from.
+   (scan tile x scan warps x scan stages x prep warps): what `tuning.WY_*` are chosen from. `--split-scan` times
+   the chunk-parallel prefill's two second stages in the same run (the fused scan and the split state + output
+   kernels, `tuning.WY_SPLIT_SCAN`), each with its kernels' device times and its errors against fla;
+   `--split-sweep 4096x4x2x8192x4,...` times the split one at each (state tile x state warps x state stages x
+   output tile x output warps).
 
 fla is not a dependency: carry its wheels (`pip download fla-core==0.6.0 flash-linear-attention==0.6.0 --no-deps
 -d .whl-fla`; pure Python + Triton) and install them on the GPU machine; without it, part 1 times ours alone.
 
   python benchmarks/gdn_bench.py --json out.json     # one CUDA GPU
+  python benchmarks/gdn_bench.py --split-scan --batches 1 --json out.json   # fused vs split second stage
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -92,15 +98,35 @@ def prefill_call(tokens: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, Ca
     return t, pool, ours
 
 
-def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
+@contextlib.contextmanager
+def second_stage(split: bool | None) -> Iterator[None]:
+    """Runs the block with the chunk-parallel prefill's fused (False) or split (True) second stage; None: as tuned."""
+    from baton.engine.ops.gated_delta import kernel_prefill
+
+    tuned = kernel_prefill.WY_SPLIT_SCAN
+    kernel_prefill.WY_SPLIT_SCAN = tuned if split is None else split
+    try:
+        yield
+    finally:
+        kernel_prefill.WY_SPLIT_SCAN = tuned
+
+
+def bench_prefill(tokens: int, calls: int, split_scan: bool = False) -> dict[str, object]:
+    """Our prefill (as tuned, or with `split_scan` each second stage: "fused" and "split") against fla's."""
     from baton.engine.ops.gated_delta.reference import gdn_gates
 
     t, pool, ours = prefill_call(tokens)
-
-    pool[1] = t["init"]
-    o = ours()
-    final = pool[1].clone()
-    out: dict[str, object] = {"tokens": tokens, "ours_ms": device_ms(ours, calls)}
+    variants = {"fused": False, "split": True} if split_scan else {"ours": None}
+    runs: dict[str, dict[str, object]] = {}
+    for name, split in variants.items():
+        with second_stage(split):
+            pool[1] = t["init"]
+            o = ours()
+            runs[name] = dict(o=o, final=pool[1].clone(), ms=device_ms(ours, calls))
+    out: dict[str, object] = {"tokens": tokens, "paths": {n: {"ms": r["ms"]} for n, r in runs.items()}}
+    if split_scan:
+        out["split_vs_fused"] = {"o": rel_err(runs["split"]["o"], runs["fused"]["o"]),
+                                 "state": rel_err(runs["split"]["final"], runs["fused"]["final"])}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
@@ -121,10 +147,15 @@ def bench_prefill(tokens: int, calls: int) -> dict[str, object]:
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
 
     o_ref, final_ref = fla()
-    out["kernels"] = {"ours": kernel_us(ours), "fla": kernel_us(fla)}
-    out.update(fla_ms=device_ms(fla, calls), err_o=rel_err(o, o_ref[0]), err_state=rel_err(final, final_ref[0]),
-               fla_heads=expand or "grouped")
-    out["speedup"] = out["fla_ms"] / out["ours_ms"]
+    kernels = {}
+    for name, split in variants.items():
+        with second_stage(split):
+            kernels[name] = kernel_us(ours)
+    kernels["fla"] = kernel_us(fla)
+    out.update(kernels=kernels, fla_ms=device_ms(fla, calls), fla_heads=expand or "grouped")
+    for name, r in runs.items():
+        out["paths"][name].update(err_o=rel_err(r["o"], o_ref[0]), err_state=rel_err(r["final"], final_ref[0]),
+                                  speedup=out["fla_ms"] / r["ms"])
     return out
 
 
@@ -173,45 +204,97 @@ def parse_sweep(text: str) -> list[tuple[int, int, int, bool]]:
     return out
 
 
-def parse_wy_sweep(text: str) -> list[tuple[int, int, int, int]]:
-    """'8192x8x2x4,4096x4x3x4' -> [(scan tile, scan warps, scan stages, prep warps), ...]."""
+def parse_launches(text: str, flag: str, fields: str, example: str) -> list[tuple[int, ...]]:
+    """'8192x8x2x4,4096x4x3x4' -> [(8192, 8, 2, 4), (4096, 4, 3, 4)]: positive integers, as many per item as the
+    x-separated `fields` name."""
+    n = len(fields.split("x"))
     out = []
     for item in text.split(","):
         try:
             vals = tuple(int(x) for x in item.split("x"))
         except ValueError:
             vals = ()
-        if len(vals) != 4 or min(vals) < 1:
-            raise ValueError(f"--wy-sweep: expected SCANTILExSCANWARPSxSTAGESxPREPWARPS items like 8192x8x2x4, "
-                             f"got {item!r}")
+        if len(vals) != n or min(vals) < 1:
+            raise ValueError(f"{flag}: expected {fields} items like {example}, got {item!r}")
         out.append(vals)
     return out
 
 
-def bench_wy(tokens: int, calls: int, sweep: list[tuple[int, int, int, int]]) -> list[dict[str, object]]:
-    """The chunk-parallel prefill at each (scan tile, scan warps, scan stages, prep warps), its output checked
-    against the tuned launch's."""
+def parse_wy_sweep(text: str) -> list[tuple[int, ...]]:
+    """'8192x8x2x4,4096x4x3x4' -> [(scan tile, scan warps, scan stages, prep warps), ...]."""
+    return parse_launches(text, "--wy-sweep", "SCANTILExSCANWARPSxSTAGESxPREPWARPS", "8192x8x2x4")
+
+
+def parse_split_sweep(text: str) -> list[tuple[int, ...]]:
+    """'4096x4x2x8192x4' -> [(state tile, state warps, state stages, output tile, output warps), ...]."""
+    return parse_launches(text, "--split-sweep", "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS", "4096x4x2x8192x4")
+
+
+def bench_launches(tokens: int, calls: int, module: object, names: tuple[str, ...], sweep: list[tuple[int, ...]],
+                   split: bool) -> list[dict[str, object]]:  # fmt: skip
+    """The chunk-parallel prefill with the fused (or `split`) second stage at each launch of `sweep`, the tuning
+    entries `names` of `module` set to its values, its output checked against the tuned launch's."""
+    t, pool, ours = prefill_call(tokens)
+    tuned = tuple(getattr(module, n) for n in names)
+    rows = []
+    with second_stage(split):
+        pool[1] = t["init"]
+        ref = ours()
+        try:
+            for launch in sweep:
+                for n, x in zip(names, launch, strict=True):
+                    setattr(module, n, x)
+                name = "x".join(str(x) for x in launch)
+                try:
+                    pool[1] = t["init"]
+                    err = rel_err(ours(), ref)
+                    rows.append(dict(launch=name, ms=device_ms(ours, calls), err_vs_tuned=err))
+                except Exception as e:  # a launch past the SM's shared memory: recorded, not fatal
+                    rows.append(dict(launch=name, error=f"{type(e).__name__}: {str(e)[:120]}"))
+        finally:
+            for n, x in zip(names, tuned, strict=True):
+                setattr(module, n, x)
+    return rows
+
+
+def bench_wy(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict[str, object]]:
+    """The fused chunk-parallel prefill at each (scan tile, scan warps, scan stages, prep warps)."""
     from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
 
-    t, pool, ours = prefill_call(tokens)
+    names = ("WY_SCAN_TILE", "WY_SCAN_WARPS", "WY_SCAN_STAGES", "WY_PREP_WARPS")
+    return bench_launches(tokens, calls, wy, names, sweep, split=False)
 
-    pool[1] = t["init"]
-    ref = ours()
-    tuned = (wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS)
-    rows = []
-    try:
-        for tile, warps, stages, prep in sweep:
-            wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS = tile, warps, stages, prep
-            name = f"{tile}x{warps}x{stages}x{prep}"
-            try:
-                pool[1] = t["init"]
-                err = rel_err(ours(), ref)
-                rows.append(dict(launch=name, ms=device_ms(ours, calls), err_vs_tuned=err))
-            except Exception as e:  # a launch past the SM's shared memory: recorded, not fatal
-                rows.append(dict(launch=name, error=f"{type(e).__name__}: {str(e)[:120]}"))
-    finally:
-        wy.WY_SCAN_TILE, wy.WY_SCAN_WARPS, wy.WY_SCAN_STAGES, wy.WY_PREP_WARPS = tuned
-    return rows
+
+def bench_split(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict[str, object]]:
+    """The split chunk-parallel prefill at each (state tile, state warps, state stages, output tile, output warps)."""
+    from baton.engine.ops.gated_delta import kernel_chunk_state as st
+
+    names = ("WY_STATE_TILE", "WY_STATE_WARPS", "WY_STATE_STAGES", "WY_OUT_TILE", "WY_OUT_WARPS")
+    return bench_launches(tokens, calls, st, names, sweep, split=True)
+
+
+def print_prefill(prefill: dict[str, object]) -> None:
+    paths = prefill["paths"]
+    print(f"prefill, {prefill['tokens']} tokens, one 27B GDN layer: "
+          + ", ".join(f"{n} {p['ms']:.3f} ms" for n, p in paths.items()), end="")
+    if "fla_ms" in prefill:
+        print(f"; fla {prefill['fla_ms']:.3f} ms ({prefill['fla_heads']})")
+        for n, p in paths.items():
+            print(f"  {n}: {p['speedup']:.2f}x fla; rel err o {p['err_o']:.1e}, state {p['err_state']:.1e}")
+    else:
+        print(f"; fla {prefill['fla']}")
+    if "split_vs_fused" in prefill:
+        d = prefill["split_vs_fused"]
+        print(f"  split vs fused: rel err o {d['o']:.1e}, state {d['state']:.1e}")
+    for side, kernels in prefill.get("kernels", {}).items():
+        print(f"  {side} kernels (µs per call): " + ", ".join(f"{n} {us:.0f}" for n, us in list(kernels.items())[:8]))
+
+
+def print_launches(rows: list[dict[str, object]], what: str) -> None:
+    print(f"| prefill launch ({what}) | ms | rel err vs tuned |\n| --- | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['launch']} | " + (f"{r['ms']:.3f} | {r['err_vs_tuned']:.1e} |" if "ms" in r
+                                       else f"{r['error']} | |"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,12 +307,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode launches to time too, TILExWARPS[xTILES][s] comma-separated (s: L2 streaming hints)")
     p.add_argument("--wy-sweep", default="", help="chunk-parallel prefill launches to time too, "
                    "SCANTILExSCANWARPSxSTAGESxPREPWARPS comma-separated")
+    p.add_argument("--split-scan", action="store_true", help="time the chunk-parallel prefill with each second "
+                   "stage, the fused scan and the split state + output kernels, against fla in the same run")
+    p.add_argument("--split-sweep", default="", help="split chunk-parallel prefill launches to time too, "
+                   "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS comma-separated")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     a = p.parse_args(argv)
     try:
         sweep = parse_sweep(a.decode_sweep) if a.decode_sweep else []
         wy_sweep = parse_wy_sweep(a.wy_sweep) if a.wy_sweep else []
+        split_sweep = parse_split_sweep(a.split_sweep) if a.split_sweep else []
     except ValueError as e:
         p.error(str(e))
     try:
@@ -245,22 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.kernels_bench import copy_gbps
 
     print(f"device: {torch.cuda.get_device_name()}")
-    prefill = {} if a.no_prefill else bench_prefill(a.tokens, a.calls)
+    prefill = {} if a.no_prefill else bench_prefill(a.tokens, a.calls, a.split_scan)
     if prefill:
-        print(f"prefill, {a.tokens} tokens, one 27B GDN layer: ours {prefill['ours_ms']:.3f} ms", end="")
-        if "fla_ms" in prefill:
-            print(f", fla {prefill['fla_ms']:.3f} ms ({prefill['fla_heads']}): {prefill['speedup']:.2f}x; rel err "
-                  f"o {prefill['err_o']:.1e}, state {prefill['err_state']:.1e}")
-        else:
-            print(f"; fla {prefill['fla']}")
-        for side, kernels in prefill.get("kernels", {}).items():
-            print(f"  {side} kernels (µs per call): " + ", ".join(f"{n} {us:.0f}" for n, us in list(kernels.items())[:8]))
+        print_prefill(prefill)
     wy_rows = bench_wy(a.tokens, a.calls, wy_sweep) if wy_sweep and not a.no_prefill else []
     if wy_rows:
-        print("| prefill launch (scan tile x warps x stages x prep warps) | ms | rel err vs tuned |\n| --- | ---: | ---: |")
-        for r in wy_rows:
-            print(f"| {r['launch']} | " + (f"{r['ms']:.3f} | {r['err_vs_tuned']:.1e} |" if "ms" in r
-                                           else f"{r['error']} | |"))
+        print_launches(wy_rows, "scan tile x warps x stages x prep warps")
+    split_rows = bench_split(a.tokens, a.calls, split_sweep) if split_sweep and not a.no_prefill else []
+    if split_rows:
+        print_launches(split_rows, "split: state tile x warps x stages x output tile x warps")
     copy = copy_gbps()
     decode = [bench_decode(b, a.graph_launches, copy) for b in batches]
     print(f"decode (graph of {a.graph_launches} launches), copy {copy:.0f} GB/s")
@@ -273,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in swept:
             print(f"| {d['batch']} | {d['launch']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
     if a.json:
-        a.json.write_text(json.dumps({"prefill": prefill, "prefill_sweep": wy_rows, "decode": decode, "decode_sweep": swept,
-                                     "copy_gbps": copy},
-                                     indent=2) + "\n")
+        a.json.write_text(json.dumps({"prefill": prefill, "prefill_sweep": wy_rows, "prefill_split_sweep": split_rows,
+                                      "decode": decode, "decode_sweep": swept, "copy_gbps": copy}, indent=2) + "\n")
     return 0
 
 

@@ -27,8 +27,26 @@ def test_a_short_run_compares_and_times(tmp_path):
     assert out.is_file()
 
 
+@pytest.mark.gpu
+def test_a_short_run_times_both_second_stages(tmp_path, capsys):
+    out = tmp_path / "gdn.json"
+    assert gdn_bench.main(["--tokens", "512", "--batches", "1", "--graph-launches", "5", "--calls", "3",
+                           "--split-scan", "--split-sweep", "4096x4x2x8192x4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fused" in text and "split" in text and "split vs fused" in text
+    assert out.is_file()
+
+
 @pytest.mark.parametrize("sweep", ["4096", "4096x3", "4000x4", "ax4"])
 def test_a_bad_decode_sweep_is_refused(sweep, capsys):
     with pytest.raises(SystemExit) as e:
         gdn_bench.main(["--decode-sweep", sweep])
     assert e.value.code == 2 and "--decode-sweep: expected" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,sweep", [("--wy-sweep", "8192x8x2"), ("--split-sweep", "4096x4x3x8192"),
+                                        ("--split-sweep", "4096x4x0x8192x4"), ("--split-sweep", "ax4x3x8192x4")])
+def test_a_bad_prefill_sweep_is_refused(flag, sweep, capsys):
+    with pytest.raises(SystemExit) as e:
+        gdn_bench.main([flag, sweep])
+    assert e.value.code == 2 and f"{flag}: expected" in capsys.readouterr().err

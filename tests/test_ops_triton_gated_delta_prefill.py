@@ -1,6 +1,7 @@
 """The chunk-parallel Gated DeltaNet prefill (`kernel_chunk_wy.py`, through `gated_delta_prefill_varlen_triton`)
 against the torch reference: varlen rows around the chunk size, with and without initial states, grouped heads,
-Dk != Dv, 16-bit inputs and pools, slots out of order; and the device-built chunk table.
+Dk != Dv, 16-bit inputs and pools, slots out of order; and the device-built chunk table. Every prefill test runs
+both second stages: the fused scan and the split state + output kernels (`tuning.WY_SPLIT_SCAN`).
 
 Without CUDA the kernels run in Triton's interpreter (set before the kernel modules are imported, as in
 test_ops_triton_gated_delta.py); the `gpu` tests run the compiled kernels at Qwen3.5-27B's sizes.
@@ -18,6 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
+from baton.engine.ops.gated_delta import kernel_prefill  # noqa: E402
 from baton.engine.ops.gated_delta.kernel_chunk_wy import _chunk_table_kernel  # noqa: E402
 from baton.engine.ops.gated_delta.kernel_prefill import chunked, gated_delta_prefill_varlen_triton  # noqa: E402
 from baton.engine.ops.gated_delta.reference import gated_delta_prefill_varlen  # noqa: E402
@@ -35,6 +37,13 @@ from tests.test_ops_triton_gated_delta import (  # noqa: E402
 )
 
 NUM_SLOTS = 12
+
+
+@pytest.fixture(params=[False, True], ids=["fused", "split"])
+def split(request, monkeypatch):
+    """Runs the test with the fused scan, then with the split second stage."""
+    monkeypatch.setattr(kernel_prefill, "WY_SPLIT_SCAN", request.param)
+    return request.param
 
 
 def run_both(shape: dict, dtype, state_dtype, lengths, slots, has_init, chunk, seed=0, device="cpu",
@@ -62,7 +71,7 @@ def check(o, o_ref, pool, ref_pool, before, slots, atol, rtol):
 
 
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", DTYPES)
-def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol):
+def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol, split):
     """Rows shorter than a chunk, exactly one, one less and one more, several chunks and a partial last one, an
     empty row; grouped heads (Hv = 2 Hk), Dk != Dv, slots out of order, some rows new."""
     C = 16
@@ -74,7 +83,7 @@ def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol):
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
-def test_larger_chunks(chunk):
+def test_larger_chunks(chunk, split):
     """More diagonal blocks in the UT solve (2 and 4): the block rows below the first one, and the model's chunk."""
     shape = dict(Hk=1, Hv=2, Dk=16, Dv=16)
     lengths = [2 * chunk + 7, chunk, 5]
@@ -82,7 +91,7 @@ def test_larger_chunks(chunk):
     check(*run_both(shape, torch.float32, torch.float32, lengths, slots, has_init, chunk), slots, 2e-5, 1e-4)
 
 
-def test_odd_head_sizes_and_strided_inputs():
+def test_odd_head_sizes_and_strided_inputs(split):
     """Dk and Dv not powers of two and below tl.dot's 16 (masked tiles), three value heads per key head; q, k, v
     views of one wider projection."""
     C = 16
@@ -103,7 +112,7 @@ def test_odd_head_sizes_and_strided_inputs():
     close(pool, ref_pool, 2e-5, 1e-4)
 
 
-def test_strong_decay_and_aligned_keys_stay_finite():
+def test_strong_decay_and_aligned_keys_stay_finite(split):
     """Decays that underflow exp within a chunk and keys all nearly one direction (the UT system's worst
     conditioning) still match the reference: no overflow in the masked decays, an accurate solve."""
     C = 16
@@ -122,7 +131,7 @@ def test_strong_decay_and_aligned_keys_stay_finite():
     close(pool, ref_pool, 1e-4, 1e-4)
 
 
-def test_only_empty_rows():
+def test_only_empty_rows(split):
     """A batch of empty rows: each slot keeps its state (initial) or is zeroed (new)."""
     shape = dict(Hk=2, Hv=4, Dk=16, Dv=16)
     slots, has_init = [3, 8], [True, False]
@@ -170,7 +179,7 @@ GPU_DTYPES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[8192], [3000, 64, 1, 5000]], ids=["8k", "varlen"])
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
-def test_gpu_27b_sizes(dtype, state_dtype, atol, rtol, lengths):
+def test_gpu_27b_sizes(dtype, state_dtype, atol, rtol, lengths, split):
     """Qwen3.5-27B's GDN layer (Hk 16, Hv 48, D 128, chunk 64): a long row and a varlen mix, against the reference."""
     slots = [5, 1, 7, 2][: len(lengths)]
     has_init = [True, False, True, True][: len(lengths)]

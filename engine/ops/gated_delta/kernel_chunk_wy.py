@@ -16,7 +16,8 @@ which leave the state as it is) and numbered over the batch, row after row.
    SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
    back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
    block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
-   last; barriers order its writes and reads among the program's threads.
+   last; barriers order its writes and reads among the program's threads. With KD (for the split second stage,
+   `kernel_chunk_state.py`) it also writes the decayed keys k exp(G_last - G) that the state update takes.
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -31,6 +32,8 @@ Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the 
 bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
 small.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -110,7 +113,7 @@ def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
 @triton.jit
 def _wy_prep_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
-    g_ptr, Hv, Dk, Dv, heads_per_key, scale,
+    g_ptr, kd_ptr, Hv, Dk, Dv, heads_per_key, scale,
     s_q_t, s_q_h, s_q_d,
     s_k_t, s_k_h, s_k_d,
     s_v_t, s_v_h, s_v_d,
@@ -124,6 +127,7 @@ def _wy_prep_kernel(
     BLOCK_DV: tl.constexpr,
     SOLVE_PRECISION: tl.constexpr,
     PRECISION: tl.constexpr,
+    KD: tl.constexpr,
 ):  # fmt: skip
     # The value heads of one chunk are neighbours: those of one key head read the same q and k.
     h = tl.program_id(0) % Hv
@@ -197,6 +201,10 @@ def _wy_prep_kernel(
     w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
     tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
              mask=mask_k[None, :])  # fmt: skip
+    if KD:  # the split scan's state update takes its keys ready: k exp(G_last - G) [CHUNK, BLOCK_K]
+        cum_last = tl.sum(tl.where(offs_c == CHUNK - 1, cum, 0.0), axis=0)
+        tl.store(kd_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :],
+                 round_to(k * tl.exp(cum_last - cum)[:, None], kd_ptr.dtype.element_ty), mask=mask_k[None, :])
     v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
                 mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
     u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
@@ -275,26 +283,42 @@ def chunk_parallel(chunk_size: int) -> bool:
     return max(MIN_DOT, WY_SUB) <= chunk_size <= WY_MAX_CHUNK and chunk_size & (chunk_size - 1) == 0
 
 
-def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype,
-               device: torch.device) -> dict[str, Tensor]:  # fmt: skip
+def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype, device: torch.device,
+               kd: bool = False) -> dict[str, Tensor]:  # fmt: skip
     """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
     [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
-    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]."""
+    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]. With `kd`,
+    also the split scan's decayed keys kd [., C, Dk] in `low`."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
     ws = torch.empty(*n, chunk, chunk, **f32)
-    return dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
-                p=ws.view(low), g=torch.empty(*n, chunk, **f32))
+    out = dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
+               p=ws.view(low), g=torch.empty(*n, chunk, **f32))
+    if kd:
+        out["kd"] = torch.empty(*n, chunk, Dk, dtype=low, device=device)
+    return out
 
 
-def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, init_flags: Tensor,
-                     chunk_size: int, o: Tensor) -> None:  # fmt: skip
-    """The three launches of a chunk-parallel prefill of R >= 1 rows (shapes checked by the caller; init_flags is
-    has_initial_state as bytes), writing o [T, Hv, Dv] and the rows' final states into their slots."""
+class WyPrepared(NamedTuple):
+    """What `wy_prepare` leaves for a second stage: the chunk table, the prep's scratch and the launch choices."""
+
+    first: Tensor  # [R] each row's first chunk
+    starts: Tensor  # [max_chunks] each chunk's first token
+    lengths: Tensor  # [max_chunks] each chunk's length (0 past the batch's chunks)
+    scratch: dict[str, Tensor]
+    p_region: int  # elements of the scores' dtype per (chunk, head) region of `ws`
+    block_k: int
+    precision: str  # tl.dot input precision of the second stage's products
+    bf16_dots: bool  # whether the second stage rounds its products' operands to bf16
+    fp32: bool  # whether q, k and v are all fp32
+
+
+def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+               query_start_loc: Tensor, R: int, chunk_size: int, kd: bool = False) -> WyPrepared:  # fmt: skip
+    """The chunk table and prep launches of a chunk-parallel prefill of R >= 1 rows (with `kd`, the prep also
+    writes the decayed keys the split scan takes)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    R = state_slots.shape[0]
     dev = v.device
     max_chunks = cdiv(T, chunk_size) + R
     starts = torch.empty(max_chunks, dtype=torch.int32, device=dev)
@@ -309,27 +333,40 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
     bf16_dots = WY_SCAN_BF16 and not fp32
     # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
     # same result.
-    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev)
+    scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev,
+                         kd=kd)  # fmt: skip
     p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
     # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
     _wy_prep_kernel[(max_chunks * Hv,)](
         q, k, v, a, b, A_log, dt_bias, starts, lengths,
-        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"],
+        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"], scratch.get("kd", scratch["w"]),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
         CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
         BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
-        SOLVE_PRECISION=solve_precision, PRECISION=precision, num_warps=WY_PREP_WARPS, num_stages=1,
+        SOLVE_PRECISION=solve_precision, PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
+    return WyPrepared(first, starts, lengths, scratch, p_region, block_k, precision, bf16_dots, fp32)
 
+
+def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, init_flags: Tensor,
+                     chunk_size: int, o: Tensor) -> None:  # fmt: skip
+    """The three launches of a chunk-parallel prefill of R >= 1 rows (shapes checked by the caller; init_flags is
+    has_initial_state as bytes), writing o [T, Hv, Dv] and the rows' final states into their slots."""
+    Hk, Dk = q.shape[1], q.shape[2]
+    Hv, Dv = v.shape[1], v.shape[2]
+    R = state_slots.shape[0]
+    prep = wy_prepare(q, k, v, a, b, A_log, dt_bias, query_start_loc, R, chunk_size)
+    scratch, block_k = prep.scratch, prep.block_k
     block_v = max(MIN_DOT, min(next_power_of_2(Dv), WY_SCAN_TILE // block_k))
     _wy_scan_kernel[(cdiv(Dv, block_v) * Hv * R,)](
-        state, q, k, query_start_loc, state_slots, init_flags, first,
+        state, q, k, query_start_loc, state_slots, init_flags, prep.first,
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
-        BF16_DOTS=bf16_dots,
-        num_warps=WY_SCAN_WARPS, num_stages=1 if fp32 else WY_SCAN_STAGES,
+        CHUNK=chunk_size, P_REGION=prep.p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=prep.precision,
+        BF16_DOTS=prep.bf16_dots,
+        num_warps=WY_SCAN_WARPS, num_stages=1 if prep.fp32 else WY_SCAN_STAGES,
     )  # fmt: skip

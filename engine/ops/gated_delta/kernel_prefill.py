@@ -6,7 +6,9 @@ Algorithms, picked by `chunked(chunk_size)`:
   `kernel_chunk_wy.py`, chunks of `chunk_size` tokens counted from each row's first token. Every (chunk, value
   head) is prepared at once (the UT solve, W, U and the causal scores), then one scan per (row, value head, value
   block) carries the state over the row's chunks and writes the outputs on the way; only that scan's cheap
-  per-chunk update is serial.
+  per-chunk update is serial. `tuning.WY_SPLIT_SCAN` picks the split second stage instead
+  (`kernel_chunk_state.py`): a scan that only carries the state, storing each chunk's start state, then the
+  outputs of every chunk at once.
 - token by token (any other chunk_size): one program per (row, value head h, block of BLOCK_V value columns), the
   value block fastest, then the head. It reads its row's bounds from `query_start_loc` and its [Dk, BLOCK_V] start
   state from the row's slot, walks the row with the decode kernel's step per token (o = S^T q from the fp32 state)
@@ -26,8 +28,9 @@ from torch import Tensor
 
 from baton.engine.ops.gated_delta.checks import check_prefill_shapes
 from baton.engine.ops.gated_delta.kernel import _delta_step, _gates, _program_tile, _unit, launch_config
+from baton.engine.ops.gated_delta.kernel_chunk_state import chunk_split_prefill
 from baton.engine.ops.gated_delta.kernel_chunk_wy import chunk_parallel, chunk_wy_prefill
-from baton.engine.ops.gated_delta.tuning import PREFILL_TILE, STEP_WARPS
+from baton.engine.ops.gated_delta.tuning import PREFILL_TILE, STEP_WARPS, WY_SPLIT_SCAN
 from baton.engine.ops.triton_common import cdiv, round_to
 
 
@@ -118,7 +121,8 @@ def gated_delta_prefill_varlen_triton(
     if not R:
         return o
     if chunked(chunk_size):
-        chunk_wy_prefill(state, q, k, v, a, b, A_log, dt_bias, query_start_loc, state_slots, init_flags, chunk_size, o)
+        run = chunk_split_prefill if WY_SPLIT_SCAN else chunk_wy_prefill
+        run(state, q, k, v, a, b, A_log, dt_bias, query_start_loc, state_slots, init_flags, chunk_size, o)
         return o
     block_k, block_v = launch_config(Dk, Dv, PREFILL_TILE)
     _gdn_prefill_kernel[(cdiv(Dv, block_v) * Hv * R,)](

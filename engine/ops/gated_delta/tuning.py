@@ -50,6 +50,24 @@ WY_PRECISION = {False: ("tf32", "tf32"), True: ("ieee", "ieee")}
 # serial loop bounds a long row; its error stays well inside the 16-bit tolerances (the state's bf16 rounding
 # decays away chunk after chunk, as in flash-linear-attention). False: TF32 operands, about four times closer.
 WY_SCAN_BF16 = True
+# The second stage of the chunk-parallel prefill: False, the fused scan (`_wy_scan_kernel`: state and outputs in one
+# serial loop); True, the split one (`kernel_chunk_state.py`, flash-linear-attention's shape: a state kernel that only
+# carries the recurrence and stores each chunk's start state, then a fully parallel output kernel). The fused scan
+# stays the default; the split one is the alternative kept selectable so the benchmark times both in one run.
+WY_SPLIT_SCAN = False
+# State elements per program of the split state kernel (a [Dk, BLOCK_V] tile): with no output tiles beside the state
+# it can take a narrower value block than the fused scan, so a single row spreads over more programs and SMs.
+WY_STATE_TILE = 4096
+# Warps per program of the split state kernel: its tiles are the state and one chunk's W, U and decayed keys.
+WY_STATE_WARPS = 4
+# Software-pipeline stages of the split state kernel's chunk loop (16-bit inputs; fp32 inputs run one stage, as the
+# fused scan): the next chunk's W, U and keys load while this chunk's update runs, which hides their latency; more
+# buffers could stop two programs sharing an SM, putting a single row's programs in two waves.
+WY_STATE_STAGES = 2
+# State elements per program of the split output kernel and its warps: every (chunk, value head, value block) is
+# independent, so the tile only has to fit its q, scores, start state and new values in registers.
+WY_OUT_TILE = 8192
+WY_OUT_WARPS = 4
 
 
 class DecodeLaunch(NamedTuple):
