@@ -103,6 +103,9 @@ def second_stage(split: bool | None) -> Iterator[None]:
     """Runs the block with the chunk-parallel prefill's fused (False) or split (True) second stage; None: as tuned."""
     from baton.engine.ops.gated_delta import kernel_prefill
 
+    if split is None:  # as tuned: also a tree whose prefill has one second stage only
+        yield
+        return
     tuned = kernel_prefill.WY_SPLIT_SCAN
     kernel_prefill.WY_SPLIT_SCAN = tuned if split is None else split
     try:
