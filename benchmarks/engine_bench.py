@@ -84,10 +84,11 @@ from baton.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
 from baton.engine.fp8_checkpoint import quantize_state
 from baton.engine.kv_cache_dtype import FP8_KV_DTYPE
 from baton.engine.layer_symbols import GDN, QWEN3_5, RECURRENT_SYMBOLS
-from baton.engine.llm_engine import LLMEngine
 from baton.engine.layers.fp8_linear import FP8Linear
+from baton.engine.llm_engine import LLMEngine
 from baton.engine.make_model import PRESET_NAMES, QUANTIZE_CHOICES, build_config, fp8_config, init_tensor
 from baton.engine.model_family import model_class
+from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
 
@@ -1010,8 +1011,6 @@ def _allocated(device: torch.device) -> int:
 
 def model_bytes(engine: LLMEngine) -> tuple[int, int, int, int]:
     """(FP8 Linears, other Linears, bytes of the model's tensors, of which in float8_e4m3fn) of the engine's model."""
-    from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
-
     model = engine.model
     fp8 = sum(isinstance(m, FP8Linear) and m.weight.dtype == FP8_DTYPE for m in model.modules())
     dense = sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -1047,7 +1046,7 @@ def bench_variant(bc: BenchConfig, variant: Fp8Variant, copy: float, mm: float, 
         if variant.quantize is not None and not stats[0]:
             raise RuntimeError(f"{variant.name}: expected FP8 Linears in the model, found none")
         decode, prefill = _time_variant(engine, vbc, copy, mm)
-    except Exception as e:  # noqa: BLE001 -- one variant's failure (a kernel, memory) must not lose the others' rows
+    except Exception as e:  # one variant's failure (a kernel, memory) must not lose the others' rows
         error = f"{type(e).__name__}: {e}"
         print(f"[{variant.name}] failed: {error}", flush=True)
     engine = None
