@@ -55,7 +55,17 @@ Mixed steps (unless --mixed-batch 0): `--mixed-batch` decode rows at `--context`
     wall means the host, not the GPU, sets the step's length (what a decode node taking prompts, or an
     aggregated server's chunked prefill, pays per step).
 
+FP8 against the model dtype (`--compare-fp8 VARIANTS`, e.g. `fp8-block,fp8,fp8-block+kv-fp8`): the preset in its
+    dtype, then each variant: FP8 weights as `make-model --quantize fp8-block|fp8` writes them and the loader loads
+    them (`fp8_checkpoint.quantize_state`, tensor by tensor; routed experts are dequantized at load, as from a
+    checkpoint), and / or the KV pool in FP8 (`kv-fp8`: `--kv-cache-dtype fp8`, scales 1.0). Each engine is built,
+    timed (decode at `--batches` as in (a), prefill of `--prefill-tokens` as in (c)) and freed before the next is
+    built: a second model may not fit beside the first, so the run checks that the freed one is gone (no reference
+    left, its CUDA memory returned) and stops otherwise. A variant that fails is recorded and the next one runs. The
+    table: each step's ms per variant and its ratio to the model dtype's; the JSON is rewritten after each variant.
+
   python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
+  python benchmarks/engine_bench.py --device cuda --compare-fp8 fp8-block,fp8-block+kv-fp8 --out /tmp/fp8
   python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
   python benchmarks/engine_bench.py --plot /tmp/engine/engine_bench.json     # PNG: step time vs batch + roofline
 """
