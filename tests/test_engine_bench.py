@@ -294,10 +294,13 @@ def test_compare_fp8_times_each_variant_against_the_model_dtype(tmp_path, capsys
         assert v["fp8_linears"] == (len(fp8) if quantized else 0)
         assert v["fp8_weight_bytes"] == (sum(fp8.values()) if quantized else 0)  # one byte a weight
         assert v["kv_dtype"] == ("float8_e4m3fn" if name.endswith("kv-fp8") else "float32")
-        # The roofline counts the bytes the variant's tensors hold (FP8 weights and KV included).
-        for d in v["decode"]:
-            assert d["traffic"] == d["traffic_from_tensors"]
-    assert variants["fp8-block"]["weight_bytes"] < variants["base"]["weight_bytes"]
+    # The roofline counts the bytes the variant's tensors hold: FP8 weights, and an FP8 KV pool (the tiny preset's
+    # model dtype is fp32: a quarter of the bytes a token).
+    base = variants["base"]["decode"][0]["traffic"]
+    for name in ("fp8-block", "fp8+kv-fp8"):
+        t = variants[name]["decode"][0]["traffic"]
+        assert t["weights"] < base["weights"] and variants[name]["weight_bytes"] < variants["base"]["weight_bytes"]
+        assert t["kv_write"] * (4 if name.endswith("kv-fp8") else 1) == base["kv_write"]
     table = capsys.readouterr().out.split("## Engine: FP8")[1]
     base_ms = variants["base"]["decode"][0]["step_ms"]
     ratio = variants["fp8-block"]["decode"][0]["step_ms"] / base_ms
