@@ -276,7 +276,7 @@ def test_compare_fp8_times_each_variant_against_the_model_dtype(tmp_path, capsys
     FP8 KV pool; the table prints each step's ratio."""
     from baton.engine.fp8_checkpoint import quantizable
 
-    assert eb.main(["--smoke", "--batches", "1,2", "--steps", "2", "--reps", "1", "--no-progress",
+    assert eb.main(["--smoke", "--batches", "1,2", "--steps", "2", "--reps", "1", "--context", "8", "--no-progress",
                     "--compare-fp8", "fp8-block,fp8+kv-fp8", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / eb.JSON_NAME).read_text())
     assert r["meta"]["bench_config"]["prefill_splits"] == [1] and r["meta"]["bench_config"]["mixed_batch"] == 0
