@@ -5,6 +5,10 @@
 #   engine    engine_bench.py: (a) decode step vs traffic roofline, (c) prefill vs matmul rate, mixed steps (8b-like,
 #             ~45 GB; ENGINE_BENCH_ARGS, e.g. "--batches 64 --prefill-splits 1 --mixed-prompt-tokens 128,512,2048",
 #             or "--preset qwen3.5-27b-like" for Qwen3.5's shape)
+#   fp8       engine_bench.py --compare-fp8: FP8 weights (block-wise 128x128 as the FP8 checkpoints ship, per tensor)
+#             and the FP8 KV cache against bf16 in the same run, decode at batch 1, 32, 256 and prefill 1 x 8192, on
+#             8b-like then nano-30b-a3b-like (FP8_PRESETS restricts them, e.g. "8b-like"), each preset under
+#             `timeout ${FP8_TIMEOUT:-270}` s; FP8_ARGS: flags after the defaults (e.g. "--compare-fp8 fp8-block")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
@@ -65,6 +69,16 @@ if stage tests; then
 fi
 if stage engine; then
   python3 benchmarks/engine_bench.py --device cuda --no-progress ${ENGINE_BENCH_ARGS:-} --out "$OUT/engine" 2>&1 | tail -36
+fi
+if stage fp8; then
+  for preset in $(echo "${FP8_PRESETS:-8b-like,nano-30b-a3b-like}" | tr , ' '); do
+    # Block-wise first (what the FP8 checkpoints ship: a timeout keeps its rows); per tensor too on the dense preset,
+    # the MoE one's weights being mostly routed experts, which stay bf16 in either format.
+    case $preset in nano-30b-a3b-like) variants=fp8-block,fp8-block+kv-fp8 ;; *) variants=fp8-block,fp8-block+kv-fp8,fp8 ;; esac
+    echo "-- $preset ($(date +%T))"
+    timeout "${FP8_TIMEOUT:-270}" python3 benchmarks/engine_bench.py --device cuda --no-progress --preset "$preset" \
+      --compare-fp8 "$variants" ${FP8_ARGS:-} --out "$OUT/fp8_$preset.json" 2>&1 | tee "$OUT/fp8_$preset.txt" | tail -40
+  done
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" \

@@ -55,7 +55,17 @@ Mixed steps (unless --mixed-batch 0): `--mixed-batch` decode rows at `--context`
     wall means the host, not the GPU, sets the step's length (what a decode node taking prompts, or an
     aggregated server's chunked prefill, pays per step).
 
+FP8 against the model dtype (`--compare-fp8 VARIANTS`, e.g. `fp8-block,fp8,fp8-block+kv-fp8`): the preset in its
+    dtype, then each variant: FP8 weights as `make-model --quantize fp8-block|fp8` writes them and the loader loads
+    them (`fp8_checkpoint.quantize_state`, tensor by tensor; routed experts are dequantized at load, as from a
+    checkpoint), and / or the KV pool in FP8 (`kv-fp8`: `--kv-cache-dtype fp8`, scales 1.0). Each engine is built,
+    timed (decode at `--batches` as in (a), prefill of `--prefill-tokens` as in (c)) and freed before the next is
+    built: a second model may not fit beside the first, so the run checks that the freed one is gone (no reference
+    left, its CUDA memory returned) and stops otherwise. A variant that fails is recorded and the next one runs. The
+    table: each step's ms per variant and its ratio to the model dtype's; the JSON is rewritten after each variant.
+
   python benchmarks/engine_bench.py --device cuda --out /tmp/engine          # 8b-like, one GPU (~45 GB)
+  python benchmarks/engine_bench.py --device cuda --compare-fp8 fp8-block,fp8-block+kv-fp8 --out /tmp/fp8
   python benchmarks/engine_bench.py --smoke --out /tmp/engine                # tiny preset on the CPU, seconds
   python benchmarks/engine_bench.py --plot /tmp/engine/engine_bench.json     # PNG: step time vs batch + roofline
 """
@@ -64,11 +74,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -78,11 +90,15 @@ from tqdm import tqdm
 
 from baton.engine.cache_pools import CachePlan, plan_cache
 from baton.engine.config import ATTENTION, MOE, ModelConfig
-from baton.engine.engine_config import EngineConfig
+from baton.engine.engine_config import KV_CACHE_DTYPES, EngineConfig
+from baton.engine.fp8_checkpoint import quantize_state
+from baton.engine.kv_cache_dtype import FP8_KV_DTYPE
 from baton.engine.layer_symbols import GDN, QWEN3_5, RECURRENT_SYMBOLS
+from baton.engine.layers.fp8_linear import FP8Linear
 from baton.engine.llm_engine import LLMEngine
-from baton.engine.make_model import PRESET_NAMES, build_config, init_tensor
+from baton.engine.make_model import PRESET_NAMES, QUANTIZE_CHOICES, build_config, fp8_config, init_tensor
 from baton.engine.model_family import model_class
+from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import FP32_SUFFIXES, TORCH_DTYPES, expected_weight_shapes
 
@@ -93,6 +109,7 @@ from benchmarks.run_info import device_name, git_commit  # noqa: E402
 JSON_NAME = "engine_bench.json"
 DECODE_GOALS = {1: 1.2, 256: 1.3}  # batch -> step / roofline goal (issue #7)
 MFU_GOAL = 0.5
+ACTIVATION_MARGIN = 4 * 2**30  # GPU memory left beside the weights and pools (`check_fits`)
 MIXED_CHUNKS = 6  # chunks of the prompt timed beside the decode rows, per prompt size
 # Linear layers (their FLOPs are counted for MFU).
 _MATMUL_LEAVES = ("in_proj.weight", "out_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -138,6 +155,9 @@ class BenchConfig:
     ssm_state_dtype: str | None = None  # None: the preset's mamba_ssm_cache_dtype
     fused_gemv_max_tokens: int | None = None  # the engine's (None: its default for the device)
     block_size: int = 16
+    # FP8 weights as `make-model --quantize` writes them (None: the preset's dtype), and the KV pool's dtype.
+    quantize: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     progress: bool = True
 
@@ -167,6 +187,11 @@ class BenchConfig:
             raise ValueError(f"--fused-gemv-max-tokens: expected an integer >= 0, got {self.fused_gemv_max_tokens!r}")
         if self.ssm_state_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"--ssm-state-dtype: expected float32, bfloat16 or float16, got {self.ssm_state_dtype!r}")
+        if self.quantize not in (None, *QUANTIZE_CHOICES):
+            raise ValueError(f"quantize: expected None or one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 DEFAULTS = {
@@ -177,6 +202,9 @@ DEFAULTS = {
               "prefill_splits": "1,4", "reps": 2, "copy_mib": 8, "matmul_n": 128, "mixed_batch": 3,
               "mixed_prompt_tokens": "4,8", "mixed_graph_tokens": 8},
 }
+
+# --compare-fp8 times decode and one prefill shape per variant: what the ratios need, no more.
+COMPARE_DEFAULTS = {"prefill_splits": "1", "mixed_batch": 0, "mixed_graph_tokens": 0}
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -245,6 +273,21 @@ def random_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torc
     return out
 
 
+def random_fp8_weights(cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype, quantize: str,
+                       seed: int = 0, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, canonical state) of `random_weights`' model written by `make-model --quantize QUANTIZE` and loaded
+    back: each tensor drawn and stored in `dtype` as there, then quantized at once (`quantize_state`, one tensor at
+    a time, so that the 16-bit model is never whole in memory beside its FP8 copy)."""
+    shapes = expected_weight_shapes(cfg, include_mtp=False)
+    qcfg = fp8_config(quantize, shapes)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(shapes.items(), desc=f"weights ({quantize})", unit="tensor", disable=not progress):
+        want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+        t = init_tensor(name, shape, cfg, hf, seed, device).to(want)
+        out.update(quantize_state(cfg, {name: t}, qcfg, dtype)[1])
+    return replace(cfg, quantization=qcfg), out
+
+
 @dataclass(frozen=True)
 class Setup:
     """How big the engine is made: enough pools for the largest decode batch and for the prefill step."""
@@ -285,7 +328,8 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
     probe = EngineConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                          num_kv_blocks=max(blocks_decode, blocks_prefill), device=bc.device,
                          enable_prefix_caching=False)
-    plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), probe, dtype, ssm_dtype)
+    kv_dtype = FP8_KV_DTYPE if bc.kv_cache_dtype == "fp8" else dtype
+    plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), probe, dtype, ssm_dtype, kv_dtype)
     return Setup(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                  num_kv_blocks=plan.num_blocks, plan=plan)
 
@@ -297,7 +341,7 @@ def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
                         cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
                         device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
-                        mixed_graph_tokens=bc.mixed_graph_tokens)
+                        mixed_graph_tokens=bc.mixed_graph_tokens, kv_cache_dtype=bc.kv_cache_dtype)
 
 
 def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch.device) -> None:
@@ -307,10 +351,12 @@ def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch
     weights = sum(math.prod(s) for s in expected_weight_shapes(cfg, include_mtp=False).values()) * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     need = weights + setup.kv_bytes + setup.state_bytes
-    # Leave room for the prefill step's activations and the copy / matmul buffers.
-    if need > free - 8 * 2**30:
+    # Leave room for the prefill step's activations, the CUDA graphs and the matmul buffers: no more, since the MoE
+    # preset's weights and pools at the largest batch nearly fill an H100.
+    if need > free - ACTIVATION_MARGIN:
         raise ValueError(f"GPU memory: expected weights + pools ({need / 2**30:.1f} GiB) to fit the free "
-                         f"{free / 2**30:.1f} GiB minus 8 GiB for activations; lower --batches or --context")
+                         f"{free / 2**30:.1f} GiB minus {ACTIVATION_MARGIN / 2**30:.0f} GiB for activations; lower "
+                         f"--batches or --context")
 
 
 def build_engine(bc: BenchConfig) -> LLMEngine:
@@ -322,8 +368,12 @@ def build_engine(bc: BenchConfig) -> LLMEngine:
     ssm_dtype = TORCH_DTYPES[bc.ssm_state_dtype or cfg.mamba_ssm_cache_dtype]
     setup = engine_setup(cfg, bc, dtype, ssm_dtype)
     check_fits(cfg, setup, dtype, device)
-    weights = random_weights(cfg, hf, device, dtype, bc.seed, bc.progress)
+    if bc.quantize is None:
+        weights = random_weights(cfg, hf, device, dtype, bc.seed, bc.progress)
+    else:
+        cfg, weights = random_fp8_weights(cfg, hf, device, dtype, bc.quantize, bc.seed, bc.progress)
     engine = LLMEngine(cfg, weights, engine_config(setup, bc))
+    del weights  # the model holds its tensors; nothing else may keep them alive (`compare_fp8` frees the engine)
     if engine.plan != setup.plan:
         raise ValueError(f"cache plan: expected {setup.plan}, got {engine.plan}")
     return engine
@@ -904,6 +954,210 @@ def bench_prefill(engine: LLMEngine, bc: BenchConfig, splits: int, matmul: float
                          matmul_tflops=matmul, flops=prefill_flops(engine.model_config, [length] * splits))
 
 
+# ---- FP8 against the model dtype, in one run -------------------------------------------------------------------
+
+KV_FP8 = "kv-fp8"  # a variant part: the KV pool in float8_e4m3fn (`--kv-cache-dtype fp8`)
+LEAK_LIMIT = 2**30  # CUDA memory a freed engine may leave allocated (workspaces), far below any model's weights
+
+
+@dataclass(frozen=True)
+class Fp8Variant:
+    quantize: str | None  # make-model's --quantize choice (None: the preset's dtype)
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def name(self) -> str:
+        parts = [self.quantize] if self.quantize else []
+        return "+".join(parts + ([KV_FP8] if self.kv_cache_dtype == "fp8" else [])) or "base"
+
+
+BASE = Fp8Variant(None)
+
+
+def parse_fp8_variants(text: str) -> tuple[Fp8Variant, ...]:
+    """`--compare-fp8`'s variants: comma-separated, each a weight format and / or kv-fp8 joined by '+'."""
+    out = []
+    for item in text.split(","):
+        parts = item.split("+")
+        weights = [p for p in parts if p in QUANTIZE_CHOICES]
+        if (not item or len(weights) > 1 or len(set(parts)) != len(parts)
+                or any(p not in (*QUANTIZE_CHOICES, KV_FP8) for p in parts)):
+            raise ValueError(f"--compare-fp8: expected variants of one of {', '.join(QUANTIZE_CHOICES)} and / or "
+                             f"{KV_FP8} joined by '+' (e.g. fp8-block+{KV_FP8}), got {item!r}")
+        out.append(Fp8Variant(weights[0] if weights else None, "fp8" if KV_FP8 in parts else "auto"))
+    names = [v.name for v in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--compare-fp8: expected distinct variants, got {text!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    name: str
+    quantize: str | None
+    kv_cache_dtype: str
+    kv_dtype: str                 # the KV pool's torch dtype
+    fp8_linears: int              # FP8Linear modules holding float8_e4m3fn weights
+    linears: int                  # nn.Linear modules left in the model dtype
+    weight_bytes: int             # the model's tensors, FP8 weights and their scales included
+    fp8_weight_bytes: int
+    allocated_bytes: int          # CUDA memory allocated once the engine was built, above the run's start
+    left_bytes: int               # allocated after it was freed, above the run's start (0 on the CPU)
+    decode: list[DecodeResult] = field(default_factory=list)
+    prefill: list[PrefillResult] = field(default_factory=list)
+    error: str | None = None      # why the variant has no rows (its engine failed to build or to run)
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    meta: dict
+    copy_gbps: float
+    matmul_tflops: float
+    variants: list[VariantResult] = field(default_factory=list)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def model_bytes(engine: LLMEngine) -> tuple[int, int, int, int]:
+    """(FP8 Linears, other Linears, bytes of the model's tensors, of which in float8_e4m3fn) of the engine's model."""
+    model = engine.model
+    fp8 = sum(isinstance(m, FP8Linear) and m.weight.dtype == FP8_DTYPE for m in model.modules())
+    dense = sum(type(m) is torch.nn.Linear for m in model.modules())
+    state = model.state_dict().values()
+    return (fp8, dense, sum(t.numel() * t.element_size() for t in state),
+            sum(t.numel() * t.element_size() for t in state if t.dtype == FP8_DTYPE))
+
+
+def _time_variant(engine: LLMEngine, bc: BenchConfig, copy: float, mm: float
+                  ) -> tuple[list[DecodeResult], list[PrefillResult]]:
+    # The roofline's bytes from the engine's real tensors: the formula counts the model dtype, not FP8 weights and KV.
+    decode = [bench_decode(engine, bc, b, copy) for b in bc.batches]
+    decode = [replace(d, traffic=d.traffic_from_tensors) for d in decode]
+    return decode, [bench_prefill(engine, bc, s, mm) for s in bc.prefill_splits]
+
+
+def bench_variant(bc: BenchConfig, variant: Fp8Variant, copy: float, mm: float, start: int) -> VariantResult:
+    """One variant's engine built, timed and freed: it must be gone (no reference left, its CUDA memory returned to
+    the run's start within LEAK_LIMIT) before the next one is built, since two do not fit beside each other."""
+    device = torch.device(bc.device)
+    vbc = replace(bc, quantize=variant.quantize, kv_cache_dtype=variant.kv_cache_dtype)
+    engine, model_ref, stats, kv, allocated = None, None, (0, 0, 0, 0), "", 0
+    decode: list[DecodeResult] = []
+    prefill: list[PrefillResult] = []
+    error = None
+    try:
+        engine = build_engine(vbc)
+        model_ref = weakref.ref(engine.model)
+        stats, kv, allocated = model_bytes(engine), str(engine.kv_dtype).split(".")[-1], _allocated(device) - start
+        print(f"[{variant.name}] built: {stats[0]} FP8 Linears, {stats[1]} other Linears, weights "
+              f"{_size(stats[2])} ({_size(stats[3])} FP8), KV {kv}; CUDA memory allocated {_size(allocated)} above "
+              f"the run's start", flush=True)
+        if variant.quantize is not None and not stats[0]:
+            raise RuntimeError(f"{variant.name}: expected FP8 Linears in the model, found none")
+        decode, prefill = _time_variant(engine, vbc, copy, mm)
+    except Exception as e:  # one variant's failure (a kernel, memory) must not lose the others' rows
+        error = f"{type(e).__name__}: {e}"
+        print(f"[{variant.name}] failed: {error}", flush=True)
+    engine = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    left = _allocated(device) - start
+    print(f"[{variant.name}] freed: CUDA memory allocated {_size(left)} above the run's start", flush=True)
+    if model_ref is not None and model_ref() is not None:
+        raise RuntimeError(f"{variant.name}: expected its model freed once timed, but something still references it")
+    if left > LEAK_LIMIT:
+        raise RuntimeError(f"{variant.name}: expected at most {LEAK_LIMIT / 2**30:.0f} GiB of CUDA memory left "
+                           f"allocated once its engine was freed, got {left / 2**30:.2f} GiB")
+    for d in decode:
+        print(f"[{variant.name}] decode B={d.batch}: {d.step_ms:.3f} ms", flush=True)
+    for p in prefill:
+        print(f"[{variant.name}] prefill {p.prompts} x {p.tokens // p.prompts}: {p.step_ms_median:.2f} ms", flush=True)
+    return VariantResult(name=variant.name, quantize=variant.quantize, kv_cache_dtype=variant.kv_cache_dtype,
+                         kv_dtype=kv, fp8_linears=stats[0], linears=stats[1], weight_bytes=stats[2],
+                         fp8_weight_bytes=stats[3], allocated_bytes=allocated, left_bytes=left, decode=decode,
+                         prefill=prefill, error=error)
+
+
+def run_compare(bc: BenchConfig, variants: Sequence[Fp8Variant], command: str,
+                sink: Callable[[CompareReport], None] = lambda r: None) -> CompareReport:
+    """The preset in its dtype, then each variant, one engine at a time; `sink` gets the report after each (a run
+    cut short keeps the rows it has)."""
+    device = torch.device(bc.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: expected a CUDA device, found none")
+    torch.manual_seed(bc.seed)
+    copy = copy_gbps(bc.copy_mib * 2**20, device)
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mm = matmul_tflops(bc.matmul_n, mm_dtype, device)
+    print(f"copy {copy:.0f} GB/s, {mm_dtype} matmul n={bc.matmul_n}: {mm:.2f} TFLOP/s", flush=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    start = _allocated(device)
+    cfg = ModelConfig.from_hf_dict(build_config(bc.preset))
+    meta = {"device_name": device_name(device), "commit": git_commit(), "torch": torch.__version__,
+            "command": command, "preset": bc.preset, "dtype": cfg.torch_dtype,
+            "ssm_dtype": bc.ssm_state_dtype or cfg.mamba_ssm_cache_dtype, "bench_config": asdict(bc),
+            "start_allocated_bytes": start}
+    report = CompareReport(meta=meta, copy_gbps=copy, matmul_tflops=mm)
+    for v in (BASE, *variants):
+        report.variants.append(bench_variant(bc, v, copy, mm, start))
+        sink(report)
+    return report
+
+
+def compare_dict(r: CompareReport) -> dict:
+    variants = []
+    for v in r.variants:
+        d = {k: getattr(v, k) for k in v.__dataclass_fields__ if k not in ("decode", "prefill")}
+        variants.append({**d, "decode": [_with_props(x) for x in v.decode],
+                         "prefill": [_with_props(x) for x in v.prefill]})
+    return {"meta": r.meta, "copy_gbps": r.copy_gbps, "matmul_tflops": r.matmul_tflops, "variants": variants}
+
+
+def compare_table(r: CompareReport) -> str:
+    m, base = r.meta, r.variants[0]
+    bc = m["bench_config"]
+    lines = [f"## Engine: FP8 against {m['dtype']} — {m['device_name']}, commit {m['commit']}, torch {m['torch']}", "",
+             f"`{m['command']}`", "",
+             f"Preset `{m['preset']}` ({m['dtype']}, SSM state {m['ssm_dtype']}), decode at context {bc['context']} "
+             f"(step ms: the steady state of async steps), prefill one step (median); each variant's engine built "
+             f"after the previous one was freed.", ""]
+    for v in r.variants:
+        state = (f"failed: {v.error}" if v.error else
+                 f"{v.fp8_linears} FP8 Linears beside {v.linears} others, weights {_size(v.weight_bytes)} "
+                 f"({_size(v.fp8_weight_bytes)} FP8), KV {v.kv_dtype}; CUDA memory allocated above the run's start: "
+                 f"{_size(v.allocated_bytes)} built, {_size(v.left_bytes)} once freed")
+        lines.append(f"- `{v.name}`: {state}")
+    others = r.variants[1:]
+    lines += ["", f"| step | {m['dtype']} ms | " + " | ".join(f"{v.name} ms | ×" for v in others) + " |",
+              "| --- | ---: |" + " ---: | ---: |" * len(others)]
+
+    def cells(pick: Callable[[VariantResult], float | None]) -> str:
+        b = pick(base)
+        out = ["–" if b is None else f"{b:.3f}"]
+        for v in others:
+            x = pick(v)
+            out += ["–" if x is None else f"{x:.3f}", "–" if x is None or b is None else f"{x / b:.3f}"]
+        return " | ".join(out)
+
+    for batch in bc["batches"]:
+        lines.append(f"| decode, batch {batch} | " + cells(
+            lambda v, b=batch: next((d.step_ms for d in v.decode if d.batch == b), None)) + " |")
+    for splits in bc["prefill_splits"]:
+        lines.append(f"| prefill {splits} × {bc['prefill_tokens'] // splits:,} | " + cells(
+            lambda v, s=splits: next((p.step_ms_median for p in v.prefill if p.prompts == s), None)) + " |")
+    return "\n".join(lines)
+
+
 # ---- report ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -1070,6 +1324,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     ap.add_argument("--fused-gemv-max-tokens", type=int,
                     help="the engine's fused_gemv_max_tokens: decode steps of at most this many tokens run the "
                          "fused-prologue GEMVs (default: the engine's, 1 on an H100 or H200, else 0)")
+    ap.add_argument("--compare-fp8", metavar="VARIANTS",
+                    help="time the preset in its dtype, then each variant, one engine at a time (each freed before "
+                         "the next is built), and print step times side by side with their ratios: decode at "
+                         "--batches and prefill of --prefill-tokens (default one prompt; no continued or mixed steps). "
+                         f"Comma-separated variants, each {' or '.join(QUANTIZE_CHOICES)} (FP8 weights as make-model "
+                         f"--quantize writes them) and / or {KV_FP8} (--kv-cache-dtype fp8) joined by '+', e.g. "
+                         f"fp8-block,fp8,fp8-block+{KV_FP8}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, small numbers (seconds)")
     ap.add_argument("--out", type=Path, help=f"directory for {JSON_NAME} (or a .json file path)")
@@ -1079,7 +1340,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchConfig 
     args = ap.parse_args(argv)
     if args.plot is not None:
         return args, None
-    device, pick = device_and_pick(args, DEFAULTS)
+    args.variants = None if args.compare_fp8 is None else parse_fp8_variants(args.compare_fp8)
+    defaults = DEFAULTS
+    if args.variants is not None:
+        defaults = {k: {**d, **COMPARE_DEFAULTS} for k, d in DEFAULTS.items()}
+        args.no_prefill_continued = True
+    device, pick = device_and_pick(args, defaults)
 
     bc = BenchConfig(device=device, preset=pick("preset"), batches=_int_list("--batches", str(pick("batches"))),
                      context=pick("context"), steps=pick("steps"), prefill_tokens=pick("prefill_tokens"),
@@ -1138,6 +1404,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {png}")
         return 0
     command = " ".join(["python benchmarks/engine_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.variants is not None:
+        def sink(r: CompareReport) -> None:
+            if args.out is not None:
+                path = _json_path(args.out)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(compare_dict(r), indent=2) + "\n")
+
+        compared = run_compare(bc, args.variants, command, sink)
+        if args.out is not None:
+            print(f"wrote {_json_path(args.out)}")
+        print()
+        print(compare_table(compared))
+        return 0
     report = run(bc, command)
     if args.out is not None:
         path = _json_path(args.out)

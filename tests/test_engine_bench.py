@@ -200,6 +200,10 @@ def test_8b_like_traffic_is_the_known_size():
     ["--smoke", "--device", "cuda"],
     ["--smoke", "--mixed-batch", "-1"],
     ["--smoke", "--mixed-prompt-tokens", "8,0"],
+    ["--smoke", "--compare-fp8", "int4"],
+    ["--smoke", "--compare-fp8", "fp8+fp8-block"],
+    ["--smoke", "--compare-fp8", "fp8-block,fp8-block"],
+    ["--smoke", "--compare-fp8", "fp8,"],
 ])
 def test_bad_flags(argv):
     with pytest.raises(ValueError, match="expected"):
@@ -341,3 +345,55 @@ def test_sampling_cost_refuses_outputs_without_their_parameters():
 def test_sampling_cost_bad_flags(argv):
     with pytest.raises(ValueError, match="expected"):
         sc.main(argv)
+
+
+def test_compare_fp8_times_each_variant_against_the_model_dtype(tmp_path, capsys):
+    """--compare-fp8 on the tiny preset: the model dtype's rows, then each variant's, every step timed; the FP8
+    variants' models hold every Linear make-model --quantize stores in FP8 as an FP8Linear with float8_e4m3fn
+    weights (counted from the shapes here, so that a run that skipped the quantization fails), the kv-fp8 one an
+    FP8 KV pool; the table prints each step's ratio."""
+    from baton.engine.fp8_checkpoint import quantizable
+
+    assert eb.main(["--smoke", "--batches", "1,2", "--steps", "2", "--reps", "1", "--context", "8", "--no-progress",
+                    "--compare-fp8", "fp8-block,fp8+kv-fp8", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / eb.JSON_NAME).read_text())
+    assert r["meta"]["bench_config"]["prefill_splits"] == [1] and r["meta"]["bench_config"]["mixed_batch"] == 0
+    shapes = eb.expected_weight_shapes(ModelConfig.from_hf_dict(build_config("tiny")), include_mtp=False)
+    fp8 = {n: math.prod(s) for n, s in shapes.items() if quantizable(n, s)}
+    assert fp8 and not any(".experts." in n for n in fp8)  # the tiny preset: every one stays FP8 at load
+    variants = {v["name"]: v for v in r["variants"]}
+    assert list(variants) == ["base", "fp8-block", "fp8+kv-fp8"]
+    for name, v in variants.items():
+        assert v["error"] is None, name
+        assert [d["batch"] for d in v["decode"]] == [1, 2] and all(d["step_ms"] > 0 for d in v["decode"])
+        assert [p["prompts"] for p in v["prefill"]] == [1] and v["prefill"][0]["step_ms_median"] > 0
+        assert v["left_bytes"] == 0  # on the CPU nothing is counted; on CUDA the run checks it
+        quantized = name != "base"
+        assert v["fp8_linears"] == (len(fp8) if quantized else 0)
+        assert v["fp8_weight_bytes"] == (sum(fp8.values()) if quantized else 0)  # one byte a weight
+        assert v["kv_dtype"] == ("float8_e4m3fn" if name.endswith("kv-fp8") else "float32")
+    # The roofline counts the bytes the variant's tensors hold: FP8 weights, and an FP8 KV pool (the tiny preset's
+    # model dtype is fp32: a quarter of the bytes a token).
+    base = variants["base"]["decode"][0]["traffic"]
+    for name in ("fp8-block", "fp8+kv-fp8"):
+        t = variants[name]["decode"][0]["traffic"]
+        assert t["weights"] < base["weights"] and variants[name]["weight_bytes"] < variants["base"]["weight_bytes"]
+        assert t["kv_write"] * (4 if name.endswith("kv-fp8") else 1) == base["kv_write"]
+    table = capsys.readouterr().out.split("## Engine: FP8")[1]
+    base_ms = variants["base"]["decode"][0]["step_ms"]
+    ratio = variants["fp8-block"]["decode"][0]["step_ms"] / base_ms
+    assert f"| decode, batch 1 | {base_ms:.3f} | {variants['fp8-block']['decode'][0]['step_ms']:.3f} | {ratio:.3f} |" \
+        in table
+    assert "| prefill 1 × 64 |" in table
+
+
+def test_compare_fp8_stops_where_a_timed_engine_stays_referenced(monkeypatch):
+    """Two models may not fit side by side: a variant whose engine something still references once timed stops the
+    run before the next one is built."""
+    kept = []
+    monkeypatch.setattr(eb, "_time_variant", lambda engine, bc, copy, mm: (kept.append(engine), ([], []))[1])
+    bc = eb.BenchConfig(device="cpu", preset="tiny", batches=(1,), context=8, steps=1, prefill_tokens=16,
+                        prefill_splits=(1,), prefill_continued=False, mixed_batch=0, progress=False)
+    with pytest.raises(RuntimeError, match="expected its model freed once timed"):
+        eb.bench_variant(bc, eb.Fp8Variant("fp8-block"), 1.0, 1.0, 0)
+    assert kept
