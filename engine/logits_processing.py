@@ -206,15 +206,16 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
                 host[r] = grammar[b]
         masks = torch.from_numpy(host).to(device)
     rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1, cr, r0, r1 = views
-    table = {} if resident is None else dict(counts=resident.counts, prompt_bits=resident.prompt_bits, count_rows=cr,
-                                             record_rows=r0, record_slots=r1)
     return LogitsInputs(
         rows=rows, batch_rows=tuple(batch_rows), num_rows=num_rows, anchor=a, anchor_counts=c, min_left=m,
         presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n], min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
         bias=torch.stack([b0, b1]), bias_values=f[5 * n:], stop=torch.stack([s0, s1]), grammar=masks,
         penalised=any(p.penalised for p in params), repetition_used=any(p.repetition_penalty != 1 for p in params),
         biased=bool(bias_values), min_tokens=any(left), min_p_used=any(p.min_p > 0 and not p.greedy for p in params),
-        **table)
+        counts=None if resident is None else resident.counts,
+        prompt_bits=None if resident is None else resident.prompt_bits,
+        count_rows=None if resident is None else cr, record_rows=None if resident is None else r0,
+        record_slots=None if resident is None else r1)
 
 
 def _mask(pairs: Tensor, R: int, V: int, device: torch.device) -> Tensor:
