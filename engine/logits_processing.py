@@ -8,16 +8,23 @@ p_max after temperature t is x >= x_max + t * log(min_p)), so that the draw's te
 (`sampling`) follow it unchanged: min_p, then top-k, then top-p on what is left, as vLLM filters. Greedy rows
 take the argmax of the processed logits and ignore min_p.
 
-The counts a penalty reads are of the tokens the request generated before the token decided: the host knows all
-of them but the newest (it may be a step in flight's, still on the device: `anchor`), and position j of a verify
-row adds drafts 0..j-1, which are generated tokens exactly when position j is decided. So a verify row's
+The counts a penalty reads are of the tokens the request generated before the token decided, and position j of a
+verify row adds drafts 0..j-1, which are generated tokens exactly when position j is decided. So a verify row's
 position j is processed as a plain step after those drafts would be: speculative decoding samples the same
 distribution. Repetition penalty also reads the prompt (the decode node of a disaggregated request has it).
 
+The engine's runner keeps those counts and the prompt's tokens on the device, per state slot (`ResidentCounts`,
+`penalty_counts`): set from the host history once when a request enters its slot, then grown in stream order by
+every step from the tokens it decides (`count_decided`), so a step's host work per penalised row is a few scalars
+and a step in flight's token is counted without a host read. Without them (`resident` None) the inputs carry the
+host-known generated tokens and prompt as flat (row, token) pairs, with the newest output as an `anchor` (it may be
+a step in flight's, still on the device: `with_anchor`).
+
 Everything on the device is a function of device tensors alone (no host read, no per-row loop): the per-row
-inputs come in one host -> device copy (`logits_inputs`), and the per-token lists (generated tokens, prompt,
-bias, stop ids) as flat (row, token) pairs scattered into [P, V]. Only the P rows that have something to process
-are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of the batch).
+inputs come in one host -> device copy (`logits_inputs`), and the per-token lists (bias, stop ids, and the
+history without resident counts) as flat (row, token) pairs scattered into [P, V]. Only the P rows that have
+something to process are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of
+the batch).
 """
 
 from __future__ import annotations
@@ -45,13 +52,29 @@ class RowHistory:
 
 
 @dataclass(frozen=True)
+class ResidentCounts:
+    """The penalty inputs a runner keeps on the device (`penalty_counts.PenaltyCounts`): by slot, `counts` [S+1, V]
+    int32 (how often the slot's request generated each token, its steps in flight included) and `prompt_bits`
+    [S+1, words] int32 (its prompt's tokens, bit t % 32 of word t // 32; none where it has no repetition penalty);
+    row S of each is all zeros, which the processed rows without penalties read. `slots`: per batch row, the slot
+    of its request (read for penalised rows only)."""
+
+    counts: Tensor
+    prompt_bits: Tensor
+    slots: Sequence[int]
+
+
+@dataclass(frozen=True)
 class LogitsInputs:
     """One step's processing inputs on the device, for the P processed rows: `rows` [P], their rows in the batch
     (`batch_rows` on the host). Per processed row [P]: `anchor` (the row's newest token, counted as generated
     where `anchor_counts` is 1), `min_left` (outputs still to come before a stop id may be decided), and float32
     `presence`, `frequency`, `repetition`, `min_p` (0 on greedy rows), `temperature`. Flat pairs, by processed
     row: `gen` (row, token) of host-known generated tokens, `prompt` (row, token), `bias` (row, token) with
-    `bias_values`, `stop` (row, token). `grammar`: the grammar rows' token masks, by position. The flags say which ops run (host bools: no device read)."""
+    `bias_values`, `stop` (row, token). `grammar`: the grammar rows' token masks, by position. The flags say which ops run (host bools: no device read).
+    With `ResidentCounts` (`counts` not None) `gen` and `prompt` are empty and no anchor is counted: a processed
+    row's counts and prompt bits are rows `count_rows` [P] of `counts` / `prompt_bits`, and the penalised rows
+    (batch rows `record_rows`, slots `record_slots`) get the tokens the step decides added (`count_decided`)."""
 
     rows: Tensor
     batch_rows: tuple[int, ...]
@@ -76,6 +99,11 @@ class LogitsInputs:
     biased: bool
     min_tokens: bool
     min_p_used: bool
+    counts: Tensor | None = None       # [S+1, V] int32 (`ResidentCounts`)
+    prompt_bits: Tensor | None = None  # [S+1, words] int32
+    count_rows: Tensor | None = None   # [P] int64
+    record_rows: Tensor | None = None  # [n] int64, batch rows
+    record_slots: Tensor | None = None  # [n] int64
 
     def with_anchor(self, rows: Sequence[int], tokens: Tensor) -> LogitsInputs:
         """These inputs with the anchors of batch rows `rows` (host ints) set to `tokens` ([len(rows)], a step in
@@ -101,12 +129,16 @@ def needs_processing(params: SamplingParams, num_outputs: int) -> bool:
 
 
 def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHistory], device: torch.device,
-                  grammar: Mapping[int, np.ndarray] | None = None) -> LogitsInputs | None:
+                  grammar: Mapping[int, np.ndarray] | None = None, resident: ResidentCounts | None = None
+                  ) -> LogitsInputs | None:
     """The rows' inputs in one copy, or None when no row has anything to process. A row's anchor is its newest
     output (PENDING: to be set with `with_anchor`), counted when it has one. `grammar`: by batch row, the token
-    masks ([K+1, words] int32, `Grammars.masks`) of the rows with a grammar."""
+    masks ([K+1, words] int32, `Grammars.masks`) of the rows with a grammar. `resident`: the penalised rows' counts
+    and prompts are read on the device from there (nothing of their history is copied, no anchor is counted)."""
     if len(histories) != len(params):
         raise ValueError(f"histories: expected one per row ({len(params)}), got {len(histories)}")
+    if resident is not None and len(resident.slots) != len(params):
+        raise ValueError(f"resident.slots: expected one per row ({len(params)}), got {len(resident.slots)}")
     batch_rows = [i for i, (p, h) in enumerate(zip(params, histories, strict=True))
                   if needs_processing(p, len(h.outputs))]
     if not batch_rows:
@@ -121,18 +153,30 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
     bias: tuple[list[int], list[int]] = ([], [])
     stop: tuple[list[int], list[int]] = ([], [])
     bias_values: list[float] = []
+    count_rows: list[int] = []
+    record: tuple[list[int], list[int]] = ([], [])
     for r, (p, h) in enumerate(zip(params, histories, strict=True)):
         outs = h.outputs
-        anchor.append(max(outs[-1], 0) if outs else 0)
-        counted.append(1 if outs and p.penalised else 0)
         left.append(max(p.min_tokens - len(outs), 0))
-        if p.penalised:
+        if resident is not None:
+            # The counts are on the device, the newest token's included: nothing of the history travels.
+            anchor.append(0)
+            counted.append(0)
+            slot = resident.slots[batch_rows[r]] if p.penalised else resident.counts.shape[0] - 1
+            count_rows.append(slot)
+            if p.penalised:
+                record[0].append(batch_rows[r])
+                record[1].append(slot)
+        else:
+            anchor.append(max(outs[-1], 0) if outs else 0)
+            counted.append(1 if outs and p.penalised else 0)
+        if p.penalised and resident is None:
             older = outs[:-1]
             if PENDING in older:
                 raise ValueError(f"histories: expected at most the newest output PENDING, got {list(outs)}")
             gen[0].extend([r] * len(older))
             gen[1].extend(older)
-        if p.repetition_penalty != 1:
+        if p.repetition_penalty != 1 and resident is None:
             prompt[0].extend([r] * len(h.prompt))
             prompt[1].extend(h.prompt)
         for t, b in p.logit_bias:
@@ -145,7 +189,7 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
     floats = ([p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
               + [p.repetition_penalty for p in params] + [0.0 if p.greedy else p.min_p for p in params]
               + [p.temperature for p in params] + bias_values)
-    parts = [batch_rows, anchor, counted, left, *gen, *prompt, *bias, *stop]
+    parts = [batch_rows, anchor, counted, left, *gen, *prompt, *bias, *stop, count_rows, *record]
     buf = to_device([v for part in parts for v in part] + float_bits(floats), torch.int64, device)
     views: list[Tensor] = []
     at = 0
@@ -161,13 +205,17 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
             if b in grammar:
                 host[r] = grammar[b]
         masks = torch.from_numpy(host).to(device)
-    rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1 = views
+    rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1, cr, r0, r1 = views
     return LogitsInputs(
         rows=rows, batch_rows=tuple(batch_rows), num_rows=num_rows, anchor=a, anchor_counts=c, min_left=m,
         presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n], min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
         bias=torch.stack([b0, b1]), bias_values=f[5 * n:], stop=torch.stack([s0, s1]), grammar=masks,
         penalised=any(p.penalised for p in params), repetition_used=any(p.repetition_penalty != 1 for p in params),
-        biased=bool(bias_values), min_tokens=any(left), min_p_used=any(p.min_p > 0 and not p.greedy for p in params))
+        biased=bool(bias_values), min_tokens=any(left), min_p_used=any(p.min_p > 0 and not p.greedy for p in params),
+        counts=None if resident is None else resident.counts,
+        prompt_bits=None if resident is None else resident.prompt_bits,
+        count_rows=None if resident is None else cr, record_rows=None if resident is None else r0,
+        record_slots=None if resident is None else r1)
 
 
 def _mask(pairs: Tensor, R: int, V: int, device: torch.device) -> Tensor:
@@ -182,9 +230,13 @@ def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V:
     and drafts 0..j-1."""
     R, K = drafts.shape
     dev = drafts.device
-    base = torch.zeros(R, V, dtype=torch.float32, device=dev)
-    base.index_put_((inputs.gen[0], inputs.gen[1]), torch.ones(inputs.gen.shape[1], device=dev), accumulate=True)
-    base.scatter_add_(1, inputs.anchor[:, None], inputs.anchor_counts[:, None].float())
+    if inputs.counts is not None:
+        base = inputs.counts[inputs.count_rows].float()  # [R, V] (exact: a count is far below 2**24)
+    else:
+        base = torch.zeros(R, V, dtype=torch.float32, device=dev)
+        base.index_put_((inputs.gen[0], inputs.gen[1]), torch.ones(inputs.gen.shape[1], device=dev),
+                        accumulate=True)
+        base.scatter_add_(1, inputs.anchor[:, None], inputs.anchor_counts[:, None].float())
     if K == 0:
         return base[:, None]
     valid = (torch.arange(K, device=dev)[None, :] < num_draft[:, None]).float()  # [R, K]
@@ -233,7 +285,9 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
         seen = counts > 0
         if inputs.repetition_used:
             rep = inputs.repetition[:, None, None]
-            seen_any = seen | _mask(inputs.prompt, R, V, dev)[:, None]
+            in_prompt = (_mask(inputs.prompt, R, V, dev) if inputs.prompt_bits is None
+                         else allowed_tokens(inputs.prompt_bits[inputs.count_rows], V))  # [R, V]
+            seen_any = seen | in_prompt[:, None]
             z = torch.where(seen_any, torch.where(z > 0, z / rep, z * rep), z)
         z = z - inputs.frequency[:, None, None] * counts - inputs.presence[:, None, None] * seen.float()
     if inputs.min_p_used:
@@ -245,6 +299,20 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
                           float("-inf"))
         z = z.masked_fill(z < thr, float("-inf"))
     return z
+
+
+def count_decided(inputs: LogitsInputs, tokens: Tensor) -> None:
+    """Add the tokens a step decided for the penalised rows to their resident counts, on the device (stream order:
+    the next step's processing reads them): tokens [R] or [R, T] by batch row, negative entries (a verify row's
+    positions past its emitted tokens) not counted. Nothing without resident counts or penalised rows."""
+    if inputs.counts is None or not inputs.penalised:
+        return
+    got = tokens[inputs.record_rows]  # [n] or [n, T]
+    if got.dim() == 1:
+        got = got[:, None]
+    slots = inputs.record_slots[:, None].expand_as(got)
+    counted = got >= 0
+    inputs.counts.index_put_((slots, torch.where(counted, got, 0)), counted.to(inputs.counts.dtype), accumulate=True)
 
 
 def allowed_tokens(bits: Tensor, V: int) -> Tensor:

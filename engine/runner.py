@@ -10,6 +10,7 @@ from a host copy.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,10 +22,17 @@ from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.grammar import Grammars
 from baton.engine.host_copy import to_device
-from baton.engine.logits_processing import LogitsInputs, RowHistory, logits_inputs, needs_processing
+from baton.engine.logits_processing import (
+    LogitsInputs,
+    RowHistory,
+    count_decided,
+    logits_inputs,
+    needs_processing,
+)
 from baton.engine.logprobs import LogprobRows, Segment, TokenLogprob, pack
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
+from baton.engine.penalty_counts import PenaltyCounts
 from baton.engine.pending_step import PendingStep, device_mark, fill_pending
 from baton.engine.rejection_sampler import RejectionSampler
 from baton.engine.request import PENDING
@@ -89,6 +97,11 @@ class ModelRunner:
         self._sampling: dict[str, tuple[SamplingParams, int]] = {}  # params and noise seed (`request_seed`)
         # The requests whose logits are processed (`logits_processing`): their prompt, outputs and stop ids.
         self._history: dict[str, RowHistory] = {}
+        # The penalised requests' incarnations (one number per add_request: an id may be reused), which own the
+        # counts of their state slot in `penalties` (`penalty_counts`).
+        self._penalised: dict[str, int] = {}
+        self._incarnations = itertools.count()
+        self.penalties = PenaltyCounts(pools.plan.num_slots, model.cfg.vocab_size, self.device)
         # The prompt length of each request with prompt_logprobs (`prompt_scores`).
         self._prompt_len: dict[str, int] = {}
         # The requests with logprobs: while there are none, a step spends nothing on them.
@@ -118,6 +131,10 @@ class ModelRunner:
                 raise ValueError(f"history: expected the prompt and outputs of {request_id!r}, whose logits are "
                                  f"processed (penalties, logit_bias, min_tokens or min_p), got None")
             self._history[request_id] = history
+        if params.penalised:
+            self._penalised[request_id] = next(self._incarnations)
+        else:
+            self._penalised.pop(request_id, None)
         if params.prompt_logprobs is not None:
             if history is None:
                 raise ValueError(f"history: expected the prompt of {request_id!r}, which asks for prompt_logprobs, "
@@ -134,6 +151,7 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._sampling.pop(request_id, None)
         self._history.pop(request_id, None)
+        self._penalised.pop(request_id, None)
         self._prompt_len.pop(request_id, None)
         self._with_logprobs.discard(request_id)
         if self.grammars is not None:
@@ -205,25 +223,33 @@ class ModelRunner:
         return self.grammars is not None and request_id in self.grammars and self.grammars.catch_up(request_id)
 
     def processes(self, request_ids: Sequence[str]) -> bool:
-        """Whether any of these requests' logits are processed: such rows run eagerly (a whole-graph verify step
-        holds no processing inputs yet; TODO(#52) capture them) and never chained (their counts, and a grammar's
-        mask, need the previous step's tokens on the host)."""
+        """Whether any of these requests' logits are processed: such rows run eagerly and are never chained (a
+        whole-graph verify step holds no processing inputs yet; TODO(#52) capture them; a grammar's mask needs the
+        previous step's tokens on the host)."""
         if not self._history:
             return False
         hist = [(r, self._history.get(r)) for r in request_ids]
         return any(h is not None and needs_processing(self._sampling[r][0], len(h.outputs)) for r, h in hist)
 
-    def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams],
+    def processing_of(self, request_ids: Sequence[str], params: Sequence[SamplingParams], slots: Sequence[int],
                       drafts: Sequence[Sequence[int]] | None = None, width: int = 1) -> LogitsInputs | None:
-        """The rows' logits processing inputs (None: nothing to process). A request without a history has
-        nothing to process. `drafts` (verify rows) and `width` (their positions) place the grammar rows' masks."""
+        """The rows' logits processing inputs (None: nothing to process); `slots`: the rows' state slots, where
+        the penalised rows' counts live (`penalty_counts`; set from a row's history where its slot holds another
+        request's). A request without a history has nothing to process. `drafts` (verify rows) and `width` (their
+        positions) place the grammar rows' masks. The step must pass the tokens it decides to `count_decided`."""
         if not self._history:
             return None
         empty = RowHistory((), (), frozenset())
+        hist = [self._history.get(r, empty) for r in request_ids]
         g = self.grammars
         masks = None if not g else {i: g.masks(r, drafts[i] if drafts else (), width)
                                     for i, r in enumerate(request_ids) if r in g}
-        return logits_inputs(params, [self._history.get(r, empty) for r in request_ids], self.device, masks)
+        resident = None
+        if self._penalised:
+            owners = [self._penalised.get(r) for r in request_ids]
+            if any(o is not None for o in owners):
+                resident = self.penalties.resident(slots, owners, hist, [p.repetition_penalty != 1 for p in params])
+        return logits_inputs(params, hist, self.device, masks, resident)
 
     def reset_slot(self, slot: int) -> None:
         """A transferred state arrives whole in its slot: nothing to replay."""
@@ -342,16 +368,13 @@ class ModelRunner:
         inputs = None if all(p.greedy for p in params) else sample_inputs(
             params, [self._sampling[r][1] for r in ids], [r.num_computed_tokens + r.num_tokens for r in rows_s],
             self.device)
-        processing = self.processing_of(ids, params)
+        processing = self.processing_of(ids, params, [r.state_slot for r in rows_s])
+        decided = processing  # (the penalised rows' counts grow by the tokens decided)
         lp_rows = self.logprob_rows(params)
         scores = self.prompt_scores(out)
         prompt_lps = None
         fill = self._pending_inputs(out, prev)
         self.restore_checkpoints(out)
-        if processing is not None and fill is not None:
-            # A decode row's newest output is its input token, maybe still PENDING: the step in flight's, on the
-            # device (decode rows come first and all sample, so row i is sampling row i).
-            processing = processing.with_anchor(fill[0], fill[2][self._t(fill[1])])
         if self._graphable(out) and len(sample_rows) == len(out.rows):
             logits = self._decode_graph(out, fill=fill)
             started = self.graphs.started
@@ -394,6 +417,8 @@ class ModelRunner:
             processing = None
         tokens = (self.rejection.sample(logits, params, None, None, processing) if inputs is None
                   else self.rejection.decide(logits, params, inputs, processing))
+        if decided is not None:
+            count_decided(decided, tokens)
         return PendingStep(ids, tokens, self.device,
                            logits.float() if return_logits else None, started=started,
                            logprobs=self.output_logprobs(logits, tokens, ids, params, lp_rows),

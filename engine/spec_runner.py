@@ -22,7 +22,8 @@ A verify step whose rows all verify, greedy or sampling (at a temperature, with 
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
 (`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
 whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
-never chained, since its counts need the previous step's tokens on the host; so does a step with a row that asks for
+never chained (the graph holds no processing; the penalised rows' counts, kept on the device per state slot, grow by
+the tokens each such step emits: `penalty_counts`); so does a step with a row that asks for
 logprobs (`logprobs`: read from the verify step's target logits at every emitted position, which the graph does not
 return). Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
@@ -37,7 +38,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.logits_processing import LogitsInputs, apply_processing
+from baton.engine.logits_processing import LogitsInputs, apply_processing, count_decided
 from baton.engine.logprobs import LogprobRows, pack
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
@@ -116,7 +117,8 @@ class SpecRunner(ModelRunner):
             verify_ids = [r.request_id for r in rows[:nd]]
             params, seeds = self.sampling_of(verify_ids)
             Tv = max(r.num_tokens for r in rows[:nd])
-            processing = self.processing_of(verify_ids, params, [r.token_ids[1:] for r in rows[:nd]], Tv)
+            processing = self.processing_of(verify_ids, params, [r.state_slot for r in rows[:nd]],
+                                            [r.token_ids[1:] for r in rows[:nd]], Tv)
             lp = (verify_ids, self.logprob_rows(params, per_row=Tv)) if self.wants_logprobs(verify_ids) else None
         if prefill_sampling:
             starts = out.token_starts
@@ -125,7 +127,7 @@ class SpecRunner(ModelRunner):
             prefill_rows = self._t(prefill_sampling)
             p_ids = [rows[i].request_id for i in prefill_sampling]
             p_params, p_seeds = self.sampling_of(p_ids)
-            p_processing = self.processing_of(p_ids, p_params)
+            p_processing = self.processing_of(p_ids, p_params, [rows[i].state_slot for i in prefill_sampling])
             p_lp_rows = self.logprob_rows(p_params)
 
         started = self._started = device_mark(self.device)  # the step's start (`StepOutput.device_seconds`)
@@ -142,6 +144,8 @@ class SpecRunner(ModelRunner):
             got, anchor, pos, verify_lp = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
                                                        params, seeds, processing=processing, lp=lp)
             pieces += got
+            if processing is not None:  # the emitted tokens: accepted drafts and the sampled one, then -1
+                count_decided(processing, got[1].view(nd, -1))
             if verify_lp is not None:
                 logprob_rows.append(verify_lp)
             anchors.append(anchor)
@@ -154,11 +158,14 @@ class SpecRunner(ModelRunner):
             # as every engine samples, so that a transferred request's first decode step (a verify row of token N,
             # R1) samples what the aggregated engine's last prefill chunk does (R6).
             p_logits = self.model.logits(hidden[last], upcast=False)  # [P, V]
+            p_decided = p_processing
             if p_processing is not None and any(p.logprobs is not None for p in p_params):
                 # Logprobs are of the processed logits (`logprobs`): processed once, for the draw and for them.
                 p_logits, p_processing = self.rejection.processed(p_logits, p_processing), None
             tokens = self.rejection.sample(p_logits, p_params, p_seeds, None if p_seeds is None else last_pos + 1,
                                            p_processing)
+            if p_decided is not None:
+                count_decided(p_decided, tokens)
             p_lp = self.output_logprobs(p_logits, tokens, p_ids, p_params, p_lp_rows)
             if p_lp is not None:
                 logprob_rows.append(p_lp)
