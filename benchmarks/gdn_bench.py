@@ -233,6 +233,11 @@ def parse_split_sweep(text: str) -> list[tuple[int, ...]]:
     return parse_launches(text, "--split-sweep", "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS", "4096x4x2x8192x4")
 
 
+def parse_prep_sweep(text: str) -> list[tuple[int, ...]]:
+    """'4x32x8x32,2x32x4x32' -> [(solve warps, solve key slice, W/U warps, W/U columns), ...]."""
+    return parse_launches(text, "--prep-sweep", "SOLVEWARPSxSOLVEBKxPREPWARPSxCOLS", "4x32x8x32")
+
+
 def bench_launches(tokens: int, calls: int, module: object, names: tuple[str, ...], sweep: list[tuple[int, ...]],
                    split: bool) -> list[dict[str, object]]:  # fmt: skip
     """The chunk-parallel prefill with the fused (or `split`) second stage at each launch of `sweep`, the tuning
@@ -265,6 +270,14 @@ def bench_wy(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict
     from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
 
     names = ("WY_SCAN_TILE", "WY_SCAN_WARPS", "WY_SCAN_STAGES", "WY_PREP_WARPS")
+    return bench_launches(tokens, calls, wy, names, sweep, split=False)
+
+
+def bench_prep(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict[str, object]]:
+    """The fused chunk-parallel prefill at each (solve warps, solve key slice, W/U warps, W/U columns) of the prep."""
+    from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
+
+    names = ("WY_SOLVE_WARPS", "WY_SOLVE_BK", "WY_PREP_WARPS", "WY_PREP_COLS")
     return bench_launches(tokens, calls, wy, names, sweep, split=False)
 
 
@@ -314,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    "stage, the fused scan and the split state + output kernels, against fla in the same run")
     p.add_argument("--split-sweep", default="", help="split chunk-parallel prefill launches to time too, "
                    "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS comma-separated")
+    p.add_argument("--prep-sweep", default="", help="chunk-parallel prefill prep launches to time too, "
+                   "SOLVEWARPSxSOLVEBKxPREPWARPSxCOLS comma-separated")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     a = p.parse_args(argv)
@@ -321,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = parse_sweep(a.decode_sweep) if a.decode_sweep else []
         wy_sweep = parse_wy_sweep(a.wy_sweep) if a.wy_sweep else []
         split_sweep = parse_split_sweep(a.split_sweep) if a.split_sweep else []
+        prep_sweep = parse_prep_sweep(a.prep_sweep) if a.prep_sweep else []
     except ValueError as e:
         p.error(str(e))
     try:
@@ -342,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     wy_rows = bench_wy(a.tokens, a.calls, wy_sweep) if wy_sweep and not a.no_prefill else []
     if wy_rows:
         print_launches(wy_rows, "scan tile x warps x stages x prep warps")
+    prep_rows = bench_prep(a.tokens, a.calls, prep_sweep) if prep_sweep and not a.no_prefill else []
+    if prep_rows:
+        print_launches(prep_rows, "prep: solve warps x key slice x W/U warps x columns")
     split_rows = bench_split(a.tokens, a.calls, split_sweep) if split_sweep and not a.no_prefill else []
     if split_rows:
         print_launches(split_rows, "split: state tile x warps x stages x output tile x warps")
@@ -358,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {d['batch']} | {d['launch']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
     if a.json:
         a.json.write_text(json.dumps({"prefill": prefill, "prefill_sweep": wy_rows, "prefill_split_sweep": split_rows,
+                                      "prefill_prep_sweep": prep_rows,
                                       "decode": decode, "decode_sweep": swept, "copy_gbps": copy}, indent=2) + "\n")
     return 0
 

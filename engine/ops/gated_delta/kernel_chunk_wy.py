@@ -8,16 +8,11 @@ which leave the state as it is) and numbered over the batch, row after row.
 1. `_chunk_table_kernel`: per chunk its first token and length, per row the number of its first chunk, built on the
    device from `query_start_loc` (no host read, so a CUDA graph can capture it). The table has room for the bound
    cdiv(T, CHUNK) + R; the chunks past the batch's last have length 0 and their programs exit at once.
-2. `_wy_prep_kernel`, one program per (chunk, value head), all independent (a chunk's heads numbered together):
-   from the raw inputs (q, k of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the
-   decode kernel makes them) the within-chunk cumulative log decay G, the UT system
-   A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j), its inverse T = (I + A)^-1, W = T (beta exp(G) k),
-   U = T (beta v) and the causal scores P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j). T is solved by blocks of
-   SUB rows: the diagonal blocks by forward substitution (all blocks at once, SUB serial steps, their rows read
-   back from a workspace in global memory: a register tile cannot be sliced), then the rest by CHUNK / SUB - 1
-   block-substitution steps, each one [CHUNK, CHUNK] product. The workspace is the scores' own place, written
-   last; barriers order its writes and reads among the program's threads. With KD (for the split second stage,
-   `kernel_chunk_state.py`) it also writes the decayed keys k exp(G_last - G) that the state update takes.
+2. The prep (`kernel_chunk_prep.py`), two launches over every (chunk, value head) at once: from the raw inputs (q, k
+   of key head h // (Hv // Hk) l2-normalised, q scaled by Dk^-0.5, g and beta as the decode kernel makes them) the
+   within-chunk cumulative log decay G, the UT system A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j) (i > j) and its
+   inverse T = (I + A)^-1; then W = T (beta exp(G) k), U = T (beta v) and the causal scores
+   P[i, j] = (q_i . k_j) exp(G_i - G_j) (i >= j).
 3. `_wy_scan_kernel`, one program per (row, value head, block of BLOCK_V value columns): the [Dk, BLOCK_V] state in
    fp32 registers from the row's slot (zeros, the slot never read, where has_initial_state[r] is False), then per
    chunk V' = U - W S, O = (q exp(G)) S + P V', S = exp(G_last) S + (k exp(G_last - G))^T V'; the final state is
@@ -25,8 +20,9 @@ which leave the state as it is) and numbered over the batch, row after row.
    kernel of the usual chunked pipeline are one.
 
 Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
-within fp32 rounding of the reference. 16-bit inputs: the prep's products on tensor cores in TF32 (the diagonal
-blocks' forward substitution in fp32); the scan, the serial part, multiplies bf16 operands (the state, W, V', the
+within fp32 rounding of the reference. 16-bit inputs: the prep's key and query products take the inputs as stored
+(exact products, fp32 sums), its other products run on tensor cores in TF32 (the diagonal blocks' forward
+substitution in fp32); the scan, the serial part, multiplies bf16 operands (the state, W, V', the
 scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
 Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the scan rounds them so anyway (half the
 bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
@@ -40,15 +36,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from baton.engine.ops.gated_delta.kernel import _gates, _program_tile
+from baton.engine.ops.gated_delta.kernel import _program_tile
+from baton.engine.ops.gated_delta.kernel_chunk_prep import _wy_solve_kernel, _wy_wu_kernel
 from baton.engine.ops.gated_delta.tuning import (
     WY_MAX_CHUNK,
     WY_PRECISION,
+    WY_PREP_COLS,
     WY_PREP_WARPS,
     WY_SCAN_BF16,
     WY_SCAN_STAGES,
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
+    WY_SOLVE_BK,
+    WY_SOLVE_WARPS,
     WY_SUB,
     WY_TABLE_BLOCK,
 )
@@ -108,113 +108,6 @@ def _mm(a, b, PRECISION: tl.constexpr, BF16: tl.constexpr):
         return tl.dot(a, b)
     else:
         return tl.dot(a.to(tl.float32), b, input_precision=PRECISION)
-
-
-@triton.jit
-def _wy_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, cstart_ptr, clen_ptr, w_ptr, u_ptr, ws_ptr, p_ptr,
-    g_ptr, kd_ptr, Hv, Dk, Dv, heads_per_key, scale,
-    s_q_t, s_q_h, s_q_d,
-    s_k_t, s_k_h, s_k_d,
-    s_v_t, s_v_h, s_v_d,
-    s_a_t, s_a_h,
-    s_b_t, s_b_h,
-    CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
-    SUB: tl.constexpr,
-    NB: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOLVE_PRECISION: tl.constexpr,
-    PRECISION: tl.constexpr,
-    KD: tl.constexpr,
-):  # fmt: skip
-    # The value heads of one chunk are neighbours: those of one key head read the same q and k.
-    h = tl.program_id(0) % Hv
-    ci = tl.program_id(0) // Hv
-    n = tl.load(clen_ptr + ci)
-    if n == 0:  # past the batch's last chunk
-        return
-    kh = h // heads_per_key
-    t = tl.load(cstart_ptr + ci).to(tl.int64) + tl.arange(0, CHUNK)
-    offs_c = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_k = offs_k < Dk
-    mask_dv = offs_dv < Dv
-    valid = offs_c < n
-    e = ci.to(tl.int64) * Hv + h  # this (chunk, head)'s place in the scratch tensors
-    mat = offs_c[:, None] * CHUNK + offs_c[None, :]  # [CHUNK, CHUNK] row-major
-    # The scores' place (an fp32 [CHUNK, CHUNK] region; p_ptr views it in the scores' dtype, P_REGION elements each)
-    # is the UT solve's workspace until the scores are written, last: the system goes there, then its diagonal
-    # blocks' inverses.
-    ws = ws_ptr + e * CHUNK * CHUNK
-
-    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    g, beta = _gates(tl.load(a_ptr + t * s_a_t + h * s_a_h, mask=valid, other=0.0),
-                     tl.load(b_ptr + t * s_b_t + h * s_b_h, mask=valid, other=0.0), neg_A, dt_bias,
-                     b_ptr.dtype.element_ty)  # fmt: skip
-    # Padding tokens get g = 0 and beta = 0 (with k = v = 0): they leave the state as it is.
-    g = tl.where(valid, g, 0.0)
-    beta = tl.where(valid, beta, 0.0)
-    cum = tl.cumsum(g, axis=0)  # [CHUNK]: log decay from the chunk's start to position i, inclusive
-    tl.store(g_ptr + e * CHUNK + offs_c, cum)
-    causal = offs_c[:, None] >= offs_c[None, :]
-    # decay[i, j]: from position j to position i (0 where j > i; masked before it can overflow).
-    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-
-    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)  # [CHUNK, BLOCK_K]
-    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=SOLVE_PRECISION) * decay
-    tl.store(ws + mat, tl.where(offs_c[:, None] > offs_c[None, :], system, 0.0))
-    tl.debug_barrier()  # stores before a barrier, loads of other threads of this program after it
-
-    # T = (I + A)^-1, unit lower triangular. Its diagonal blocks D^-1 first: forward substitution on all
-    # NB = CHUNK / SUB blocks at once, one row of each per step ([NB, SUB, SUB] tile: block b, row r, column m), rows
-    # before r already final (unrolled, so the row loads are issued together).
-    offs_b = tl.arange(0, NB)
-    offs_s = tl.arange(0, SUB)
-    diag = ((offs_b * SUB)[:, None, None] + offs_s[None, :, None]) * CHUNK + (offs_b * SUB)[:, None, None] \
-        + offs_s[None, None, :]  # fmt: skip
-    inv = -tl.load(ws + diag)  # [NB, SUB, SUB], strictly lower
-    for r in tl.static_range(1, SUB):
-        row = -tl.load(ws + ((offs_b * SUB)[:, None] + r) * CHUNK + (offs_b * SUB)[:, None] + offs_s[None, :])
-        row = row + tl.sum(row[:, :, None] * inv, axis=1)  # [NB, SUB], nonzero before r
-        inv = tl.where(offs_s[None, :, None] == r, row[:, None, :], inv)
-    inv = tl.where(offs_s[None, :, None] == offs_s[None, None, :], 1.0, inv)
-    tl.debug_barrier()  # every thread's reads of the diagonal blocks, before they are overwritten
-    tl.store(ws + diag, inv)
-    tl.debug_barrier()
-    # Then the whole of T from D^-1 and the blocks A_off below the diagonal: with X = D^-1 A_off (nilpotent: block
-    # strictly lower), T = (I + X)^-1 D^-1 = D^-1 - X T, exact after NB - 1 steps from T = D^-1; all in registers.
-    blk = offs_c // SUB
-    both = tl.load(ws + mat)  # D^-1 on the diagonal blocks, A below them
-    d_inv = tl.where(blk[:, None] == blk[None, :], both, 0.0)
-    x = tl.dot(d_inv, tl.where(blk[:, None] > blk[None, :], both, 0.0), input_precision=SOLVE_PRECISION)
-    solve = d_inv
-    for _ in tl.static_range(1, NB):
-        solve = d_inv - tl.dot(x, solve, input_precision=SOLVE_PRECISION)
-
-    # The chunk's delta-rule writes at once: what each token writes given the ones before it in the chunk. (k is
-    # loaded again, from cache: kept across the solve it would hold registers the solve needs.)
-    k = _unit_rows(k_ptr + kh * s_k_h, t, valid, offs_k, mask_k, s_k_t, s_k_d)
-    w = tl.dot(solve, k * (beta * tl.exp(cum))[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_K]
-    tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :], round_to(w, w_ptr.dtype.element_ty),
-             mask=mask_k[None, :])  # fmt: skip
-    if KD:  # the split scan's state update takes its keys ready: k exp(G_last - G) [CHUNK, BLOCK_K]
-        cum_last = tl.sum(tl.where(offs_c == CHUNK - 1, cum, 0.0), axis=0)
-        tl.store(kd_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs_k[None, :],
-                 round_to(k * tl.exp(cum_last - cum)[:, None], kd_ptr.dtype.element_ty), mask=mask_k[None, :])
-    v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs_dv[None, :] * s_v_d,
-                mask=valid[:, None] & mask_dv[None, :], other=0.0)  # fmt: skip
-    u = tl.dot(solve, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)  # [CHUNK, BLOCK_DV]
-    tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_dv[None, :], u, mask=mask_dv[None, :])
-
-    q = _unit_rows(q_ptr + kh * s_q_h, t, valid, offs_k, mask_k, s_q_t, s_q_d) * scale
-    decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-    tl.debug_barrier()  # every thread's read of T, before the scores take its place
-    tl.store(p_ptr + e * P_REGION + mat, round_to(scores, p_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -285,15 +178,16 @@ def chunk_parallel(chunk_size: int) -> bool:
 
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype, device: torch.device,
                kd: bool = False) -> dict[str, Tensor]:  # fmt: skip
-    """The per-(chunk, value head) tensors the prep kernel writes for the scan: in the dtype `low` (fp32 or bf16) W
-    [., C, Dk] and the scores p, the first C*C elements of each region of `ws`; in fp32 U [., C, Dv], the prep's
-    UT-solve workspace ws [., C, C] (where the scores then go) and the cumulative log decay g [., C]. With `kd`,
-    also the split scan's decayed keys kd [., C, Dk] in `low`."""
+    """The per-(chunk, value head) tensors the prep writes for the scan: in the dtype `low` (fp32 or bf16) W
+    [., C, Dk] and the scores p (the first C*C elements of each fp32-sized region of `ws` [., C, C]); in fp32 U
+    [., C, Dv], the cumulative log decay g [., C], and the prep's own T [., C, C] and per-token factors f [., 3, C].
+    With `kd`, also the split scan's decayed keys kd [., C, Dk] in `low`."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
     ws = torch.empty(*n, chunk, chunk, **f32)
     out = dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
-               p=ws.view(low), g=torch.empty(*n, chunk, **f32))
+               p=ws.view(low), g=torch.empty(*n, chunk, **f32), t=torch.empty(*n, chunk, chunk, **f32),
+               f=torch.empty(*n, 3, chunk, **f32))
     if kd:
         out["kd"] = torch.empty(*n, chunk, Dk, dtype=low, device=device)
     return out
@@ -337,15 +231,20 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
                          kd=kd)  # fmt: skip
     p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
-    # One stage: a software-pipelined (early) load of the workspace could be issued before the barrier that orders it.
-    _wy_prep_kernel[(max_chunks * Hv,)](
-        q, k, v, a, b, A_log, dt_bias, starts, lengths,
-        scratch["w"], scratch["u"], scratch["ws"], scratch["p"], scratch["g"], scratch.get("kd", scratch["w"]),
-        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
-        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, SUB=WY_SUB, NB=chunk_size // WY_SUB, BLOCK_K=block_k,
-        BLOCK_DV=max(MIN_DOT, next_power_of_2(Dv)),
-        SOLVE_PRECISION=solve_precision, PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS, num_stages=1,
+    block_dv = max(MIN_DOT, next_power_of_2(Dv))
+    grid = (max_chunks * Hv,)
+    _wy_solve_kernel[grid](
+        k, a, b, A_log, dt_bias, starts, lengths, scratch["t"], scratch["g"], scratch["f"], Hv, Dk, Hv // Hk,
+        *k.stride(), *a.stride(), *b.stride(),
+        CHUNK=chunk_size, SUB=WY_SUB, BLOCK_K=block_k, BK=min(block_k, WY_SOLVE_BK), PRECISION=solve_precision,
+        num_warps=WY_SOLVE_WARPS, num_stages=1,
+    )  # fmt: skip
+    _wy_wu_kernel[grid](
+        q, k, v, starts, lengths, scratch["t"], scratch["g"], scratch["f"],
+        scratch["w"], scratch["u"], scratch["p"], scratch.get("kd", scratch["w"]),
+        Hv, Dk, Dv, Hv // Hk, Dk ** -0.5, *q.stride(), *k.stride(), *v.stride(),
+        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_DV=block_dv,
+        COLS=min(block_k, block_dv, WY_PREP_COLS), PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
     return WyPrepared(first, starts, lengths, scratch, p_region, block_k, precision, bf16_dots, fp32)
 

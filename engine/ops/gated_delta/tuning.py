@@ -24,12 +24,19 @@ WY_TABLE_BLOCK = 1024
 # Largest chunk the chunk-parallel kernels take (larger ones run token by token): at head dim 128 a chunk of 128 puts
 # the scan's pipelined [CHUNK, Dk] and [CHUNK, CHUNK] tiles past an SM's shared memory.
 WY_MAX_CHUNK = 64
-# Rows per diagonal block of the UT solve: tl.dot's smallest tile side, so the block products are single tl.dots and
-# the serial forward substitution is only this many steps.
+# Rows per diagonal block of the UT solve: tl.dot's smallest tile side; a chunk is at most four such blocks.
 WY_SUB = 16
-# Warps per program of the prep kernel: four keep its registers and shared memory to half an SM's at chunk 64 and
-# head dim 128, so two programs share an SM and hide each other's waits (its barriers and workspace reads).
-WY_PREP_WARPS = 4
+# Warps per program of the prep's solve launch: its [16, 16] blocks and [16, WY_SOLVE_BK] key slices, and the
+# forward substitution's registers, fit four warps without spilling.
+WY_SOLVE_WARPS = 4
+# Key columns the solve launch multiplies at a time: ten [16, 16] accumulators and four key slices stay in registers
+# (wider slices spill).
+WY_SOLVE_BK = 32
+# Warps per program of the prep's second launch (W, U, the scores): T and the scores' sums beside one
+# [CHUNK, WY_PREP_COLS] product at a time fit eight warps' registers without spilling, not four.
+WY_PREP_WARPS = 8
+# Head-dim columns the second launch multiplies at a time: wider products beside T spill registers.
+WY_PREP_COLS = 32
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
 # one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
 # memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
