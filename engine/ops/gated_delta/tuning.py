@@ -26,16 +26,16 @@ WY_TABLE_BLOCK = 1024
 WY_MAX_CHUNK = 64
 # Rows per diagonal block of the UT solve: tl.dot's smallest tile side; a chunk is at most four such blocks.
 WY_SUB = 16
-# Warps per program of the prep's solve launch: its [16, 16] blocks and [16, WY_SOLVE_BK] key slices, and the
-# forward substitution's registers, fit four warps without spilling.
-WY_SOLVE_WARPS = 4
+# Warps per program of the prep's solve launch: its [16, 16] blocks and [16, WY_SOLVE_BK] key slices; two warps
+# leave registers for more programs per SM, which hides the forward substitution's serial steps better than four.
+WY_SOLVE_WARPS = 2
 # Key columns the solve launch multiplies at a time: ten [16, 16] accumulators and four key slices stay in registers
 # (wider slices spill).
 WY_SOLVE_BK = 32
-# Warps per program of the prep's second launch (W, U, the scores): T and the scores' sums beside one
-# [CHUNK, WY_PREP_COLS] product at a time fit eight warps' registers without spilling, not four.
-WY_PREP_WARPS = 8
-# Head-dim columns the second launch multiplies at a time: wider products beside T spill registers.
+# Warps per program of the prep's second launch (W, U, the scores): four, two programs per SM, beat eight, one
+# program per SM without spilling: the launch waits on memory more than on its spilled registers.
+WY_PREP_WARPS = 4
+# Head-dim columns the second launch multiplies at a time: wider products beside T spill more.
 WY_PREP_COLS = 32
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
 # one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
