@@ -23,7 +23,7 @@ from torch import Tensor
 
 from baton.engine.logits_processing import LogitsInputs, host_list_counts, pair_mask
 from baton.engine.ops.logits_process.tuning import BLOCK, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM
-from baton.engine.ops.triton_common import cdiv, sm_count
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, sm_count
 
 _NO_TOKEN = tl.constexpr(2 ** 62)  # (past every vocabulary: ends a walk)
 
@@ -101,7 +101,7 @@ def _process_row(src, dst, pmax_at, p, r, j, v0, v1, drafts_ptr, nd_ptr, counts_
                 b_ptr += 1
                 t = tl.load(btok_ptr + b_ptr, mask=b_ptr < b_end, other=_NO_TOKEN)
             z = z + add  # (every processed row adds, as the reference's dense bias does)
-        if MIN_TOKENS:
+        if MIN_TOKENS:  # noqa: SIM102  (a compile-time flag, then a runtime one)
             if early:
                 t = tl.load(stok_ptr + s_ptr, mask=s_ptr < s_end, other=_NO_TOKEN)
                 while t < off + BLOCK:
@@ -207,6 +207,6 @@ def apply_processing_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, i
         BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
     if inputs.min_p_used:
         _min_p_kernel[(R * K1, S)](out, pmax, inputs.index, inputs.min_p, inputs.temperature, V, K1, S, span,
-                                   SP=max(2, triton.next_power_of_2(S)), BLOCK=BLOCK, num_warps=4,
+                                   SP=max(2, next_power_of_2(S)), BLOCK=BLOCK, num_warps=4,
                                    enable_fp_fusion=False)
     return out
