@@ -25,6 +25,10 @@ inputs come in one host -> device copy (`logits_inputs`), and the per-token list
 history without resident counts) as flat (row, token) pairs scattered into [P, V]. Only the P rows that have
 something to process are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of
 the batch).
+
+This module's `apply_processing` is the torch reference, which CPU engines run; on a GPU the engine runs
+`ops.logits_process`' kernels (`Kernels.process_logits`), which read the same inputs (plus `index`, `bias_start`
+and `stop_start`) and give the same float32 logits in two launches.
 """
 
 from __future__ import annotations
