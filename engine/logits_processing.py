@@ -25,6 +25,10 @@ inputs come in one host -> device copy (`logits_inputs`), and the per-token list
 history without resident counts) as flat (row, token) pairs scattered into [P, V]. Only the P rows that have
 something to process are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of
 the batch).
+
+This module's `apply_processing` is the torch reference, which CPU engines run; on a GPU the engine runs
+`ops.logits_process`' kernels (`Kernels.process_logits`), which read the same inputs (plus `index`, `bias_start`
+and `stop_start`) and give the same float32 logits in two launches.
 """
 
 from __future__ import annotations
@@ -104,6 +108,11 @@ class LogitsInputs:
     count_rows: Tensor | None = None   # [P] int64
     record_rows: Tensor | None = None  # [n] int64, batch rows
     record_slots: Tensor | None = None  # [n] int64
+    # For the one-pass kernel (`ops.logits_process`): per batch row its processed row or -1 [R], and where each
+    # processed row's run of `bias` / `stop` pairs starts [P+1] (the pairs come row by row, tokens ascending).
+    index: Tensor | None = None
+    bias_start: Tensor | None = None
+    stop_start: Tensor | None = None
 
     def with_anchor(self, rows: Sequence[int], tokens: Tensor) -> LogitsInputs:
         """These inputs with the anchors of batch rows `rows` (host ints) set to `tokens` ([len(rows)], a step in
@@ -189,7 +198,13 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
     floats = ([p.presence_penalty for p in params] + [p.frequency_penalty for p in params]
               + [p.repetition_penalty for p in params] + [0.0 if p.greedy else p.min_p for p in params]
               + [p.temperature for p in params] + bias_values)
-    parts = [batch_rows, anchor, counted, left, *gen, *prompt, *bias, *stop, count_rows, *record]
+    index = [-1] * num_rows
+    for r, b in enumerate(batch_rows):
+        index[b] = r
+    bias_start = np.searchsorted(bias[0], np.arange(n + 1)).tolist()
+    stop_start = np.searchsorted(stop[0], np.arange(n + 1)).tolist()
+    parts = [batch_rows, anchor, counted, left, *gen, *prompt, *bias, *stop, count_rows, *record, index, bias_start,
+             stop_start]
     buf = to_device([v for part in parts for v in part] + float_bits(floats), torch.int64, device)
     views: list[Tensor] = []
     at = 0
@@ -205,7 +220,7 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
             if b in grammar:
                 host[r] = grammar[b]
         masks = torch.from_numpy(host).to(device)
-    rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1, cr, r0, r1 = views
+    rows, a, c, m, g0, g1, p0, p1, b0, b1, s0, s1, cr, r0, r1, ix, bs, ss = views
     return LogitsInputs(
         rows=rows, batch_rows=tuple(batch_rows), num_rows=num_rows, anchor=a, anchor_counts=c, min_left=m,
         presence=f[:n], frequency=f[n:2 * n], repetition=f[2 * n:3 * n], min_p=f[3 * n:4 * n], temperature=f[4 * n:5 * n], gen=torch.stack([g0, g1]), prompt=torch.stack([p0, p1]),
@@ -215,13 +230,21 @@ def logits_inputs(params: Sequence[SamplingParams], histories: Sequence[RowHisto
         counts=None if resident is None else resident.counts,
         prompt_bits=None if resident is None else resident.prompt_bits,
         count_rows=None if resident is None else cr, record_rows=None if resident is None else r0,
-        record_slots=None if resident is None else r1)
+        record_slots=None if resident is None else r1, index=ix, bias_start=bs, stop_start=ss)
 
 
-def _mask(pairs: Tensor, R: int, V: int, device: torch.device) -> Tensor:
+def pair_mask(pairs: Tensor, R: int, V: int, device: torch.device) -> Tensor:
     """(row, token) pairs [2, n] -> [R, V] bool, True at each pair."""
     m = torch.zeros(R, V, dtype=torch.bool, device=device)
     return m.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=torch.bool))
+
+
+def host_list_counts(inputs: LogitsInputs, V: int, device: torch.device) -> Tensor:
+    """Without resident counts: how often each processed row generated each token before the step, from the
+    host-known outputs and the anchor -> [P, V] float32."""
+    base = torch.zeros(len(inputs.batch_rows), V, dtype=torch.float32, device=device)
+    base.index_put_((inputs.gen[0], inputs.gen[1]), torch.ones(inputs.gen.shape[1], device=device), accumulate=True)
+    return base.scatter_add_(1, inputs.anchor[:, None], inputs.anchor_counts[:, None].float())
 
 
 def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V: int) -> Tensor:
@@ -233,10 +256,7 @@ def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V:
     if inputs.counts is not None:
         base = inputs.counts[inputs.count_rows].float()  # [R, V] (exact: a count is far below 2**24)
     else:
-        base = torch.zeros(R, V, dtype=torch.float32, device=dev)
-        base.index_put_((inputs.gen[0], inputs.gen[1]), torch.ones(inputs.gen.shape[1], device=dev),
-                        accumulate=True)
-        base.scatter_add_(1, inputs.anchor[:, None], inputs.anchor_counts[:, None].float())
+        base = host_list_counts(inputs, V, dev)
     if K == 0:
         return base[:, None]
     valid = (torch.arange(K, device=dev)[None, :] < num_draft[:, None]).float()  # [R, K]
@@ -278,14 +298,14 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
         z += bias[:, None]
     if inputs.min_tokens:
         early = torch.arange(K1, device=dev)[None, :] < inputs.min_left[:, None]  # [R, K+1]
-        stop = _mask(inputs.stop, R, V, dev)  # [R, V]
+        stop = pair_mask(inputs.stop, R, V, dev)  # [R, V]
         z = z.masked_fill(early[:, :, None] & stop[:, None], float("-inf"))
     if inputs.penalised:
         counts = generated_counts(inputs, drafts, num_draft, V)  # [R, K+1, V]
         seen = counts > 0
         if inputs.repetition_used:
             rep = inputs.repetition[:, None, None]
-            in_prompt = (_mask(inputs.prompt, R, V, dev) if inputs.prompt_bits is None
+            in_prompt = (pair_mask(inputs.prompt, R, V, dev) if inputs.prompt_bits is None
                          else allowed_tokens(inputs.prompt_bits[inputs.count_rows], V))  # [R, V]
             seen_any = seen | in_prompt[:, None]
             z = torch.where(seen_any, torch.where(z > 0, z / rep, z * rep), z)

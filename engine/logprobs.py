@@ -10,7 +10,8 @@ are the target model's logits at each emitted position (the verify step's), neve
 
 On the device a step's logprob rows are one tensor [L, 2 + 2k] float32 (`pack`: the chosen token's id and logprob,
 the k best logprobs and their ids, ids as floats: exact below 2**24), copied to the host with the step's tokens; a `LogprobRows`
-names which request each run of rows belongs to.
+names which request each run of rows belongs to. `pack` is the torch reference; on a GPU the engine packs the rows
+with `ops.logprob_topk`'s kernels (`Kernels.logprob_pack`), without the float32 log-softmax over the vocabulary.
 """
 
 from __future__ import annotations

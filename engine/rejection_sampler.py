@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .host_copy import to_device
-from .logits_processing import LogitsInputs, apply_processing
+from .logits_processing import LogitsInputs
 from .ops.kernels import Kernels
 from .ops.tempered_verify.reference import greedy_decisions, stochastic_decisions
 from .parallel.group import TPGroup
@@ -106,7 +106,7 @@ class RejectionSampler:
         """
         R, K1, V = self._check(target_logits, draft_token_ids, draft_probs, num_draft, params, seeds, positions)
         if processing is not None:
-            target_logits = apply_processing(target_logits, draft_token_ids, num_draft, processing)
+            target_logits = self.kernels.process_logits(target_logits, draft_token_ids, num_draft, processing)
         # The argmax needs no float32 copy (16-bit logits give their float32 copy's); stochastic rows upcast below.
         drafts, nd, valid, accepted, final = greedy_decisions(target_logits, draft_token_ids, num_draft)
         tempered = draft_probs is None and any(is_tempered(p) for p in params)
@@ -154,11 +154,10 @@ class RejectionSampler:
             self._check(logits[:, None], zeros[:, None][:, :0], None, zeros, params, seeds, positions)
         return self.decide(logits, params, sample_inputs(params, seeds, positions, logits.device))
 
-    @staticmethod
-    def processed(logits: Tensor, processing: LogitsInputs) -> Tensor:
+    def processed(self, logits: Tensor, processing: LogitsInputs) -> Tensor:
         """Rows without drafts: logits [R, V] -> their processed logits [R, V] float32 (`logits_processing`)."""
         none = torch.zeros(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
-        return apply_processing(logits[:, None], none, none.new_zeros(logits.shape[0]), processing)[:, 0]
+        return self.kernels.process_logits(logits[:, None], none, none.new_zeros(logits.shape[0]), processing)[:, 0]
 
     def decide(self, logits: Tensor, params: Sequence[SamplingParams], inputs: SampleInputs,
                processing: LogitsInputs | None = None) -> Tensor:

@@ -29,7 +29,7 @@ from baton.engine.logits_processing import (
     logits_inputs,
     needs_processing,
 )
-from baton.engine.logprobs import LogprobRows, Segment, TokenLogprob, pack
+from baton.engine.logprobs import LogprobRows, Segment, TokenLogprob
 from baton.engine.mixed_graph_buckets import MixedGraphBuckets
 from baton.engine.mixed_graphs import DecodeRows, PromptChunk
 from baton.engine.penalty_counts import PenaltyCounts
@@ -202,7 +202,8 @@ class ModelRunner:
             return None
         if rows is not None:
             logits, tokens = logits[rows], tokens[rows]
-        return LogprobRows(pack(logits, tokens, max(k for _, k in asked)), [Segment(r, per_row, k) for r, k in asked])
+        packed = self.model.kernels.logprob_pack(logits, tokens, max(k for _, k in asked))
+        return LogprobRows(packed, [Segment(r, per_row, k) for r, k in asked])
 
     def logprob_rows(self, params: Sequence[SamplingParams], per_row: int = 1) -> torch.Tensor | None:
         """The device indices of the logits rows of requests with logprobs (`output_logprobs`' rows), None when
@@ -406,7 +407,7 @@ class ModelRunner:
             if scores is not None:
                 scored = self.model.logits(hidden[:prompt_at], upcast=False)  # [scored, V]
                 kmax = max(s.k for s in scores.segments)
-                prompt_lps = LogprobRows(pack(scored, targets, kmax), scores.segments)
+                prompt_lps = LogprobRows(self.model.kernels.logprob_pack(scored, targets, kmax), scores.segments)
                 hidden = hidden[prompt_at:]
             if not sample_rows:
                 return PendingStep([], None, self.device, started=started, prompt_logprobs=prompt_lps)

@@ -38,8 +38,8 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
-from baton.engine.logits_processing import LogitsInputs, apply_processing, count_decided
-from baton.engine.logprobs import LogprobRows, pack
+from baton.engine.logits_processing import LogitsInputs, count_decided
+from baton.engine.logprobs import LogprobRows
 from baton.engine.mtp import MTPModule
 from baton.engine.pending_step import PendingStep, device_mark, elapsed_seconds
 from baton.engine.qwen3_5_mtp import Qwen3_5MTP
@@ -138,8 +138,10 @@ class SpecRunner(ModelRunner):
         anchors, anchor_pos, anchor_rows = [], [], []
         logprob_rows: list[LogprobRows] = []
         if scores is not None:
-            self._prompt_rows = LogprobRows(pack(self.model.logits(hidden[scored[0]], upcast=False), scored[1],
-                                                 max(s.k for s in scores.segments)), scores.segments)
+            scored_logits = self.model.logits(hidden[scored[0]], upcast=False)
+            self._prompt_rows = LogprobRows(
+                self.model.kernels.logprob_pack(scored_logits, scored[1], max(s.k for s in scores.segments)),
+                scores.segments)
         if nd:
             got, anchor, pos, verify_lp = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
                                                        params, seeds, processing=processing, lp=lp)
@@ -230,7 +232,7 @@ class SpecRunner(ModelRunner):
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
         if lp is not None and processing is not None:
             # Logprobs are of the processed logits (`logprobs`): processed once, for the verify and for them.
-            logits, processing = apply_processing(logits, drafts, num_draft, processing), None
+            logits, processing = self.model.kernels.process_logits(logits, drafts, num_draft, processing), None
         # Column t of a row decides the token at position verify_base + 1 + t.
         if sampling is not None:
             res = self.rejection.verify_tempered(logits, drafts, num_draft, *sampling[:2], verify_base + 1,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 if os.environ.get("TRITON_INTERPRET"):
     raise SystemExit("sm90_compile: expected TRITON_INTERPRET unset (the kernels are compiled, not interpreted)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -174,6 +175,31 @@ def _filtered_verify():
                               torch.zeros(R, **i64), torch.ones(R), torch.zeros(R, **i64), torch.zeros(R, **i64))
 
 
+def _logits_process():
+    from baton.engine.logits_processing import RowHistory, logits_inputs
+    from baton.engine.ops.logits_process.kernel import apply_processing_triton
+    from baton.engine.penalty_counts import PenaltyCounts
+    from baton.engine.sampling_params import SamplingParams
+    R, K, V = 3, 2, 1000  # bf16 logits of K = 2 verify rows, every op on, counts resident and from the host lists
+    cpu = torch.device("cpu")
+    rows = [SamplingParams(max_tokens=8, min_tokens=2, repetition_penalty=1.2, frequency_penalty=0.5, min_p=0.1,
+                           temperature=0.7, logit_bias={3: 1.0}),
+            SamplingParams(max_tokens=8, presence_penalty=0.5), SamplingParams(max_tokens=8)]
+    hist = [RowHistory([1, 2], [4], frozenset({0}))] * R
+    drafts, nd = torch.zeros(R, K, dtype=torch.int64), torch.full((R,), K, dtype=torch.int64)
+    masks = {0: np.full((K + 1, -(-V // 32)), -1, dtype=np.int32)}
+    apply_processing_triton(_g(R, K + 1, V), drafts, nd, logits_inputs(rows, hist, cpu, grammar=masks))
+    resident = PenaltyCounts(4, V, cpu).resident([0, 1, 2], [0, 1, None], hist, [True, False, False])
+    apply_processing_triton(_g(R, K + 1, V), drafts, nd, logits_inputs(rows, hist, cpu, resident=resident))
+
+
+def _logprob_topk():
+    from baton.engine.ops.logprob_topk.kernel import pack_triton
+    L, V = 8, 3000  # bf16 logits split in 3, with k = 20 and k = 0
+    pack_triton(_g(L, V), torch.zeros(L, dtype=torch.int64), 20, splits=3)
+    pack_triton(_g(L, V).float(), torch.zeros(L, dtype=torch.int64), 0)
+
+
 def _norms():
     from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
     rms_norm_triton(_g(32, HIDDEN), _g(HIDDEN), 1e-5)
@@ -268,7 +294,7 @@ CASES: dict[str, Callable[[], object]] = {
     "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
     "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
     "tempered verify": _tempered_verify, "filtered verify": _filtered_verify, "rope": _rope,
-    "rope (PDL)": _with_pdl(_rope),
+    "rope (PDL)": _with_pdl(_rope), "logits process": _logits_process, "logprob topk": _logprob_topk,
 }
 
 

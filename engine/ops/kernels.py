@@ -8,7 +8,8 @@ and the runners and graphs read it from there: nothing reads the choice again pe
 Kernels exist for the decode / verify state updates, paged attention and its KV write, the prefill conv and the
 prefill chunked scan, the norms (a residual add fused into the next one), the MLP's relu2, the few-token GEMV with
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
-sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`), and the
+sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`), the
+sampling extras (`process_logits`: logit_bias, min_tokens, the penalties and min_p; `logprob_pack`), and the
 routed experts of both MoE layers (`moe_experts`: NemotronH's and Qwen3.5-MoE's, fused-MoE grouped GEMMs; the
 routing stays torch ops on both paths). The Gated
 DeltaNet ops (decode, verify by replay, chunked varlen prefill), its norm-then-gate and Qwen3.5's RoPE have kernels.
@@ -50,6 +51,10 @@ class Kernels:
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
+    # The sampling extras: logits processing (`logits_processing.apply_processing`'s signature) and logprob rows
+    # (`logprobs.pack`'s)
+    process_logits: Callable
+    logprob_pack: Callable
     # Qwen3.5's ops
     gated_delta_decode: Callable
     gated_delta_prefill: Callable
@@ -106,6 +111,8 @@ def _kernels(triton: bool) -> Kernels:
         )
         from baton.engine.ops.conv.kernel_varlen import causal_conv1d_varlen_triton
         from baton.engine.ops.linear.kernel import fused_linear_triton
+        from baton.engine.ops.logits_process.kernel import apply_processing_triton
+        from baton.engine.ops.logprob_topk.kernel import pack_triton
         from baton.engine.ops.moe.kernel import moe_experts_triton
         from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
         from baton.engine.ops.ssm_update.kernel import (
@@ -124,7 +131,9 @@ def _kernels(triton: bool) -> Kernels:
             add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton, relu2=relu2_triton,
             fused_linear=fused_linear_triton, moe_experts=moe_experts_triton, chain_inputs=chain_inputs_triton,
             tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton,
-            **_gated_delta(True))
+            process_logits=apply_processing_triton, logprob_pack=pack_triton, **_gated_delta(True))
+    from baton.engine.logits_processing import apply_processing
+    from baton.engine.logprobs import pack
     from baton.engine.ops.act.reference import relu2_reference
     from baton.engine.ops.attention.reference import paged_attention, write_kv
     from baton.engine.ops.chain_inputs.reference import chain_inputs
@@ -150,7 +159,8 @@ def _kernels(triton: bool) -> Kernels:
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
         fused_linear=fused_linear, moe_experts=moe_experts_reference, chain_inputs=chain_inputs,
-        tempered_decisions=tempered_decisions, filtered_decisions=filtered_decisions, **_gated_delta(False))
+        tempered_decisions=tempered_decisions, filtered_decisions=filtered_decisions, process_logits=apply_processing,
+        logprob_pack=pack, **_gated_delta(False))
 
 
 def bind_kernels(root: torch.nn.Module, kernels: Kernels) -> None:

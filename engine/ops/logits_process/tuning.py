@@ -1,0 +1,12 @@
+"""Tuning of the logits-processing kernels, each entry with its reason. Numbers and their history:
+benchmarks/RESULTS.md."""
+
+# Vocabulary ids per block: a multiple of the warps' lanes that keeps a block's loads wide.
+BLOCK = 1024
+# Programs per SM to aim for: a row's passes are memory-bound, so a small batch splits each row over V until
+# the grid fills the GPU.
+PROGRAMS_PER_SM = 2
+# The most slices a row takes (the min_p pass combines one partial maximum per slice).
+MAX_SPLITS = 64
+# Fewest blocks per slice: a slice shorter than this spends more on its launch than on its data.
+MIN_BLOCKS_PER_SPLIT = 4
