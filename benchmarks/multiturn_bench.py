@@ -51,13 +51,14 @@ TOPOLOGIES = ("agg", "disagg")
 CACHE_OFF_FLAG = "--no-prefix-cache"
 PREFILL_COUNTER = "baton_node_prompt_tokens_total"
 
-# Flag defaults: a GPU run (issue #51's workload on the 8b-like shape) and a CPU run on the tiny model.
+# Flag defaults: a GPU run (issue #51's workload on the 8b-like shape) and a CPU run on the tiny model. The GPU
+# run's cache memory per node lets 1P1D's two nodes share one 80 GB card beside their two copies of the weights.
 DEFAULTS: dict[str, dict[str, object]] = {
     "gpu": {
         "model_preset": "8b-like", "conversations": 200, "turns": 8, "system_tokens": 2048, "user_tokens": 64,
         "answer_min": 100, "answer_max": 300, "concurrency": 32,
         "engine_args": "--device cuda --dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 4096 "
-                       "--cache-memory-mb 32768",
+                       "--cache-memory-mb 16384",
     },
     "cpu": {
         "model_preset": "small", "conversations": 16, "turns": 4, "system_tokens": 1024, "user_tokens": 64,
