@@ -17,6 +17,8 @@ No host reads of device values: graph-capturable.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -109,10 +111,18 @@ def fp8_linear_blockwise(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bl
     tuning table's for the row count)."""
     n, k = weight.shape
     lead, dtype = x.shape[:-1], x.dtype
-    xq, x_scale = quantize_activation_triton(x.reshape(-1, k), block[1])  # [M, K] e4m3, [M, ceil(K/bk)] fp32
+    x2 = x.reshape(-1, k)
+    if block[1] & (block[1] - 1):  # (the one-launch quantizer's groups are powers of two)
+        xq, x_scale = quantize_activation(x2, None, block[1])
+    else:
+        xq, x_scale = quantize_activation_triton(x2, block[1])  # [M, K] e4m3, [M, ceil(K/bk)] fp32
     m = xq.shape[0]
     out = torch.empty(m, n, dtype=dtype, device=x.device)
-    t = tiles or gemm_tiles(m)
+    if tiles is None:  # the table's, its K step narrowed to a power-of-two divisor of the block's width
+        t = gemm_tiles(m)
+        t = dataclasses.replace(t, block_k=max(16, min(t.block_k, block[1] & -block[1])))
+    else:
+        t = tiles
     if block[1] % t.block_k:
         raise ValueError(f"fp8_linear_blockwise: tiles' block_k expected a divisor of the weight block's width "
                          f"{block[1]}, got {t.block_k}")
