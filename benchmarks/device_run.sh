@@ -9,6 +9,8 @@
 #             and the FP8 KV cache against bf16 in the same run, decode at batch 1, 32, 256 and prefill 1 x 8192, on
 #             8b-like then nano-30b-a3b-like (FP8_PRESETS restricts them, e.g. "8b-like"), each preset under
 #             `timeout ${FP8_TIMEOUT:-270}` s; FP8_ARGS: flags after the defaults (e.g. "--compare-fp8 fp8-block")
+#   fp8gemm   fp8_gemm_bench.py: FP8 GEMV and block-scaled GEMM (tuning table + sweep) against bf16 at the 8b-like
+#             layer shapes, M = 1, 32, 256, 8192 (FP8GEMM_ARGS, e.g. "--batches 1,8192 --no-sweep")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
@@ -79,6 +81,10 @@ if stage fp8; then
     timeout "${FP8_TIMEOUT:-270}" python3 benchmarks/engine_bench.py --device cuda --no-progress --preset "$preset" \
       --compare-fp8 "$variants" ${FP8_ARGS:-} --out "$OUT/fp8_$preset.json" 2>&1 | tee "$OUT/fp8_$preset.txt" | tail -40
   done
+fi
+if stage fp8gemm; then
+  python3 benchmarks/fp8_gemm_bench.py ${FP8GEMM_ARGS:-} --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" \
+    | tail -30
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" \

@@ -239,6 +239,28 @@ def _gemv():
                             norm_weight=_g(HIDDEN), group_size=HIDDEN // G, tiles=tiles)
 
 
+def _gemv_fp8():
+    from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
+    from baton.engine.ops.linear.kernel import default_tiles, fused_linear_triton
+    for block in ((128, 128), None):
+        for m, n, k, prologue in ((1, 512, HIDDEN, "add_norm"), (1, 512, 8192 + 512, "relu2"), (8, 512, HIDDEN, "norm"),
+                                  (8, HIDDEN, 8192 + 512, "none"), (40, 9216, HIDDEN, "add_norm")):
+            scale = torch.rand(()) if block is None else torch.rand(-(-n // 128), -(-k // 128))
+            extra = {"residual": _g(m, k), "norm_weight": _g(k)} if prologue == "add_norm" else \
+                {"norm_weight": _g(k)} if prologue == "norm" else {}
+            fused_linear_triton(_g(m, k), _g(n, k).to(FP8_DTYPE), prologue=prologue, weight_scale=scale, block=block,
+                                tiles=default_tiles(m, n, k, True), **extra)
+
+
+def _fp8_gemm():
+    from baton.engine.ops.fp8_linear.kernel import fp8_linear_blockwise
+    from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
+    from baton.engine.ops.fp8_linear.tuning import GEMM_TILES, SWEEP
+    w, scale = _g(1024, HIDDEN).to(FP8_DTYPE), torch.rand(8, HIDDEN // 128)
+    for rows, tiles in [(min(rows, 4096), t) for rows, t, _ in GEMM_TILES] + [(4096, t) for t in SWEEP]:
+        fp8_linear_blockwise(_g(rows, HIDDEN), w, scale, (128, 128), tiles=tiles)
+
+
 def _scan():
     from baton.engine.ops.chunk_scan.kernel import build_chunk_meta, mamba_chunk_scan_varlen_triton
     starts = [0, 300, 301, 361]  # rows of 300 (three chunks), 1 and 60 tokens
@@ -292,6 +314,7 @@ CASES: dict[str, Callable[[], object]] = {
     "conv varlen": _conv_varlen, "conv update": _conv_update, "conv update (PDL)": _with_pdl(_conv_update),
     "attention": _attention, "attention (PDL)": _with_pdl(_attention), "kv write": _kv_write, "norms": _norms,
     "norms (PDL)": _with_pdl(_norms), "relu2": _relu2, "gemv": _gemv, "gemv (PDL)": _with_pdl(_gemv),
+    "gemv fp8": _gemv_fp8, "gemv fp8 (PDL)": _with_pdl(_gemv_fp8), "fp8 gemm": _fp8_gemm,
     "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
     "tempered verify": _tempered_verify, "filtered verify": _filtered_verify, "rope": _rope,
     "rope (PDL)": _with_pdl(_rope), "logits process": _logits_process, "logprob topk": _logprob_topk,

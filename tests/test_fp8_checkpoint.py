@@ -25,8 +25,9 @@ from baton.engine.sampling_params import SamplingParams
 SEQ = list(range(5, 45))
 
 
-def prefill_logits(cfg, weights, seq=SEQ):
-    """The engine's fp32 logits [len(seq), vocab] of one prefill of `seq`, and its FP8 layers."""
+def prefill_logits(cfg, weights, seq=SEQ, fused_gemv=False):
+    """The engine's fp32 logits [len(seq), vocab] of one prefill of `seq`, and its FP8 layers; `fused_gemv`: the
+    step runs the few-token path (norms fused into the GEMVs, `ForwardBatch.fused_gemv`)."""
     n, bs = len(seq), 16
     ecfg = EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, max_num_batched_tokens=n, block_size=bs,
                         num_kv_blocks=-(-n // bs) + 4, max_model_len=n + 8)
@@ -35,6 +36,7 @@ def prefill_logits(cfg, weights, seq=SEQ):
     out = engine.scheduler.schedule()
     with torch.inference_mode():
         ids, batch = engine.runner.build_batch(out)
+        batch.fused_gemv = fused_gemv
         logits = engine.model.logits(engine.model(ids, batch))
     return logits, [m for m in engine.model.modules() if isinstance(m, FP8Linear)]
 
@@ -103,6 +105,23 @@ def test_written_checkpoint_loads_fp8_and_equals_the_dequantized_model(written, 
     cfg0, state0 = load_checkpoint(written[None])  # and the in-memory quantizer makes the same tensors
     _, mem = quantize_state(cfg0, state0, cfg.quantization, torch.float32)
     assert mem.keys() == state.keys() and all(torch.equal(mem[k].float(), state[k].float()) for k in state)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8-block"])
+def test_fp8_layers_take_the_fused_gemv_and_equal_the_dequantized_model(written, quantize):
+    """Few-token steps read the FP8 weights with the GEMV op (the reference op here: dequantize, then the product),
+    with the block's norm and relu2 fused in front, as the dequantized model's 16-bit layers."""
+    from baton.engine.layers.gemv_weight import gemv_weight
+    from baton.engine.ops.kernels import resolve_kernels
+
+    cfg, state = load_checkpoint(written[quantize])
+    got, fp8_layers = prefill_logits(cfg, state, fused_gemv=True)
+    assert fp8_layers and all(gemv_weight(m, resolve_kernels("torch", "cpu")) is not None for m in fp8_layers)
+    want, _ = prefill_logits(dataclasses.replace(cfg, quantization=None), dequantize_state(state, torch.float32),
+                             fused_gemv=True)
+    assert torch.equal(got, want)
+    plain, _ = prefill_logits(cfg, state)  # the separate norm, then the layer's own forward
+    assert (got - plain).abs().max() <= 1e-4 * plain.abs().max()
 
 
 def test_fp8_logits_stay_near_the_unquantized_model(tmp_path):

@@ -136,3 +136,24 @@ def test_gpu_layer_picks_the_kernel_and_graph_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, y)
+
+
+def test_gemv_weight_reads_fp8_layers_only_where_their_kernels_run():
+    from baton.engine.layers.gemv_weight import gemv_weight
+    from baton.engine.ops.kernels import resolve_kernels
+
+    pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install lacks it)")
+    layer = FP8Linear(64, 32, bias=False, block=(16, 32), static_input=False)
+    q, s = quantize_blockwise(_w(32, 64), (16, 32))
+    layer.load_state_dict({"weight": q, "weight_scale_inv": s})
+    layer.bind()
+    reference, triton = resolve_kernels("torch", "cpu"), resolve_kernels("triton", "cpu")
+    gw = gemv_weight(layer, reference)  # the CPU path: the reference op dequantizes as the layer does
+    assert gw.weight is layer.weight and gw.weight_scale is layer.weight_scale_inv and gw.block == (16, 32)
+    assert gemv_weight(layer, triton) is None  # Triton kernels on a device without FP8 tensor cores
+    layer.emulate_act_quant = True
+    assert gemv_weight(layer, reference) is None  # the GEMV reads 16-bit inputs
+    odd = FP8Linear(96, 32, bias=False, block=(16, 48), static_input=False)
+    assert gemv_weight(odd, reference) is None  # the kernel's K groups are powers of two
+    lin = torch.nn.Linear(4, 3)
+    assert gemv_weight(lin, triton).weight is lin.weight and gemv_weight(lin, triton).weight_scale is None

@@ -9,8 +9,8 @@ dequantizing reference (`ops.fp8_linear.reference`: CPU tests, and older GPUs, w
 is the weights' device's, not the engine's `Kernels` binding: there is one FP8 implementation per device kind, and
 the reference is the only one that exists on a CPU.
 
-Few-token steps that fuse the block's norm into a mixer's first GEMV (`PendingNorm.apply`, `project`) run an
-FP8Linear as a plain module call: the GEMV kernel reads 16-bit weights only.
+Few-token steps (`ForwardBatch.fused_gemv`) read an FP8Linear's e4m3 weight and scales with the fused GEMV kernel
+instead, the block's norm (or relu2) fused in front of it as for a 16-bit layer (`layers.gemv_weight`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from baton.engine.layers.gemv_weight import gemv_weight
 from baton.engine.ops.kernels import Kernels
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ class MLP(nn.Module):
         up, residual = p.apply(self.up_proj)
         if self.act_name != "relu2":
             return self.down_proj(self.act(up)), residual
-        down = self.down_proj
-        if not isinstance(down, nn.Linear):  # FP8: the GEMV kernel reads 16-bit weights only
-            return down(self.kernels.relu2(up)), residual
-        return self.kernels.fused_linear(up, down.weight, down.bias, prologue="relu2"), residual
+        gw = gemv_weight(self.down_proj, self.kernels)
+        if gw is None:  # an FP8 layer the GEMV does not read here (`gemv_weight`)
+            return self.down_proj(self.kernels.relu2(up)), residual
+        return self.kernels.fused_linear(up, gw.weight, gw.bias, prologue="relu2", weight_scale=gw.weight_scale,
+                                         block=gw.block), residual

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.gemv_weight import gemv_weight
 from baton.engine.ops.kernels import Kernels
 from baton.engine.parallel.group import TPGroup
 
@@ -46,21 +47,23 @@ class PendingNorm:
     residual: torch.Tensor | None
     norm: RMSNorm
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x @ weight^T + bias, the residual stream) in one GEMV launch."""
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+               block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ weight^T + bias, the residual stream) in one GEMV launch (an FP8 weight with its scales)."""
         n = self.norm
         if self.residual is None:
-            y = n.kernels.fused_linear(self.out, weight, bias, prologue="norm", norm_weight=n.weight,
-                                                eps=n.eps)
+            y = n.kernels.fused_linear(self.out, weight, bias, prologue="norm", norm_weight=n.weight, eps=n.eps,
+                                       weight_scale=weight_scale, block=block)
             return y, self.out
         return n.kernels.fused_linear(self.out, weight, bias, prologue="add_norm", residual=self.residual,
-                                               norm_weight=n.weight, eps=n.eps)
+                                      norm_weight=n.weight, eps=n.eps, weight_scale=weight_scale, block=block)
 
     def apply(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer(x), the residual stream): fused into the GEMV for an `nn.Linear`, computed first for any other
-        layer (an `FP8Linear`, which the 16-bit GEMV kernel cannot read)."""
-        if isinstance(layer, nn.Linear):
-            return self.linear(layer.weight, layer.bias)
+        """(layer(x), the residual stream): fused into the GEMV where the kernel reads the layer's weight
+        (`gemv_weight`: an `nn.Linear`, an `FP8Linear` on FP8 hardware or the reference ops), else computed first."""
+        gw = gemv_weight(layer, self.norm.kernels)
+        if gw is not None:
+            return self.linear(gw.weight, gw.bias, gw.weight_scale, gw.block)
         x, residual = self.materialize()
         return layer(x), residual
 

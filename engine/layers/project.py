@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.gemv_weight import gemv_weight
 from baton.engine.ops.kernels import Kernels
 
 
@@ -13,8 +14,9 @@ def project(layer: nn.Module, x: torch.Tensor, batch: ForwardBatch, kernels: Ker
     """layer(x); in a few-token step (`batch.fused_gemv`) through the GEMV kernel, as the step's other linear
     layers: at one row it reads the weight as fast as cuBLAS (benchmarks/gemv_bench.py), and on Hopper it launches
     while the kernel before it finishes (programmatic dependent launch, `ops.triton_common.pdl`), which cuBLAS's
-    GEMM and split-K reduction do not. An FP8 layer (`layers.fp8_linear`) always runs its own forward: the GEMV
-    kernel reads 16-bit weights only."""
-    if batch.fused_gemv and isinstance(layer, nn.Linear):
-        return kernels.fused_linear(x, layer.weight, layer.bias)
+    GEMM and split-K reduction do not. An FP8 layer (`layers.fp8_linear`) takes it too, its e4m3 weight dequantized
+    in the kernel (`gemv_weight`)."""
+    gw = gemv_weight(layer, kernels) if batch.fused_gemv else None
+    if gw is not None:
+        return gw.linear(kernels, x)
     return layer(x)

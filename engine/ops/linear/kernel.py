@@ -72,6 +72,34 @@ from baton.engine.ops.triton_common import interpreted as _interpreted
 _CODES = {"none": 0, "relu2": 1, "norm": 2, "add_norm": 3, "gated_norm": 4}
 
 
+@triton.jit
+def _dequant_tile(w, sc_ptr, cols, cmask, k0, s_sc_n, dtype: tl.constexpr, WSCALE: tl.constexpr,
+                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile in `dtype`: a 16-bit one as loaded; per-tensor FP8 (WSCALE 1) converted
+    exactly (its scale multiplies the sums); block-wise FP8 (WSCALE 2; the tile within one block of K, starting at
+    k0) times its blocks' scales, rounded once, as the reference's dequantized weight."""
+    if WSCALE == 2:
+        sc = tl.load(sc_ptr + (cols // SCALE_N) * s_sc_n + k0 // SCALE_K, mask=cmask, other=0.0)
+        w = round_to(w.to(tl.float32) * sc[:, None], dtype)
+    elif WSCALE == 1:
+        w = w.to(dtype)
+    return w
+
+
+@triton.jit
+def _row_dot(w, x, sc_ptr, cols, nmask, k_start, K, s_sc_n, WSCALE: tl.constexpr, SCALE_N: tl.constexpr,
+             SCALE_K: tl.constexpr, SGK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] sums of one weight tile (columns k_start...) times x, in fp32. Block-wise FP8 (WSCALE 2): the
+    products summed per SGK channels (within one block of K), each sum times its block's scale, then added."""
+    prod = w.to(tl.float32) * x[None, :]
+    if WSCALE == 2:
+        kg = k_start + tl.arange(0, BLOCK_K // SGK) * SGK
+        sc = tl.load(sc_ptr + (cols // SCALE_N)[:, None] * s_sc_n + (kg // SCALE_K)[None, :],
+                     mask=nmask[:, None] & (kg < K)[None, :], other=0.0)
+        return tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // SGK, SGK)), axis=2) * sc, axis=1)
+    return tl.sum(prod, axis=1)
+
+
 
 
 @triton.jit
@@ -97,12 +125,13 @@ def _prologue_raw(a_ptr, r_ptr, g_ptr, s_ptr, rows64, offs, mask, s_a_m, s_r_m, 
 
 @triton.jit
 def _gemv_kernel(
-    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, sc_ptr,
     M, N, K, GROUP, M_PAD,
-    s_a_m, s_r_m, s_g_m, s_w_n, s_y_m,
+    s_a_m, s_r_m, s_g_m, s_w_n, s_y_m, s_sc_n,
     width, eps,
     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, NATIVE_DOT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    WSCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     """One program per (block of N, block of rows). BLOCK_M >= 16 (DOT) computes y^T = W f(a)^T on the tensor
     cores: the block of N is the MMA's long side and the few rows its short one (padded to 16), the accumulator
@@ -113,7 +142,10 @@ def _gemv_kernel(
     SPLIT > 1 (DOT, no prologue): program axis 2 splits K into SPLIT ranges of whole BLOCK_K tiles. Each program
     stores its fp32 partial in the workspace ws [SPLIT, M_PAD, N] and counts itself in its tile's counter
     (cnt_ptr, zero between launches); the tile's last program to arrive sums the partials in split order (the
-    same sum whichever arrives last), writes y and sets the counter back to 0. One launch, deterministic."""
+    same sum whichever arrives last), writes y and sets the counter back to 0. One launch, deterministic.
+
+    FP8 weights (WSCALE 1 per tensor, 2 per (SCALE_N, SCALE_K) block, BLOCK_K then dividing SCALE_K): each W tile
+    is converted to a's dtype in registers (`_dequant_tile`), the per-tensor scale applied to the sums."""
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +153,7 @@ def _gemv_kernel(
     cmask = cols < N
     rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[:, None]
-    dtype = w_ptr.dtype.element_ty
+    dtype = a_ptr.dtype.element_ty
     DOT: tl.constexpr = BLOCK_M >= 16
     FIRST: tl.constexpr = PDL and not DOT
     PLAIN: tl.constexpr = DOT and PRO == 0  # no prologue: a's tile goes to the MMA unconverted
@@ -172,6 +204,7 @@ def _gemv_kernel(
                                 other=0.0)
             else:
                 w = tl.load(w_ptr + cols64 * s_w_n + offs[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            w = _dequant_tile(w, sc_ptr, cols, cmask, k0, s_sc_n, dtype, WSCALE, SCALE_N, SCALE_K)
             if PLAIN:
                 if NATIVE_DOT:
                     part = tl.dot(w, xt, part)
@@ -191,6 +224,8 @@ def _gemv_kernel(
             else:
                 part = part * scale[:, None]
         acc += part
+    if WSCALE == 1:
+        acc = acc * tl.load(sc_ptr)
     if SPLIT > 1:
         # Rows past M are in the workspace too (zeros: their a was masked), so the partials need no row mask.
         ws_tile = rows.to(tl.int64)[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] within one split
@@ -239,12 +274,13 @@ def _row_prologue(a_ptr, r_ptr, g_ptr, s_ptr, offs, mask, store_mask, PRO: tl.co
 
 @triton.jit
 def _gemv_row_kernel(
-    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr,
+    a_ptr, r_ptr, g_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, sc_ptr,
     N, K, num_programs,
-    s_w_n,
+    s_w_n, s_sc_n,
     width, eps,
     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, STEP: tl.constexpr, RESIDENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    WSCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, SGK: tl.constexpr,
 ):  # fmt: skip
     """One row, persistent: `num_programs` programs, program p computing the blocks of N p, p + num_programs, ...
     in one loop, so that the software pipeliner keeps loading W across blocks (what a grid of short programs, one
@@ -257,13 +293,21 @@ def _gemv_row_kernel(
 
     The products, norms and roundings are `_gemv_kernel`'s at BLOCK_M = 1 (flattened: in the same order;
     resident: the whole row's products summed at once and, for gated_norm, the groups' scaled sums added as a
-    tree instead of one by one)."""
+    tree instead of one by one).
+
+    FP8 weights (`_row_dot`): e4m3 loaded and widened to fp32 in registers; block-wise (WSCALE 2, not with
+    gated_norm) the products are summed per SGK channels and each sum scaled by its block's scale; per tensor
+    (WSCALE 1) the block's sum is scaled once."""
     pid = tl.program_id(0)
     pdl_wait_only(PDL)
     NORM: tl.constexpr = PRO >= 2
     GATED: tl.constexpr = PRO == 4
     n_tiles = tl.cdiv(N, BLOCK_N)
     dtype = a_ptr.dtype.element_ty
+    if WSCALE == 1:  # noqa: SIM108 (a constexpr branch)
+        w_scale = tl.load(sc_ptr)
+    else:
+        w_scale = 1.0
     if RESIDENT:
         offs = tl.arange(0, BLOCK_K)
         kmask = offs < K
@@ -282,14 +326,17 @@ def _gemv_row_kernel(
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * s_w_n + offs[None, :],
                         mask=(cols < N)[:, None] & kmask[None, :], other=0.0)
-            prod = w.to(tl.float32) * xw[None, :]
             if GATED:
+                prod = w.to(tl.float32) * xw[None, :]
                 acc = tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // STEP, STEP)), axis=2) * scale[None, :],
                              axis=1)
-            elif NORM:
-                acc = tl.sum(prod, axis=1) * scale
             else:
-                acc = tl.sum(prod, axis=1)
+                acc = _row_dot(w, xw, sc_ptr, cols, cols < N, 0, K, s_sc_n, WSCALE, SCALE_N, SCALE_K, SGK, BLOCK_N,
+                               BLOCK_K)
+                if NORM:
+                    acc = acc * scale
+            if WSCALE == 1:
+                acc = acc * w_scale
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
             tl.store(y_ptr + cols, round_to(acc, y_ptr.dtype.element_ty), mask=cols < N)
@@ -319,13 +366,17 @@ def _gemv_row_kernel(
                         tl.math.div_rn(tl.sum(x * x, axis=0), width) + eps)
                 else:
                     ss += tl.sum(x * x, axis=0)
-                    acc += tl.sum(w.to(tl.float32) * xw[None, :], axis=1)
+                    acc += _row_dot(w, xw, sc_ptr, cols, cols < N, ki * STEP, K, s_sc_n, WSCALE, SCALE_N, SCALE_K,
+                                    SGK, BLOCK_N, BLOCK_K)
             else:
-                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                acc += _row_dot(w, x, sc_ptr, cols, cols < N, ki * STEP, K, s_sc_n, WSCALE, SCALE_N, SCALE_K, SGK,
+                                BLOCK_N, BLOCK_K)
             if ki == k_tiles - 1:  # the block of N's last step
                 if NORM and not GATED:
                     acc = acc * tl.math.rsqrt(tl.math.div_rn(ss, width) + eps)
                     ss = 0.0
+                if WSCALE == 1:
+                    acc = acc * w_scale
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
                 tl.store(y_ptr + cols, round_to(acc, y_ptr.dtype.element_ty), mask=cols < N)
@@ -437,13 +488,34 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
 
 
+def _scale_args(fn: str, weight_scale: Tensor | None, block: tuple[int, int] | None,
+                placeholder: Tensor) -> tuple[int, Tensor, int]:
+    """(WSCALE: 0 16-bit, 1 per tensor, 2 block-wise; the fp32 scales; their row stride) of a weight."""
+    if weight_scale is None:
+        return 0, placeholder, 0
+    sc = weight_scale if weight_scale.dtype == torch.float32 else weight_scale.float()
+    if block is None:
+        return 1, sc.reshape(1), 0
+    if block[1] & (block[1] - 1):
+        raise ValueError(f"{fn}: block expected a power-of-two width (K), got {block}")
+    sc = sc.contiguous()
+    return 2, sc, sc.stride(0)
+
+
 def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *, prologue: str = "none",
                         residual: Tensor | None = None, gate: Tensor | None = None, norm_weight: Tensor | None = None,
-                        eps: float = 1e-5, group_size: int | None = None,
-                        tiles: GemvTiles | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """y = f(a) @ weight^T (+ bias) in one launch; see `ops.linear.reference.fused_linear`."""
+                        eps: float = 1e-5, group_size: int | None = None, tiles: GemvTiles | None = None,
+                        weight_scale: Tensor | None = None,
+                        block: tuple[int, int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """y = f(a) @ weight^T (+ bias) in one launch; see `ops.linear.reference.fused_linear`. An FP8 weight
+    (float8_e4m3fn) comes with `weight_scale` (per tensor, or per `block`) and is dequantized in registers; with
+    gated_norm its norm runs apart (`ops.norm.kernel`) first."""
     fn = "fused_linear_triton"
-    check_fused_linear(fn, a, weight, bias, prologue, residual, gate, norm_weight, group_size)
+    check_fused_linear(fn, a, weight, bias, prologue, residual, gate, norm_weight, group_size, weight_scale, block)
+    fp8 = {} if weight_scale is None else {"weight_scale": weight_scale, "block": block}
+    if fp8 and prologue == "gated_norm":  # (the row kernel's per-group sums of both would not line up)
+        x, _ = _prologue_apart(a, prologue, residual, gate, norm_weight, eps, group_size)
+        return fused_linear_triton(x, weight, bias, tiles=tiles, **fp8)
     m, k = a.shape
     n = weight.shape[0]
     a = _rows(a)
@@ -457,11 +529,15 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
         raise ValueError(f"{fn}: tiles with programs_per_sm > 0 expected one row, got {m} rows")
     if t.prologue_apart and (prologue != "none" or t.cublas):
         x, s = _prologue_apart(a, prologue, residual, gate, norm_weight, eps, group_size)
+        if t.cublas and fp8:
+            raise ValueError(f"{fn}: cublas tiles expected a 16-bit weight, got {weight.dtype}")
         if t.cublas:
             y = torch.nn.functional.linear(x, weight, bias)
         else:
-            y = fused_linear_triton(x, weight, bias, tiles=dataclasses.replace(t, prologue_apart=False))
+            y = fused_linear_triton(x, weight, bias, tiles=dataclasses.replace(t, prologue_apart=False), **fp8)
         return y if s is None else (y, s)
+    wscale, sc, s_sc = _scale_args(fn, weight_scale, block, a)
+    scale_n, scale_k = block or (1, 1)
     if m and n:
         group = group_size if prologue == "gated_norm" else max(k, 1)
         nw = norm_weight.contiguous() if norm_weight is not None else a
@@ -473,22 +549,26 @@ def fused_linear_triton(a: Tensor, weight: Tensor, bias: Tensor | None = None, *
         if t.programs_per_sm and block_k * t.block_n <= 32768:  # else the tile outgrows a program: one per block
             programs = min(cdiv(n, t.block_n), t.programs_per_sm * _num_sms(a.device))
             _gemv_row_kernel[(programs,)](
-                a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y,
-                n, k, programs, w.stride(0), float(group), eps,
+                a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y, sc,
+                n, k, programs, w.stride(0), s_sc, float(group), eps,
                 PRO=_CODES[prologue], HAS_BIAS=bias is not None, STEP=group if gated else block_k, RESIDENT=resident,
                 BLOCK_N=t.block_n, BLOCK_K=block_k, STAGES=t.num_stages,
+                WSCALE=wscale, SCALE_N=scale_n, SCALE_K=scale_k, SGK=min(scale_k, block_k),
                 num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
             )  # fmt: skip
             return y if s is None else (y, s)
+        if wscale == 2:  # each K tile within one block of the scales
+            t = dataclasses.replace(t, block_k=min(t.block_k, scale_k))
         grid = (cdiv(n, t.block_n), cdiv(m, t.block_m), t.split_k)
         m_pad = grid[1] * t.block_m
         ws, cnt = _split_buffers(t, a, grid, m_pad, n, prologue, fn)
         _gemv_kernel[grid](
-            a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y, ws, cnt,
-            m, n, k, group, m_pad, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0),
+            a, r, g, nw, a if s is None else s, w, a if bias is None else bias, y, ws, cnt, sc,
+            m, n, k, group, m_pad, a.stride(0), r.stride(0), g.stride(0), w.stride(0), y.stride(0), s_sc,
             float(group), eps,
             PRO=_CODES[prologue], HAS_BIAS=bias is not None, NATIVE_DOT=a.dtype != torch.float32 and not _interpreted(),
             SPLIT=t.split_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.num_stages,
+            WSCALE=wscale, SCALE_N=scale_n, SCALE_K=scale_k,
             num_warps=t.num_warps, num_stages=t.num_stages, **pdl(a),
         )  # fmt: skip
     elif s is not None and m:
