@@ -1,7 +1,8 @@
 """Tensor parallelism inside a node (issue #50), exact on CPU: TP = 2 and 4 ranks (gloo, one process each) give the
 TP = 1 greedy tokens, drafts and acceptance counts, and its prefill logits within fp32 tolerance, for NemotronH
-(dense, MoE, MTP K=2) and Qwen3.5 (dense, MTP K=2), and every rank agrees on them (R3 across ranks). A config that
-cannot be split is refused naming the field.
+(dense, MoE, MTP K=2) and Qwen3.5 (dense, MTP K=2), FP8 checkpoints of both formats among them, and every rank
+agrees on them (R3 across ranks). A config that cannot be split is refused naming the field, and an FP8 block scale
+that a split would cut is refused naming the weight.
 
 The ranks of each TP size run every model in one spawn (`tests/tp_harness.py`): the processes' start and torch
 import are the larger part of the time on a 2-core box.
@@ -9,6 +10,7 @@ import are the larger part of the time on a 2-core box.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,20 +19,28 @@ from safetensors.torch import load_file, save_file
 
 from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
+from baton.engine.fp8_checkpoint import (
+    dequantize_state,
+    quantize_for_checkpoint,
+    quantize_state,
+    unquantized_linears,
+)
 from baton.engine.layers.qwen_moe import QwenSparseMoE
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import build_config, make_model
+from baton.engine.ops.fp8_linear.reference import FP8_DTYPE, dequantize
 from baton.engine.ops.kernels import bind_kernels, resolve_kernels
 from baton.engine.parallel.group import TPGroup
 from baton.engine.parallel.parallel_config import ParallelConfig
 from baton.engine.parallel.shard_config import shard_config
 from baton.engine.parallel.shard_weights import shard_state_dict
 from baton.engine.parallel.vocab import per_rank, shard_rows
-from baton.engine.quant_config import FP8Config
+from baton.engine.quant_config import FP8, FP8Config
+from baton.engine.weights import expected_weight_shapes
 from tests.tp_harness import Job, run_ranks, run_single
 
-# (name, preset, mtp layers, overrides, K), each run at TP = 1, 2 and 4. The overrides give 4 Mamba2 groups and 4 Gated
+# (name, preset, mtp layers, overrides, K[, FP8 block or "fp8" per tensor]), each run at TP = 1, 2 and 4. The overrides give 4 Mamba2 groups and 4 Gated
 # DeltaNet key heads (the presets have 2) so that 4 ranks split them; 4 ranks replicate the presets' 2 KV heads.
 MODELS = [
     ("nemotronh-dense", "tiny", 0, {"n_groups": 4}, 0),            # Mamba2, attention, MLP
@@ -45,6 +55,9 @@ MODELS = [
     # lm_head tied to the vocab-parallel embeddings
     ("biased-latent-tied", "tiny", 0, {"hybrid_override_pattern": "M*-E", "n_groups": 4, "mlp_bias": True,
                                        "use_bias": True, "moe_latent_size": 32, "tie_word_embeddings": True}, 0),
+    # FP8 weights: block scales cut with their shards (MoE MTP block included), and per-tensor scales replicated
+    ("nemotronh-fp8-block-mtp", "tiny-moe", 1, {"n_groups": 4, "vocab_size": 8}, 2, (16, 16)),
+    ("qwen3.5-fp8-mtp", "qwen3.5-tiny", 1, {"linear_num_key_heads": 4, "vocab_size": 8}, 2, "fp8"),
 ]
 ENGINE = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=8,
               num_kv_blocks=64)
@@ -61,14 +74,27 @@ def _randomize_biases(path: Path) -> None:
     save_file(state, path, metadata={"format": "pt"})
 
 
+def _quantize_blockwise(out: Path, block: tuple[int, int]) -> None:
+    """Rewrite made model `out` as a block-wise FP8 checkpoint of `block`-sized blocks (make-model writes 128 x 128,
+    which is one partial block of the tiny presets' layers)."""
+    state = load_file(out / "model.safetensors")
+    qcfg = FP8Config(FP8, block, "dynamic", tuple(unquantized_linears({n: tuple(t.shape) for n, t in state.items()})))
+    save_file({k: v for n, t in state.items() for k, v in quantize_for_checkpoint(n, t.float(), qcfg).items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg.to_hf_dict()}, indent=2))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The jobs, and their TP = 1 results."""
     root = tmp_path_factory.mktemp("tp-models")
     jobs = []
-    for name, preset, mtp, overrides, k in MODELS:
+    for name, preset, mtp, overrides, k, *fp8 in MODELS:
         out = make_model(root / name, preset, mtp_layers=mtp, seed=3, overrides=overrides, progress=False,
-                         tokenizer=False)
+                         tokenizer=False, quantize="fp8" if fp8 == ["fp8"] else None)
+        if fp8 and fp8 != ["fp8"]:
+            _quantize_blockwise(out, fp8[0])
         if overrides.get("mlp_bias"):
             _randomize_biases(out / "model.safetensors")
         vocab = overrides.get("vocab_size", 512)
@@ -137,11 +163,54 @@ def test_an_unsplittable_config_is_refused_naming_the_field(preset, overrides, t
         shard_config(_cfg(preset, **overrides), tp)
 
 
-def test_fp8_weights_are_refused_above_one_rank():
-    cfg = ModelConfig.from_hf_dict({**build_config("tiny"), "quantization_config": FP8Config("fp8").to_hf_dict()})
-    assert shard_config(cfg, 1) is cfg
-    with pytest.raises(ValueError, match="config field 'quantization'"):
-        shard_config(cfg, 2)
+def _fp8_state(preset: str, block: tuple[int, int] | None, mtp: int = 0, **overrides
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg = ModelConfig.from_hf_dict(build_config(preset, mtp, overrides=overrides))
+    g = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(s, generator=g) for n, s in expected_weight_shapes(cfg).items()}
+    qcfg = FP8Config(FP8 if block else "modelopt", block, "dynamic" if block else "static",
+                     tuple(unquantized_linears({n: tuple(t.shape) for n, t in state.items()})))
+    return quantize_state(cfg, state, qcfg, torch.float32)
+
+
+@pytest.mark.parametrize("preset, block, tp, overrides", [
+    ("tiny", (16, 16), 2, {"n_groups": 4}),
+    ("tiny", (16, 16), 4, {"n_groups": 4}),   # KV heads replicated: a rank's head is a whole block
+    ("tiny", (8, 16), 4, {"n_groups": 4, "num_key_value_heads": 1}),
+    ("tiny-moe", (16, 16), 2, {}),            # shared experts FP8, routed experts dequantized at load
+    ("tiny", (128, 128), 2, {"n_groups": 4, "hybrid_override_pattern": "*-"}),  # inside one partial block
+    ("qwen3.5-tiny", (16, 16), 2, {}),        # in_proj_a/b: a rank's few rows share their checkpoint block
+    ("qwen3.5-tiny", (8, 8), 4, {"linear_num_key_heads": 4}),
+    ("tiny", None, 4, {"n_groups": 4}),       # per-tensor scales, replicated
+    ("qwen3.5-tiny", None, 2, {}),
+])
+def test_fp8_shards_dequantize_to_the_shards_of_the_dequantized_model(preset, block, tp, overrides):
+    """Each rank's FP8 weights and scales (block scales cut with their rows or columns) are its shard of the 16-bit
+    model the checkpoint dequantizes to, exactly, MTP layers included."""
+    cfg, state = _fp8_state(preset, block, mtp=1, **overrides)
+    assert any(t.dtype == FP8_DTYPE for t in state.values())
+    whole = dequantize_state(state, torch.float32)
+    local = shard_config(cfg, tp)
+    for rank in range(tp):
+        got = shard_state_dict(cfg, state, rank, tp)
+        for name, t in shard_state_dict(cfg, whole, rank, tp).items():
+            w = got[name]
+            if w.dtype == FP8_DTYPE:
+                module = name[:-len(".weight")]
+                scale = got.get(f"{module}.weight_scale_inv", got.get(f"{module}.weight_scale"))
+                assert block is None or scale.shape == (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+                w = dequantize(w, scale, block)
+            assert torch.equal(w, t), (name, rank)
+        assert set(expected_weight_shapes(local)) <= set(got)
+
+
+def test_fp8_block_split_inside_a_checkpoint_block_is_refused_naming_the_weight():
+    # Four ranks' 16 B rows then 16 C rows of Mamba's in_proj make one 32-row block of two checkpoint blocks.
+    cfg, state = _fp8_state("tiny", (32, 32), n_groups=4)
+    shard_state_dict(cfg, state, 1, 2)
+    with pytest.raises(ValueError, match=r"block-scaled FP8 'model\.layers\.0\.mixer\.in_proj\.weight': expected "
+                                         r"each 32 rows of a rank's shard to lie in one checkpoint block"):
+        shard_state_dict(cfg, state, 1, 4)
 
 
 def test_engine_and_parallel_fields_are_validated(reference, monkeypatch):

@@ -6,7 +6,7 @@ What is split across `tp` ranks (each rank's part contiguous, in rank order): at
 heads and groups (its conv channels and gated-norm channels follow), Gated DeltaNet key and value heads, the MLP's
 and the MoE experts' and shared experts' intermediate channels. The vocabulary is split by `vocab` (the config
 keeps the full `vocab_size`, which the logits have after their gather). Norms, routers and the MTP fusion
-projection are replicated.
+projection are replicated. FP8 weights split as their 16-bit twins (`shard_weights`: their scales follow).
 
 Invariant: `shard_config(cfg, 1)` is `cfg`.
 """
@@ -38,10 +38,6 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     if tp == 1:
         return cfg
-    if cfg.quantization is not None:
-        # TODO(#50): shard FP8 weights with their per-block scales.
-        raise ValueError(f"config field 'quantization': expected none (16/32-bit weights) with "
-                         f"tensor_parallel_size={tp}, got {cfg.quantization.quant_method!r}")
     kinds = _all_layer_types(cfg)
     fields: dict[str, int] = {}
     if ATTENTION in kinds:

@@ -7,6 +7,12 @@ is split segment by segment, each segment per head or group, and the depthwise c
 segments. A row-parallel bias is kept on rank 0 only (zeros elsewhere), since the block's all-reduce sums every
 rank's output. Everything else (norms, routers, the MTP fusion projection) is replicated.
 
+FP8 weights shard as their 16-bit twins do. A per-tensor scale (and a static input scale) is replicated; a block
+scale (`weight_scale_inv`, one per `weight_block_size` block) keeps the checkpoint block of each of the rank's
+blocks, which exists only where each rank block's channels lie in one checkpoint block: a split that cuts a
+checkpoint block between two of a rank's blocks is refused naming the weight (the rank's values would need
+requantizing, which would make TP > 1 compute something else than TP = 1).
+
 Invariant: every rank's shards, concatenated per segment in rank order, are the checkpoint's tensor (KV heads
 replicated when fewer than ranks: rank r holds head r * Hkv // tp).
 """
@@ -14,81 +20,95 @@ replicated when fewer than ranks: rank r holds head r * Hkv // tp).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from baton.engine.config import ModelConfig
 from baton.engine.parallel.vocab import shard_rows
+from baton.engine.quant_config import WEIGHT_SCALE_INV
 
 VOCAB_NAMES = ("model.embeddings.weight", "model.embed_tokens.weight", "lm_head.weight")
 
 
-def _segments(t: torch.Tensor, dim: int, sizes: list[int], rank: int, tp: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Take:
+    """The channels a rank holds of a tensor: the `(start, length)` ranges along `dim`, concatenated in order."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [t.narrow(self.dim, start, n) for start, n in self.ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+    def index(self) -> torch.Tensor:
+        """The checkpoint channel of each of the rank's channels."""
+        return torch.cat([torch.arange(start, start + n) for start, n in self.ranges])
+
+
+def _segments(shape: torch.Size, dim: int, sizes: list[int], rank: int, tp: int) -> Take:
     """The rank's contiguous share of each segment (`sizes` along `dim`), concatenated."""
-    if sum(sizes) != t.shape[dim]:
+    if sum(sizes) != shape[dim]:
         raise ValueError(f"tensor parallel shard: expected {sum(sizes)} channels along dim {dim}, got "
-                         f"{t.shape[dim]} (shape {tuple(t.shape)})")
-    parts = []
-    for seg in t.split(sizes, dim=dim):
-        if seg.shape[dim] % tp:
+                         f"{shape[dim]} (shape {tuple(shape)})")
+    ranges, offset = [], 0
+    for size in sizes:
+        if size % tp:
             raise ValueError(f"tensor parallel shard: expected segments of a multiple of {tp} channels along dim "
-                             f"{dim}, got {sizes} (shape {tuple(t.shape)})")
-        n = seg.shape[dim] // tp
-        parts.append(seg.narrow(dim, rank * n, n))
-    return torch.cat(parts, dim=dim)
+                             f"{dim}, got {sizes} (shape {tuple(shape)})")
+        n = size // tp
+        ranges.append((offset + rank * n, n))
+        offset += size
+    return Take(dim, tuple(ranges))
 
 
-def _kv_rows(t: torch.Tensor, num_kv: int, head_dim: int, rank: int, tp: int) -> torch.Tensor:
+def _kv_rows(shape: torch.Size, num_kv: int, head_dim: int, rank: int, tp: int) -> Take:
     if num_kv >= tp:
-        return _segments(t, 0, [num_kv * head_dim], rank, tp)
+        return _segments(shape, 0, [num_kv * head_dim], rank, tp)
     head = rank * num_kv // tp  # the KV head this rank's query heads read
-    return t[head * head_dim:(head + 1) * head_dim]
+    return Take(0, ((head * head_dim, head_dim),))
 
 
-Rule = Callable[[torch.Tensor, ModelConfig, int, int], torch.Tensor]  # (tensor, full config, rank, tp) -> shard
+Rule = Callable[[torch.Size, ModelConfig, int, int], Take]  # (tensor shape, full config, rank, tp) -> its shard
 
 
-def _rows(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+def _rows(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
     """Column-parallel: the rank's output rows (per head, channel or group: contiguous shares)."""
-    return _segments(t, 0, [t.shape[0]], rank, tp)
+    return _segments(shape, 0, [shape[0]], rank, tp)
 
 
-def _cols(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+def _cols(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
     """Row-parallel: the rank's input columns (the last dim; an expert stack's too)."""
-    return _segments(t, t.dim() - 1, [t.shape[-1]], rank, tp)
+    return _segments(shape, len(shape) - 1, [shape[-1]], rank, tp)
 
 
-def _rank0(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
-    """A row-parallel bias: added once, by rank 0, to the sum of the ranks' outputs."""
-    return t if rank == 0 else torch.zeros_like(t)
+def _kv(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
+    return _kv_rows(shape, cfg.num_key_value_heads, cfg.head_dim, rank, tp)
 
 
-def _kv(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
-    return _kv_rows(t, cfg.num_key_value_heads, cfg.head_dim, rank, tp)
-
-
-def _mamba_in_proj(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+def _mamba_in_proj(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
     i, gn = cfg.mamba_intermediate_size, cfg.n_groups * cfg.ssm_state_size
-    return _segments(t, 0, [i, i, gn, gn, cfg.mamba_num_heads], rank, tp)  # z | x | B | C | dt
+    return _segments(shape, 0, [i, i, gn, gn, cfg.mamba_num_heads], rank, tp)  # z | x | B | C | dt
 
 
-def _mamba_conv(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+def _mamba_conv(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
     gn = cfg.n_groups * cfg.ssm_state_size
-    return _segments(t, 0, [cfg.mamba_intermediate_size, gn, gn], rank, tp)  # x | B | C
+    return _segments(shape, 0, [cfg.mamba_intermediate_size, gn, gn], rank, tp)  # x | B | C
 
 
-def _gdn_qkv(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+def _gdn_qkv(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
     # Value head j reads key head j // (Hv / Hk): contiguous shares of both keep each pair on one rank.
     kd = cfg.gdn_key_dim
-    return _segments(t, 0, [kd, kd, cfg.gdn_value_dim], rank, tp)  # q | k | v
+    return _segments(shape, 0, [kd, kd, cfg.gdn_value_dim], rank, tp)  # q | k | v
 
 
-def _expert_rows(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
-    return _segments(t, 1, [t.shape[1]], rank, tp)  # [E, I, d]
+def _expert_rows(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
+    return _segments(shape, 1, [shape[1]], rank, tp)  # [E, I, d]
 
 
-def _expert_gate_up(t: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
-    return _segments(t, 1, [t.shape[1] // 2] * 2, rank, tp)  # [E, 2I, H]: each expert's gate rows, then its up rows
+def _expert_gate_up(shape: torch.Size, cfg: ModelConfig, rank: int, tp: int) -> Take:
+    return _segments(shape, 1, [shape[1] // 2] * 2, rank, tp)  # [E, 2I, H]: each expert's gate rows, then its up rows
 
 
 # The name after the block's module (`mixer.` NemotronH; `self_attn.`, `linear_attn.`, `mlp.` Qwen3.5) -> its rule;
@@ -102,15 +122,12 @@ RULES: dict[str, Rule] = {
     "mixer.in_proj.weight": _mamba_in_proj, "mixer.in_proj.bias": _mamba_in_proj,
     "mixer.conv1d.weight": _mamba_conv, "mixer.conv1d.bias": _mamba_conv,
     "mixer.dt_bias": _rows, "mixer.A_log": _rows, "mixer.D": _rows, "mixer.norm.weight": _rows,
-    "mixer.out_proj.weight": _cols, "mixer.out_proj.bias": _rank0,
+    "mixer.out_proj.weight": _cols,
     # NemotronH MLP and MoE (experts [E, I, d] / [E, d, I])
     "mixer.up_proj.weight": _rows, "mixer.up_proj.bias": _rows, "mixer.down_proj.weight": _cols,
-    "mixer.down_proj.bias": _rank0,
     "mixer.experts.up_proj": _expert_rows, "mixer.experts.down_proj": _cols,
     "mixer.shared_experts.up_proj.weight": _rows, "mixer.shared_experts.up_proj.bias": _rows,
-    "mixer.shared_experts.down_proj.weight": _cols, "mixer.shared_experts.down_proj.bias": _rank0,
-    # The latent projection back to hidden is linear, so it maps the ranks' partial sums (its bias once).
-    "mixer.fc2_latent_proj.bias": _rank0,
+    "mixer.shared_experts.down_proj.weight": _cols,
     # Gated DeltaNet
     "linear_attn.in_proj_qkv.weight": _gdn_qkv, "linear_attn.conv1d.weight": _gdn_qkv,
     "linear_attn.in_proj_z.weight": _rows, "linear_attn.in_proj_a.weight": _rows, "linear_attn.in_proj_b.weight": _rows,
@@ -121,15 +138,54 @@ RULES: dict[str, Rule] = {
     "mlp.shared_expert.gate_proj.weight": _rows, "mlp.shared_expert.up_proj.weight": _rows,
     "mlp.shared_expert.down_proj.weight": _cols,
 }
+# Row-parallel biases: added once, by rank 0, to the sum of the ranks' outputs. The latent projection back to hidden
+# is linear, so it maps the ranks' partial sums and its bias is one of them.
+RANK0_BIASES = ("mixer.out_proj.bias", "mixer.down_proj.bias", "mixer.shared_experts.down_proj.bias",
+                "mixer.fc2_latent_proj.bias")
 BLOCK_MODULES = (".mixer.", ".self_attn.", ".linear_attn.", ".mlp.")
+_SCALE_INV_SUFFIX = "_" + WEIGHT_SCALE_INV.split("_", 1)[1]  # "weight_scale_inv" -> "weight" + this
 
 
-def _shard(cfg: ModelConfig, name: str, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+def _block_scale(weight_name: str, take: Take, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The rank's rows (or columns) of a block scale grid: each of its blocks' checkpoint block, which must be one."""
+    b = block[0] if take.dim == 0 else block[1]
+    index = take.index()
+    first = []
+    for j, chunk in enumerate((index // b).split(b)):
+        if bool((chunk != chunk[0]).any()):
+            what = "rows" if take.dim == 0 else "columns"
+            end = min((j + 1) * b, len(index)) - 1
+            raise ValueError(f"tensor parallel shard of block-scaled FP8 '{weight_name}': expected each {b} {what} "
+                             f"of a rank's shard to lie in one checkpoint block (weight_block_size {list(block)}), "
+                             f"got its {what} {j * b}..{end} from checkpoint blocks {sorted(set(chunk.tolist()))}; "
+                             f"a tensor_parallel_size whose shards are whole blocks "
+                             f"loads it")
+        first.append(int(chunk[0]))
+    return scale.index_select(take.dim, torch.tensor(first))
+
+
+def _shard(cfg: ModelConfig, state: Mapping[str, torch.Tensor], name: str, t: torch.Tensor, rank: int,
+           tp: int) -> torch.Tensor:
     if name in VOCAB_NAMES:
         return shard_rows(t, rank, tp)
     sep = next((s for s in BLOCK_MODULES if s in name), None)
-    rule = None if sep is None else RULES.get(sep[1:] + name.split(sep, 1)[1])
-    return t if rule is None else rule(t, cfg, rank, tp)
+    if sep is None:
+        return t
+    key = sep[1:] + name.split(sep, 1)[1]
+    if key in RANK0_BIASES:
+        return t if rank == 0 else torch.zeros_like(t)
+    rule = RULES.get(key)
+    if rule is not None:
+        return rule(t.shape, cfg, rank, tp).apply(t)
+    weight_name = name[:-len(_SCALE_INV_SUFFIX)]
+    rule = RULES.get(key[:-len(_SCALE_INV_SUFFIX)]) if name.endswith(WEIGHT_SCALE_INV) else None
+    if rule is None or weight_name not in state:
+        return t  # replicated (a per-tensor or input scale among them)
+    if cfg.quantization is None or cfg.quantization.block_size is None:
+        raise ValueError(f"tensor parallel shard: '{name}' is a block scale, expected a quantization_config with "
+                         f"weight_block_size, got {cfg.quantization!r}")
+    take = rule(state[weight_name].shape, cfg, rank, tp)
+    return _block_scale(weight_name, take, t, cfg.quantization.block_size)
 
 
 def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], rank: int, tp: int
@@ -137,4 +193,4 @@ def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], rank: 
     """Rank `rank`'s tensors of the canonical state dict of `cfg` (the full model's config), for `tp` ranks."""
     if tp == 1:
         return dict(state)
-    return {name: _shard(cfg, name, t, rank, tp).contiguous() for name, t in state.items()}
+    return {name: _shard(cfg, state, name, t, rank, tp).contiguous() for name, t in state.items()}
