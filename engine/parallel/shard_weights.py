@@ -147,13 +147,15 @@ _SCALE_INV_SUFFIX = "_" + WEIGHT_SCALE_INV.split("_", 1)[1]  # "weight_scale_inv
 
 
 def _block_scale(weight_name: str, take: Take, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The rank's rows (or columns) of a block scale grid: each of its blocks' checkpoint block, which must be one."""
-    b = block[0] if take.dim == 0 else block[1]
+    """The rank's rows (or columns) of a block scale grid (an expert stack's: [E, rows, columns]): each of its
+    blocks' checkpoint block, which must be one."""
+    columns = take.dim == scale.dim() - 1
+    b = block[1] if columns else block[0]
     index = take.index()
     first = []
     for j, chunk in enumerate((index // b).split(b)):
         if bool((chunk != chunk[0]).any()):
-            what = "rows" if take.dim == 0 else "columns"
+            what = "columns" if columns else "rows"
             end = min((j + 1) * b, len(index)) - 1
             raise ValueError(f"tensor parallel shard of block-scaled FP8 '{weight_name}': expected each {b} {what} "
                              f"of a rank's shard to lie in one checkpoint block (weight_block_size {list(block)}), "
