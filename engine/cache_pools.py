@@ -16,6 +16,9 @@ All are laid out id-major, so that everything a request owns is as contiguous as
   last 1+K verified positions, [slots, L_mixer, 1+K, *shape], replayed into the state by the next step once
   the accepted count is known (R3/R4; `ops/spec_verify.py`). They never travel: a transferred request has none pending.
 
+- The sampler's penalty tables (`penalty_counts`: a row per slot) are not pools, but the plan sets their bytes aside
+  on an engine that samples (`penalty_bytes`), so that they fit when the first penalised request comes.
+
 - Prefix checkpoints (with prefix caching, `prefix_cache.py`): per declared state, [checkpoints, L_mixer, *shape]:
   copies of a request's state slot at block boundaries of its prompt. They never travel.
 
@@ -35,6 +38,7 @@ import torch
 from baton.engine.config import ATTENTION, ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.memory_budget import CPU_CACHE_MEMORY_BYTES, CPU_MAX_NUM_SEQS
+from baton.engine.penalty_counts import table_bytes
 from baton.engine.state_spec import StateSpec
 
 
@@ -49,6 +53,7 @@ class CachePlan:
     verify_len: int = 0  # positions of verify inputs per slot (1+K while verifying drafts)
     num_checkpoints: int = 0  # prefix checkpoint slots (0: no prefix cache)
     checkpoint_bytes: int = 0  # one checkpoint across all mixer layers (every declared state)
+    penalty_bytes: int = 0  # one slot's penalty tables (0: a prefill-only engine, which never samples)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -66,6 +71,7 @@ def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: to
     block_bytes = n_attn * 2 * ecfg.block_size * cfg.num_key_value_heads * cfg.head_dim * _itemsize(kv_dtype or dtype)
     slot_bytes = state.slot_bytes(dtype, state_dtype, ecfg.verify_len)
     checkpoint_bytes = state.slot_bytes(dtype, state_dtype, 0)
+    penalty_bytes = 0 if ecfg.prefill_only else table_bytes(cfg.vocab_size)
     num_checkpoints = (ecfg.prefix_checkpoint_slots or num_slots) if ecfg.enable_prefix_caching else 0
     if ecfg.num_kv_blocks is not None:
         num_blocks = ecfg.num_kv_blocks
@@ -74,18 +80,20 @@ def plan_cache(cfg: ModelConfig, state: StateSpec, ecfg: EngineConfig, dtype: to
         num_blocks = max(1, -(-num_slots * (ecfg.max_model_len or cfg.max_position_embeddings)
                               // ecfg.block_size))
     else:
-        # The budget holds the scratch block and slot, and the prefix checkpoints, too.
-        left = cache_memory_bytes - (num_slots + 1) * slot_bytes - num_checkpoints * checkpoint_bytes
+        # The budget holds the scratch block and slot, the prefix checkpoints and the penalty tables, too.
+        per_slot = slot_bytes + penalty_bytes
+        left = cache_memory_bytes - (num_slots + 1) * per_slot - num_checkpoints * checkpoint_bytes
         num_blocks = left // block_bytes - 1
         if num_blocks < 1:
-            need = (num_slots + 1) * slot_bytes + num_checkpoints * checkpoint_bytes + 2 * block_bytes
+            need = (num_slots + 1) * per_slot + num_checkpoints * checkpoint_bytes + 2 * block_bytes
             raise ValueError(
                 f"engine field 'cache_memory_bytes': expected at least {need} bytes ({num_slots} state slots of "
-                f"{slot_bytes} B, {num_checkpoints} prefix checkpoints of {checkpoint_bytes} B + one KV block of "
-                f"{block_bytes} B, and one scratch slot and block), got {cache_memory_bytes}")
+                f"{slot_bytes} B and penalty tables of {penalty_bytes} B, {num_checkpoints} prefix checkpoints of "
+                f"{checkpoint_bytes} B + one KV block of {block_bytes} B, and one scratch slot and block), got "
+                f"{cache_memory_bytes}")
     return CachePlan(num_blocks=num_blocks, num_slots=num_slots, block_bytes=block_bytes, slot_bytes=slot_bytes,
                      state=state, num_mtp_kv_layers=n_mtp, verify_len=ecfg.verify_len,
-                     num_checkpoints=num_checkpoints, checkpoint_bytes=checkpoint_bytes)
+                     num_checkpoints=num_checkpoints, checkpoint_bytes=checkpoint_bytes, penalty_bytes=penalty_bytes)
 
 
 def mtp_kv_layers(cfg: ModelConfig) -> int:

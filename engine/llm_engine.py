@@ -305,7 +305,8 @@ class LLMEngine:
                 # Prefix checkpoints come one per state slot by default, else a given count out of the budget.
                 ckpt = unit.checkpoint_bytes if config.enable_prefix_caching else 0
                 given = config.prefix_checkpoint_slots or 0
-                seqs = auto_max_num_seqs(cache - given * ckpt, unit.slot_bytes + (0 if given else ckpt),
+                seqs = auto_max_num_seqs(cache - given * ckpt,
+                                         unit.slot_bytes + unit.penalty_bytes + (0 if given else ckpt),
                                          unit.block_bytes, config.max_num_batched_tokens, 1 + k)
         return replace(config, device=str(device), cache_memory_bytes=cache, max_num_seqs=seqs)
 

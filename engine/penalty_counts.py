@@ -12,9 +12,10 @@ decode node of a transferred request. The history is complete then: a request's 
 earliest by the next schedule, after the step in flight is read). Resetting a slot in stream order also comes after
 the last step of the slot's previous request, whose counts that step may still be adding to.
 
-Memory: V int32 counts and V / 8 bytes of prompt bits per slot, a small part of what one slot's recurrent state and
-KV blocks hold; allocated at the first penalised request (an engine that never gets one holds none), outside every
-CUDA graph (penalised rows are processed eagerly). int32 because a count grows with the output length, which may
+Memory: V int32 counts and V / 8 bytes of prompt bits per slot (`table_bytes`), a small part of what one slot's
+recurrent state and KV blocks hold, but not nothing at a large vocabulary and many slots: the cache plan sets it
+aside (`cache_pools.plan_cache`), so that the tables, allocated at the first penalised request (an engine that never
+gets one holds none), outside every CUDA graph (penalised rows are processed eagerly), always fit. int32 because a count grows with the output length, which may
 pass a narrower type's range; the frequency penalty multiplies it, so it may not saturate.
 """
 
@@ -28,6 +29,11 @@ import torch
 from .host_copy import to_device
 from .logits_processing import ResidentCounts, RowHistory
 from .request import PENDING
+
+
+def table_bytes(vocab_size: int) -> int:
+    """One slot's share of the tables: its counts and its prompt bits (int32 words)."""
+    return 4 * vocab_size + 4 * -(-vocab_size // 32)
 
 
 class PenaltyCounts:

@@ -8,6 +8,7 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.make_model import build_config
 from baton.engine.model import NemotronHForCausalLM
+from baton.engine.penalty_counts import PenaltyCounts
 from baton.engine.state_spec import STATE_DTYPE, StateSpec, StateTensor
 from baton.transfer.layout import RegionLayout
 from baton.transfer.plan import plan_slots
@@ -18,6 +19,11 @@ def cfg():
     return ModelConfig.from_hf_dict(build_config("tiny"))
 
 
+def test_a_prefill_only_engine_sets_nothing_aside_for_penalties(cfg):
+    ecfg = EngineConfig(block_size=8, max_num_seqs=4, cache_memory_bytes=2 * 2**20, prefill_only=True)
+    assert plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, torch.float32).penalty_bytes == 0
+
+
 def test_plan_fits_the_budget_exactly(cfg):
     ecfg = EngineConfig(block_size=8, max_num_seqs=4, cache_memory_bytes=2 * 2**20)
     plan = plan_cache(cfg, NemotronHForCausalLM.state_spec(cfg), ecfg, torch.float32, torch.float32)
@@ -26,10 +32,14 @@ def test_plan_fits_the_budget_exactly(cfg):
     conv = cfg.conv_dim * (cfg.conv_kernel - 1) * 4
     ssm = cfg.mamba_num_heads * cfg.mamba_head_dim * cfg.ssm_state_size * 4
     assert plan.slot_bytes == n_mamba * (conv + ssm)
-    # The budget includes one scratch block and slot past the plan's (CUDA-graph padding rows write there), and the
-    # prefix cache's checkpoints (one per slot by default, each a slot's states).
+    # The budget includes one scratch block and slot past the plan's (CUDA-graph padding rows write there), the
+    # prefix cache's checkpoints (one per slot by default, each a slot's states), and the sampler's penalty tables,
+    # which hold exactly the bytes set aside for them once allocated.
     assert plan.num_checkpoints == 4 and plan.checkpoint_bytes == plan.slot_bytes
-    used = ((plan.num_blocks + 1) * plan.block_bytes + (plan.num_slots + 1) * plan.slot_bytes
+    tables = PenaltyCounts(plan.num_slots, cfg.vocab_size, torch.device("cpu"))
+    tables.resident([0], [None], [None], [False])
+    assert tables.counts.nbytes + tables.prompt_bits.nbytes == (plan.num_slots + 1) * plan.penalty_bytes > 0
+    used = ((plan.num_blocks + 1) * plan.block_bytes + (plan.num_slots + 1) * (plan.slot_bytes + plan.penalty_bytes)
             + plan.num_checkpoints * plan.checkpoint_bytes)
     assert used <= ecfg.cache_memory_bytes < used + plan.block_bytes
     pools = CachePools(cfg, plan, 8, torch.float32, torch.float32, "cpu")
