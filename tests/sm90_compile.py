@@ -81,11 +81,13 @@ def _with_pdl(fn: Callable[[], object]) -> Callable[[], object]:
     def run():
         from baton.engine.ops.attention import kernel as triton_attention
         from baton.engine.ops.conv import kernel as triton_conv
+        from baton.engine.ops.gated_delta import kernel as triton_gdn
         from baton.engine.ops.linear import kernel as triton_gemv
         from baton.engine.ops.norm import kernel as triton_norm
         from baton.engine.ops.rope import kernel as triton_rope
         from baton.engine.ops.ssm_update import kernel as triton_ssu
-        modules = [m for m in (triton_attention, triton_conv, triton_gemv, triton_norm, triton_rope, triton_ssu)
+        modules = [m for m in (triton_attention, triton_conv, triton_gdn, triton_gemv, triton_norm, triton_rope,
+                               triton_ssu)
                    if hasattr(m, "pdl")]
         saved = [m.pdl for m in modules]
         for m in modules:
@@ -290,6 +292,48 @@ def _ssu():
             _idx([2, 7]), _idx([1, 4]), 1e-3, _idx([3, 2]))
 
 
+# Gated DeltaNet heads: two key heads of 128 each read by two value heads of 128 (the 27B layer's head sizes).
+GK, GV, GD = 2, 4, 128
+
+
+def _gdn_inputs(*lead: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    return (_g(*lead, GK, GD, dtype=dtype), _g(*lead, GK, GD, dtype=dtype), _g(*lead, GV, GD, dtype=dtype),
+            _g(*lead, GV, dtype=dtype), _g(*lead, GV, dtype=dtype))
+
+
+def _gdn_decode():
+    from baton.engine.ops.gated_delta.kernel import gated_delta_decode_triton
+    for pool in (torch.float32, torch.bfloat16):
+        for batch in (1, 64, 256):
+            gated_delta_decode_triton(_g(300, GV, GD, GD, dtype=pool), *_gdn_inputs(batch), -torch.rand(GV),
+                                      torch.zeros(GV), _idx(list(range(batch))))
+
+
+def _gdn_verify():
+    from baton.engine.ops.gated_delta.kernel import gated_delta_verify_triton
+    L, T, B = 4, 3, 2
+    for pool in (torch.float32, torch.bfloat16):
+        gated_delta_verify_triton(_g(10, GV, GD, GD, dtype=pool), _g(10, L, GK, GD), _g(10, L, GV, GD), _g(10, L, GV),
+                                  _g(10, L, GV), *_gdn_inputs(B, T), -torch.rand(GV), torch.zeros(GV), _idx([2, 7]),
+                                  _idx([1, 4]), _idx([3, 2]))
+
+
+def _gdn_prefill():
+    """The chunk-parallel prefill with 16-bit inputs (both second stages) and fp32 ones, and the token-by-token
+    kernel (a chunk size the chunked kernels do not take)."""
+    from baton.engine.ops.gated_delta import kernel_prefill
+    starts = [0, 300, 301, 361]  # rows of 300 (five chunks of 64), 1 and 60 tokens
+    for split, dtype, chunk in ((False, torch.bfloat16, 64), (True, torch.bfloat16, 64), (False, torch.float32, 64),
+                                (False, torch.bfloat16, 24)):
+        kernel_prefill.WY_SPLIT_SCAN = split
+        try:
+            kernel_prefill.gated_delta_prefill_varlen_triton(
+                _g(6, GV, GD, GD, dtype=torch.float32), *_gdn_inputs(starts[-1], dtype=dtype), -torch.rand(GV),
+                torch.zeros(GV), _idx(starts), _idx([0, 3, 5]), torch.tensor([True, False, True]), chunk)
+        finally:
+            kernel_prefill.WY_SPLIT_SCAN = False
+
+
 @triton.jit
 def _broken_kernel(x_ptr, n, STEPS: tl.constexpr):
     # Runs under the interpreter; does not compile: `pos` is int32 on one side of a runtime branch and int64 on the
@@ -318,6 +362,8 @@ CASES: dict[str, Callable[[], object]] = {
     "scan": _scan, "state update": _ssu, "state update (PDL)": _with_pdl(_ssu), "chain inputs": _chain_inputs,
     "tempered verify": _tempered_verify, "filtered verify": _filtered_verify, "rope": _rope,
     "rope (PDL)": _with_pdl(_rope), "logits process": _logits_process, "logprob topk": _logprob_topk,
+    "gdn decode": _gdn_decode, "gdn decode (PDL)": _with_pdl(_gdn_decode), "gdn verify": _gdn_verify,
+    "gdn prefill": _gdn_prefill,
 }
 
 
