@@ -26,7 +26,9 @@ fixed addresses, so:
   its last token, and its temperature, noise seed, top-k and top-p. Each size has three verify graphs: greedy
   rows only; rows that sample at a temperature (greedy ones among them), one Triton launch deciding them; and
   rows with top-k / top-p among them too, whose filters one more launch of the same kernel applies (its cuts found
-  by a search, not a sort). The graph holds every row's accept tests and draw (`RejectionSampler.verify_tempered`);
+  by a search, not a sort). The graph holds every row's accept tests and draw (`RejectionSampler.verify_tempered`).
+  Each of the three has a processed twin (`graph_processing`: penalties from the runner's resident counts, and
+  min_p), whose rows' penalties, min_p and penalty-table rows travel with the step too, captured at its first use;
 - a verify step can also be chained on the one before it while that one's tokens are not read yet
   (`run_chained`, async scheduling with drafts): each row's inputs come from the previous run's packed
   results on the device (its last emitted token, its drafts: K, or fewer near a length limit, its position
@@ -52,12 +54,15 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.graph_processing import RowProcessing
 from baton.engine.host_copy import float_bits, host_tensor
 from baton.engine.pending_step import device_mark, fill_pending
 
 # Verify graph variants, by the rows a step holds: greedy only; some sampling at a temperature; some with top-k or
-# top-p too. Each variant decides the rows of the ones before it as they do.
+# top-p too. Each variant decides the rows of the ones before it as they do. PROCESSED added to one: its processed
+# twin (`graph_processing`).
 GREEDY, TEMPERED, FILTERED = 0, 1, 2
+PROCESSED = 3
 
 
 def sampling_variant(temperature: list[float] | None, top_k: list[int] | None, top_p: list[float] | None) -> int:
@@ -195,14 +200,22 @@ class StepGraphs:
         self.seeds = torch.zeros(n, dtype=torch.int64, device=dev)  # noise seeds (`counter_noise`)
         self.top_k = torch.zeros(n, dtype=torch.int64, device=dev)  # 0: none
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)  # 1: none
+        # Processed variants (`graph_processing`): per row its penalties, min_p and penalty-table row (the scratch
+        # slot's: the tables' zero row, for a row without penalties).
+        self.presence = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.frequency = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.repetition = torch.ones(n, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.count_rows = torch.full((n,), pools.scratch_slot, dtype=torch.int64, device=dev)
         # Per graph size: its rows' query starts (one view, reused) and the attention kernel's program map for
         # them, fixed like the starts themselves, so a captured step does not rebuild it in every attention layer.
         self._starts: dict[int, tuple[torch.Tensor, object | None]] = {}
         self._pad(n)
         # The host side of one step's inputs: ids, slot mapping, successors (n*T each), seq lens, state slots,
         # last-token positions, token counts, with rows that sample their temperatures (float32 bits) and seeds, and
-        # with filtering rows their top-k and top-p (float32 bits) (n each), then the block table [n, width].
-        self.staging = torch.empty(3 * n * T + 8 * n + n * max_blocks, dtype=torch.int64, device=dev)
+        # with filtering rows their top-k and top-p (float32 bits), with processed rows their penalties and min_p
+        # (float32 bits) and penalty-table rows (n each), then the block table [n, width].
+        self.staging = torch.empty(3 * n * T + 13 * n + n * max_blocks, dtype=torch.int64, device=dev)
         self.capture = device.type == "cuda"
         # Two pinned host buffers, used in turn, each with the event of the last copy queued from it: with async
         # scheduling the next step's inputs are written while this step's copy may not have run yet (R5: a
@@ -211,8 +224,10 @@ class StepGraphs:
         self._host_copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        # Per variant (GREEDY: decode graphs too, TEMPERED, FILTERED), per size: the graph and its output.
-        self.variants: tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], ...] = ({}, {}, {})
+        # Per variant (GREEDY: decode graphs too, TEMPERED, FILTERED, then their PROCESSED twins), per size: the
+        # graph and its output.
+        self.variants: tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], ...] = tuple(
+            {} for _ in range(2 * PROCESSED))
         self.graphs = self.variants[GREEDY]
         self._prev_base = torch.zeros(n, dtype=torch.int64, device=dev)  # run_chained's copy of verify_base
         # Runs so far, and the last one's (number, graph size, rows, output): what `run_chained` reads from.
@@ -233,6 +248,11 @@ class StepGraphs:
         self.seeds[:n] = 0
         self.top_k[:n] = 0
         self.top_p[:n] = 1.0
+        self.presence[:n] = 0.0
+        self.frequency[:n] = 0.0
+        self.repetition[:n] = 1.0
+        self.min_p[:n] = 0.0
+        self.count_rows[:n] = self.pools.scratch_slot
         self.num_tokens[:n] = T
         self.slot_mapping[:n * T] = self.pools.scratch_block * self.block_size
         self.seq_lens[:n] = T
@@ -278,11 +298,15 @@ class StepGraphs:
 
     def _forward(self, n: int, variant: int = GREEDY) -> torch.Tensor:
         if self.step_fn is not None:
-            sampling = ((self.temperature[:n], self.seeds[:n]) if variant == TEMPERED else
-                        (self.temperature[:n], self.seeds[:n], self.top_k[:n], self.top_p[:n]) if variant == FILTERED
+            kind = variant % PROCESSED
+            sampling = ((self.temperature[:n], self.seeds[:n]) if kind == TEMPERED else
+                        (self.temperature[:n], self.seeds[:n], self.top_k[:n], self.top_p[:n]) if kind == FILTERED
                         else None)
+            processing = None if variant < PROCESSED else (
+                self.presence[:n], self.frequency[:n], self.repetition[:n], self.min_p[:n], self.temperature[:n],
+                self.count_rows[:n])
             return self.step_fn(self.ids[:n * self.T], self._batch(n), self.next_ids[:n * self.T],
-                                self.verify_base[:n], sampling)
+                                self.verify_base[:n], sampling, processing)
         batch = self._batch(n)
         return self.model.logits(self.model(self.ids[:n * self.T], batch), fused=batch.fused_gemv, upcast=False)
 
@@ -310,13 +334,14 @@ class StepGraphs:
             verify_base: list[int] | None = None, num_tokens: list[int] | None = None,
             fill: tuple | None = None, temperature: list[float] | None = None,
             seeds: list[int] | None = None, top_k: list[int] | None = None,
-            top_p: list[float] | None = None) -> torch.Tensor:
+            top_p: list[float] | None = None, processing: RowProcessing | None = None) -> torch.Tensor:
         """Replay the graph for R rows of T tokens each: input_ids, slot_mapping (and next_ids) [R*T], the rest
         per row; num_tokens: each verify row's real tokens (1 + its drafts, default T), the rest padding.
         fill = (flat token positions, indices, tokens): input ids taken on the device from a step in
         flight (`pending_step.fill_pending`), written over input_ids' PENDING entries before the replay.
         temperature / seeds / top_k / top_p (verify graphs): per row, temperature 0.0 for a greedy row, top_k 0 and
-        top_p 1.0 for none; the step runs the variant its rows need (GREEDY, TEMPERED, FILTERED).
+        top_p 1.0 for none; the step runs the variant its rows need (GREEDY, TEMPERED, FILTERED; with `processing`,
+        the rows' penalties and min_p, its PROCESSED twin).
         Returns the logits [R, V] in the model's dtype (decode), or with a step_fn (verify) its whole packed
         output for the graph's padded size."""
         T, rows = self.T, len(state_slots)
@@ -331,7 +356,7 @@ class StepGraphs:
         width = max(len(b) for b in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"step graphs: expected block tables of at most {self.max_blocks} blocks, got {width}")
-        variant = self._variant(rows, temperature, seeds, top_k, top_p)
+        variant = self._variant(rows, temperature, seeds, top_k, top_p, processing)
         graphs = self.variants[variant]
         if self.capture and n not in graphs:
             graphs[n] = self._capture(n, variant)
@@ -346,7 +371,9 @@ class StepGraphs:
             (verify_base or [0] * rows) + [0] * pad,
             (num_tokens or [T] * rows) + [T] * pad,
         )
-        parts += sampling_parts(variant, pad, temperature, seeds, top_k, top_p)
+        parts += sampling_parts(variant % PROCESSED, pad, temperature, seeds, top_k, top_p)
+        if processing is not None:
+            parts += self._processing_parts(processing, pad)
         flat = [v for p in parts for v in p]
         for b in block_tables:
             flat += b
@@ -358,7 +385,7 @@ class StepGraphs:
                           (self.state_slots, n), (self.verify_base, n), (self.num_tokens, n)):
             dst[:size] = self.staging[at:at + size]
             at += size
-        at = self._stage_sampling(at, n, variant)
+        at = self._stage_processing(self._stage_sampling(at, n, variant % PROCESSED), n, variant)
         self.block_tables[:n, :width] = self.staging[at:end].view(n, width)
         if fill is not None:
             fill_pending(self.ids, *fill)
@@ -366,8 +393,15 @@ class StepGraphs:
         return out if self.step_fn is not None else out[:rows]
 
     def _variant(self, rows: int, temperature: list[float] | None, seeds: list[int] | None,
-                 top_k: list[int] | None, top_p: list[float] | None) -> int:
-        """Check a step's sampling inputs; which verify graph variant its rows need."""
+                 top_k: list[int] | None, top_p: list[float] | None, processing: RowProcessing | None = None) -> int:
+        """Check a step's sampling (and processing) inputs; which verify graph variant its rows need."""
+        if processing is not None:
+            lists = (processing.presence, processing.frequency, processing.repetition, processing.min_p,
+                     processing.count_rows)
+            if self.step_fn is None or any(len(v) != rows for v in lists):
+                raise ValueError(f"step graphs: expected the processing inputs of {rows} verify rows, got "
+                                 f"{[len(v) for v in lists]}" + ("" if self.step_fn else " (decode graphs take none)"))
+            return PROCESSED + self._variant(rows, temperature, seeds, top_k, top_p)
         if temperature is None and seeds is None and top_k is None and top_p is None:
             return GREEDY
         lists = (temperature, seeds) + ((top_k, top_p) if top_k is not None or top_p is not None else ())
@@ -388,6 +422,22 @@ class StepGraphs:
         self.top_k[:n] = self.staging[at + 2 * n:at + 3 * n]
         self.top_p[:n] = self.staging[at + 3 * n:at + 4 * n].to(torch.int32).view(torch.float32)
         return at + 4 * n
+
+    def _processing_parts(self, processing: RowProcessing, pad: int) -> tuple[list[int], ...]:
+        """The staged processing inputs (`_stage_processing`), padded by `pad` neutral rows."""
+        p = processing
+        return (float_bits(p.presence + [0.0] * pad), float_bits(p.frequency + [0.0] * pad),
+                float_bits(p.repetition + [1.0] * pad), float_bits(p.min_p + [0.0] * pad),
+                p.count_rows + [self.pools.scratch_slot] * pad)
+
+    def _stage_processing(self, at: int, n: int, variant: int) -> int:
+        """Copy a processed variant's staged inputs of n rows into place; returns the offset after."""
+        if variant < PROCESSED:
+            return at
+        for i, dst in enumerate((self.presence, self.frequency, self.repetition, self.min_p)):
+            dst[:n] = self.staging[at + i * n:at + (i + 1) * n].to(torch.int32).view(torch.float32)
+        self.count_rows[:n] = self.staging[at + 4 * n:at + 5 * n]
+        return at + 5 * n
 
     def _stage(self, flat: list[int]) -> int:
         """Move `flat` into `staging` with one asynchronous copy from a pinned buffer (two, used in turn); marks the

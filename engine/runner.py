@@ -24,6 +24,7 @@ from baton.engine.grammar import Grammars
 from baton.engine.host_copy import to_device
 from baton.engine.logits_processing import (
     LogitsInputs,
+    ResidentCounts,
     RowHistory,
     count_decided,
     logits_inputs,
@@ -224,9 +225,9 @@ class ModelRunner:
         return self.grammars is not None and request_id in self.grammars and self.grammars.catch_up(request_id)
 
     def processes(self, request_ids: Sequence[str]) -> bool:
-        """Whether any of these requests' logits are processed: such rows run eagerly and are never chained (a
-        whole-graph verify step holds no processing inputs yet; TODO(#52) capture them; a grammar's mask needs the
-        previous step's tokens on the host)."""
+        """Whether any of these requests' logits are processed: such rows are never chained (a grammar's mask
+        needs the previous step's tokens on the host), and a verify step of them replays its graph only where the
+        graph holds their processing (`SpecRunner.graph_processes`)."""
         if not self._history:
             return False
         hist = [(r, self._history.get(r)) for r in request_ids]
@@ -245,12 +246,18 @@ class ModelRunner:
         g = self.grammars
         masks = None if not g else {i: g.masks(r, drafts[i] if drafts else (), width)
                                     for i, r in enumerate(request_ids) if r in g}
-        resident = None
-        if self._penalised:
-            owners = [self._penalised.get(r) for r in request_ids]
-            if any(o is not None for o in owners):
-                resident = self.penalties.resident(slots, owners, hist, [p.repetition_penalty != 1 for p in params])
-        return logits_inputs(params, hist, self.device, masks, resident)
+        return logits_inputs(params, hist, self.device, masks, self.resident_counts(request_ids, params, slots))
+
+    def resident_counts(self, request_ids: Sequence[str], params: Sequence[SamplingParams], slots: Sequence[int],
+                        allocate: bool = False) -> ResidentCounts | None:
+        """The penalty tables for these rows (None where none is penalised, unless `allocate`), a penalised row's
+        slot set from its history first where the slot holds another request's counts (`penalty_counts`)."""
+        owners = [self._penalised.get(r) for r in request_ids]
+        if not allocate and all(o is None for o in owners):
+            return None
+        empty = RowHistory((), (), frozenset())
+        hist = [self._history.get(r, empty) for r in request_ids]
+        return self.penalties.resident(slots, owners, hist, [p.repetition_penalty != 1 for p in params])
 
     def reset_slot(self, slot: int) -> None:
         """A transferred state arrives whole in its slot: nothing to replay."""

@@ -20,10 +20,11 @@ One step, all on the device until the single host read of its tokens at the end:
 
 A verify step whose rows all verify, greedy or sampling (at a temperature, with top-k / top-p), replays one CUDA
 graph (`graph_step_fn`); with async scheduling the next such step can be chained on it before its results are read
-(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`); a step with a row
-whose logits are processed (penalties, logit_bias, min_tokens, min_p: `logits_processing`) runs eagerly and is
-never chained (the graph holds no processing; the penalised rows' counts, kept on the device per state slot, grow by
-the tokens each such step emits: `penalty_counts`); so does a step with a row that asks for
+(`launch_chained`: its inputs come from those results on the device, `StepGraphs.run_chained`). Rows whose logits
+are processed (`logits_processing`) by penalties and min_p alone replay the graph's processed twin
+(`graph_processing`: the penalised rows' counts, kept on the device per state slot, grow by the tokens each step
+emits, inside the graph: `penalty_counts`), but are never chained; a step with a row that has a logit_bias, a
+min_tokens not reached yet or a grammar runs eagerly, and so does a step with a row that asks for
 logprobs (`logprobs`: read from the verify step's target logits at every emitted position, which the graph does not
 return). Sampled rows take
 their noise from their seed and token positions (`counter_noise`), prompts' first tokens included.
@@ -38,6 +39,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.graph_processing import RowProcessing, count_graph_decided, graph_inputs, graph_processable
 from baton.engine.logits_processing import LogitsInputs, count_decided
 from baton.engine.logprobs import LogprobRows
 from baton.engine.mtp import MTPModule
@@ -230,8 +232,9 @@ class SpecRunner(ModelRunner):
         logits = self.model.logits(rows_hidden, upcast=False).view(nd, Tv, -1)  # [Rd, Tv, V]
         # [Rd, Tv-1]; padding positions are masked by num_draft
         drafts = input_ids[:nd * Tv].view(nd, Tv)[:, 1:] if uniform else input_ids[idx[:, 1:]]
-        if lp is not None and processing is not None:
-            # Logprobs are of the processed logits (`logprobs`): processed once, for the verify and for them.
+        if processing is not None and (lp is not None or sampling is not None):
+            # Logprobs are of the processed logits (`logprobs`): processed once, for the verify and for them; a
+            # graph's sampling rows are decided from device tensors alone, on the processed logits.
             logits, processing = self.model.kernels.process_logits(logits, drafts, num_draft, processing), None
         # Column t of a row decides the token at position verify_base + 1 + t.
         if sampling is not None:
@@ -280,7 +283,25 @@ class SpecRunner(ModelRunner):
         """Verify rows only, each with at most K drafts (padded to K), drafting: the step is a fixed sequence of
         device ops, so a graph holds all of it (`StepGraphs`' greedy, tempered or filtered variant)."""
         ids = [r.request_id for r in out.rows]
-        return self.draft and self._graphable(out) and not self.processes(ids) and not self.wants_logprobs(ids)
+        return self.draft and self._graphable(out) and self.graph_processes(ids) and not self.wants_logprobs(ids)
+
+    def graph_processes(self, request_ids: list[str]) -> bool:
+        """Whether the rows' logits processing, if any, is what a verify graph holds (`graph_processing`)."""
+        return all(graph_processable(self._sampling[r][0], self._history.get(r)) for r in request_ids)
+
+    def _row_processing(self, out: SchedulerOutput) -> RowProcessing | None:
+        """A graph step's processing inputs (None: no row is processed); the penalty tables made where they are not
+        yet, and a penalised row's counts set from its history where its slot holds another request's, as an eager
+        step's `processing_of` does."""
+        rows = out.rows
+        ids = [r.request_id for r in rows]
+        if not self.processes(ids):
+            return None
+        params = [self._sampling[r][0] for r in ids]
+        slots = [r.state_slot for r in rows]
+        self.resident_counts(ids, params, slots, allocate=True)
+        # The tables' zero row is one past the plan's slots: the scratch slot's index, as padding rows read it.
+        return RowProcessing.of(params, slots, self.pools.scratch_slot)
 
     def _row_sampling(self, request_ids: list[str]) -> dict[str, list]:
         """A graph step's per-row temperatures, noise seeds (0 for greedy rows), top-k and top-p, as
@@ -297,17 +318,26 @@ class SpecRunner(ModelRunner):
         return {"temperature": temperature, "seeds": seeds, "top_k": top_k, "top_p": top_p}
 
     def graph_step_fn(self, input_ids: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor,
-                      verify_base: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None = None
-                      ) -> torch.Tensor:
+                      verify_base: torch.Tensor, sampling: tuple[torch.Tensor, ...] | None = None,
+                      processing: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """What the step graph captures: forward, verify, drafter catch-up and chain, for n verify rows of 1+K
         tokens (a row's real count, 1 + its drafts, is the per-row input `spec_num_tokens`; the rest is
         padding); sampling: None for greedy rows only, else the rows' (temperature, seeds[, top_k, top_p])
-        tensors. Returns the packed results [n (emitted counts) + n*T (emitted) + n*K (drafts)]."""
+        tensors; processing: None, or the rows' (presence, frequency, repetition, min_p, temperature, penalty-table
+        rows) tensors (`graph_processing`). Returns the packed results [n (emitted counts) + n*T (emitted) + n*K
+        (drafts)]."""
         n = batch.num_decodes
         hidden = self.model(input_ids, batch)
         num_draft = batch.spec_num_tokens - 1
+        inputs = None
+        if processing is not None:
+            tables = self.penalties
+            assert tables.counts is not None and tables.prompt_bits is not None  # (`_row_processing` made them)
+            inputs = graph_inputs(*processing, tables.counts, tables.prompt_bits)
         pieces, anchor, pos, _ = self._verify(hidden, input_ids, batch, next_ids, num_draft, verify_base,
-                                              [GREEDY] * n, None, sampling)
+                                              [GREEDY] * n, None, sampling, processing=inputs)
+        if inputs is not None:
+            count_graph_decided(inputs, pieces[1].view(n, -1), self.pools.scratch_slot)
         h, mtp_batch = self._catch_up(hidden, next_ids, batch, anchor)
         drafts = self._chain(h, mtp_batch, pos, batch.block_tables)
         return torch.cat([*pieces, drafts.reshape(-1)])
@@ -326,7 +356,8 @@ class SpecRunner(ModelRunner):
         T = 1 + self.num_spec
         ids = [r.request_id for r in rows]
         packed = self._decode_graph(out, next_ids=self._successors(rows, T),
-                                    verify_base=[r.num_computed_tokens for r in rows], **self._row_sampling(ids))
+                                    verify_base=[r.num_computed_tokens for r in rows], **self._row_sampling(ids),
+                                    processing=self._row_processing(out))
         return self._flight(ids, packed)
 
     def launch_chained(self, prev: VerifyFlight, request_ids: list[str], state_slots: list[int], rooms: list[int],
