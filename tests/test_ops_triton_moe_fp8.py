@@ -44,10 +44,11 @@ def _fp8_case(num_experts, hidden, inter, gated, t, top_k, block, dtype, seed, d
     """(x, w_up, w_up_scale, w_down, w_down_scale, ids, weights): the stacks quantized as checkpoints store them."""
     gen = torch.Generator().manual_seed(seed)
     rows = 2 * inter if gated else inter
-    w_up, up_scale = quantize_experts(torch.randn(num_experts, rows, hidden, generator=gen) / hidden ** 0.5, block,
-                                      2 if gated else 1)
-    w_down, down_scale = quantize_experts(torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5,
-                                          block, 1)
+    # quantized where they run (the model-size stacks are GBs in fp32: the GPU quantizes them in a blink)
+    w_up, up_scale = quantize_experts((torch.randn(num_experts, rows, hidden, generator=gen) / hidden ** 0.5).to(device),
+                                      block, 2 if gated else 1)
+    w_down, down_scale = quantize_experts(
+        (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(device), block, 1)
     x = torch.randn(t, hidden, generator=gen).to(device, dtype)
     logits = torch.randn(t, num_experts, generator=gen).to(device)
     if gated:
@@ -55,7 +56,7 @@ def _fp8_case(num_experts, hidden, inter, gated, t, top_k, block, dtype, seed, d
         weights = weights.to(dtype)  # as the Qwen layer passes them
     else:
         ids, weights = route_sigmoid_grouped(logits, torch.zeros(num_experts, device=device), 1, 1, top_k, True, 2.5)
-    return (x, w_up.to(device), up_scale.to(device), w_down.to(device), down_scale.to(device), ids, weights)
+    return x, w_up, up_scale, w_down, down_scale, ids, weights
 
 
 def _both(x, w_up, up_scale, w_down, down_scale, ids, weights, gated, block, tiles=INTERPRETER) -> tuple[Tensor, Tensor]:
