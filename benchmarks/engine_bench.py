@@ -57,7 +57,7 @@ Mixed steps (unless --mixed-batch 0): `--mixed-batch` decode rows at `--context`
 
 FP8 against the model dtype (`--compare-fp8 VARIANTS`, e.g. `fp8-block,fp8,fp8-block+kv-fp8`): the preset in its
     dtype, then each variant: FP8 weights as `make-model --quantize fp8-block|fp8` writes them and the loader loads
-    them (`fp8_checkpoint.quantize_state`, tensor by tensor; routed experts are dequantized at load, as from a
+    them (`fp8_checkpoint.quantize_state`, tensor by tensor; routed experts stay FP8 stacks, as from a
     checkpoint), and / or the KV pool in FP8 (`kv-fp8`: `--kv-cache-dtype fp8`, scales 1.0). Each engine is built,
     timed (decode at `--batches` as in (a), prefill of `--prefill-tokens` as in (c)) and freed before the next is
     built: a second model may not fit beside the first, so the run checks that the freed one is gone (no reference

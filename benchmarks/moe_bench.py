@@ -10,11 +10,19 @@ For each token count T (random router logits through the model's router):
     dense   x [T, H] @ [H, top_k * I], the activation, @ [top_k * I, H] in cuBLAS: the active FLOPs of one
             token's experts as a dense layer (what the routed GEMMs could at best cost once compute-bound)
 
+With `--fp8 per-tensor|block` also:
+
+    fp8     `moe_experts_triton` on the same experts quantized to float8_e4m3fn (each expert's segments apart, as
+            the checkpoints store them; one scale per expert, or per 128 x 128 block), weight-only: the same
+            activations in the model dtype, half the weight bytes the decode-sized steps stream
+
 Times are ms per call (CUDA events around repeated eager calls, after a warm-up that compiles); err is fused vs
-loop, max |difference| over max |loop|.
+loop, max |difference| over max |loop|; fp8 err is the FP8 fused path vs the loop on the same FP8 experts (the
+reference dequantizes each expert it runs).
 
   python benchmarks/moe_bench.py                        # one GPU, Nemotron-3-Nano-like, T = 1, 32, 256, 8192
   python benchmarks/moe_bench.py --shape qwen-next --json out.json
+  python benchmarks/moe_bench.py --fp8 block            # the 16-bit and the FP8-weight fused paths side by side
   python benchmarks/moe_bench.py --smoke                # CPU, Triton interpreter, tiny shapes (checks only)
 """
 
@@ -25,7 +33,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +59,10 @@ SHAPES = {
 }
 
 
+FP8_CHOICES = ("per-tensor", "block")
+FP8_BLOCK = (128, 128)  # the block-wise checkpoints' weight_block_size
+
+
 @dataclass(frozen=True)
 class Row:
     tokens: int
@@ -58,6 +70,8 @@ class Row:
     fused_ms: float
     dense_ms: float
     max_err: float
+    fp8_ms: float | None = None  # --fp8: the fused path on FP8 experts
+    fp8_err: float | None = None
 
 
 def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]], float]:
@@ -70,10 +84,20 @@ def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]],
     return run
 
 
-def bench(shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, iters: int) -> Row:
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+
+def bench(shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, iters: int,
+          fp8: str | None = None) -> Row:
     # Imported here: the smoke run sets TRITON_INTERPRET before Triton loads.
     from baton.engine.ops.moe.kernel import moe_experts_triton
-    from baton.engine.ops.moe.reference import moe_experts_reference, route_sigmoid_grouped, route_softmax
+    from baton.engine.ops.moe.reference import (
+        moe_experts_reference,
+        quantize_experts,
+        route_sigmoid_grouped,
+        route_softmax,
+    )
 
     g = torch.Generator(device=device).manual_seed(tokens)
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
@@ -103,20 +127,36 @@ def bench(shape: Shape, tokens: int, device: torch.device, dtype: torch.dtype, i
     loop = lambda: moe_experts_reference(x, w_up, w_down, ids, weights, activation=act, gated=shape.gated)  # noqa: E731
     fused = lambda: moe_experts_triton(x, w_up, w_down, ids, weights, activation=act, gated=shape.gated)  # noqa: E731
     want, got = loop(), fused()
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+    err = _err(got, want)
     time_ms = _timer(device, iters)
-    return Row(tokens, time_ms(loop), time_ms(fused), time_ms(dense), err)
+    row = Row(tokens, time_ms(loop), time_ms(fused), time_ms(dense), err)
+    if fp8 is None:
+        return row
+    block = FP8_BLOCK if fp8 == "block" else None
+    q_up, s_up = quantize_experts(w_up, block, 2 if shape.gated else 1)
+    q_down, s_down = quantize_experts(w_down, block, 1)
+    kw = dict(activation=act, gated=shape.gated, w_up_scale=s_up, w_down_scale=s_down, block=block)
+    fused8 = lambda: moe_experts_triton(x, q_up, q_down, ids, weights, **kw)  # noqa: E731
+    err8 = _err(fused8(), moe_experts_reference(x, q_up, q_down, ids, weights, **kw))
+    return replace(row, fp8_ms=time_ms(fused8), fp8_err=err8)
 
 
 def table(rows: list[Row], shape: Shape, meta: dict) -> str:
+    fp8 = meta.get("fp8")
+    head = "| T | loop ms | fused ms | dense ms | loop / fused | fused / dense | max err |"
+    rule = "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    if fp8:
+        head += f" fp8 ({fp8}) ms | fused / fp8 | fp8 err |"
+        rule += " ---: | ---: | ---: |"
     lines = [f"## Fused MoE vs per-expert loop vs dense — {meta['device_name']}, commit {meta['commit']}", "",
              f"`{meta['command']}`; {shape.num_experts} experts, top-{shape.top_k}, hidden {shape.hidden}, "
-             f"intermediate {shape.inter}, {'gated SiLU' if shape.gated else 'relu2'}, {meta['dtype']}", "",
-             "| T | loop ms | fused ms | dense ms | loop / fused | fused / dense | max err |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"intermediate {shape.inter}, {'gated SiLU' if shape.gated else 'relu2'}, {meta['dtype']}", "", head, rule]
     for r in rows:
-        lines.append(f"| {r.tokens} | {r.loop_ms:.3f} | {r.fused_ms:.3f} | {r.dense_ms:.3f} | "
-                     f"{r.loop_ms / r.fused_ms:.2f}× | {r.fused_ms / r.dense_ms:.2f}× | {r.max_err:.1e} |")
+        line = (f"| {r.tokens} | {r.loop_ms:.3f} | {r.fused_ms:.3f} | {r.dense_ms:.3f} | "
+                f"{r.loop_ms / r.fused_ms:.2f}× | {r.fused_ms / r.dense_ms:.2f}× | {r.max_err:.1e} |")
+        if fp8:
+            line += f" {r.fp8_ms:.3f} | {r.fused_ms / r.fp8_ms:.2f}× | {r.fp8_err:.1e} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -126,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=("nano", "qwen-next"), default="nano")
     ap.add_argument("--tokens", default=None, help="token counts, comma-separated (default 1,32,256,8192)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 20; smoke 1)")
+    ap.add_argument("--fp8", choices=FP8_CHOICES, default=None,
+                    help="also time the fused path on FP8 experts (per-expert or 128 x 128 block scales)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
@@ -146,19 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or (1 if args.smoke else 20)
     rows = []
     for t in tokens:
-        rows.append(bench(shape, t, device, dtype, iters))
+        rows.append(bench(shape, t, device, dtype, iters, args.fp8))
         r = rows[-1]
-        print(f"T={t}: loop {r.loop_ms:.3f} ms, fused {r.fused_ms:.3f}, dense {r.dense_ms:.3f}", file=sys.stderr)
+        fp8 = f", fp8 {r.fp8_ms:.3f}" if args.fp8 else ""
+        print(f"T={t}: loop {r.loop_ms:.3f} ms, fused {r.fused_ms:.3f}, dense {r.dense_ms:.3f}{fp8}", file=sys.stderr)
     command = " ".join(["python benchmarks/moe_bench.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "command": command,
-            "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape)}
+            "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape), "fp8": args.fp8}
     print(table(rows, shape, meta))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
-    bad = [r for r in rows if r.max_err > (3e-2 if dtype == torch.bfloat16 else 1e-4)]
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    bad = [r for r in rows if r.max_err > tol or (r.fp8_err is not None and r.fp8_err > tol)]
     if bad:
-        print(f"moe_bench: fused output differs from the loop: {[(r.tokens, r.max_err) for r in bad]}")
+        print(f"moe_bench: fused output differs from the loop: {[(r.tokens, r.max_err, r.fp8_err) for r in bad]}")
         return 1
     return 0
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
+from baton.engine.layers.fp8_experts import swap_fp8_experts
 from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.recurrent_mixer import RecurrentMixer
 from baton.engine.ops.kernels import Kernels, bind_kernels
@@ -102,6 +103,7 @@ class CausalLM(nn.Module):
         target = place(target, device, dtype)
         quant = cfg.quantization
         swap_fp8_linears(model, target, None if quant is None else quant.block_size)
+        swap_fp8_experts(model, target, None if quant is None else quant.block_size)
         missing, unexpected = model.load_state_dict(target, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"checkpoint weights: expected exactly the model's parameters; missing "

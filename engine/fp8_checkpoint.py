@@ -4,19 +4,21 @@ Loading (`prepare_fp8`, on the checkpoint's own names, before `weights.canonical
 `P.weight` must come with its scale (`P.weight_scale` per tensor, `P.weight_scale_inv` per block, as the
 checkpoint's `quantization_config` says: `quant_config.py`) of the right shape, and `P` must not be on the
 format's ignore list; every scale must belong to such a weight. The FP8 weights of Linears the engine runs as
-`layers.fp8_linear.FP8Linear` stay FP8 with their scales; the others are dequantized to the model dtype here:
-
-* routed experts (`...experts.{j}.up_proj.weight`, stacked into 3D tensors by the canonicalization): the MoE
-  layers take 16-bit expert weights until their fused kernel learns FP8;
-* `lm_head` (read as a raw weight by the logits and the GEMV kernel), MoE routers and Qwen3-Next's interleaved
-  GDN projections (split by the canonicalization, which would separate a block scale from its rows).
+`layers.fp8_linear.FP8Linear` stay FP8 with their scales, and so do the routed experts
+(`...experts.{j}.up_proj.weight`), which the canonicalization stacks into 3D tensors with their scales stacked
+beside them (`P_scale` [E], `P_scale_inv` [E, row blocks, column blocks]: `layers.fp8_experts`); the fused-MoE
+kernels read them as e4m3 (weight-only), so an expert's static `input_scale` is dropped here. The others are
+dequantized to the model dtype here: `lm_head` (read as a raw weight by the logits and the GEMV kernel), MoE
+routers and Qwen3-Next's interleaved GDN projections (split by the canonicalization, which would separate a block
+scale from its rows).
 
 Kept as fp32 scalars: ModelOpt's FP8 KV-cache scales (`*.k_scale`, `*.v_scale`), which an engine with
 `--kv-cache-dtype fp8` quantizes its KV pool with (`kv_cache_dtype.py`; the engine takes them out of the weights).
 
 Writing (`quantize_for_checkpoint`): every 2D Linear weight except embeddings, `lm_head` and the MoE routers,
-and the NemotronH routed experts (written per expert as the FP8 checkpoints store them), in the format of an
-`FP8Config`; Mamba's conv, A_log, D, dt_bias and the norms are not Linears and stay as they are.
+and the routed experts (written per expert as the FP8 checkpoints store them: NemotronH's `up_proj` / `down_proj`,
+Qwen3.5-MoE's `gate_proj`, `up_proj`, `down_proj`), in the format of an `FP8Config`; Mamba's conv, A_log, D,
+dt_bias and the norms are not Linears and stay as they are.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ from baton.engine.ops.fp8_linear.reference import (
     quantize_blockwise,
     quantize_per_tensor,
 )
+from baton.engine.ops.moe.reference import dequantize_experts
 from baton.engine.quant_config import (
     INPUT_SCALE,
     KV_SCALE_SUFFIXES,
+    STACK_SCALE,
+    STACK_SCALE_INV,
     WEIGHT_SCALE,
     WEIGHT_SCALE_INV,
     FP8Config,
@@ -48,12 +53,14 @@ from baton.engine.weights import canonicalize_names
 logger = logging.getLogger(__name__)
 _SCALES = (WEIGHT_SCALE, WEIGHT_SCALE_INV, INPUT_SCALE)
 # Modules whose FP8 weight is dequantized at load (see the module docstring).
-_DENSE_ONLY = re.compile(r"(\.experts\.|(^|\.)lm_head$|\.(mixer|mlp)\.gate$|\.shared_expert_gate$|\.in_proj_qkvz$"
+_DENSE_ONLY = re.compile(r"((^|\.)lm_head$|\.(mixer|mlp)\.gate$|\.shared_expert_gate$|\.in_proj_qkvz$"
                          r"|\.in_proj_ba$)")
 # Checkpoint (canonical) names never quantized by `quantize_for_checkpoint`.
 _NEVER = re.compile(r"(^model\.embeddings\.weight$|^model\.embed_tokens\.weight$|^lm_head\.weight$"
                     r"|\.(mixer|mlp)\.gate\.weight$|\.shared_expert_gate\.weight$)")
-_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mixer\.experts)\.(?P<proj>up_proj|down_proj)$")
+# A routed expert's module (checkpoint names): weight-only FP8, no activation scale.
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.(mixer|mlp)\.experts)\.(?P<proj>up_proj|gate_up_proj|down_proj)$")
 
 
 def _scale_shape(weight: Tensor, qcfg: FP8Config) -> tuple[int, ...]:
@@ -99,6 +106,8 @@ def prepare_fp8(raw: dict[str, Tensor], qcfg: FP8Config | None, dtype: torch.dty
             if raw[input_name].numel() != 1:
                 raise ValueError(f"weights: '{input_name}' expected one value, got shape {list(raw[input_name].shape)}")
             raw[input_name] = raw[input_name].float().reshape(())
+        if _ROUTED_EXPERT.search(module):
+            raw.pop(input_name, None)
         if _DENSE_ONLY.search(module):
             raw[name] = dequantize(w, scale, qcfg.block_size).to(dtype)
             del raw[scale_name]
@@ -112,11 +121,22 @@ def prepare_fp8(raw: dict[str, Tensor], qcfg: FP8Config | None, dtype: torch.dty
     return raw
 
 
+def stack_of_scale(name: str) -> str | None:
+    """The expert stack a stack scale name belongs to (`P_scale`, `P_scale_inv` -> `P`), else None."""
+    for suffix in (STACK_SCALE_INV, STACK_SCALE):
+        if name.endswith(suffix) and ".experts." in name:
+            return name[:-len(suffix)]
+    return None
+
+
 def is_fp8_sidecar(name: str, state: dict[str, Tensor]) -> bool:
-    """Whether `name` is the scale of an FP8 weight in `state` (canonical names)."""
+    """Whether `name` is the scale of an FP8 weight or expert stack in `state` (canonical names)."""
     module, _, leaf = name.rpartition(".")
-    w = state.get(f"{module}.weight")
-    return leaf in _SCALES and w is not None and w.dtype == FP8_DTYPE
+    w = state.get(f"{module}.weight") if leaf in _SCALES else None
+    stack = stack_of_scale(name)
+    if w is None and stack is not None:
+        w = state.get(stack)
+    return w is not None and w.dtype == FP8_DTYPE
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -136,14 +156,18 @@ def _quantize(module: str, w: Tensor, qcfg: FP8Config) -> dict[str, Tensor]:
 
 def quantize_for_checkpoint(name: str, t: Tensor, qcfg: FP8Config) -> dict[str, Tensor]:
     """Checkpoint tensors for canonical tensor `name` (fp32 value `t`): itself where not `quantizable`, else its FP8
-    weight and scale; fused NemotronH experts [E, out, in] become per-expert `...experts.{j}.{proj}.weight`."""
+    weight and scale; fused experts [E, out, in] become per-expert `...experts.{j}.{proj}.weight` (a Qwen
+    `gate_up_proj` its `gate_proj` and `up_proj` halves)."""
     if not quantizable(name, tuple(t.shape)):
         return {name: t}
     m = _FUSED_EXPERTS.match(name)
     if m:
         out: dict[str, Tensor] = {}
         for j in range(t.shape[0]):
-            out.update(_quantize(f"{m['prefix']}.{j}.{m['proj']}", t[j], qcfg))
+            parts = zip(("gate_proj", "up_proj"), t[j].chunk(2), strict=True) if m["proj"] == "gate_up_proj" else \
+                ((m["proj"], t[j]),)
+            for proj, w in parts:
+                out.update(_quantize(f"{m['prefix']}.{j}.{proj}", w, qcfg))
         return out
     return _quantize(name[:-len(".weight")], t, qcfg)
 
@@ -174,7 +198,9 @@ def dequantize_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, 
     for name, t in state.items():
         if is_fp8_sidecar(name, state):
             continue
-        if t.dtype == FP8_DTYPE:
+        if t.dtype == FP8_DTYPE and t.dim() == 3:
+            t = _dequantize_stack(name, t, state).to(dtype)
+        elif t.dtype == FP8_DTYPE:
             module = name[:-len(".weight")]
             inv = state.get(f"{module}.{WEIGHT_SCALE_INV}")
             scale = inv if inv is not None else state[f"{module}.{WEIGHT_SCALE}"]
@@ -182,6 +208,15 @@ def dequantize_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, 
             t = dequantize(t, scale, block).to(dtype)
         out[name] = t
     return out
+
+
+def _dequantize_stack(name: str, t: Tensor, state: dict[str, Tensor]) -> Tensor:
+    """An FP8 expert stack's fp32 value (its segments each with their scales: `ops.moe.reference`)."""
+    parts = 2 if name.endswith("gate_up_proj") else 1
+    inv = state.get(name + STACK_SCALE_INV)
+    if inv is None:
+        return dequantize_experts(t, state[name + STACK_SCALE], None, parts)
+    return dequantize_experts(t, inv, _block(t[0].chunk(parts)[0], inv[0].chunk(parts)[0]), parts)
 
 
 def _block(weight: Tensor, scale_inv: Tensor) -> tuple[int, int]:

@@ -49,6 +49,7 @@ from baton.engine.config import ATTENTION, MAMBA, MOE, ModelConfig
 from baton.engine.config import MLP as MLP_SYMBOL
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layers.attention import Attention
+from baton.engine.layers.fp8_experts import swap_fp8_experts
 from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.mlp import MLP
 from baton.engine.layers.moe import MoE
@@ -165,7 +166,9 @@ class MTPModule(nn.Module):
         if size > 1:  # this rank's shard (`parallel.shard_weights`)
             state = shard_state_dict(cfg, {k: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, tp.rank, size)
         own = place(cls.mtp_entries(state), device, dtype)
-        swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
+        block = None if cfg.quantization is None else cfg.quantization.block_size
+        swap_fp8_linears(module, own, block)
+        swap_fp8_experts(module, own, block)
         module._check_keys(own)
         module.load_state_dict(own, strict=True, assign=True)
         for m in module.modules():

@@ -33,6 +33,9 @@ MODELOPT, FP8 = "modelopt", "fp8"
 QUANT_METHODS = (MODELOPT, FP8)
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 WEIGHT_SCALE, WEIGHT_SCALE_INV, INPUT_SCALE = "weight_scale", "weight_scale_inv", "input_scale"
+# An FP8 routed-expert stack `P` (3D, named without a `.weight` leaf) keeps its scales as `P_scale` / `P_scale_inv`:
+# a Linear's names with the stack's name in place of `weight` (`layers.fp8_experts`).
+STACK_SCALE, STACK_SCALE_INV = "_scale", "_scale_inv"
 # The KV-cache scales a ModelOpt checkpoint with `kv_cache_quant_algo: FP8` adds to attention layers.
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

@@ -22,6 +22,7 @@ from torch import nn
 from baton.engine.config import ModelConfig
 from baton.engine.forward_batch import ForwardBatch
 from baton.engine.layer_symbols import ATTENTION
+from baton.engine.layers.fp8_experts import swap_fp8_experts
 from baton.engine.layers.fp8_linear import bind_fp8_linears, swap_fp8_linears
 from baton.engine.layers.norms import RMSNorm, pre_norm_stack
 from baton.engine.ops.kernels import Kernels, bind_kernels
@@ -78,7 +79,9 @@ class Qwen3_5MTP(nn.Module):
         if size > 1:  # this rank's shard (`parallel.shard_weights`)
             state = shard_state_dict(cfg, {k: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, tp.rank, size)
         own = place({k[len(MTP_PREFIX):]: v for k, v in state.items() if k.startswith(MTP_PREFIX)}, device, dtype)
-        swap_fp8_linears(module, own, None if cfg.quantization is None else cfg.quantization.block_size)
+        block = None if cfg.quantization is None else cfg.quantization.block_size
+        swap_fp8_linears(module, own, block)
+        swap_fp8_experts(module, own, block)
         expected = set(module.state_dict())
         missing, unexpected = sorted(expected - set(own)), sorted(set(own) - expected)
         if missing or unexpected:

@@ -8,7 +8,9 @@ Canonical names are the ones HF transformers' `NemotronHForCausalLM` uses today 
 The original NemotronH checkpoints use `backbone.` instead of `model.` and store one 2D tensor per expert
 (`mixer.experts.{j}.up_proj.weight`); `canonicalize_names` rewrites both, as HF's
 `conversion_mapping.py` ("nemotron_h": `WeightRenaming("backbone.", "model.")` plus
-`MergeModulelist(dim=0)` of `mixer.experts.*.up_proj.weight` / `mixer.experts.*.down_proj.weight`) does.
+`MergeModulelist(dim=0)` of `mixer.experts.*.up_proj.weight` / `mixer.experts.*.down_proj.weight`) does. An FP8
+checkpoint's per-expert scales are stacked alike, beside their stack (`mixer.experts.up_proj_scale` [E] from each
+expert's `weight_scale`, `..._scale_inv` [E, row blocks, column blocks] from its `weight_scale_inv`).
 
 MTP (multi-token prediction) weights. HF transformers does not load them (`_keys_to_ignore_on_load_unexpected
 = [r"mtp.*"]`); their names come from the serving engines that do:
@@ -35,6 +37,7 @@ import torch
 
 from baton.engine.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from baton.engine.layer_symbols import QWEN3_5
+from baton.engine.weights_experts import STACK_SCALE_SUFFIXES, stack_experts, stack_suffix
 from baton.engine.weights_qwen3_5 import canonicalize_qwen3_5, qwen3_5_weight_shapes
 
 CONFIG_FILE = "config.json"
@@ -47,8 +50,10 @@ FP32_SUFFIXES = ("mixer.gate.weight", "mixer.gate.e_score_correction_bias")
 FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 LEGACY_PREFIX, CANONICAL_PREFIX = "backbone.", "model."
 MTP_PREFIX = "mtp."
-# `...mixer.experts.{j}.up_proj.weight` -> groups (prefix, expert index, projection).
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
+# `...mixer.experts.{j}.up_proj.weight` (or its FP8 scale `.weight_scale` / `.weight_scale_inv`) -> groups (prefix,
+# expert index, projection, leaf).
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mixer\.experts)\.(?P<expert>\d+)\.(?P<proj>up_proj|down_proj)"
+                         r"\.(?P<leaf>weight|weight_scale|weight_scale_inv)$")
 
 
 def _mixer_shapes(cfg: ModelConfig, symbol: str) -> dict[str, tuple[int, ...]]:
@@ -152,39 +157,35 @@ def canonicalize_names(state: Mapping[str, torch.Tensor], cfg: ModelConfig | Non
     `cfg`'s: `weights_qwen3_5.canonicalize_qwen3_5`).
 
     `backbone.X` -> `model.X`; `P.experts.{j}.up_proj.weight` [inter, in] for j = 0..E-1 ->
-    `P.experts.up_proj` [E, inter, in] (same for `down_proj`). Canonical names pass through unchanged.
+    `P.experts.up_proj` [E, inter, in] (same for `down_proj`; FP8 scales `...weight_scale` -> `P.experts.up_proj_scale`,
+    `...weight_scale_inv` -> `..._scale_inv`). Canonical names pass through unchanged.
     """
     if cfg is not None and cfg.family == QWEN3_5:
         return canonicalize_qwen3_5(state, cfg)
     out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in state.items():
         if name.startswith(LEGACY_PREFIX):
             name = CANONICAL_PREFIX + name[len(LEGACY_PREFIX):]
         m = _PER_EXPERT.match(name)
         if m:
-            experts.setdefault((m["prefix"], m["proj"]), {})[int(m["expert"])] = t
+            name = f"{m['prefix']}.{m['proj']}{stack_suffix(m['leaf'])}"
+            experts.setdefault(name, {})[int(m["expert"])] = t
             continue
         if name in out:
             raise ValueError(f"checkpoint: tensor '{name}' appears twice (under its legacy and canonical name)")
         out[name] = t
-    for (prefix, proj), by_index in experts.items():
-        name = f"{prefix}.{proj}"
-        n = max(by_index) + 1
-        missing = [j for j in range(n) if j not in by_index]
-        if missing:
-            raise ValueError(f"checkpoint: per-expert weights of '{name}': expected experts 0..{n - 1}, "
-                             f"missing {missing[:8]}")
+    for name, by_index in experts.items():
         if name in out:
             raise ValueError(f"checkpoint: tensor '{name}' appears both fused and per expert")
-        out[name] = torch.stack([by_index[j] for j in range(n)], dim=0)  # [E, out, in]
+        out[name] = stack_experts(name, by_index)  # [E, out, in] (scales: [E] or [E, row blocks, column blocks])
     return out
 
 
 def _place_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     if t.dtype == torch.float8_e4m3fn:
         return t.dtype  # an FP8 Linear's weight (`layers.fp8_linear`)
-    if name.endswith(FP32_SUFFIXES) or name.endswith(FP8_SCALE_SUFFIXES):
+    if name.endswith(FP32_SUFFIXES + FP8_SCALE_SUFFIXES + STACK_SCALE_SUFFIXES):
         return torch.float32
     return dtype
 
@@ -192,5 +193,5 @@ def _place_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 def place(state: Mapping[str, torch.Tensor], device: str | torch.device,
           dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Move weights to `device` in `dtype`, except the MoE router, which stays fp32 (as the reference keeps it), and
-    FP8 weights and their scales, which keep their float8_e4m3fn and fp32."""
+    FP8 weights and expert stacks and their scales, which keep their float8_e4m3fn and fp32."""
     return {k: v.to(device=device, dtype=_place_dtype(k, v, dtype)) for k, v in state.items()}

@@ -10,6 +10,9 @@ The MTP drafter (`mtp_num_hidden_layers`, HF ignores it; names as vLLM's `Qwen3_
 `mtp.layers.{i}.*` (full-attention decoder layers, named as `model.layers`), `mtp.norm.weight`. MoE layers (`qwen3_5_moe`, `qwen3_next`) hold
 `mlp.gate`, `mlp.experts.gate_up_proj` / `down_proj` (fused, as HF 5.x; per-expert checkpoints are merged),
 `mlp.shared_expert.*` and `mlp.shared_expert_gate`; Qwen3-Next's fused GDN projections are split into Qwen3.5's.
+An FP8 checkpoint's per-expert scales are merged beside their stacks, each expert's gate and up scales kept apart
+(`gate_up_proj_scale` [E, 2], `gate_up_proj_scale_inv` [E, gate's row blocks + up's, column blocks]: the layout
+`ops.moe.reference` describes), `down_proj_scale` [E] / `down_proj_scale_inv` as NemotronH's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import torch
 
 from baton.engine.config import ModelConfig
 from baton.engine.layer_symbols import ATTENTION, GDN, MLP, MOE
+from baton.engine.quant_config import STACK_SCALE
+from baton.engine.weights_experts import stack_experts, stack_suffix
 
 logger = logging.getLogger(__name__)
 
 TEXT_PREFIX, CANONICAL_PREFIX = "model.language_model.", "model."
 VISION_PREFIX = "model.visual."
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.(?P<leaf>weight|weight_scale|weight_scale_inv)$")
 
 
 def _layer_shapes(cfg: ModelConfig, prefix: str, mixer: str, mlp: str) -> dict[str, tuple[int, ...]]:
@@ -98,28 +104,32 @@ def qwen3_5_weight_shapes(cfg: ModelConfig, include_mtp: bool = True) -> dict[st
 
 def _merge_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert `P.experts.{j}.{gate,up,down}_proj.weight` -> `P.experts.gate_up_proj` [E, 2I, H] (each expert's
-    gate rows, then its up rows) and `P.experts.down_proj` [E, H, I], as HF's conversion mapping merges them."""
+    gate rows, then its up rows) and `P.experts.down_proj` [E, H, I], as HF's conversion mapping merges them; FP8
+    scales beside them (module docstring)."""
     out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    experts: dict[tuple[str, str], dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in state.items():
         m = _PER_EXPERT.match(name)
         if m:
-            experts.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["expert"])] = t
+            experts.setdefault((m["prefix"], stack_suffix(m["leaf"])), {}).setdefault(m["proj"], {})[
+                int(m["expert"])] = t
         else:
             out[name] = t
-    for prefix, projs in experts.items():
+    for (prefix, suffix), projs in experts.items():
         n = 1 + max(j for by in projs.values() for j in by)
         for proj in ("gate_proj", "up_proj", "down_proj"):
             missing = [j for j in range(n) if j not in projs.get(proj, {})]
             if missing:
-                raise ValueError(f"checkpoint: per-expert weights of '{prefix}': expected {proj} of experts "
+                raise ValueError(f"checkpoint: per-expert weights of '{prefix}': expected {proj}{suffix} of experts "
                                  f"0..{n - 1}, missing {missing[:8]}")
-        gate_up = [torch.cat([projs["gate_proj"][j], projs["up_proj"][j]]) for j in range(n)]
-        for name, t in ((f"{prefix}.gate_up_proj", torch.stack(gate_up)),
-                        (f"{prefix}.down_proj", torch.stack([projs["down_proj"][j] for j in range(n)]))):
+        # a per-tensor scale per segment ([2] per expert); block grids and weights row after row
+        join = torch.stack if suffix == STACK_SCALE else torch.cat
+        gate_up = {j: join([projs["gate_proj"][j], projs["up_proj"][j]]) for j in range(n)}
+        for name, by_index in ((f"{prefix}.gate_up_proj{suffix}", gate_up),
+                               (f"{prefix}.down_proj{suffix}", projs["down_proj"])):
             if name in out:
                 raise ValueError(f"checkpoint: tensor '{name}' appears both fused and per expert")
-            out[name] = t
+            out[name] = stack_experts(name, by_index)
     return out
 
 

@@ -263,6 +263,40 @@ def _fp8_gemm():
         fp8_linear_blockwise(_g(rows, HIDDEN), w, scale, (128, 128), tiles=tiles)
 
 
+def _moe_cases(fp8: bool):
+    """The fused-MoE path (align, both grouped GEMMs, the top-k sum) at Nemotron-3-Nano's expert shapes (relu2) and
+    Qwen3-Next's (gated SiLU), few experts (the compiled code does not depend on their count), both tilings; `fp8`:
+    e4m3 stacks with per-expert and with 128 x 128 block scales."""
+    from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
+    from baton.engine.ops.moe.kernel import moe_experts_triton
+    from baton.engine.ops.moe.reference import expert_scale_shape
+    from baton.engine.ops.moe.tuning import LARGE, SMALL
+    e = 4
+    for hidden, inter, top_k, gated in ((2688, 1856, 3, False), (2048, 512, 3, True)):
+        up_shape, down_shape = (e, (2 if gated else 1) * inter, hidden), (e, hidden, inter)
+        for block in ((None, (128, 128)) if fp8 else (None,)):
+            kw = {}
+            if fp8:
+                kw = {"w_up_scale": torch.rand(expert_scale_shape(up_shape, block, 2 if gated else 1)),
+                      "w_down_scale": torch.rand(expert_scale_shape(down_shape, block, 1)), "block": block}
+            w_up, w_down = _g(*up_shape), _g(*down_shape)
+            if fp8:
+                w_up, w_down = w_up.to(FP8_DTYPE), w_down.to(FP8_DTYPE)
+            for tiles, t in ((SMALL, 4), (LARGE, 256)):
+                ids = torch.randint(0, e, (t, top_k))
+                weights = _g(t, top_k) if gated else torch.rand(t, top_k)
+                moe_experts_triton(_g(t, hidden), w_up, w_down, ids, weights, activation="silu" if gated else "relu2",
+                                   gated=gated, tiles=tiles, **kw)
+
+
+def _moe():
+    _moe_cases(False)
+
+
+def _moe_fp8():
+    _moe_cases(True)
+
+
 def _scan():
     from baton.engine.ops.chunk_scan.kernel import build_chunk_meta, mamba_chunk_scan_varlen_triton
     starts = [0, 300, 301, 361]  # rows of 300 (three chunks), 1 and 60 tokens
@@ -362,7 +396,7 @@ CASES: dict[str, Callable[[], object]] = {
     "tempered verify": _tempered_verify, "filtered verify": _filtered_verify, "rope": _rope,
     "rope (PDL)": _with_pdl(_rope), "logits process": _logits_process, "logprob topk": _logprob_topk,
     "gdn decode": _gdn_decode, "gdn decode (PDL)": _with_pdl(_gdn_decode), "gdn verify": _gdn_verify,
-    "gdn prefill": _gdn_prefill,
+    "gdn prefill": _gdn_prefill, "moe": _moe, "moe fp8": _moe_fp8,
 }
 
 

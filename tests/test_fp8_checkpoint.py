@@ -95,11 +95,13 @@ def test_written_checkpoint_loads_fp8_and_equals_the_dequantized_model(written, 
     assert state["model.layers.0.mixer.in_proj.weight"].dtype == FP8_DTYPE
     assert state[f"model.layers.3.mixer.q_proj.{scale}"].dtype == torch.float32
     assert state["model.layers.1.mixer.gate.weight"].dtype == torch.float32  # the router: never FP8
-    # the MoE layers take dequantized experts; the shared expert is an FP8 Linear
-    assert state["model.layers.1.mixer.experts.up_proj"].dtype == torch.float32
+    # the routed experts stay FP8 stacks with their scales stacked beside them; the shared expert is an FP8 Linear
+    assert state["model.layers.1.mixer.experts.up_proj"].dtype == FP8_DTYPE
+    assert state[f"model.layers.1.mixer.experts.up_proj{scale[len('weight'):]}"].dtype == torch.float32
     assert state["model.layers.1.mixer.shared_experts.up_proj.weight"].dtype == FP8_DTYPE
     got, fp8_layers = prefill_logits(cfg, state)
-    assert len(fp8_layers) == sum(v.dtype == FP8_DTYPE for k, v in state.items() if not k.startswith("mtp."))
+    assert len(fp8_layers) == sum(v.dtype == FP8_DTYPE and v.dim() == 2 for k, v in state.items()
+                                  if not k.startswith("mtp."))
     want, none = prefill_logits(dataclasses.replace(cfg, quantization=None), dequantize_state(state, torch.float32))
     assert not none and torch.equal(got, want)
     cfg0, state0 = load_checkpoint(written[None])  # and the in-memory quantizer makes the same tensors

@@ -29,8 +29,10 @@ from baton.engine.layers.qwen_moe import QwenSparseMoE
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import build_config, make_model
+from baton.engine.make_model_qwen3_5 import qwen3_5_config
 from baton.engine.ops.fp8_linear.reference import FP8_DTYPE, dequantize
 from baton.engine.ops.kernels import bind_kernels, resolve_kernels
+from baton.engine.ops.moe.reference import dequantize_experts, expert_scale_shape
 from baton.engine.parallel.group import TPGroup
 from baton.engine.parallel.parallel_config import ParallelConfig
 from baton.engine.parallel.shard_config import shard_config
@@ -177,7 +179,9 @@ def _fp8_state(preset: str, block: tuple[int, int] | None, mtp: int = 0, **overr
     ("tiny", (16, 16), 2, {"n_groups": 4}),
     ("tiny", (16, 16), 4, {"n_groups": 4}),   # KV heads replicated: a rank's head is a whole block
     ("tiny", (8, 16), 4, {"n_groups": 4, "num_key_value_heads": 1}),
-    ("tiny-moe", (16, 16), 2, {}),            # shared experts FP8, routed experts dequantized at load
+    ("tiny-moe", (16, 16), 2, {}),            # FP8 routed-expert stacks: [E, row blocks, column blocks] scales cut
+    ("tiny-moe", (8, 16), 4, {"n_groups": 4}),
+    ("tiny-moe", None, 2, {}),                # an expert stack's [E] scales, replicated
     ("tiny", (128, 128), 2, {"n_groups": 4, "hybrid_override_pattern": "*-"}),  # inside one partial block
     ("qwen3.5-tiny", (16, 16), 2, {}),        # in_proj_a/b: a rank's few rows share their checkpoint block
     ("qwen3.5-tiny", (8, 8), 4, {"linear_num_key_heads": 4}),
@@ -187,7 +191,35 @@ def _fp8_state(preset: str, block: tuple[int, int] | None, mtp: int = 0, **overr
 def test_fp8_shards_dequantize_to_the_shards_of_the_dequantized_model(preset, block, tp, overrides):
     """Each rank's FP8 weights and scales (block scales cut with their rows or columns) are its shard of the 16-bit
     model the checkpoint dequantizes to, exactly, MTP layers included."""
-    cfg, state = _fp8_state(preset, block, mtp=1, **overrides)
+    _check_fp8_shards(*_fp8_state(preset, block, mtp=1, **overrides), block, tp)
+
+
+@pytest.mark.parametrize("inter, block", [(8, (16, 16)), (24, (4, 4)), (24, (8, 4)), (24, None)])
+def test_fp8_qwen_moe_gated_stacks_shard_with_each_segments_scales(inter, block):
+    """Qwen3.5-MoE's gated expert stacks (no preset has them) on two ranks: the checkpoint's up rows start a block grid
+    of their own (I = 8 in 16 x 16 blocks: each segment one partial block, the up rows' scales not the gate's; I = 24
+    in 4 x 4: whole blocks; 8 x 4: refused, rank 1's first block of gate rows would take rows of two checkpoint
+    blocks)."""
+    tp = 2
+    d = {**qwen3_5_config("qwen3.5-tiny", {}), "model_type": "qwen3_5_moe_text", "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": inter, "shared_expert_intermediate_size": 64}
+    cfg = ModelConfig.from_hf_dict(d)
+    g = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(s, generator=g) for n, s in expected_weight_shapes(cfg).items()}
+    qcfg = FP8Config(FP8 if block else "modelopt", block, "dynamic" if block else "static",
+                     tuple(unquantized_linears({n: tuple(t.shape) for n, t in state.items()})))
+    cfg, state = quantize_state(cfg, state, qcfg, torch.float32)
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dtype == FP8_DTYPE
+    if block == (8, 4):
+        with pytest.raises(ValueError, match=r"block-scaled FP8 'model\.layers\.0\.mlp\.experts\.gate_up_proj': "
+                                             r"expected each 8 rows"):
+            shard_state_dict(cfg, state, 1, tp)
+        return
+    _check_fp8_shards(cfg, state, block, tp)
+
+
+def _check_fp8_shards(cfg: ModelConfig, state: dict[str, torch.Tensor], block: tuple[int, int] | None,
+                      tp: int) -> None:
     assert any(t.dtype == FP8_DTYPE for t in state.values())
     whole = dequantize_state(state, torch.float32)
     local = shard_config(cfg, tp)
@@ -195,7 +227,12 @@ def test_fp8_shards_dequantize_to_the_shards_of_the_dequantized_model(preset, bl
         got = shard_state_dict(cfg, state, rank, tp)
         for name, t in shard_state_dict(cfg, whole, rank, tp).items():
             w = got[name]
-            if w.dtype == FP8_DTYPE:
+            if w.dtype == FP8_DTYPE and w.dim() == 3:  # an expert stack (a gated one in two segments)
+                parts = 2 if name.endswith("gate_up_proj") else 1
+                scale = got.get(f"{name}_scale_inv", got.get(f"{name}_scale"))
+                assert scale.shape == expert_scale_shape(tuple(w.shape), block, parts), name
+                w = dequantize_experts(w, scale, block, parts)
+            elif w.dtype == FP8_DTYPE:
                 module = name[:-len(".weight")]
                 scale = got.get(f"{module}.weight_scale_inv", got.get(f"{module}.weight_scale"))
                 assert block is None or scale.shape == (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))

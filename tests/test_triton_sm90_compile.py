@@ -37,15 +37,18 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     outs = [p.communicate(timeout=900) for p in procs]
     stdout = "".join(o for o, _ in outs)
     assert all(p.returncode == 0 for p in procs), stdout[-6000:] + "".join(e for _, e in outs)[-3000:]
-    assert "14 of 14 cases compiled for sm_90" in outs[0][0] and "14 of 14 cases compiled for sm_90" in outs[1][0]
+    assert "15 of 15 cases compiled for sm_90" in outs[0][0] and "15 of 15 cases compiled for sm_90" in outs[1][0]
     # The GPU-only variants were built: 16-bit dots, PDL launches, split-K decode attention and its merge.
     for kernel in ("_paged_attention_kernel", "_combine_splits_kernel", "_conv_varlen_rows_kernel", "_ssd_output_kernel",
                    "_ssu_verify_kernel", "_gemv_row_kernel", "_chain_inputs_kernel",
                    "_tempered_verify_kernel", "_rope_kernel", "_process_kernel", "_min_p_kernel", "_slice_kernel",
                    "_pack_kernel", "_block_fp8_gemm", "_act_quant_kernel", "_gdn_decode_kernel", "_gdn_verify_kernel",
-                   "_wy_solve_kernel", "_wy_wu_kernel", "_wy_scan_kernel", "_wy_state_kernel", "_wy_output_kernel"):
+                   "_wy_solve_kernel", "_wy_wu_kernel", "_wy_scan_kernel", "_wy_state_kernel", "_wy_output_kernel",
+                   "_moe_gemm_kernel", "_place_kernel", "_sum_rows_kernel"):
         assert kernel in stdout
     assert "'NATIVE_DOT': True" in stdout and "'PDL': True" in stdout
+    # The fused MoE's grouped GEMM on FP8 stacks, both scale kinds, beside its 16-bit build.
+    assert all(f"'WSCALE': {w}" in stdout for w in (0, 1, 2))
 
 
 def test_a_kernel_that_only_the_interpreter_runs_fails_here(tmp_path):

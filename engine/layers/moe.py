@@ -2,7 +2,8 @@
 
 The routing math and the routed experts live in `ops.moe` (`route_sigmoid_grouped`, this engine's `moe_experts`:
 the torch reference on CPU, the fused-MoE kernels on CUDA); the shared expert and the latent projections stay
-ordinary linears."""
+ordinary linears (FP8Linears where the checkpoint stores them in FP8). The routed experts of an FP8 checkpoint stay
+FP8 with their scales (`layers.fp8_experts`), which both paths take."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from baton.engine.config import ModelConfig
+from baton.engine.layers.fp8_experts import ExpertStacks
 from baton.engine.layers.mlp import MLP, activation
 from baton.engine.ops.kernels import Kernels
 from baton.engine.ops.moe.reference import route_sigmoid_grouped
@@ -30,7 +32,8 @@ class TopkRouter(nn.Module):
                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
-class Experts(nn.Module):
+class Experts(ExpertStacks):
+    STACKS = (("up_proj", 1), ("down_proj", 1))
     # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
     kernels: Kernels | None = None
 
@@ -43,7 +46,9 @@ class Experts(nn.Module):
         self.act_name = cfg.mlp_hidden_act
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.kernels.moe_experts(x, self.up_proj, self.down_proj, idx, weights, activation=self.act_name)
+        return self.kernels.moe_experts(x, self.up_proj, self.down_proj, idx, weights, activation=self.act_name,
+                                        w_up_scale=self.scale("up_proj"), w_down_scale=self.scale("down_proj"),
+                                        block=self.block)
 
 
 class MoE(nn.Module):

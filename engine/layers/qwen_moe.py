@@ -7,6 +7,8 @@ linears.
 Parameter names mirror HF transformers 5.x (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, H] with each
 expert's gate rows before its up rows, `mlp.experts.down_proj` [E, H, I], `mlp.shared_expert.*`,
 `mlp.shared_expert_gate.weight`). Router probabilities are fp32 and the weights are cast to the hidden dtype, as HF.
+The routed experts of an FP8 checkpoint stay FP8 with their scales (`layers.fp8_experts`: the gate rows and the up
+rows of `gate_up_proj` each with their own, as the per-expert checkpoints quantize them).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import torch
 from torch import nn
 
 from baton.engine.config import ModelConfig
+from baton.engine.layers.fp8_experts import ExpertStacks
 from baton.engine.layers.gated_mlp import GatedMLP
 from baton.engine.ops.kernels import Kernels
 from baton.engine.ops.moe.reference import route_softmax
 
 
-class _Experts(nn.Module):
+class _Experts(ExpertStacks):
+    STACKS = (("gate_up_proj", 2), ("down_proj", 1))
+
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
@@ -42,7 +47,9 @@ class QwenSparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         experts, weights = route_softmax(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k]
-        out = self.kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, experts,
-                                       weights.to(x.dtype), activation="silu", gated=True)
+        e = self.experts
+        out = self.kernels.moe_experts(x, e.gate_up_proj, e.down_proj, experts, weights.to(x.dtype), activation="silu",
+                                       gated=True, w_up_scale=e.scale("gate_up_proj"), w_down_scale=e.scale("down_proj"),
+                                       block=e.block)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared

@@ -10,8 +10,8 @@ prefill chunked scan, the norms (a residual add fused into the next one), the ML
 the op before a linear layer fused in (`fused_linear`), a chained verify step's inputs and the speculative
 sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`), the
 sampling extras (`process_logits`: logit_bias, min_tokens, the penalties and min_p; `logprob_pack`), and the
-routed experts of both MoE layers (`moe_experts`: NemotronH's and Qwen3.5-MoE's, fused-MoE grouped GEMMs; the
-routing stays torch ops on both paths). The Gated
+routed experts of both MoE layers (`moe_experts`: NemotronH's and Qwen3.5-MoE's, fused-MoE grouped GEMMs on 16-bit
+or FP8 expert weights; the routing stays torch ops on both paths). The Gated
 DeltaNet ops (decode, verify by replay, chunked varlen prefill), its norm-then-gate and Qwen3.5's RoPE have kernels.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.

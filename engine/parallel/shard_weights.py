@@ -7,9 +7,10 @@ is split segment by segment, each segment per head or group, and the depthwise c
 segments. A row-parallel bias is kept on rank 0 only (zeros elsewhere), since the block's all-reduce sums every
 rank's output. Everything else (norms, routers, the MTP fusion projection) is replicated.
 
-FP8 weights shard as their 16-bit twins do. A per-tensor scale (and a static input scale) is replicated; a block
-scale (`weight_scale_inv`, one per `weight_block_size` block) keeps the checkpoint block of each of the rank's
-blocks, which exists only where each rank block's channels lie in one checkpoint block: a split that cuts a
+FP8 weights shard as their 16-bit twins do, routed-expert stacks included. A per-tensor scale (and a static input
+scale; an expert stack's `[E]` / `[E, 2]` scales) is replicated; a block scale (`weight_scale_inv`, an expert
+stack's `P_scale_inv`, one per `weight_block_size` block; a gated stack's gate and up rows each with their own grid)
+keeps the checkpoint block of each of the rank's blocks, which exists only where each rank block's channels lie in one checkpoint block: a split that cuts a
 checkpoint block between two of a rank's blocks is refused naming the weight (the rank's values would need
 requantizing, which would make TP > 1 compute something else than TP = 1).
 
@@ -26,7 +27,7 @@ import torch
 
 from baton.engine.config import ModelConfig
 from baton.engine.parallel.vocab import shard_rows
-from baton.engine.quant_config import WEIGHT_SCALE_INV
+from baton.engine.quant_config import STACK_SCALE_INV
 
 VOCAB_NAMES = ("model.embeddings.weight", "model.embed_tokens.weight", "lm_head.weight")
 
@@ -143,24 +144,35 @@ RULES: dict[str, Rule] = {
 RANK0_BIASES = ("mixer.out_proj.bias", "mixer.down_proj.bias", "mixer.shared_experts.down_proj.bias",
                 "mixer.fc2_latent_proj.bias")
 BLOCK_MODULES = (".mixer.", ".self_attn.", ".linear_attn.", ".mlp.")
-_SCALE_INV_SUFFIX = "_" + WEIGHT_SCALE_INV.split("_", 1)[1]  # "weight_scale_inv" -> "weight" + this
 
 
-def _block_scale(weight_name: str, take: Take, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def _block_ids(index: torch.Tensor, size: int, parts: int, b: int) -> torch.Tensor:
+    """The scale grid's block of each channel `index` of a dim of `size` channels in `parts` equal segments, each
+    segment with its own grid (a gated expert stack's gate rows, then its up rows: `ops.moe.reference`)."""
+    seg = size // parts
+    return (index // seg) * -(-seg // b) + (index % seg) // b
+
+
+def _block_scale(weight_name: str, take: Take, scale: torch.Tensor, block: tuple[int, int], size: int,
+                 parts: int) -> torch.Tensor:
     """The rank's rows (or columns) of a block scale grid (an expert stack's: [E, rows, columns]): each of its
-    blocks' checkpoint block, which must be one."""
+    blocks' checkpoint block, which must be one. `size`: the weight's channels along the cut dim; `parts`: its
+    segments with their own grids."""
     columns = take.dim == scale.dim() - 1
     b = block[1] if columns else block[0]
     index = take.index()
+    mine = _block_ids(torch.arange(len(index)), len(index), parts, b)  # the rank's block of each of its channels
+    theirs = _block_ids(index, size, parts, b)  # the checkpoint's
     first = []
-    for j, chunk in enumerate((index // b).split(b)):
+    for j in range(int(mine.max()) + 1):
+        rows = (mine == j).nonzero().flatten()
+        chunk = theirs[rows]
         if bool((chunk != chunk[0]).any()):
             what = "columns" if columns else "rows"
-            end = min((j + 1) * b, len(index)) - 1
             raise ValueError(f"tensor parallel shard of block-scaled FP8 '{weight_name}': expected each {b} {what} "
                              f"of a rank's shard to lie in one checkpoint block (weight_block_size {list(block)}), "
-                             f"got its {what} {j * b}..{end} from checkpoint blocks {sorted(set(chunk.tolist()))}; "
-                             f"a tensor_parallel_size whose shards are whole blocks "
+                             f"got its {what} {int(rows[0])}..{int(rows[-1])} from checkpoint blocks "
+                             f"{sorted(set(chunk.tolist()))}; a tensor_parallel_size whose shards are whole blocks "
                              f"loads it")
         first.append(int(chunk[0]))
     return scale.index_select(take.dim, torch.tensor(first))
@@ -179,15 +191,18 @@ def _shard(cfg: ModelConfig, state: Mapping[str, torch.Tensor], name: str, t: to
     rule = RULES.get(key)
     if rule is not None:
         return rule(t.shape, cfg, rank, tp).apply(t)
-    weight_name = name[:-len(_SCALE_INV_SUFFIX)]
-    rule = RULES.get(key[:-len(_SCALE_INV_SUFFIX)]) if name.endswith(WEIGHT_SCALE_INV) else None
+    # `P.weight_scale_inv` is `P.weight`'s block scale, an expert stack's `P_scale_inv` stack `P`'s
+    weight_name = name[:-len(STACK_SCALE_INV)]
+    rule = RULES.get(key[:-len(STACK_SCALE_INV)]) if name.endswith(STACK_SCALE_INV) else None
     if rule is None or weight_name not in state:
         return t  # replicated (a per-tensor or input scale among them)
     if cfg.quantization is None or cfg.quantization.block_size is None:
         raise ValueError(f"tensor parallel shard: '{name}' is a block scale, expected a quantization_config with "
                          f"weight_block_size, got {cfg.quantization!r}")
-    take = rule(state[weight_name].shape, cfg, rank, tp)
-    return _block_scale(weight_name, take, t, cfg.quantization.block_size)
+    shape = state[weight_name].shape
+    take = rule(shape, cfg, rank, tp)
+    parts = 2 if rule is _expert_gate_up and take.dim == 1 else 1
+    return _block_scale(weight_name, take, t, cfg.quantization.block_size, shape[take.dim], parts)
 
 
 def shard_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], rank: int, tp: int

@@ -17,9 +17,19 @@ Every grid and buffer size follows from T, top_k, E and the tiles alone (blocks 
 device, return at once): no host reads, so a CUDA graph holds the whole path and replays it with other routing.
 16-bit inputs take native tl.dot (bf16 / fp16 MMA, fp32 accumulate); fp32 inputs, and all inputs under Triton's
 interpreter (whose tl.dot takes no 16-bit operands), take tl.dot in IEEE fp32.
+
+FP8 experts (weight-only, W8A16: float8_e4m3fn stacks with fp32 scales, laid out as `reference.py` says): each
+program loads its expert's e4m3 weight tiles (half the bytes of a 16-bit stack: decode is bound by them) and
+dequantizes them in registers before the same tl.dot, as the FP8 GEMV does (`ops.linear.kernel`). Per-tensor scales
+(WSCALE 1): the tile converts exactly to x's dtype and the expert's scale multiplies the fp32 sums (gated: the gate's
+and the up's each theirs) before the activation. Block scales (WSCALE 2): the tile times its columns' scales, rounded
+once to x's dtype, as the reference's dequantized weight; BLOCK_K is cut to divide the scale block's K so that no K
+tile crosses a scale block, and the scale is indexed per column, so BLOCK_N needs no such fit.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,12 +48,25 @@ _GATED_SILU = 4
 
 
 @triton.jit
+def _weight_tile(b, sc_ptr, sc_cols, n_mask, k0, dtype: tl.constexpr, WSCALE: tl.constexpr, SCALE_K: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile in `dtype`: 16-bit as loaded; per-tensor FP8 converted exactly (its scale
+    multiplies the sums); block-wise FP8 times each column's scale of the K block k0 lies in, rounded once."""
+    if WSCALE == 2:
+        sc = tl.load(sc_ptr + sc_cols + k0 // SCALE_K, mask=n_mask, other=0.0)
+        b = round_to(b.to(tl.float32) * sc[None, :], dtype)
+    elif WSCALE == 1:
+        b = b.to(dtype)
+    return b
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ids_ptr, total_ptr, weights_ptr,
-    N, K, num_rows, gate_offset,
-    s_a_m, s_w_e, s_w_n, s_w_k, s_c_m,
+    a_ptr, w_ptr, c_ptr, sorted_ptr, expert_ids_ptr, total_ptr, weights_ptr, sc_ptr,
+    N, K, num_rows, gate_offset, sc_up,
+    s_a_m, s_w_e, s_w_n, s_w_k, s_c_m, s_sc_e, s_sc_n,
     TOP_K: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, ACT: tl.constexpr, WEIGHTED: tl.constexpr,
     NATIVE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WSCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -62,24 +85,35 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * s_a_m + offs_k[None, :]
     b_ptrs = w_ptr + expert * s_w_e + offs_n.to(tl.int64)[None, :] * s_w_n + offs_k[:, None] * s_w_k
+    dtype = a_ptr.dtype.element_ty
+    # FP8 scales of this expert: per tensor its one (gated: the up's sc_up further); per block each column's row of
+    # the scale grid (gated: the up segment's grid starts sc_up further)
+    sc_expert = sc_ptr + expert * s_sc_e
+    sc_cols = (offs_n // SCALE_N).to(tl.int64) * s_sc_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # gated only (the up rows' tile)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        b = _weight_tile(b, sc_expert, sc_cols, n_mask, k0, dtype, WSCALE, SCALE_K)
         if NATIVE_DOT:
             acc = tl.dot(a, b, acc)
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         if ACT == 4:
             b_up = tl.load(b_ptrs + gate_offset * s_w_n, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            b_up = _weight_tile(b_up, sc_expert + sc_up, sc_cols, n_mask, k0, dtype, WSCALE, SCALE_K)
             if NATIVE_DOT:
                 acc_up = tl.dot(a, b_up, acc_up)
             else:
                 acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * s_w_k
+    if WSCALE == 1:
+        acc = acc * tl.load(sc_expert)
+        if ACT == 4:
+            acc_up = acc_up * tl.load(sc_expert + sc_up)
     if ACT == 1:
         acc = tl.where(acc < 0.0, 0.0, acc)
         acc = acc * acc
@@ -110,27 +144,68 @@ def _sum_rows_kernel(rows_ptr, out_ptr, d, TOP_K: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + t * d + offs, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclass(frozen=True)
+class _Scales:
+    """One stack's FP8 scale arguments: WSCALE (0 16-bit, 1 per tensor, 2 per block), the fp32 scales, their expert
+    and row strides, the up segment's offset (gated), the block."""
+
+    wscale: int
+    scale: Tensor
+    s_e: int
+    s_n: int
+    up: int
+    block: tuple[int, int]
+
+
+def _scales(scale: Tensor | None, block: tuple[int, int] | None, parts: int, placeholder: Tensor) -> _Scales:
+    if scale is None:
+        return _Scales(0, placeholder, 0, 0, 0, (1, 1))
+    sc = scale.float().contiguous()
+    if block is None:  # [E] or gated [E, 2]
+        return _Scales(1, sc, parts, 0, 1 if parts == 2 else 0, (1, 1))
+    # [E, parts * rows per segment, K blocks]: the up segment's grid starts half-way down
+    return _Scales(2, sc, sc.stride(0), sc.stride(1), (sc.shape[1] // parts) * sc.stride(1), block)
+
+
+def _block_k(tiles: MoeTiles, sc: _Scales) -> int:
+    """The K tile: the tiles', cut to divide a block scale's K (no tile crosses a scale block)."""
+    if sc.wscale != 2:
+        return tiles.block_k
+    k = sc.block[1]
+    fit = k & -k  # the largest power of two dividing the block's K
+    if fit < 16:
+        raise ValueError(f"moe_experts_triton: block expected a K size divisible by 16 (tl.dot's smallest K tile), "
+                         f"got {sc.block}")
+    return min(tiles.block_k, fit)
+
+
 def _gemm(a: Tensor, w: Tensor, c: Tensor, align: tuple[Tensor, Tensor, Tensor], weights: Tensor, n_cols: int,
-          num_rows: int, top_k: int, act: int, gather: bool, tiles: MoeTiles) -> None:
+          num_rows: int, top_k: int, act: int, gather: bool, tiles: MoeTiles, sc: _Scales) -> None:
     sorted_ids, expert_ids, total = align
     grid = (expert_ids.numel(), cdiv(n_cols, tiles.block_n))
     _moe_gemm_kernel[grid](
-        a, w, c, sorted_ids, expert_ids, total, weights, n_cols, a.shape[1], num_rows, n_cols,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        a, w, c, sorted_ids, expert_ids, total, weights, sc.scale, n_cols, a.shape[1], num_rows, n_cols, sc.up,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0), sc.s_e, sc.s_n,
         TOP_K=top_k, GATHER=gather, SCATTER=not gather, ACT=act, WEIGHTED=not gather,
         NATIVE_DOT=a.dtype != torch.float32 and not interpreted(),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(tiles, sc),
+        WSCALE=sc.wscale, SCALE_N=sc.block[0], SCALE_K=sc.block[1],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def moe_experts_triton(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor, *,
-                       activation: str = "relu2", gated: bool = False, tiles: MoeTiles | None = None) -> Tensor:
-    """The routed experts of `reference.moe_experts_reference` (same arguments), on the fused-MoE kernels: [T, d_out]
-    in x's dtype. `tiles` overrides `tuning.moe_tiles` (the tests' choice)."""
-    inter = check_moe_shapes("moe_experts_triton", x, w_up, w_down, topk_ids, topk_weights, activation, gated)
-    if x.dtype not in _FLOAT_DTYPES or w_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise TypeError(f"moe_experts_triton: x, w_up, w_down expected one dtype of {_FLOAT_DTYPES}, got "
-                        f"{x.dtype}, {w_up.dtype}, {w_down.dtype}")
+                       activation: str = "relu2", gated: bool = False, tiles: MoeTiles | None = None,
+                       w_up_scale: Tensor | None = None, w_down_scale: Tensor | None = None,
+                       block: tuple[int, int] | None = None) -> Tensor:
+    """The routed experts of `reference.moe_experts_reference` (same arguments, FP8 stacks with their scales
+    included), on the fused-MoE kernels: [T, d_out] in x's dtype. `tiles` overrides `tuning.moe_tiles` (the tests'
+    choice)."""
+    inter = check_moe_shapes("moe_experts_triton", x, w_up, w_down, topk_ids, topk_weights, activation, gated,
+                             w_up_scale, w_down_scale, block)
+    if x.dtype not in _FLOAT_DTYPES or any(w.dtype != x.dtype for w, s in ((w_up, w_up_scale), (w_down, w_down_scale))
+                                           if s is None):
+        raise TypeError(f"moe_experts_triton: x, w_up, w_down expected one dtype of {_FLOAT_DTYPES} (or FP8 weights "
+                        f"with their scales), got {x.dtype}, {w_up.dtype}, {w_down.dtype}")
     if not gated and activation not in _ACT:
         raise ValueError(f"moe_experts_triton: activation expected one of {tuple(_ACT)}, got {activation!r}")
     t, top_k = topk_ids.shape
@@ -146,8 +221,10 @@ def moe_experts_triton(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor
     weights = topk_weights.contiguous()
     align = moe_align_triton(topk_ids, num_experts, tiles.block_m)
     h = torch.empty(align[0].numel(), inter, dtype=x.dtype, device=x.device)  # the activation, by sorted position
-    _gemm(x, w_up, h, align, weights, inter, num_rows, top_k, _GATED_SILU if gated else _ACT[activation], True, tiles)
+    _gemm(x, w_up, h, align, weights, inter, num_rows, top_k, _GATED_SILU if gated else _ACT[activation], True, tiles,
+          _scales(w_up_scale, block, 2 if gated else 1, weights))
     rows = torch.empty(num_rows, d_out, dtype=x.dtype, device=x.device)  # weighted, by (token, slot)
-    _gemm(h, w_down, rows, align, weights, d_out, num_rows, top_k, 0, False, tiles)
+    _gemm(h, w_down, rows, align, weights, d_out, num_rows, top_k, 0, False, tiles,
+          _scales(w_down_scale, block, 1, weights))
     _sum_rows_kernel[(t, cdiv(d_out, SUM_BLOCK))](rows, out, d_out, TOP_K=top_k, BLOCK=SUM_BLOCK, num_warps=4)
     return out

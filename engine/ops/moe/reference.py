@@ -8,6 +8,13 @@ stable in row order, each expert's rows padded to a multiple of `block_m`, into 
 (`max_padded_rows`). `moe_experts_reference` runs each expert's rows through up, the activation and down, scales
 each row by its routing weight (fp32, rounded to x's dtype, as the kernel stores it) and sums each token's top-k
 rows in fp32. It reads the expert segments on the host (one sync), which the kernels never do.
+
+FP8 experts (weight-only, float8_e4m3fn stacks with fp32 scales, `layers.fp8_experts`): a stack's rows are `parts`
+equal segments (2 for a gated `[E, 2I, d]` stack: the gate rows and the up rows, quantized apart as the checkpoints
+store them; else 1), each with its own scales: one per expert and segment (`[E]`, gated `[E, 2]`), or one per
+(block[0], block[1]) block of each segment (`[E, parts * ceil(rows / parts / block[0]), ceil(cols / block[1])]`).
+The reference dequantizes each expert it runs to fp32 and rounds it once to x's dtype: what the model whose
+checkpoint held the dequantized experts computes, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ import torch
 from torch import Tensor
 
 from baton.engine.ops.act.reference import relu2_reference
+from baton.engine.ops.fp8_linear.reference import (
+    FP8_DTYPE,
+    dequantize,
+    quantize_blockwise,
+    quantize_per_tensor,
+)
 
 ACTIVATIONS = ("relu2", "relu", "silu", "gelu")
 
@@ -56,8 +69,60 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     return num_rows + min(num_experts, num_rows) * (block_m - 1)
 
 
+def expert_scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None, parts: int) -> tuple[int, ...]:
+    """The scales' shape of an FP8 expert stack of `shape` [E, rows, cols] in `parts` segments (module docstring)."""
+    e, n, k = shape
+    if block is None:
+        return (e,) if parts == 1 else (e, parts)
+    return e, parts * -(-(n // parts) // block[0]), -(-k // block[1])
+
+
+def check_expert_scale(fn: str, name: str, w: Tensor, scale: Tensor | None, block: tuple[int, int] | None,
+                       parts: int) -> None:
+    """An FP8 stack has its scales of `expert_scale_shape`, a 16-bit one none (ValueError: expected vs got)."""
+    if (w.dtype == FP8_DTYPE) != (scale is not None):
+        raise ValueError(f"{fn}: {name}_scale expected with (and only with) a {FP8_DTYPE} {name}, got a {w.dtype} "
+                         f"{name} and {'no' if scale is None else 'a'} {name}_scale")
+    if scale is None:
+        return
+    if block is not None and (len(block) != 2 or min(block) <= 0):
+        raise ValueError(f"{fn}: block expected two positive sizes, got {block}")
+    want = expert_scale_shape(tuple(w.shape), block, parts)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{fn}: {name}_scale expected shape {want} for {name} {tuple(w.shape)} and block {block}, "
+                         f"got {tuple(scale.shape)}")
+    if scale.device != w.device:
+        raise ValueError(f"{fn}: {name}_scale on {scale.device}, {name} on {w.device}")
+
+
+def dequantize_expert(w: Tensor, scale: Tensor, block: tuple[int, int] | None, parts: int) -> Tensor:
+    """One expert's fp32 weight [rows, cols] of its e4m3 `w` and its scales (`scale[e]` of the stack's)."""
+    scales = scale.reshape(parts) if block is None else scale.chunk(parts, 0)
+    return torch.cat([dequantize(q, s, block) for q, s in zip(w.chunk(parts, 0), scales, strict=True)])
+
+
+def quantize_experts(w: Tensor, block: tuple[int, int] | None, parts: int) -> tuple[Tensor, Tensor]:
+    """(e4m3 stack, scales) of a 16/32-bit stack [E, rows, cols]: each expert's segments quantized apart, as the
+    checkpoints store them (the tests' and the benchmark's FP8 experts)."""
+    qs, scales = [], []
+    for e in range(w.shape[0]):
+        pieces = [quantize_per_tensor(seg) if block is None else quantize_blockwise(seg, block)
+                  for seg in w[e].chunk(parts, 0)]
+        qs.append(torch.cat([q for q, _ in pieces]))
+        scales.append(torch.stack([s for _, s in pieces]).reshape(-1) if block is None
+                      else torch.cat([s for _, s in pieces]))
+    scale = torch.stack(scales)
+    return torch.stack(qs), scale.reshape(-1) if parts == 1 and block is None else scale
+
+
+def dequantize_experts(w: Tensor, scale: Tensor, block: tuple[int, int] | None, parts: int) -> Tensor:
+    """The whole fp32 stack [E, rows, cols] (`dequantize_expert` of each expert)."""
+    return torch.stack([dequantize_expert(w[e], scale[e], block, parts) for e in range(w.shape[0])])
+
+
 def check_moe_shapes(fn: str, x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                     activation: str, gated: bool) -> int:
+                     activation: str, gated: bool, w_up_scale: Tensor | None = None,
+                     w_down_scale: Tensor | None = None, block: tuple[int, int] | None = None) -> int:
     """Validate the experts' arguments (ValueError: expected vs got); returns the intermediate size I."""
     if x.dim() != 2:
         raise ValueError(f"{fn}: x expected 2 dims [T, d_in], got shape {tuple(x.shape)}")
@@ -77,6 +142,10 @@ def check_moe_shapes(fn: str, x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids:
     if activation not in ACTIVATIONS or (gated and activation != "silu"):
         raise ValueError(f"{fn}: activation expected one of {ACTIVATIONS} (gated: silu), got {activation!r}"
                          f" with gated={gated}")
+    check_expert_scale(fn, "w_up", w_up, w_up_scale, block, 2 if gated else 1)
+    check_expert_scale(fn, "w_down", w_down, w_down_scale, block, 1)
+    if block is not None and w_up_scale is None and w_down_scale is None:
+        raise ValueError(f"{fn}: block expected None without FP8 weights, got {block}")
     return inter
 
 
@@ -115,13 +184,22 @@ def _activate(h: Tensor, activation: str, gated: bool) -> Tensor:
     return {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[activation](h)
 
 
+def _expert(w: Tensor, scale: Tensor | None, e: int, block: tuple[int, int] | None, parts: int,
+            dtype: torch.dtype) -> Tensor:
+    return w[e] if scale is None else dequantize_expert(w[e], scale[e], block, parts).to(dtype)
+
+
 def moe_experts_reference(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor, *,
-                          activation: str = "relu2", gated: bool = False, block_m: int = 16) -> Tensor:
+                          activation: str = "relu2", gated: bool = False, block_m: int = 16,
+                          w_up_scale: Tensor | None = None, w_down_scale: Tensor | None = None,
+                          block: tuple[int, int] | None = None) -> Tensor:
     """sum_j topk_weights[t, j] * down_e(act(up_e(x[t]))) for e = topk_ids[t, j]: [T, d_out] in x's dtype.
 
     x [T, d_in]; w_up [E, I, d_in] (gated: [E, 2I, d_in], gate rows then up rows); w_down [E, d_out, I];
-    topk_ids [T, top_k] (ints in [0, E)); topk_weights [T, top_k] (any float dtype)."""
-    check_moe_shapes("moe_experts_reference", x, w_up, w_down, topk_ids, topk_weights, activation, gated)
+    topk_ids [T, top_k] (ints in [0, E)); topk_weights [T, top_k] (any float dtype). FP8 stacks come with their
+    `w_up_scale` / `w_down_scale` (per expert, or per `block`: module docstring); each expert run is dequantized."""
+    check_moe_shapes("moe_experts_reference", x, w_up, w_down, topk_ids, topk_weights, activation, gated,
+                     w_up_scale, w_down_scale, block)
     t, top_k = topk_ids.shape
     num_experts = w_up.shape[0]
     n = t * top_k
@@ -134,8 +212,9 @@ def moe_experts_reference(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Ten
         for e, c in enumerate(counts):
             if c:
                 r = sorted_ids[start:start + c].long()  # this expert's rows, in increasing r
-                h = _activate(torch.nn.functional.linear(x[r // top_k], w_up[e]), activation, gated)
-                y = torch.nn.functional.linear(h, w_down[e])
+                up = _expert(w_up, w_up_scale, e, block, 2 if gated else 1, x.dtype)
+                h = _activate(torch.nn.functional.linear(x[r // top_k], up), activation, gated)
+                y = torch.nn.functional.linear(h, _expert(w_down, w_down_scale, e, block, 1, x.dtype))
                 rows[r] = (y.float() * weights[r, None]).to(x.dtype)
             start += (c + block_m - 1) // block_m * block_m
     return rows.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
