@@ -10,9 +10,9 @@ rank's output. Everything else (norms, routers, the MTP fusion projection) is re
 FP8 weights shard as their 16-bit twins do, routed-expert stacks included. A per-tensor scale (and a static input
 scale; an expert stack's `[E]` / `[E, 2]` scales) is replicated; a block scale (`weight_scale_inv`, an expert
 stack's `P_scale_inv`, one per `weight_block_size` block; a gated stack's gate and up rows each with their own grid)
-keeps the checkpoint block of each of the rank's blocks, which exists only where each rank block's channels lie in one checkpoint block: a split that cuts a
-checkpoint block between two of a rank's blocks is refused naming the weight (the rank's values would need
-requantizing, which would make TP > 1 compute something else than TP = 1).
+keeps the checkpoint block of each of the rank's blocks, which exists only where each rank block's channels lie in
+one checkpoint block: a split that cuts a checkpoint block between two of a rank's blocks is refused naming the
+weight (the rank's values would need requantizing, which would make TP > 1 compute something else than TP = 1).
 
 Invariant: every rank's shards, concatenated per segment in rank order, are the checkpoint's tensor (KV heads
 replicated when fewer than ranks: rank r holds head r * Hkv // tp).
