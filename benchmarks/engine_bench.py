@@ -306,6 +306,11 @@ class Setup:
     def state_bytes(self) -> int:
         return (self.plan.num_slots + 1) * self.plan.slot_bytes
 
+    @property
+    def penalty_bytes(self) -> int:
+        """The penalty tables the plan sets aside beside the pools (`penalty_counts`)."""
+        return (self.plan.num_slots + 1) * self.plan.penalty_bytes
+
 
 def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtype: torch.dtype) -> Setup:
     bs = bc.block_size
@@ -335,11 +340,13 @@ def engine_setup(cfg: ModelConfig, bc: BenchConfig, dtype: torch.dtype, ssm_dtyp
 
 
 def engine_config(setup: Setup, bc: BenchConfig) -> EngineConfig:
-    # cache_memory_bytes is what the pools take; plan_cache derives the same block count from it. No prefix cache: it
-    # would take checkpoints out of that budget and cut the measured prompt chunks, and the prompts share nothing.
+    # cache_memory_bytes is what the pools and the penalty tables take; plan_cache derives the same block count from
+    # it. No prefix cache: it would take checkpoints out of that budget and cut the measured prompt chunks, and the
+    # prompts share nothing.
     return EngineConfig(block_size=bc.block_size, max_num_seqs=setup.max_num_seqs, enable_prefix_caching=False,
                         max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=setup.max_model_len,
-                        cache_memory_bytes=setup.kv_bytes + setup.state_bytes, ssm_state_dtype=bc.ssm_state_dtype,
+                        cache_memory_bytes=setup.kv_bytes + setup.state_bytes + setup.penalty_bytes,
+                        ssm_state_dtype=bc.ssm_state_dtype,
                         device=bc.device, fused_gemv_max_tokens=bc.fused_gemv_max_tokens,
                         mixed_graph_tokens=bc.mixed_graph_tokens, kv_cache_dtype=bc.kv_cache_dtype)
 
@@ -350,7 +357,7 @@ def check_fits(cfg: ModelConfig, setup: Setup, dtype: torch.dtype, device: torch
     torch.cuda.empty_cache()  # the copy and matmul buffers
     weights = sum(math.prod(s) for s in expected_weight_shapes(cfg, include_mtp=False).values()) * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
-    need = weights + setup.kv_bytes + setup.state_bytes
+    need = weights + setup.kv_bytes + setup.state_bytes + setup.penalty_bytes
     # Leave room for the prefill step's activations, the CUDA graphs and the matmul buffers: no more, since the MoE
     # preset's weights and pools at the largest batch nearly fill an H100.
     if need > free - ACTIVATION_MARGIN:
