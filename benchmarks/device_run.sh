@@ -11,6 +11,8 @@
 #             `timeout ${FP8_TIMEOUT:-270}` s; FP8_ARGS: flags after the defaults (e.g. "--compare-fp8 fp8-block")
 #   fp8gemm   fp8_gemm_bench.py: FP8 GEMV and block-scaled GEMM (tuning table + sweep) against bf16 at the 8b-like
 #             layer shapes, M = 1, 32, 256, 8192 (FP8GEMM_ARGS, e.g. "--batches 1,8192 --no-sweep")
+#   moe       moe_bench.py: the fused MoE vs the per-expert loop and a dense GEMM, then its FP8 experts (MOE_FP8, default
+#             "block"; "per-tensor") beside bf16, at Nemotron-3-Nano's expert shapes (MOE_ARGS, e.g. "--shape qwen-next")
 #   profile   step_profile.py: a decode step's kernels by kind at batch 1, 32, 256 (where (a)'s gap goes); PROFILE_ARGS,
 #             e.g. "--prefill 1x8192,4x2048 --no-decode" (where a prefill step's time goes: (c), and (e)'s 1P1D bound)
 #   ab        kernel_ab.py: the prefill-path kernels (varlen conv, prefill and decode attention) against AB_REV's
@@ -85,6 +87,11 @@ fi
 if stage fp8gemm; then
   python3 benchmarks/fp8_gemm_bench.py ${FP8GEMM_ARGS:-} --json "$OUT/fp8_gemm.json" 2>&1 | tee "$OUT/fp8_gemm.txt" \
     | tail -30
+fi
+if stage moe; then
+  python3 benchmarks/moe_bench.py ${MOE_ARGS:-} --json "$OUT/moe.json" 2>&1 | tee "$OUT/moe.txt" | tail -20
+  python3 benchmarks/moe_bench.py ${MOE_ARGS:-} --fp8 "${MOE_FP8:-block}" --json "$OUT/moe_fp8.json" 2>&1 \
+    | tee "$OUT/moe_fp8.txt" | tail -20
 fi
 if stage profile; then
   python3 benchmarks/step_profile.py --no-progress ${PROFILE_ARGS:-} --out "$OUT/profile" 2>&1 | tee "$OUT/profile.txt" \
