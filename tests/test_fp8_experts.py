@@ -19,7 +19,6 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.fp8_checkpoint import (
     dequantize_state,
-    quantize_for_checkpoint,
     quantize_state,
     unquantized_linears,
 )
@@ -32,6 +31,7 @@ from baton.engine.ops.fp8_linear.reference import FP8_DTYPE
 from baton.engine.quant_config import FP8, MODELOPT, FP8Config
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.weights import expected_weight_shapes
+from tests.fp8_rewrite import quantize_blockwise
 
 PROMPTS = [list(range(5, 30)), [7, 3, 9]]
 MAX_TOKENS = 5
@@ -56,16 +56,6 @@ def _run(cfg, state, kernels) -> tuple[torch.Tensor, list[list[int]], list[Exper
     return logits, [list(o.token_ids) for o in outs], experts
 
 
-def _rewrite_blockwise(out, block):
-    """Rewrite made model `out` as a block-wise FP8 checkpoint of `block`-sized blocks."""
-    state = load_file(out / "model.safetensors")
-    qcfg = FP8Config(FP8, block, "dynamic", tuple(unquantized_linears({n: tuple(t.shape) for n, t in state.items()})))
-    save_file({k: v for n, t in state.items() for k, v in quantize_for_checkpoint(n, t.float(), qcfg).items()},
-              out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg.to_hf_dict()}, indent=2))
-
-
 @pytest.fixture(scope="module")
 def nemotron(tmp_path_factory):
     """tiny-moe with an MoE MTP block: 16-bit, per tensor, block-wise 128 x 128 and 16 x 16."""
@@ -73,7 +63,7 @@ def nemotron(tmp_path_factory):
     out = {q: make_model(root / str(q), "tiny-moe", mtp_layers=1, progress=False, tokenizer=False, quantize=q)
            for q in (None, "fp8", "fp8-block")}
     out["fp8-block16"] = make_model(root / "b16", "tiny-moe", mtp_layers=1, progress=False, tokenizer=False)
-    _rewrite_blockwise(out["fp8-block16"], (16, 16))
+    quantize_blockwise(out["fp8-block16"], (16, 16))
     return out
 
 

@@ -10,7 +10,6 @@ import are the larger part of the time on a 2-core box.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from baton.engine.config import ModelConfig
 from baton.engine.engine_config import EngineConfig
 from baton.engine.fp8_checkpoint import (
     dequantize_state,
-    quantize_for_checkpoint,
     quantize_state,
     unquantized_linears,
 )
@@ -40,6 +38,7 @@ from baton.engine.parallel.shard_weights import shard_state_dict
 from baton.engine.parallel.vocab import per_rank, shard_rows
 from baton.engine.quant_config import FP8, FP8Config
 from baton.engine.weights import expected_weight_shapes
+from tests.fp8_rewrite import quantize_blockwise
 from tests.tp_harness import Job, run_ranks, run_single
 
 # (name, preset, mtp layers, overrides, K[, FP8 block or "fp8" per tensor]), each run at TP = 1, 2 and 4. The overrides give 4 Mamba2 groups and 4 Gated
@@ -76,17 +75,6 @@ def _randomize_biases(path: Path) -> None:
     save_file(state, path, metadata={"format": "pt"})
 
 
-def _quantize_blockwise(out: Path, block: tuple[int, int]) -> None:
-    """Rewrite made model `out` as a block-wise FP8 checkpoint of `block`-sized blocks (make-model writes 128 x 128,
-    which is one partial block of the tiny presets' layers)."""
-    state = load_file(out / "model.safetensors")
-    qcfg = FP8Config(FP8, block, "dynamic", tuple(unquantized_linears({n: tuple(t.shape) for n, t in state.items()})))
-    save_file({k: v for n, t in state.items() for k, v in quantize_for_checkpoint(n, t.float(), qcfg).items()},
-              out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg.to_hf_dict()}, indent=2))
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The jobs, and their TP = 1 results."""
@@ -96,7 +84,7 @@ def reference(tmp_path_factory):
         out = make_model(root / name, preset, mtp_layers=mtp, seed=3, overrides=overrides, progress=False,
                          tokenizer=False, quantize="fp8" if fp8 == ["fp8"] else None)
         if fp8 and fp8 != ["fp8"]:
-            _quantize_blockwise(out, fp8[0])
+            quantize_blockwise(out, fp8[0])
         if overrides.get("mlp_bias"):
             _randomize_biases(out / "model.safetensors")
         vocab = overrides.get("vocab_size", 512)
