@@ -42,14 +42,10 @@ def _params(processing: dict[int, dict]) -> dict[str, SamplingParams]:
             for n, m in MAX_TOKENS.items()}
 
 
-@pytest.mark.interpreter
-def test_penalised_and_min_p_rows_verify_in_the_processed_graphs_as_eager_steps(small_spec_model):  # noqa: F811
-    pytest.importorskip("triton")
+def _check_processed_graphs(ref_engine, engine) -> None:
     params = _params(PROCESSING)
-    ref_engine = new_engine(small_spec_model, 2, kernels="torch")  # no graphs: eager verify steps
     ref_log = Log(ref_engine)
     ref = run(ref_engine, _arrivals(), params)
-    engine = _graph_engine(small_spec_model, 2, kernels="triton")
     graphs = engine.runner.graphs
     variants: list[int] = []
     forward = graphs._forward
@@ -61,12 +57,29 @@ def test_penalised_and_min_p_rows_verify_in_the_processed_graphs_as_eager_steps(
     # Greedy, tempered and filtered rows beside the processed ones ran in the processed twins; the steps holding the
     # logit_bias row or the min_tokens row before its third token ran eagerly.
     assert {PROCESSED + GREEDY, PROCESSED + TEMPERED, PROCESSED + FILTERED} <= set(variants)
-    assert engine.stats.steps > engine.stats.graph_steps
+    assert 0 < engine.stats.graph_steps < engine.stats.steps
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
     assert engine.stats.spec_accepted == ref_engine.stats.spec_accepted
+
+
+@pytest.mark.interpreter
+def test_penalised_and_min_p_rows_verify_in_the_processed_graphs_as_eager_steps(small_spec_model):  # noqa: F811
+    pytest.importorskip("triton")
+    # No graphs on the reference: eager verify steps.
+    _check_processed_graphs(new_engine(small_spec_model, 2, kernels="torch"),
+                            _graph_engine(small_spec_model, 2, kernels="triton"))
     # The processing changed what the rows emit: without it the same requests decide otherwise.
     plain = run(new_engine(small_spec_model, 2, kernels="torch"), _arrivals(), _params({}))
+    got = run(new_engine(small_spec_model, 2, kernels="torch"), _arrivals(), _params(PROCESSING))
     assert {r: o.token_ids for r, o in plain.items()} != {r: o.token_ids for r, o in got.items()}
+
+
+@pytest.mark.gpu
+def test_processed_graphs_capture_and_replay_on_the_gpu(small_spec_model):  # noqa: F811
+    """The processed twins captured in CUDA graphs (the kernels' processing, the counts grown inside the graph)
+    give the eager GPU engine's tokens, drafts and accepted counts."""
+    _check_processed_graphs(new_engine(small_spec_model, 2, device="cuda"),
+                            new_engine(small_spec_model, 2, device="cuda", cuda_graphs=True))
 
 
 @pytest.mark.parametrize("params, outputs, expected", [
