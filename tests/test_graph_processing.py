@@ -42,7 +42,7 @@ def _params(processing: dict[int, dict]) -> dict[str, SamplingParams]:
             for n, m in MAX_TOKENS.items()}
 
 
-def _check_processed_graphs(ref_engine, engine) -> None:
+def _check_processed_graphs(ref_engine, engine) -> dict:
     params = _params(PROCESSING)
     ref_log = Log(ref_engine)
     ref = run(ref_engine, _arrivals(), params)
@@ -60,17 +60,17 @@ def _check_processed_graphs(ref_engine, engine) -> None:
     assert 0 < engine.stats.graph_steps < engine.stats.steps
     assert 0 < engine.stats.spec_accepted < engine.stats.spec_drafted
     assert engine.stats.spec_accepted == ref_engine.stats.spec_accepted
+    return got
 
 
 @pytest.mark.interpreter
 def test_penalised_and_min_p_rows_verify_in_the_processed_graphs_as_eager_steps(small_spec_model):  # noqa: F811
     pytest.importorskip("triton")
     # No graphs on the reference: eager verify steps.
-    _check_processed_graphs(new_engine(small_spec_model, 2, kernels="torch"),
-                            _graph_engine(small_spec_model, 2, kernels="triton"))
+    got = _check_processed_graphs(new_engine(small_spec_model, 2, kernels="torch"),
+                                  _graph_engine(small_spec_model, 2, kernels="triton"))
     # The processing changed what the rows emit: without it the same requests decide otherwise.
     plain = run(new_engine(small_spec_model, 2, kernels="torch"), _arrivals(), _params({}))
-    got = run(new_engine(small_spec_model, 2, kernels="torch"), _arrivals(), _params(PROCESSING))
     assert {r: o.token_ids for r, o in plain.items()} != {r: o.token_ids for r, o in got.items()}
 
 
