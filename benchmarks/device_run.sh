@@ -41,7 +41,8 @@
 #             (carry .whl-slim and .whl-serve; MULTITURN_ARGS, e.g. "--conversations 64 --configs agg-cache,agg-nocache")
 #   commits   the tree against REV_A: greedy_tokens.py's tokens on every step path, then engine_bench.py A then B
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
-# Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs),
+# Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs,
+#   prometheus-client, llguidance, and the router's HTTP server: hypercorn h11 h2 hpack hyperframe priority wsproto),
 #   both under the device tool's 64 MiB only with nixl-cu13's unused modules dropped from its wheel:
 #   zip -d .whl-slim/nixl_cu13-*.whl 'nixl_ep_cu13/*' 'nixl_cu13.libs/ucx/libucx_perftest_cuda*'   (59 -> 37 MB)
 #   .whl-mtp: pip download safetensors tokenizers tqdm --no-deps --only-binary=:all: --python-version 3.12 \

@@ -10,7 +10,8 @@ one turn each time as a chat client's do.
 
 Configurations (each a real local cluster: router + node processes, `baton.cli.cluster.Cluster`): `agg` (one
 aggregated node, prompts prefilled where they decode) and `disagg` (1P1D: every prompt prefilled on the prefill node,
-its caches pulled over NIXL), each with the engines' prefix cache on (the default) and off (`--no-prefix-cache` added
+its caches pulled over NIXL, or through CUDA IPC with `--node-args --cuda-ipc`, the GPU default as `baton up`'s where
+the nodes share a GPU), each with the engines' prefix cache on (the default) and off (`--no-prefix-cache` added
 to every node's engine flags). The same conversations are replayed on every configuration.
 
 Per configuration: TTFT (first streamed token − send) p50 / p90 over all turns and over turns 2 and later (the ones a
@@ -18,7 +19,10 @@ prefix cache can serve), prompt tokens sent, and prefill tokens computed: the su
 `baton_node_prompt_tokens_total` across the run. Summary per topology, off / on: prefill tokens computed (goal
 ≥ 5×) and TTFT p50 (goal ≥ 3×).
 
-Every configuration must give the same answers (greedy): the run fails when their digests differ.
+Every configuration must give the same answers (greedy) in float32: the run fails when their digests differ. In
+16-bit dtypes (the GPU defaults) a step's numerics depend on what it batches and on where a prefill starts, so a
+near-tie can go either way: the digests are printed, not required to agree (the exactness of the prefix cache is
+tested in float32).
 
 Output: `OUT/multiturn_<config>.json` per configuration and `OUT/multiturn_summary.json`; markdown tables on stdout.
 """
@@ -50,6 +54,8 @@ from benchmarks.serving_bench import FIRST_ID, MODEL_PRESETS, Percentiles, card_
 TOPOLOGIES = ("agg", "disagg")
 CACHE_OFF_FLAG = "--no-prefix-cache"
 PREFILL_COUNTER = "baton_node_prompt_tokens_total"
+# Engine dtypes whose steps are not batch-invariant: their greedy answers may differ between configurations.
+SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
 
 # Flag defaults: a GPU run (issue #51's workload on the 8b-like shape) and a CPU run on the tiny model. The GPU
 # run's cache memory per node lets 1P1D's two nodes share one 80 GB card beside their two copies of the weights.
@@ -59,11 +65,14 @@ DEFAULTS: dict[str, dict[str, object]] = {
         "answer_min": 100, "answer_max": 300, "concurrency": 32,
         "engine_args": "--device cuda --dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 4096 "
                        "--cache-memory-mb 16384",
+        # Both nodes on one GPU: NIXL's UCX path copies each request's state through the host, CUDA IPC maps it.
+        "node_args": "--cuda-ipc",
     },
     "cpu": {
         "model_preset": "small", "conversations": 16, "turns": 4, "system_tokens": 1024, "user_tokens": 64,
         "answer_min": 16, "answer_max": 48, "concurrency": 4,
         "engine_args": "--block-size 16 --max-num-seqs 8 --max-num-batched-tokens 512 --num-kv-blocks 2048",
+        "node_args": "",
     },
 }
 
@@ -196,12 +205,12 @@ class ConfigResult:
 
 
 def run_config(model_dir: Path, topology: str, cache: bool, w: Workload, engine_args: Sequence[str],
-               log_dir: Path | None, progress: bool) -> ConfigResult:
+               log_dir: Path | None, progress: bool, node_args: Sequence[str] = ()) -> ConfigResult:
     name = f"{topology}-{'cache' if cache else 'nocache'}"
     args = tuple(engine_args) + (() if cache else (CACHE_OFF_FLAG,))
     cluster = Cluster(str(model_dir), prefill_workers=1 if topology == "disagg" else 0, decode_workers=1,
                       local_prefill_threshold=0 if topology == "disagg" else 2**31 - 1, engine_args=args,
-                      log_dir=str(log_dir / name) if log_dir else None)
+                      node_args=tuple(node_args), log_dir=str(log_dir / name) if log_dir else None)
     with cluster, tqdm(total=w.conversations * w.turns, desc=name, disable=not progress, file=sys.stderr) as bar:
         before = prefill_tokens(cluster)
         t = time.perf_counter()
@@ -286,6 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("conversations", "turns", "system-tokens", "user-tokens", "answer-min", "answer-max", "concurrency"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--engine-args", help="engine flags of every node (the cache setting is added per configuration)")
+    p.add_argument("--node-args", help="node flags of every node that are not engine flags (GPU default --cuda-ipc)")
     p.add_argument("--configs", default="agg-cache,agg-nocache,disagg-cache,disagg-nocache",
                    help="comma-separated TOPOLOGY-cache / TOPOLOGY-nocache, TOPOLOGY in agg, disagg")
     p.add_argument("--seed", type=int, default=0)
@@ -316,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_args = tuple(args.engine_args.split()) + ("--max-model-len", str(w.longest_prompt + args.answer_max + 1))
     results = []
     for topo, cache in args.config_list:
-        r = run_config(model_dir, topo, cache, w, engine_args, args.log_dir, not args.no_progress)
+        r = run_config(model_dir, topo, cache, w, engine_args, args.log_dir, not args.no_progress,
+                       tuple(args.node_args.split()))
         results.append(r)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -331,9 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{w.answer_min}-{w.answer_max}, {w.concurrency} at once")
     print(table(results, rs))
     if len({r.answers_sha256 for r in results}) > 1:
-        print("answers differ between configurations: " + ", ".join(f"{r.name} {r.answers_sha256[:12]}"
-                                                                   for r in results))
-        return 1
+        exact = not SIXTEEN_BIT & set(engine_args)
+        print(("answers differ between configurations: " if exact else "answers (16-bit steps, not compared): ")
+              + ", ".join(f"{r.name} {r.answers_sha256[:12]}" for r in results))
+        if exact:
+            return 1
     return 0 if all(r.turns_failed == 0 for r in results) else 1
 
 

@@ -26,16 +26,16 @@ from baton.engine.ops.logprob_topk.kernel import MAX_K, pack_triton  # noqa: E40
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check(got: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
+def check(got: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, k: int, atol: float = 2e-6) -> None:
     """got against pack's: the token and its logprob; the alternatives' logprobs, descending, and ids whose own
     reference logprobs are those (where values tie, any of the tied ids), each id once, ties by lowest id."""
     want = pack(logits, tokens, k)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.equal(got[:, 0], want[:, 0])
-    torch.testing.assert_close(got[:, 1:2 + k], want[:, 1:2 + k], rtol=0, atol=2e-6)
+    torch.testing.assert_close(got[:, 1:2 + k], want[:, 1:2 + k], rtol=0, atol=atol)
     ids = got[:, 2 + k:].long()
     lp = logits.float().log_softmax(-1)
-    torch.testing.assert_close(lp.gather(1, ids), want[:, 2:2 + k], rtol=0, atol=2e-6)
+    torch.testing.assert_close(lp.gather(1, ids), want[:, 2:2 + k], rtol=0, atol=atol)
     for r in range(got.shape[0]):
         assert len(set(ids[r].tolist())) == k, f"row {r}: an id twice"
         for j in range(k - 1):  # equal values: ascending ids
@@ -85,4 +85,6 @@ def test_compiled_match_the_reference_at_full_vocabulary():
     L, V, k = 256, 131072, 20
     logits = (torch.randn(L, V, generator=g) * 3).to(torch.bfloat16).cuda()
     tokens = torch.randint(V, (L,), generator=g).cuda()
-    check(pack_triton(logits, tokens, k).cpu(), logits.cpu(), tokens.cpu(), k)
+    # The normaliser sums 131,072 exponentials in fp32 in another order than torch's: the logprobs of both sides
+    # move by up to about sqrt(V) ulps of the normaliser.
+    check(pack_triton(logits, tokens, k).cpu(), logits.cpu(), tokens.cpu(), k, atol=5e-5)
