@@ -9,7 +9,8 @@
 #   demo     `baton demo` (make demo's command) on the GPU
 #   nixl     1P1D through NIXL on the one GPU under UCX's default transports and two UCX_TLS choices
 # Carry .whl-slim (nixl-cu13 without its unused modules, nixl, msgspec) and .whl-serve (grpcio, protobuf,
-# prometheus-client, llguidance, hypercorn and its dependencies), as benchmarks/device_run.sh says. MODEL_DIR (default /tmp/m8) is built if absent.
+# prometheus-client, llguidance, hypercorn and its dependencies), as benchmarks/device_run.sh says. MODEL_DIR
+# (default /tmp/m8) is built if absent.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 for w in .whl-slim/*.whl .whl-serve/*.whl; do
