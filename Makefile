@@ -74,13 +74,15 @@ test: $(STAMP) $(GRAFANA_STAMP)
 	# first: two workers share them, one thread each (two each oversubscribe the cores), a worker that runs dry taking
 	# tests queued for the other (a few take 30-50 s). Then the rest (servers, clusters and timeouts) on two workers
 	# by module, so that a module's cluster is started once: those tests mostly wait on processes starting, which
-	# leaves a core idle when they run one at a time. Each part lists its slowest tests: the suite's time on CI is a
-	# budget. The third-party clients' environment, which only the second part uses, installs meanwhile (mostly
-	# downloads).
+	# leaves a core idle when they run one at a time; those whose routing depends on poll timing (`serial`) run
+	# alone last. Each part lists its slowest tests: the suite's time on CI is a budget. The third-party clients'
+	# environment, which only the second part uses, installs meanwhile (mostly downloads).
 	$(MAKE) -s clients-venv > $(CLIENTS_VENV).log 2>&1 & clients=$$!; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and (interpreter or pure_cpu)" --durations=15; \
 	first=$$?; wait $$clients || { cat $(CLIENTS_VENV).log; exit 1; }; exit $$first
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not interpreter and not pure_cpu" --durations=30
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not interpreter and not pure_cpu and not serial" \
+	  --durations=30
+	$(BIN)/python -m pytest -q -m "not slow and serial"
 
 clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) $(CLIENTS_VENV).log models .pytest_cache .ruff_cache $(GRAFANA)/node_modules

@@ -36,8 +36,12 @@ PURE_CPU_MODULES = frozenset({
     "test_ops_gated_delta", "test_qwen3_5_checkpoint", "test_qwen3_5_exactness", "test_qwen3_5_mtp", "test_rejection_sampler",
     "test_sampling", "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile",
     "test_tail_keep", "test_tokenizer", "test_transfer_shard_map",
-    "test_structured_output",
+    "test_structured_output", "test_triton_sm90_compile",
 })
+
+# Modules whose clusters' routing is checked against poll timing (`serial`): `make test` runs them alone, after the
+# other server tests, which it runs two at a time.
+SERIAL_MODULES = frozenset({"test_router_affinity_cluster"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,6 +55,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in PURE_CPU_MODULES:
             item.add_marker(pytest.mark.pure_cpu)
+        if item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
         # (A module may mark all its tests `interpreter`: its `gpu` ones still run on a GPU machine.)
         if marker in item.keywords and not (marker == "interpreter" and "gpu" in item.keywords):
             item.add_marker(skip)
