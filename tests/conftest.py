@@ -53,9 +53,10 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA device")
         marker = "gpu"
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in PURE_CPU_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in PURE_CPU_MODULES:
             item.add_marker(pytest.mark.pure_cpu)
-        if item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+        if module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
         # (A module may mark all its tests `interpreter`: its `gpu` ones still run on a GPU machine.)
         if marker in item.keywords and not (marker == "interpreter" and "gpu" in item.keywords):
