@@ -171,17 +171,29 @@ async def run_workload(addr: str, w: Workload, bar: tqdm | None) -> list[TurnRes
     return [r for conv in done for r in conv]
 
 
-def prefill_tokens(cluster: Cluster) -> float:
-    """`baton_node_prompt_tokens_total` summed over the cluster's nodes."""
+def metrics_texts(cluster: Cluster) -> dict[str, str]:
+    """Each node's and the router's `/metrics` text, by name (`prefill-0`, ..., `router`)."""
     import urllib.request
 
+    urls = {f"prefill-{i}": cluster.node_http_url(a) for i, a in enumerate(cluster.prefill_addrs)}
+    urls |= {f"decode-{i}": cluster.node_http_url(a) for i, a in enumerate(cluster.decode_addrs)}
+    urls["router"] = cluster.router_http_url
+    texts = {}
+    for name, url in urls.items():
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            texts[name] = resp.read().decode()
+    return texts
+
+
+def prefill_tokens(texts: dict[str, str]) -> float:
+    """`baton_node_prompt_tokens_total` summed over the nodes' `/metrics` texts."""
     total = 0.0
-    for addr in [*cluster.prefill_addrs, *cluster.decode_addrs]:
-        with urllib.request.urlopen(cluster.node_http_url(addr) + "/metrics", timeout=10) as resp:
-            lines = resp.read().decode().splitlines()
-        values = [line.split()[-1] for line in lines if line.startswith(PREFILL_COUNTER + " ")]
+    for name, text in texts.items():
+        if name == "router":
+            continue
+        values = [line.split()[-1] for line in text.splitlines() if line.startswith(PREFILL_COUNTER + " ")]
         if not values:
-            raise ValueError(f"{addr}: expected the counter {PREFILL_COUNTER} in its /metrics, got none")
+            raise ValueError(f"{name}: expected the counter {PREFILL_COUNTER} in its /metrics, got none")
         total += float(values[0])
     return total
 
@@ -212,11 +224,16 @@ def run_config(model_dir: Path, topology: str, cache: bool, w: Workload, engine_
                       local_prefill_threshold=0 if topology == "disagg" else 2**31 - 1, engine_args=args,
                       node_args=tuple(node_args), log_dir=str(log_dir / name) if log_dir else None)
     with cluster, tqdm(total=w.conversations * w.turns, desc=name, disable=not progress, file=sys.stderr) as bar:
-        before = prefill_tokens(cluster)
+        before = prefill_tokens(metrics_texts(cluster))
         t = time.perf_counter()
         results = asyncio.run(run_workload(cluster.router_addr, w, bar))
         wall = time.perf_counter() - t
-        computed = prefill_tokens(cluster) - before
+        after = metrics_texts(cluster)
+        computed = prefill_tokens(after) - before
+        if log_dir:
+            # Where the time went (step durations, transfers, queue depths) is in the counters the run leaves.
+            for node, text in after.items():
+                (log_dir / name / f"{node}.metrics").write_text(text)
     ok = [r for r in results if r.error is None]
     return ConfigResult(
         name, topology, cache, len(ok), w.conversations * w.turns - len(ok),

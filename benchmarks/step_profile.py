@@ -59,6 +59,7 @@ from benchmarks.engine_bench import (  # noqa: E402
     sync,
 )
 from benchmarks.run_info import device_name, git_commit  # noqa: E402
+from benchmarks.sampling_cost_bench import KINDS as SAMPLING_KINDS  # noqa: E402
 from benchmarks.spec_bench import SpecBenchConfig  # noqa: E402
 from benchmarks.spec_bench import build_engine as spec_build_engine  # noqa: E402
 from benchmarks.spec_bench import model_config as spec_model_config  # noqa: E402
@@ -79,6 +80,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("attention", r"_paged_attention|paged_attention|_attn_"),
     ("kv write", r"_write_kv|write_kv"),
     ("fused gemv", r"_gemv_kernel"),
+    ("sampling", r"_process_kernel|_min_p_kernel|_slice_kernel|_pack_kernel|_tempered_verify_kernel"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk|aten::(?:linear|addmm|mm|matmul|bmm)\b"),
     ("copy", r"[Mm]emcpy|[Mm]emset|copy_|aten::copy|aten::to\b|aten::_to_copy"),
 )
@@ -232,11 +234,13 @@ def spec_engine(bc: BenchConfig, k: int):
     return spec_build_engine(cfg, weights, sbc, k)
 
 
-def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profile:
+def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool,
+                   sampling: SamplingParams | None = None, top: int = 8) -> Profile:
+    """`sampling`: every row's parameters (None: greedy); `top`: the costliest kernels listed."""
     device = torch.device(bc.device)
     gpu = device.type == "cuda"
     ids = enter_decode(engine, batch, bc.context, max_tokens=3 * bc.steps + 16, seed=bc.seed + batch,
-                       device=device, progress=progress)
+                       device=device, progress=progress, sampling=sampling)
     for _ in tqdm(range(bc.steps), desc=f"warm-up B={batch}", disable=not progress):
         engine.step()
     sync(device)
@@ -256,7 +260,7 @@ def profile_decode(engine, bc: BenchConfig, batch: int, progress: bool) -> Profi
     kernels = trace_kernels(_trace(prof), gpu)
     if gpu and kernels:
         wall_us = device_span_us(kernels)  # idle gaps between the steps count, the first launch's latency not
-    p = profile_of(kernels, batch, bc.steps, wall_us, kind_bytes)
+    p = profile_of(kernels, batch, bc.steps, wall_us, kind_bytes, top=top)
     gemm_us = sum(r.us_per_step for r in p.rows if r.kind in ("gemm", "fused gemv"))
     return dataclasses.replace(p, weights_gbps=t.weights / gemm_us / 1e3 if gemm_us else None)
 
@@ -299,6 +303,7 @@ def profile_prefill(engine, bc: BenchConfig, prompts: int, length: int, progress
 
 def table(profiles: Iterable[Profile], meta: dict) -> str:
     spec = f" + MTP, K = {meta['spec']} (verify steps)" if meta.get("spec") else ""
+    spec += f", {meta['sampling']} sampling" if meta.get("sampling", "greedy") != "greedy" else ""
     lines = [f"## Step profile — {meta['device_name']}, commit {meta['commit']}, preset {meta['preset']}{spec}, "
              f"decode context {meta['context']}; copy {meta['copy_gbps']:.0f} GB/s", "", f"`{meta['command']}`", ""]
     for p in profiles:
@@ -351,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--spec", type=int, default=0, metavar="K",
                     help="decode steps drafting K tokens (the preset with one MTP layer, spec_bench.py's engine): "
                          "verify steps")
+    ap.add_argument("--sampling", choices=["greedy", *SAMPLING_KINDS], default="greedy",
+                    help="every decode row's sampling: greedy, or sampling_cost_bench.py's plain (temperature + "
+                         "top-p) or extras (plus penalties, min-p and logprobs)")
+    ap.add_argument("--top", type=int, default=8, help="the costliest decode kernels listed per batch (default 8)")
     ap.add_argument("--out", type=Path, default=None, help=f"directory for {JSON_NAME}")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -387,11 +396,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = spec_engine(bc, args.spec)
     else:
         engine = build_engine(bc)
-    profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress) for b in bc.batches]
+    sampling = SAMPLING_KINDS.get(args.sampling)
+    profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress, sampling, args.top) for b in bc.batches]
     profiles += [profile_prefill(engine, bc, n, length, bc.progress) for n, length in shapes]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
-            "spec": args.spec,
+            "spec": args.spec, "sampling": args.sampling,
             "prefill": [f"{n}x{length}" for n, length in shapes],
             "copy_gbps": copy, "command": command, "fused_gemv_max_tokens": engine.fused_gemv_max_tokens}
     print(table(profiles, meta))

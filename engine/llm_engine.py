@@ -56,6 +56,7 @@ from baton.engine.spec_runner import SpecRunner
 from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
 from baton.engine.step_update import StepUpdate
 from baton.engine.tokenizer import TextTokenizer, load_tokenizer
+from baton.engine.warm_up import WarmUp, log_later_compiles, warm_up_prompt, warm_up_waves
 from baton.engine.weights import TORCH_DTYPES
 
 log = logging.getLogger("baton.engine")
@@ -529,6 +530,48 @@ class LLMEngine:
         return n + self.pipeline.prefill_tokens_finished()
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def warm_up(self, everywhere: bool = False) -> WarmUp:
+        """Run `warm_up.py`'s prompts through the real step path before serving, so that the prefill path's kernels
+        (fresh and continued chunks, a prefix-cache hit) are compiled before the first request rather than inside
+        its time to first token. They run on a scheduler of their own, and the engine's empty one comes back after:
+        no block, checkpoint, counter or stat of theirs remains. Returns what ran: nothing where nothing compiles
+        (off CUDA, the torch references; `everywhere` runs them there too) and at several ranks (their schedulers
+        mirror the calls, not this one)."""
+        device = torch.device(self.config.device)
+        if self.config.tensor_parallel_size > 1 or not (everywhere or (device.type == "cuda" and self.kernels.triton)):
+            return WarmUp()
+        if self.has_unfinished():
+            raise ValueError("warm-up: expected an idle engine, got requests in flight")
+        live = (self.scheduler, self.cache, self.step_update, self.stats, self.pipeline)
+        self.scheduler = Scheduler(self.config, self.plan.num_blocks, self.plan.num_slots, self.plan.num_checkpoints,
+                                   self._prefix_seed())
+        self.cache, self.step_update = self.scheduler.cache, StepUpdate(self.scheduler)
+        self.stats, self.pipeline = EngineStats(), StepPipeline()
+        pc = self.scheduler.prefix
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        n = 0
+        t0 = time.perf_counter()
+        try:
+            for wave in warm_up_waves(self.config.max_num_batched_tokens, self.max_model_len,
+                                      pc.stride_tokens if pc is not None else None):
+                for length in wave:
+                    self.add_request(warm_up_prompt(length, self.model_config.vocab_size), params,
+                                     request_id=f"warm-up-{n}", prefill_only=self.config.prefill_only)
+                    n += 1
+                while self.has_unfinished():
+                    for out in self.step():
+                        if out.held_state_slot is not None:
+                            self.free_held(out.held_block_ids, out.held_state_slot)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                log_later_compiles()
+            ran = WarmUp(n, self.stats.steps, self.stats.prompt_tokens, pc.hit_tokens if pc is not None else 0,
+                         time.perf_counter() - t0)
+        finally:
+            self.scheduler, self.cache, self.step_update, self.stats, self.pipeline = live
+            self.last_step_rows = 0
+        return ran
+
     def free_held(self, block_ids: tuple[int, ...] | list[int], state_slot: int) -> None:
         self.cache.free_held(block_ids, state_slot)
 

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: prefill node: {e}", file=sys.stderr)
         return 2
     print(f"prefill node: {engine.memory_summary()}", flush=True)
+    # Before the listeners open: kernels compile now, not inside the first requests' time to first token.
+    if (warm := engine.warm_up()).prompts:
+        print(f"prefill node: {warm.summary()}", flush=True)
     agent = node_transfer(engine, engine_id, links, cuda_ipc=a.cuda_ipc, progress_delay_us=a.nixl_progress_delay_us)
     held = HeldTransfers(agent, LeaseTable(a.lease_seconds),
                          free=lambda lease: engine.free_held(lease.block_ids, lease.state_slot))

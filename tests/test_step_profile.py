@@ -26,6 +26,8 @@ from benchmarks import step_profile as sp  # noqa: E402
     ("_write_kv_kernel", "kv write"),
     ("_ssd_output_kernel", "scan"),
     ("_gemv_kernel", "fused gemv"),
+    ("_process_kernel", "sampling"),
+    ("_slice_kernel", "sampling"),
     ("nvjet_tst_128x8_64x12_2x1_v_bz_splitK_TNT", "gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_segment_k_off", "gemm"),
     ("void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>", "gemm"),

@@ -1,0 +1,100 @@
+"""The engine's warm-up (`engine/warm_up.py`, `LLMEngine.warm_up`): before serving it runs fresh prompts, a prompt
+continued in a second chunk and one from a prefix-cache hit through the real step path (so that a GPU compiles
+those kernels then, not inside a request), and leaves the engine exactly as it found it: no block, slot,
+checkpoint, counter or stat of its own, and the same greedy outputs afterwards."""
+
+import pytest
+
+from baton.engine.engine_config import EngineConfig
+from baton.engine.llm_engine import EngineStats, LLMEngine
+from baton.engine.loader import load_checkpoint
+from baton.engine.make_model import make_model
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.warm_up import WarmUp, warm_up_prompt, warm_up_waves
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = make_model(tmp_path_factory.mktemp("warm") / "m", "tiny", seed=3, progress=False,
+                     overrides={"vocab_size": 64}, tokenizer=False)
+    return load_checkpoint(out)
+
+
+def new_engine(model, **kw) -> LLMEngine:
+    cfg, weights = model
+    base = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, dtype="float32", num_kv_blocks=128,
+                prefix_checkpoint_stride=2)
+    return LLMEngine(cfg, weights, EngineConfig(**{**base, **kw}))
+
+
+def test_waves_continue_a_long_prompt_then_extend_it():
+    waves = warm_up_waves(budget=512, max_len=8192, stride_tokens=256)
+    assert waves[0] == [33, 48]
+    (long,), (longer,) = waves[1], waves[2]
+    assert long > 512 and longer == long + 50  # a second chunk, then the same prefix and more
+    # A stride longer than the budget still puts a checkpoint boundary inside the long prompt.
+    assert warm_up_waves(budget=64, max_len=8192, stride_tokens=1024)[1][0] > 1024
+    # Bounded by the longest prompt the engine takes.
+    assert max(n for w in warm_up_waves(budget=4096, max_len=1000, stride_tokens=None) for n in w) <= 1000
+
+
+def test_waves_refuse_a_bad_budget():
+    with pytest.raises(ValueError, match="step budget >= 1"):
+        warm_up_waves(budget=0, max_len=100, stride_tokens=None)
+
+
+def test_prompts_share_their_leading_ids_and_stay_in_the_vocabulary():
+    a, b = warm_up_prompt(40, 16), warm_up_prompt(90, 16)
+    assert b[:40] == a and all(3 <= t < 16 for t in b)
+
+
+def test_nothing_runs_on_the_cpu_unless_asked(model):
+    engine = new_engine(model)
+    assert engine.warm_up() == WarmUp()
+    assert engine.stats == EngineStats()
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["engine", "prefill-only"])
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_warm_up_runs_every_path_and_leaves_the_engine_as_it_was(model, cache, prefill_only):
+    engine = new_engine(model, enable_prefix_caching=cache, prefill_only=prefill_only)
+    ran = engine.warm_up(everywhere=True)
+    assert ran.prompts == 4 and ran.steps > 3  # the long prompts took two chunks each
+    assert (ran.hit_tokens > 0) == cache
+    assert "4 prompts" in ran.summary()
+    assert engine.stats == EngineStats()
+    assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0
+    pc = engine.scheduler.prefix
+    assert pc is None or (pc.num_checkpoints == 0 and pc.hit_tokens == 0 and pc.queried_tokens == 0)
+    if prefill_only:
+        return
+    # The prompts share the warm-up's leading ids: a hit there would be a leftover of the warm-up.
+    prompts = [warm_up_prompt(45, 64), warm_up_prompt(10, 64) + [5, 6, 7]]
+    fresh = new_engine(model, enable_prefix_caching=cache).generate(prompts, GREEDY)
+    got = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh]
+    assert engine.stats.prefix_hit_tokens == 0
+
+
+def test_warm_up_refuses_an_engine_with_requests(model):
+    engine = new_engine(model)
+    engine.add_request([1, 2, 3], GREEDY, request_id="r")
+    with pytest.raises(ValueError, match="idle engine"):
+        engine.warm_up(everywhere=True)
+
+
+def test_kernel_specializations_met_after_the_warm_up_are_logged(monkeypatch, caplog):
+    """The interpreter compiles nothing, so the hook is called directly as Triton calls it on a new specialization."""
+    triton = pytest.importorskip("triton")
+    from baton.engine.warm_up import log_later_compiles
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
+    assert log_later_compiles()
+    hook = triton.knobs.runtime.jit_cache_hook
+    with caplog.at_level("WARNING", logger="baton.engine.warm_up"):
+        skip = hook(key=None, repr="_paged_attention_kernel[num_warps=4](NUM_SPLITS: constexpr = 3)", fn=None,
+                    compile={}, is_manual_warmup=False, already_compiled=False)
+    assert skip is False  # the kernel still compiles
+    assert "_paged_attention_kernel" in caplog.text and "NUM_SPLITS" in caplog.text
