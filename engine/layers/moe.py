@@ -1,9 +1,9 @@
 """NemotronH MoE: sigmoid top-k router with group selection, non-gated experts, one shared expert.
 
-The routing math and the routed experts live in `ops.moe` (`route_sigmoid_grouped`, this engine's `moe_experts`:
-the torch reference on CPU, the fused-MoE kernels on CUDA); the shared expert and the latent projections stay
-ordinary linears (FP8Linears where the checkpoint stores them in FP8). The routed experts of an FP8 checkpoint stay
-FP8 with their scales (`layers.fp8_experts`), which both paths take."""
+The routing math and the routed experts live in `ops.moe` (this engine's `moe_route_sigmoid` and `moe_experts`: the
+torch references on CPU, the routing kernel and the fused-MoE kernels on CUDA); the shared expert and the latent
+projections stay ordinary linears (FP8Linears where the checkpoint stores them in FP8). The routed experts of an FP8
+checkpoint stay FP8 with their scales (`layers.fp8_experts`), which both paths take."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from baton.engine.config import ModelConfig
 from baton.engine.layers.fp8_experts import ExpertStacks
 from baton.engine.layers.mlp import MLP, activation
 from baton.engine.ops.kernels import Kernels
-from baton.engine.ops.moe.reference import route_sigmoid_grouped
 
 
 class TopkRouter(nn.Module):
+    # This engine's implementation of each op, set once at load (`ops.kernels.bind_kernels`).
+    kernels: Kernels | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -28,8 +30,8 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
-        return route_sigmoid_grouped(logits, self.e_score_correction_bias, cfg.n_group, cfg.topk_group,
-                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return self.kernels.moe_route_sigmoid(logits, self.e_score_correction_bias, cfg.n_group, cfg.topk_group,
+                                              cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 class Experts(ExpertStacks):

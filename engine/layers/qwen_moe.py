@@ -1,7 +1,8 @@
 """The sparse MoE block of Qwen3.5-MoE and Qwen3-Next: a softmax router picks each token's top-k experts
 (renormalised over them when `norm_topk_prob`), each a gated SiLU MLP, plus a shared expert scaled by
-sigmoid(shared_expert_gate(x)). The routing math and the routed experts live in `ops.moe` (`route_softmax`, this
-engine's `moe_experts`: the torch reference on CPU, the fused-MoE kernels on CUDA); the shared expert stays ordinary
+sigmoid(shared_expert_gate(x)). The routing math and the routed experts live in `ops.moe` (this engine's
+`moe_route_softmax` and `moe_experts`: the torch references on CPU, the routing kernel and the fused-MoE kernels on
+CUDA); the shared expert stays ordinary
 linears.
 
 Parameter names mirror HF transformers 5.x (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, H] with each
@@ -20,7 +21,6 @@ from baton.engine.config import ModelConfig
 from baton.engine.layers.fp8_experts import ExpertStacks
 from baton.engine.layers.gated_mlp import GatedMLP
 from baton.engine.ops.kernels import Kernels
-from baton.engine.ops.moe.reference import route_softmax
 
 
 class _Experts(ExpertStacks):
@@ -46,7 +46,7 @@ class QwenSparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        experts, weights = route_softmax(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k]
+        experts, weights = self.kernels.moe_route_softmax(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k]
         e = self.experts
         out = self.kernels.moe_experts(x, e.gate_up_proj, e.down_proj, experts, weights.to(x.dtype), activation="silu",
                                        gated=True, w_up_scale=e.scale("gate_up_proj"), w_down_scale=e.scale("down_proj"),

@@ -11,7 +11,7 @@ the op before a linear layer fused in (`fused_linear`), a chained verify step's 
 sampling of rows at a temperature (`tempered_decisions`), with top-k / top-p too (`filtered_decisions`), the
 sampling extras (`process_logits`: logit_bias, min_tokens, the penalties and min_p; `logprob_pack`), and the
 routed experts of both MoE layers (`moe_experts`: NemotronH's and Qwen3.5-MoE's, fused-MoE grouped GEMMs on 16-bit
-or FP8 expert weights; the routing stays torch ops on both paths). The Gated
+or FP8 expert weights) and their routing (`moe_route_sigmoid`, `moe_route_softmax`: one launch a layer). The Gated
 DeltaNet ops (decode, verify by replay, chunked varlen prefill), its norm-then-gate and Qwen3.5's RoPE have kernels.
 The kernels do not validate slot indices on the host (that would be a sync per layer); the scheduler's
 one slot per request satisfies their contract by construction, and the references check it on CPU.
@@ -48,6 +48,8 @@ class Kernels:
     relu2: Callable
     fused_linear: Callable
     moe_experts: Callable
+    moe_route_sigmoid: Callable
+    moe_route_softmax: Callable
     chain_inputs: Callable
     tempered_decisions: Callable
     filtered_decisions: Callable
@@ -114,6 +116,7 @@ def _kernels(triton: bool) -> Kernels:
         from baton.engine.ops.logits_process.kernel import apply_processing_triton
         from baton.engine.ops.logprob_topk.kernel import pack_triton
         from baton.engine.ops.moe.kernel import moe_experts_triton
+        from baton.engine.ops.moe.kernel_route import route_sigmoid_grouped_triton, route_softmax_triton
         from baton.engine.ops.norm.kernel import add_rms_norm_triton, gated_rms_norm_triton, rms_norm_triton
         from baton.engine.ops.ssm_update.kernel import (
             selective_state_update_triton,
@@ -129,7 +132,9 @@ def _kernels(triton: bool) -> Kernels:
             state_update_verify=selective_state_update_verify_triton, chunk_scan=mamba_chunk_scan_varlen_triton,
             paged_attention=paged_attention_triton, write_kv=write_kv_triton, rms_norm=rms_norm_triton,
             add_rms_norm=add_rms_norm_triton, gated_rms_norm=gated_rms_norm_triton, relu2=relu2_triton,
-            fused_linear=fused_linear_triton, moe_experts=moe_experts_triton, chain_inputs=chain_inputs_triton,
+            fused_linear=fused_linear_triton, moe_experts=moe_experts_triton,
+            moe_route_sigmoid=route_sigmoid_grouped_triton, moe_route_softmax=route_softmax_triton,
+            chain_inputs=chain_inputs_triton,
             tempered_decisions=tempered_decisions_triton, filtered_decisions=filtered_decisions_triton,
             process_logits=apply_processing_triton, logprob_pack=pack_triton, **_gated_delta(True))
     from baton.engine.logits_processing import apply_processing
@@ -144,7 +149,7 @@ def _kernels(triton: bool) -> Kernels:
         causal_conv1d_varlen,
     )
     from baton.engine.ops.linear.reference import fused_linear
-    from baton.engine.ops.moe.reference import moe_experts_reference
+    from baton.engine.ops.moe.reference import moe_experts_reference, route_sigmoid_grouped, route_softmax
     from baton.engine.ops.norm.reference import (
         add_rms_norm_reference,
         gated_rms_norm_reference,
@@ -158,7 +163,8 @@ def _kernels(triton: bool) -> Kernels:
         state_update_verify=selective_state_update_verify, chunk_scan=mamba_chunk_scan_varlen,
         paged_attention=paged_attention, write_kv=write_kv, rms_norm=rms_norm_reference,
         add_rms_norm=add_rms_norm_reference, gated_rms_norm=gated_rms_norm_reference, relu2=relu2_reference,
-        fused_linear=fused_linear, moe_experts=moe_experts_reference, chain_inputs=chain_inputs,
+        fused_linear=fused_linear, moe_experts=moe_experts_reference, moe_route_sigmoid=route_sigmoid_grouped,
+        moe_route_softmax=route_softmax, chain_inputs=chain_inputs,
         tempered_decisions=tempered_decisions, filtered_decisions=filtered_decisions, process_logits=apply_processing,
         logprob_pack=pack, **_gated_delta(False))
 

@@ -1,13 +1,13 @@
 """The torch reference of the routed experts, in the shape the kernels run it (also the CPU path, `ops.kernels`),
 and the routing both paths share.
 
-Routing (`route_sigmoid_grouped` for NemotronH, `route_softmax` for Qwen3.5-MoE / Qwen3-Next) stays torch ops on
-every path: a [T, E] top-k is a few small launches next to the expert GEMMs, static in shape (graph-safe), and
-torch's top-k already is a device kernel. `align_reference` sorts the T * top_k (token, expert) rows by expert,
-stable in row order, each expert's rows padded to a multiple of `block_m`, into arrays of a size known from T alone
-(`max_padded_rows`). `moe_experts_reference` runs each expert's rows through up, the activation and down, scales
-each row by its routing weight (fp32, rounded to x's dtype, as the kernel stores it) and sums each token's top-k
-rows in fp32. It reads the expert segments on the host (one sync), which the kernels never do.
+Routing (`route_sigmoid_grouped` for NemotronH, `route_softmax` for Qwen3.5-MoE / Qwen3-Next) is torch ops here, the
+CPU path and the reference of the routing kernel (`kernel_route.py`, one launch a layer on CUDA). `align_reference`
+sorts the T * top_k (token, expert) rows by expert, stable in row order, each expert's rows padded to a multiple of
+`block_m`, into arrays of a size known from T alone (`max_padded_rows`). `moe_experts_reference` runs each expert's
+rows through up, the activation and down, scales each row by its routing weight (fp32, rounded to x's dtype, as the
+kernel stores it) and sums each token's top-k rows in fp32. It reads the expert segments on the host (one sync),
+which the kernels never do.
 
 FP8 experts (weight-only, float8_e4m3fn stacks with fp32 scales, `layers.fp8_experts`): a stack's rows are `parts`
 equal segments (2 for a gated `[E, 2I, d]` stack: the gate rows and the up rows, quantized apart as the checkpoints
