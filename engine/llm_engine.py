@@ -554,8 +554,8 @@ class LLMEngine:
         try:
             for wave in warm_up_waves(self.config.max_num_batched_tokens, self.max_model_len,
                                       pc.stride_tokens if pc is not None else None):
-                for length in wave:
-                    self.add_request(warm_up_prompt(length, self.model_config.vocab_size), params,
+                for shared, own in wave:
+                    self.add_request(warm_up_prompt(shared, own, self.model_config.vocab_size, n), params,
                                      request_id=f"warm-up-{n}", prefill_only=self.config.prefill_only)
                     n += 1
                 while self.has_unfinished():

@@ -4,8 +4,9 @@ request instead of inside it.
 Triton compiles a kernel per specialization on first launch (a constexpr flag such as "this sequence starts from a
 carried state", an integer argument divisible by 16 or not), which on a large model takes a second or more each. A
 first prompt only meets the fresh-prompt variants; the continued chunk of a long prompt, and a prompt that
-starts from a prefix-cache hit, meet others later, inside a request's time to first token. Each wave below runs to
-completion before the next is added, so that the second wave finds the first one's prefix in the cache.
+starts from a prefix-cache hit, meet others later, and a step of many rows others again, inside a request's time to
+first token. Each wave below runs to completion before the next is added, so that a wave finds the earlier ones'
+prefixes in the cache.
 """
 
 from __future__ import annotations
@@ -17,29 +18,38 @@ log = logging.getLogger("baton.engine.warm_up")
 
 # Token ids of the warm-up prompts: fixed, so that every start compiles the same variants.
 FIRST_ID = 3
+# Rows of the last wave's step.
+MANY_ROWS = 16
 
 
-def warm_up_waves(budget: int, max_len: int, stride_tokens: int | None) -> list[list[int]]:
-    """Prompt lengths per wave. `budget`: the step's token budget (a prompt longer than it continues in a second
-    chunk); `max_len`: the longest prompt the engine takes; `stride_tokens`: the prefix cache's checkpoint stride
-    in tokens (None: no prefix cache)."""
+def warm_up_waves(budget: int, max_len: int, stride_tokens: int | None) -> list[list[tuple[int, int]]]:
+    """Prompts per wave, each as (shared, own): `shared` leading ids every prompt has in common, then `own` ids of
+    its own. `budget`: the step's token budget (a prompt longer than it continues in a second chunk); `max_len`: the
+    longest prompt the engine takes; `stride_tokens`: the prefix cache's checkpoint stride in tokens (None: no
+    prefix cache)."""
     if budget < 1 or max_len < 2:
         raise ValueError(f"warm-up: expected a step budget >= 1 and a max prompt length >= 2, got {budget} and "
                          f"{max_len}")
-    long = min(max_len - 64, budget + 37)
+    fits = max_len - 64  # room for the longest wave's own ids
+    long = min(fits, budget + 37)
     if stride_tokens is not None:
-        long = max(long, min(max_len - 64, stride_tokens + 37))
-    waves = [[33, 48], [long] if long > 1 else []]
+        long = max(long, min(fits, stride_tokens + 37))
+    waves: list[list[tuple[int, int]]] = [[(33, 0), (48, 0)]]
     if long > 1:
-        # The same prompt and more: from a prefix-cache hit where there is a cache, else a second long prompt.
-        waves.append([long + 50])
-    return [w for w in waves if w]
+        # A second chunk; then the same prompt and more, from a prefix-cache hit where there is a cache.
+        waves += [[(long, 0)], [(long + 50, 0)]]
+    # Many rows in one step (a count divisible by 16, which Triton compiles apart): where there is a cache, each
+    # from the long prompt's hit, as a busy prefill node's steps are.
+    shared = long if stride_tokens is not None and long > 1 else 16
+    waves.append([(shared, 1 + i) for i in range(MANY_ROWS)])
+    return waves
 
 
-def warm_up_prompt(length: int, vocab_size: int) -> list[int]:
-    """`length` token ids; every wave's prompts share their leading ids."""
+def warm_up_prompt(shared: int, own: int, vocab_size: int, salt: int) -> list[int]:
+    """`shared` ids every warm-up prompt starts with, then `own` ids of prompt `salt`'s."""
     span = max(1, vocab_size - FIRST_ID)
-    return [FIRST_ID + (7 * i) % span for i in range(length)]
+    return ([FIRST_ID + (7 * i) % span for i in range(shared)]
+            + [FIRST_ID + (11 * salt + 5 * i + 1) % span for i in range(own)])
 
 
 @dataclass(frozen=True)

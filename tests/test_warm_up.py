@@ -10,7 +10,7 @@ from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.engine.loader import load_checkpoint
 from baton.engine.make_model import make_model
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.warm_up import WarmUp, warm_up_prompt, warm_up_waves
+from baton.engine.warm_up import MANY_ROWS, WarmUp, warm_up_prompt, warm_up_waves
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -29,15 +29,19 @@ def new_engine(model, **kw) -> LLMEngine:
     return LLMEngine(cfg, weights, EngineConfig(**{**base, **kw}))
 
 
-def test_waves_continue_a_long_prompt_then_extend_it():
+def test_waves_continue_a_long_prompt_extend_it_then_run_many_rows():
     waves = warm_up_waves(budget=512, max_len=8192, stride_tokens=256)
-    assert waves[0] == [33, 48]
-    (long,), (longer,) = waves[1], waves[2]
+    assert waves[0] == [(33, 0), (48, 0)]
+    [(long, own)], [(longer, own_2)], many = waves[1:]
+    assert own == own_2 == 0
     assert long > 512 and longer == long + 50  # a second chunk, then the same prefix and more
+    assert len(many) == MANY_ROWS and {s for s, _ in many} == {long} and len({o for _, o in many}) == MANY_ROWS
     # A stride longer than the budget still puts a checkpoint boundary inside the long prompt.
-    assert warm_up_waves(budget=64, max_len=8192, stride_tokens=1024)[1][0] > 1024
-    # Bounded by the longest prompt the engine takes.
-    assert max(n for w in warm_up_waves(budget=4096, max_len=1000, stride_tokens=None) for n in w) <= 1000
+    assert warm_up_waves(budget=64, max_len=8192, stride_tokens=1024)[1][0][0] > 1024
+    # Without a cache the many rows are short; every prompt within the longest the engine takes.
+    waves = warm_up_waves(budget=4096, max_len=1000, stride_tokens=None)
+    assert {s for s, _ in waves[-1]} == {16}
+    assert max(s + o for w in waves for s, o in w) <= 1000
 
 
 def test_waves_refuse_a_bad_budget():
@@ -46,8 +50,9 @@ def test_waves_refuse_a_bad_budget():
 
 
 def test_prompts_share_their_leading_ids_and_stay_in_the_vocabulary():
-    a, b = warm_up_prompt(40, 16), warm_up_prompt(90, 16)
-    assert b[:40] == a and all(3 <= t < 16 for t in b)
+    a, b, c = warm_up_prompt(40, 0, 16, 0), warm_up_prompt(90, 0, 16, 1), warm_up_prompt(40, 5, 16, 2)
+    assert b[:40] == a == c[:40] and all(3 <= t < 16 for t in b + c)
+    assert warm_up_prompt(40, 5, 16, 3)[40:] != c[40:]
 
 
 def test_nothing_runs_on_the_cpu_unless_asked(model):
@@ -61,9 +66,9 @@ def test_nothing_runs_on_the_cpu_unless_asked(model):
 def test_warm_up_runs_every_path_and_leaves_the_engine_as_it_was(model, cache, prefill_only):
     engine = new_engine(model, enable_prefix_caching=cache, prefill_only=prefill_only)
     ran = engine.warm_up(everywhere=True)
-    assert ran.prompts == 4 and ran.steps > 3  # the long prompts took two chunks each
+    assert ran.prompts == 4 + MANY_ROWS and ran.steps > 3 + MANY_ROWS // 4  # long prompts in two chunks each
     assert (ran.hit_tokens > 0) == cache
-    assert "4 prompts" in ran.summary()
+    assert f"{4 + MANY_ROWS} prompts" in ran.summary()
     assert engine.stats == EngineStats()
     assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0
     pc = engine.scheduler.prefix
@@ -71,7 +76,7 @@ def test_warm_up_runs_every_path_and_leaves_the_engine_as_it_was(model, cache, p
     if prefill_only:
         return
     # The prompts share the warm-up's leading ids: a hit there would be a leftover of the warm-up.
-    prompts = [warm_up_prompt(45, 64), warm_up_prompt(10, 64) + [5, 6, 7]]
+    prompts = [warm_up_prompt(45, 0, 64, 0), warm_up_prompt(10, 3, 64, 1)]
     fresh = new_engine(model, enable_prefix_caching=cache).generate(prompts, GREEDY)
     got = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in fresh]
