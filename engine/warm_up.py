@@ -42,7 +42,13 @@ def warm_up_waves(budget: int, max_len: int, stride_tokens: int | None) -> list[
     # from the long prompt's hit, as a busy prefill node's steps are.
     shared = long if stride_tokens is not None and long > 1 else 16
     waves.append([(shared, 1 + i) for i in range(MANY_ROWS)])
-    return waves
+    return [[_within(s, o, max_len - 1) for s, o in w] for w in waves]
+
+
+def _within(shared: int, own: int, most: int) -> tuple[int, int]:
+    """(shared, own) cut to at most `most` ids in all (a short max_model_len), the own ones last to go."""
+    own = min(own, most - 1)
+    return min(shared, most - own), own
 
 
 def warm_up_prompt(shared: int, own: int, vocab_size: int, salt: int) -> list[int]:
@@ -81,7 +87,7 @@ def log_later_compiles() -> bool:
         return False
 
     def hook(*, repr: str, **_) -> bool:  # noqa: A002 (Triton's keyword)
-        log.warning("kernel specialization first met after the warm-up (compiled inside a step): %s", repr[:400])
+        log.warning("kernel specialization first met after the warm-up (compiled or loaded inside a step): %s", repr[:400])
         return False  # a true value would skip the compile
 
     runtime.jit_cache_hook = hook
