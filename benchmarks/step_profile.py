@@ -25,6 +25,7 @@ rows then carrying TFLOP/s where the FLOPs are known (GEMMs: linear layers + lm_
 
   python benchmarks/step_profile.py --out /tmp/profile                      # 8b-like on one GPU
   python benchmarks/step_profile.py --prefill 1x8192,4x2048 --no-decode     # its prefill steps only
+  python benchmarks/step_profile.py --batches 256 --sampling extras --top 16  # rows with penalties, min-p, logprobs
   python benchmarks/step_profile.py --smoke --out /tmp/profile              # tiny preset on the CPU: aten ops
 """
 
@@ -397,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         engine = build_engine(bc)
     sampling = SAMPLING_KINDS.get(args.sampling)
-    profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress, sampling, args.top) for b in bc.batches]
+    profiles = [] if args.no_decode else [profile_decode(engine, bc, b, bc.progress, sampling, args.top)
+                                          for b in bc.batches]
     profiles += [profile_prefill(engine, bc, n, length, bc.progress) for n, length in shapes]
     command = " ".join(["python benchmarks/step_profile.py", *(sys.argv[1:] if argv is None else argv)])
     meta = {"device_name": device_name(device), "commit": git_commit(), "preset": bc.preset, "context": bc.context,
