@@ -39,6 +39,8 @@
 #             configurations in one call: benchmarks/serving_variants.sh
 #   multiturn multiturn_bench.py --gpu: (#51 4) multi-turn chat, prefix cache on vs off, aggregated and 1P1D on one GPU
 #             (carry .whl-slim and .whl-serve; MULTITURN_ARGS, e.g. "--conversations 64 --configs agg-cache,agg-nocache")
+#   variants  kernel_variants.py --device cuda: the Triton kernel specializations a multi-turn workload meets after the
+#             warm-up, each a compile inside a step (VARIANTS_ARGS, e.g. "--preset 8b-like --role prefill ...")
 #   commits   the tree against REV_A: greedy_tokens.py's tokens on every step path, then engine_bench.py A then B
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs,
@@ -181,6 +183,14 @@ if stage multiturn; then
   python3 benchmarks/multiturn_bench.py --gpu --no-progress ${MULTITURN_ARGS:-} --out "$OUT/multiturn" \
     --log-dir /tmp/multiturn-logs 2>&1 | tail -40
   for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do [ -e "$f" ] && { echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -3; }; done
+  # Kernel specializations each node met after its warm-up (a compile inside some request's step), by kernel.
+  for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do
+    [ -e "$f" ] && grep -h "first met after the warm-up" "$f" | sed -E 's/.*warm-up[^:]*: //' | cut -c1-160 \
+      | sort | uniq -c | sort -rn | head -12 | sed "s|^|  $(basename "$(dirname "$f")")/$(basename "$f"): |"
+  done
+fi
+if stage variants; then
+  python3 benchmarks/kernel_variants.py --device cuda --out "$OUT" ${VARIANTS_ARGS:-} 2>&1 | grep -v "it/s\]" | tail -40
 fi
 if stage commits; then
   # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -52,3 +53,21 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> tor
     pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned.to(device, non_blocking=True)
+
+
+# Triton specializes a pointer argument on whether it is 16-byte aligned: a kernel compiles once per case it meets.
+POINTER_ALIGN_BYTES = 16
+
+
+def to_device_parts(parts: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Each list of ints in `parts` as a 1-D `dtype` tensor on `device`, all through one copy (`to_device`), each
+    starting 16-byte aligned: the same pointer specialization for a kernel whatever the parts' lengths."""
+    per = max(1, POINTER_ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+    padded = [len(p) + (-len(p)) % per for p in parts]
+    flat: list[int] = []
+    for p, n in zip(parts, padded, strict=True):
+        flat += p
+        flat += [0] * (n - len(p))
+    buf = to_device(flat, dtype, device)
+    starts = [0, *accumulate(padded)]
+    return [buf[a : a + len(p)] for a, p in zip(starts, parts, strict=False)]

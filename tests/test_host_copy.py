@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from baton.engine.host_copy import host_tensor, to_device
+from baton.engine.host_copy import POINTER_ALIGN_BYTES, host_tensor, to_device, to_device_parts
 
 CASES = [
     ([3, -1, 0, 2**40], torch.int64),
@@ -45,6 +45,19 @@ def test_the_fast_path_outlives_its_list():
 
 def test_to_device_on_cpu():
     assert torch.equal(to_device([1, 2, 3], torch.int64, torch.device("cpu")), torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("lengths", [(0, 0), (1, 3, 5), (4, 7), (5, 0, 2), (9,)])
+def test_parts_of_one_copy_each_start_aligned(lengths, dtype):
+    """Whatever the parts' lengths, each starts 16-byte aligned (a kernel taking it meets one pointer
+    specialization), and holds exactly its values."""
+    parts = [[100 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+    got = to_device_parts(parts, dtype, torch.device("cpu"))
+    assert len(got) == len(parts)
+    for t, p in zip(got, parts, strict=True):
+        assert t.dtype == dtype and t.tolist() == p
+        assert t.data_ptr() % POINTER_ALIGN_BYTES == 0
 
 
 @pytest.mark.gpu

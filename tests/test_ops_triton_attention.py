@@ -147,16 +147,31 @@ def test_verify_rows_take_short_decode_like_tiles():
     for k in (1, 2, 4, 7):
         t = 1 + k
         block_q, block_m, block_n, _, warps = _launch_config(group, d, t, 8 * t, 8)
-        assert (block_q, block_m, block_n, warps) == (t, max(16, 1 << (t * group - 1).bit_length()), 64, 4)
-        assert block_m <= SHORT_BLOCK_M
+        block_m_want = max(16, 1 << (t * group - 1).bit_length())
+        # The tile holds block_m // group queries, at least t (fewer launch variants than one per t).
+        assert (block_q, block_m, block_n, warps) == (block_m_want // group, block_m_want, 64, 4)
+        assert block_q >= t and block_m <= SHORT_BLOCK_M
         host = list(range(0, 8 * t + 1, t))
         meta = build_attention_meta(host, torch.tensor(host), 32, 8, d)
-        assert (meta.max_query_len, meta.block_q) == (t, t)
+        assert (meta.max_query_len, meta.block_q) == (t, block_q)
     # Nine queries of a group of 4 no longer fit a short tile: the prefill tile and warps.
     assert _launch_config(group, d, 9, 72, 8)[1] > SHORT_BLOCK_M
     assert _launch_config(group, d, 9, 72, 8)[4] == PREFILL_WARPS
     # Without a bound the batch is taken for a prefill one (the device-built path of an unknown batch).
     assert _launch_config(group, d, None, 16, 8)[0] == PREFILL_BLOCK_M // group
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 16])
+def test_short_rows_take_few_block_q_values(group):
+    """BLOCK_Q, a constexpr, takes one value per tile size (a compile each on a GPU), not one per distinct
+    longest row: every batch of rows up to PREFILL_BLOCK_M queries long meets at most 5 of them (tiles of 16 to
+    256 rows); each tile holds the longest row's queries."""
+    seen = set()
+    for longest in range(2, PREFILL_BLOCK_M + 1):
+        block_q, block_m, *_ = _launch_config(group, 64, longest, 4 * longest, 4)
+        assert min(longest, PREFILL_BLOCK_M // group) <= block_q and block_q * group <= block_m
+        seen.add(block_q)
+    assert len(seen) <= 5, sorted(seen)
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -167,7 +182,7 @@ def test_verify_rows_in_short_split_tiles_match_reference(num_splits, dtype, ato
     hq, hkv, d, block_size = 8, 2, 16, 4
     q, kv_cache, qsl, seq_lens, block_tables = make_case(VERIFY_ROWS, hq, hkv, d, block_size, dtype, seed=7)
     meta = build_attention_meta(qsl.tolist(), qsl, hq, hkv, d)
-    assert meta.max_query_len == 5 and meta.block_q == 5
+    assert meta.max_query_len == 5 and meta.block_q == 8  # a tile of 32 rows: 8 queries of 4 heads
     ref = paged_attention(q, kv_cache, qsl, seq_lens, block_tables, 0.25)
     out = paged_attention_triton(q, kv_cache, qsl, seq_lens, block_tables, 0.25, attention_meta=meta,
                                  num_splits=num_splits)

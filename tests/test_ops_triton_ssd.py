@@ -368,6 +368,24 @@ def test_chunk_dt_cumsum_against_torch(dt_dtype):
     torch.testing.assert_close(cs_buf, want_cs.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [[5], [1, 2], [70, 3, 9], [64, 64, 1, 0, 17]])
+def test_launch_arguments_specialize_alike_for_every_batch(lengths):
+    """The chunk arrays start 16-byte aligned and the per-chunk buffers' head stride is divisible by 16 whatever
+    the batch: Triton specializes pointers on alignment and integers on divisibility, so a batch of other lengths
+    would otherwise meet another compile of the same kernel."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    meta = build_chunk_meta(starts, CHUNK, "cpu")
+    for t in (meta.chunk_start, meta.chunk_len, meta.row_chunk):
+        assert t.data_ptr() % 16 == 0
+    T, H = starts[-1], 3
+    dt = torch.randn(T, H)
+    dt_buf, cs_buf = triton_ssd.chunk_dt_cumsum_triton(dt, -torch.rand(H), torch.zeros(H), DT_MIN, meta)
+    assert dt_buf.shape == cs_buf.shape == (H, max(T, 1))
+    assert dt_buf.stride(0) % 16 == 0 and cs_buf.stride(0) % 16 == 0
+
+
 def test_dispatch_picks_the_kernel_when_forced():
     x = torch.zeros(1)
     assert resolve_kernels("auto", x.device).chunk_scan is mamba_chunk_scan_varlen  # CPU tensor: the reference

@@ -96,7 +96,7 @@ def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tenso
     `query_start_loc` and sent in one non-blocking copy, with the batch's longest row as `max_query_len` (the
     kernel's tiles: a verify step's rows of 1+K queries take short tiles). Spare programs map to the last row,
     past its queries."""
-    from baton.engine.host_copy import to_device
+    from baton.engine.host_copy import to_device_parts
 
     T, R = query_start_loc_host[-1], len(query_start_loc_host) - 1
     max_q = max((b - a for a, b in zip(query_start_loc_host, query_start_loc_host[1:], strict=False)), default=0)
@@ -113,8 +113,9 @@ def build_attention_meta(query_start_loc_host: list[int], query_start_loc: Tenso
     spare = grid_m - len(rows)
     rows += [R - 1] * spare
     qblocks += range(last, last + spare)
-    packed = to_device(rows + qblocks, torch.int32, query_start_loc.device)
-    return AttentionMeta(query_start_loc, block_q, grid_m, packed[:grid_m], packed[grid_m:], max_q)
+    # Two aligned parts of one copy: Triton specializes a pointer on its 16-byte alignment.
+    prog_row, prog_qblock = to_device_parts([rows, qblocks], torch.int32, query_start_loc.device)
+    return AttentionMeta(query_start_loc, block_q, grid_m, prog_row, prog_qblock, max_q)
 
 
 @triton.jit
@@ -343,17 +344,19 @@ def _launch_config(group: int, head_dim: int, max_query_len: int | None, T: int,
 
     Decode batches (max_query_len 1, or unknown with T <= R) take one query per block, so a program is one
     decode row's KV head, and from WIDE_DECODE_ROWS rows on key tiles of 128; otherwise about PREFILL_BLOCK_M query
-    rows (queries x group heads) per program, fewer when max_query_len says the rows are short. `tl.dot` needs
-    every tile side >= 16.
+    rows (queries x group heads) per program, fewer when max_query_len says the rows are short: the smallest
+    power-of-two tile that holds max_query_len queries, filled. `tl.dot` needs every tile side >= 16.
     """
     decode = max_query_len == 1 or (max_query_len is None and T <= R)
     if decode:
-        block_q = 1
+        block_q, block_m = 1, max(16, next_power_of_2(group))
     else:
-        block_q = max(1, PREFILL_BLOCK_M // group)
-        if max_query_len is not None:
-            block_q = max(1, min(block_q, max_query_len))
-    block_m = max(16, next_power_of_2(block_q * group))
+        cap = max(1, PREFILL_BLOCK_M // group)
+        block_q = cap if max_query_len is None else max(1, min(cap, max_query_len))
+        block_m = max(16, next_power_of_2(block_q * group))
+        # BLOCK_Q is a constexpr: as many queries as the tile holds, so that it takes one value per tile size
+        # (a handful) instead of one per distinct short max_query_len, each a compile inside some step.
+        block_q = min(cap, block_m // group)
     short = not decode and block_m <= SHORT_BLOCK_M
     block_d = max(16, next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
@@ -373,11 +376,13 @@ def _auto_splits(device: torch.device, programs: int, block_q: int, block_m: int
                  block_n: int) -> int:
     """Split-K only for decode and short tiles (`_decode_like`) too few to fill the GPU: about
     SPLIT_PROGRAMS_PER_SM programs per SM, each split at least 8 key tiles of the longest possible row (max_blocks *
-    block_size keys), at most 32."""
+    block_size keys), at most 32, rounded down to a power of two."""
     if device.type != "cuda" or not _decode_like(block_q, block_m):
         return 1
     target = SPLIT_PROGRAMS_PER_SM * sm_count(device)
-    return max(1, min(cdiv(target, programs), cdiv(max_keys, 8 * block_n), 32))
+    splits = max(1, min(cdiv(target, programs), cdiv(max_keys, 8 * block_n), 32))
+    # A power of two (rounded down): NUM_SPLITS is a constexpr, so each distinct value is a compile inside a step.
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_attention_triton(

@@ -144,7 +144,10 @@ def build_chunk_meta(query_start_loc_host: list[int], chunk_size: int, device) -
     """ChunkMeta of the rows query_start_loc_host[r] : query_start_loc_host[r+1] (host ints, non-decreasing
     from 0). One host-to-device copy, from pinned memory and non-blocking on CUDA (a pageable copy would
     wait for the stream); no device reads. The caching host allocator keeps the pinned block until the
-    copy is done."""
+    copy is done. Each array starts 16-byte aligned (`to_device_parts`): Triton specializes a pointer on that.
+    """
+    from baton.engine.host_copy import to_device_parts
+
     starts = [int(s) for s in query_start_loc_host]
     _check_bounds("build_chunk_meta", starts, None)
     if chunk_size <= 0:
@@ -158,14 +161,11 @@ def build_chunk_meta(query_start_loc_host: list[int], chunk_size: int, device) -
             chunk_len.append(min(chunk_size, hi - s))
         row_chunk.append(len(chunk_start))
     n = len(chunk_start)
-    packed = torch.tensor(chunk_start + chunk_len + row_chunk, dtype=torch.int32)
-    device = torch.device(device)
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)  # (on the CPU, just the tensor itself)
+    chunk_start_d, chunk_len_d, row_chunk_d = to_device_parts([chunk_start, chunk_len, row_chunk], torch.int32,
+                                                              torch.device(device))
     return ChunkMeta(
         num_tokens=starts[-1], num_rows=len(starts) - 1, chunk_size=chunk_size, num_chunks=n,
-        chunk_start=packed[:n], chunk_len=packed[n : 2 * n], row_chunk=packed[2 * n :],
+        chunk_start=chunk_start_d, chunk_len=chunk_len_d, row_chunk=row_chunk_d,
     )  # fmt: skip
 
 
@@ -678,11 +678,16 @@ def _tiles(fp32: bool, P: int, N: int, chunk_size: int, block_p, block_n, block_
 def chunk_dt_cumsum_triton(dt: Tensor, A: Tensor, dt_bias: Tensor, dt_min: float, chunk_meta: ChunkMeta
                            ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Launch 0 on its own: the discretized dt (`discretize_dt`) and, per chunk of `chunk_meta`, the running sums of
-    dt * A from the chunk's first token (inclusive), as fp32 [H, max(T, 1)] tensors (column 0 unwritten when T = 0).
+    dt * A from the chunk's first token (inclusive), as fp32 [H, max(T, 1)] views of rows padded to 16 columns (column 0
+    unwritten when T = 0).
     dt [T, H] raw; A, dt_bias [H]. Shapes are the caller's (mamba_chunk_scan_varlen_triton checks them)."""
     T, H = dt.shape
-    dt_buf = torch.empty((H, max(T, 1)), dtype=torch.float32, device=dt.device)
-    cs_buf = torch.empty_like(dt_buf)
+    # Rows padded to 16 columns: the head stride, an integer argument of three kernels, is then always divisible
+    # by 16, one specialization whatever T (Triton compiles apart a value divisible by 16 or not).
+    width = max(T, 1)
+    padded = width + (-width) % 16
+    dt_buf = torch.empty((H, padded), dtype=torch.float32, device=dt.device)[:, :width]
+    cs_buf = torch.empty((H, padded), dtype=torch.float32, device=dt.device)[:, :width]
     if chunk_meta.num_chunks:
         _ssd_dt_kernel[(chunk_meta.num_chunks, cdiv(H, DT_BLOCK_H))](
             dt, A, dt_bias, chunk_meta.chunk_start, chunk_meta.chunk_len, dt_buf, cs_buf, H, float(dt_min),
