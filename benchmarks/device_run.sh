@@ -190,7 +190,10 @@ if stage multiturn; then
   done
 fi
 if stage variants; then
-  python3 benchmarks/kernel_variants.py --device cuda --out "$OUT" ${VARIANTS_ARGS:-} 2>&1 | grep -v "it/s\]" | tail -40
+  # VARIANTS_ENGINE_ARGS: the engine's flags (default: the multiturn stage's GPU nodes')
+  python3 benchmarks/kernel_variants.py --device cuda --out "$OUT" ${VARIANTS_ARGS:-} --engine-args \
+    "${VARIANTS_ENGINE_ARGS:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 4096 --cache-memory-mb 16384}" \
+    2>&1 | grep -v "it/s\]" | tail -40
 fi
 if stage commits; then
   # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset
