@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from baton.engine.compile_watch import KernelVariant, spec_text, variant_of_hook_call  # noqa: E402
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.llm_engine import LLMEngine  # noqa: E402
 from baton.engine.make_model import PRESET_NAMES, build_config  # noqa: E402
@@ -68,24 +69,8 @@ PHASES = ("start-up", "warm-up", "workload")
 
 
 @dataclass(frozen=True)
-class Variant:
-    """One specialization of one kernel: its name and, per parameter, how Triton specializes the value
-    (a type and "D" for divisible by 16 / aligned, a constexpr's value), with the launch options."""
-    kernel: str
-    params: tuple[tuple[str, str], ...]
-    options: str
-
-    def differences(self, other: Variant) -> list[str]:
-        """`name: other's -> this one's` for every parameter (and the options) where the two differ."""
-        out = [f"{n}: {b} -> {a}" for (n, a), (_, b) in zip(self.params, other.params, strict=True) if a != b]
-        if self.options != other.options:
-            out.append(f"options: {other.options} -> {self.options}")
-        return out
-
-
-@dataclass(frozen=True)
 class Met:
-    variant: Variant
+    variant: KernelVariant
     phase: str
     step: int  # the engine's step count in that phase when first met
 
@@ -94,36 +79,24 @@ class Met:
                 "params": dict(self.variant.params), "options": self.variant.options}
 
 
-def spec_text(spec: object) -> str:
-    """Triton's per-argument specialization ("i32", "D"), ("constexpr", 4), ("*fp32", "") as short text."""
-    if isinstance(spec, tuple) and len(spec) == 2:
-        kind, attr = spec
-        if kind == "constexpr":
-            return f"={attr!r}"
-        return f"{kind} {attr}".strip() if attr else str(kind)
-    return str(spec)
-
-
 @dataclass
 class Census:
     """Every kernel specialization met, in order, with the phase (and step) that first met it."""
     phase: str = PHASES[0]
     step: int = 0
-    met: dict[Variant, Met] = field(default_factory=dict)
+    met: dict[KernelVariant, Met] = field(default_factory=dict)
 
-    def record(self, variant: Variant) -> None:
+    def record(self, variant: KernelVariant) -> None:
         if variant not in self.met:
             self.met[variant] = Met(variant, self.phase, self.step)
 
     def first_met_in(self, phase: str) -> list[Met]:
         return [m for m in self.met.values() if m.phase == phase]
 
-    def nearest_before(self, m: Met) -> Variant | None:
+    def nearest_before(self, m: Met) -> KernelVariant | None:
         """The variant of the same kernel, met in an earlier phase, that differs from `m`'s in the fewest places."""
         order = PHASES.index(m.phase)
-        same = [v for v, e in self.met.items() if v.kernel == m.variant.kernel and PHASES.index(e.phase) < order
-                and len(v.params) == len(m.variant.params)]
-        return min(same, key=lambda v: len(m.variant.differences(v)), default=None)
+        return m.variant.nearest([v for v, e in self.met.items() if PHASES.index(e.phase) < order])
 
 
 def _interpreter_binder(fn) -> Callable:
@@ -151,8 +124,9 @@ def watching(census: Census) -> Iterator[None]:
             if self not in binders:
                 binders[self] = _interpreter_binder(self)
             bound, specs, options = binders[self](*args, **kwargs)
-            census.record(Variant(self.fn.__qualname__, tuple((n, spec_text(s)) for n, s in zip(bound, specs, strict=False)),
-                                  str(sorted(options.items()))))
+            census.record(KernelVariant(self.fn.__qualname__,
+                                        tuple((n, spec_text(s)) for n, s in zip(bound, specs, strict=False)),
+                                        f"num_warps={options.get('num_warps')}, num_stages={options.get('num_stages')}"))
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = counted
@@ -166,10 +140,7 @@ def watching(census: Census) -> Iterator[None]:
     kept = runtime.jit_cache_hook
 
     def hook(**kw) -> bool:
-        jit, o = kw["fn"].jit_function, kw["compile"]
-        census.record(Variant(jit.fn.__qualname__,
-                              tuple((p.name, spec_text(s)) for p, s in zip(jit.params, kw["key"][1], strict=False)),
-                              str(sorted({"num_warps": o["num_warps"], "num_stages": o["num_stages"]}.items()))))
+        census.record(variant_of_hook_call(kw))
         return bool(kept(**kw)) if kept is not None else False
 
     runtime.jit_cache_hook = hook

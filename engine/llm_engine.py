@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.cache_pools import CachePools, plan_cache
+from baton.engine.compile_watch import watch_compiles
 from baton.engine.config import MOE, ModelConfig
 from baton.engine.cuda_graphs import StepGraphs
 from baton.engine.engine_config import EngineConfig
@@ -56,7 +57,7 @@ from baton.engine.spec_runner import SpecRunner
 from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
 from baton.engine.step_update import StepUpdate
 from baton.engine.tokenizer import TextTokenizer, load_tokenizer
-from baton.engine.warm_up import WarmUp, log_later_compiles, warm_up_prompt, warm_up_waves
+from baton.engine.warm_up import WarmUp, warm_up_prompt, warm_up_waves
 from baton.engine.weights import TORCH_DTYPES
 
 log = logging.getLogger("baton.engine")
@@ -550,6 +551,11 @@ class LLMEngine:
         pc = self.scheduler.prefix
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         n = 0
+        # What the warm-up compiles is recorded; after it, each kernel specialization met is logged (a compile
+        # inside some request's step) with how it differs from those met here.
+        watch = watch_compiles() if device.type == "cuda" else None
+        if watch is not None:
+            watch.armed = False
         t0 = time.perf_counter()
         try:
             for wave in warm_up_waves(self.config.max_num_batched_tokens, self.max_model_len,
@@ -564,7 +570,8 @@ class LLMEngine:
                             self.free_held(out.held_block_ids, out.held_state_slot)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                log_later_compiles()
+            if watch is not None:
+                watch.armed = True
             ran = WarmUp(n, self.stats.steps, self.stats.prompt_tokens, pc.hit_tokens if pc is not None else 0,
                          time.perf_counter() - t0)
         finally:

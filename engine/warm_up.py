@@ -11,10 +11,7 @@ prefixes in the cache.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-
-log = logging.getLogger("baton.engine.warm_up")
 
 # Token ids of the warm-up prompts: fixed, so that every start compiles the same variants.
 FIRST_ID = 3
@@ -72,30 +69,3 @@ class WarmUp:
             return "warm-up: none (nothing to compile here)"
         return (f"warm-up: {self.prompts} prompts in {self.steps} steps ({self.prompt_tokens} tokens computed, "
                 f"{self.hit_tokens} from the prefix cache), {self.seconds:.1f} s")
-
-
-def log_later_compiles() -> bool:
-    """From now on, log every Triton kernel specialization this process meets for the first time: after a warm-up
-    each one is a compile (or a disk-cache load) inside some request's step, and the log names the kernel and the
-    argument specialization that a wider warm-up would cover. False where this Triton has no such hook."""
-    try:
-        import triton
-    except ImportError:
-        return False
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
-        return False
-
-    previous = runtime.jit_cache_hook
-    if getattr(previous, "logs_later_compiles", False):  # a second warm-up in this process
-        return True
-
-    def hook(**kw) -> bool:
-        log.warning("kernel specialization first met after the warm-up (compiled or loaded inside a step): %s",
-                    str(kw.get("repr"))[:400])
-        # A hook already set (a benchmark's census) still sees it; a true value would skip the compile.
-        return bool(previous(**kw)) if previous is not None else False
-
-    hook.logs_later_compiles = True
-    runtime.jit_cache_hook = hook
-    return True

@@ -90,18 +90,3 @@ def test_warm_up_refuses_an_engine_with_requests(model):
     engine.add_request([1, 2, 3], GREEDY, request_id="r")
     with pytest.raises(ValueError, match="idle engine"):
         engine.warm_up(everywhere=True)
-
-
-def test_kernel_specializations_met_after_the_warm_up_are_logged(monkeypatch, caplog):
-    """The interpreter compiles nothing, so the hook is called directly as Triton calls it on a new specialization."""
-    triton = pytest.importorskip("triton")
-    from baton.engine.warm_up import log_later_compiles
-
-    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)
-    assert log_later_compiles()
-    hook = triton.knobs.runtime.jit_cache_hook
-    with caplog.at_level("WARNING", logger="baton.engine.warm_up"):
-        skip = hook(key=None, repr="_paged_attention_kernel[num_warps=4](NUM_SPLITS: constexpr = 3)", fn=None,
-                    compile={}, is_manual_warmup=False, already_compiled=False)
-    assert skip is False  # the kernel still compiles
-    assert "_paged_attention_kernel" in caplog.text and "NUM_SPLITS" in caplog.text
