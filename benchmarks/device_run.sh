@@ -185,7 +185,7 @@ if stage multiturn; then
   for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do [ -e "$f" ] && { echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -3; }; done
   # Kernel specializations each node met after its warm-up (a compile inside some request's step), by kernel.
   for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do
-    [ -e "$f" ] && grep -h "first met after the warm-up" "$f" | sed -E 's/.*warm-up[^:]*: //' | cut -c1-160 \
+    [ -e "$f" ] && grep -h "first met after the warm-up" "$f" | sed -E 's/.*warm-up[^:]*: //' | cut -c1-400 \
       | sort | uniq -c | sort -rn | head -12 | sed "s|^|  $(basename "$(dirname "$f")")/$(basename "$f"): |"
   done
 fi
