@@ -35,7 +35,7 @@ id is an out-of-bounds access on the GPU). Entries past a row's last block are n
 with T <= R is taken for decode and any other for prefill.
 
 Few, long decode (or short) rows (B * Hkv programs would leave most SMs idle) split each row's keys into
-NUM_SPLITS parts (flash-decoding's split-K): grid (programs x Hkv, NUM_SPLITS), each part's running max,
+num_splits parts (flash-decoding's split-K): grid (programs x Hkv, num_splits), each part's running max,
 sum and unnormalized fp32 accumulator go to scratch, and a second kernel merges them. The split count
 comes from shapes and the SM count only (see `_auto_splits`); `num_splits` overrides it.
 
@@ -209,7 +209,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     FP8: tl.constexpr,
     PDL: tl.constexpr,
@@ -225,7 +225,9 @@ def _paged_attention_kernel(
         grid_m = tl.num_programs(0) // kv_heads
         pid = tl.program_id(0) % grid_m
         kvh = tl.program_id(0) // grid_m
+    # The split count is the grid's second dimension, not a constexpr: one compile whatever the count.
     split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     row, tok, head, q_pos, md_mask, kv_end, kv_all = _query_tile(
         pid,
         kvh,
@@ -245,7 +247,7 @@ def _paged_attention_kernel(
     q = tl.load(q_rows[:, None] + offs_d[None, :] * s_q_d, mask=md_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
 
     # This split's share of the keys: whole BLOCK_N tiles, the last split may get fewer (or none).
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_end)
 
@@ -274,32 +276,32 @@ def _paged_attention_kernel(
 
     if FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_tile = (out_ptr + tok * s_o_t + head * s_o_h)[:, None] + offs_d[None, :] * s_o_d
         tl.store(o_tile, round_to(out, out_ptr.dtype.element_ty), mask=md_mask)
     else:
-        # Partial results, unnormalized, into [programs, Hkv, NUM_SPLITS, BLOCK_M(, BLOCK_D)] fp32 scratch.
+        # Partial results, unnormalized, into [programs, Hkv, num_splits, BLOCK_M(, BLOCK_D)] fp32 scratch.
         offs_m = tl.arange(0, BLOCK_M)
-        part = ((pid.to(tl.int64) * kv_heads + kvh) * NUM_SPLITS + split) * BLOCK_M + offs_m
+        part = ((pid.to(tl.int64) * kv_heads + kvh) * num_splits + split) * BLOCK_M + offs_m
         tl.store(m_part_ptr + part, m_i)
         tl.store(l_part_ptr + part, l_i)
         tl.store(acc_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr, qsl_ptr, seq_lens_ptr, prog_row_ptr, prog_qblock_ptr,
     m_part_ptr, l_part_ptr, acc_part_ptr,
-    group, head_dim,
+    group, head_dim, num_splits,
     s_o_t, s_o_h, s_o_d,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """Merge one program's NUM_SPLITS partial softmax results (flash-decoding's second pass)."""
+    """Merge one program's `num_splits` partial softmax results (flash-decoding's second pass); the count is a
+    runtime value, unspecialized: one compile whatever it is."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -321,8 +323,8 @@ def _combine_splits_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS
-    for split in range(NUM_SPLITS):
+    base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * num_splits
+    for split in range(num_splits):
         part = (base + split) * BLOCK_M + offs_m
         m_s = tl.load(m_part_ptr + part)
         l_s = tl.load(l_part_ptr + part)
@@ -376,13 +378,11 @@ def _auto_splits(device: torch.device, programs: int, block_q: int, block_m: int
                  block_n: int) -> int:
     """Split-K only for decode and short tiles (`_decode_like`) too few to fill the GPU: about
     SPLIT_PROGRAMS_PER_SM programs per SM, each split at least 8 key tiles of the longest possible row (max_blocks *
-    block_size keys), at most 32, rounded down to a power of two."""
+    block_size keys), at most 32."""
     if device.type != "cuda" or not _decode_like(block_q, block_m):
         return 1
     target = SPLIT_PROGRAMS_PER_SM * sm_count(device)
-    splits = max(1, min(cdiv(target, programs), cdiv(max_keys, 8 * block_n), 32))
-    # A power of two (rounded down): NUM_SPLITS is a constexpr, so each distinct value is a compile inside a step.
-    return 1 << (splits.bit_length() - 1)
+    return max(1, min(cdiv(target, programs), cdiv(max_keys, 8 * block_n), 32))
 
 
 def paged_attention_triton(
@@ -479,15 +479,15 @@ def paged_attention_triton(
         q, kv_cache, out, qsl, seq_lens, block_tables, prog_row, prog_qblock, m_part, l_part, acc_part,
         out if kv_scale is None else kv_scale, float(scale), group, block_size, head_dim, kv_heads,
         *q.stride(), *kv_cache.stride(), *out.stride(), *block_tables.stride(),
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
         NATIVE_DOT=q.dtype != torch.float32 and not _interpreted(), FP8=kv_scale is not None, num_warps=num_warps,
         num_stages=DECODE_STAGES if _decode_like(block_q, block_m) else PREFILL_STAGES, **pdl(q),
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(grid_m, kv_heads)](
             out, qsl, seq_lens, prog_row, prog_qblock, m_part, l_part, acc_part,
-            group, head_dim, *out.stride(),
-            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=num_warps,
+            group, head_dim, num_splits, *out.stride(),
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
             **pdl(q),
         )  # fmt: skip
     return out
