@@ -4,8 +4,9 @@ request instead of inside it.
 Triton compiles a kernel per specialization on first launch (a constexpr flag such as "this sequence starts from a
 carried state", an integer argument divisible by 16 or not), which on a large model takes a second or more each. A
 first prompt only meets the fresh-prompt variants; the continued chunk of a long prompt, and a prompt that
-starts from a prefix-cache hit, meet others later, and a step of many rows others again, inside a request's time to
-first token. Each wave below runs to completion before the next is added, so that a wave finds the earlier ones'
+starts from a prefix-cache hit, meet others later, a step of many rows others again, and a step whose rows are
+short (a cached conversation's next turn: the tile sizes follow the longest row) others still, inside a request's
+time to first token. Each wave below runs to completion before the next is added, so that a wave finds the earlier ones'
 prefixes in the cache.
 """
 
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 
 # Token ids of the warm-up prompts: fixed, so that every start compiles the same variants.
 FIRST_ID = 3
-# Rows of the last wave's step.
+# Rows of the many-rows wave's step.
 MANY_ROWS = 16
+# Own tokens of the short-tail waves: 2^k computed by a prefill node (N-1) and by an aggregated one (N).
+SHORT_TAILS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)
 
 
 def warm_up_waves(budget: int, max_len: int, stride_tokens: int | None) -> list[list[tuple[int, int]]]:
@@ -39,6 +42,13 @@ def warm_up_waves(budget: int, max_len: int, stride_tokens: int | None) -> list[
     # from the long prompt's hit, as a busy prefill node's steps are.
     shared = long if stride_tokens is not None and long > 1 else 16
     waves.append([(shared, 1 + i) for i in range(MANY_ROWS)])
+    # Steps of one short row each, its longest row 1, 2, 4 ... 64 tokens computed (a prefill node computes one
+    # fewer than an aggregated one, so both counts): the tile sizes, and the counts equal to 1, that a turn
+    # continued from a cached prefix with a short message meets. From the prefix cache's hit where there is one.
+    hit = stride_tokens * ((long - 1) // stride_tokens) if stride_tokens is not None and long > stride_tokens else 0
+    for own in SHORT_TAILS:
+        if own <= budget and hit + own >= 2:
+            waves.append([(hit, own)])
     return [[_within(s, o, max_len - 1) for s, o in w] for w in waves]
 
 

@@ -24,7 +24,8 @@ BLOCK_WORDS = 2048    # words per loop iteration of a program (16 KiB)
 NUM_WARPS = 8         # the copy is bound by the link; tile and warp settings hardly matter
 
 
-@triton.jit
+# The block count varies per request: specialized (== 1, divisible by 16) it would compile inside a request's read.
+@triton.jit(do_not_specialize=["n"])
 def _copy_blocks_kernel(dst_ptr, src_ptr, ids_ptr, n, item_words, BLOCK: tl.constexpr):
     """Program p copies the item_words words of block ids[n + p] (src) into block ids[p] (dst)."""
     p = tl.program_id(0).to(tl.int64)
