@@ -50,11 +50,20 @@ class KernelVariant:
 
 
 def variant_of_hook_call(kw: dict) -> KernelVariant:
-    """The variant a call of Triton's `jit_cache_hook` announces (`fn`, `key`, `compile` as Triton passes them)."""
-    jit, options = kw["fn"].jit_function, kw["compile"]
-    params = tuple((p.name, spec_text(s)) for p, s in zip(jit.params, kw["key"][1], strict=False))
-    return KernelVariant(jit.fn.__qualname__, params,
-                         f"num_warps={options.get('num_warps')}, num_stages={options.get('num_stages')}")
+    """The variant a call of Triton's `jit_cache_hook` announces, from the compile request it passes: the signature
+    (parameter -> type, "constexpr" for a constexpr), the constexprs' values and the attributes (16-byte alignment,
+    divisibility by 16) by parameter index. (Its `key` is a string.)"""
+    comp = kw["compile"]
+    constants = comp.get("constants") or {}
+    attrs = (comp.get("configs") or [{}])[0] or {}
+    params = []
+    for i, (name, ty) in enumerate(comp["signature"].items()):
+        if ty == "constexpr":
+            params.append((name, f"={constants.get((i,))!r}"))
+        else:
+            params.append((name, f"{ty} D" if attrs.get((i,)) else str(ty)))
+    return KernelVariant(kw["fn"].jit_function.fn.__qualname__, tuple(params),
+                         f"num_warps={comp.get('num_warps')}, num_stages={comp.get('num_stages')}")
 
 
 @dataclass

@@ -16,12 +16,16 @@ PARAMS = ("x_ptr", "n", "BLOCK")
 
 
 def hook_kwargs(specs: list[tuple[str, object]], num_warps: int = 4) -> dict:
-    """The keyword arguments Triton's `_call_hook` passes for a kernel `toy(x_ptr, n, BLOCK: constexpr)`."""
+    """The keyword arguments Triton's `_call_hook` passes for a kernel `toy(x_ptr, n, BLOCK: constexpr)`, the
+    parameters specialized as `specs` says (the binder's (type, "D" or "") per parameter, ("constexpr", value))."""
     jit = SimpleNamespace(fn=SimpleNamespace(__qualname__="toy"), params=[SimpleNamespace(name=n) for n in PARAMS])
-    key = (None, specs)
+    signature = {n: ty for n, (ty, _) in zip(PARAMS, specs, strict=True)}
+    constants = {(i,): v for i, (ty, v) in enumerate(specs) if ty == "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (ty, v) in enumerate(specs) if ty != "constexpr" and v == "D"}
+    key = str(specs) + "options"  # a string, as Triton's is
     return dict(key=key, repr="toy[...]", fn=SimpleNamespace(jit_function=jit),
-                compile={"key": key, "num_warps": num_warps, "num_stages": 3}, is_manual_warmup=False,
-                already_compiled=False)
+                compile={"key": key, "signature": signature, "constants": constants, "configs": [attrs],
+                         "num_warps": num_warps, "num_stages": 3}, is_manual_warmup=False, already_compiled=False)
 
 
 def test_spec_text():
