@@ -96,9 +96,11 @@ class IpcCopier:
         self._word = block_copy.WORD
         self._stage = block_copy.TableStage(self.device)
         with torch.cuda.stream(self.stream):  # compile it now, at the handshake, not in the first READ
-            scratch = torch.zeros(2 * self._word, dtype=torch.uint8, device=self.device)
-            one, zero = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-            self._kernel(scratch, scratch, one, zero, self._word, stage=self._stage)
+            # Both specializations a pool's item size can take (a word count divisible by 16 or not; never 1).
+            for words in (16, 17):
+                scratch = torch.zeros(2 * words * self._word, dtype=torch.uint8, device=self.device)
+                one, zero = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+                self._kernel(scratch, scratch, one, zero, words * self._word, stage=self._stage)
         self.stream.synchronize()
 
     def copy(self, peer: IpcPeer, name: str, local_ids: np.ndarray, remote_ids: np.ndarray, item_bytes: int) -> None:
