@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -144,8 +145,10 @@ class Flow:
             self.prefill_pool.record(picked)
             state.prefill_retries += bool(tried)
             tried.append(worker)
+            started = time.monotonic()
             resp = await self._prefill_on(state, worker, req, client_timeout)
             if resp is not None:
+                self.metrics.prefill_seconds.observe(time.monotonic() - started)
                 return Prefilled(worker, resp.handle, tuple(resp.prompt_logprobs))
         log.warning("request %s: prefill failed on %s; the decode node prefills locally",
                     state.request_id, tried or "no healthy worker")
@@ -245,11 +248,13 @@ class Flow:
         if handle is not None:
             # The prefill node scored the prompt (`Prefilled.prompt_logprobs`); the decode node computes token N only.
             msg.sampling.ClearField("prompt_logprobs")
+        started = time.monotonic()
         call = worker.stub.Decode(msg, timeout=client_timeout)
         state.call = call
         stops = worker.stops
         worker.watch(call)
         first_message = True
+        pulled = handle is not None
         try:
             while True:
                 resp = await self._read(worker, call)
@@ -262,10 +267,14 @@ class Flow:
                         # The pull failed and the node recomputed: the prefill lease is no longer needed.
                         self.release(state, prefill_worker)
                         state.route = "fallback"
+                        pulled = False
                     else:
                         state.live.discard(prefill_worker)
                 if resp.token_ids or resp.finish_reason != _UNSPECIFIED:
                     worker.tracker.acknowledged(rid)
+                    if resp.token_ids:
+                        self.metrics.decode_first_seconds.labels(prefill=rm.PULLED if pulled else rm.LOCAL).observe(
+                            time.monotonic() - started)
                     return DecodeStream(worker, call, resp, stops)
         except grpc.aio.AioRpcError as e:
             self.release(state, worker)

@@ -22,6 +22,9 @@ REJECT_REASONS = (GLOBAL_LIMIT, CLIENT_LIMIT, WRITE_TIMEOUT)
 BY_AFFINITY, BY_LOAD = "affinity", "load"
 PICK_REASONS = (BY_AFFINITY, BY_LOAD)
 ROLES = ("prefill", "decode")
+# How a decode node got a prompt's caches before its first token: a READ of a prefill node's handle, or its own prefill.
+PULLED, LOCAL = "pulled", "local"
+FIRST_TOKEN_PREFILL = (PULLED, LOCAL)
 
 # Seconds: from sub-millisecond (small models, ITL) to minutes (long prompts queued behind others).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -39,6 +42,16 @@ class RouterMetrics:
         self.in_flight = Gauge("baton_router_in_flight_requests", "Generate calls in flight", registry=r)
         self.ttft = Histogram("baton_router_time_to_first_token_seconds",
                               "From the Generate call to its first token sent", buckets=LATENCY_BUCKETS, registry=r)
+        # TTFT's two disaggregated phases, so that a dashboard says which one a slow first token waited on.
+        self.prefill_seconds = Histogram("baton_router_prefill_seconds",
+                                         "Prefill calls that returned a handle: from the call to the handle (the "
+                                         "prefill node's queue, its N-1 tokens, the round trip)",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_first_seconds = Histogram("baton_router_decode_first_token_seconds",
+                                              "Decode calls that sent a first token: from the call to it, by how the "
+                                              "prompt's caches came (pulled: the READ of a prefill node's handle, "
+                                              "then token N; local: the decode node prefilled the prompt)",
+                                              ["prefill"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("baton_router_inter_token_latency_seconds",
                              "Time between output tokens (a message of k tokens counts its gap / k, k times)",
                              buckets=ITL_BUCKETS, registry=r)
@@ -79,6 +92,8 @@ class RouterMetrics:
         # Every label value is exported from the start (at 0), so that rates and dashboards need no traffic.
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
+        for how in FIRST_TOKEN_PREFILL:
+            self.decode_first_seconds.labels(prefill=how)
         for d in DECISIONS:
             self.decisions.labels(decision=d)
         for s in STAGES:

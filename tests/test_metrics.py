@@ -48,6 +48,8 @@ ROUTER_METRICS = {
     "baton_router_requests_total": "positive",  # and every outcome label: see OUTCOMES_PROVOKED
     "baton_router_in_flight_requests": "positive",  # scraped while three streams run
     "baton_router_time_to_first_token_seconds_count": "positive",
+    "baton_router_prefill_seconds_count": "positive",
+    "baton_router_decode_first_token_seconds_count": "positive",
     "baton_router_inter_token_latency_seconds_count": "positive",
     "baton_router_e2e_request_latency_seconds_count": "positive",
     "baton_router_prompt_tokens_total": "positive",
@@ -255,6 +257,11 @@ def test_router_metrics_and_http_endpoints_over_fake_workers():
             assert m["baton_router_spec_drafted_tokens_total"][()] == 3 * spec_totals(2, 16)[0]
             assert m["baton_router_spec_accepted_tokens_total"][()] == 3 * spec_totals(2, 16)[1]
             assert m["baton_router_time_to_first_token_seconds_count"][()] == 3
+            # TTFT's phases: the one prefill that returned a handle (the failed ones are not timed), the decode
+            # calls by how the caches came (the short prompt and the fallback prefilled on the decode node).
+            assert m["baton_router_prefill_seconds_count"][()] == 1
+            assert m["baton_router_decode_first_token_seconds_count"] == {(("prefill", "pulled"),): 1,
+                                                                           (("prefill", "local"),): 2}
             assert m["baton_router_e2e_request_latency_seconds_count"][()] == 3
             assert m["baton_router_inter_token_latency_seconds_count"][()] > 0
             assert m["baton_router_in_flight_requests"][()] == 0
