@@ -274,18 +274,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--role", default="prefill", choices=ROLES)
-    p.add_argument("--engine-args", default="--block-size 16 --max-num-seqs 8 --max-num-batched-tokens 256 "
-                   "--prefix-checkpoint-stride 64",
+    p.add_argument("--engine-args", default="--block-size 16 --max-num-seqs 16 --max-num-batched-tokens 64 "
+                   "--max-model-len 1024 --prefix-checkpoint-stride 2",
                    help="the node's engine flags (quoted); --device follows --device, and on the CPU --kernels triton "
                         "comes first")
     p.add_argument("--no-warm-up", action="store_true", help="run the workload on a cold engine (what it meets)")
-    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=300)
-    p.add_argument("--user-tokens", type=int, default=40)
-    p.add_argument("--answer-min", type=int, default=10)
-    p.add_argument("--answer-max", type=int, default=40)
-    p.add_argument("--concurrency", type=int, default=3)
+    p.add_argument("--system-tokens", type=int, default=40)
+    p.add_argument("--user-tokens", type=int, default=9)
+    p.add_argument("--answer-min", type=int, default=3)
+    p.add_argument("--answer-max", type=int, default=11)
+    p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write kernel_variants_<preset>_<role>.json there")
     a = p.parse_args(argv)

@@ -45,7 +45,8 @@ MAX_WIDTH = 65536
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+# The row count only bounds a mask: specialized (== 1, divisible by 16) it would compile again per kind of step.
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(
     x_ptr,  # [M, N], unit column stride
     r_ptr,  # [M, N], unit column stride: the residual (ADD only)
@@ -81,7 +82,7 @@ def _rms_norm_kernel(
     tl.store(y_ptr + rows64 * N + cols[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gated_rms_norm_kernel(
     x_ptr,  # [M, N], unit column stride
     z_ptr,  # [M, N] gate, unit column stride
