@@ -53,7 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from baton.engine.compile_watch import KernelVariant, spec_text, variant_of_hook_call  # noqa: E402
+from baton.engine.compile_watch import (  # noqa: E402
+    KernelVariant,
+    launch_options,
+    spec_text,
+    variant_of_hook_call,
+)
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.llm_engine import LLMEngine  # noqa: E402
 from baton.engine.make_model import PRESET_NAMES, build_config  # noqa: E402
@@ -126,7 +131,7 @@ def watching(census: Census) -> Iterator[None]:
             bound, specs, options = binders[self](*args, **kwargs)
             census.record(KernelVariant(self.fn.__qualname__,
                                         tuple((n, spec_text(s)) for n, s in zip(bound, specs, strict=False)),
-                                        f"num_warps={options.get('num_warps')}, num_stages={options.get('num_stages')}"))
+                                        launch_options(options.get("num_warps"), options.get("num_stages"))))
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = counted

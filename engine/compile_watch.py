@@ -49,6 +49,11 @@ class KernelVariant:
         return min(same, key=lambda v: len(self.differences(v)), default=None)
 
 
+def launch_options(num_warps: object, num_stages: object) -> str:
+    """A variant's launch options as text (the part of them that a kernel's callers choose)."""
+    return f"num_warps={num_warps}, num_stages={num_stages}"
+
+
 def variant_of_hook_call(kw: dict) -> KernelVariant:
     """The variant a call of Triton's `jit_cache_hook` announces, from the compile request it passes: the signature
     (parameter -> type, "constexpr" for a constexpr), the constexprs' values and the attributes (16-byte alignment,
@@ -63,7 +68,7 @@ def variant_of_hook_call(kw: dict) -> KernelVariant:
         else:
             params.append((name, f"{ty} D" if attrs.get((i,)) else str(ty)))
     return KernelVariant(kw["fn"].jit_function.fn.__qualname__, tuple(params),
-                         f"num_warps={comp.get('num_warps')}, num_stages={comp.get('num_stages')}")
+                         launch_options(comp.get("num_warps"), comp.get("num_stages")))
 
 
 @dataclass
