@@ -2,7 +2,8 @@
 Triton kernels run in Triton's interpreter (on CPU tensors), switched on before any module imports them. Tests
 marked `interpreter` (Triton kernels on CPU tensors) are skipped where CUDA is present, unless also marked `gpu`.
 The interpreter patches `triton.language` once a launch, not again at every helper call
-(tests/interpreter_patch_once.py: the same kernels, about a quarter less time). Every cluster a test starts
+(tests/interpreter_patch_once.py: the same kernels, about a quarter less time), without the integer overflow checks
+that compiled kernels run only in debug mode (tests/interpreter_fast_paths.py). Every cluster a test starts
 (routers, nodes, `baton up`) shares one cluster secret, generated here, as a deployment's processes do.
 Tests of `PURE_CPU_MODULES` are marked `pure_cpu`: engine and benchmark-script work and the container install
 script's venv, with no ports, servers or clocks, which `make test` runs two at a time beside the interpreter tests."""
@@ -24,9 +25,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     except ImportError:  # (tests that need Triton skip themselves)
         pass
     else:
-        from tests.interpreter_patch_once import install
+        from tests import interpreter_fast_paths, interpreter_patch_once
 
-        install()
+        interpreter_patch_once.install()
+        interpreter_fast_paths.install()
 
 
 PURE_CPU_MODULES = frozenset({
