@@ -183,11 +183,12 @@ if stage multiturn; then
   python3 benchmarks/multiturn_bench.py --gpu --no-progress ${MULTITURN_ARGS:-} --out "$OUT/multiturn" \
     --log-dir /tmp/multiturn-logs 2>&1 | tail -40
   for f in /tmp/multiturn-logs/*.log /tmp/multiturn-logs/*/*.log; do [ -e "$f" ] && { echo "-- $f"; grep -v "NIXL INFO" "$f" | tail -3; }; done
-  # Where each node's time went: steps (count, seconds), the decode side's READs (seconds); the router's TTFT and its
-  # phases (Prefill call to handle, Decode call to first token).
+  # Where each node's time went: steps (count, seconds), the decode side's READs (seconds), the prefix cache's hits
+  # and evictions (checkpoint slots short?); the router's TTFT and its phases (Prefill call to handle, Decode call to
+  # first token).
   for f in /tmp/multiturn-logs/*/*.metrics; do
     [ -e "$f" ] && echo "  $(basename "$(dirname "$f")")/$(basename "$f" .metrics): $(grep -hE \
-      '^baton_node_step_duration_seconds_(sum|count)|^baton_node_transfer_seconds_total|^baton_node_step_device_seconds_total|^baton_router_(time_to_first_token|prefill|decode_first_token)_seconds_(sum|count)' \
+      '^baton_node_step_duration_seconds_(sum|count)|^baton_node_transfer_seconds_total|^baton_node_step_device_seconds_total|^baton_node_prefix_(queried_tokens|hit_tokens|evictions)_total|^baton_router_(time_to_first_token|prefill|decode_first_token)_seconds_(sum|count)' \
       "$f" | sed -E 's/^baton_(node|router)_//' | tr '\n' ' ')"
   done
   # Kernel specializations each node met after its warm-up (a compile inside some request's step), by kernel.
