@@ -52,8 +52,11 @@ def whole_model_bytes(model: str, k: int) -> tuple[int, int]:
     return kv, sum(s.item_bytes() for name, s in shards.items() if "kv" not in name)
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp, k", [(2, 1, 0), (1, 2, 2), (4, 2, 2)],
-                         ids=["tp2-to-tp1", "tp1-to-tp2-mtp", "tp4-to-tp2-mtp"])
+# A decode rank reading two prefill ranks' shards, with and without the drafter's KV, and one rank's shard read by
+# two; four prefill ranks on the CI box's two cores take a minute: under -m slow.
+@pytest.mark.parametrize("prefill_tp, decode_tp, k", [
+    (2, 1, 0), (1, 2, 2), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
+    ids=["tp2-to-tp1", "tp1-to-tp2-mtp", "tp2-to-tp1-mtp", "tp4-to-tp2-mtp"])
 def test_prefill_and_decode_of_different_tp_sizes_give_the_one_rank_tokens(model, reference, tmp_path, prefill_tp,
                                                                             decode_tp, k):
     spec = ("--speculative-tokens", str(k)) if k else ()
