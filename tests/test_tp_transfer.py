@@ -53,7 +53,7 @@ def whole_model_bytes(model: str, k: int) -> tuple[int, int]:
 
 
 # A decode rank reading two prefill ranks' shards, with and without the drafter's KV, and one rank's shard read by
-# two; four prefill ranks on the CI box's two cores take a minute: under -m slow.
+# two; four prefill ranks oversubscribe the CI box's two cores: under -m slow.
 @pytest.mark.parametrize("prefill_tp, decode_tp, k", [
     (2, 1, 0), (1, 2, 2), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
     ids=["tp2-to-tp1", "tp1-to-tp2-mtp", "tp2-to-tp1-mtp", "tp4-to-tp2-mtp"])
