@@ -3,9 +3,9 @@ of what a kernel computes on tensors a test can build.
 
 1. Integer overflow checks off. The interpreter runs every 32-bit integer add, sub and mul twice more, in 64 bits,
    with a comparison against the type's range and an assertion (`semantic.binary_op_sanitize_overflow_impl`): a
-   large share of an engine test's time (benchmarks/RESULTS.md, "Test suite"). Compiled kernels run these checks only in debug mode,
-   which Baton never turns on, and an int32 offset overflows only past 2^31 elements, far beyond what a CPU test
-   holds: with the checks off the interpreter wraps as the GPU does.
+   large share of an engine test's time (benchmarks/RESULTS.md, "Test suite"). Compiled kernels run these checks
+   only in debug mode, which Baton never turns on, and an int32 offset overflows only past 2^31 elements, far
+   beyond what a CPU test holds: with the checks off the interpreter wraps as the GPU does.
 2. `_get_np_dtype` memoised. It builds a dict of every Triton dtype on each of its many calls a launch; the memo
    keeps its answer per scalar dtype name, the dict's own key.
 
