@@ -1,13 +1,14 @@
-"""Two more test-time speed-ups of Triton's interpreter (beside tests/interpreter_patch_once.py), neither a change
-of what a kernel computes on tensors a test can build.
+"""Two more test-time speed-ups of Triton's interpreter (beside tests/interpreter_patch_once.py), neither a
+change of what a kernel computes on tensors a test can build.
 
-1. Integer overflow checks off. The interpreter runs every 32-bit integer add, sub and mul twice more, in 64 bits,
-   with a comparison against the type's range and an assertion (`semantic.binary_op_sanitize_overflow_impl`): a
-   large share of an engine test's time (benchmarks/RESULTS.md, "Test suite"). Compiled kernels run these checks
-   only in debug mode, which Baton never turns on, and an int32 offset overflows only past 2^31 elements, far
-   beyond what a CPU test holds: with the checks off the interpreter wraps as the GPU does.
-2. `_get_np_dtype` memoised. It builds a dict of every Triton dtype on each of its many calls a launch; the memo
-   keeps its answer per scalar dtype name, the dict's own key.
+1. Integer overflow checks off. The interpreter runs every 32-bit integer add, sub and mul twice more, in 64
+   bits, with a comparison against the type's range and an assertion
+   (`semantic.binary_op_sanitize_overflow_impl`): a large share of an engine test's time
+   (benchmarks/RESULTS.md, "Test suite"). Compiled kernels run these checks only in debug mode, which Baton
+   never turns on, and an int32 offset overflows only past 2^31 elements, far beyond what a CPU test holds:
+   with the checks off the interpreter wraps as the GPU does.
+2. `_get_np_dtype` memoised. It builds a dict of every Triton dtype on each of its many calls a launch; the
+   memo keeps its answer per scalar dtype name, the dict's own key.
 
 `install()` leaves the interpreter alone and returns False if its internals have changed shape.
 """

@@ -1,6 +1,6 @@
-"""tests/interpreter_fast_paths.py, which tests/conftest.py installs wherever Triton's interpreter runs: 32-bit
-integer arithmetic wraps as compiled kernels' does outside debug mode, and the memoised dtype lookup answers as the
-interpreter's own."""
+"""tests/interpreter_fast_paths.py, which tests/conftest.py installs wherever Triton's interpreter runs:
+32-bit integer arithmetic wraps as compiled kernels' does outside debug mode, and the memoised dtype lookup
+answers as the interpreter's own."""
 
 import pytest
 import torch
@@ -35,12 +35,13 @@ def test_int32_arithmetic_wraps_as_compiled_kernels_do():
     assert not torch.equal(wide, out.long())  # (the inputs do overflow)
 
 
-@pytest.mark.parametrize("dtype", [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
-                                   tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e4nv,
-                                   tl.float8e5], ids=str)
+@pytest.mark.parametrize("dtype", [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
+                                   tl.int64, tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64,
+                                   tl.float8e4nv, tl.float8e5], ids=str)
 def test_memoised_dtype_lookup_answers_as_the_interpreter(dtype):
     memoised = interpreter._get_np_dtype
     original = memoised.__wrapped__
-    for tt in (dtype, tl.block_type(dtype, [4, 8]), tl.pointer_type(dtype), tl.block_type(tl.pointer_type(dtype), [2])):
+    pointer = tl.pointer_type(dtype)
+    for tt in (dtype, tl.block_type(dtype, [4, 8]), pointer, tl.block_type(pointer, [2])):
         assert memoised(tt) == original(tt), tt
         assert memoised(tt) == original(tt), tt  # (the second answer comes from the memo)
