@@ -23,7 +23,7 @@ from baton.proto.v1 import worker_pb2 as wk
 from baton.transfer.agent import TransferAgent
 from baton.transfer.errors import TransferError
 from baton.transfer.fault_injection import TransferFaults
-from baton.transfer.side_channel import SideChannelClient
+from baton.transfer.side_channel import DEFAULT_TIMEOUT_S, SideChannelClient
 
 log = logging.getLogger("baton.decode_node")
 RESERVE_POLL_S = 0.005
@@ -82,11 +82,21 @@ class Puller:
         return blocks, slot
 
     async def _connect(self, h: wk.TransferHandle) -> None:
+        """Handshake with the request's prefill node on first contact (or after it restarted). The metadata call
+        runs off the transfer thread, so that a peer slow to answer holds up no other request's READ, and within
+        the READ's own timeout: a pull gives up on a stopped peer no later than a READ from it would."""
+        def new_peer() -> bool:
+            return self.agent.peer_agent_name(h.engine_id) != h.agent_name
+
+        if not await self._on_nixl(new_peer):
+            return
+        client = SideChannelClient(h.side_channel_host, h.side_channel_port,
+                                   timeout=min(DEFAULT_TIMEOUT_S, self.read_timeout_s), credential=self.credential,
+                                   ssl_context=self.ssl_context)
+        meta = await asyncio.to_thread(client.metadata)
+
         def connect() -> None:
-            known = self.agent.peer_agent_name(h.engine_id)
-            if known != h.agent_name:  # first contact, or the peer restarted
-                meta = SideChannelClient(h.side_channel_host, h.side_channel_port, credential=self.credential,
-                                         ssl_context=self.ssl_context).metadata()
+            if new_peer():  # (another pull may have connected meanwhile)
                 self.agent.connect(meta)
 
         await self._on_nixl(connect)

@@ -121,8 +121,14 @@ class SideChannelServer:
         self._server.server_close()
 
 
+# Seconds a side-channel call may take (connect, then the reply): a peer that accepts but does not answer, a stopped
+# process whose listening socket still takes connections, is given up after it.
+DEFAULT_TIMEOUT_S = 5.0
+
+
 class SideChannelClient:
-    def __init__(self, host: str, port: int, timeout: float = 5.0, credential: ClusterCredential | None = None,
+    def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT_S,
+                 credential: ClusterCredential | None = None,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self._token = credential.token() if credential is not None else ""
