@@ -35,7 +35,8 @@ from baton.transfer.agent import READ_ORDERS
 def parser() -> argparse.ArgumentParser:
     """The decode node's flags: every node's (`node_parser`), the engine's, and the NIXL reads'."""
     p = node_parser("decode")
-    p.add_argument("--read-timeout", type=float, default=10.0, help="seconds one NIXL READ may take")
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds one NIXL READ may take, and a first handshake with its prefill node")
     p.add_argument("--nixl-read-order", choices=READ_ORDERS, default="state-first",
                    help="state-first (default): a NIXL read posts the request's state slot as its own READ before "
                         "it plans and posts the KV blocks' (the link starts sooner); one-read: blocks and state in "
