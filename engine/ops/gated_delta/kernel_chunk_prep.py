@@ -6,9 +6,12 @@
    the keys' squared norms are the diagonal's), the UT system A[i, j] = beta_i (k^_i . k^_j) exp(G_i - G_j), i > j,
    on the l2-normalised keys k^ (the norms scale the products, so no normalised key tile is ever made), and
    T = (I + A)^-1: the diagonal blocks by forward substitution within a register tile, the blocks below them from
-   those. T goes to memory in fp32 with the per-token factors the second launch needs.
+   those. T goes to memory in the scratch dtype, with the per-token factors the second launch needs in fp32.
 2. `_wy_wu_kernel`: W = T diag(beta exp(G) / |k|) k, U = T diag(beta) v, the causal scores
-   P[i, j] = (q^_i . k^_j) exp(G_i - G_j) (i >= j) and, for the split scan, the decayed keys.
+   P[i, j] = (q^_i . k^_j) exp(G_i - G_j) (i >= j) and, for the split scan, the decayed keys. With bf16 scratch, W
+   and U multiply bf16 operands: T with its columns scaled, and the keys and values as stored. The scores are made
+   here rather than in the scan, which holds q and k anyway: beside its state they would spill its registers, on
+   the serial path.
 
 Splitting keeps each launch's live tiles small: the one-launch prep held the whole chunk's keys, system, inverse and
 products at once and spilled registers. A chunk is held as four sub-blocks of SUB tokens; a smaller chunk leaves the
@@ -114,7 +117,26 @@ def _mm(a, b, P: tl.constexpr):
 def _store_block(t_at, x, i: tl.constexpr, j: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
     offs = tl.arange(0, SUB)
     if i * SUB < CHUNK:
-        tl.store(t_at + (i * SUB + offs)[:, None] * CHUNK + j * SUB + offs[None, :], x)
+        at = (i * SUB + offs)[:, None] * CHUNK + j * SUB + offs[None, :]
+        tl.store(t_at + at, round_to(x, t_at.dtype.element_ty))
+
+
+@triton.jit
+def _scaled_dot(t, f, x, PRECISION: tl.constexpr):
+    """(t diag(f)) @ x, accumulated in fp32, for T's tile `t` in the scratch dtype, per-token factors `f` and inputs
+    `x` as stored: fp32 scratch at PRECISION; bf16 scratch on bf16 operands (t diag(f) rounded, inputs of another
+    16-bit dtype rounded; the interpreter multiplies the same values in fp32)."""
+    ts = t.to(tl.float32) * f[None, :]
+    if t.dtype == tl.float32:
+        return tl.dot(ts, x.to(tl.float32), input_precision=PRECISION)
+    else:
+        ts = round_to(ts, tl.bfloat16)
+        if x.dtype != tl.bfloat16:
+            x = round_to(x.to(tl.float32), tl.bfloat16)
+        if _INTERPRETED:
+            return tl.dot(ts.to(tl.float32), x.to(tl.float32))
+        else:
+            return tl.dot(ts, x)
 
 
 @triton.jit
@@ -232,16 +254,15 @@ def _wy_wu_kernel(
     s_k_t, s_k_h, s_k_d,
     s_v_t, s_v_h, s_v_d,
     CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     COLS: tl.constexpr,
     PRECISION: tl.constexpr,
     KD: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, value head): W [CHUNK, Dk] and the scores p (first CHUNK*CHUNK elements of a P_REGION region) in
-    their scratch dtypes, U [CHUNK, Dv] in fp32, and with KD the decayed keys k^ exp(G_last - G); the head dims
-    COLS columns at a time, so that one [CHUNK, COLS] product is live beside T."""
+    """Per (chunk, value head): W [CHUNK, Dk], U [CHUNK, Dv] and the scores P [CHUNK, CHUNK] in their scratch dtypes
+    and, with KD, the decayed keys k^ exp(G_last - G); the head dims COLS columns at a time, so that one
+    [CHUNK, COLS] product is live beside T."""
     h = tl.program_id(0) % Hv
     ci = tl.program_id(0) // Hv
     n = tl.load(clen_ptr + ci)
@@ -258,8 +279,9 @@ def _wy_wu_kernel(
     cum = tl.load(g_ptr + e * CHUNK + offs_c)
     rk = tl.load(f_at + 2 * CHUNK + offs_c)
     # T's blocks above the diagonal were never written: masked, not read. The per-token factors go into T's
-    # columns, so the inputs enter the products as stored; T is read again for U (from cache) rather than kept.
-    solve_w = tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0) * tl.load(f_at + offs_c)[None, :]
+    # columns, so the inputs enter the products as stored.
+    t_low = tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0)
+    f_w = tl.load(f_at + offs_c)
     cum_last = tl.sum(tl.where(offs_c == CHUNK - 1, cum, 0.0), axis=0)
 
     qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -269,7 +291,7 @@ def _wy_wu_kernel(
         m = offs < Dk
         k = tl.load(k_ptr + t[:, None] * s_k_t + kh * s_k_h + offs[None, :] * s_k_d, mask=valid[:, None] & m[None, :],
                     other=0.0)  # fmt: skip
-        w = _mm(solve_w, k.to(tl.float32), PRECISION)
+        w = _scaled_dot(t_low, f_w, k, PRECISION)
         tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs[None, :], round_to(w, w_ptr.dtype.element_ty),
                  mask=m[None, :])  # fmt: skip
         if KD:
@@ -282,13 +304,15 @@ def _wy_wu_kernel(
         qk = _raw_dot(q, tl.trans(k), qk, PRECISION)
     rq = tl.math.rsqrt(qq + 1e-6) * scale
     decay = tl.where(causal, tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
-    tl.store(p_ptr + e * P_REGION + mat, round_to(qk * (rq[:, None] * rk[None, :]) * decay, p_ptr.dtype.element_ty))
+    p = qk * (rq[:, None] * rk[None, :]) * decay
+    tl.store(p_ptr + e * CHUNK * CHUNK + mat, round_to(p, p_ptr.dtype.element_ty))
 
-    solve_u = tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0) * tl.load(f_at + CHUNK + offs_c)[None, :]
+    f_u = tl.load(f_at + CHUNK + offs_c)
     for c0 in range(0, BLOCK_DV, COLS):
         offs = c0 + tl.arange(0, COLS)
         m = offs < Dv
         v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs[None, :] * s_v_d, mask=valid[:, None] & m[None, :],
                     other=0.0)  # fmt: skip
-        u = _mm(solve_u, v.to(tl.float32), PRECISION)
-        tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs[None, :], u, mask=m[None, :])
+        u = _scaled_dot(t_low, f_u, v, PRECISION)
+        tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs[None, :], round_to(u, u_ptr.dtype.element_ty),
+                 mask=m[None, :])  # fmt: skip

@@ -85,7 +85,6 @@ def _wy_output_kernel(
     s_q_t, s_q_h, s_q_d,
     s_o_t, s_o_h, s_o_d,
     CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -116,7 +115,8 @@ def _wy_output_kernel(
                 other=0.0)  # fmt: skip
     o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
     v_new = tl.load(vn_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs_v[None, :], mask=mask_v[None, :], other=0.0)
-    o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION, BF16_DOTS)
+    o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
+             BF16_DOTS)  # fmt: skip
     tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
              round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
 
@@ -156,6 +156,6 @@ def chunk_split_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tenso
         q, prep.starts, prep.lengths, scratch["p"], scratch["g"], v_new, starts, o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *q.stride(), *o.stride(),
-        CHUNK=chunk_size, P_REGION=prep.p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=prep.precision,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=prep.precision,
         BF16_DOTS=prep.bf16_dots, num_warps=WY_OUT_WARPS,
     )  # fmt: skip

@@ -21,12 +21,12 @@ which leave the state as it is) and numbered over the batch, row after row.
 
 Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
 within fp32 rounding of the reference. 16-bit inputs: the prep's key and query products take the inputs as stored
-(exact products, fp32 sums), its other products run on tensor cores in TF32 (the diagonal blocks' forward
-substitution in fp32); the scan, the serial part, multiplies bf16 operands (the state, W, V', the
-scores, q and k each rounded to bf16; fp32 sums), as flash-linear-attention does.
-Scratch (`wy_scratch`) is fp32 except W and the scores, stored in bf16 when the scan rounds them so anyway (half the
-bytes, the same products); U stays fp32: it enters V' = U - W S unrounded, before the cancellation that makes V'
-small.
+(exact products, fp32 sums), the UT solve's products run on tensor cores in TF32 (the diagonal blocks' forward
+substitution in fp32), and W and U multiply bf16 operands (T's scaled columns and the inputs as stored); the scan,
+the serial part, multiplies bf16 operands too (the state, W, V', the scores, q and k each rounded to bf16; fp32
+sums), as flash-linear-attention does. Scratch (`wy_scratch`): T, W, U and P in bf16 where the products round
+them so anyway (half the bytes). U enters V' = U - W S unrounded, so storing it in bf16 rounds it once more, as
+flash-linear-attention does too: the state's error grows by a fifth of itself, within the 16-bit tolerances.
 """
 
 from typing import NamedTuple
@@ -119,7 +119,6 @@ def _wy_scan_kernel(
     s_k_t, s_k_h, s_k_d,
     s_o_t, s_o_h, s_o_d,
     CHUNK: tl.constexpr,
-    P_REGION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -146,6 +145,7 @@ def _wy_scan_kernel(
     # 64-bit scalar bases, 32-bit tile offsets: a tile of 64-bit addresses kept across the loop would cost registers.
     rows_k = offs_c[:, None] * Dk + offs_k[None, :]
     rows_v = offs_c[:, None] * Dv + offs_v[None, :]
+    mat = offs_c[:, None] * CHUNK + offs_c[None, :]
     for j in range(0, tl.cdiv(hi - lo, CHUNK)):
         e = (first + j) * Hv + h
         t0 = lo + j * CHUNK
@@ -159,8 +159,7 @@ def _wy_scan_kernel(
 
         q = _unit_rows(q_ptr + t0 * s_q_t + kh * s_q_h, offs_c, valid, offs_k, mask_k, s_q_t, s_q_d)
         o = _mm(q * (scale * tl.exp(cum))[:, None], s, PRECISION, BF16_DOTS)
-        o += _mm(tl.load(p_ptr + e * P_REGION + offs_c[:, None] * CHUNK + offs_c[None, :]), v_new, PRECISION,
-                 BF16_DOTS)  # fmt: skip
+        o += _mm(tl.load(p_ptr + e * CHUNK * CHUNK + mat), v_new, PRECISION, BF16_DOTS)
         tl.store(o_ptr + t0 * s_o_t + h * s_o_h + offs_c[:, None] * s_o_t + offs_v[None, :] * s_o_d,
                  round_to(o, o_ptr.dtype.element_ty), mask=valid[:, None] & mask_v[None, :])  # fmt: skip
 
@@ -179,17 +178,17 @@ def chunk_parallel(chunk_size: int) -> bool:
 def wy_scratch(max_chunks: int, Hv: int, Dk: int, Dv: int, chunk: int, low: torch.dtype, device: torch.device,
                kd: bool = False) -> dict[str, Tensor]:  # fmt: skip
     """The per-(chunk, value head) tensors the prep writes for the scan: in the dtype `low` (fp32 or bf16) W
-    [., C, Dk] and the scores p (the first C*C elements of each fp32-sized region of `ws` [., C, C]); in fp32 U
-    [., C, Dv], the cumulative log decay g [., C], and the prep's own T [., C, C] and per-token factors f [., 3, C].
-    With `kd`, also the split scan's decayed keys kd [., C, Dk] in `low`."""
+    [., C, Dk], U [., C, Dv], the scores p [., C, C] and the prep's own T [., C, C]; in fp32 the cumulative log
+    decay g [., C] and the prep's per-token factors f [., 3, C]. With `kd`, also the split scan's decayed keys kd
+    [., C, Dk] in `low`."""
     f32 = dict(dtype=torch.float32, device=device)
     n = (max_chunks, Hv)
-    ws = torch.empty(*n, chunk, chunk, **f32)
-    out = dict(w=torch.empty(*n, chunk, Dk, dtype=low, device=device), u=torch.empty(*n, chunk, Dv, **f32), ws=ws,
-               p=ws.view(low), g=torch.empty(*n, chunk, **f32), t=torch.empty(*n, chunk, chunk, **f32),
-               f=torch.empty(*n, 3, chunk, **f32))
+    lo = dict(dtype=low, device=device)
+    out = dict(w=torch.empty(*n, chunk, Dk, **lo), u=torch.empty(*n, chunk, Dv, **lo),
+               p=torch.empty(*n, chunk, chunk, **lo), t=torch.empty(*n, chunk, chunk, **lo),
+               g=torch.empty(*n, chunk, **f32), f=torch.empty(*n, 3, chunk, **f32))
     if kd:
-        out["kd"] = torch.empty(*n, chunk, Dk, dtype=low, device=device)
+        out["kd"] = torch.empty(*n, chunk, Dk, **lo)
     return out
 
 
@@ -200,7 +199,6 @@ class WyPrepared(NamedTuple):
     starts: Tensor  # [max_chunks] each chunk's first token
     lengths: Tensor  # [max_chunks] each chunk's length (0 past the batch's chunks)
     scratch: dict[str, Tensor]
-    p_region: int  # elements of the scores' dtype per (chunk, head) region of `ws`
     block_k: int
     precision: str  # tl.dot input precision of the second stage's products
     bf16_dots: bool  # whether the second stage rounds its products' operands to bf16
@@ -225,11 +223,9 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
     fp32 = q.dtype == k.dtype == v.dtype == torch.float32
     solve_precision, precision = WY_PRECISION[fp32]
     bf16_dots = WY_SCAN_BF16 and not fp32
-    # The scan rounds W and the scores to bf16 for its products anyway: stored so, they move half the bytes for the
-    # same result.
+    # The products round W, U, P and T to bf16 anyway: stored so, they move half the bytes for the same result.
     scratch = wy_scratch(max_chunks, Hv, Dk, Dv, chunk_size, torch.bfloat16 if bf16_dots else torch.float32, dev,
                          kd=kd)  # fmt: skip
-    p_region = chunk_size * chunk_size * 4 // scratch["p"].element_size()
     block_k = max(MIN_DOT, next_power_of_2(Dk))
     block_dv = max(MIN_DOT, next_power_of_2(Dv))
     grid = (max_chunks * Hv,)
@@ -243,10 +239,10 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
         q, k, v, starts, lengths, scratch["t"], scratch["g"], scratch["f"],
         scratch["w"], scratch["u"], scratch["p"], scratch.get("kd", scratch["w"]),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5, *q.stride(), *k.stride(), *v.stride(),
-        CHUNK=chunk_size, P_REGION=p_region, BLOCK_K=block_k, BLOCK_DV=block_dv,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_DV=block_dv,
         COLS=min(block_k, block_dv, WY_PREP_COLS), PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS, num_stages=1,
     )  # fmt: skip
-    return WyPrepared(first, starts, lengths, scratch, p_region, block_k, precision, bf16_dots, fp32)
+    return WyPrepared(first, starts, lengths, scratch, block_k, precision, bf16_dots, fp32)
 
 
 def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
@@ -265,7 +261,6 @@ def chunk_wy_prefill(state: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, 
         scratch["w"], scratch["u"], scratch["p"], scratch["g"], o,
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5,
         *state.stride(), *q.stride(), *k.stride(), *o.stride(),
-        CHUNK=chunk_size, P_REGION=prep.p_region, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=prep.precision,
-        BF16_DOTS=prep.bf16_dots,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=prep.precision, BF16_DOTS=prep.bf16_dots,
         num_warps=WY_SCAN_WARPS, num_stages=1 if prep.fp32 else WY_SCAN_STAGES,
     )  # fmt: skip
