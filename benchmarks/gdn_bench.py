@@ -14,6 +14,7 @@
    (scan tile x scan warps x scan stages x prep warps): what `tuning.WY_*` are chosen from. `--split-scan` times
    the chunk-parallel prefill's two second stages in the same run (the fused scan and the split state + output
    kernels, `tuning.WY_SPLIT_SCAN`), each with its kernels' device times and its errors against fla;
+   `--solve-doubling` likewise times both inversions of the prep's diagonal blocks (`tuning.WY_SOLVE_DOUBLING`);
    `--split-sweep 4096x4x2x8192x4,...` times the split one at each (state tile x state warps x state stages x
    output tile x output warps).
 
@@ -99,6 +100,29 @@ def prefill_call(tokens: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, Ca
 
 
 @contextlib.contextmanager
+def solve_inversion(doubling: bool | None) -> Iterator[None]:
+    """Runs the block with the prep's diagonal blocks inverted by substitution (False) or by the doubling product
+    (True, `tuning.WY_SOLVE_DOUBLING`); None: as tuned."""
+    from baton.engine.ops.gated_delta import kernel_chunk_wy
+
+    if doubling is None:  # as tuned: also a tree with one inversion only
+        yield
+        return
+    tuned = kernel_chunk_wy.WY_SOLVE_DOUBLING
+    kernel_chunk_wy.WY_SOLVE_DOUBLING = doubling
+    try:
+        yield
+    finally:
+        kernel_chunk_wy.WY_SOLVE_DOUBLING = tuned
+
+
+@contextlib.contextmanager
+def variant(split: bool | None, doubling: bool | None) -> Iterator[None]:
+    with second_stage(split), solve_inversion(doubling):
+        yield
+
+
+@contextlib.contextmanager
 def second_stage(split: bool | None) -> Iterator[None]:
     """Runs the block with the chunk-parallel prefill's fused (False) or split (True) second stage; None: as tuned."""
     from baton.engine.ops.gated_delta import kernel_prefill
@@ -114,15 +138,21 @@ def second_stage(split: bool | None) -> Iterator[None]:
         kernel_prefill.WY_SPLIT_SCAN = tuned
 
 
-def bench_prefill(tokens: int, calls: int, split_scan: bool = False) -> dict[str, object]:
-    """Our prefill (as tuned, or with `split_scan` each second stage: "fused" and "split") against fla's."""
+def bench_prefill(tokens: int, calls: int, split_scan: bool = False, solve_doubling: bool = False
+                  ) -> dict[str, object]:  # fmt: skip
+    """Our prefill (as tuned; with `split_scan` each second stage, "fused" and "split"; with `solve_doubling` each
+    inversion of the solve's diagonal blocks, "substitution" and "doubling") against fla's."""
     from baton.engine.ops.gated_delta.reference import gdn_gates
 
     t, pool, ours = prefill_call(tokens)
-    variants = {"fused": False, "split": True} if split_scan else {"ours": None}
+    variants: dict[str, tuple[bool | None, bool | None]] = {"ours": (None, None)}
+    if split_scan:
+        variants = {"fused": (False, None), "split": (True, None)}
+    if solve_doubling:
+        variants = {"substitution": (None, False), "doubling": (None, True)}
     runs: dict[str, dict[str, object]] = {}
-    for name, split in variants.items():
-        with second_stage(split):
+    for name, (split, doubling) in variants.items():
+        with variant(split, doubling):
             pool[1] = t["init"]
             o = ours()
             runs[name] = dict(o=o, final=pool[1].clone(), ms=device_ms(ours, calls))
@@ -151,8 +181,8 @@ def bench_prefill(tokens: int, calls: int, split_scan: bool = False) -> dict[str
 
     o_ref, final_ref = fla()
     kernels = {}
-    for name, split in variants.items():
-        with second_stage(split):
+    for name, (split, doubling) in variants.items():
+        with variant(split, doubling):
             kernels[name] = kernel_us(ours)
     kernels["fla"] = kernel_us(fla)
     out.update(kernels=kernels, fla_ms=device_ms(fla, calls), fla_heads=expand or "grouped")
@@ -323,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode launches to time too, TILExWARPS[xTILES][s] comma-separated (s: L2 streaming hints)")
     p.add_argument("--wy-sweep", default="", help="chunk-parallel prefill launches to time too, "
                    "SCANTILExSCANWARPSxSTAGESxPREPWARPS comma-separated")
+    p.add_argument("--solve-doubling", action="store_true", help="time the chunk-parallel prefill with each "
+                   "inversion of the solve's diagonal blocks (substitution, doubling product)")
     p.add_argument("--split-scan", action="store_true", help="time the chunk-parallel prefill with each second "
                    "stage, the fused scan and the split state + output kernels, against fla in the same run")
     p.add_argument("--split-sweep", default="", help="split chunk-parallel prefill launches to time too, "
@@ -346,13 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens < 1 or any(b < 1 for b in batches) or a.graph_launches < 1 or a.calls < 1:
         p.error(f"--tokens, --batches, --graph-launches, --calls: expected integers >= 1, got {a.tokens}, "
                 f"{a.batches}, {a.graph_launches}, {a.calls}")
+    if a.split_scan and a.solve_doubling:
+        p.error("--split-scan and --solve-doubling: expected one of them, got both")
     if not torch.cuda.is_available():
         print("gdn_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     from benchmarks.kernels_bench import copy_gbps
 
     print(f"device: {torch.cuda.get_device_name()}")
-    prefill = {} if a.no_prefill else bench_prefill(a.tokens, a.calls, a.split_scan)
+    prefill = {} if a.no_prefill else bench_prefill(a.tokens, a.calls, a.split_scan, a.solve_doubling)
     if prefill:
         print_prefill(prefill)
     wy_rows = bench_wy(a.tokens, a.calls, wy_sweep) if wy_sweep and not a.no_prefill else []

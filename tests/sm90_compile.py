@@ -354,17 +354,18 @@ def _gdn_verify():
 
 def _gdn_prefill():
     """The chunk-parallel prefill with 16-bit inputs (tensor-core dots the interpreter never builds), both second
-    stages."""
-    from baton.engine.ops.gated_delta import kernel_prefill
+    stages, and the solve's doubling inversion."""
+    from baton.engine.ops.gated_delta import kernel_chunk_wy, kernel_prefill
     starts = [0, 300, 301, 361]  # rows of 300 (five chunks of 64), 1 and 60 tokens
-    for split, dtype, chunk in ((False, torch.bfloat16, 64), (True, torch.bfloat16, 64)):
-        kernel_prefill.WY_SPLIT_SCAN = split
+    split_tuned, doubling_tuned = kernel_prefill.WY_SPLIT_SCAN, kernel_chunk_wy.WY_SOLVE_DOUBLING
+    for split, doubling in ((False, False), (True, False), (False, True)):
+        kernel_prefill.WY_SPLIT_SCAN, kernel_chunk_wy.WY_SOLVE_DOUBLING = split, doubling
         try:
             kernel_prefill.gated_delta_prefill_varlen_triton(
-                _g(6, GV, GD, GD, dtype=torch.float32), *_gdn_inputs(starts[-1], dtype=dtype), -torch.rand(GV),
-                torch.zeros(GV), _idx(starts), _idx([0, 3, 5]), torch.tensor([True, False, True]), chunk)
+                _g(6, GV, GD, GD, dtype=torch.float32), *_gdn_inputs(starts[-1], dtype=torch.bfloat16),
+                -torch.rand(GV), torch.zeros(GV), _idx(starts), _idx([0, 3, 5]), torch.tensor([True, False, True]), 64)
         finally:
-            kernel_prefill.WY_SPLIT_SCAN = False
+            kernel_prefill.WY_SPLIT_SCAN, kernel_chunk_wy.WY_SOLVE_DOUBLING = split_tuned, doubling_tuned
 
 
 @triton.jit

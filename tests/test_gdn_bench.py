@@ -6,7 +6,8 @@ import torch
 from benchmarks import gdn_bench
 
 
-@pytest.mark.parametrize("argv", [["--batches", "1,x"], ["--tokens", "0"], ["--graph-launches", "0"]])
+@pytest.mark.parametrize("argv", [["--batches", "1,x"], ["--tokens", "0"], ["--graph-launches", "0"],
+                                  ["--split-scan", "--solve-doubling"]])
 def test_bad_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         gdn_bench.main(argv)
@@ -35,6 +36,14 @@ def test_a_short_run_times_both_second_stages(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "fused" in text and "split" in text and "split vs fused" in text
     assert out.is_file()
+
+
+@pytest.mark.gpu
+def test_a_short_run_times_both_inversions(capsys):
+    assert gdn_bench.main(["--tokens", "512", "--batches", "1", "--graph-launches", "5", "--calls", "3",
+                           "--solve-doubling"]) == 0
+    text = capsys.readouterr().out
+    assert "substitution" in text and "doubling" in text
 
 
 @pytest.mark.parametrize("sweep", ["4096", "4096x3", "4000x4", "ax4"])

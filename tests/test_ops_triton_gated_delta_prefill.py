@@ -1,7 +1,8 @@
 """The chunk-parallel Gated DeltaNet prefill (`kernel_chunk_wy.py`, through `gated_delta_prefill_varlen_triton`)
 against the torch reference: varlen rows around the chunk size, with and without initial states, grouped heads,
 Dk != Dv, 16-bit inputs and pools, slots out of order; and the device-built chunk table. Every prefill test runs
-both second stages: the fused scan and the split state + output kernels (`tuning.WY_SPLIT_SCAN`).
+both second stages, the fused scan and the split state + output kernels (`tuning.WY_SPLIT_SCAN`), and the fused
+scan once more with the solve's diagonal blocks inverted by the doubling product (`tuning.WY_SOLVE_DOUBLING`).
 
 Without CUDA the kernels run in Triton's interpreter (set before the kernel modules are imported, as in
 test_ops_triton_gated_delta.py); the `gpu` tests run the compiled kernels at Qwen3.5-27B's sizes.
@@ -19,7 +20,11 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (the Makefile's CPU install must add it)")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the interpreter; the `gpu` tests run compiled
 
-from baton.engine.ops.gated_delta import kernel_prefill  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from baton.engine.ops.gated_delta import kernel_chunk_wy, kernel_prefill  # noqa: E402
+from baton.engine.ops.gated_delta.kernel_chunk_prep import _inv_diag  # noqa: E402
 from baton.engine.ops.gated_delta.kernel_chunk_wy import _chunk_table_kernel  # noqa: E402
 from baton.engine.ops.gated_delta.kernel_prefill import chunked, gated_delta_prefill_varlen_triton  # noqa: E402
 from baton.engine.ops.gated_delta.reference import gated_delta_prefill_varlen  # noqa: E402
@@ -39,10 +44,13 @@ from tests.test_ops_triton_gated_delta import (  # noqa: E402
 NUM_SLOTS = 12
 
 
-@pytest.fixture(params=[False, True], ids=["fused", "split"])
-def split(request, monkeypatch):
-    """Runs the test with the fused scan, then with the split second stage."""
-    monkeypatch.setattr(kernel_prefill, "WY_SPLIT_SCAN", request.param)
+@pytest.fixture(params=[(False, False), (True, False), (False, True)], ids=["fused", "split", "doubling"])
+def variant(request, monkeypatch):
+    """Runs the test with the fused scan, with the split second stage, then with the fused scan and the doubling
+    inversion."""
+    split, doubling = request.param
+    monkeypatch.setattr(kernel_prefill, "WY_SPLIT_SCAN", split)
+    monkeypatch.setattr(kernel_chunk_wy, "WY_SOLVE_DOUBLING", doubling)
     return request.param
 
 
@@ -71,7 +79,7 @@ def check(o, o_ref, pool, ref_pool, before, slots, atol, rtol):
 
 
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", DTYPES)
-def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol, split):
+def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol, variant):
     """Rows shorter than a chunk, exactly one, one less and one more, several chunks and a partial last one, an
     empty row; grouped heads (Hv = 2 Hk), Dk != Dv, slots out of order, some rows new."""
     C = 16
@@ -83,7 +91,7 @@ def test_varlen_rows_around_the_chunk(dtype, state_dtype, atol, rtol, split):
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
-def test_larger_chunks(chunk, split):
+def test_larger_chunks(chunk, variant):
     """More diagonal blocks in the UT solve (2 and 4): the block rows below the first one, and the model's chunk."""
     shape = dict(Hk=1, Hv=2, Dk=16, Dv=16)
     lengths = [2 * chunk + 7, chunk, 5]
@@ -91,7 +99,7 @@ def test_larger_chunks(chunk, split):
     check(*run_both(shape, torch.float32, torch.float32, lengths, slots, has_init, chunk), slots, 2e-5, 1e-4)
 
 
-def test_odd_head_sizes_and_strided_inputs(split):
+def test_odd_head_sizes_and_strided_inputs(variant):
     """Dk and Dv not powers of two and below tl.dot's 16 (masked tiles), three value heads per key head; q, k, v
     views of one wider projection."""
     C = 16
@@ -112,7 +120,7 @@ def test_odd_head_sizes_and_strided_inputs(split):
     close(pool, ref_pool, 2e-5, 1e-4)
 
 
-def test_strong_decay_and_aligned_keys_stay_finite(split):
+def test_strong_decay_and_aligned_keys_stay_finite(variant):
     """Decays that underflow exp within a chunk and keys all nearly one direction (the UT system's worst
     conditioning) still match the reference: no overflow in the masked decays, an accurate solve."""
     C = 16
@@ -131,7 +139,7 @@ def test_strong_decay_and_aligned_keys_stay_finite(split):
     close(pool, ref_pool, 1e-4, 1e-4)
 
 
-def test_only_empty_rows(split):
+def test_only_empty_rows(variant):
     """A batch of empty rows: each slot keeps its state (initial) or is zeroed (new)."""
     shape = dict(Hk=2, Hv=4, Dk=16, Dv=16)
     slots, has_init = [3, 8], [True, False]
@@ -140,6 +148,28 @@ def test_only_empty_rows(split):
     assert_same(pool[3], before[3])
     assert (pool[8] == 0).all()
     check(o, o_ref, pool, ref_pool, before, slots, 0.0, 0.0)
+
+
+@triton.jit
+def _inverse_kernel(a_ptr, o_ptr, DOUBLING: tl.constexpr):
+    offs = tl.arange(0, 16)
+    tile = offs[:, None] * 16 + offs[None, :]
+    tl.store(o_ptr + tile, _inv_diag(tl.load(a_ptr + tile), 16, DOUBLING))
+
+
+@pytest.mark.parametrize("doubling", [False, True], ids=["substitution", "doubling"])
+@pytest.mark.parametrize("case", ["random", "aligned"])
+def test_diagonal_block_inverse(doubling, case):
+    """(I + A)^-1 of a strictly lower 16x16 block, as the UT solve makes them (|A_ij| <= 1), within fp32 rounding of
+    float64's inverse: random entries, and the worst conditioning (every entry -1: aligned keys, beta 1, no
+    decay), whose inverse has entries up to 2^14."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.rand(16, 16, generator=g) * 2 - 1 if case == "random" else -torch.ones(16, 16)
+    a = torch.tril(a, -1)
+    ref = torch.linalg.inv(torch.eye(16, dtype=torch.float64) + a.double())
+    out = torch.empty(16, 16)
+    _inverse_kernel[(1,)](a, out, DOUBLING=doubling)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
 @pytest.mark.parametrize("lengths", [[0, 40, 16, 0, 1, 17], [1] * 5, [], [100]])
@@ -179,7 +209,7 @@ GPU_DTYPES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[8192], [3000, 64, 1, 5000]], ids=["8k", "varlen"])
 @pytest.mark.parametrize("dtype,state_dtype,atol,rtol", GPU_DTYPES)
-def test_gpu_27b_sizes(dtype, state_dtype, atol, rtol, lengths, split):
+def test_gpu_27b_sizes(dtype, state_dtype, atol, rtol, lengths, variant):
     """Qwen3.5-27B's GDN layer (Hk 16, Hv 48, D 128, chunk 64): a long row and a varlen mix, against the reference."""
     slots = [5, 1, 7, 2][: len(lengths)]
     has_init = [True, False, True, True][: len(lengths)]

@@ -47,6 +47,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
                    "_moe_gemm_kernel", "_place_kernel", "_sum_rows_kernel"):
         assert kernel in stdout
     assert "'NATIVE_DOT': True" in stdout and "'PDL': True" in stdout
+    assert "'DOUBLING': True" in stdout and "'DOUBLING': False" in stdout  # both inversions of the GDN solve
     # The fused MoE's grouped GEMM on FP8 stacks, both scale kinds, beside its 16-bit build.
     assert all(f"'WSCALE': {w}" in stdout for w in (0, 1, 2))
 

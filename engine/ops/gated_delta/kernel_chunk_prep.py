@@ -96,6 +96,30 @@ def _inv_unit_lower(a, SUB: tl.constexpr):
 
 
 @triton.jit
+def _inv_unit_lower_doubling(a, SUB: tl.constexpr):
+    """(I + a)^-1 of a strictly lower [16, 16] tile as the product (I - a)(I + a^2)(I + a^4)(I + a^8) (a^16 = 0: the
+    product is the whole series sum of (-a)^n), by full-fp32 products: six tile products instead of 14 dependent
+    steps of two cross-thread reductions each."""
+    tl.static_assert(SUB == 16)
+    offs = tl.arange(0, SUB)
+    inv = tl.where(offs[:, None] == offs[None, :], 1.0, 0.0) - a
+    p = a
+    for _ in tl.static_range(3):
+        p = tl.dot(p, p, input_precision="ieee")
+        inv += tl.dot(inv, p, input_precision="ieee")
+    return inv
+
+
+@triton.jit
+def _inv_diag(a, SUB: tl.constexpr, DOUBLING: tl.constexpr):
+    """A diagonal block's inverse (I + a)^-1 (`tuning.WY_SOLVE_DOUBLING` picks the method)."""
+    if DOUBLING:
+        return _inv_unit_lower_doubling(a, SUB)
+    else:
+        return _inv_unit_lower(a, SUB)
+
+
+@triton.jit
 def _pick(i: tl.constexpr, x0, x1, x2, x3):
     """x_i of four values, i a constant."""
     if i == 0:  # noqa: SIM116 (a Triton function: no dicts)
@@ -151,6 +175,7 @@ def _wy_solve_kernel(
     BLOCK_K: tl.constexpr,
     BK: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOUBLING: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): g [CHUNK] (G), t [CHUNK, CHUNK] (T, the blocks on and below the diagonal; the ones
     above are never written) and f [3, CHUNK]: beta exp(G) / |k|, beta, 1 / |k| per token."""
@@ -209,10 +234,10 @@ def _wy_solve_kernel(
     a30 = _system(kk30, rk3, rk0, beta3, cum3, cum0, False, SUB)
     a31 = _system(kk31, rk3, rk1, beta3, cum3, cum1, False, SUB)
     a32 = _system(kk32, rk3, rk2, beta3, cum3, cum2, False, SUB)
-    t00 = _inv_unit_lower(_system(kk00, rk0, rk0, beta0, cum0, cum0, True, SUB), SUB)
-    t11 = _inv_unit_lower(_system(kk11, rk1, rk1, beta1, cum1, cum1, True, SUB), SUB)
-    t22 = _inv_unit_lower(_system(kk22, rk2, rk2, beta2, cum2, cum2, True, SUB), SUB)
-    t33 = _inv_unit_lower(_system(kk33, rk3, rk3, beta3, cum3, cum3, True, SUB), SUB)
+    t00 = _inv_diag(_system(kk00, rk0, rk0, beta0, cum0, cum0, True, SUB), SUB, DOUBLING)
+    t11 = _inv_diag(_system(kk11, rk1, rk1, beta1, cum1, cum1, True, SUB), SUB, DOUBLING)
+    t22 = _inv_diag(_system(kk22, rk2, rk2, beta2, cum2, cum2, True, SUB), SUB, DOUBLING)
+    t33 = _inv_diag(_system(kk33, rk3, rk3, beta3, cum3, cum3, True, SUB), SUB, DOUBLING)
     # Below the diagonal: T_ij = -T_ii (sum over j <= m < i of A_im T_mj).
     t10 = -_mm(t11, _mm(a10, t00, PRECISION), PRECISION)
     t21 = -_mm(t22, _mm(a21, t11, PRECISION), PRECISION)

@@ -48,6 +48,7 @@ from baton.engine.ops.gated_delta.tuning import (
     WY_SCAN_TILE,
     WY_SCAN_WARPS,
     WY_SOLVE_BK,
+    WY_SOLVE_DOUBLING,
     WY_SOLVE_WARPS,
     WY_SUB,
     WY_TABLE_BLOCK,
@@ -233,7 +234,7 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
         k, a, b, A_log, dt_bias, starts, lengths, scratch["t"], scratch["g"], scratch["f"], Hv, Dk, Hv // Hk,
         *k.stride(), *a.stride(), *b.stride(),
         CHUNK=chunk_size, SUB=WY_SUB, BLOCK_K=block_k, BK=min(block_k, WY_SOLVE_BK), PRECISION=solve_precision,
-        num_warps=WY_SOLVE_WARPS, num_stages=1,
+        DOUBLING=bool(WY_SOLVE_DOUBLING), num_warps=WY_SOLVE_WARPS, num_stages=1,
     )  # fmt: skip
     _wy_wu_kernel[grid](
         q, k, v, starts, lengths, scratch["t"], scratch["g"], scratch["f"],
