@@ -26,9 +26,15 @@ history without resident counts) as flat (row, token) pairs scattered into [P, V
 something to process are gathered and processed (their [P, K+1, V] working copies do not grow with the rest of
 the batch).
 
+Each op runs in float32 on the logits as the model gave them; the result is rounded once to the logits' dtype
+before min_p (whose threshold is then the rounded maximum's, and whose test is on the rounded values). A 16-bit
+engine so samples processed rows from 16-bit logits, as it samples the rows without processing: the rounding is the
+model's own output precision, and the draw, the argmax and the logprob passes read half the bytes they would from
+float32 rows.
+
 This module's `apply_processing` is the torch reference, which CPU engines run; on a GPU the engine runs
 `ops.logits_process`' kernels (`Kernels.process_logits`), which read the same inputs (plus `index`, `bias_start`
-and `stop_start`) and give the same float32 logits in two launches.
+and `stop_start`) and give the same logits in two launches.
 """
 
 from __future__ import annotations
@@ -268,7 +274,8 @@ def generated_counts(inputs: LogitsInputs, drafts: Tensor, num_draft: Tensor, V:
 
 def apply_processing(logits: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs) -> Tensor:
     """logits [R, K+1, V] (raw, any float dtype), drafts [R, K] (padding: any value), num_draft [R] on the
-    logits' device -> the processed logits [R, K+1, V] float32 (a new tensor; rows not processed as they were)."""
+    logits' device -> the processed logits [R, K+1, V] in the logits' dtype (a new tensor; rows not processed as
+    they were)."""
     R, K1, V = logits.shape
     if inputs.num_rows != R:
         raise ValueError(f"logits: expected the {inputs.num_rows} rows the inputs were built for, got {R}")
@@ -279,15 +286,15 @@ def apply_processing(logits: Tensor, drafts: Tensor, num_draft: Tensor, inputs: 
     valid = torch.arange(K1 - 1, device=dev)[None, :] < num_draft[:, None]
     drafts = torch.where(valid, drafts.to(dev, torch.int64), 0)  # [R, K], padding zeroed (never counted)
     if every:  # (no gather: every row is processed, in batch order)
-        return _processed(out, drafts, num_draft, inputs)
+        return _processed(out, drafts, num_draft, inputs, logits.dtype).to(logits.dtype)
     rows = inputs.rows
-    out[rows] = _processed(out[rows], drafts[rows], num_draft[rows], inputs)
-    return out
+    out[rows] = _processed(out[rows], drafts[rows], num_draft[rows], inputs, logits.dtype)
+    return out.to(logits.dtype)
 
 
-def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs) -> Tensor:
+def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs, dtype: torch.dtype) -> Tensor:
     """`apply_processing` on the processed rows alone: z [P, K+1, V] float32 (modified), drafts [P, K] (padding
-    zeroed), num_draft [P] -> [P, K+1, V]."""
+    zeroed), num_draft [P] -> [P, K+1, V] float32, its values those of `dtype` (the logits')."""
     R, K1, V = z.shape
     dev = z.device
     if inputs.grammar is not None:
@@ -310,6 +317,7 @@ def _processed(z: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInput
             seen_any = seen | in_prompt[:, None]
             z = torch.where(seen_any, torch.where(z > 0, z / rep, z * rep), z)
         z = z - inputs.frequency[:, None, None] * counts - inputs.presence[:, None, None] * seen.float()
+    z = z.to(dtype).float()
     if inputs.min_p_used:
         zmax = z.amax(dim=-1, keepdim=True)  # [R, K+1, 1]
         used = inputs.min_p > 0

@@ -155,7 +155,8 @@ class RejectionSampler:
         return self.decide(logits, params, sample_inputs(params, seeds, positions, logits.device))
 
     def processed(self, logits: Tensor, processing: LogitsInputs) -> Tensor:
-        """Rows without drafts: logits [R, V] -> their processed logits [R, V] float32 (`logits_processing`)."""
+        """Rows without drafts: logits [R, V] -> their processed logits [R, V] in the logits' dtype
+        (`logits_processing`)."""
         none = torch.zeros(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
         return self.kernels.process_logits(logits[:, None], none, none.new_zeros(logits.shape[0]), processing)[:, 0]
 

@@ -4,6 +4,8 @@ on the device, and SamplingParams' validation of the new fields."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,6 +73,27 @@ def test_processing_matches_the_reference_at_every_verify_position(K):
             want = reference(logits[r, j], p, list(h.prompt), [*h.outputs, *drafts[r, :j].tolist()],
                              set(h.stop_ids))
             torch.testing.assert_close(got[r, j], want, msg=f"row {r} position {j}")
+
+
+def test_16_bit_logits_are_processed_in_float32_and_rounded_once_before_min_p():
+    """bf16 logits give bf16 processed rows: each row's float32 processing rounded to bf16, then min_p against the
+    rounded maximum, on the rounded values (so the draw reads 16-bit rows, as it does without processing)."""
+    g = torch.Generator().manual_seed(3)
+    V = 40
+    hist = _histories(g, V)
+    R = len(PARAMS)
+    logits = (torch.randn(R, 1, V, generator=g) * 3).bfloat16()
+    none = torch.zeros(R, 0, dtype=torch.int64)
+    got = apply_processing(logits, none, torch.zeros(R, dtype=torch.int64), logits_inputs(PARAMS, hist,
+                                                                                            torch.device("cpu")))
+    assert got.dtype == torch.bfloat16
+    for r, (p, h) in enumerate(zip(PARAMS, hist, strict=True)):
+        plain = dataclasses.replace(p, min_p=0.0)
+        want = reference(logits[r, 0], plain, list(h.prompt), list(h.outputs), set(h.stop_ids)).bfloat16()
+        if p.min_p > 0:
+            z = want.float()
+            want = want.masked_fill(z < z.max() + p.temperature * torch.log(torch.tensor(p.min_p)), float("-inf"))
+        assert torch.equal(got[r, 0], want), f"row {r}"
 
 
 def test_a_pending_newest_output_is_counted_from_the_device():

@@ -1,5 +1,5 @@
 """Triton logits-processing kernels (`ops.logits_process.kernel`) against the torch reference
-`logits_processing.apply_processing`: the same float32 logits, bit for bit, over the cases
+`logits_processing.apply_processing`: the same logits (in the logits' dtype), bit for bit, over the cases
 test_logits_processing.py covers (logit_bias, min_tokens, each penalty, min_p, greedy rows, verify rows whose
 positions count the drafts before them, rows not processed), with the counts read from the host lists or resident
 by slot, a grammar's masks, 16-bit logits and rows split over V.
@@ -33,9 +33,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [*PARAMS, SamplingParams(max_tokens=8, min_p=0.9, presence_penalty=0.5, logit_bias={7: 2.0})]
 
 
-def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    differ = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+def _same_bits(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    differ = (got.view(bits) != want.view(bits)).nonzero()
     assert differ.numel() == 0, f"{len(differ)} logits differ, first at {differ[0].tolist()}"
 
 
@@ -64,7 +65,7 @@ def test_host_list_counts_give_the_references_bits(V, K, splits, dtype):
     hist, logits, drafts, num_draft = case(V, K, seed=V + K, dtype=dtype)
     inputs = logits_inputs(ROWS, hist, logits.device)
     want = apply_processing(logits, drafts, num_draft, inputs)
-    _same_bits(apply_processing_triton(logits, drafts, num_draft, inputs, splits=splits), want)
+    _same_bits(apply_processing_triton(logits, drafts, num_draft, inputs, splits=splits), want, dtype)
 
 
 @pytest.mark.parametrize(("K", "splits"), [(0, 2), (3, 1)])

@@ -2,16 +2,16 @@
 launches instead of the reference's dozen-odd passes over [P, K+1, V] float32 (upcast copy, dense bias and stop
 masks, counts, their cumulative sums over the drafts, each penalty, the maximum, the min_p mask).
 
-`_process_kernel`: one program per (batch row, position, slice of V). A row that is not processed is upcast; a
+`_process_kernel`: one program per (batch row, position, slice of V). A row that is not processed is copied; a
 processed one reads its raw logits once and, block by block, applies what the reference applies in its order: the
 grammar's bits, the row's logit_bias and (at positions before min_tokens is reached) its stop ids, both walked as
 sorted runs of (row, token) pairs alongside the blocks, then the penalties from the row's counts (resident by slot,
-or built from the host lists) plus, at position j, drafts 0..j-1, and its prompt's bits. It writes the float32
-result and the slice's maximum. `_min_p_kernel` (only when a row has min_p) combines a row's slice maxima and sets
+or built from the host lists) plus, at position j, drafts 0..j-1, and its prompt's bits. It writes the result,
+rounded to the logits' dtype, and the slice's maximum of the rounded values. `_min_p_kernel` (only when a row has min_p) combines a row's slice maxima and sets
 the ids under its threshold to -inf.
 
 Every op is the reference's, elementwise in float32 with the same rounding points (IEEE division, no fused
-multiply-add), so the logits equal the reference's bit for bit, save min_p's threshold: x_max + t * log(min_p),
+multiply-add, one rounding to the logits' dtype before min_p), so the logits equal the reference's bit for bit, save min_p's threshold: x_max + t * log(min_p),
 whose log is Triton's (on a GPU libdevice's logf, as torch's; in the interpreter numpy's, which may differ by an
 ulp). Graph-capturable; no host reads.
 """
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from baton.engine.logits_processing import LogitsInputs, host_list_counts, pair_mask
 from baton.engine.ops.logits_process.tuning import BLOCK, MAX_SPLITS, MIN_BLOCKS_PER_SPLIT, PROGRAMS_PER_SM
-from baton.engine.ops.triton_common import cdiv, next_power_of_2, sm_count
+from baton.engine.ops.triton_common import cdiv, next_power_of_2, round_to, sm_count
 
 _NO_TOKEN = tl.constexpr(2 ** 62)  # (past every vocabulary: ends a walk)
 
@@ -55,10 +55,10 @@ def _process_kernel(x_ptr, out_ptr, pmax_ptr, index_ptr, drafts_ptr, nd_ptr, cou
     src = x_ptr + r.to(tl.int64) * x_row + j * x_pos
     dst = out_ptr + rp.to(tl.int64) * V
     p = tl.load(index_ptr + r)
-    if p < 0:  # not processed: the upcast alone
+    if p < 0:  # not processed: the copy alone
         for off in range(v0, v1, BLOCK):
             i = off + offs
-            tl.store(dst + i, tl.load(src + i, mask=i < v1).to(tl.float32), mask=i < v1)
+            tl.store(dst + i, tl.load(src + i, mask=i < v1).to(dst.dtype.element_ty), mask=i < v1)
     else:
         _process_row(src, dst, pmax_ptr + rp * S + q, p, r, j, v0, v1, drafts_ptr, nd_ptr, counts_ptr, crow_ptr,
                      prompt_ptr, grammar_ptr, pres_ptr, freq_ptr, rep_ptr, left_ptr, btok_ptr, bval_ptr, bstart_ptr,
@@ -123,8 +123,9 @@ def _process_row(src, dst, pmax_at, p, r, j, v0, v1, drafts_ptr, nd_ptr, counts_
                 z = tl.where(seen | in_prompt, tl.where(z > 0, tl.math.div_rn(z, rep), z * rep), z)
             z = z - freq * c
             z = z - pres * seen.to(tl.float32)
+        z = round_to(z, dst.dtype.element_ty)
         tl.store(dst + i, z, mask=live)
-        mx = tl.maximum(mx, tl.where(live, z, float("-inf")))
+        mx = tl.maximum(mx, tl.where(live, z.to(tl.float32), float("-inf")))
     tl.store(pmax_at, tl.max(mx, axis=0))
 
 
@@ -145,8 +146,8 @@ def _min_p_kernel(out_ptr, pmax_ptr, index_ptr, min_p_ptr, temp_ptr, V, K1, S, s
         offs = tl.arange(0, BLOCK)
         for off in range(v0, v1, BLOCK):
             i = off + offs
-            z = tl.load(dst + i, mask=i < v1, other=0.0)
-            tl.store(dst + i, tl.full([BLOCK], float("-inf"), tl.float32), mask=(i < v1) & (z < thr))
+            z = tl.load(dst + i, mask=i < v1, other=0.0).to(tl.float32)
+            tl.store(dst + i, tl.full([BLOCK], float("-inf"), dst.dtype.element_ty), mask=(i < v1) & (z < thr))
 
 
 def auto_splits(rows: int, V: int, device: torch.device) -> int:
@@ -160,7 +161,7 @@ def auto_splits(rows: int, V: int, device: torch.device) -> int:
 def apply_processing_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs,
                             splits: int | None = None) -> Tensor:
     """`logits_processing.apply_processing`, in two launches (one without min_p): logits [R, K+1, V] (any float
-    dtype), drafts [R, K] (padding: any value), num_draft [R] -> [R, K+1, V] float32. `splits`: slices of V per
+    dtype), drafts [R, K] (padding: any value), num_draft [R] -> [R, K+1, V] in the logits' dtype. `splits`: slices of V per
     row and position (None: enough to fill the device)."""
     R, K1, V = logits.shape
     if inputs.num_rows != R:
@@ -179,7 +180,7 @@ def apply_processing_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, i
         raise ValueError(f"splits: expected 1..{MAX_SPLITS}, got {S}")
     span = cdiv(cdiv(V, S), BLOCK) * BLOCK
     S = cdiv(V, span)
-    out = torch.empty(R, K1, V, dtype=torch.float32, device=dev)
+    out = torch.empty(R, K1, V, dtype=logits.dtype, device=dev)
     pmax = torch.empty(R * K1 * S, dtype=torch.float32, device=dev)
     counts, crow, c_row = out, inputs.index, 0  # (unread without penalties)
     prompt, p_row, bits = out, 0, True
