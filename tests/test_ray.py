@@ -104,8 +104,8 @@ def _kill_processes_under(path: str) -> None:
 def _start_cluster(cluster_cls, monkeypatch, attempts: int = 3):
     """A local Ray cluster of two nodes, in a Ray temp dir of our own (sessions, the current-cluster file) that
     `baton ray up` inherits; short, since Unix socket paths live under it. Ray gives its raylet a fixed 30 s to
-    register on start, which a loaded 2-core machine can miss: such a start is torn down and tried again, and the
-    last one's raylet and GCS logs come with the failure."""
+    register on start, and its GCS server as long to write its port file, which a loaded 2-core machine can miss:
+    such a start is torn down and tried again, and the last one's raylet and GCS logs come with the failure."""
     for attempt in range(1, attempts + 1):
         temp = tempfile.mkdtemp(prefix="bray", dir="/tmp")
         monkeypatch.setenv("RAY_TMPDIR", temp)
@@ -117,7 +117,7 @@ def _start_cluster(cluster_cls, monkeypatch, attempts: int = 3):
             cluster.wait_for_nodes()
             return temp, cluster
         except Exception as e:
-            if "timed out during startup" not in str(e):
+            if not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
                 raise
             if cluster is not None:
                 with contextlib.suppress(Exception):
