@@ -146,15 +146,20 @@ def _store_block(t_at, x, i: tl.constexpr, j: tl.constexpr, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _scaled_dot(t, f, x, PRECISION: tl.constexpr):
-    """(t diag(f)) @ x, accumulated in fp32, for T's tile `t` in the scratch dtype, per-token factors `f` and inputs
-    `x` as stored: fp32 scratch at PRECISION; bf16 scratch on bf16 operands (t diag(f) rounded, inputs of another
-    16-bit dtype rounded; the interpreter multiplies the same values in fp32)."""
-    ts = t.to(tl.float32) * f[None, :]
-    if t.dtype == tl.float32:
+def _scaled_cols(t, f):
+    """T's tile `t` (the scratch dtype) with its columns scaled by the per-token factors `f`, in the scratch dtype:
+    the left operand of `_low_dot`."""
+    return round_to(t.to(tl.float32) * f[None, :], t.dtype)
+
+
+@triton.jit
+def _low_dot(ts, x, PRECISION: tl.constexpr):
+    """ts @ x accumulated in fp32, for `_scaled_cols`' tile and inputs `x` as stored: fp32 scratch at PRECISION;
+    bf16 scratch on bf16 operands (inputs of another 16-bit dtype rounded; the interpreter multiplies the same values
+    in fp32)."""
+    if ts.dtype == tl.float32:
         return tl.dot(ts, x.to(tl.float32), input_precision=PRECISION)
     else:
-        ts = round_to(ts, tl.bfloat16)
         if x.dtype != tl.bfloat16:
             x = round_to(x.to(tl.float32), tl.bfloat16)
         if _INTERPRETED:
@@ -304,9 +309,8 @@ def _wy_wu_kernel(
     cum = tl.load(g_ptr + e * CHUNK + offs_c)
     rk = tl.load(f_at + 2 * CHUNK + offs_c)
     # T's blocks above the diagonal were never written: masked, not read. The per-token factors go into T's
-    # columns, so the inputs enter the products as stored.
-    t_low = tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0)
-    f_w = tl.load(f_at + offs_c)
+    # columns, so the inputs enter the products as stored; T is read again for U (from cache) rather than kept.
+    t_w = _scaled_cols(tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0), tl.load(f_at + offs_c))
     cum_last = tl.sum(tl.where(offs_c == CHUNK - 1, cum, 0.0), axis=0)
 
     qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -316,7 +320,7 @@ def _wy_wu_kernel(
         m = offs < Dk
         k = tl.load(k_ptr + t[:, None] * s_k_t + kh * s_k_h + offs[None, :] * s_k_d, mask=valid[:, None] & m[None, :],
                     other=0.0)  # fmt: skip
-        w = _scaled_dot(t_low, f_w, k, PRECISION)
+        w = _low_dot(t_w, k, PRECISION)
         tl.store(w_ptr + e * CHUNK * Dk + offs_c[:, None] * Dk + offs[None, :], round_to(w, w_ptr.dtype.element_ty),
                  mask=m[None, :])  # fmt: skip
         if KD:
@@ -332,12 +336,13 @@ def _wy_wu_kernel(
     p = qk * (rq[:, None] * rk[None, :]) * decay
     tl.store(p_ptr + e * CHUNK * CHUNK + mat, round_to(p, p_ptr.dtype.element_ty))
 
-    f_u = tl.load(f_at + CHUNK + offs_c)
+    t_u = _scaled_cols(tl.load(t_ptr + e * CHUNK * CHUNK + mat, mask=causal, other=0.0),
+                       tl.load(f_at + CHUNK + offs_c))  # fmt: skip
     for c0 in range(0, BLOCK_DV, COLS):
         offs = c0 + tl.arange(0, COLS)
         m = offs < Dv
         v = tl.load(v_ptr + t[:, None] * s_v_t + h * s_v_h + offs[None, :] * s_v_d, mask=valid[:, None] & m[None, :],
                     other=0.0)  # fmt: skip
-        u = _scaled_dot(t_low, f_u, v, PRECISION)
+        u = _low_dot(t_u, v, PRECISION)
         tl.store(u_ptr + e * CHUNK * Dv + offs_c[:, None] * Dv + offs[None, :], round_to(u, u_ptr.dtype.element_ty),
                  mask=m[None, :])  # fmt: skip
