@@ -21,8 +21,8 @@ which leave the state as it is) and numbered over the batch, row after row.
 
 Precision (`tuning.WY_PRECISION`, `tuning.WY_SCAN_BF16`). fp32 inputs: every product in full fp32, scratch fp32,
 within fp32 rounding of the reference. 16-bit inputs: the prep's key and query products take the inputs as stored
-(exact products, fp32 sums), the UT solve's products run on tensor cores in TF32 (the diagonal blocks' forward
-substitution in fp32), and W and U multiply bf16 operands (T's scaled columns and the inputs as stored); the scan,
+(exact products, fp32 sums), the UT solve's products run on tensor cores in TF32 (the diagonal blocks' inverses
+in full fp32), and W and U multiply bf16 operands (T's scaled columns and the inputs as stored); the scan,
 the serial part, multiplies bf16 operands too (the state, W, V', the scores, q and k each rounded to bf16; fp32
 sums), as flash-linear-attention does. Scratch (`wy_scratch`): T, W, U and P in bf16 where the products round
 them so anyway (half the bytes). U enters V' = U - W S unrounded, so storing it in bf16 rounds it once more, as

@@ -32,10 +32,11 @@ WY_SOLVE_WARPS = 2
 # Key columns the solve launch multiplies at a time: ten [16, 16] accumulators and four key slices stay in registers
 # (wider slices spill).
 WY_SOLVE_BK = 32
-# How the solve inverts its four [16, 16] diagonal blocks: False, forward substitution (14 dependent steps of two
-# cross-thread reductions each); True, the product (I - A)(I + A^2)(I + A^4)(I + A^8) in full-fp32 tile products
-# (six, no dependent reductions). Both within fp32 rounding of each other; `gdn_bench.py --prep-sweep` times both.
-WY_SOLVE_DOUBLING = False
+# How the solve inverts its four [16, 16] diagonal blocks: True, the product (I - A)(I + A^2)(I + A^4)(I + A^8) in
+# six full-fp32 tile products; False, forward substitution (14 dependent steps of two cross-thread reductions each).
+# Both are within fp32 rounding of each other; the product's launch is the shorter (`gdn_bench.py --solve-doubling`
+# times both).
+WY_SOLVE_DOUBLING = True
 # Warps per program of the prep's second launch (W, U, the scores): four, two programs per SM, beat eight, one
 # program per SM without spilling: the launch waits on memory more than on its spilled registers.
 WY_PREP_WARPS = 4
