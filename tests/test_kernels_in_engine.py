@@ -90,6 +90,38 @@ def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch)
 
 
 @pytest.fixture(scope="module")
+def small_moe_model(tmp_path_factory):
+    """tiny-moe cut to one Mamba, one MoE and one attention layer: its shared expert in the interpreter."""
+    from baton.engine.loader import load_checkpoint
+    from baton.engine.make_model import make_model
+
+    out = make_model(tmp_path_factory.mktemp("small-moe") / "m", "tiny-moe", seed=12, progress=False, tokenizer=False,
+                     overrides={"vocab_size": 8, "hybrid_override_pattern": "ME*", "mamba_num_heads": 4})
+    return load_checkpoint(out)
+
+
+@pytest.mark.interpreter
+def test_fused_gemv_steps_read_the_shared_expert_with_the_gemv(small_moe_model, monkeypatch):
+    """In few-token steps a MoE layer's shared expert takes the GEMV kernel too (relu2 in down_proj's prologue), with
+    the torch references' greedy tokens."""
+    arrivals = [[("local", f"n{n}", prompt_of(n))] for n in (2, 9, 1, 5)]
+    ref = run(new_engine(small_moe_model, 0, kernels="torch"), arrivals)
+    shared = small_moe_model[0].moe_shared_expert_intermediate_size
+    prologues = []
+    kernels = resolve_kernels("triton", "cpu")
+    orig = kernels.fused_linear
+
+    def spy(a, *args, **kw):
+        prologues.append((kw.get("prologue", "none"), a.shape[-1]))
+        return orig(a, *args, **kw)
+    monkeypatch.setattr(llm_engine, "resolve_kernels",
+                        lambda mode, device: dataclasses.replace(kernels, fused_linear=spy))
+    got = run(new_engine(small_moe_model, 0, fused_gemv_max_tokens=4, kernels="triton"), arrivals)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in ref.items()}
+    assert ("relu2", shared) in prologues  # the shared expert's down_proj, relu2 fused
+
+
+@pytest.fixture(scope="module")
 def small_qwen_spec_model(tmp_path_factory):
     """qwen3.5-tiny cut to one Gated DeltaNet and one attention layer, with an MTP layer: its ops in the interpreter."""
     from baton.engine.loader import load_checkpoint

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from baton.engine.layers.gemv_weight import gemv_weight
+from baton.engine.layers.project import project
 from baton.engine.ops.kernels import Kernels
 
 if TYPE_CHECKING:
@@ -40,6 +41,12 @@ class MLP(nn.Module):
         self.act_name = act
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        if batch is not None and batch.fused_gemv:
+            # A few-token step that reaches this MLP with its input made (a MoE layer's shared expert): both
+            # linears through the GEMV kernel, as the step's others, relu2 in down_proj's.
+            up = project(self.up_proj, x, batch, self.kernels)
+            return project(self.down_proj, self.act(up), batch, self.kernels) if self.act is not None else \
+                self._relu2_down(up)
         up = self.up_proj(x)
         return self.down_proj(self.kernels.relu2(up) if self.act is None else self.act(up))
 
@@ -48,8 +55,12 @@ class MLP(nn.Module):
         up, residual = p.apply(self.up_proj)
         if self.act_name != "relu2":
             return self.down_proj(self.act(up)), residual
+        return self._relu2_down(up), residual
+
+    def _relu2_down(self, up: torch.Tensor) -> torch.Tensor:
+        """down_proj(relu2(up)) with relu2 in the GEMV's prologue."""
         gw = gemv_weight(self.down_proj, self.kernels)
         if gw is None:  # an FP8 layer the GEMV does not read here (`gemv_weight`)
-            return self.down_proj(self.kernels.relu2(up)), residual
+            return self.down_proj(self.kernels.relu2(up))
         return self.kernels.fused_linear(up, gw.weight, gw.bias, prologue="relu2", weight_scale=gw.weight_scale,
-                                         block=gw.block), residual
+                                         block=gw.block)

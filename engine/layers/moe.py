@@ -2,7 +2,8 @@
 
 The routing math and the routed experts live in `ops.moe` (this engine's `moe_route_sigmoid` and `moe_experts`: the
 torch references on CPU, the routing kernel and the fused-MoE kernels on CUDA); the shared expert and the latent
-projections stay ordinary linears (FP8Linears where the checkpoint stores them in FP8). The routed experts of an FP8
+projections stay ordinary linears (FP8Linears where the checkpoint stores them in FP8), the shared expert's read by
+the GEMV kernel in few-token steps as the step's other linears. The routed experts of an FP8
 checkpoint stay FP8 with their scales (`layers.fp8_experts`), which both paths take."""
 
 from __future__ import annotations
@@ -72,4 +73,4 @@ class MoE(nn.Module):
         h = self.experts(h, idx, weights)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
-        return h + self.shared_experts(x)
+        return h + self.shared_experts(x, batch)
