@@ -223,6 +223,40 @@ def test_checkpoints_are_visible_from_the_next_step_and_keyed_by_the_next_token_
     assert pc.lookup(b, 3) is None  # limited below the checkpoint
 
 
+def test_a_checkpoint_its_request_superseded_is_evicted_first_unless_a_lookup_used_it():
+    """A prefill cut into chunks takes a checkpoint at each chunk's end; once its request takes a deeper one, the
+    shallower goes to the LRU's cold end (the conversation's next turn resumes from the deepest), so it is the one
+    evicted when slots run short, not an older checkpoint another request may still hit. One that a lookup used since
+    it was taken keeps its place."""
+    pool = BlockPool(16)
+    pc = PrefixCache(pool, 4, num_checkpoints=2, stride=1, seed=b"m", match_successor=False)
+    old = request("old", [9, 9, 9, 9, 1])
+    old.set_blocks(pool.allocate(1))
+    pc.take(old, 4)
+    a = request("a", list(range(1, 14)))
+    a.set_blocks(pool.allocate(3))
+    pc.take(a, 4)  # the first chunk's end: the two slots are full now
+    pc.take(a, 8)  # the second chunk's: the first is superseded, and its slot is the one given up
+    pc.begin_step()
+    assert pc.lookup(request("o", [9, 9, 9, 9, 2]), 4) is not None  # the older checkpoint stayed
+    assert pc.lookup(request("b", list(range(1, 10))), 8).num_tokens == 8
+    assert pc.checkpoint_evictions == 1
+
+    pc = PrefixCache(BlockPool(16), 4, num_checkpoints=2, stride=1, seed=b"m", match_successor=False)
+    old = request("old", [9, 9, 9, 9, 1])
+    old.set_blocks(pc.blocks.allocate(1))
+    pc.take(old, 4)
+    a = request("a", list(range(1, 14)))
+    a.set_blocks(pc.blocks.allocate(3))
+    pc.take(a, 4)
+    pc.begin_step()
+    pc.use(pc.lookup(request("c", list(range(1, 6))), 4))  # another request resumes from a's first checkpoint
+    pc.take(a, 8)  # ... so it is not demoted: the older one, least recently used, goes
+    pc.begin_step()
+    assert pc.lookup(request("o", [9, 9, 9, 9, 2]), 4) is None
+    assert pc.lookup(request("c", list(range(1, 6))), 4) is not None
+
+
 def test_engine_flags_turn_the_cache_off_and_set_the_stride():
     p = argparse.ArgumentParser()
     add_engine_args(p)
