@@ -6,7 +6,8 @@
    the keys' squared norms are the diagonal's), the UT system A[i, j] = beta_i (k^_i . k^_j) exp(G_i - G_j), i > j,
    on the l2-normalised keys k^ (the norms scale the products, so no normalised key tile is ever made), and
    T = (I + A)^-1: the diagonal blocks' inverses within register tiles (`tuning.WY_SOLVE_DOUBLING`: a product of
-   powers, or forward substitution), the blocks below them from those. T goes to memory in the scratch dtype, with the per-token factors the second launch needs in fp32.
+   powers, or forward substitution), the blocks below them from those. T goes to memory in the scratch dtype, with
+   the per-token factors the second launch needs in fp32.
 2. `_wy_wu_kernel`: W = T diag(beta exp(G) / |k|) k, U = T diag(beta) v, the causal scores
    P[i, j] = (q^_i . k^_j) exp(G_i - G_j) (i >= j) and, for the split scan, the decayed keys. With bf16 scratch, W
    and U multiply bf16 operands: T with its columns scaled, and the keys and values as stored. The scores are made

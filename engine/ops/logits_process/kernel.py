@@ -7,13 +7,13 @@ processed one reads its raw logits once and, block by block, applies what the re
 grammar's bits, the row's logit_bias and (at positions before min_tokens is reached) its stop ids, both walked as
 sorted runs of (row, token) pairs alongside the blocks, then the penalties from the row's counts (resident by slot,
 or built from the host lists) plus, at position j, drafts 0..j-1, and its prompt's bits. It writes the result,
-rounded to the logits' dtype, and the slice's maximum of the rounded values. `_min_p_kernel` (only when a row has min_p) combines a row's slice maxima and sets
-the ids under its threshold to -inf.
+rounded to the logits' dtype, and the slice's maximum of the rounded values. `_min_p_kernel` (only when a row has
+min_p) combines a row's slice maxima and sets the ids under its threshold to -inf.
 
 Every op is the reference's, elementwise in float32 with the same rounding points (IEEE division, no fused
-multiply-add, one rounding to the logits' dtype before min_p), so the logits equal the reference's bit for bit, save min_p's threshold: x_max + t * log(min_p),
-whose log is Triton's (on a GPU libdevice's logf, as torch's; in the interpreter numpy's, which may differ by an
-ulp). Graph-capturable; no host reads.
+multiply-add, one rounding to the logits' dtype before min_p), so the logits equal the reference's bit for bit,
+save min_p's threshold: x_max + t * log(min_p), whose log is Triton's (on a GPU libdevice's logf, as torch's; in
+the interpreter numpy's, which may differ by an ulp). Graph-capturable; no host reads.
 """
 
 import torch
@@ -161,8 +161,8 @@ def auto_splits(rows: int, V: int, device: torch.device) -> int:
 def apply_processing_triton(logits: Tensor, drafts: Tensor, num_draft: Tensor, inputs: LogitsInputs,
                             splits: int | None = None) -> Tensor:
     """`logits_processing.apply_processing`, in two launches (one without min_p): logits [R, K+1, V] (any float
-    dtype), drafts [R, K] (padding: any value), num_draft [R] -> [R, K+1, V] in the logits' dtype. `splits`: slices of V per
-    row and position (None: enough to fill the device)."""
+    dtype), drafts [R, K] (padding: any value), num_draft [R] -> [R, K+1, V] in the logits' dtype. `splits`: slices
+    of V per row and position (None: enough to fill the device)."""
     R, K1, V = logits.shape
     if inputs.num_rows != R:
         raise ValueError(f"logits: expected the {inputs.num_rows} rows the inputs were built for, got {R}")
