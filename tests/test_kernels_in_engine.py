@@ -89,17 +89,6 @@ def test_fused_gemv_steps_equal_the_references(small_spec_model, k, monkeypatch)
     assert max(separate) > 4  # ... and they ran (the final norm of fused steps is an add + norm too)
 
 
-@pytest.fixture(scope="module")
-def small_moe_model(tmp_path_factory):
-    """tiny-moe cut to one Mamba, one MoE and one attention layer: its shared expert in the interpreter."""
-    from baton.engine.loader import load_checkpoint
-    from baton.engine.make_model import make_model
-
-    out = make_model(tmp_path_factory.mktemp("small-moe") / "m", "tiny-moe", seed=12, progress=False, tokenizer=False,
-                     overrides={"vocab_size": 8, "hybrid_override_pattern": "ME*", "mamba_num_heads": 4})
-    return load_checkpoint(out)
-
-
 @pytest.mark.interpreter
 def test_fused_gemv_steps_read_the_shared_expert_with_the_gemv(small_moe_model, monkeypatch):
     """In few-token steps a MoE layer's shared expert takes the GEMV kernel too (relu2 in down_proj's prologue), with
