@@ -1,8 +1,9 @@
 """The chunk-parallel Gated DeltaNet prefill (`kernel_chunk_wy.py`, through `gated_delta_prefill_varlen_triton`)
 against the torch reference: varlen rows around the chunk size, with and without initial states, grouped heads,
 Dk != Dv, 16-bit inputs and pools, slots out of order; and the device-built chunk table. Every prefill test runs
-both second stages, the fused scan and the split state + output kernels (`tuning.WY_SPLIT_SCAN`), and the fused
-scan once more with the solve's diagonal blocks inverted by the doubling product (`tuning.WY_SOLVE_DOUBLING`).
+both second stages, the fused scan and the split state + output kernels (`tuning.WY_SPLIT_SCAN`), with the solve's
+diagonal blocks inverted by substitution, and the fused scan once more with the doubling product
+(`tuning.WY_SOLVE_DOUBLING`).
 
 Without CUDA the kernels run in Triton's interpreter (set before the kernel modules are imported, as in
 test_ops_triton_gated_delta.py); the `gpu` tests run the compiled kernels at Qwen3.5-27B's sizes.
@@ -44,10 +45,11 @@ from tests.test_ops_triton_gated_delta import (  # noqa: E402
 NUM_SLOTS = 12
 
 
-@pytest.fixture(params=[(False, False), (True, False), (False, True)], ids=["fused", "split", "doubling"])
+@pytest.fixture(params=[(False, False), (True, False), (False, True)],
+                ids=["fused-substitution", "split-substitution", "fused-doubling"])
 def variant(request, monkeypatch):
-    """Runs the test with the fused scan, with the split second stage, then with the fused scan and the doubling
-    inversion."""
+    """Runs the test with the fused scan and the split second stage, each with the solve's substitution, then with
+    the fused scan and the doubling inversion (the tuned pair)."""
     split, doubling = request.param
     monkeypatch.setattr(kernel_prefill, "WY_SPLIT_SCAN", split)
     monkeypatch.setattr(kernel_chunk_wy, "WY_SOLVE_DOUBLING", doubling)
