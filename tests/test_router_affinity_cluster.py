@@ -4,6 +4,8 @@ node that prefilled it first, while distinct prompts in flight together are spre
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from baton.cli.cluster import Cluster
@@ -14,6 +16,8 @@ from tests.test_metrics import Scraper, scrape, until, value
 BLOCK = 8
 PREFIX = [(7 * i + 5) % 500 + 1 for i in range(6 * BLOCK)]  # six full blocks shared by every hot request
 HOT = 5
+# The router's Load poll period here: short, so that a pause of a few of them gives every pick an exact count.
+POLL_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def test_a_shared_prefix_sticks_to_one_decode_node_and_distinct_prompts_spread(m
     # A weight of 4 covers a whole earlier request still in a stale Load poll of the holder (its tokens are at
     # most the prompt's, while the hit is six blocks of it).
     with Cluster(model, prefill_workers=0, decode_workers=2, engine_args=engine_args,
-                 router_args=("--prefix-affinity-weight", "4"), log_dir=str(tmp_path / "logs")) as cluster:
+                 router_args=("--prefix-affinity-weight", "4", "--load-poll-interval", str(POLL_S)), log_dir=str(tmp_path / "logs")) as cluster:
         nodes = [cluster.node_http_url(a) + "/metrics" for a in cluster.decode_addrs]
         router = cluster.router_http_url + "/metrics"
         with Client(cluster.router_addr) as client:
@@ -45,9 +49,12 @@ def test_a_shared_prefix_sticks_to_one_decode_node_and_distinct_prompts_spread(m
         assert value(r, "baton_router_prefix_predicted_hit_tokens_total", role="prefill") == 0
 
         # Distinct prompts (each first block differs), in flight together: each is picked seeing the ones before.
+        # Between a stream's end or first token and the next poll the router's slot count is an estimate that a
+        # poll racing the stream can leave one off (`LoadTracker`), so each pick waits for fresh polls.
         with Client(cluster.router_addr, retries=0) as client:
             streams = []
             for i in range(4):
+                time.sleep(4 * POLL_S)
                 s = client.stream([400 + i, *range(1, 40)], max_tokens=1500, ignore_eos=True)
                 next(iter(s))  # its first token: it has been routed and is running
                 streams.append(s)
