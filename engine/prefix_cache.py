@@ -17,10 +17,11 @@ Works on ints and bytes only.
 Invariants: a checkpoint exists only while the block it ends on is cached (evicting that block drops it); a
 checkpoint taken by a step is invisible to lookups until the next `begin_step` (that step is launched by then, and
 every later step runs after it on the device); when no checkpoint slot is free the least recently used checkpoint
-gives its slot up. A request that takes a deeper checkpoint than the one it took last sends that one to the cold end
-of the LRU, unless a lookup has used it since: a prefill cut into chunks by the step budget takes one at each chunk's
-last boundary, and only the deepest is what the conversation's next turn resumes from (one it did not take, such as
-a shared system prompt's that it hit, keeps its place).
+gives its slot up. A request that takes a deeper checkpoint than the one it stood on sends that one to the cold end
+of the LRU where no other request has used it: the one it took last, unless a lookup has used it since (a prefill cut
+into chunks by the step budget takes one at each chunk's last boundary), and the one its own lookup hit, unless
+another lookup hit it too (a conversation's earlier turn). Only the deepest is what the conversation's next turn
+resumes from; a checkpoint several requests hit, such as a shared system prompt's, keeps its place.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class PrefixCache:
         self._checkpoints: OrderedDict[CheckpointKey, int] = OrderedDict()  # -> slot, least recently used first
         self._ending_at: dict[bytes, list[CheckpointKey]] = {}  # block hash -> the checkpoints ending there
         self._fresh: set[CheckpointKey] = set()  # taken by the step being scheduled
-        self._used: set[CheckpointKey] = set()  # hit by a lookup since taken
+        self._uses: dict[CheckpointKey, int] = {}  # lookups that took it since it was taken
         self._free_slots = list(range(num_checkpoints - 1, -1, -1))
         # Counters since start (plain ints, exported by the nodes).
         self.queried_tokens = 0     # prefill tokens of admitted requests
@@ -129,12 +130,13 @@ class PrefixCache:
         """How many of the hit's blocks no request holds (taking them uses up that many free blocks)."""
         return sum(self.blocks.refs[b] == 0 for b in hit.block_ids)
 
-    def use(self, hit: PrefixHit) -> None:
-        """A request takes the hit: it holds the blocks, and the checkpoint becomes the most recently used."""
+    def use(self, hit: PrefixHit, req: Request) -> None:
+        """req takes the hit: it holds the blocks, and the checkpoint becomes the most recently used."""
         for b in hit.block_ids:
             self.blocks.hold(b)
         self._checkpoints.move_to_end(hit.key)
-        self._used.add(hit.key)
+        self._uses[hit.key] = self._uses.get(hit.key, 0) + 1
+        req.hit_checkpoint = hit.key
         self.hit_tokens += hit.num_tokens
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -152,9 +154,11 @@ class PrefixCache:
         hs = self.hashes(req, end // self.block_size)
         self._cache_blocks(hs, req.block_ids)
         key = self._key(req, hs[-1], end)
-        superseded = req.last_checkpoint
-        if superseded in self._checkpoints and superseded not in self._used:
-            self._checkpoints.move_to_end(superseded, last=False)
+        # The checkpoints req stood on, each demoted where no lookup but req's own has used it.
+        for superseded, own_uses in ((req.last_checkpoint, 0), (req.hit_checkpoint, 1)):
+            if superseded in self._checkpoints and self._uses.get(superseded, 0) <= own_uses:
+                self._checkpoints.move_to_end(superseded, last=False)
+        req.hit_checkpoint = None
         slot = self._free_slots.pop() if self._free_slots else self._evict_checkpoint()
         self._checkpoints[key] = slot
         self._ending_at.setdefault(hs[-1], []).append(key)
@@ -199,7 +203,7 @@ class PrefixCache:
         if not keys:
             del self._ending_at[key[0]]
         self._fresh.discard(key)
-        self._used.discard(key)
+        self._uses.pop(key, None)
         self.checkpoint_evictions += 1
         return slot
 
@@ -210,5 +214,5 @@ class PrefixCache:
         for key in self._ending_at.pop(h, ()):
             self._free_slots.append(self._checkpoints.pop(key))
             self._fresh.discard(key)
-            self._used.discard(key)
+            self._uses.pop(key, None)
             self.checkpoint_evictions += 1

@@ -64,6 +64,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # The key of the last prefix checkpoint this request took (`PrefixCache.take`), None before its first.
     last_checkpoint: tuple[bytes, int] | None = field(default=None, repr=False)
+    # The key of the checkpoint its admission's prefix hit resumed from (`PrefixCache.use`), until it takes one.
+    hit_checkpoint: tuple[bytes, int] | None = field(default=None, repr=False)
     # SamplingParams.logprobs: output index -> its logprobs, until an output carries them.
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: one per prompt token (None for the first, and until scored); None: not asked.

@@ -165,7 +165,7 @@ class Scheduler:
             if self.prefix is not None:
                 self.prefix.queried_tokens += prefill
             if hit is not None:
-                self.prefix.use(hit)
+                self.prefix.use(hit, req)
                 req.set_blocks(list(hit.block_ids))
                 req.num_computed_tokens = hit.num_tokens
                 restores.append((hit.checkpoint, req.state_slot))

@@ -250,11 +250,44 @@ def test_a_checkpoint_its_request_superseded_is_evicted_first_unless_a_lookup_us
     a.set_blocks(pc.blocks.allocate(3))
     pc.take(a, 4)
     pc.begin_step()
-    pc.use(pc.lookup(request("c", list(range(1, 6))), 4))  # another request resumes from a's first checkpoint
+    pc.use(pc.lookup(c := request("c", list(range(1, 6))), 4), c)  # another request resumes from a's first checkpoint
     pc.take(a, 8)  # ... so it is not demoted: the older one, least recently used, goes
     pc.begin_step()
     assert pc.lookup(request("o", [9, 9, 9, 9, 2]), 4) is None
     assert pc.lookup(request("c", list(range(1, 6))), 4) is not None
+
+
+def test_the_checkpoint_a_turn_resumed_from_is_evicted_first_once_it_takes_a_deeper_one_unless_shared():
+    """A conversation's next turn resumes from its last turn's checkpoint and takes a deeper one: only that one is
+    what the turn after resumes from, so the one it hit goes to the LRU's cold end, ahead of an older checkpoint
+    (another conversation's, waiting for its next turn). One that two requests hit (a shared system prompt's) keeps
+    its place."""
+    def cache_with_old() -> PrefixCache:
+        pc = PrefixCache(BlockPool(16), 4, num_checkpoints=2, stride=1, seed=b"m", match_successor=False)
+        old = request("old", [9, 9, 9, 9, 1])
+        old.set_blocks(pc.blocks.allocate(1))
+        pc.take(old, 4)
+        first = request("t1", list(range(1, 6)))
+        first.set_blocks(pc.blocks.allocate(2))
+        pc.take(first, 4)
+        pc.begin_step()
+        return pc
+
+    for shared in (False, True):
+        pc = cache_with_old()
+        if shared:
+            pc.use(pc.lookup(other := request("other", [1, 2, 3, 4, 7]), 4), other)
+        turn = request("t2", list(range(1, 10)))
+        hit = pc.lookup(turn, 8)
+        assert hit is not None and hit.num_tokens == 4
+        pc.use(hit, turn)
+        turn.set_blocks([*hit.block_ids, *pc.blocks.allocate(2)])
+        pc.take(turn, 8)  # no slot left: the coldest goes
+        pc.begin_step()
+        assert pc.lookup(request("t3", list(range(1, 10))), 8).num_tokens == 8
+        assert (pc.lookup(request("o", [9, 9, 9, 9, 2]), 4) is not None) is not shared
+        assert (pc.lookup(request("u", [1, 2, 3, 4, 8]), 4) is not None) is shared
+        assert pc.checkpoint_evictions == 1
 
 
 def test_engine_flags_turn_the_cache_off_and_set_the_stride():
