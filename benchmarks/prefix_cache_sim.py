@@ -8,9 +8,9 @@ only where a token is sampled: answers are drawn per conversation and turn, as m
 fixed per turn. Each conversation sends its next turn the step after its answer ends, `concurrency` at once.
 
 It counts what `multiturn_bench.py` measures through the nodes' counters (prefill tokens computed, checkpoint
-evictions) and time to first token in steps; it says nothing about a step's duration. Aggregated serving only (one
-engine that prefills and decodes), with the engine's mixed-step rule on CUDA (`--mixed-graph-tokens`).
-Synchronous steps: with async scheduling the engine schedules a step before the one in flight is read, which
+evictions) and time to first token in steps; it says nothing about a step's duration. Aggregated serving (one
+engine that prefills and decodes, with the engine's mixed-step rule on CUDA), or 1P1D's prefill node, whose decode
+node is modelled as one token a step (`PrefillBackend`). Synchronous steps: with async scheduling the engine schedules a step before the one in flight is read, which
 moves a request's end by one step.
 """
 
@@ -127,7 +127,9 @@ class SchedulerBackend:
                     firsts.add(row.request_id)
                 sampled[row.request_id] = random.Random(f"{self.seed}/{row.request_id}/{n}").randrange(
                     1, self.vocab_size)
+        launched = self.sched.cache.step_launched()
         done = {r.request_id: r for r in self.update.update(out, sampled)}
+        self.sched.cache.step_done(launched)
         for r in done.values():
             if r.status is not RequestStatus.FINISHED_LENGTH:
                 raise RuntimeError(f"{r.request_id}: expected to end at max_tokens, got {r.status.value}")
@@ -139,6 +141,47 @@ class SchedulerBackend:
         pc = self.sched.prefix
         return (self.prefill_tokens, pc.checkpoints_taken if pc else 0, pc.checkpoint_evictions if pc else 0,
                 pc.block_evictions if pc else 0, self.sched.num_preemptions)
+
+
+class PrefillBackend(SchedulerBackend):
+    """A prefill node's scheduler (1P1D): it computes each prompt's N-1 tokens (R1) and hands its caches over,
+    freed at once here; the decode node is modelled as emitting token N one step after the handover and one more
+    token each step after that, so that a conversation's next turn comes back `answer` steps later."""
+
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, seed: int) -> None:
+        super().__init__(cfg, replace(ecfg, prefill_only=True, mixed_graph_tokens=0), seed)
+        self.answers: dict[str, int] = {}   # request id -> its answer's length
+        self.decoding: dict[str, list[int]] = {}  # handed over: the answer's tokens so far
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        if len(prompt) < 2:
+            raise ValueError(f"{request_id}: expected a prompt of at least 2 tokens for a prefill node, got "
+                             f"{len(prompt)}")
+        self.sched.add(Request(request_id=request_id, prompt_token_ids=tuple(prompt),
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=self.arrivals,
+                               max_model_len=self.max_model_len, prefill_only=True))
+        self.answers[request_id] = max_tokens
+        self.arrivals += 1
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished() or bool(self.decoding)
+
+    def step(self) -> list[StepEvent]:
+        events = []
+        for rid, answer in list(self.decoding.items()):
+            answer.append(random.Random(f"{self.seed}/{rid}/{len(answer)}").randrange(1, self.vocab_size))
+            done = len(answer) == self.answers[rid]
+            events.append(StepEvent(rid, len(answer) == 1, list(answer) if done else None))
+            if done:
+                del self.decoding[rid], self.answers[rid]
+        out = self.sched.schedule()
+        self.prefill_tokens += sum(r.num_tokens for r in out.rows)
+        launched = self.sched.cache.step_launched()
+        for req in self.update.update(out, {}):
+            self.sched.cache.free_held(req.block_ids, req.state_slot)
+            self.decoding[req.request_id] = []
+        self.sched.cache.step_done(launched)
+        return events
 
 
 def drive(backend: SchedulerBackend, w: Workload, progress: bool = True) -> tuple[int, int, list[float]]:
@@ -185,15 +228,20 @@ def drive(backend: SchedulerBackend, w: Workload, progress: bool = True) -> tupl
     return step, prompt_tokens, ttft
 
 
-def simulate(cfg: ModelConfig, ecfg: EngineConfig, w: Workload, progress: bool = True) -> SimResult:
-    backend = SchedulerBackend(cfg, ecfg, w.seed)
+def simulate(cfg: ModelConfig, ecfg: EngineConfig, w: Workload, progress: bool = True,
+             topology: str = "agg") -> SimResult:
+    """`topology`: "agg" (one engine) or "disagg" (the prefill node of 1P1D)."""
+    if topology not in ("agg", "disagg"):
+        raise ValueError(f"topology: expected 'agg' or 'disagg', got {topology!r}")
+    backend = (SchedulerBackend if topology == "agg" else PrefillBackend)(cfg, ecfg, w.seed)
     steps, prompt_tokens, ttft = drive(backend, w, progress)
     prefill, taken, evicted, block_evictions, preemptions = backend.counters()
     plan = backend.plan
     return SimResult(steps=steps, prompt_tokens=prompt_tokens, prefill_tokens=prefill, checkpoints_taken=taken,
                      checkpoint_evictions=evicted, block_evictions=block_evictions, preemptions=preemptions,
                      ttft_steps=summarize(ttft), num_blocks=plan.num_blocks, num_slots=plan.num_slots,
-                     num_checkpoints=plan.num_checkpoints, mixed_graph_tokens=ecfg.mixed_graph_tokens or 0)
+                     num_checkpoints=plan.num_checkpoints,
+                     mixed_graph_tokens=backend.sched.config.mixed_graph_tokens or 0)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -205,6 +253,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--engine-args", help="engine flags (default: multiturn_bench's)")
     p.add_argument("--extra-engine-args", default="", help="engine flags after those (e.g. a checkpoint stride)")
+    p.add_argument("--topology", choices=("agg", "disagg"), default="agg",
+                   help="agg: one engine; disagg: 1P1D's prefill node, its decode node modelled as a token a step")
     p.add_argument("--no-prefix-cache", action="store_true", help="the cache off, for the ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -226,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for name, off in runs:
         ecfg = engine_config([*flags, *(["--no-prefix-cache"] if off else [])], cfg, "cuda" if a.gpu else "cpu")
-        r = simulate(cfg, ecfg, w, progress=not a.no_progress)
+        r = simulate(cfg, ecfg, w, progress=not a.no_progress, topology=a.topology)
         results.append((name, r))
         print(f"{name}: {r.steps} steps, prompt tokens {r.prompt_tokens:,}, prefill tokens computed "
               f"{r.prefill_tokens:,}, TTFT steps p50 / p90 {r.ttft_steps.p50:.0f} / {r.ttft_steps.p90:.0f}, "

@@ -2,7 +2,8 @@
 
 Invariants:
 - every block and slot is free, owned by one request, held for a transfer (a prefilled request's lease, or a
-  reservation a transfer fills), or quarantined; never two of these; a block the prefix cache keeps may be held by
+  reservation a transfer fills), or quarantined (a slot lent to one step is quarantined from the start); never two
+  of these; a block the prefix cache keeps may be held by
   several requests at once, and counts as free while none holds it (`BlockPool`);
 - ids released while a step is in flight (launched > done) stay quarantined until that step is done: no new request,
   and no transfer into a reserved block, ever shares them with a step that may still write them;
@@ -50,6 +51,12 @@ class CacheManager:
     def assign_slot(self, req: Request) -> None:
         req.state_slot = self.slots.allocate(1)[0]
 
+    def lend_slot(self) -> int:
+        """A state slot for the step being scheduled only (the next one launched): free again once it is done."""
+        slot = self.slots.allocate(1)[0]
+        self.quarantine.append((self.launched + 1, [], slot))
+        return slot
+
     def release(self, req: Request) -> None:
         """Take req's blocks and slot back: free now, or once the steps in flight are done."""
         blocks, slot = req.block_ids, req.state_slot
@@ -71,7 +78,8 @@ class CacheManager:
     def step_done(self, step: int) -> None:
         """Every step up to `step` is done: what was released while they ran goes back to the free lists."""
         self.done = max(self.done, step)
-        if self.quarantine and self.quarantine[0][0] <= self.done:
+        # (Not in step order: a slot lent to the step being scheduled may precede a release made while scheduling it.)
+        if any(item[0] <= self.done for item in self.quarantine):
             keep = []
             for item in self.quarantine:
                 if item[0] > self.done:

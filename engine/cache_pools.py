@@ -143,6 +143,12 @@ class CachePools:
             for a, b in pairs:
                 dst[b].copy_(src[a])
 
+    def fork_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every declared state of each (source, destination) pair of state slots on the device."""
+        for states in self.states.values():
+            for a, b in pairs:
+                states[b].copy_(states[a])
+
     # Per-layer strided views: [num_blocks, 2, block_size, Hkv, D]; per mixer layer its states [slots, *shape].
     def kv_layers(self) -> list[torch.Tensor]:
         return list(self.kv.unbind(1))[:self.num_target_kv_layers]

@@ -17,6 +17,16 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class CheckpointRows:
+    """The recurrent mixers' prefill sequences with checkpoint rows (`scheduler_output.CheckpointRow`) appended:
+    each runs the first tokens of its prefill row again, into a lent slot. Indices count prefill tokens from 0."""
+    token_index: torch.Tensor       # [E] int64: the prefill tokens the appended sequences run, in order
+    query_start_loc: torch.Tensor   # [Rp+C+1] int64: the prefill rows', then the C appended sequences'
+    state_slots: torch.Tensor       # [Rp+C] int64
+    has_initial_state: torch.Tensor  # [Rp+C] bool
+
+
 @dataclass
 class ForwardBatch:
     num_decodes: int                  # decode rows come first
@@ -42,6 +52,9 @@ class ForwardBatch:
     # The recurrent mixer's prefill metadata (`RecurrentMixer.prefill_meta`; Mamba2's Triton chunk layout), built
     # from host ints by the runner so that the mixer never reads query_start_loc back; None: it needs none.
     prefill_chunk_meta: object | None = None
+    # Checkpoints taken inside prefill chunks (None: none this step); `prefill_chunk_meta` then lays out the
+    # prefill rows and the appended sequences together.
+    checkpoint_rows: CheckpointRows | None = None
     # The attention kernel's program mapping for this batch (`ops.attention.kernel.AttentionMeta`), built once
     # per step from host ints by the runner instead of on the device by every attention layer; None: built there.
     attention_meta: object | None = None

@@ -10,16 +10,17 @@ of every mixer layer, `state_spec`). Hence:
   drafter, by token P too: the drafter's KV at position P-1 is computed from h(P-1) and token P (R8), so it is
   reusable only where the next token is the same;
 - a lookup takes the longest chain of cached blocks that ends on a checkpoint, up to a limit the scheduler sets.
-The scheduler cuts prefill chunks to end on checkpoint boundaries (multiples of `stride` blocks) and the runner
-copies the state slots on the device (`SchedulerOutput.checkpoints` after a step, `.restores` before one).
+The scheduler takes the last boundary (a multiple of `stride` blocks) each prefill chunk reaches, inside the chunk or
+at its end (`scheduler.py`), and the runner copies the state slots on the device (`SchedulerOutput.checkpoints`
+after a step, `.restores` before one).
 Works on ints and bytes only.
 
 Invariants: a checkpoint exists only while the block it ends on is cached (evicting that block drops it); a
 checkpoint taken by a step is invisible to lookups until the next `begin_step` (that step is launched by then, and
 every later step runs after it on the device); when no checkpoint slot is free the least recently used checkpoint
 gives its slot up. A request that takes a deeper checkpoint than the one it stood on sends that one to the cold end
-of the LRU where no other request has used it: the one it took last, unless a lookup has used it since (a prefill cut
-into chunks by the step budget takes one at each chunk's last boundary), and the one its own lookup hit, unless
+of the LRU where no other request has used it: the one it took last, unless a lookup has used it since (a prefill
+split into chunks by the step budget takes one at each chunk's last boundary), and the one its own lookup hit, unless
 another lookup hit it too (a conversation's earlier turn). Only the deepest is what the conversation's next turn
 resumes from; a checkpoint several requests hit, such as a shared system prompt's, keeps its place.
 """

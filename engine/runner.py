@@ -19,7 +19,7 @@ import torch
 from baton.engine.cache_pools import CachePools
 from baton.engine.causal_lm import CausalLM
 from baton.engine.cuda_graphs import StepGraphs
-from baton.engine.forward_batch import ForwardBatch
+from baton.engine.forward_batch import CheckpointRows, ForwardBatch
 from baton.engine.grammar import Grammars
 from baton.engine.host_copy import to_device
 from baton.engine.logits_processing import (
@@ -265,11 +265,19 @@ class ModelRunner:
 
     def restore_checkpoints(self, out: SchedulerOutput) -> None:
         """Before the step's forward: requests resuming from a cached prefix get its state checkpoint in their slot,
-        whole (nothing to replay). Device copies, queued before the forward that reads them."""
+        whole (nothing to replay), and each checkpoint row's lent slot gets its row's initial state. Device copies,
+        queued before the forward that reads them."""
         if out.restores:
             self.pools.copy_slots(out.restores, to_checkpoints=False)
             for _, slot in out.restores:
                 self.replay[slot] = 0
+        if out.checkpoint_rows:
+            # A checkpoint row starts from its row's initial state (restored above where it resumes from one).
+            rows = {r.request_id: r for r in out.rows}
+            forks = [(rows[c.request_id].state_slot, c.slot) for c in out.checkpoint_rows
+                     if rows[c.request_id].has_initial_state]
+            if forks:
+                self.pools.fork_slots(forks)
 
     def take_checkpoints(self, out: SchedulerOutput) -> None:
         """After the step's forward: the state of each chunk that ended on a checkpoint boundary, copied on the
@@ -323,9 +331,30 @@ class ModelRunner:
         nd = out.num_decodes
         if nd < len(out.rows) and self._states:
             base = qsl[nd]
-            batch.prefill_chunk_meta = self.model.recurrent_mixer.prefill_meta(
-                cfg, [q - base for q in qsl[nd:]], self.model.kernels, self.device)
+            starts = [q - base for q in qsl[nd:]]
+            if out.checkpoint_rows:
+                batch.checkpoint_rows, starts = self._checkpoint_rows(out, starts)
+            batch.prefill_chunk_meta = self.model.recurrent_mixer.prefill_meta(cfg, starts, self.model.kernels,
+                                                                               self.device)
         return t(input_ids), batch
+
+    def _checkpoint_rows(self, out: SchedulerOutput, starts: list[int]) -> tuple[CheckpointRows, list[int]]:
+        """The prefill rows' sequences (query starts `starts`, from 0) with the checkpoint rows appended, and their
+        query starts."""
+        nd = out.num_decodes
+        row_of = {r.request_id: i for i, r in enumerate(out.rows[nd:])}
+        index: list[int] = []
+        starts = list(starts)
+        slots = [r.state_slot for r in out.rows[nd:]]
+        init = [r.has_initial_state for r in out.rows[nd:]]
+        for c in out.checkpoint_rows:
+            i = row_of[c.request_id]
+            index += range(starts[i], starts[i] + c.num_tokens)
+            starts.append(starts[-1] + c.num_tokens)
+            slots.append(c.slot)
+            init.append(init[i])
+        t = self._t
+        return CheckpointRows(t(index), t(starts), t(slots), t(init, torch.bool)), starts
 
     def _add_verify_layout(self, out: SchedulerOutput, batch: ForwardBatch, replay: torch.Tensor,
                            qsl: list[int]) -> None:
@@ -459,10 +488,11 @@ class ModelRunner:
 
     def _mixed_graphable(self, out: SchedulerOutput) -> bool:
         """A step that a mixed graph can run: decode rows of one token, each sampling, then one prompt chunk of at
-        most the graphs' Q tokens."""
+        most the graphs' Q tokens, without a checkpoint row."""
         g = self.mixed_graphs
         nd = out.num_decodes
-        return (g is not None and nd >= 1 and len(out.rows) == nd + 1 and g.size_for(nd) is not None
+        return (g is not None and nd >= 1 and len(out.rows) == nd + 1 and not out.checkpoint_rows
+                and g.size_for(nd) is not None
                 and out.rows[nd].num_tokens <= g.Q and all(r.num_tokens == 1 and r.sample for r in out.rows[:nd]))
 
     def _mixed_graph(self, out: SchedulerOutput, fill: tuple | None = None) -> torch.Tensor:

@@ -18,8 +18,11 @@ tokens (such a step replays a CUDA graph: `mixed_graphs.py`).
 With the prefix cache (`prefix_cache.py`), an admitted request starts after the longest cached prefix of its prompt
 that ends on a state checkpoint (its blocks held, the checkpoint copied into its slot before the step), at most all
 of its prefill tokens but one: every request computes at least one token, so that its logits (or, prefill-only,
-its handed-over state) come from a step. A prefill chunk that reaches checkpoint boundaries the cache lacks ends on
-the last of them, and its state there is copied into a checkpoint slot after the step; no other chunk is cut.
+its handed-over state) come from a step. Of the checkpoint boundaries a prefill chunk reaches that the cache lacks,
+the last is taken: where the chunk ends on it, its state is copied into a checkpoint slot after the step; else the
+step runs a checkpoint row (`CheckpointRow`: the chunk's tokens up to it once more in the recurrent mixers, into a
+lent state slot copied after the step). An engine with mixed graphs, or one with no state slot to lend, cuts the
+chunk at that boundary instead; no other chunk is cut.
 
 With async scheduling a request that stops on step n's token was already scheduled into step n+1: that row's work
 is dropped (`StepUpdate`). A verify step may be chained on one not read yet (`chain`): the next step is then what
@@ -34,7 +37,7 @@ from baton.engine.cache_manager import CacheManager
 from baton.engine.engine_config import EngineConfig
 from baton.engine.prefix_cache import PrefixCache
 from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler_output import ScheduledRow, SchedulerOutput, new_row
+from baton.engine.scheduler_output import CheckpointRow, ScheduledRow, SchedulerOutput, new_row
 
 
 class Scheduler:
@@ -99,6 +102,7 @@ class Scheduler:
         planned: dict[str, int] = {}  # request id -> tokens this step
         restores: list[tuple[int, int]] = []
         checkpoints: list[tuple[int, int]] = []
+        taps: list[CheckpointRow] = []
         if self.prefix is not None:
             self.prefix.begin_step()
 
@@ -116,6 +120,10 @@ class Scheduler:
         one_chunk = bool(self.config.mixed_graph_tokens and decoding)
         if one_chunk:
             cap = min(cap, self.config.mixed_graph_tokens)
+        # Checkpoints inside a chunk need extra mixer rows, which a mixed graph's fixed shapes cannot take. An engine
+        # with mixed graphs cuts chunks at boundaries in every step: a burst of prompts then stays in prefill, where
+        # a step admits them all, rather than one per step beside the first request's decode row.
+        inside = not self.config.mixed_graph_tokens
 
         # 2. running prefills (chunked). Every planned request is running (victims are never planned ones): when
         # all running requests are planned, none is left to prefill.
@@ -124,11 +132,11 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.in_decode or req.request_id in planned:
                 continue
-            n = self._cut(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap))
+            n = self._cut(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget, cap), inside)
             n = self.cache.fit(req, n)
             if n == 0 and self._reserve(req, 1, planned, preempted):
                 n = self.cache.fit(req, self._cut(req, min(req.num_prefill_tokens - req.num_computed_tokens, budget,
-                                                           cap)))
+                                                           cap), inside))
             # The last chunk samples and drafts, writing the drafter's KV up to K-1 positions ahead: it needs
             # that room too (preempting later arrivals, or itself, as a decode row would).
             if (n > 0 and self._last_chunk(req, n) and self.lookahead
@@ -138,7 +146,7 @@ class Scheduler:
                 self.cache.allocate_for(req, n)
                 planned[req.request_id] = n
                 budget = 0 if one_chunk else budget - n
-                self._checkpoint(req, n, checkpoints)
+                self._checkpoint(req, n, checkpoints, taps)
 
         # 3. admission, FCFS; none in a step that had to preempt (it would only thrash). A request is
         # admitted only if the blocks for its whole prefill are free now, not just for its first chunk.
@@ -169,12 +177,12 @@ class Scheduler:
                 req.set_blocks(list(hit.block_ids))
                 req.num_computed_tokens = hit.num_tokens
                 restores.append((hit.checkpoint, req.state_slot))
-            n = self._cut(req, min(prefill - req.num_computed_tokens, budget, cap))
+            n = self._cut(req, min(prefill - req.num_computed_tokens, budget, cap), inside)
             self.cache.allocate_for(req, n, self.lookahead if self._last_chunk(req, n) else 0)
             self._insert_running(req)
             planned[req.request_id] = n
             budget = 0 if one_chunk else budget - n
-            self._checkpoint(req, n, checkpoints)
+            self._checkpoint(req, n, checkpoints, taps)
 
         # Decodes first, each group in arrival order. A decode row stays in `running` (only unplanned requests are
         # preempted, and a prefill or admission never turns a request into a decode within the step).
@@ -183,7 +191,7 @@ class Scheduler:
             rows += [self._prefill_row(req, planned[req.request_id]) for req in self.running
                      if req.request_id in planned and not req.in_decode]
         return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted), restores=tuple(restores),
-                               checkpoints=tuple(checkpoints))
+                               checkpoints=tuple(checkpoints), checkpoint_rows=tuple(taps))
 
     def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
         """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph
@@ -231,30 +239,51 @@ class Scheduler:
         room = req.output_limit - len(req.output_token_ids) - 1
         return max(0, min(len(req.draft_token_ids), self.num_spec, room))
 
-    def _cut(self, req: Request, n: int) -> int:
-        """n, or less so that the chunk ends on the last checkpoint boundary it reaches that the prefix cache lacks (a
-        boundary with a known next token, within the prefill)."""
+    def _last_boundary(self, req: Request, n: int) -> int:
+        """The last checkpoint boundary req's chunk of n tokens reaches (one with a known next token, within the
+        prefill), or 0 where it reaches none past its start."""
+        s = self.prefix.stride_tokens
+        start = req.num_computed_tokens
+        last = min(start + n, req.num_prefill_tokens, req.num_tokens - 1) // s * s
+        return last if last > start else 0
+
+    def _can_lend(self) -> bool:
+        """A state slot can be lent to the step for a checkpoint inside a chunk, one being kept for the next request
+        waiting."""
+        return self.cache.slots.num_free > (1 if self.waiting else 0)
+
+    def _cut(self, req: Request, n: int, inside: bool) -> int:
+        """n, or less so that the chunk ends on the last checkpoint boundary it reaches that the prefix cache lacks,
+        unless the step can take that checkpoint inside the chunk (`inside` and a slot to lend)."""
         pc = self.prefix
         if pc is None or n <= 0:
             return n
-        start = req.num_computed_tokens
-        s = pc.stride_tokens
-        last = min(start + n, req.num_prefill_tokens, req.num_tokens - 1) // s * s
-        if last <= start or last == start + n or not pc.missing(req, last):
+        last = self._last_boundary(req, n)
+        if not last or last == req.num_computed_tokens + n or not pc.missing(req, last):
             return n
-        return last - start
+        return n if inside and self._can_lend() else last - req.num_computed_tokens
 
-    def _checkpoint(self, req: Request, n: int, checkpoints: list[tuple[int, int]]) -> None:
-        """Where req's chunk of n tokens ends on a checkpoint boundary the cache lacks: cache its blocks and plan the
-        copy of its state there into a checkpoint slot after the step."""
+    def _checkpoint(self, req: Request, n: int, checkpoints: list[tuple[int, int]],
+                    taps: list[CheckpointRow]) -> None:
+        """Where req's chunk of n tokens reaches a checkpoint boundary the cache lacks: cache its blocks up to the
+        last such boundary and plan its state there into a checkpoint slot: the row's own state after the step where
+        the chunk ends on it, else a lent slot's that the mixers run the chunk's tokens up to it into
+        (`CheckpointRow`)."""
         pc = self.prefix
-        end = req.num_computed_tokens + n
-        if pc is None or end % pc.stride_tokens or end > req.num_prefill_tokens or end >= req.num_tokens:
+        if pc is None:
             return
-        slot = pc.take(req, end)
-        if slot is not None:
-            assert req.state_slot is not None
+        last = self._last_boundary(req, n)
+        start = req.num_computed_tokens
+        if not last or not pc.missing(req, last) or (last < start + n and not self._can_lend()):
+            return
+        slot = pc.take(req, last)
+        assert slot is not None and req.state_slot is not None
+        if last == start + n:
             checkpoints.append((req.state_slot, slot))
+            return
+        lent = self.cache.lend_slot()
+        taps.append(CheckpointRow(req.request_id, last - start, lent))
+        checkpoints.append((lent, slot))
 
     def _last_chunk(self, req: Request, n: int) -> bool:
         return req.num_computed_tokens + n == req.num_tokens and not req.prefill_only

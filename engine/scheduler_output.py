@@ -41,6 +41,17 @@ def new_row(**fields: object) -> ScheduledRow:
 
 
 @dataclass(frozen=True)
+class CheckpointRow:
+    """A prefix checkpoint taken inside a prefill chunk (`prefix_cache.py`): the recurrent mixers run the chunk's
+    first `num_tokens` tokens once more as a sequence of their own, from the row's initial state copied into the
+    lent state slot `slot`, which so ends up holding the state after them; `SchedulerOutput.checkpoints` copies it
+    into the checkpoint slot after the step."""
+    request_id: str  # a prefill row of the step
+    num_tokens: int  # 0 < num_tokens < the row's tokens
+    slot: int        # lent for the step (`CacheManager.lend_slot`)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]  # decode rows first, then prefill rows
     preempted: tuple[str, ...]
@@ -49,6 +60,7 @@ class SchedulerOutput:
     # checkpoint boundary).
     restores: tuple[tuple[int, int], ...] = ()
     checkpoints: tuple[tuple[int, int], ...] = ()
+    checkpoint_rows: tuple[CheckpointRow, ...] = ()
 
     # Cached (the output is immutable): the runner and the engine's stats read these several times a step.
     @cached_property

@@ -72,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | No
                         "prefills only the rest)")
     g.add_argument("--prefix-checkpoint-stride", type=int, metavar="N",
                    help="KV blocks between the prefix cache's state checkpoints of a prompt: 1 takes one at every "
-                        f"block boundary, larger ones cut fewer prefill chunks and keep fewer ({d.prefix_checkpoint_stride})")
+                        f"block boundary, larger ones take and keep fewer ({d.prefix_checkpoint_stride})")
     g.add_argument("--speculative-tokens", dest="num_speculative_tokens", type=int, metavar="K",
                    help=f"MTP draft tokens per decode step, 0..{MAX_SPECULATIVE_TOKENS} (0 = off); needs a "
                         "checkpoint with MTP weights")

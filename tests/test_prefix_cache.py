@@ -87,6 +87,41 @@ def test_a_hit_skips_compute_and_always_computes_the_last_token(model):
     assert engine.stats.prompt_tokens - before == 8
 
 
+def checkpoint_states(engine: LLMEngine, prompt: list[int], at: int) -> list[torch.Tensor]:
+    """The states of the checkpoint a request with `prompt` would resume from, which must be at `at` tokens."""
+    pc = engine.scheduler.prefix
+    pc.begin_step()
+    hit = pc.lookup(request("probe", prompt), len(prompt) - 1)
+    assert hit is not None and hit.num_tokens == at
+    return [c[hit.checkpoint] for c in engine.pools.checkpoints.values()]
+
+
+def assert_checkpoint_rows_hold_the_prefix_state(model, **kw) -> None:
+    """Chunks of 12 tokens: the second, [12, 20), starts from the first's state and takes the checkpoint at 16 in a
+    checkpoint row (its lent slot forked from the row's); that checkpoint holds the state a prefill of exactly 16
+    tokens leaves (a prefill-only request of 17: R1)."""
+    engine = new_engine(model, **kw)
+    rows = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        rows.extend((c.num_tokens, out.rows[-1].has_initial_state) for c in out.checkpoint_rows)
+        return out
+
+    engine.scheduler.schedule = spy
+    engine.generate([SHARED[:20]], GREEDY)
+    assert rows == [(8, False), (4, True)]
+    off = new_engine(model, cache=False, prefill_only=True, **kw)
+    want = held_caches(off, prefill(off, SHARED[:17]), 16)[1:]
+    for a, b in zip(checkpoint_states(engine, SHARED[:17] + [1], 16), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_row_holds_the_state_a_prefill_of_the_prefix_leaves(model):
+    assert_checkpoint_rows_hold_the_prefix_state(model)
+
+
 def test_prefix_checkpoint_memory_is_reported(model):
     engine = new_engine(model, prefix_checkpoint_slots=3)
     plan = engine.plan
@@ -190,21 +225,44 @@ def test_block_pool_evicts_least_recently_released_and_never_a_held_block():
         pool.free([a[0]])
 
 
-def test_chunks_are_cut_only_at_missing_checkpoint_boundaries():
+def test_a_checkpoint_inside_a_chunk_is_taken_by_a_checkpoint_row_and_cut_at_only_without_a_slot_to_lend():
+    """A chunk that reaches a checkpoint boundary the cache lacks before its end is not cut there: the step runs a
+    checkpoint row into a lent state slot (free again once the step is done) and copies that into the checkpoint. It
+    is cut at the boundary where no slot can be lent, and in an engine with mixed graphs."""
     cfg = EngineConfig(block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=12, max_num_seqs=4,
                        prefix_checkpoint_stride=2)
-    chunks = {}
-    for cache in (0, 2):
-        s = Scheduler(cfg, 32, 4, num_checkpoints=cache)
+
+    def chunks(cache: int, slots: int) -> list[tuple[int, tuple, tuple]]:
+        s = Scheduler(cfg, 32, slots, num_checkpoints=cache)
         s.add(request("a", list(range(1, 30))))
-        sizes = []
+        out = []
         while not s.requests["a"].in_decode:
-            out = s.schedule()
-            sizes.append(out.rows[0].num_tokens)
-            s.requests["a"].num_computed_tokens += out.rows[0].num_tokens
-        chunks[cache] = sizes
-    # Without checkpoint slots as before; with them each chunk ends on the last boundary it reaches.
-    assert chunks == {0: [12, 12, 5], 2: [8, 8, 8, 5]}
+            o = s.schedule()
+            step = s.cache.step_launched()
+            a = s.requests["a"]
+            out.append((o.rows[0].num_tokens, o.checkpoint_rows, tuple((p == a.state_slot, k) for p, k in o.checkpoints)))
+            a.num_computed_tokens += o.rows[0].num_tokens
+            s.cache.step_done(step)
+            assert s.cache.slots.num_free == slots - 1  # the lent slot is back
+        return out
+
+    assert [n for n, _, _ in chunks(0, 4)] == [12, 12, 5]
+    lent = chunks(2, 4)
+    assert [n for n, _, _ in lent] == [12, 12, 5]
+    (_, rows, copies), (_, rows2, copies2), _ = lent
+    assert [(r.request_id, r.num_tokens) for r in rows] == [("a", 8)] and copies == ((False, 0),)
+    assert rows2 == () and copies2 == ((True, 1),)  # the chunk ends on boundary 24: its own state
+    # One state slot, the request's: nothing to lend, so the chunks are cut at the boundaries as before.
+    assert [(n, rows) for n, rows, _ in chunks(2, 1)] == [(8, ()), (8, ()), (8, ()), (5, ())]
+
+    # Beside a decode row with mixed graphs (one chunk of at most 16 tokens): cut at the boundary.
+    s = Scheduler(EngineConfig(**{**cfg.__dict__, "mixed_graph_tokens": 16}), 32, 4, num_checkpoints=2)
+    s.add(request("d", [7, 7]))
+    s.requests["d"].num_computed_tokens += s.schedule().rows[0].num_tokens
+    s.requests["d"].output_token_ids.append(3)
+    s.add(request("a", list(range(1, 30))))
+    o = s.schedule()
+    assert [(r.request_id, r.num_tokens) for r in o.rows] == [("d", 1), ("a", 8)] and o.checkpoint_rows == ()
 
 
 def test_checkpoints_are_visible_from_the_next_step_and_keyed_by_the_next_token_with_a_drafter():

@@ -6,6 +6,7 @@ tokens (`ForwardBatch.num_decodes`, decode rows first), never from its query len
 `decode`, verify rows (with speculative decoding) `verify`, prefill rows `prefill`. Prefill rows whose
 `has_initial_state` is False start from zeros: their slot's old contents are never read. `verify` first replays
 each row's accepted positions of its last verify from its recorded inputs, then records this step's (R3/R4).
+Checkpoint rows (`ForwardBatch.checkpoint_rows`) are more prefill sequences, appended to the prefill rows.
 """
 
 from __future__ import annotations
@@ -78,7 +79,14 @@ class RecurrentMixer(nn.Module, ABC):
             parts.append(self.verify(u[:ndt], states, batch.verify_inputs[self.state_index], batch))
         elif nd:
             parts.append(self.decode(u[:nd], states, batch))
-        if nd < batch.num_rows:
+        ext = batch.checkpoint_rows
+        if nd < batch.num_rows and ext is not None:
+            # The appended sequences' outputs are dropped: only the states they leave in their lent slots count.
+            up = u[ndt:]
+            y = self.prefill(torch.cat([up, up[ext.token_index]]), states, batch, ext.query_start_loc,
+                             ext.state_slots, ext.has_initial_state)
+            parts.append(y[:up.shape[0]])
+        elif nd < batch.num_rows:
             # A batch without decode rows starts at 0: no offset to subtract.
             qsl = batch.query_start_loc if not nd else batch.query_start_loc[nd:] - batch.query_start_loc[nd]
             parts.append(self.prefill(u[ndt:], states, batch, qsl, batch.state_slots[nd:],
