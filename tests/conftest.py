@@ -35,6 +35,7 @@ PURE_CPU_MODULES = frozenset({
     "test_alloc_bench", "test_allocator", "test_async_scheduling", "test_container_install", "test_cuda_graphs",
     "test_engine", "test_engine_bench", "test_exactness", "test_fp8_checkpoint", "test_fp8_experts", "test_fp8_gemm_bench", "test_fp8_linear", "test_fp8_quality", "test_gdn_bench", "test_gemv_bench", "test_greedy_tokens",
     "test_launch_probe", "test_loader", "test_make_model", "test_memory_budget", "test_mtp_bench", "test_mtp_module",
+    "test_prefix_cache", "test_prefix_cache_sim",
     "test_ops_gated_delta", "test_qwen3_5_checkpoint", "test_qwen3_5_exactness", "test_qwen3_5_mtp", "test_rejection_sampler",
     "test_sampling", "test_scheduler", "test_spec_bench", "test_spec_decode", "test_step_ops", "test_step_profile",
     "test_tail_keep", "test_tokenizer", "test_transfer_shard_map",
