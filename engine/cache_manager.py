@@ -2,9 +2,9 @@
 
 Invariants:
 - every block and slot is free, owned by one request, held for a transfer (a prefilled request's lease, or a
-  reservation a transfer fills), or quarantined (a slot lent to one step is quarantined from the start); never two
-  of these; a block the prefix cache keeps may be held by
-  several requests at once, and counts as free while none holds it (`BlockPool`);
+  reservation a transfer fills), or quarantined (a slot lent to one step is, from the start); never two of these; a
+  block the prefix cache keeps may be held by several requests at once, and counts as free while none holds it
+  (`BlockPool`);
 - ids released while a step is in flight (launched > done) stay quarantined until that step is done: no new request,
   and no transfer into a reserved block, ever shares them with a step that may still write them;
 - a request grows right after its last block where free (one run: one transfer descriptor).

@@ -102,7 +102,7 @@ class Scheduler:
         planned: dict[str, int] = {}  # request id -> tokens this step
         restores: list[tuple[int, int]] = []
         checkpoints: list[tuple[int, int]] = []
-        taps: list[CheckpointRow] = []
+        inside_rows: list[CheckpointRow] = []
         if self.prefix is not None:
             self.prefix.begin_step()
 
@@ -146,7 +146,7 @@ class Scheduler:
                 self.cache.allocate_for(req, n)
                 planned[req.request_id] = n
                 budget = 0 if one_chunk else budget - n
-                self._checkpoint(req, n, checkpoints, taps)
+                self._checkpoint(req, n, checkpoints, inside_rows, inside)
 
         # 3. admission, FCFS; none in a step that had to preempt (it would only thrash). A request is
         # admitted only if the blocks for its whole prefill are free now, not just for its first chunk.
@@ -182,7 +182,7 @@ class Scheduler:
             self._insert_running(req)
             planned[req.request_id] = n
             budget = 0 if one_chunk else budget - n
-            self._checkpoint(req, n, checkpoints, taps)
+            self._checkpoint(req, n, checkpoints, inside_rows, inside)
 
         # Decodes first, each group in arrival order. A decode row stays in `running` (only unplanned requests are
         # preempted, and a prefill or admission never turns a request into a decode within the step).
@@ -191,7 +191,7 @@ class Scheduler:
             rows += [self._prefill_row(req, planned[req.request_id]) for req in self.running
                      if req.request_id in planned and not req.in_decode]
         return SchedulerOutput(rows=tuple(rows), preempted=tuple(preempted), restores=tuple(restores),
-                               checkpoints=tuple(checkpoints), checkpoint_rows=tuple(taps))
+                               checkpoints=tuple(checkpoints), checkpoint_rows=tuple(inside_rows))
 
     def chain(self, out: SchedulerOutput) -> list[tuple[str, int, int, tuple[int, ...]]] | None:
         """Chain a verify step on `out`, launched and not read yet (async scheduling with drafts, a whole-graph
@@ -264,17 +264,17 @@ class Scheduler:
         return n if inside and self._can_lend() else last - req.num_computed_tokens
 
     def _checkpoint(self, req: Request, n: int, checkpoints: list[tuple[int, int]],
-                    taps: list[CheckpointRow]) -> None:
+                    inside_rows: list[CheckpointRow], inside: bool) -> None:
         """Where req's chunk of n tokens reaches a checkpoint boundary the cache lacks: cache its blocks up to the
         last such boundary and plan its state there into a checkpoint slot: the row's own state after the step where
-        the chunk ends on it, else a lent slot's that the mixers run the chunk's tokens up to it into
-        (`CheckpointRow`)."""
+        the chunk ends on it, else (`inside` and a slot to lend) a lent slot's that the mixers run the chunk's tokens
+        up to it into (`CheckpointRow`)."""
         pc = self.prefix
         if pc is None:
             return
         last = self._last_boundary(req, n)
         start = req.num_computed_tokens
-        if not last or not pc.missing(req, last) or (last < start + n and not self._can_lend()):
+        if not last or not pc.missing(req, last) or (last < start + n and not (inside and self._can_lend())):
             return
         slot = pc.take(req, last)
         assert slot is not None and req.state_slot is not None
@@ -282,7 +282,7 @@ class Scheduler:
             checkpoints.append((req.state_slot, slot))
             return
         lent = self.cache.lend_slot()
-        taps.append(CheckpointRow(req.request_id, last - start, lent))
+        inside_rows.append(CheckpointRow(req.request_id, last - start, lent))
         checkpoints.append((lent, slot))
 
     def _last_chunk(self, req: Request, n: int) -> bool:
