@@ -103,7 +103,8 @@ class Mamba2Mixer(RecurrentMixer):
         if self.A is None:
             raise RuntimeError("Mamba2Mixer: freeze() after loading the weights, before the first forward")
         gate = zxbcdt[:, :self.intermediate]
-        y = self.run_rows(zxbcdt, batch)  # [T, H, P]
+        # The rows' ops take xBC | dt (a view): the gate is applied after them.
+        y = self.run_rows(zxbcdt[:, self.intermediate:], batch)  # [T, H, P]
         y = y.reshape(t, self.intermediate)
         if keep is not None:
             if not keep.shape[0]:
@@ -112,8 +113,9 @@ class Mamba2Mixer(RecurrentMixer):
         y = self.norm(y, gate).to(x.dtype)
         return project(self.out_proj, y, batch, self.kernels)
 
-    def _xbc_dt(self, zxbcdt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+    def _xbc_dt(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' per-token inputs xBC | dt -> xBC, dt (views)."""
+        xbc, dt = u.split([self.conv_dim, self.num_heads], dim=-1)
         return xbc, dt
 
     def decode(self, u: torch.Tensor, states: States, batch: ForwardBatch) -> torch.Tensor:
