@@ -1,6 +1,6 @@
 """Checkpoints taken inside a prefill chunk (checkpoint rows: the recurrent mixers' appended sequences) on the Triton
 kernels, in the interpreter on a CPU: requests resuming from them give the cache-off tokens of the torch references,
-for both recurrent mixers (Mamba2's chunk layout is built for the appended sequences too)."""
+for both recurrent mixers (Mamba2's chunk layout is built for the appended sequences too); compiled on a GPU."""
 
 import os
 
@@ -45,3 +45,9 @@ def test_requests_resuming_from_checkpoint_rows_on_the_kernels_equal_the_referen
 
 def test_a_checkpoint_row_on_the_kernels_holds_the_state_a_prefill_of_the_prefix_leaves(model):  # noqa: F811
     assert_checkpoint_rows_hold_the_prefix_state(model, kernels="triton")
+
+
+@pytest.mark.gpu
+def test_a_checkpoint_row_on_the_gpu_holds_the_state_a_prefill_of_the_prefix_leaves(model):  # noqa: F811
+    # Without mixed-step graphs, as on a prefill node: an engine with them cuts the chunk instead.
+    assert_checkpoint_rows_hold_the_prefix_state(model, kernels="triton", device="cuda", mixed_graph_tokens=0)
