@@ -150,6 +150,29 @@ def test_concurrent_requests_share_and_evict_prefixes_under_a_small_pool(model):
     assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0
 
 
+@pytest.mark.parametrize("seed", [2, 3])  # 2 takes checkpoints inside chunks, 3 none
+def test_random_shared_prefixes_under_contended_slots_give_the_cache_off_outputs(model, seed):
+    """Prompts drawn from a few shared heads with tails of random lengths, arriving together, under a step budget and
+    a state pool so small that a checkpoint inside a chunk sometimes finds a slot to lend and sometimes is cut; with
+    random strides and chunk caps: the outputs are those of the cache off, and nothing leaks."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    heads = [tokens(draw(9, 30), 40 + 10 * seed + i) for i in range(3)]
+    prompts = [heads[draw(0, 3)][:draw(5, 30)] + tokens(draw(1, 12), 60 + 10 * seed + i) for i in range(10)]
+    kw = dict(max_num_seqs=draw(2, 5), max_num_batched_tokens=draw(16, 40), long_prefill_token_threshold=draw(5, 14),
+              prefix_checkpoint_stride=draw(1, 4), prefix_checkpoint_slots=draw(3, 6))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    off = new_engine(model, cache=False, **kw).generate(prompts, params)
+    engine = new_engine(model, **kw)
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in off], kw
+    assert engine.stats.prefix_hit_tokens > 0, kw
+    assert engine.cache.blocks.num_used == 0 and engine.cache.slots.num_used == 0
+
+
 def held_caches(engine: LLMEngine, held, n: int) -> list[torch.Tensor]:
     """A prefilled request's KV (every layer, the drafter's included) at positions 0..n-1, and its state."""
     p = engine.pools
