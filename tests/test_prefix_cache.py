@@ -1,7 +1,8 @@
 """The prefix cache (`engine/prefix_cache.py`): greedy outputs, drafts and acceptance counts with the cache equal
 those without it, for both recurrent mixers (Mamba2 and Gated DeltaNet), prompts ending on a checkpoint, one token
 after one, shorter than a block, with MTP K = 0..2, prefill-only requests (R1) moved to a decode engine, concurrent
-requests sharing and evicting prefixes under a small pool; a hit really skips compute; nothing leaks (R7).
+requests sharing and evicting prefixes under a small pool, checkpoints taken inside a chunk (checkpoint rows); a hit
+really skips compute; nothing leaks (R7).
 
 The tests use small checkpoint strides (a boundary every two blocks) so that short prompts cross several.
 """
