@@ -268,6 +268,11 @@ def parse_prep_sweep(text: str) -> list[tuple[int, ...]]:
     return parse_launches(text, "--prep-sweep", "SOLVEWARPSxSOLVEBKxPREPWARPSxCOLS", "4x32x8x32")
 
 
+def parse_stages_sweep(text: str) -> list[tuple[int, ...]]:
+    """'1x1,1x2,2x2' -> [(solve stages, W/U stages), ...]."""
+    return parse_launches(text, "--stages-sweep", "SOLVESTAGESxPREPSTAGES", "1x2")
+
+
 def bench_launches(tokens: int, calls: int, module: object, names: tuple[str, ...], sweep: list[tuple[int, ...]],
                    split: bool) -> list[dict[str, object]]:  # fmt: skip
     """The chunk-parallel prefill with the fused (or `split`) second stage at each launch of `sweep`, the tuning
@@ -309,6 +314,13 @@ def bench_prep(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[di
 
     names = ("WY_SOLVE_WARPS", "WY_SOLVE_BK", "WY_PREP_WARPS", "WY_PREP_COLS")
     return bench_launches(tokens, calls, wy, names, sweep, split=False)
+
+
+def bench_stages(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict[str, object]]:
+    """The fused chunk-parallel prefill at each (solve stages, W/U stages): the prep loops' software pipelining."""
+    from baton.engine.ops.gated_delta import kernel_chunk_wy as wy
+
+    return bench_launches(tokens, calls, wy, ("WY_SOLVE_STAGES", "WY_PREP_STAGES"), sweep, split=False)
 
 
 def bench_split(tokens: int, calls: int, sweep: list[tuple[int, ...]]) -> list[dict[str, object]]:
@@ -361,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                    "STATETILExSTATEWARPSxSTAGESxOUTTILExOUTWARPS comma-separated")
     p.add_argument("--prep-sweep", default="", help="chunk-parallel prefill prep launches to time too, "
                    "SOLVEWARPSxSOLVEBKxPREPWARPSxCOLS comma-separated")
+    p.add_argument("--stages-sweep", default="", help="chunk-parallel prefill prep pipelining to time too, "
+                   "SOLVESTAGESxPREPSTAGES comma-separated")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--json", type=Path, default=None, help="write the results here too")
     a = p.parse_args(argv)
@@ -369,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         wy_sweep = parse_wy_sweep(a.wy_sweep) if a.wy_sweep else []
         split_sweep = parse_split_sweep(a.split_sweep) if a.split_sweep else []
         prep_sweep = parse_prep_sweep(a.prep_sweep) if a.prep_sweep else []
+        stages_sweep = parse_stages_sweep(a.stages_sweep) if a.stages_sweep else []
     except ValueError as e:
         p.error(str(e))
     try:
@@ -395,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     prep_rows = bench_prep(a.tokens, a.calls, prep_sweep) if prep_sweep and not a.no_prefill else []
     if prep_rows:
         print_launches(prep_rows, "prep: solve warps x key slice x W/U warps x columns")
+    stages_rows = bench_stages(a.tokens, a.calls, stages_sweep) if stages_sweep and not a.no_prefill else []
+    if stages_rows:
+        print_launches(stages_rows, "prep pipelining: solve stages x W/U stages")
     split_rows = bench_split(a.tokens, a.calls, split_sweep) if split_sweep and not a.no_prefill else []
     if split_rows:
         print_launches(split_rows, "split: state tile x warps x stages x output tile x warps")
@@ -411,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {d['batch']} | {d['launch']} | {d['us']:.1f} | {d['vs_copy']:.0%} |")
     if a.json:
         a.json.write_text(json.dumps({"prefill": prefill, "prefill_sweep": wy_rows, "prefill_split_sweep": split_rows,
-                                      "prefill_prep_sweep": prep_rows,
+                                      "prefill_prep_sweep": prep_rows, "prefill_stages_sweep": stages_rows,
                                       "decode": decode, "decode_sweep": swept, "copy_gbps": copy}, indent=2) + "\n")
     return 0
 

@@ -46,6 +46,14 @@ def test_a_short_run_times_both_inversions(capsys):
     assert "substitution" in text and "doubling" in text
 
 
+@pytest.mark.gpu
+def test_a_short_run_times_the_prep_pipelining(capsys):
+    assert gdn_bench.main(["--tokens", "512", "--batches", "1", "--graph-launches", "5", "--calls", "3",
+                           "--stages-sweep", "1x1,1x2,2x2"]) == 0
+    text = capsys.readouterr().out
+    assert "prep pipelining" in text and "| 2x2 |" in text
+
+
 @pytest.mark.parametrize("sweep", ["4096", "4096x3", "4000x4", "ax4"])
 def test_a_bad_decode_sweep_is_refused(sweep, capsys):
     with pytest.raises(SystemExit) as e:
@@ -54,7 +62,8 @@ def test_a_bad_decode_sweep_is_refused(sweep, capsys):
 
 
 @pytest.mark.parametrize("flag,sweep", [("--wy-sweep", "8192x8x2"), ("--split-sweep", "4096x4x3x8192"),
-                                        ("--split-sweep", "4096x4x0x8192x4"), ("--split-sweep", "ax4x3x8192x4")])
+                                        ("--split-sweep", "4096x4x0x8192x4"), ("--split-sweep", "ax4x3x8192x4"),
+                                        ("--stages-sweep", "2"), ("--stages-sweep", "1x0")])
 def test_a_bad_prefill_sweep_is_refused(flag, sweep, capsys):
     with pytest.raises(SystemExit) as e:
         gdn_bench.main([flag, sweep])

@@ -42,6 +42,7 @@ from baton.engine.ops.gated_delta.tuning import (
     WY_MAX_CHUNK,
     WY_PRECISION,
     WY_PREP_COLS,
+    WY_PREP_STAGES,
     WY_PREP_WARPS,
     WY_SCAN_BF16,
     WY_SCAN_STAGES,
@@ -49,6 +50,7 @@ from baton.engine.ops.gated_delta.tuning import (
     WY_SCAN_WARPS,
     WY_SOLVE_BK,
     WY_SOLVE_DOUBLING,
+    WY_SOLVE_STAGES,
     WY_SOLVE_WARPS,
     WY_SUB,
     WY_TABLE_BLOCK,
@@ -234,14 +236,15 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
         k, a, b, A_log, dt_bias, starts, lengths, scratch["t"], scratch["g"], scratch["f"], Hv, Dk, Hv // Hk,
         *k.stride(), *a.stride(), *b.stride(),
         CHUNK=chunk_size, SUB=WY_SUB, BLOCK_K=block_k, BK=min(block_k, WY_SOLVE_BK), PRECISION=solve_precision,
-        DOUBLING=bool(WY_SOLVE_DOUBLING), num_warps=WY_SOLVE_WARPS, num_stages=1,
+        DOUBLING=bool(WY_SOLVE_DOUBLING), num_warps=WY_SOLVE_WARPS, num_stages=WY_SOLVE_STAGES,
     )  # fmt: skip
     _wy_wu_kernel[grid](
         q, k, v, starts, lengths, scratch["t"], scratch["g"], scratch["f"],
         scratch["w"], scratch["u"], scratch["p"], scratch.get("kd", scratch["w"]),
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5, *q.stride(), *k.stride(), *v.stride(),
         CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_DV=block_dv,
-        COLS=min(block_k, block_dv, WY_PREP_COLS), PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS, num_stages=1,
+        COLS=min(block_k, block_dv, WY_PREP_COLS), PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS,
+        num_stages=WY_PREP_STAGES,
     )  # fmt: skip
     return WyPrepared(first, starts, lengths, scratch, block_k, precision, bf16_dots, fp32)
 
