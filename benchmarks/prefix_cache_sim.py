@@ -10,8 +10,8 @@ fixed per turn. Each conversation sends its next turn the step after its answer 
 It counts what `multiturn_bench.py` measures through the nodes' counters (prefill tokens computed, checkpoint
 evictions) and time to first token in steps; it says nothing about a step's duration. Aggregated serving (one
 engine that prefills and decodes, with the engine's mixed-step rule on CUDA), or 1P1D's prefill node, whose decode
-node is modelled as one token a step (`PrefillBackend`). Synchronous steps: with async scheduling the engine schedules a step before the one in flight is read, which
-moves a request's end by one step.
+node is modelled as one token a step (`PrefillBackend`). Synchronous steps: with async scheduling the engine
+schedules a step before the one in flight is read, which moves a request's end by one step.
 """
 
 from __future__ import annotations
@@ -269,7 +269,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = model_config(a.model_preset)
     flags = [*shlex.split(a.engine_args), *shlex.split(a.extra_engine_args)]
-    flags = [f for f in flags if f not in ("--device", "cuda", "cpu")] if a.gpu else flags
     runs = [("cache", False), ("no cache", True)] if not a.no_prefix_cache else [("no cache", True)]
     w = Workload(a.conversations, a.turns, a.system_tokens, a.user_tokens, a.answer_min, a.answer_max,
                  a.concurrency, cfg.vocab_size, a.seed)

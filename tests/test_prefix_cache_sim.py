@@ -47,3 +47,14 @@ def test_the_simulation_gives_what_an_engine_running_the_model_gives(tmp_path):
     assert sim.checkpoint_evictions > 0 and sim.prefill_tokens < sim.prompt_tokens / 2
     again = drive(SchedulerBackend(cfg, ecfg, w.seed), w, progress=False)[2]
     assert sorted(ttft) == sorted(again)
+
+
+def test_main_replays_the_gpu_workload_and_prints_the_ratios(capsys):
+    from benchmarks.prefix_cache_sim import main
+
+    assert main(["--gpu", "--conversations", "3", "--turns", "2", "--no-progress", "--topology", "disagg"]) == 0
+    out = capsys.readouterr().out
+    assert "cache: " in out and "no cache: " in out
+    assert "mixed-step prompt tokens 0" in out  # a prefill node has no mixed steps
+    ratio = float(out.split("off / on: prefill tokens ")[1].split("x")[0])
+    assert ratio > 1.5  # the shared system prompt is computed once
