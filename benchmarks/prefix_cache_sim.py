@@ -32,6 +32,7 @@ from tqdm import tqdm  # noqa: E402
 from baton.engine.cache_pools import plan_cache  # noqa: E402
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.engine.engine_config import EngineConfig  # noqa: E402
+from baton.engine.kv_cache_dtype import resolve_kv_dtype  # noqa: E402
 from baton.engine.llm_engine import resolved_mixed_graph_tokens  # noqa: E402
 from baton.engine.make_model import build_config  # noqa: E402
 from baton.engine.model_family import model_class  # noqa: E402
@@ -92,7 +93,9 @@ class SchedulerBackend:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, seed: int) -> None:
         dtype = TORCH_DTYPES[cfg.torch_dtype if ecfg.dtype == "auto" else ecfg.dtype]
         ssm_dtype = TORCH_DTYPES[ecfg.ssm_state_dtype or cfg.mamba_ssm_cache_dtype]
-        self.plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), ecfg, dtype, ssm_dtype)
+        # (The device's checks are the engine's: the CPU stands in for it here.)
+        kv_dtype = resolve_kv_dtype(ecfg.kv_cache_dtype, dtype, torch.device("cpu"), triton=False)
+        self.plan = plan_cache(cfg, model_class(cfg).state_spec(cfg), ecfg, dtype, ssm_dtype, kv_dtype)
         self.sched = Scheduler(ecfg, self.plan.num_blocks, self.plan.num_slots, self.plan.num_checkpoints,
                                b"prefix-cache-sim")
         self.update = StepUpdate(self.sched)
