@@ -52,7 +52,7 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
-from baton.engine.scheduler_output import SchedulerOutput
+from baton.engine.scheduler_output import SchedulerOutput, with_checkpoint_row
 from baton.engine.spec_runner import SpecRunner
 from baton.engine.step_pipeline import LaunchedStep, StepPipeline, last_chunk
 from baton.engine.step_update import StepUpdate
@@ -314,8 +314,8 @@ class LLMEngine:
 
     def _measure_step_memory(self, config: EngineConfig, device: torch.device, rows: int) -> tuple[int, int]:
         """(activations, graphs) in bytes, measured on throwaway pools of one request: the peak of a step of the
-        largest prompt chunk (plus the logits that `rows` rows of 1+K tokens sample), and, where graphs will run,
-        their capture (`_measure_graphs`)."""
+        largest prompt chunk (with a checkpoint row where the engine may run one; plus the logits that `rows` rows of
+        1+K tokens sample), and, where graphs will run, their capture (`_measure_graphs`)."""
         k = 0 if config.prefill_only else config.num_speculative_tokens
         bs = config.block_size
         tokens = min(config.prefill_chunk_cap, config.max_num_batched_tokens, self.max_model_len - 2)
@@ -335,7 +335,12 @@ class LLMEngine:
         req = self._new_request([0] * (tokens + 1), params, "memory-profile", config.prefill_only)
         scheduler.add(req)
         runner.add_request(req.request_id, params)
-        runner.execute(scheduler.schedule())
+        out = scheduler.schedule()
+        graphable = self.graphs_capturable() and self.kernels.triton
+        if config.enable_prefix_caching and not resolved_mixed_graph_tokens(config, device, graphable):
+            # Such an engine may take a prefix checkpoint inside this chunk, its mixers running the chunk twice.
+            out = with_checkpoint_row(out, pools.scratch_slot)
+        runner.execute(out)
         torch.cuda.synchronize(device)
         logits = 0 if config.prefill_only else 2 * rows * (1 + k) * self.model_config.vocab_size * 4
         activations = max(0, torch.cuda.max_memory_reserved(device) - with_pools) + logits

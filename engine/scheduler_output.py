@@ -6,7 +6,7 @@ Invariants: immutable once built; every row belongs to a distinct running reques
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 
@@ -87,3 +87,13 @@ class SchedulerOutput:
     @property
     def is_mixed(self) -> bool:
         return 0 < self.num_decodes < len(self.rows)
+
+
+def with_checkpoint_row(out: SchedulerOutput, slot: int) -> SchedulerOutput:
+    """`out`, a step of one prefill row, with a checkpoint row of all its tokens but one into state slot `slot`: the
+    most extra mixer work a step of that chunk carries (the engine's memory probe)."""
+    if len(out.rows) != 1 or out.rows[0].is_decode or out.rows[0].num_tokens < 2:
+        raise ValueError(f"with_checkpoint_row: expected one prefill row of at least 2 tokens, got "
+                         f"{[(r.num_tokens, r.is_decode) for r in out.rows]}")
+    row = out.rows[0]
+    return replace(out, checkpoint_rows=(CheckpointRow(row.request_id, row.num_tokens - 1, slot),))

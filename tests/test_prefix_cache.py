@@ -21,6 +21,7 @@ from baton.engine.prefix_cache import PrefixCache
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import SchedulerOutput, with_checkpoint_row
 from baton.node.engine_args import add_engine_args, engine_config_from_args, engine_flags
 
 BLOCK, STRIDE = 4, 2  # a checkpoint boundary every 8 tokens
@@ -121,6 +122,23 @@ def assert_checkpoint_rows_hold_the_prefix_state(model, **kw) -> None:
 
 def test_a_checkpoint_row_holds_the_state_a_prefill_of_the_prefix_leaves(model):
     assert_checkpoint_rows_hold_the_prefix_state(model)
+
+
+def test_the_memory_probe_step_with_a_checkpoint_row_runs_and_samples_what_the_plain_step_does(model):
+    """The engine's memory probe on a GPU runs its largest chunk with a checkpoint row of all its tokens but one into
+    the scratch slot (`with_checkpoint_row`): that step runs, and samples what the step without it does."""
+    got = []
+    for extra in (False, True):
+        engine = new_engine(model, cache=False)
+        engine.add_request(SHARED[:10], GREEDY, request_id="probe")  # one chunk, which samples
+        out = engine.scheduler.schedule()
+        if extra:
+            out = with_checkpoint_row(out, engine.pools.scratch_slot)
+            assert out.checkpoint_rows[0].num_tokens == out.rows[0].num_tokens - 1
+        got.append(engine.runner.execute(out).sampled)
+    assert got[0] == got[1] and list(got[0]) == ["probe"]
+    with pytest.raises(ValueError, match="one prefill row"):
+        with_checkpoint_row(SchedulerOutput(rows=(), preempted=()), 0)
 
 
 def test_prefix_checkpoint_memory_is_reported(model):
