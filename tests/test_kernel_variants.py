@@ -48,12 +48,12 @@ def test_census_sees_what_the_compiler_specializes_on():
 # The Gated DeltaNet model's kernels in the interpreter take about as long again: left to `-m slow` runs.
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("qwen3.5-tiny", marks=pytest.mark.slow)])
 def test_a_multi_turn_workload_meets_nothing_the_warm_up_did_not(preset):
-    """A prefill node's engine (prefix cache on, checkpoints every 3 blocks, chunks of 2) after its warm-up:
+    """A prefill node's engine (prefix cache on, checkpoints every 2 blocks, chunks of 40 tokens) after its warm-up:
     conversations whose turns continue from cached prefixes, several at once, prompts of lengths the warm-up never
     ran, checkpoints taken inside chunks (checkpoint rows)."""
     engine = build_engine(preset, "prefill", ["--kernels", "triton", "--device", "cpu", "--block-size", "16",
-                                              "--max-num-seqs", "16", "--max-num-batched-tokens", "32",
-                                              "--max-model-len", "512", "--prefix-checkpoint-stride", "3"],
+                                              "--max-num-seqs", "16", "--max-num-batched-tokens", "40",
+                                              "--max-model-len", "512", "--prefix-checkpoint-stride", "2"],
                           seed=0, progress=False)
     rows = []
     schedule = engine.scheduler.schedule
@@ -64,7 +64,7 @@ def test_a_multi_turn_workload_meets_nothing_the_warm_up_did_not(preset):
         return out
 
     engine.scheduler.schedule = spy
-    w = Workload(conversations=2, turns=3, system_tokens=70, user_tokens=9, answer_min=3, answer_max=11,
+    w = Workload(conversations=2, turns=3, system_tokens=40, user_tokens=9, answer_min=3, answer_max=11,
                  concurrency=2, vocab_size=engine.model_config.vocab_size, seed=1)
     report = census_run(engine, w, "prefill")
     assert report.workload.turns == 6 and report.workload.hit_tokens > 0 and rows
