@@ -337,7 +337,8 @@ class LLMEngine:
         runner.add_request(req.request_id, params)
         out = scheduler.schedule()
         graphable = self.graphs_capturable() and self.kernels.triton
-        if config.enable_prefix_caching and not resolved_mixed_graph_tokens(config, device, graphable):
+        if (config.enable_prefix_caching and out.rows[0].num_tokens > 1
+                and not resolved_mixed_graph_tokens(config, device, graphable)):
             # Such an engine may take a prefix checkpoint inside this chunk, its mixers running the chunk twice.
             out = with_checkpoint_row(out, pools.scratch_slot)
         runner.execute(out)
