@@ -108,7 +108,7 @@ class SchedulerBackend:
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         self.sched.add(Request(request_id=request_id, prompt_token_ids=tuple(prompt),
                                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=self.arrivals,
-                               max_model_len=self.max_model_len))
+                               max_model_len=self.max_model_len, prefill_only=self.sched.config.prefill_only))
         self.arrivals += 1
 
     def has_unfinished(self) -> bool:
@@ -160,11 +160,8 @@ class PrefillBackend(SchedulerBackend):
         if len(prompt) < 2:
             raise ValueError(f"{request_id}: expected a prompt of at least 2 tokens for a prefill node, got "
                              f"{len(prompt)}")
-        self.sched.add(Request(request_id=request_id, prompt_token_ids=tuple(prompt),
-                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=self.arrivals,
-                               max_model_len=self.max_model_len, prefill_only=True))
+        super().add(request_id, prompt, max_tokens)
         self.answers[request_id] = max_tokens
-        self.arrivals += 1
 
     def has_unfinished(self) -> bool:
         return self.sched.has_unfinished() or bool(self.decoding)

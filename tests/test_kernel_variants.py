@@ -17,6 +17,7 @@ import triton.language as tl  # noqa: E402
 
 from benchmarks.kernel_variants import Census, build_engine, census_run, main, watching  # noqa: E402
 from benchmarks.multiturn_bench import Workload  # noqa: E402
+from tests.test_prefix_cache import checkpoint_rows_of  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -55,15 +56,7 @@ def test_a_multi_turn_workload_meets_nothing_the_warm_up_did_not(preset):
                                               "--max-num-seqs", "16", "--max-num-batched-tokens", "40",
                                               "--max-model-len", "512", "--prefix-checkpoint-stride", "2"],
                           seed=0, progress=False)
-    rows = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        rows.extend(out.checkpoint_rows)
-        return out
-
-    engine.scheduler.schedule = spy
+    rows = checkpoint_rows_of(engine)
     w = Workload(conversations=2, turns=3, system_tokens=40, user_tokens=9, answer_min=3, answer_max=11,
                  concurrency=2, vocab_size=engine.model_config.vocab_size, seed=1)
     report = census_run(engine, w, "prefill")

@@ -21,7 +21,7 @@ from baton.engine.prefix_cache import PrefixCache
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
-from baton.engine.scheduler_output import SchedulerOutput, with_checkpoint_row
+from baton.engine.scheduler_output import CheckpointRow, ScheduledRow, SchedulerOutput, with_checkpoint_row
 from baton.node.engine_args import add_engine_args, engine_config_from_args, engine_flags
 
 BLOCK, STRIDE = 4, 2  # a checkpoint boundary every 8 tokens
@@ -98,22 +98,29 @@ def checkpoint_states(engine: LLMEngine, prompt: list[int], at: int) -> list[tor
     return [c[hit.checkpoint] for c in engine.pools.checkpoints.values()]
 
 
+def checkpoint_rows_of(engine: LLMEngine) -> list[tuple[CheckpointRow, ScheduledRow]]:
+    """A list that gets every checkpoint row the engine's scheduler plans from now on, each with its prefill row."""
+    got: list[tuple[CheckpointRow, ScheduledRow]] = []
+    schedule = engine.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        out = schedule()
+        rows = {r.request_id: r for r in out.rows}
+        got.extend((c, rows[c.request_id]) for c in out.checkpoint_rows)
+        return out
+
+    engine.scheduler.schedule = spy
+    return got
+
+
 def assert_checkpoint_rows_hold_the_prefix_state(model, **kw) -> None:
     """Chunks of 12 tokens: the second, [12, 20), starts from the first's state and takes the checkpoint at 16 in a
     checkpoint row (its lent slot forked from the row's); that checkpoint holds the state a prefill of exactly 16
     tokens leaves (a prefill-only request of 17: R1)."""
     engine = new_engine(model, **kw)
-    rows = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        rows.extend((c.num_tokens, out.rows[-1].has_initial_state) for c in out.checkpoint_rows)
-        return out
-
-    engine.scheduler.schedule = spy
+    rows = checkpoint_rows_of(engine)
     engine.generate([SHARED[:20]], GREEDY)
-    assert rows == [(8, False), (4, True)]
+    assert [(c.num_tokens, r.has_initial_state) for c, r in rows] == [(8, False), (4, True)]
     off = new_engine(model, cache=False, prefill_only=True, **kw)
     want = held_caches(off, prefill(off, SHARED[:17]), 16)[1:]
     for a, b in zip(checkpoint_states(engine, SHARED[:17] + [1], 16), want, strict=True):

@@ -17,6 +17,7 @@ from tests.test_prefix_cache import (  # noqa: E402, F401
     GREEDY,
     SHARED,
     assert_checkpoint_rows_hold_the_prefix_state,
+    checkpoint_rows_of,
     model,
     new_engine,
 )
@@ -29,17 +30,9 @@ def test_requests_resuming_from_checkpoint_rows_on_the_kernels_equal_the_referen
     prompts = [SHARED[:20], SHARED[:20] + [1, 2], SHARED[:17] + [3]]
     ref = [new_engine(model, cache=False, kernels="torch").generate([p], GREEDY)[0].token_ids for p in prompts]
     engine = new_engine(model, kernels="triton", long_prefill_token_threshold=64)
-    rows = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        rows.extend(out.checkpoint_rows)
-        return out
-
-    engine.scheduler.schedule = spy
+    rows = checkpoint_rows_of(engine)
     assert [engine.generate([p], GREEDY)[0].token_ids for p in prompts] == ref
-    assert [c.num_tokens for c in rows] == [16]
+    assert [c.num_tokens for c, _ in rows] == [16]
     assert engine.stats.prefix_hit_tokens == 2 * 16
 
 
