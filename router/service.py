@@ -162,6 +162,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._by_caller[key] = state
         self.metrics.in_flight.inc()
         outcome = rm.ERROR
+        # A failure's status is sent once the outcome is counted, so that a scrape after the client saw it counts it.
+        failed: tuple[grpc.StatusCode, str] | None = None
         try:
             await self._generate(state, req, context, started)
             outcome = rm.OK
@@ -172,15 +174,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if not state.aborted or (task is not None and task.cancelling()):
                 outcome = rm.CANCELLED
                 raise
-            outcome = await self._end_aborted(state, context)
+            outcome, failed = await self._end_aborted(state, context)
         except RouterError as e:
             if state.aborted:
-                outcome = await self._end_aborted(state, context)
+                outcome, failed = await self._end_aborted(state, context)
             else:
                 log.warning("request %s failed: %s: %s", state.request_id, e.code.name, e.message)
-                await context.abort(e.code, e.message)
+                failed = (e.code, e.message)
         except RequestAborted:
-            outcome = await self._end_aborted(state, context)
+            outcome, failed = await self._end_aborted(state, context)
         except StreamStalled:
             self._stalled(state, context)
         finally:
@@ -192,6 +194,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._ended_ids[worker_id] = time.monotonic()
             self.flow.release_all(state)
             self._record(state, outcome, started)
+        if failed is not None:
+            await context.abort(*failed)
 
     def _recently_ended(self, worker_id: str) -> bool:
         horizon = time.monotonic() - ID_REUSE_AFTER_S
@@ -309,15 +313,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 raise RequestAborted(state.request_id)
             msg = await self.flow.next(state, stream)
 
-    async def _end_aborted(self, state: InFlight, context: grpc.aio.ServicerContext) -> str:
-        """The outcome of an aborted request: ok, writing nothing, if a stop string ended it; the status `end_all` gave
-        it; else aborted."""
+    async def _end_aborted(self, state: InFlight, context: grpc.aio.ServicerContext,
+                           ) -> tuple[str, tuple[grpc.StatusCode, str] | None]:
+        """The outcome of an aborted request, and the status to end its call with: ok, writing nothing, if a stop
+        string ended it; an error with the status `end_all` gave it; else aborted, its abort message written."""
         if state.request_id in self._finished:
-            return rm.OK
-        if state.end_status is not None:  # (counted as an error by Generate, whose outcome is still that)
-            await context.abort(*state.end_status)
+            return rm.OK, None
+        if state.end_status is not None:
+            return rm.ERROR, state.end_status
         await self._write_abort(state, context)
-        return rm.ABORTED
+        return rm.ABORTED, None
 
     async def _write_abort(self, state: InFlight, context: grpc.aio.ServicerContext) -> None:
         out = generation_pb2.GenerateResponse(request_id=state.client_id,
