@@ -14,7 +14,7 @@ which `--emulate-act-quant` makes round the activations through e4m3 as the GPU 
 A random checkpoint predicts nothing, so its perplexity says little: use a trained one, e.g. the checkpoint
 `benchmarks/mtp_bench.py --out DIR` trains. `--smoke` runs a random `tiny` model on a small corpus on the CPU.
 
-  python benchmarks/fp8_quality.py --model DIR --device cuda --dtype bfloat16
+  python benchmarks/fp8_quality.py --model DIR --device cuda --dtype bfloat16 --max-ppl-increase 0.01
   python benchmarks/fp8_quality.py --smoke
   python benchmarks/fp8_quality.py --preset 8b-like --device cuda --dtype bfloat16   # random weights: Δlogit only
 """
@@ -139,10 +139,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--emulate-act-quant", action="store_true",
                     help="reference path: round activations through e4m3 as the GPU kernels do")
     ap.add_argument("--json", type=Path, help="write the numbers here")
+    ap.add_argument("--max-ppl-increase", type=float, metavar="FRACTION",
+                    help="exit 1 if a variant's perplexity exceeds the unquantized checkpoint's by more than this "
+                         "(0.01: 1 %%)")
     args = ap.parse_args(argv)
     if sum((args.model is not None, args.smoke, args.preset is not None)) != 1:
         ap.error("give exactly one of --model DIR, --preset NAME and --smoke")
+    if args.max_ppl_increase is not None and not args.max_ppl_increase >= 0:
+        ap.error(f"--max-ppl-increase: expected a fraction >= 0, got {args.max_ppl_increase}")
     return args
+
+
+def over_limit(rows: list[Row], max_increase: float) -> list[Row]:
+    """The variants whose perplexity rose by more than `max_increase` (a fraction of the unquantized one's)."""
+    return [r for r in rows if not r.ppl_delta <= max_increase]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"base_ppl": base, "rows": [dataclasses.asdict(r) for r in rows],
                                          "args": {k: str(v) for k, v in vars(args).items()}}, indent=2) + "\n")
+    if args.max_ppl_increase is not None:
+        over = over_limit(rows, args.max_ppl_increase)
+        for r in over:
+            print(f"{r.variant}: perplexity {r.ppl_delta:+.2%}, expected at most {args.max_ppl_increase:+.2%}",
+                  file=sys.stderr)
+        if over:
+            return 1
+        print(f"every variant within {args.max_ppl_increase:+.2%} perplexity")
     return 0
 
 
