@@ -429,8 +429,7 @@ def test_every_metric_of_a_real_cluster_moves(mtp_model, tmp_path):
         cluster.kill("decode-0")
         with Client(cluster.router_addr, retries=0) as client, pytest.raises(BatonError):
             client.generate([1, 2, 3], max_tokens=4)
-        # The router counts a failed request before sending its status; a scrape from another process may still
-        # race the count's visibility, so it is polled.
+        # (The router counts a failed request before it sends the status; polled like the counts above.)
         expected = {"ok": 4, "error": 1, "aborted": 1, "cancelled": 2, "invalid": 1}
         until(router_m, lambda m: {o: value(m, requests, outcome=o) for o in OUTCOMES_PROVOKED} == expected,
               "every outcome counted")
