@@ -26,7 +26,7 @@ def test_smoke_reports_every_variant(tmp_path, capsys):
         assert abs(r["ppl_delta"]) < 0.1 and r["max_dlogit"] < 0.15 and r["argmax_agree"] > 0.8
 
 
-def test_a_perplexity_limit_fails_the_run_on_the_variants_over_it(tmp_path, capsys):
+def test_a_perplexity_limit_fails_the_run_on_the_variants_over_it(capsys):
     rows = [fp8_quality.Row("fp8", 10.3, 0.03, 0.1, 0.9), fp8_quality.Row("fp8-block", 10.05, 0.005, 0.1, 0.9),
             fp8_quality.Row("kv-fp8", 9.9, -0.01, 0.01, 0.99), fp8_quality.Row("nan", float("nan"), float("nan"), 1, 0)]
     assert [r.variant for r in fp8_quality.over_limit(rows, 0.01)] == ["fp8", "nan"]
