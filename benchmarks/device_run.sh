@@ -41,6 +41,9 @@
 #             (carry .whl-slim and .whl-serve; MULTITURN_ARGS, e.g. "--conversations 64 --configs agg-cache,agg-nocache")
 #   variants  kernel_variants.py --device cuda: the Triton kernel specializations a multi-turn workload meets after the
 #             warm-up, each a compile inside a step (VARIANTS_ARGS, e.g. "--preset 8b-like --role prefill ...")
+#   ncu       Nsight Compute on NCU_CMD's kernels matching the regex NCU_KERNELS (NCU_COUNT launches, default 3): speed
+#             of light, occupancy, launch, warp stall and memory sections; the whole report in $OUT/ncu.txt
+#             (e.g. NCU_KERNELS="_wy_(solve|wu)_kernel" NCU_CMD="benchmarks/gdn_bench.py --batches 1 --calls 1")
 #   commits   the tree against REV_A: greedy_tokens.py's tokens on every step path, then engine_bench.py A then B
 # Default STAGES=tests,engine,transfer. Usage (device tool): STAGES=... bash benchmarks/device_run.sh
 # Wheels: .whl-slim (nixl-cu13 + nixl + msgspec), .whl-serve (grpcio==1.85.1 protobuf==7.35.1 for the committed stubs,
@@ -202,6 +205,13 @@ if stage variants; then
   python3 benchmarks/kernel_variants.py --device cuda --out "$OUT" ${VARIANTS_ARGS:-} --engine-args \
     "${VARIANTS_ENGINE_ARGS:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 4096 --cache-memory-mb 16384}" \
     2>&1 | grep -v "it/s\]" | tail -40
+fi
+if stage ncu; then
+  ncu --kernel-name "regex:${NCU_KERNELS:?ncu: set NCU_KERNELS}" --launch-count "${NCU_COUNT:-3}" --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --page details python3 ${NCU_CMD:?ncu: set NCU_CMD} > "$OUT/ncu.txt" 2>&1
+  grep -iE "^  [A-Za-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|stall|Eligible|Issued Warp|Shared Memory Configuration Size|Dynamic Shared|Static Shared|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth" \
+    "$OUT/ncu.txt" | cut -c1-150 | head -150
 fi
 if stage commits; then
   # The tree against REV_A, the same machine and run: greedy_tokens.py's tokens on every step path (small preset
