@@ -43,10 +43,11 @@ WY_PREP_WARPS = 4
 # Head-dim columns the second launch multiplies at a time: wider products beside T spill more.
 WY_PREP_COLS = 32
 # Software-pipeline stages of the prep launches' loops over the head dims (the solve's key slices; W/U's key, query
-# and value columns): one, no pipelining, as tuned so far; more would load the next slice while this one's product
-# runs, at the cost of shared memory and so of programs per SM (`gdn_bench.py --stages-sweep` times them).
-WY_SOLVE_STAGES = 1
-WY_PREP_STAGES = 1
+# and value columns): three each, so the next slices load while this one's product runs. Both launches' occupancy
+# is bound by their registers, not by the extra shared memory, and their warps wait mostly on operand loads
+# (`gdn_bench.py --stages-sweep` times the choices).
+WY_SOLVE_STAGES = 3
+WY_PREP_STAGES = 3
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
 # one row's Hv * 2 programs fit on the GPU's SMs at once (the scan holds most of an SM's registers and shared
 # memory: a second wave of programs would double a long row's time), each reading its chunk's W, q, k and scores
