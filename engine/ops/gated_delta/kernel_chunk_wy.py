@@ -236,7 +236,7 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
         k, a, b, A_log, dt_bias, starts, lengths, scratch["t"], scratch["g"], scratch["f"], Hv, Dk, Hv // Hk,
         *k.stride(), *a.stride(), *b.stride(),
         CHUNK=chunk_size, SUB=WY_SUB, BLOCK_K=block_k, BK=min(block_k, WY_SOLVE_BK), PRECISION=solve_precision,
-        DOUBLING=bool(WY_SOLVE_DOUBLING), num_warps=WY_SOLVE_WARPS, num_stages=WY_SOLVE_STAGES,
+        DOUBLING=bool(WY_SOLVE_DOUBLING), num_warps=WY_SOLVE_WARPS, num_stages=1 if fp32 else WY_SOLVE_STAGES,
     )  # fmt: skip
     _wy_wu_kernel[grid](
         q, k, v, starts, lengths, scratch["t"], scratch["g"], scratch["f"],
@@ -244,7 +244,7 @@ def wy_prepare(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Ten
         Hv, Dk, Dv, Hv // Hk, Dk ** -0.5, *q.stride(), *k.stride(), *v.stride(),
         CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_DV=block_dv,
         COLS=min(block_k, block_dv, WY_PREP_COLS), PRECISION=precision, KD=kd, num_warps=WY_PREP_WARPS,
-        num_stages=WY_PREP_STAGES,
+        num_stages=1 if fp32 else WY_PREP_STAGES,
     )  # fmt: skip
     return WyPrepared(first, starts, lengths, scratch, block_k, precision, bf16_dots, fp32)
 

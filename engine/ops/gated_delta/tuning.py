@@ -45,7 +45,8 @@ WY_PREP_COLS = 32
 # Software-pipeline stages of the prep launches' loops over the head dims (the solve's key slices; W/U's key, query
 # and value columns): three each, so the next slices load while this one's product runs. Both launches' occupancy
 # is bound by their registers, not by the extra shared memory, and their warps wait mostly on operand loads
-# (`gdn_bench.py --stages-sweep` times the choices).
+# (`gdn_bench.py --stages-sweep` times the choices). fp32 inputs run one stage, as in the scan: their tiles are
+# twice the size.
 WY_SOLVE_STAGES = 3
 WY_PREP_STAGES = 3
 # State elements per program of the scan (a [Dk, BLOCK_V] tile): at head dim 128 a value block of 64 columns, so
