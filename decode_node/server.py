@@ -70,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     if captured := engine.capture_graphs():
         print(f"decode node: captured {captured} CUDA graphs in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"decode node: {engine.memory_summary()}", flush=True)
+    # Before the warm-up, so that the CUDA IPC copier's kernel compiles with the others before the node serves.
+    agent = node_transfer(engine, engine_id, links, cuda_ipc=a.cuda_ipc, progress_delay_us=a.nixl_progress_delay_us,
+                          state_first=a.nixl_read_order == "state-first", ipc_reads=True)
     # Before the listeners open: kernels compile now, not inside the first requests' time to first token.
     if (warm := engine.warm_up()).prompts:
         print(f"decode node: {warm.summary()}", flush=True)
-    agent = node_transfer(engine, engine_id, links, cuda_ipc=a.cuda_ipc, progress_delay_us=a.nixl_progress_delay_us,
-                          state_first=a.nixl_read_order == "state-first")
     thread = EngineThread(engine, name="baton-decode-engine").start()
     puller = Puller(agent, thread, read_timeout_s=a.read_timeout, credential=security.credential,
                     ssl_context=security.side_channel_client_ssl())

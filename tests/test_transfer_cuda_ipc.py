@@ -84,9 +84,10 @@ def test_cpu_pools_are_read_through_nixl_and_a_notification_alone_frees_the_leas
     copy sends when done) reaches the holder as a READ's notification does and frees its lease."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE_KW))
     agent = TransferAgent("decode-ipc", engine.model_config, engine.pools.by_name(), engine.config.block_size,
-                          cuda_ipc=True)
+                          cuda_ipc=True, ipc_reads=True)
     try:
         assert agent.metadata.ipc == {} and agent.metadata.host_id == host_id()
+        assert agent._copier is None  # a reader with nothing to map builds no copier
         with holder(model_dir, ENGINE_KW, {"cuda_ipc": True}, "prefill-ipc") as (conn, address):
             with pytest.raises(PeerUnreachable):
                 agent.notify("prefill-ipc", "r0")  # no handshake yet
@@ -111,9 +112,11 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
     kw = {**ENGINE_KW, "device": "cuda", "num_kv_blocks": 512}
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**kw))
     agent = TransferAgent("decode-ipc-gpu", engine.model_config, engine.pools.by_name(), engine.config.block_size,
-                          cuda_ipc=True)
+                          cuda_ipc=True, ipc_reads=True)
     try:
         assert set(agent.metadata.ipc) == {"kv", "conv", "ssm"}
+        copier = agent._copier  # built (its kernel compiled) before any peer, as a decode node's is
+        assert copier is not None
         with holder(model_dir, kw, {"cuda_ipc": True}, "prefill-ipc-gpu") as (conn, address):
             call(conn, "fill", 7)  # every pool byte seeded: a wrong offset reads other values
             agent.connect(SideChannelClient(*address).metadata())
@@ -142,6 +145,6 @@ def test_gpu_same_host_reads_go_through_cuda_ipc_bit_identical_and_free_the_leas
             h, (b, s) = handles[0], local[0]
             with pytest.raises(TransferFailed, match="could not be planned: kv item: expected an id in"):
                 agent.start_read("bad-ids", h.engine_id, b, [10**6] * len(b), s, h.state_slot)
-            assert agent._copier.stream.query()
+            assert agent._copier is copier and copier.stream.query()
     finally:
         agent.close()

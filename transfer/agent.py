@@ -116,7 +116,7 @@ class TransferAgent:
                  num_speculative_tokens: int = 0, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True, num_threads: int = 0, cuda_ipc: bool = False,
                  progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US, state_first: bool = True,
-                 shards: dict[str, PoolShards] | None = None, tp_rank: int = 0) -> None:
+                 shards: dict[str, PoolShards] | None = None, tp_rank: int = 0, ipc_reads: bool = False) -> None:
         """`pools`: the id-major cache pools by name ("kv", then the state pools), registered once, here.
         `progress_thread=False` makes NIXL progress only when this agent is polled; `num_threads` > 0 gives
         the UCX backend that many worker threads (large transfers are split across them). `cuda_ipc`: offer
@@ -127,7 +127,9 @@ class TransferAgent:
         blocks, so the link starts while the host still works (the CUDA IPC path's order); the notification then
         follows both. False: one READ of blocks and state. `shards`: how the node's tensor-parallel ranks split each
         pool (`shard_map.pool_shards`; None: one rank holds them whole), `tp_rank` the rank whose `pools` these are;
-        peers of other TP sizes (or this node's ranks > 1) are read rank by rank (`read`)."""
+        peers of other TP sizes (or this node's ranks > 1) are read rank by rank (`read`). `ipc_reads`: this node
+        reads (a decode node): with CUDA IPC offered, the copier is built here, compiling its kernel before the node
+        serves, rather than at the first same-host peer's handshake, which that request's READ waits for."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
@@ -155,6 +157,11 @@ class TransferAgent:
         self._ipc_peers: dict[str, IpcPeer] = {}
         self._copier: IpcCopier | None = None
         self.stats = TransferStats()
+        if ipc_reads and self.metadata.ipc:
+            try:
+                self._copier = IpcCopier(self._pools)
+            except Exception as e:  # built again at the first same-host handshake, or read through NIXL
+                log.warning("CUDA IPC copier not built at start: %s: %s", type(e).__name__, e)
 
     # ---- handshake --------------------------------------------------------------------------------
     def connect(self, remote: AgentMetadata) -> None:
