@@ -330,13 +330,14 @@ def test_every_metric_of_a_real_cluster_moves(mtp_model, tmp_path):
     """Traffic, then a provocation for every metric that traffic alone leaves still: gauges scraped while
     requests queue and run, leases nobody pulls (held, then expired), a READ from a killed prefill node
     (failure, fallback), and every router outcome (abort, client cancel, invalid, no decode worker left)."""
-    # --max-num-seqs 2 (= state slots): a third request waits; leased caches keep their slot.
+    # --max-num-seqs 2 (= state slots): a third request waits; leased caches keep their slot. The prefill node's
+    # 8-token steps make a long prompt's prefill last long enough for a scrape to see it on a busy box.
     engine_args = ("--block-size", "8", "--max-num-batched-tokens", "32", "--max-num-seqs", "2",
                    "--num-kv-blocks", "256", "--speculative-tokens", "2")
     waiting, running = "baton_node_waiting_requests", "baton_node_running_requests"
     held, in_flight, requests = "baton_node_held_leases", "baton_router_in_flight_requests", "baton_router_requests_total"
     with Cluster(mtp_model, prefill_workers=1, decode_workers=1, local_prefill_threshold=4,
-                 engine_args=engine_args, prefill_args=("--lease-seconds", str(LEASE_S)),
+                 engine_args=engine_args, prefill_args=("--lease-seconds", str(LEASE_S), "--max-num-batched-tokens", "8"),
                  log_dir=str(tmp_path / "logs")) as cluster:
         assert cluster.http_port == cluster.port + 1
         prefill_url, decode_url = (cluster.node_http_url(a) for a in (*cluster.prefill_addrs, *cluster.decode_addrs))
@@ -377,7 +378,7 @@ def test_every_metric_of_a_real_cluster_moves(mtp_model, tmp_path):
             queued = prefill.Prefill.future(worker_pb2.PrefillRequest(request_id="queued", prompt_token_ids=ids(1000)),
                                             timeout=30)
             until(prefill_m, lambda m: value(m, waiting) == 1 and value(m, running) == 0, "a queued prefill")
-            # Releasing one lease admits it: its ~31 chunks run while we scrape as fast as we can.
+            # Releasing one lease admits it: its 125 chunks run while we scrape as fast as we can.
             assert prefill.Abort(worker_pb2.WorkerAbortRequest(request_id="held-0"), timeout=5).found
             until(prefill_m, lambda m: value(m, running) == 1 or queued.done(), "a running prefill", interval=0)
             assert value(prefill_m.peak, running) == 1, "the prefill ran between two scrapes"
