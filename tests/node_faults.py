@@ -116,12 +116,14 @@ def node_metric(cluster: Cluster, addr: str, name: str) -> float:
     return metric(cluster.node_http_url(addr) + "/metrics", name)
 
 
-def all_free(cluster: Cluster, timeout: float = 10.0) -> tuple[bool, list[wk.LoadResponse]]:
-    """Every node's pools back to fully free (no held leases, nothing running), polling until `timeout`."""
+def all_free(cluster: Cluster, timeout: float = 10.0,
+             addrs: list[str] | None = None) -> tuple[bool, list[wk.LoadResponse]]:
+    """Every node's pools (or those of the nodes at `addrs`) back to fully free (no held leases, nothing running),
+    polling until `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         loads = []
-        for addr in [*cluster.prefill_addrs, *cluster.decode_addrs]:
+        for addr in addrs if addrs is not None else [*cluster.prefill_addrs, *cluster.decode_addrs]:
             with node_channel(addr) as ch:
                 loads.append(wk_grpc.WorkerStub(ch).Load(wk.LoadRequest(), timeout=5))
         free = all(x.free_kv_blocks == x.total_kv_blocks and x.free_state_slots == x.total_state_slots
