@@ -128,8 +128,9 @@ class TransferAgent:
         follows both. False: one READ of blocks and state. `shards`: how the node's tensor-parallel ranks split each
         pool (`shard_map.pool_shards`; None: one rank holds them whole), `tp_rank` the rank whose `pools` these are;
         peers of other TP sizes (or this node's ranks > 1) are read rank by rank (`read`). `ipc_reads`: this node
-        reads (a decode node): with CUDA IPC offered at one rank, the copier is built here, compiling its kernel before the node
-        serves, rather than at the first same-host peer's handshake, which that request's READ waits for."""
+        reads (a decode node): with CUDA IPC offered at one rank, the copier is built here, compiling its kernel
+        before the node serves, rather than at the first same-host peer's handshake, which that request's READ waits
+        for."""
         if not isinstance(progress_delay_us, int) or isinstance(progress_delay_us, bool) or progress_delay_us < 0:
             raise ValueError(f"progress_delay_us: expected an integer >= 0, got {progress_delay_us!r}")
         _, nixl_agent_config = _nixl()
